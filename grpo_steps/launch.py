@@ -1,0 +1,58 @@
+"""Launch the training process: ``accelerate launch ... -m grpo_steps.train JOB.json`` on one node.
+
+Each node of the ``@parallel`` gang runs one launcher as machine ``node_index`` of
+``num_nodes``; the job file carries the config and the run's inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from grpo_steps.config import REPO_ROOT
+from grpo_steps.train import TrainJob
+
+
+class TrainingFailed(RuntimeError):
+    """The training process exited with a non-zero code."""
+
+
+def accelerate_command(job_file: str | Path, *, num_nodes: int, processes_per_node: int, node_index: int,
+                       main_ip: str, main_port: int, use_cpu: bool, deepspeed_config: str | None) -> list[str]:
+    """The ``accelerate launch`` command line of one node."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch",
+           "--num_machines", str(num_nodes), "--machine_rank", str(node_index),
+           "--num_processes", str(num_nodes * processes_per_node),
+           "--main_process_ip", main_ip, "--main_process_port", str(main_port),
+           "--mixed_precision", "no", "--dynamo_backend", "no"]
+    if use_cpu:
+        cmd.append("--cpu")
+    if deepspeed_config:
+        cmd += ["--use_deepspeed", "--deepspeed_config_file", deepspeed_config]
+    return cmd + ["--module", "grpo_steps.train", str(job_file)]
+
+
+def launch(job: TrainJob, *, node_index: int = 0, main_ip: str = "127.0.0.1", main_port: int = 29500,
+           env: dict[str, str] | None = None) -> None:
+    """Write the job file into ``job.output_dir`` and run this node's training process to the end.
+
+    Raises:
+        TrainingFailed: the process exited non-zero (its output went to this process's stdout).
+    """
+    import torch
+
+    train = job.config.train
+    out = Path(job.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    job_file = out / f"job-node{node_index}.json"
+    job_file.write_text(job.model_dump_json(indent=2))
+    deepspeed_config = str(REPO_ROOT / "infra" / "deepspeed_zero3.json") if train.deepspeed else None
+    cmd = accelerate_command(job_file, num_nodes=train.num_nodes, processes_per_node=train.processes_per_node,
+                             node_index=node_index, main_ip=main_ip, main_port=main_port,
+                             use_cpu=not torch.cuda.is_available(), deepspeed_config=deepspeed_config)
+    full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    code = subprocess.run(cmd, env=full_env, check=False).returncode
+    if code != 0:
+        raise TrainingFailed(f"training process on node {node_index} exited with code {code}; see the log above")

@@ -1,0 +1,88 @@
+"""Model registration in the MLflow registry, with the ``candidate``/``champion`` aliases.
+
+Idempotent: a flow run registers at most one version (found again by its MLflow run id), so a
+resumed or retried ``register`` step never creates a second one. A version is only created after
+its model artifact is fully logged, so a failure leaves no half-registered model.
+"""
+
+from __future__ import annotations
+
+import math
+
+from grpo_steps import tracking
+from grpo_steps.config import PipelineConfig
+
+CANDIDATE, CHAMPION = "candidate", "champion"
+GATE_METRIC = "pass@1"
+
+
+def gate(trained: float, baseline: float, champion: float | None, margin: float) -> tuple[bool, str]:
+    """Quality gate: the trained policy must beat the baseline and the current champion by ``margin``.
+
+    Returns ``(passed, reason)``. Scores are in 0..1 (pass@1); a NaN score never passes.
+
+    >>> gate(0.30, 0.10, None, 0.05)
+    (True, 'pass@1 0.300 > baseline 0.100 + 0.050')
+    >>> gate(0.30, 0.10, 0.40, 0.0)[0]
+    False
+    """
+    if math.isnan(trained) or trained <= baseline + margin:
+        return False, f"{GATE_METRIC} {trained:.3f} <= baseline {baseline:.3f} + {margin:.3f}"
+    if champion is not None and trained <= champion + margin:
+        return False, f"{GATE_METRIC} {trained:.3f} <= champion {champion:.3f} + {margin:.3f}"
+    suffix = f" and champion {champion:.3f} + {margin:.3f}" if champion is not None else ""
+    return True, f"{GATE_METRIC} {trained:.3f} > baseline {baseline:.3f} + {margin:.3f}{suffix}"
+
+
+def _champion_score(client, name: str) -> float | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        version = client.get_model_version_by_alias(name, CHAMPION)
+    except MlflowException:
+        return None
+    value = version.tags.get(tracking.mlflow_name(f"eval.{GATE_METRIC}"))
+    return float(value) if value is not None else None
+
+
+def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tags: dict[str, str]) -> dict:
+    """Log ``model_dir`` to the run, register it as a version with alias ``candidate``, and move
+    ``champion`` when :func:`gate` passes.
+
+    Args:
+        report: the evaluate step's ``{"baseline": {"metrics": ...}, "trained": {"metrics": ...}}``.
+        tags: version tags (Metaflow pathspec, config hash, dataset digest, git commit).
+
+    Returns:
+        ``{"name", "version", "aliases", "gate_passed", "gate_reason"}``.
+    """
+    import mlflow
+
+    name = cfg.registry.model_name
+    client = tracking.client(cfg)
+    existing = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+    if existing:
+        version = existing[0]
+    else:
+        with mlflow.start_run(run_id=run_id):
+            info = mlflow.transformers.log_model(
+                transformers_model=model_dir, name="model", task="text-generation",
+                # explicit: MLflow's inference of requirements wants torchvision, absent on CPU installs
+                pip_requirements=[f"{pkg}=={ver}" for pkg, ver in tracking.package_versions().items()
+                                  if pkg in ("torch", "transformers")],
+            )
+        trained = report["trained"]["metrics"]
+        version_tags = {**tags, **{tracking.mlflow_name(f"eval.{k}"): f"{v:.6g}" for k, v in trained.items()}}
+        version = mlflow.register_model(info.model_uri, name, tags=version_tags)
+    version_id = str(version.version)
+    client.set_registered_model_alias(name, CANDIDATE, version_id)
+
+    trained_score = report["trained"]["metrics"][GATE_METRIC]
+    baseline_score = report["baseline"]["metrics"][GATE_METRIC]
+    current = client.get_registered_model(name).aliases.get(CHAMPION)
+    champion = None if str(current) == version_id else _champion_score(client, name)
+    passed, reason = gate(trained_score, baseline_score, champion, cfg.registry.min_improvement)
+    if passed:
+        client.set_registered_model_alias(name, CHAMPION, version_id)
+    aliases = sorted(client.get_model_version(name, version_id).aliases)
+    return {"name": name, "version": version_id, "aliases": aliases, "gate_passed": passed, "gate_reason": reason}

@@ -1,0 +1,174 @@
+"""One function per flow step: the step bodies in ``flows/grpo_flow.py`` only move artifacts.
+
+Heavy imports (torch, transformers, mlflow, vllm clients) happen inside these functions, so the
+flow file imports fast and ``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from grpo_steps import tracking
+from grpo_steps.config import PipelineConfig, validate_config
+
+
+def config_of(config_value: Any) -> PipelineConfig:
+    """The typed config from the flow's Metaflow ``Config`` value (already validated by the parser)."""
+    return validate_config(dict(config_value.to_dict() if hasattr(config_value, "to_dict") else config_value))
+
+
+def start(cfg: PipelineConfig, pathspec: str) -> str:
+    """Open the flow's MLflow run; returns its id."""
+    return tracking.open_run(cfg, pathspec)
+
+
+def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
+    """Resolve the policy weights and prepare the splits; log the dataset and its stats to MLflow.
+
+    Returns ``(model_path, PreparedData)``.
+    """
+    import mlflow
+    import pandas as pd
+    from transformers import AutoTokenizer
+
+    from grpo_steps.data import prepare
+    from grpo_steps.models import resolve_model
+
+    model_path = resolve_model(cfg.model.name_or_path)
+    data = prepare(cfg.data, AutoTokenizer.from_pretrained(model_path))
+    tracking.client(cfg)  # sets the tracking URI
+    with mlflow.start_run(run_id=run_id):
+        for split, rows in (("train", data.train), ("eval", data.eval)):
+            frame = pd.DataFrame({"question": [r["prompt"][-1]["content"] for r in rows],
+                                  "answer": [r["answer"] for r in rows]})
+            source = cfg.data.path or f"reasoning_gym:{cfg.data.task}"
+            mlflow.log_input(mlflow.data.from_pandas(frame, source=source, name=f"{cfg.data.task}-{split}"),
+                             context="training" if split == "train" else "evaluation")
+        mlflow.log_metrics({f"data/{k}": v for k, v in data.stats.items()})
+    return model_path, data
+
+
+def provision(cfg: PipelineConfig, model_path: str, owner_pid: int) -> dict | None:
+    """Start the generation server the config asks for; returns its handle dict (None: no server)."""
+    from grpo_steps import vllm_server
+
+    gen = cfg.generation
+    if gen.backend != "vllm":
+        return None
+    if gen.provider != "local":
+        raise NotImplementedError(f"generation.provider {gen.provider!r} is not available yet; use 'local'")
+    log_dir = Path(tempfile.gettempdir()) / "grpo-vllm-logs"
+    handle = vllm_server.start_local(model_path, gen.server, max_model_len=cfg.model.max_model_len,
+                                     dtype=cfg.model.dtype, log_dir=log_dir, owner_pid=owner_pid)
+    return handle.to_dict()
+
+
+@contextmanager
+def scratch_dir():
+    """A RAM-backed (``/dev/shm`` when present) temporary directory, removed on exit."""
+    with tempfile.TemporaryDirectory(prefix="grpo-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as d:
+        yield d
+
+
+def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list[dict], server: dict | None,
+          node_index: int, main_ip: str, checkpoint_dir: str | None, output_dir: str) -> str:
+    """Run this node's share of GRPO training in ``output_dir``; returns the final policy directory
+    (node 0's is the one kept).
+
+    ``checkpoint_dir``: a loaded ``@checkpoint`` directory to resume from (``@retry``), or None.
+    """
+    import json
+
+    from grpo_steps.checkpoints import trainer_checkpoint_in
+    from grpo_steps.launch import launch
+    from grpo_steps.train import TrainJob
+
+    output_dir = Path(output_dir)
+    train_file = output_dir / "train.jsonl"
+    train_file.write_text("".join(json.dumps(row) + "\n" for row in train_rows))
+    job = TrainJob(config=cfg, model_path=model_path, train_file=str(train_file), output_dir=str(output_dir),
+                   endpoint=server["endpoint"] if server else None,
+                   resume_from=trainer_checkpoint_in(checkpoint_dir))
+    env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": cfg.tracking.tracking_uri,
+           "HF_MLFLOW_LOG_ARTIFACTS": "0", "MLFLOW_FLATTEN_PARAMS": "1"}
+    launch(job, node_index=node_index, main_ip=main_ip, env=env)
+    return str(output_dir / "final")
+
+
+def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict | None, base_model: str, trained_model: str,
+             eval_rows: list[dict]) -> dict:
+    """Baseline and trained policy on the eval split through the same server; metrics and samples to MLflow.
+
+    Returns ``{"baseline": {"metrics", "samples"}, "trained": {...}}``.
+    """
+    from transformers import AutoTokenizer
+
+    from grpo_steps.evaluate import evaluate_policy
+    from grpo_steps.weight_sync import VLLMClient
+
+    if server is None:
+        raise NotImplementedError("evaluation needs a generation server (generation.backend 'vllm')")
+    client = VLLMClient(server["endpoint"])
+    tokenizer = AutoTokenizer.from_pretrained(base_model)
+    report = {}
+    for label, weights in (("baseline", base_model), ("trained", trained_model)):
+        client.reload_weights(weights)
+        report[label] = evaluate_policy(cfg, client, tokenizer, eval_rows)
+        tracking.log_metrics(cfg, run_id, {f"eval/{label}/{k}": v for k, v in report[label]["metrics"].items()})
+    mlflow_client = tracking.client(cfg)
+    for label in report:
+        samples = report[label]["samples"]
+        if samples:
+            table = {key: [s[key] for s in samples] for key in samples[0]}
+            mlflow_client.log_table(run_id, data=table, artifact_file=f"eval/{label}_samples.json")
+    return report
+
+
+def reward_curve(cfg: PipelineConfig, run_id: str, metric: str = "reward") -> list[dict]:
+    """``[{"step", "value"}]`` of a training metric from the MLflow run (empty when not logged)."""
+    history = tracking.client(cfg).get_metric_history(run_id, metric)
+    return [{"step": m.step, "value": m.value} for m in sorted(history, key=lambda m: m.step)]
+
+
+def card_components(report: dict, curve: list[dict]) -> list:
+    """Metaflow card: the reward curve and a baseline-vs-trained table."""
+    from metaflow.cards import Markdown, Table, VegaChart
+
+    names = list(report["trained"]["metrics"])
+    rows = [[name, f"{report['baseline']['metrics'][name]:.4f}", f"{report['trained']['metrics'][name]:.4f}"]
+            for name in names]
+    components = [Markdown("## Held-out evaluation"), Table(rows, headers=["metric", "baseline", "trained"])]
+    if curve:
+        spec = {"$schema": "https://vega.github.io/schema/vega-lite/v5.json", "data": {"values": curve},
+                "mark": {"type": "line", "point": True}, "width": 500, "height": 250,
+                "encoding": {"x": {"field": "step", "type": "quantitative", "title": "optimizer step"},
+                             "y": {"field": "value", "type": "quantitative", "title": "mean reward"}}}
+        components = [Markdown("## Training reward"), VegaChart(spec)] + components
+    return components
+
+
+def register(cfg: PipelineConfig, *, run_id: str, model_dir: str, report: dict, pathspec: str,
+             dataset_digest: str) -> dict:
+    """Register the trained policy (see :func:`grpo_steps.register.register`)."""
+    from grpo_steps.register import register as register_version
+
+    tags = {"metaflow.pathspec": pathspec, "config.sha256": cfg.sha256(), "dataset.digest": dataset_digest,
+            "git.commit": tracking.git_commit()}
+    return register_version(cfg, run_id, model_dir, report, tags)
+
+
+def finish(cfg: PipelineConfig, run_id: str, server: dict | None) -> None:
+    """Stop the server this run started and close the MLflow run."""
+    from grpo_steps import vllm_server
+
+    vllm_server.stop(server)
+    tracking.close_run(cfg, run_id)
+
+
+def owner_pid() -> int:
+    """PID of the process that owns the run's servers: the Metaflow runtime (parent of the task)."""
+    return os.getppid()

@@ -1,0 +1,196 @@
+"""GRPO training entry point: ``python -m grpo_steps.train JOB.json`` (under ``accelerate launch``).
+
+Runs TRL's ``GRPOTrainer`` on the prepared train split. With the ``vllm`` backend, rollouts come
+from the provisioned server through :class:`VLLMRollout` (``rollout_func``) with ``disk`` weight
+sync; with ``hf``, TRL generates with transformers in-process. Metrics go to the MLflow run named
+by ``$MLFLOW_RUN_ID``; checkpoints are written every ``save_steps`` and, inside a Metaflow task,
+saved to the datastore by :class:`grpo_steps.checkpoints.DatastoreCheckpointCallback`.
+Runs without Metaflow too, for debugging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from grpo_steps.config import PipelineConfig
+from grpo_steps.data import encode_prompt
+
+
+class TrainJob(BaseModel):
+    """Everything the training process needs, written as JSON by the flow's ``train`` step."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: PipelineConfig
+    model_path: str  # resolved weights directory or hub id
+    train_file: str  # jsonl of the prepared train split
+    output_dir: str  # trainer output: checkpoints and the final model (``final/``)
+    endpoint: str | None = None  # vLLM server base URL (backend vllm)
+    resume_from: str | None = None  # a trainer checkpoint directory to continue from
+
+
+class VLLMRollout:
+    """TRL ``rollout_func``: completions from a vLLM server, weights pushed first when they changed.
+
+    Called by ``GRPOTrainer`` with this process's prompts, each repeated ``num_generations`` times
+    in a row; returns one completion per prompt entry: ``prompt_ids`` (list of B lists of token
+    ids), ``completion_ids`` (B lists) and ``logprobs`` (B lists, natural log, one per completion
+    token). The weights are pushed before the first generation (the server may hold stale ones
+    after a resume) and after every optimizer step.
+    """
+
+    def __init__(self, client, tokenizer, sync_dir: str | Path, gen_cfg) -> None:
+        self.client, self.tokenizer, self.sync_dir, self.gen = client, tokenizer, Path(sync_dir), gen_cfg
+        self.synced_step: int | None = None
+        self.sync_seconds: list[float] = []
+
+    def push_weights(self, trainer) -> None:
+        from grpo_steps.weight_sync import save_weights
+
+        start = time.perf_counter()
+        if trainer.accelerator.is_main_process:
+            state_dict = trainer.accelerator.get_state_dict(trainer.model)  # gathers ZeRO-3 shards
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            save_weights(model, self.sync_dir, state_dict=state_dict)
+            self.client.reload_weights(self.sync_dir)
+        trainer.accelerator.wait_for_everyone()
+        self.sync_seconds.append(time.perf_counter() - start)
+
+    def __call__(self, prompts: list, trainer) -> dict[str, list]:
+        if self.synced_step != trainer.state.global_step:
+            self.push_weights(trainer)
+            self.synced_step = trainer.state.global_step
+            trainer._metrics["train"]["weight_sync/seconds"].append(self.sync_seconds[-1])
+        group = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
+        if len(prompts) % group or any(prompts[i] != prompts[i - i % group] for i in range(len(prompts))):
+            group = 1  # not laid out in groups: one sample per entry
+        unique = prompts[::group]
+        prompt_ids = [encode_prompt(self.tokenizer, p) for p in unique]
+        samples = self.client.complete(prompt_ids, group, max_tokens=self.gen.max_completion_tokens,
+                                       temperature=self.gen.temperature, top_p=self.gen.top_p)
+        out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for ids, group_samples in zip(prompt_ids, samples, strict=True):
+            for sample in group_samples:
+                out["prompt_ids"].append(ids)
+                out["completion_ids"].append(sample["completion_ids"])
+                out["logprobs"].append(sample["logprobs"])
+        return out
+
+
+def grpo_args(job: TrainJob) -> Any:
+    """``trl.GRPOConfig`` for a job. ``train.grpo`` entries override the derived fields.
+
+    Raises:
+        ValueError: a ``train.grpo`` key that ``GRPOConfig`` does not have.
+    """
+    import dataclasses
+
+    import torch
+    from trl import GRPOConfig
+
+    cfg, train, gen = job.config, job.config.train, job.config.generation
+    on_cpu = not torch.cuda.is_available()
+    kwargs: dict[str, Any] = dict(
+        output_dir=job.output_dir,
+        max_steps=train.max_steps,
+        learning_rate=train.learning_rate,
+        per_device_train_batch_size=train.per_device_train_batch_size,
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
+        num_generations=train.num_generations,
+        beta=train.beta,
+        loss_type=train.loss_type,
+        scale_rewards=train.scale_rewards,
+        max_completion_length=gen.max_completion_tokens,
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        reward_weights=[r.weight for r in cfg.rewards],
+        save_strategy="steps",
+        save_steps=train.save_steps,
+        save_total_limit=train.save_total_limit,
+        logging_steps=train.logging_steps,
+        seed=train.seed,
+        data_seed=train.seed,
+        report_to=["mlflow"] if os.environ.get("MLFLOW_RUN_ID") else [],
+        use_cpu=on_cpu,
+        bf16=(not on_cpu) and cfg.model.dtype == "bfloat16",
+        fp16=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    if train.deepspeed:
+        from grpo_steps.config import REPO_ROOT
+
+        kwargs["deepspeed"] = str(REPO_ROOT / "infra" / "deepspeed_zero3.json")
+    known = {f.name for f in dataclasses.fields(GRPOConfig)}
+    unknown = sorted(set(train.grpo) - known)
+    if unknown:
+        raise ValueError(f"train.grpo keys {unknown} are not GRPOConfig fields (trl docs list them)")
+    kwargs.update(train.grpo)
+    return GRPOConfig(**kwargs)
+
+
+def run(job: TrainJob) -> str:
+    """Train; returns the directory of the final policy (``{output_dir}/final``, safetensors + tokenizer)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOTrainer
+
+    from rewards import resolve_reward
+
+    cfg = job.config
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    args = grpo_args(job)
+    tokenizer = AutoTokenizer.from_pretrained(job.model_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    dtype = getattr(torch, cfg.model.dtype) if torch.cuda.is_available() else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(job.model_path, dtype=dtype)
+    rows = [json.loads(line) for line in Path(job.train_file).read_text().splitlines() if line.strip()]
+    dataset = Dataset.from_list(rows)
+
+    rollout = None
+    if cfg.generation.backend == "vllm":
+        from grpo_steps.weight_sync import VLLMClient
+
+        rollout = VLLMRollout(VLLMClient(job.endpoint), tokenizer, Path(job.output_dir) / "weight-sync",
+                              cfg.generation)
+    callbacks = []
+    from grpo_steps.checkpoints import DatastoreCheckpointCallback, in_metaflow_task
+
+    if in_metaflow_task():
+        callbacks.append(DatastoreCheckpointCallback())
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[resolve_reward(r.name) for r in cfg.rewards],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        rollout_func=rollout,
+        callbacks=callbacks,
+    )
+    trainer.train(resume_from_checkpoint=job.resume_from)
+    final = Path(job.output_dir) / "final"
+    trainer.save_model(str(final))
+    if trainer.accelerator.is_main_process:
+        tokenizer.save_pretrained(final)
+    return str(final)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="GRPO training on a prepared dataset (one job file).")
+    parser.add_argument("job", help="JSON file of a TrainJob (written by the flow's train step)")
+    args = parser.parse_args(argv)
+    job = TrainJob.model_validate_json(Path(args.job).read_text())
+    print(run(job))
+
+
+if __name__ == "__main__":
+    main()
