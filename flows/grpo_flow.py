@@ -68,7 +68,7 @@ class GRPOFlow(FlowSpec):
         self.eval_report = steps.evaluate(cfg, run_id=self.mlflow_run_id, server=self.server,
                                           base_model=self.model_path, trained_model=current.model.load(self.policy),
                                           eval_rows=self.eval_rows)
-        current.card["eval"].extend(steps.card_components(self.eval_report, steps.reward_curve(cfg, self.mlflow_run_id)))
+        current.card["eval"].extend(steps.card_components(cfg, self.mlflow_run_id, self.eval_report))
         self.next(self.register)
 
     @model(load="policy")

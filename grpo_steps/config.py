@@ -111,9 +111,11 @@ class GenerationConfig(_Section):
     @model_validator(mode="after")
     def _consistent(self) -> GenerationConfig:
         if self.backend == "vllm" and self.provider == "none":
-            raise ValueError("generation.backend 'vllm' needs a server: set generation.provider to 'local' or 'kubernetes', or use backend 'hf'")
+            raise ValueError("generation.backend 'vllm' needs a server: set generation.provider to 'local' or "
+                             "'kubernetes', or use backend 'hf'")
         if self.backend == "hf" and self.weight_sync == "nccl":
-            raise ValueError("generation.weight_sync 'nccl' only applies to backend 'vllm'; use 'disk' with backend 'hf'")
+            raise ValueError("generation.weight_sync 'nccl' only applies to backend 'vllm'; "
+                             "use 'disk' with backend 'hf'")
         return self
 
 

@@ -72,7 +72,9 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict]) ->
     """Metrics of the weights the server holds now, on ``rows``.
 
     Samples ``eval.num_samples`` completions per prompt at ``eval.temperature`` plus one greedy
-    completion. Returns ``{"metrics": {name: float}, "samples": [row dicts]}`` where metrics are:
+    completion. Returns ``{"metrics": {name: float}, "samples": [row dicts], "probe_logprobs":
+    [float]}`` (the last: greedy logprobs of the first prompt, a fingerprint of the served weights),
+    where metrics are:
     ``accuracy`` (greedy, 0..1), ``pass@k`` for each configured k (unbiased, 0..1), ``format_rate``
     (share of samples the format reward scores 1, when configured), ``reward/<name>`` (mean per
     reward function over samples), ``reward`` (weighted sum, as in training), ``completion_length``
@@ -114,4 +116,5 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict]) ->
             "completion": texts[i][0],
             **{name: scores[name][i][0] for name in scores},
         })
-    return {"metrics": metrics, "samples": samples}
+    # Fingerprint of the weights the server holds: greedy logprobs of the first prompt's completion.
+    return {"metrics": metrics, "samples": samples, "probe_logprobs": greedy[0][0]["logprobs"]}

@@ -134,10 +134,11 @@ def reward_curve(cfg: PipelineConfig, run_id: str, metric: str = "reward") -> li
     return [{"step": m.step, "value": m.value} for m in sorted(history, key=lambda m: m.step)]
 
 
-def card_components(report: dict, curve: list[dict]) -> list:
-    """Metaflow card: the reward curve and a baseline-vs-trained table."""
+def card_components(cfg: PipelineConfig, run_id: str, report: dict) -> list:
+    """Metaflow card: the training reward curve (from MLflow) and a baseline-vs-trained table."""
     from metaflow.cards import Markdown, Table, VegaChart
 
+    curve = reward_curve(cfg, run_id)
     names = list(report["trained"]["metrics"])
     rows = [[name, f"{report['baseline']['metrics'][name]:.4f}", f"{report['trained']['metrics'][name]:.4f}"]
             for name in names]

@@ -48,8 +48,9 @@ def open_run(cfg: PipelineConfig, pathspec: str) -> str:
     from mlflow.entities import Param
 
     mlflow_client = client(cfg)
-    experiment = mlflow_client.get_experiment_by_name(cfg.tracking.experiment_name)
-    experiment_id = experiment.experiment_id if experiment else mlflow_client.create_experiment(cfg.tracking.experiment_name)
+    name = cfg.tracking.experiment_name
+    experiment = mlflow_client.get_experiment_by_name(name)
+    experiment_id = experiment.experiment_id if experiment else mlflow_client.create_experiment(name)
     tags = {
         "metaflow.pathspec": pathspec,
         "config.sha256": cfg.sha256(),

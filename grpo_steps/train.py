@@ -137,7 +137,10 @@ def grpo_args(job: TrainJob) -> Any:
 
 
 def run(job: TrainJob) -> str:
-    """Train; returns the directory of the final policy (``{output_dir}/final``, safetensors + tokenizer)."""
+    """Train; returns the directory of the final policy (``{output_dir}/final``, safetensors + tokenizer).
+
+    Also writes the trainer's per-step log to ``{output_dir}/log_history.json``.
+    """
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -181,6 +184,7 @@ def run(job: TrainJob) -> str:
     trainer.save_model(str(final))
     if trainer.accelerator.is_main_process:
         tokenizer.save_pretrained(final)
+        (Path(job.output_dir) / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
     return str(final)
 
 

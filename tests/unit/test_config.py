@@ -1,0 +1,76 @@
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from grpo_steps.config import REPO_ROOT, ConfigError, load_config, parse_config, validate_config
+
+SHIPPED = sorted((REPO_ROOT / "configs").glob("*.yaml"))
+
+
+def test_there_are_shipped_configs():
+    assert {p.name for p in SHIPPED} >= {"local.yaml", "test.yaml"}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_parses(path: Path):
+    cfg = load_config(path)
+    assert cfg.train.max_steps > 0
+    assert parse_config(path.read_text())["model"]["name_or_path"] == cfg.model.name_or_path
+
+
+def test_defaults_are_a_valid_config():
+    cfg = validate_config({})
+    assert cfg.generation.server.host == "127.0.0.1"  # loopback unless a config says otherwise
+    assert len(cfg.sha256()) == 64
+
+
+def test_flat_params_name_every_leaf():
+    params = validate_config({}).flat_params()
+    assert params["train.learning_rate"] == "1e-05"
+    assert params["rewards.0.name"] == "answer_accuracy"
+    assert params["generation.server.port"] == "0"
+
+
+BAD_CONFIGS = [
+    # (config, text the error must contain)
+    ({"train": {"max_stepz": 3}}, "train.max_stepz: unknown key"),
+    ({"bogus": 1}, "bogus: unknown key"),
+    ({"train": {"max_steps": "many"}}, "train.max_steps"),
+    ({"train": {"learning_rate": -1}}, "train.learning_rate"),
+    ({"rewards": [{"name": "no_such_reward"}]}, "unknown reward 'no_such_reward'"),
+    ({"rewards": []}, "name at least one reward"),
+    ({"data": {"source": "jsonl"}}, "set data.path"),
+    ({"train": {"per_device_train_batch_size": 6, "num_generations": 4}}, "not a multiple of num_generations"),
+    ({"eval": {"num_samples": 2, "k": [1, 4]}}, "eval.k [4]"),
+    ({"generation": {"backend": "vllm", "provider": "none"}}, "needs a server"),
+    ({"generation": {"backend": "hf", "weight_sync": "nccl"}}, "only applies to backend 'vllm'"),
+    ({"eval": {"correctness_reward": "answer_format2"}}, "not one of the configured rewards"),
+    ({"generation": {"server": {"port": 70000}}}, "generation.server.port"),
+]
+
+
+@pytest.mark.parametrize(("data", "message"), BAD_CONFIGS)
+def test_bad_configs_are_rejected_with_a_clear_message(data, message):
+    with pytest.raises(ConfigError) as err:
+        validate_config(data)
+    assert message in str(err.value)
+
+
+def test_yaml_that_is_not_a_mapping_is_rejected():
+    with pytest.raises(ConfigError, match="must be a YAML mapping"):
+        parse_config("- a\n- b\n")
+
+
+def test_config_is_immutable():
+    cfg = validate_config({})
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.train.max_steps = 5
+
+
+def test_load_config_reports_the_file(tmp_path):
+    path = tmp_path / "my.yaml"
+    path.write_text(yaml.safe_dump({"model": {"nme": "x"}}))
+    with pytest.raises(ConfigError, match=str(path)):
+        load_config(path)

@@ -1,0 +1,49 @@
+import itertools
+from math import comb
+
+import pytest
+
+from grpo_steps.evaluate import pass_at_k
+from grpo_steps.register import gate
+
+
+def _brute_force_pass_at_k(n: int, c: int, k: int) -> float:
+    """Share of the k-subsets of n samples (c correct) that hold at least one correct sample."""
+    samples = [True] * c + [False] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+
+
+ALL_SMALL = [(n, c, k) for n in range(1, 7) for c in range(n + 1) for k in range(1, n + 1)]
+
+
+@pytest.mark.parametrize(("n", "c", "k"), ALL_SMALL)
+def test_pass_at_k_matches_brute_force(n, c, k):
+    assert pass_at_k(n, c, k) == pytest.approx(_brute_force_pass_at_k(n, c, k))
+
+
+def test_pass_at_1_is_the_share_correct():
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    assert comb(10, 1) == 10
+
+
+@pytest.mark.parametrize(("n", "c", "k"), [(4, 1, 0), (4, 1, 5), (4, 5, 1), (4, -1, 1)])
+def test_pass_at_k_rejects_impossible_arguments(n, c, k):
+    with pytest.raises(ValueError, match="pass_at_k needs"):
+        pass_at_k(n, c, k)
+
+
+GATE_CASES = [
+    # (trained, baseline, champion, margin, passes)
+    (0.30, 0.10, None, 0.0, True),  # first model, beats baseline
+    (0.10, 0.10, None, 0.0, False),  # ties the baseline
+    (0.30, 0.10, 0.25, 0.0, True),  # beats baseline and champion
+    (0.30, 0.10, 0.30, 0.0, False),  # ties the champion
+    (0.30, 0.28, None, 0.05, False),  # beats baseline by less than the margin
+    (float("nan"), 0.0, None, 0.0, False),  # no score never passes
+]
+
+
+@pytest.mark.parametrize(("trained", "baseline", "champion", "margin", "passes"), GATE_CASES)
+def test_quality_gate(trained, baseline, champion, margin, passes):
+    assert gate(trained, baseline, champion, margin)[0] is passes
