@@ -38,7 +38,7 @@ class GRPOFlow(FlowSpec):
 
     @step
     def provision_vllm(self):
-        """Start the generation server (none for the hf backend)."""
+        """Start the generation server (rollouts with backend vllm, evaluation always)."""
         self.server = steps.provision(steps.config_of(self.config), self.model_path, steps.owner_pid())
         self.next(self.train, num_parallel=self.config.train.num_nodes)
 

@@ -100,8 +100,9 @@ class GenerationConfig(_Section):
     """``vllm``: rollouts from the provisioned server; ``hf``: transformers generate in the trainer."""
     weight_sync: Literal["disk", "nccl"] = "disk"
     """How the trained weights reach the server. ``disk`` works everywhere; ``nccl`` needs CUDA."""
-    provider: Literal["local", "kubernetes", "none"] = "local"
-    """Who runs the server: a child process here, a Kubernetes Deployment, or nobody (``hf``)."""
+    provider: Literal["local"] = "local"
+    """Who runs the generation server: ``local``, a child process on this machine. The server also
+    serves evaluation, so it is started with the ``hf`` backend too."""
     max_completion_tokens: int = Field(64, gt=0)
     """Longest completion sampled, in tokens."""
     temperature: float = Field(1.0, ge=0)
@@ -110,9 +111,6 @@ class GenerationConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> GenerationConfig:
-        if self.backend == "vllm" and self.provider == "none":
-            raise ValueError("generation.backend 'vllm' needs a server: set generation.provider to 'local' or "
-                             "'kubernetes', or use backend 'hf'")
         if self.backend == "hf" and self.weight_sync == "nccl":
             raise ValueError("generation.weight_sync 'nccl' only applies to backend 'vllm'; "
                              "use 'disk' with backend 'hf'")
@@ -249,7 +247,7 @@ class PipelineConfig(_Section):
 
 
 def _format_errors(err: ValidationError, source: str) -> str:
-    lines = [f"invalid run config {source}:"]
+    lines = [f"invalid run config {source}:" if source else "invalid run config:"]
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":

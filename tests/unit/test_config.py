@@ -44,7 +44,7 @@ BAD_CONFIGS = [
     ({"data": {"source": "jsonl"}}, "set data.path"),
     ({"train": {"per_device_train_batch_size": 6, "num_generations": 4}}, "not a multiple of num_generations"),
     ({"eval": {"num_samples": 2, "k": [1, 4]}}, "eval.k [4]"),
-    ({"generation": {"backend": "vllm", "provider": "none"}}, "needs a server"),
+    ({"generation": {"provider": "kubernetes"}}, "generation.provider"),
     ({"generation": {"backend": "hf", "weight_sync": "nccl"}}, "only applies to backend 'vllm'"),
     ({"eval": {"correctness_reward": "answer_format2"}}, "not one of the configured rewards"),
     ({"generation": {"server": {"port": 70000}}}, "generation.server.port"),

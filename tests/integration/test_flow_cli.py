@@ -1,0 +1,32 @@
+"""The flow's command line rejects bad configs before any step runs (seconds, no server)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from grpo_steps.config import REPO_ROOT
+
+FLOW = REPO_ROOT / "flows" / "grpo_flow.py"
+
+
+def _run_flow(tmp_path, config: dict) -> subprocess.CompletedProcess:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "METAFLOW_USER": "grpo-tests"}
+    return subprocess.run([sys.executable, str(FLOW), "--config", "config", str(path), "run"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"train": {"max_stepz": 3}}, "train.max_stepz: unknown key"),
+    ({"train": {"max_steps": "ten"}}, "train.max_steps"),
+    ({"rewards": [{"name": "no_such_reward"}]}, "unknown reward 'no_such_reward'"),
+])
+def test_bad_config_stops_the_flow_with_the_reason(tmp_path, config, message):
+    proc = _run_flow(tmp_path, config)
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr
+    assert not (tmp_path / "mlflow.db").exists()  # nothing ran, nothing was written
