@@ -75,7 +75,7 @@ def test_metrics_params_and_registered_version_in_mlflow(flow_run):
     assert "candidate" in client.get_model_version(version.name, version.version).aliases
     assert version.tags["metaflow.pathspec"].startswith(f"GRPOFlow/{run.id}/register/")
     assert version.tags["dataset.digest"] == run.data.dataset_digest
-    assert run.data.model_version["version"] == version.version
+    assert run.data.model_version["version"] == str(version.version)
 
 
 def test_checkpoints_were_saved_to_the_datastore(flow_run):
