@@ -48,12 +48,13 @@ class GRPOFlow(FlowSpec):
     @step
     def train(self):
         """GRPO on every node of the gang; node 0 saves the final policy to the datastore."""
-        loaded = current.checkpoint.directory if current.checkpoint.is_loaded else None
+        cfg = steps.config_of(self.config)
+        self.server = steps.ensure_server(cfg, self.server, self.model_path, steps.owner_pid())
         with steps.scratch_dir() as workdir:
-            final_dir = steps.train(steps.config_of(self.config), run_id=self.mlflow_run_id,
-                                    model_path=self.model_path, train_rows=self.train_rows, server=self.server,
+            final_dir = steps.train(cfg, run_id=self.mlflow_run_id, model_path=self.model_path,
+                                    train_rows=self.train_rows, server=self.server,
                                     node_index=current.parallel.node_index, main_ip=current.parallel.main_ip,
-                                    checkpoint_dir=loaded, output_dir=workdir)
+                                    output_dir=workdir)
             if current.parallel.node_index == 0:
                 self.policy = current.model.save(final_dir, label="policy", metadata={"run_id": self.mlflow_run_id})
         self.next(self.evaluate)
@@ -65,6 +66,7 @@ class GRPOFlow(FlowSpec):
         """Baseline vs trained policy on the held-out split, through the same server."""
         self.merge_artifacts(inputs)
         cfg = steps.config_of(self.config)
+        self.server = steps.ensure_server(cfg, self.server, self.model_path, steps.owner_pid())
         self.eval_report = steps.evaluate(cfg, run_id=self.mlflow_run_id, server=self.server,
                                           base_model=self.model_path, trained_model=current.model.load(self.policy),
                                           eval_rows=self.eval_rows)

@@ -73,16 +73,31 @@ def scratch_dir():
         yield d
 
 
-def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list[dict], server: dict,
-          node_index: int, main_ip: str, checkpoint_dir: str | None, output_dir: str) -> str:
-    """Run this node's share of GRPO training in ``output_dir``; returns the final policy directory
-    (node 0's is the one kept).
+def ensure_server(cfg: PipelineConfig, server: dict, model_path: str, owner_pid: int) -> dict:
+    """``server`` if it is healthy and owned by this run's process, else a newly provisioned one.
 
-    ``checkpoint_dir``: a loaded ``@checkpoint`` directory to resume from (``@retry``), or None.
+    After a ``resume`` the recorded server belongs to the earlier (dead) runtime: it stops itself
+    within ``orphan_grace_s``, or has already; it is stopped now by its recorded PID and replaced.
+    """
+    from grpo_steps import vllm_server
+
+    if server.get("owner_pid") == owner_pid and vllm_server.is_healthy(server["endpoint"]):
+        return server
+    vllm_server.stop(server)
+    print(f"generation server {server['endpoint']} belongs to an earlier run or is not answering: "
+          "starting a new one")
+    return provision(cfg, model_path, owner_pid)
+
+
+def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list[dict], server: dict,
+          node_index: int, main_ip: str, output_dir: str) -> str:
+    """Run this node's share of GRPO training in ``output_dir``; returns the final policy directory
+    (node 0's is the one kept). Continues from :func:`grpo_steps.checkpoints.resume_checkpoint`
+    when there is one (``@retry``, ``resume``). Call inside the flow's ``train`` step.
     """
     import json
 
-    from grpo_steps.checkpoints import trainer_checkpoint_in
+    from grpo_steps.checkpoints import resume_checkpoint
     from grpo_steps.launch import launch
     from grpo_steps.train import TrainJob
 
@@ -91,10 +106,8 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
     train_file.write_text("".join(json.dumps(row) + "\n" for row in train_rows))
     job = TrainJob(config=cfg, model_path=model_path, train_file=str(train_file), output_dir=str(output_dir),
                    endpoint=server["endpoint"] if cfg.generation.backend == "vllm" else None,
-                   resume_from=trainer_checkpoint_in(checkpoint_dir))
-    env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": cfg.tracking.tracking_uri,
-           "HF_MLFLOW_LOG_ARTIFACTS": "0", "MLFLOW_FLATTEN_PARAMS": "1"}
-    launch(job, node_index=node_index, main_ip=main_ip, env=env)
+                   resume_from=resume_checkpoint(node_index), mlflow_run_id=run_id, node_index=node_index)
+    launch(job, node_index=node_index, main_ip=main_ip)
     return str(output_dir / "final")
 
 

@@ -1,8 +1,8 @@
 """MLflow tracking: one run per flow run, opened in ``start`` and written to by every step.
 
-The run id travels as a Metaflow artifact; the training process gets it as ``$MLFLOW_RUN_ID``
-(TRL's MLflow reporting then logs into the same run). Tags link the run to its Metaflow pathspec,
-config sha256, and git commit.
+The run id travels as a Metaflow artifact; the training process gets it in its job file and logs
+into the same run (:class:`grpo_steps.checkpoints.MLflowMetricsCallback`), so a resumed flow run
+continues the same history. Tags link the run to its Metaflow pathspec, config sha256, git commit.
 """
 
 from __future__ import annotations

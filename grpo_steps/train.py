@@ -3,8 +3,9 @@
 Runs TRL's ``GRPOTrainer`` on the prepared train split. With the ``vllm`` backend, rollouts come
 from the provisioned server through :class:`VLLMRollout` (``rollout_func``) with ``disk`` weight
 sync; with ``hf``, TRL generates with transformers in-process. Metrics go to the MLflow run named
-by ``$MLFLOW_RUN_ID``; checkpoints are written every ``save_steps`` and, inside a Metaflow task,
-saved to the datastore by :class:`grpo_steps.checkpoints.DatastoreCheckpointCallback`.
+by ``job.mlflow_run_id`` (each step once, across resumes); checkpoints are written every
+``save_steps`` and, inside a Metaflow task, saved to the datastore by
+:class:`grpo_steps.checkpoints.DatastoreCheckpointCallback`.
 Runs without Metaflow too, for debugging.
 """
 
@@ -34,6 +35,8 @@ class TrainJob(BaseModel):
     output_dir: str  # trainer output: checkpoints and the final model (``final/``)
     endpoint: str | None = None  # vLLM server base URL (backend vllm)
     resume_from: str | None = None  # a trainer checkpoint directory to continue from
+    mlflow_run_id: str | None = None  # metrics go to this run
+    node_index: int = 0  # machine rank in the gang
 
 
 class VLLMRollout:
@@ -117,7 +120,7 @@ def grpo_args(job: TrainJob) -> Any:
         logging_steps=train.logging_steps,
         seed=train.seed,
         data_seed=train.seed,
-        report_to=["mlflow"] if os.environ.get("MLFLOW_RUN_ID") else [],
+        report_to=[],  # metrics: grpo_steps.checkpoints.MLflowMetricsCallback
         use_cpu=on_cpu,
         bf16=(not on_cpu) and cfg.model.dtype == "bfloat16",
         fp16=False,
@@ -165,11 +168,13 @@ def run(job: TrainJob) -> str:
 
         rollout = VLLMRollout(VLLMClient(job.endpoint), tokenizer, Path(job.output_dir) / "weight-sync",
                               cfg.generation)
-    callbacks = []
-    from grpo_steps.checkpoints import DatastoreCheckpointCallback, in_metaflow_task
+    from grpo_steps.checkpoints import DatastoreCheckpointCallback, MLflowMetricsCallback, in_metaflow_task
 
+    callbacks = []
     if in_metaflow_task():
-        callbacks.append(DatastoreCheckpointCallback())
+        callbacks.append(DatastoreCheckpointCallback(job.node_index))
+    if job.mlflow_run_id:
+        callbacks.append(MLflowMetricsCallback(job.mlflow_run_id, cfg.tracking.tracking_uri))
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[resolve_reward(r.name) for r in cfg.rewards],

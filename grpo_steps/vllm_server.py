@@ -35,6 +35,7 @@ class ServerHandle:
     supervisor_pid: int | None  # PID of the supervisor we started (None: not started by us)
     log_path: str | None
     model: str  # path of the weights the server started with
+    owner_pid: int | None = None  # the server stops itself when this process is gone
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,7 +111,7 @@ def start_local(model_path: str, server_cfg, *, max_model_len: int, dtype: str, 
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(supervisor, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, cwd=Path(__file__).resolve().parent.parent)
-    handle = ServerHandle(f"http://{server_cfg.host}:{port}", proc.pid, str(log_path), model_path)
+    handle = ServerHandle(f"http://{server_cfg.host}:{port}", proc.pid, str(log_path), model_path, owner_pid)
     deadline = time.monotonic() + server_cfg.startup_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -133,8 +134,8 @@ def stop(handle: ServerHandle | dict | None, timeout_s: float = 30.0) -> bool:
     if handle is None:
         return False
     pid = handle["supervisor_pid"] if isinstance(handle, dict) else handle.supervisor_pid
-    if not pid:
-        return False
+    if not pid or not _is_supervisor(pid):
+        return False  # gone, or the PID now belongs to another program: never signal it
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -149,6 +150,15 @@ def stop(handle: ServerHandle | dict | None, timeout_s: float = 30.0) -> bool:
         time.sleep(0.2)
     os.killpg(pid, signal.SIGKILL)  # the supervisor leads its own session: its group is ours to kill
     return True
+
+
+def _is_supervisor(pid: int) -> bool:
+    """True when ``pid`` runs this module's supervisor (guards against a recycled PID)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"grpo_steps.vllm_server" in cmdline and b"supervise" in cmdline
 
 
 def _reap(pid: int) -> None:

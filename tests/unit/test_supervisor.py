@@ -81,3 +81,13 @@ def test_port_in_use_is_a_clear_error():
 
 def test_port_zero_picks_a_free_port():
     assert pick_port("127.0.0.1", 0) > 0
+
+
+def test_stop_never_signals_a_pid_that_is_not_our_supervisor():
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        assert stop({"supervisor_pid": other.pid}) is False  # e.g. a recycled PID from an old run
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
