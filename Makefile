@@ -8,7 +8,7 @@ CONFIG ?= configs/local.yaml
 # Metaflow needs a user name that is not root.
 export METAFLOW_USER ?= $(if $(filter-out root,$(USER)),$(USER),grpo)
 
-.PHONY: install model run test test-fast ui lint bench clean
+.PHONY: install model run test test-fast ui s3 lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ test-fast: install
 ui: install
 	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///mlflow.db
 
+# A local S3-compatible server (SeaweedFS) on 127.0.0.1:8333 with credentials; prints the exports.
+s3: install
+	$(BIN)/python -m grpo_steps.local_s3 serve --dir .s3 --port 8333
+
 lint: install
 	$(BIN)/ruff check .
 
@@ -47,4 +51,4 @@ bench: model
 	$(BIN)/python bench/step_time.py
 
 clean:
-	rm -rf .metaflow mlflow.db mlartifacts .pytest_cache
+	rm -rf .metaflow mlflow.db mlartifacts .pytest_cache .s3

@@ -31,15 +31,18 @@ class DatastoreCheckpointCallback(TrainerCallback):
 
     def __init__(self, node_index: int = 0) -> None:
         self.node_index = node_index
+        self.checkpointer = None  # one Checkpoint for the whole process: its version counter names each save
 
     def on_save(self, args, state, control, **kwargs):
         if not state.is_local_process_zero:
             return control
         from metaflow import Checkpoint
 
+        if self.checkpointer is None:
+            self.checkpointer = Checkpoint()
         path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        Checkpoint().save(path=str(path), name=CHECKPOINT_NAME,
-                          metadata={"global_step": state.global_step, "node_index": self.node_index})
+        self.checkpointer.save(path=str(path), name=CHECKPOINT_NAME,
+                               metadata={"global_step": state.global_step, "node_index": self.node_index})
         print(f"[checkpoint] saved step={state.global_step} node={self.node_index} pid={os.getpid()}", flush=True)
         return control
 

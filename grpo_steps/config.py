@@ -193,6 +193,9 @@ class TrackingConfig(_Section):
     tracking_uri: str = "sqlite:///mlflow.db"
     """MLflow tracking URI; the default is MLflow's own, a file in the working directory."""
     experiment_name: str = "grpo"
+    artifact_location: str | None = None
+    """Where the experiment keeps artifacts (models, tables), e.g. ``s3://bucket/mlflow``; used when
+    the experiment is created. None: MLflow's default next to the tracking store."""
 
 
 class PipelineConfig(_Section):

@@ -50,7 +50,8 @@ def open_run(cfg: PipelineConfig, pathspec: str) -> str:
     mlflow_client = client(cfg)
     name = cfg.tracking.experiment_name
     experiment = mlflow_client.get_experiment_by_name(name)
-    experiment_id = experiment.experiment_id if experiment else mlflow_client.create_experiment(name)
+    experiment_id = (experiment.experiment_id if experiment else
+                     mlflow_client.create_experiment(name, artifact_location=cfg.tracking.artifact_location))
     tags = {
         "metaflow.pathspec": pathspec,
         "config.sha256": cfg.sha256(),
