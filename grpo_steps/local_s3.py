@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     print("# local S3 is up; in the shell that runs the flow:")
     for key, value in server.env().items():
         print(f"export {key}={value}")
-    print("# and in the run config: tracking.artifact_location: s3://%s/mlflow" % args.bucket, flush=True)
+    print(f"# and in the run config: tracking.artifact_location: s3://{args.bucket}/mlflow", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         while True:
