@@ -52,9 +52,9 @@ class VLLMRollout:
     def __init__(self, client, tokenizer, sync_dir: str | Path, gen_cfg) -> None:
         self.client, self.tokenizer, self.sync_dir, self.gen = client, tokenizer, Path(sync_dir), gen_cfg
         self.synced_step: int | None = None
-        self.sync_seconds: list[float] = []
 
-    def push_weights(self, trainer) -> None:
+    def push_weights(self, trainer) -> float:
+        """Write the policy's weights and load them into the server (rank 0); returns seconds taken."""
         from grpo_steps.weight_sync import save_weights
 
         start = time.perf_counter()
@@ -64,13 +64,13 @@ class VLLMRollout:
             save_weights(model, self.sync_dir, state_dict=state_dict)
             self.client.reload_weights(self.sync_dir)
         trainer.accelerator.wait_for_everyone()
-        self.sync_seconds.append(time.perf_counter() - start)
+        return time.perf_counter() - start
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         if self.synced_step != trainer.state.global_step:
-            self.push_weights(trainer)
+            seconds = self.push_weights(trainer)
             self.synced_step = trainer.state.global_step
-            trainer._metrics["train"]["weight_sync/seconds"].append(self.sync_seconds[-1])
+            trainer._metrics["train"]["weight_sync/seconds"].append(seconds)  # averaged into the step's log
         group = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
         if len(prompts) % group or any(prompts[i] != prompts[i - i % group] for i in range(len(prompts))):
             group = 1  # not laid out in groups: one sample per entry
