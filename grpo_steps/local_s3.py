@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_steps.vllm_server import log_tail, pick_port
+from grpo_steps.vllm_server import log_tail, pick_port, wait_gone
 
 DEV_ACCESS_KEY, DEV_SECRET_KEY = "grpo-dev-key", "grpo-dev-secret"  # local development server only
 
@@ -119,18 +119,8 @@ def stop(server: LocalS3 | None, timeout_s: float = 20.0) -> None:
         os.killpg(server.pid, signal.SIGTERM)
     except ProcessLookupError:
         return
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if os.waitpid(server.pid, os.WNOHANG)[0]:
-                return
-        except ChildProcessError:
-            try:
-                os.kill(server.pid, 0)
-            except ProcessLookupError:
-                return
-        time.sleep(0.2)
-    os.killpg(server.pid, signal.SIGKILL)
+    if not wait_gone(server.pid, timeout_s):
+        os.killpg(server.pid, signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> None:

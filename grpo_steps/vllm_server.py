@@ -140,16 +140,22 @@ def stop(handle: ServerHandle | dict | None, timeout_s: float = 30.0) -> bool:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return False
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        _reap(pid)
-        time.sleep(0.2)
-    os.killpg(pid, signal.SIGKILL)  # the supervisor leads its own session: its group is ours to kill
+    if not wait_gone(pid, timeout_s):
+        os.killpg(pid, signal.SIGKILL)  # the supervisor leads its own session: its group is ours to kill
     return True
+
+
+def wait_gone(pid: int, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` seconds for ``pid`` to exit (reaping it when it is our child).
+    True when it is gone."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _reap(pid)
+        if not _alive(pid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 def _is_supervisor(pid: int) -> bool:

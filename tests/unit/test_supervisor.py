@@ -9,22 +9,7 @@ import time
 
 import pytest
 
-from grpo_steps.vllm_server import ServerHandle, ServerStartError, pick_port, stop
-
-
-def _wait_gone(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        time.sleep(0.1)
-    return False
+from grpo_steps.vllm_server import ServerHandle, ServerStartError, pick_port, stop, wait_gone
 
 
 def _child_pids(pid: int) -> list[int]:
@@ -49,7 +34,7 @@ def test_server_stops_itself_when_the_owner_process_is_gone():
     try:
         owner.kill()
         owner.wait()
-        assert _wait_gone(server_pid, 20), "the server outlived its owner"
+        assert wait_gone(server_pid, 20), "the server outlived its owner"
         assert supervisor.wait(timeout=20) is not None
     finally:
         stop(ServerHandle("http://127.0.0.1:1", supervisor.pid, None, "m"))
@@ -59,7 +44,7 @@ def test_stop_by_recorded_pid_stops_supervisor_and_server():
     supervisor = _start_supervisor(os.getpid(), grace_s=60)
     (server_pid,) = _child_pids(supervisor.pid)
     assert stop(ServerHandle("http://127.0.0.1:1", supervisor.pid, None, "m").to_dict()) is True
-    assert _wait_gone(supervisor.pid, 5) and _wait_gone(server_pid, 20)
+    assert wait_gone(supervisor.pid, 5) and wait_gone(server_pid, 20)
 
 
 def test_stop_of_a_server_that_is_gone_is_harmless():
