@@ -71,16 +71,11 @@ class MLflowMetricsCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs or state.global_step <= self.logged_up_to:
             return control
-        import time
+        from grpo_steps.tracking import log_metrics_with
 
-        from mlflow.entities import Metric
-
-        from grpo_steps.tracking import mlflow_name
-
-        now, step = int(time.time() * 1000), state.global_step
+        step = state.global_step
         numeric = {k: float(v) for k, v in logs.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-        metrics = [Metric(mlflow_name(k), v, now, step) for k, v in numeric.items()]
-        self.client.log_batch(self.run_id, metrics=metrics + [Metric(self.WATERMARK, float(step), now, step)])
+        log_metrics_with(self.client, self.run_id, {**numeric, self.WATERMARK: step}, step)
         return control
 
 

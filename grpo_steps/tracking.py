@@ -71,17 +71,21 @@ def mlflow_name(key: str) -> str:
     return key.replace("@", "_at_")
 
 
-def log_metrics(cfg: PipelineConfig, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
-    """Log ``metrics`` (name -> value) at ``step`` to the flow's run."""
+def log_metrics_with(mlflow_client, run_id: str, metrics: dict[str, float], step: int) -> None:
+    """Log ``metrics`` (name -> value) at ``step`` with an ``MlflowClient``, in MLflow's batch size."""
     import time
 
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
     batch = [Metric(mlflow_name(k), float(v), now, step) for k, v in metrics.items()]
-    mlflow_client = client(cfg)
     for i in range(0, len(batch), 500):
         mlflow_client.log_batch(run_id, metrics=batch[i : i + 500])
+
+
+def log_metrics(cfg: PipelineConfig, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    """Log ``metrics`` (name -> value) at ``step`` to the flow's run."""
+    log_metrics_with(client(cfg), run_id, metrics, step)
 
 
 def close_run(cfg: PipelineConfig, run_id: str, status: str = "FINISHED") -> None:
