@@ -93,6 +93,8 @@ class ServerConfig(_Section):
     """More ``vllm serve`` arguments, passed as is."""
     orphan_grace_s: float = Field(60.0, gt=0)
     """The server stops itself this many seconds after the flow process that owns it is gone."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one vLLM replica shards the model over (``--tensor-parallel-size``); 1 on CPU."""
 
 
 class GenerationConfig(_Section):
@@ -100,9 +102,11 @@ class GenerationConfig(_Section):
     """``vllm``: rollouts from the provisioned server; ``hf``: transformers generate in the trainer."""
     weight_sync: Literal["disk", "nccl"] = "disk"
     """How the trained weights reach the server. ``disk`` works everywhere; ``nccl`` needs CUDA."""
-    provider: Literal["local"] = "local"
-    """Who runs the generation server: ``local``, a child process on this machine. The server also
-    serves evaluation, so it is started with the ``hf`` backend too."""
+    provider: Literal["local", "kubernetes"] = "local"
+    """Who runs the generation server: ``local``, a child process on this machine; ``kubernetes``, a
+    Deployment + Service in the cluster (image and GPUs from ``resources.vllm``, see
+    ``infra/k8s/vllm-server.yaml``). The server also serves evaluation, so it is started with the
+    ``hf`` backend too."""
     max_completion_tokens: int = Field(64, gt=0)
     """Longest completion sampled, in tokens."""
     temperature: float = Field(1.0, ge=0)
@@ -144,6 +148,12 @@ class TrainConfig(_Section):
     seed: int = 42
     grpo: dict[str, Any] = Field(default_factory=dict)
     """Any other ``trl.GRPOConfig`` field, passed as is (checked against GRPOConfig at train time)."""
+    retries: int = Field(0, ge=0, le=4)
+    """``@retry`` of the ``train`` step: reruns of the whole gang after a failure (a retry continues
+    from the newest checkpoint). For transient infrastructure errors; 0 on a laptop."""
+    main_process_port: int = Field(0, ge=0, le=65535)
+    """Rendezvous port of ``accelerate launch`` on node 0; 0: a free port picked by node 0 (local
+    runtime, where simulated nodes share one machine) or 29500 on a cluster."""
 
     @property
     def world_size(self) -> int:
@@ -198,6 +208,62 @@ class TrackingConfig(_Section):
     the experiment is created. None: MLflow's default next to the tracking store."""
 
 
+class TrainNodeResources(_Section):
+    gpu: int = Field(0, ge=0)
+    """GPUs per training node (``@resources(gpu=...)``); one training process per GPU."""
+    cpu: int = Field(2, ge=1)
+    """CPU cores requested per training node."""
+    memory_mib: int = Field(8192, ge=512)
+    """Memory per training node, MiB."""
+    shared_memory_mib: int | None = Field(None, ge=64)
+    """``/dev/shm`` size per training node, MiB (NCCL and the weight-sync directory use it); null:
+    the cluster default (64 MiB on Kubernetes: too small for NCCL)."""
+    disk_mib: int = Field(10240, ge=1024)
+    """Ephemeral disk per training node, MiB (checkpoints before they reach the datastore)."""
+    image: str | None = None
+    """Container image of every flow step on Kubernetes (built from ``infra/Dockerfile``). Null: the
+    steps run where the flow runs (local runtime); set: every step runs on Kubernetes with it."""
+
+
+class VLLMResources(_Section):
+    gpu: int = Field(0, ge=0)
+    """GPUs of the generation server pod (provider ``kubernetes``); at least
+    ``generation.server.tensor_parallel_size``."""
+    cpu: int = Field(4, ge=1)
+    memory_mib: int = Field(16384, ge=512)
+    """Memory of the generation server pod, MiB."""
+    image: str = "vllm/vllm-openai:v0.11.0"
+    """Image of the generation server pod (provider ``kubernetes``)."""
+    namespace: str = "default"
+    """Kubernetes namespace of the server's Deployment and Service (the flow's service account
+    needs the role in ``infra/k8s/rbac.yaml`` there)."""
+    model_volume_claim: str | None = None
+    """PersistentVolumeClaim mounted at ``/models`` read-only, holding weights that are not a Hugging
+    Face id; null: ``model.name_or_path`` must be a Hugging Face id the pod can download."""
+
+
+class ResourcesConfig(_Section):
+    train: TrainNodeResources = TrainNodeResources()
+    """Per training node (the ``@parallel`` gang has ``train.num_nodes`` of them)."""
+    vllm: VLLMResources = VLLMResources()
+    """The generation server (provider ``kubernetes``)."""
+
+
+class ScheduleConfig(_Section):
+    cron: str | None = None
+    """Cron schedule of the deployed flow (Argo CronWorkflow), 5 fields ``min hour dom month dow``,
+    e.g. ``"0 3 * * 1"``; null: not scheduled. No effect on ``run``."""
+    timezone: str | None = None
+    """IANA timezone of ``cron`` (e.g. ``Europe/Berlin``); null: UTC."""
+
+    @model_validator(mode="after")
+    def _five_fields(self) -> ScheduleConfig:
+        if self.cron is not None and len(self.cron.split()) != 5:
+            raise ValueError(f"schedule.cron {self.cron!r} must have 5 fields 'min hour day-of-month month "
+                             "day-of-week', e.g. '0 3 * * 1'")
+        return self
+
+
 class PipelineConfig(_Section):
     """The whole run config. Every section has defaults; a YAML file overrides what it names."""
 
@@ -211,6 +277,34 @@ class PipelineConfig(_Section):
     eval: EvalConfig = EvalConfig()
     registry: RegistryConfig = RegistryConfig()
     tracking: TrackingConfig = TrackingConfig()
+    resources: ResourcesConfig = ResourcesConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    project: str = Field("grpo", pattern=r"^[a-z0-9_]+$")
+    """Metaflow ``@project`` name: deployments are named ``{project}.{branch}.GRPOFlow`` per branch
+    (``--branch``, ``--production``), so branches never overwrite each other."""
+
+    @model_validator(mode="after")
+    def _resources_consistent(self) -> PipelineConfig:
+        train, res, gen = self.train, self.resources, self.generation
+        if res.train.gpu and train.processes_per_node != res.train.gpu:
+            raise ValueError(f"train.processes_per_node ({train.processes_per_node}) must equal "
+                             f"resources.train.gpu ({res.train.gpu}): one training process per GPU")
+        if gen.weight_sync == "nccl" and not (res.train.gpu and res.vllm.gpu):
+            raise ValueError("generation.weight_sync 'nccl' needs CUDA on both sides: set resources.train.gpu "
+                             "and resources.vllm.gpu > 0, or use weight_sync 'disk'")
+        if gen.weight_sync == "nccl" and gen.provider != "kubernetes":
+            raise ValueError("generation.weight_sync 'nccl' needs the server on its own GPUs: "
+                             "use generation.provider 'kubernetes'")
+        if gen.provider == "kubernetes":
+            if gen.server.tensor_parallel_size > max(res.vllm.gpu, 1):
+                raise ValueError(f"generation.server.tensor_parallel_size ({gen.server.tensor_parallel_size}) "
+                                 f"needs as many GPUs: raise resources.vllm.gpu ({res.vllm.gpu})")
+            if not res.train.image:
+                raise ValueError("generation.provider 'kubernetes' needs the flow on the cluster (the server is "
+                                 "reached by its Service name): set resources.train.image")
+        elif gen.server.tensor_parallel_size > 1:
+            raise ValueError("generation.server.tensor_parallel_size > 1 needs GPUs: use provider 'kubernetes'")
+        return self
 
     @model_validator(mode="after")
     def _rewards_known(self) -> PipelineConfig:

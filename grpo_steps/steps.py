@@ -53,13 +53,21 @@ def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
 
 
 def provision(cfg: PipelineConfig, model_path: str, owner_pid: int) -> dict:
-    """Start the generation server (``local`` provider); returns its handle as a dict.
+    """Start the generation server with ``generation.provider``; returns its handle as a dict.
 
-    With the ``hf`` backend the server serves evaluation only.
+    ``local``: a child process on this machine, stopped when ``owner_pid`` is gone. ``kubernetes``:
+    a Deployment + Service labelled with the Metaflow run id (serving ``model.name_or_path``, or
+    ``model_path`` when it lies on the mounted model volume). With the ``hf`` backend the server
+    serves evaluation only.
     """
     from grpo_steps import vllm_server
 
     gen = cfg.generation
+    if gen.provider == "kubernetes":
+        from grpo_steps import k8s_provider
+
+        model = model_path if model_path.startswith(k8s_provider.MODELS_MOUNT) else cfg.model.name_or_path
+        return k8s_provider.start(cfg, metaflow_run_id(), model).to_dict()
     log_dir = Path(tempfile.gettempdir()) / "grpo-vllm-logs"
     handle = vllm_server.start_local(model_path, gen.server, max_model_len=cfg.model.max_model_len,
                                      dtype=cfg.model.dtype, log_dir=log_dir, owner_pid=owner_pid)
@@ -74,19 +82,37 @@ def scratch_dir():
 
 
 def ensure_server(cfg: PipelineConfig, server: dict, model_path: str, owner_pid: int) -> dict:
-    """``server`` if it is healthy and owned by this run's process, else a newly provisioned one.
+    """``server`` if it is healthy and owned by this run, else a newly provisioned one.
 
-    After a ``resume`` the recorded server belongs to the earlier (dead) runtime: it stops itself
-    within ``orphan_grace_s``, or has already; it is stopped now by its recorded PID and replaced.
+    After a ``resume`` the recorded server belongs to the earlier (dead) runtime: a local one stops
+    itself within ``orphan_grace_s``, or has already; it is stopped now and replaced. A Kubernetes
+    one is kept while its Deployment is ready (it is deleted in ``end`` or by the error exit hook).
     """
     from grpo_steps import vllm_server
 
-    if server.get("owner_pid") == owner_pid and vllm_server.is_healthy(server["endpoint"]):
+    if server.get("provider", "local") == "kubernetes":
+        from grpo_steps import k8s_provider
+
+        if k8s_provider.is_ready(server):
+            return server
+    elif server.get("owner_pid") == owner_pid and vllm_server.is_healthy(server["endpoint"]):
         return server
-    vllm_server.stop(server)
+    stop_server(server)
     print(f"generation server {server['endpoint']} belongs to an earlier run or is not answering: "
           "starting a new one")
     return provision(cfg, model_path, owner_pid)
+
+
+def stop_server(server: dict | None) -> None:
+    """Stop a server this pipeline started, with the provider that started it."""
+    from grpo_steps import vllm_server
+
+    if server and server.get("provider", "local") == "kubernetes":
+        from grpo_steps import k8s_provider
+
+        k8s_provider.stop(server)
+    else:
+        vllm_server.stop(server)
 
 
 def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list[dict], server: dict,
@@ -174,10 +200,26 @@ def register(cfg: PipelineConfig, *, run_id: str, model_dir: str, report: dict, 
 
 def finish(cfg: PipelineConfig, run_id: str, server: dict | None) -> None:
     """Stop the server this run started and close the MLflow run."""
-    from grpo_steps import vllm_server
-
-    vllm_server.stop(server)
+    stop_server(server)
     tracking.close_run(cfg, run_id)
+
+
+def teardown_failed_run(run: Any) -> None:
+    """``@exit_hook(on_error=...)`` on Argo: delete the Kubernetes server of a failed run, if it had one."""
+    from grpo_steps import k8s_provider
+
+    if run is None or "provision_vllm" not in run:
+        return
+    server = run["provision_vllm"].task.data.server
+    if server.get("provider") == "kubernetes":
+        print(f"deleted {k8s_provider.stop_run(k8s_provider.namespace_of(server), server['run_id'])} objects")
+
+
+def metaflow_run_id() -> str:
+    """The current Metaflow run id (labels the run's Kubernetes objects); ``local`` outside a flow."""
+    from metaflow import current
+
+    return str(current.run_id) if current.is_running_flow else "local"
 
 
 def owner_pid() -> int:

@@ -36,6 +36,8 @@ class ServerHandle:
     log_path: str | None
     model: str  # path of the weights the server started with
     owner_pid: int | None = None  # the server stops itself when this process is gone
+    provider: str = "local"  # generation.provider that started it
+    run_id: str | None = None  # provider kubernetes: the run whose labelled objects it is
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,0 +1,185 @@
+"""The ``kubernetes`` provider of the generation server: a vLLM Deployment + Service per run.
+
+The manifests come from ``infra/k8s/vllm-server.yaml`` (rendered by :func:`render_manifests`, a
+pure function); :func:`start` creates them with the official ``kubernetes`` client, waits until
+the Deployment has a ready replica (its readiness probe is ``GET /health``) and returns a handle
+whose endpoint is the Service's cluster DNS name. On a timeout it raises with the pods' status and
+deletes what it created; :func:`stop` deletes a run's objects by their labels (``end``, failures).
+
+Flags for ``nccl`` weight sync are the ones TRL's ``vllm-serve`` wrapper passes (trl/scripts/vllm_serve.py,
+TRL 1.16): ``--weight-transfer-config '{"backend":"nccl"}' --logprobs-mode processed_logprobs
+--max-logprobs -1``, with ``VLLM_SERVER_DEV_MODE=1`` in the template.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grpo_steps.config import REPO_ROOT, PipelineConfig
+from grpo_steps.vllm_server import SERVED_MODEL_NAME, ServerHandle, ServerStartError
+
+TEMPLATE = REPO_ROOT / "infra" / "k8s" / "vllm-server.yaml"
+MANAGED_BY = "grpo-pipeline"
+RUN_LABEL = "grpo-pipeline/run-id"
+PORT = 8000
+MODELS_MOUNT = "/models"
+
+
+def k8s_name(run_id: str, prefix: str = "vllm") -> str:
+    """A DNS-1035 name (lowercase, starts with a letter, at most 63 chars) for a run's objects.
+
+    >>> k8s_name("argo-grpoflow.Prod_1")
+    'vllm-argo-grpoflow-prod-1'
+    """
+    return f"{prefix}-{re.sub(r'[^a-z0-9-]+', '-', run_id.lower())}".strip("-")[:63].rstrip("-")
+
+
+def label_value(run_id: str) -> str:
+    """``run_id`` as a label value (alphanumerics, ``-_.``, at most 63 chars)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", run_id)[:63].strip("-_.")
+
+
+def server_args(cfg: PipelineConfig, model: str) -> list[str]:
+    """Arguments of ``python -m vllm.entrypoints.openai.api_server`` in the server pod."""
+    gen = cfg.generation
+    args = ["--model", model, "--served-model-name", SERVED_MODEL_NAME, "--host", "0.0.0.0", "--port", str(PORT),
+            "--dtype", cfg.model.dtype, "--max-model-len", str(cfg.model.max_model_len), "--seed", "0",
+            "--tensor-parallel-size", str(gen.server.tensor_parallel_size), "--logprobs-mode", "processed_logprobs"]
+    if gen.weight_sync == "nccl":
+        args += ["--weight-transfer-config", json.dumps({"backend": "nccl"}), "--max-logprobs", "-1"]
+    if gen.server.enforce_eager:
+        args.append("--enforce-eager")
+    return args + list(gen.server.extra_args)
+
+
+def render_manifests(cfg: PipelineConfig, run_id: str, model: str, template: Path = TEMPLATE) -> list[dict]:
+    """``[Deployment, Service]`` of a run's generation server, as dicts ready for the client.
+
+    ``model`` is a Hugging Face id, or a path under ``/models`` when ``resources.vllm.model_volume_claim``
+    is set (mounted there read-only). No GPU request is written when ``resources.vllm.gpu`` is 0.
+    """
+    res = cfg.resources.vllm
+    text = string.Template(template.read_text()).substitute(
+        name=k8s_name(run_id), namespace=res.namespace, run_id=label_value(run_id), image=res.image,
+        port=PORT, cpu=res.cpu, memory_mib=res.memory_mib, gpu=res.gpu)
+    deployment, service = yaml.safe_load_all(text)
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    container["args"] = server_args(cfg, model)
+    if not res.gpu:
+        for section in container["resources"].values():
+            section.pop("nvidia.com/gpu")
+    if res.model_volume_claim:
+        pod["volumes"].append({"name": "models", "persistentVolumeClaim": {"claimName": res.model_volume_claim,
+                                                                            "readOnly": True}})
+        container["volumeMounts"].append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
+    return [deployment, service]
+
+
+def _clients(apps: Any = None, core: Any = None) -> tuple[Any, Any]:
+    if apps is not None and core is not None:
+        return apps, core
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.AppsV1Api(), client.CoreV1Api()
+
+
+def pod_status(core: Any, namespace: str, run_id: str) -> str:
+    """One line per pod of a run's server: name, phase, container waiting/terminated reasons."""
+    pods = core.list_namespaced_pod(namespace, label_selector=f"{RUN_LABEL}={label_value(run_id)}").items
+    lines = []
+    for pod in pods:
+        reasons = []
+        for cs in pod.status.container_statuses or []:
+            state = cs.state
+            for kind in ("waiting", "terminated"):
+                detail = getattr(state, kind, None) if state else None
+                if detail is not None:
+                    reasons.append(f"{kind}: {detail.reason} {detail.message or ''}".strip())
+        lines.append(f"{pod.metadata.name}: {pod.status.phase} {'; '.join(reasons)}".rstrip())
+    return "\n".join(lines) or "(no pods)"
+
+
+def start(cfg: PipelineConfig, run_id: str, model: str, *, apps: Any = None, core: Any = None,
+          poll_s: float = 5.0) -> ServerHandle:
+    """Create the run's server Deployment + Service and wait for a ready replica.
+
+    Returns a handle with ``endpoint = http://{name}.{namespace}.svc:8000`` (reachable from pods
+    in the cluster) and no supervisor PID. ``apps``/``core`` default to the cluster's clients
+    (in-cluster config, else ``~/.kube/config``).
+
+    Raises:
+        ServerStartError: not ready within ``generation.server.startup_timeout_s`` seconds; the message
+            carries each pod's phase and waiting reason. The created objects are deleted first.
+    """
+    apps, core = _clients(apps, core)
+    deployment, service = render_manifests(cfg, run_id, model)
+    namespace, name = cfg.resources.vllm.namespace, deployment["metadata"]["name"]
+    handle = ServerHandle(f"http://{name}.{namespace}.svc:{PORT}", None, None, model, provider="kubernetes",
+                          run_id=run_id)
+    try:
+        apps.create_namespaced_deployment(namespace, deployment)
+        core.create_namespaced_service(namespace, service)
+        deadline = time.monotonic() + cfg.generation.server.startup_timeout_s
+        while time.monotonic() < deadline:
+            status = apps.read_namespaced_deployment_status(name, namespace).status
+            if (status.ready_replicas or 0) >= 1:
+                return handle
+            time.sleep(poll_s)
+        raise ServerStartError(
+            f"vLLM Deployment {namespace}/{name} not ready after {cfg.generation.server.startup_timeout_s:.0f} s "
+            f"(generation.server.startup_timeout_s). Pods:\n{pod_status(core, namespace, run_id)}"
+        )
+    except BaseException:
+        stop_run(namespace, run_id, apps=apps, core=core)
+        raise
+
+
+def stop_run(namespace: str, run_id: str, *, apps: Any = None, core: Any = None) -> int:
+    """Delete every Deployment and Service labelled with this run; returns how many were deleted."""
+    apps, core = _clients(apps, core)
+    selector = f"app.kubernetes.io/managed-by={MANAGED_BY},{RUN_LABEL}={label_value(run_id)}"
+    deleted = 0
+    for obj in apps.list_namespaced_deployment(namespace, label_selector=selector).items:
+        apps.delete_namespaced_deployment(obj.metadata.name, namespace)
+        deleted += 1
+    for obj in core.list_namespaced_service(namespace, label_selector=selector).items:
+        core.delete_namespaced_service(obj.metadata.name, namespace)
+        deleted += 1
+    return deleted
+
+
+def namespace_of(handle: dict) -> str:
+    """The namespace in a handle's endpoint ``http://{name}.{namespace}.svc:{port}``."""
+    return handle["endpoint"].split("//", 1)[1].split(".")[1]
+
+
+def stop(handle: dict, *, apps: Any = None, core: Any = None) -> int:
+    """Delete the objects of the run that started ``handle``; returns how many were deleted."""
+    return stop_run(namespace_of(handle), handle["run_id"], apps=apps, core=core)
+
+
+def is_ready(handle: dict, *, apps: Any = None) -> bool:
+    """True when the handle's Deployment exists and has a ready replica."""
+    from kubernetes.client.exceptions import ApiException
+
+    apps = apps if apps is not None else _clients()[0]
+    name = handle["endpoint"].split("//", 1)[1].split(".")[0]
+    try:
+        status = apps.read_namespaced_deployment_status(name, namespace_of(handle)).status
+    except ApiException as err:
+        if err.status == 404:
+            return False
+        raise
+    return (status.ready_replicas or 0) >= 1

@@ -1,0 +1,151 @@
+"""The ``kubernetes`` generation-server provider against an in-memory fake of the two client APIs it
+calls (no cluster is reachable here): rendered manifests, readiness wait, cleanup on failure."""
+
+import json
+from types import SimpleNamespace as NS
+
+import pytest
+
+from grpo_steps import k8s_provider
+from grpo_steps.config import validate_config
+from grpo_steps.vllm_server import ServerStartError
+
+RUN_ID = "argo-grpoflow-x7k2p"
+
+
+def cluster_config(**generation):
+    return validate_config({
+        "model": {"name_or_path": "Qwen/Qwen2.5-1.5B-Instruct", "dtype": "bfloat16"},
+        "generation": {"provider": "kubernetes", "weight_sync": "nccl",
+                       "server": {"tensor_parallel_size": 2, "startup_timeout_s": 0.05}, **generation},
+        "train": {"processes_per_node": 8, "per_device_train_batch_size": 1, "num_generations": 8},
+        "resources": {"train": {"gpu": 8, "image": "registry.example/grpo:1"},
+                      "vllm": {"gpu": 2, "image": "vllm/vllm-openai:v0.11.0", "namespace": "ml"}},
+    })
+
+
+def _matches(labels: dict, selector: str) -> bool:
+    return all(labels.get(k) == v for k, v in (part.split("=") for part in selector.split(",")))
+
+
+class FakeCluster:
+    """The AppsV1Api + CoreV1Api methods the provider calls, over dicts; ready after ``ready_after`` reads."""
+
+    def __init__(self, ready_after: int | None = 0):
+        self.deployments: dict[tuple, dict] = {}
+        self.services: dict[tuple, dict] = {}
+        self.ready_after, self.reads = ready_after, 0
+
+    # AppsV1Api
+    def create_namespaced_deployment(self, namespace, body):
+        self.deployments[(namespace, body["metadata"]["name"])] = body
+
+    def read_namespaced_deployment_status(self, name, namespace):
+        assert (namespace, name) in self.deployments
+        self.reads += 1
+        ready = self.ready_after is not None and self.reads > self.ready_after
+        return NS(status=NS(ready_replicas=1 if ready else None))
+
+    def list_namespaced_deployment(self, namespace, label_selector):
+        return self._list(self.deployments, namespace, label_selector)
+
+    def delete_namespaced_deployment(self, name, namespace):
+        del self.deployments[(namespace, name)]
+
+    # CoreV1Api
+    def create_namespaced_service(self, namespace, body):
+        self.services[(namespace, body["metadata"]["name"])] = body
+
+    def list_namespaced_service(self, namespace, label_selector):
+        return self._list(self.services, namespace, label_selector)
+
+    def delete_namespaced_service(self, name, namespace):
+        del self.services[(namespace, name)]
+
+    def list_namespaced_pod(self, namespace, label_selector):
+        waiting = NS(reason="ImagePullBackOff", message="pull access denied")
+        status = NS(phase="Pending", container_statuses=[NS(state=NS(waiting=waiting, terminated=None))])
+        return NS(items=[NS(metadata=NS(name="vllm-abc-123"), status=status)])
+
+    @staticmethod
+    def _list(store, namespace, selector):
+        return NS(items=[NS(metadata=NS(name=name)) for (ns, name), body in store.items()
+                         if ns == namespace and _matches(body["metadata"]["labels"], selector)])
+
+
+def test_rendered_deployment_requests_gpus_probes_health_and_carries_the_run_labels():
+    deployment, service = k8s_provider.render_manifests(cluster_config(), RUN_ID, "Qwen/Qwen2.5-1.5B-Instruct")
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert (deployment["kind"], service["kind"]) == ("Deployment", "Service")
+    assert deployment["metadata"]["namespace"] == service["metadata"]["namespace"] == "ml"
+    assert container["image"] == "vllm/vllm-openai:v0.11.0"
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "2"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in container["env"]
+    for obj in (deployment, service, deployment["spec"]["template"]):
+        assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "grpo-pipeline"
+        assert obj["metadata"]["labels"]["grpo-pipeline/run-id"] == RUN_ID
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_server_args_carry_trl_nccl_flags_only_with_nccl_sync():
+    args = k8s_provider.server_args(cluster_config(), "m")
+    flag = {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}
+    assert json.loads(flag["--weight-transfer-config"]) == {"backend": "nccl"}
+    assert flag["--logprobs-mode"] == "processed_logprobs"
+    assert flag["--tensor-parallel-size"] == "2"
+    assert (flag["--model"], flag["--served-model-name"], flag["--host"]) == ("m", "policy", "0.0.0.0")
+    disk = k8s_provider.server_args(cluster_config(weight_sync="disk"), "m")
+    assert "--weight-transfer-config" not in disk
+
+
+def test_no_gpu_request_when_the_server_has_no_gpu():
+    cfg = validate_config({"generation": {"provider": "kubernetes"},
+                           "resources": {"train": {"image": "grpo:1"}, "vllm": {"gpu": 0}}})
+    container = k8s_provider.render_manifests(cfg, RUN_ID, "m")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in container["resources"]["requests"]
+
+
+NAMES = [
+    # (run id, object name)
+    ("1732345678901234", "vllm-1732345678901234"),  # local runtime ids are digits
+    ("argo-grpo.prod.grpoflow-abc", "vllm-argo-grpo-prod-grpoflow-abc"),  # dots are not DNS-1035
+    ("x" * 80, "vllm-" + "x" * 58),  # at most 63 characters
+]
+
+
+@pytest.mark.parametrize(("run_id", "name"), NAMES)
+def test_object_names_are_dns_1035(run_id, name):
+    assert k8s_provider.k8s_name(run_id) == name
+
+
+def test_start_waits_for_a_ready_replica_and_returns_the_service_endpoint():
+    fake = FakeCluster(ready_after=2)
+    cfg = cluster_config(server={"tensor_parallel_size": 2, "startup_timeout_s": 5})
+    handle = k8s_provider.start(cfg, RUN_ID, "m", apps=fake, core=fake, poll_s=0.001)
+    assert fake.reads == 3
+    assert handle.endpoint == f"http://vllm-{RUN_ID}.ml.svc:8000"
+    assert (handle.provider, handle.run_id, handle.supervisor_pid) == ("kubernetes", RUN_ID, None)
+    assert k8s_provider.is_ready(handle.to_dict(), apps=fake)
+    assert k8s_provider.stop(handle.to_dict(), apps=fake, core=fake) == 2
+    assert not fake.deployments and not fake.services
+
+
+def test_start_timeout_reports_pod_status_and_deletes_what_it_created():
+    fake = FakeCluster(ready_after=None)
+    with pytest.raises(ServerStartError) as err:
+        k8s_provider.start(cluster_config(), RUN_ID, "m", apps=fake, core=fake, poll_s=0.001)
+    assert "not ready after" in str(err.value)
+    assert "ImagePullBackOff" in str(err.value)
+    assert not fake.deployments and not fake.services
+
+
+def test_stop_deletes_only_this_runs_objects():
+    fake = FakeCluster()
+    cfg = cluster_config(server={"tensor_parallel_size": 2, "startup_timeout_s": 5})
+    mine = k8s_provider.start(cfg, RUN_ID, "m", apps=fake, core=fake, poll_s=0)
+    k8s_provider.start(cfg, "other-run", "m", apps=fake, core=fake, poll_s=0)
+    assert k8s_provider.stop(mine.to_dict(), apps=fake, core=fake) == 2
+    assert list(fake.deployments) == [("ml", "vllm-other-run")]
