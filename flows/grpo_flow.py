@@ -3,18 +3,32 @@
     python flows/grpo_flow.py run                             # configs/local.yaml
     python flows/grpo_flow.py --config config my.yaml run     # your own config
     python flows/grpo_flow.py resume                          # continue a failed run
+    python flows/grpo_flow.py --config config configs/multinode.yaml argo-workflows create
 
-Each step body only moves artifacts; the work is in ``grpo_steps``.
+Each step body only moves artifacts; the work is in ``grpo_steps``. Decorators read the config:
+``@resources`` (a no-op on the local runtime), ``@retry``, ``@schedule`` and ``@project`` (deployments
+only); ``resources.train.image`` set puts every step on Kubernetes (``grpo_steps.deploy``).
 """
 
-from metaflow import Config, FlowSpec, card, checkpoint, current, model, parallel, step
+from metaflow import (Config, FlowSpec, card, checkpoint, config_expr, current, exit_hook, model, parallel, project,
+                      resources, retry, schedule, step)
 
 import grpo_steps  # noqa: F401  (packaged with the flow: METAFLOW_PACKAGE_POLICY)
 import rewards  # noqa: F401
 from grpo_steps import steps
 from grpo_steps.config import DEFAULT_CONFIG
+from grpo_steps.deploy import OnKubernetes
 
 
+def teardown_server(run=None):
+    """Argo exit hook of a failed run: delete its Kubernetes generation server."""
+    steps.teardown_failed_run(run)
+
+
+@OnKubernetes
+@exit_hook(on_error=[teardown_server])
+@schedule(cron=config_expr("config.schedule.cron"), timezone=config_expr("config.schedule.timezone"), daily=False)
+@project(name=config_expr("config.project"))
 class GRPOFlow(FlowSpec):
     config = Config("config", default=str(DEFAULT_CONFIG), parser="grpo_steps.config.parse_config",
                     help="run config YAML (see configs/ and grpo_steps/config.py)")
@@ -42,6 +56,11 @@ class GRPOFlow(FlowSpec):
         self.server = steps.provision(steps.config_of(self.config), self.model_path, steps.owner_pid())
         self.next(self.train, num_parallel=self.config.train.num_nodes)
 
+    @resources(gpu=config_expr("config.resources.train.gpu"), cpu=config_expr("config.resources.train.cpu"),
+               memory=config_expr("config.resources.train.memory_mib"),
+               shared_memory=config_expr("config.resources.train.shared_memory_mib"),
+               disk=config_expr("config.resources.train.disk_mib"))
+    @retry(times=config_expr("config.train.retries"))
     @checkpoint(load_policy="fresh")
     @model
     @parallel

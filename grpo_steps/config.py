@@ -234,15 +234,15 @@ class VLLMResources(_Section):
     """Memory of the generation server pod, MiB."""
     image: str = "vllm/vllm-openai:v0.11.0"
     """Image of the generation server pod (provider ``kubernetes``)."""
-    namespace: str = "default"
-    """Kubernetes namespace of the server's Deployment and Service (the flow's service account
-    needs the role in ``infra/k8s/rbac.yaml`` there)."""
     model_volume_claim: str | None = None
     """PersistentVolumeClaim mounted at ``/models`` read-only, holding weights that are not a Hugging
     Face id; null: ``model.name_or_path`` must be a Hugging Face id the pod can download."""
 
 
 class ResourcesConfig(_Section):
+    namespace: str = "default"
+    """Kubernetes namespace of the flow's pods and the server's Deployment and Service (the flow's
+    service account needs the role in ``infra/k8s/rbac.yaml`` there)."""
     train: TrainNodeResources = TrainNodeResources()
     """Per training node (the ``@parallel`` gang has ``train.num_nodes`` of them)."""
     vllm: VLLMResources = VLLMResources()

@@ -67,7 +67,7 @@ def render_manifests(cfg: PipelineConfig, run_id: str, model: str, template: Pat
     """
     res = cfg.resources.vllm
     text = string.Template(template.read_text()).substitute(
-        name=k8s_name(run_id), namespace=res.namespace, run_id=label_value(run_id), image=res.image,
+        name=k8s_name(run_id), namespace=cfg.resources.namespace, run_id=label_value(run_id), image=res.image,
         port=PORT, cpu=res.cpu, memory_mib=res.memory_mib, gpu=res.gpu)
     deployment, service = yaml.safe_load_all(text)
     pod = deployment["spec"]["template"]["spec"]
@@ -125,7 +125,7 @@ def start(cfg: PipelineConfig, run_id: str, model: str, *, apps: Any = None, cor
     """
     apps, core = _clients(apps, core)
     deployment, service = render_manifests(cfg, run_id, model)
-    namespace, name = cfg.resources.vllm.namespace, deployment["metadata"]["name"]
+    namespace, name = cfg.resources.namespace, deployment["metadata"]["name"]
     handle = ServerHandle(f"http://{name}.{namespace}.svc:{PORT}", None, None, model, provider="kubernetes",
                           run_id=run_id)
     try:

@@ -20,7 +20,7 @@ def cluster_config(**generation):
                        "server": {"tensor_parallel_size": 2, "startup_timeout_s": 0.05}, **generation},
         "train": {"processes_per_node": 8, "per_device_train_batch_size": 1, "num_generations": 8},
         "resources": {"train": {"gpu": 8, "image": "registry.example/grpo:1"},
-                      "vllm": {"gpu": 2, "image": "vllm/vllm-openai:v0.11.0", "namespace": "ml"}},
+                      "vllm": {"gpu": 2, "image": "vllm/vllm-openai:v0.11.0"}, "namespace": "ml"},
     })
 
 

@@ -1,0 +1,25 @@
+"""Put the flow on Kubernetes when the run config names an image: a Metaflow ``FlowMutator``.
+
+A config whose ``resources.train.image`` is set targets a cluster: every step gets
+``@kubernetes(image=...)`` (and the namespace of ``resources.namespace``), so
+``python flows/grpo_flow.py --config config configs/multinode.yaml run`` runs each step in a pod and
+``argo-workflows create`` deploys the same. Node sizes come from the ``@resources`` decorator of
+``train``, which ``@kubernetes`` reads (Metaflow takes the larger of the two). Configs without an
+image (``configs/local.yaml``, ``configs/test.yaml``) leave the flow untouched: steps run locally.
+"""
+
+from __future__ import annotations
+
+from metaflow import FlowMutator
+
+
+class OnKubernetes(FlowMutator):
+    """Add ``@kubernetes(image=config.resources.train.image)`` to every step when the image is set."""
+
+    def pre_mutate(self, mutable_flow) -> None:
+        config = dict(mutable_flow.configs).get("config")
+        if config is None or not config.resources.train.image:
+            return
+        kwargs = {"image": config.resources.train.image, "namespace": config.resources.namespace}
+        for _name, mutable_step in mutable_flow.steps:
+            mutable_step.add_decorator("kubernetes", deco_kwargs=kwargs)

@@ -1,0 +1,95 @@
+"""``argo-workflows create --only-json`` for configs/multinode.yaml: the WorkflowTemplate Metaflow 2.19
+renders (the train gang is a JobSet in a resource template) carries the config's node sizes, image,
+retries, schedule and project. Rendering uploads the code package to the S3 datastore, so a local
+S3 server (SeaweedFS, loopback) stands in for the bucket; nothing else is reached."""
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+
+import pytest
+import yaml
+
+from grpo_steps.config import REPO_ROOT, load_config
+
+pytestmark = pytest.mark.s3
+CONFIG = REPO_ROOT / "configs" / "multinode.yaml"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    from grpo_steps import local_s3
+
+    server = local_s3.start(tmp_path_factory.mktemp("s3"))
+    yield server
+    local_s3.stop(server)
+
+
+@pytest.fixture(scope="module")
+def rendered(s3, tmp_path_factory):
+    """(WorkflowTemplate dict, train JobSet dict with Argo ``{{...}}`` expressions replaced by ARGO)."""
+    metaflow_config = json.loads((REPO_ROOT / "infra" / "metaflow" / "config-k8s-argo.json").read_text())
+    env = {**os.environ, **{k: str(v) for k, v in metaflow_config.items()}, **s3.env(), "METAFLOW_USER": "ci"}
+    cmd = [sys.executable, str(REPO_ROOT / "flows" / "grpo_flow.py"), "--no-pylint", "--config", "config",
+           str(CONFIG), "argo-workflows", "create", "--only-json"]
+    out = subprocess.run(cmd, env=env, cwd=tmp_path_factory.mktemp("cwd"), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    template = json.loads(out.stdout)
+    train = next(t for t in template["spec"]["templates"] if t["name"] == "train")
+    jobset = yaml.safe_load(re.sub(r"\{\{[^}]*\}\}", "ARGO", train["resource"]["manifest"]))
+    return template, train, jobset
+
+
+def test_train_gang_is_a_jobset_with_the_configured_node_size(rendered):
+    _, train, jobset = rendered
+    cfg = load_config(CONFIG)
+    assert jobset["kind"] == "JobSet"
+    jobs = {job["name"]: job for job in jobset["spec"]["replicatedJobs"]}
+    assert set(jobs) == {"control", "worker"} and jobs["control"]["replicas"] == 1
+    for job in jobs.values():
+        pod = job["template"]["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert container["image"] == cfg.resources.train.image
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == str(cfg.resources.train.gpu)
+        assert float(container["resources"]["requests"]["memory"].rstrip("M")) == cfg.resources.train.memory_mib
+        assert float(container["resources"]["requests"]["cpu"]) == cfg.resources.train.cpu
+        shm = next(v for v in pod["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory")
+        assert shm["emptyDir"]["sizeLimit"] == f"{cfg.resources.train.shared_memory_mib}Mi"
+        assert {"mountPath": "/dev/shm", "name": shm["name"]} in container["volumeMounts"]
+    assert train["retryStrategy"]["limit"] == cfg.train.retries
+
+
+def test_worker_count_is_num_parallel_minus_one_from_the_deployed_config(rendered, s3):
+    import boto3
+
+    template, train, jobset = rendered
+    gang = next(t for t in template["spec"]["templates"] if t["name"].endswith("-foreach-parallel"))
+    args = {p["name"]: p["value"] for p in gang["dag"]["tasks"][0]["arguments"]["parameters"]}
+    assert "sub(sprig.int(inputs.parameters['num-parallel']),1)" in args["workerCount"]
+    # num-parallel is what provision_vllm passes (config.train.num_nodes) in the config baked into the package
+    container = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+    url = next(e["value"] for e in container["env"] if e["name"] == "METAFLOW_CODE_URL")
+    bucket, key = url.removeprefix("s3://").split("/", 1)
+    client = boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=s3.access_key,
+                          aws_secret_access_key=s3.secret_key, region_name="us-east-1")
+    blob = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        baked = json.load(tar.extractfile(".mf_meta/CONFIG"))
+    assert baked["user_configs"]["config"][0]["train"]["num_nodes"] == load_config(CONFIG).train.num_nodes == 4
+
+
+def test_schedule_and_project_come_from_the_config(rendered):
+    template, _, _ = rendered
+    cfg = load_config(CONFIG)
+    cron = json.loads(template["metadata"]["annotations"]["metaflow/cron"])
+    assert cron == {"schedule": cfg.schedule.cron, "tz": cfg.schedule.timezone}
+    assert template["metadata"]["name"].startswith(f"{cfg.project}.user.ci.")
+    assert template["metadata"]["namespace"] == cfg.resources.namespace
+    for step in ("start", "prepare-data", "evaluate", "register", "end"):
+        spec = next(t for t in template["spec"]["templates"] if t["name"] == step)
+        assert spec["container"]["image"] == cfg.resources.train.image
