@@ -10,8 +10,22 @@ Each step body only moves artifacts; the work is in ``grpo_steps``. Decorators r
 only); ``resources.train.image`` set puts every step on Kubernetes (``grpo_steps.deploy``).
 """
 
-from metaflow import (Config, FlowSpec, card, checkpoint, config_expr, current, exit_hook, model, parallel, project,
-                      resources, retry, schedule, step)
+from metaflow import (
+    Config,
+    FlowSpec,
+    card,
+    checkpoint,
+    config_expr,
+    current,
+    exit_hook,
+    model,
+    parallel,
+    project,
+    resources,
+    retry,
+    schedule,
+    step,
+)
 
 import grpo_steps  # noqa: F401  (packaged with the flow: METAFLOW_PACKAGE_POLICY)
 import rewards  # noqa: F401

@@ -6,6 +6,7 @@ Each node of the ``@parallel`` gang runs one launcher as machine ``node_index`` 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -34,9 +35,26 @@ def accelerate_command(job_file: str | Path, *, num_nodes: int, processes_per_no
     return cmd + ["--module", "grpo_steps.train", str(job_file)]
 
 
-def launch(job: TrainJob, *, node_index: int = 0, main_ip: str = "127.0.0.1", main_port: int = 29500,
+def rendezvous_port(configured: int, run_key: str | None) -> int:
+    """Port of node 0's rendezvous: ``train.main_process_port`` when set, else one derived from the run
+    (every node of a gang computes the same, in 29500..49499), so simulated nodes of concurrent local
+    runs on one machine do not collide. Without a run key: 29500 (accelerate's default).
+
+    >>> rendezvous_port(1234, "r1"), rendezvous_port(0, None)
+    (1234, 29500)
+    """
+    if configured:
+        return configured
+    if not run_key:
+        return 29500
+    return 29500 + int(hashlib.sha256(run_key.encode()).hexdigest(), 16) % 20000
+
+
+def launch(job: TrainJob, *, node_index: int = 0, main_ip: str = "127.0.0.1", main_port: int | None = None,
            env: dict[str, str] | None = None) -> None:
     """Write the job file into ``job.output_dir`` and run this node's training process to the end.
+
+    ``main_port`` defaults to :func:`rendezvous_port` of the config and the MLflow run id (shared by the gang).
 
     Raises:
         TrainingFailed: the process exited non-zero (its output went to this process's stdout).
@@ -48,6 +66,7 @@ def launch(job: TrainJob, *, node_index: int = 0, main_ip: str = "127.0.0.1", ma
     out.mkdir(parents=True, exist_ok=True)
     job_file = out / f"job-node{node_index}.json"
     job_file.write_text(job.model_dump_json(indent=2))
+    main_port = main_port or rendezvous_port(train.main_process_port, job.mlflow_run_id)
     deepspeed_config = str(REPO_ROOT / "infra" / "deepspeed_zero3.json") if train.deepspeed else None
     cmd = accelerate_command(job_file, num_nodes=train.num_nodes, processes_per_node=train.processes_per_node,
                              node_index=node_index, main_ip=main_ip, main_port=main_port,
