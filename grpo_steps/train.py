@@ -127,6 +127,8 @@ def grpo_args(job: TrainJob) -> Any:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
+    if gen.weight_sync == "nccl":  # TRL's own server mode: generation + NCCL weight transfer (GPUs only)
+        kwargs.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=job.endpoint)
     if train.deepspeed:
         from grpo_steps.config import REPO_ROOT
 
@@ -163,7 +165,7 @@ def run(job: TrainJob) -> str:
     dataset = Dataset.from_list(rows)
 
     rollout = None
-    if cfg.generation.backend == "vllm":
+    if cfg.generation.backend == "vllm" and cfg.generation.weight_sync == "disk":
         from grpo_steps.weight_sync import VLLMClient
 
         rollout = VLLMRollout(VLLMClient(job.endpoint), tokenizer, Path(job.output_dir) / "weight-sync",
