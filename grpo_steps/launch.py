@@ -28,10 +28,11 @@ def accelerate_command(job_file: str | Path, *, num_nodes: int, processes_per_no
            "--num_processes", str(num_nodes * processes_per_node),
            "--main_process_ip", main_ip, "--main_process_port", str(main_port),
            "--mixed_precision", "no", "--dynamo_backend", "no"]
-    if use_cpu:
+    if deepspeed_config:  # accelerate refuses --cpu with it; the trainer sets use_cpu (grpo_steps.train)
+        cmd += ["--use_deepspeed", "--deepspeed_config_file", deepspeed_config,
+                "--deepspeed_multinode_launcher", "standard"]  # one launcher per node, no pdsh/ssh
+    elif use_cpu:
         cmd.append("--cpu")
-    if deepspeed_config:
-        cmd += ["--use_deepspeed", "--deepspeed_config_file", deepspeed_config]
     return cmd + ["--module", "grpo_steps.train", str(job_file)]
 
 

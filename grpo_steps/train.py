@@ -155,6 +155,10 @@ def run(job: TrainJob) -> str:
 
     cfg = job.config
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    if cfg.train.deepspeed and not torch.cuda.is_available():
+        import deepspeed  # ZeRO-3 on CPU: gloo must be up before GRPOConfig picks the backend
+
+        deepspeed.comm.init_distributed(dist_backend="gloo")
     args = grpo_args(job)
     tokenizer = AutoTokenizer.from_pretrained(job.model_path)
     if tokenizer.pad_token is None:

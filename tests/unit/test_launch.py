@@ -1,0 +1,30 @@
+"""The ``accelerate launch`` command line of one node and the gang's rendezvous port."""
+
+import pytest
+
+from grpo_steps.launch import accelerate_command, rendezvous_port
+
+COMMANDS = [
+    # (deepspeed config, use_cpu, flags that must be there, flags that must not)
+    (None, True, ["--cpu"], ["--use_deepspeed"]),  # plain DDP on CPU
+    ("ds.json", True, ["--use_deepspeed", "--deepspeed_multinode_launcher"], ["--cpu"]),  # accelerate refuses both
+    (None, False, [], ["--cpu", "--use_deepspeed"]),  # GPUs, DDP
+]
+
+
+@pytest.mark.parametrize(("ds", "use_cpu", "present", "absent"), COMMANDS)
+def test_accelerate_command_flags(ds, use_cpu, present, absent):
+    cmd = accelerate_command("job.json", num_nodes=2, processes_per_node=4, node_index=1, main_ip="10.0.0.5",
+                             main_port=29999, use_cpu=use_cpu, deepspeed_config=ds)
+    flags = dict(zip(cmd, cmd[1:], strict=False))
+    assert (flags["--num_machines"], flags["--machine_rank"], flags["--num_processes"]) == ("2", "1", "8")
+    assert (flags["--main_process_ip"], flags["--main_process_port"]) == ("10.0.0.5", "29999")
+    assert all(f in cmd for f in present) and not any(f in cmd for f in absent)
+    assert cmd[-3:] == ["--module", "grpo_steps.train", "job.json"]
+
+
+def test_rendezvous_port_is_shared_by_a_gang_and_differs_between_runs():
+    ports = {rendezvous_port(0, f"run-{i}") for i in range(50)}
+    assert rendezvous_port(0, "run-7") == rendezvous_port(0, "run-7")  # every node computes the same
+    assert len(ports) > 45 and all(29500 <= p < 49500 for p in ports)
+    assert rendezvous_port(31000, "run-7") == 31000  # train.main_process_port wins
