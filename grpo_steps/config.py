@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,6 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "local.yaml"
+INFRA_DIR = Path(os.environ.get("GRPO_INFRA_DIR") or REPO_ROOT / "infra")
+"""DeepSpeed config and Kubernetes templates. Metaflow's code package carries only the Python modules,
+so the image sets ``GRPO_INFRA_DIR`` to its copy of ``infra/`` (see ``infra/Dockerfile``)."""
 
 
 class ConfigError(ValueError):

@@ -22,10 +22,10 @@ from typing import Any
 
 import yaml
 
-from grpo_steps.config import REPO_ROOT, PipelineConfig
+from grpo_steps.config import INFRA_DIR, PipelineConfig
 from grpo_steps.vllm_server import SERVED_MODEL_NAME, ServerHandle, ServerStartError
 
-TEMPLATE = REPO_ROOT / "infra" / "k8s" / "vllm-server.yaml"
+TEMPLATE = INFRA_DIR / "k8s" / "vllm-server.yaml"
 MANAGED_BY = "grpo-pipeline"
 RUN_LABEL = "grpo-pipeline/run-id"
 PORT = 8000

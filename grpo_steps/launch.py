@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from grpo_steps.config import REPO_ROOT
+from grpo_steps.config import INFRA_DIR
 from grpo_steps.train import TrainJob
 
 
@@ -68,7 +68,7 @@ def launch(job: TrainJob, *, node_index: int = 0, main_ip: str = "127.0.0.1", ma
     job_file = out / f"job-node{node_index}.json"
     job_file.write_text(job.model_dump_json(indent=2))
     main_port = main_port or rendezvous_port(train.main_process_port, job.mlflow_run_id)
-    deepspeed_config = str(REPO_ROOT / "infra" / "deepspeed_zero3.json") if train.deepspeed else None
+    deepspeed_config = str(INFRA_DIR / "deepspeed_zero3.json") if train.deepspeed else None
     cmd = accelerate_command(job_file, num_nodes=train.num_nodes, processes_per_node=train.processes_per_node,
                              node_index=node_index, main_ip=main_ip, main_port=main_port,
                              use_cpu=not torch.cuda.is_available(), deepspeed_config=deepspeed_config)

@@ -130,9 +130,9 @@ def grpo_args(job: TrainJob) -> Any:
     if gen.weight_sync == "nccl":  # TRL's own server mode: generation + NCCL weight transfer (GPUs only)
         kwargs.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=job.endpoint)
     if train.deepspeed:
-        from grpo_steps.config import REPO_ROOT
+        from grpo_steps.config import INFRA_DIR
 
-        kwargs["deepspeed"] = str(REPO_ROOT / "infra" / "deepspeed_zero3.json")
+        kwargs["deepspeed"] = str(INFRA_DIR / "deepspeed_zero3.json")
     known = {f.name for f in dataclasses.fields(GRPOConfig)}
     unknown = sorted(set(train.grpo) - known)
     if unknown:
