@@ -238,15 +238,16 @@ class VLLMResources(_Section):
     """Memory of the generation server pod, MiB."""
     image: str = "vllm/vllm-openai:v0.11.0"
     """Image of the generation server pod (provider ``kubernetes``)."""
-    model_volume_claim: str | None = None
-    """PersistentVolumeClaim mounted at ``/models`` read-only, holding weights that are not a Hugging
-    Face id; null: ``model.name_or_path`` must be a Hugging Face id the pod can download."""
 
 
 class ResourcesConfig(_Section):
     namespace: str = "default"
     """Kubernetes namespace of the flow's pods and the server's Deployment and Service (the flow's
     service account needs the role in ``infra/k8s/rbac.yaml`` there)."""
+    shared_volume_claim: str | None = None
+    """A ReadWriteMany PersistentVolumeClaim mounted at ``/shared`` in every flow pod and in the
+    generation server pod: evaluation stages the baseline and trained weights there for the server's
+    ``reload_weights``. Needed by provider ``kubernetes``."""
     train: TrainNodeResources = TrainNodeResources()
     """Per training node (the ``@parallel`` gang has ``train.num_nodes`` of them)."""
     vllm: VLLMResources = VLLMResources()
@@ -303,6 +304,12 @@ class PipelineConfig(_Section):
             if gen.server.tensor_parallel_size > max(res.vllm.gpu, 1):
                 raise ValueError(f"generation.server.tensor_parallel_size ({gen.server.tensor_parallel_size}) "
                                  f"needs as many GPUs: raise resources.vllm.gpu ({res.vllm.gpu})")
+            if not res.shared_volume_claim:
+                raise ValueError("generation.provider 'kubernetes': the server reloads weights from paths the flow "
+                                 "writes; set resources.shared_volume_claim to a ReadWriteMany PVC")
+            if gen.backend == "vllm" and gen.weight_sync == "disk":
+                raise ValueError("generation.provider 'kubernetes' with backend 'vllm': use weight_sync 'nccl' "
+                                 "(disk sync writes to the trainer's local scratch directory)")
             if not res.train.image:
                 raise ValueError("generation.provider 'kubernetes' needs the flow on the cluster (the server is "
                                  "reached by its Service name): set resources.train.image")

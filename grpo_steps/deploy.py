@@ -1,7 +1,7 @@
 """Put the flow on Kubernetes when the run config names an image: a Metaflow ``FlowMutator``.
 
 A config whose ``resources.train.image`` is set targets a cluster: every step gets
-``@kubernetes(image=...)`` (and the namespace of ``resources.namespace``), so
+``@kubernetes(image=...)`` (with ``resources.namespace`` and the shared volume at ``/shared``), so
 ``python flows/grpo_flow.py --config config configs/multinode.yaml run`` runs each step in a pod and
 ``argo-workflows create`` deploys the same. Node sizes come from the ``@resources`` decorator of
 ``train``, which ``@kubernetes`` reads (Metaflow takes the larger of the two). Configs without an
@@ -21,5 +21,7 @@ class OnKubernetes(FlowMutator):
         if config is None or not config.resources.train.image:
             return
         kwargs = {"image": config.resources.train.image, "namespace": config.resources.namespace}
+        if config.resources.shared_volume_claim:
+            kwargs["persistent_volume_claims"] = {config.resources.shared_volume_claim: "/shared"}
         for _name, mutable_step in mutable_flow.steps:
             mutable_step.add_decorator("kubernetes", deco_kwargs=kwargs)

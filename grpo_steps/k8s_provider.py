@@ -29,7 +29,7 @@ TEMPLATE = INFRA_DIR / "k8s" / "vllm-server.yaml"
 MANAGED_BY = "grpo-pipeline"
 RUN_LABEL = "grpo-pipeline/run-id"
 PORT = 8000
-MODELS_MOUNT = "/models"
+SHARED_MOUNT = "/shared"
 
 
 def k8s_name(run_id: str, prefix: str = "vllm") -> str:
@@ -62,8 +62,8 @@ def server_args(cfg: PipelineConfig, model: str) -> list[str]:
 def render_manifests(cfg: PipelineConfig, run_id: str, model: str, template: Path = TEMPLATE) -> list[dict]:
     """``[Deployment, Service]`` of a run's generation server, as dicts ready for the client.
 
-    ``model`` is a Hugging Face id, or a path under ``/models`` when ``resources.vllm.model_volume_claim``
-    is set (mounted there read-only). No GPU request is written when ``resources.vllm.gpu`` is 0.
+    ``model`` is a Hugging Face id or a path under ``/shared``, where ``resources.shared_volume_claim`` is
+    mounted. No GPU request is written when ``resources.vllm.gpu`` is 0.
     """
     res = cfg.resources.vllm
     text = string.Template(template.read_text()).substitute(
@@ -76,11 +76,23 @@ def render_manifests(cfg: PipelineConfig, run_id: str, model: str, template: Pat
     if not res.gpu:
         for section in container["resources"].values():
             section.pop("nvidia.com/gpu")
-    if res.model_volume_claim:
-        pod["volumes"].append({"name": "models", "persistentVolumeClaim": {"claimName": res.model_volume_claim,
-                                                                            "readOnly": True}})
-        container["volumeMounts"].append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
+    claim = cfg.resources.shared_volume_claim
+    if claim:
+        pod["volumes"].append({"name": "shared", "persistentVolumeClaim": {"claimName": claim}})
+        container["volumeMounts"].append({"name": "shared", "mountPath": SHARED_MOUNT})
     return [deployment, service]
+
+
+def stage_weights(src: str, run_id: str, label: str, root: str = SHARED_MOUNT) -> str:
+    """Copy a weights directory to ``{root}/grpo/{run_id}/{label}`` on the shared volume, where the
+    server pod can read it; returns that path (replaced when it exists)."""
+    import shutil
+
+    dest = Path(root) / "grpo" / label_value(run_id) / label
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(src, dest)
+    return str(dest)
 
 
 def _clients(apps: Any = None, core: Any = None) -> tuple[Any, Any]:

@@ -66,7 +66,7 @@ def provision(cfg: PipelineConfig, model_path: str, owner_pid: int) -> dict:
     if gen.provider == "kubernetes":
         from grpo_steps import k8s_provider
 
-        model = model_path if model_path.startswith(k8s_provider.MODELS_MOUNT) else cfg.model.name_or_path
+        model = model_path if model_path.startswith(k8s_provider.SHARED_MOUNT) else cfg.model.name_or_path
         return k8s_provider.start(cfg, metaflow_run_id(), model).to_dict()
     log_dir = Path(tempfile.gettempdir()) / "grpo-vllm-logs"
     handle = vllm_server.start_local(model_path, gen.server, max_model_len=cfg.model.max_model_len,
@@ -152,6 +152,10 @@ def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
     tokenizer = AutoTokenizer.from_pretrained(base_model)
     report = {}
     for label, weights in (("baseline", base_model), ("trained", trained_model)):
+        if server.get("provider") == "kubernetes":  # the server pod reads the shared volume only
+            from grpo_steps.k8s_provider import stage_weights
+
+            weights = stage_weights(weights, server["run_id"], label)
         client.reload_weights(weights)
         report[label] = evaluate_policy(cfg, client, tokenizer, eval_rows)
         tracking.log_metrics(cfg, run_id, {f"eval/{label}/{k}": v for k, v in report[label]["metrics"].items()})

@@ -61,6 +61,8 @@ def test_train_gang_is_a_jobset_with_the_configured_node_size(rendered):
         shm = next(v for v in pod["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory")
         assert shm["emptyDir"]["sizeLimit"] == f"{cfg.resources.train.shared_memory_mib}Mi"
         assert {"mountPath": "/dev/shm", "name": shm["name"]} in container["volumeMounts"]
+        claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v]
+        assert claims == [cfg.resources.shared_volume_claim]
     assert train["retryStrategy"]["limit"] == cfg.train.retries
 
 

@@ -20,7 +20,8 @@ def cluster_config(**generation):
                        "server": {"tensor_parallel_size": 2, "startup_timeout_s": 0.05}, **generation},
         "train": {"processes_per_node": 8, "per_device_train_batch_size": 1, "num_generations": 8},
         "resources": {"train": {"gpu": 8, "image": "registry.example/grpo:1"},
-                      "vllm": {"gpu": 2, "image": "vllm/vllm-openai:v0.11.0"}, "namespace": "ml"},
+                      "vllm": {"gpu": 2, "image": "vllm/vllm-openai:v0.11.0"}, "namespace": "ml",
+                      "shared_volume_claim": "grpo-shared"},
     })
 
 
@@ -88,6 +89,18 @@ def test_rendered_deployment_requests_gpus_probes_health_and_carries_the_run_lab
         assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "grpo-pipeline"
         assert obj["metadata"]["labels"]["grpo-pipeline/run-id"] == RUN_ID
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert {"name": "shared", "persistentVolumeClaim": {"claimName": "grpo-shared"}} in pod["volumes"]
+    assert {"name": "shared", "mountPath": "/shared"} in container["volumeMounts"]
+
+
+def test_stage_weights_copies_to_the_runs_folder_on_the_shared_volume(tmp_path):
+    src = tmp_path / "final"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"w1")
+    for _ in range(2):  # a retried evaluate replaces the earlier copy
+        dest = k8s_provider.stage_weights(str(src), RUN_ID, "trained", root=str(tmp_path / "shared"))
+    assert dest == str(tmp_path / "shared" / "grpo" / RUN_ID / "trained")
+    assert (tmp_path / "shared" / "grpo" / RUN_ID / "trained" / "model.safetensors").read_bytes() == b"w1"
 
 
 def test_server_args_carry_trl_nccl_flags_only_with_nccl_sync():
@@ -97,13 +110,13 @@ def test_server_args_carry_trl_nccl_flags_only_with_nccl_sync():
     assert flag["--logprobs-mode"] == "processed_logprobs"
     assert flag["--tensor-parallel-size"] == "2"
     assert (flag["--model"], flag["--served-model-name"], flag["--host"]) == ("m", "policy", "0.0.0.0")
-    disk = k8s_provider.server_args(cluster_config(weight_sync="disk"), "m")
+    disk = k8s_provider.server_args(cluster_config(weight_sync="disk", backend="hf"), "m")
     assert "--weight-transfer-config" not in disk
 
 
 def test_no_gpu_request_when_the_server_has_no_gpu():
-    cfg = validate_config({"generation": {"provider": "kubernetes"},
-                           "resources": {"train": {"image": "grpo:1"}, "vllm": {"gpu": 0}}})
+    cfg = validate_config({"generation": {"provider": "kubernetes", "backend": "hf"},
+                           "resources": {"train": {"image": "grpo:1"}, "vllm": {"gpu": 0}, "shared_volume_claim": "s"}})
     container = k8s_provider.render_manifests(cfg, RUN_ID, "m")[0]["spec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in container["resources"]["requests"]
 
