@@ -61,6 +61,7 @@ def test_train_gang_is_a_jobset_with_the_configured_node_size(rendered):
         shm = next(v for v in pod["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory")
         assert shm["emptyDir"]["sizeLimit"] == f"{cfg.resources.train.shared_memory_mib}Mi"
         assert {"mountPath": "/dev/shm", "name": shm["name"]} in container["volumeMounts"]
+        assert pod["serviceAccountName"] == "grpo-flow"  # ensure_server reads the server's Deployment
         claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v]
         assert claims == [cfg.resources.shared_volume_claim]
     assert train["retryStrategy"]["limit"] == cfg.train.retries
@@ -95,3 +96,14 @@ def test_schedule_and_project_come_from_the_config(rendered):
     for step in ("start", "prepare-data", "evaluate", "register", "end"):
         spec = next(t for t in template["spec"]["templates"] if t["name"] == step)
         assert spec["container"]["image"] == cfg.resources.train.image
+
+
+def test_a_failed_workflow_runs_the_server_teardown_hook_as_the_flows_service_account(rendered):
+    template, _, _ = rendered
+    hook = template["spec"]["hooks"]["error-teardown-server"]
+    assert "Failed" in hook["expression"]
+    spec = next(t for t in template["spec"]["templates"] if t["name"] == hook["template"])
+    assert "exit_hook_script grpo_flow.py teardown_server" in spec["container"]["command"][-1]
+    assert spec["container"]["image"] == load_config(CONFIG).resources.train.image
+    start = next(t for t in template["spec"]["templates"] if t["name"] == "start")
+    assert start["serviceAccountName"] == "grpo-flow"  # infra/k8s/rbac.yaml lets it manage the server
