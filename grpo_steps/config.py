@@ -236,7 +236,7 @@ class VLLMResources(_Section):
     cpu: int = Field(4, ge=1)
     memory_mib: int = Field(16384, ge=512)
     """Memory of the generation server pod, MiB."""
-    image: str = "vllm/vllm-openai:v0.11.0"
+    image: str = "vllm/vllm-openai:v0.32.0"
     """Image of the generation server pod (provider ``kubernetes``)."""
 
 

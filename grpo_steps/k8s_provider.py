@@ -7,8 +7,8 @@ whose endpoint is the Service's cluster DNS name. On a timeout it raises with th
 deletes what it created; :func:`stop` deletes a run's objects by their labels (``end``, failures).
 
 Flags for ``nccl`` weight sync are the ones TRL's ``vllm-serve`` wrapper passes (trl/scripts/vllm_serve.py,
-TRL 1.16): ``--weight-transfer-config '{"backend":"nccl"}' --logprobs-mode processed_logprobs
---max-logprobs -1``, with ``VLLM_SERVER_DEV_MODE=1`` in the template.
+TRL 1.16, for vLLM >= 0.30): ``--enable-scale-out --weight-transfer-config '{"backend":"nccl"}'
+--logprobs-mode processed_logprobs --max-logprobs -1``, with ``VLLM_SERVER_DEV_MODE=1`` in the template.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def server_args(cfg: PipelineConfig, model: str) -> list[str]:
             "--dtype", cfg.model.dtype, "--max-model-len", str(cfg.model.max_model_len), "--seed", "0",
             "--tensor-parallel-size", str(gen.server.tensor_parallel_size), "--logprobs-mode", "processed_logprobs"]
     if gen.weight_sync == "nccl":
-        args += ["--weight-transfer-config", json.dumps({"backend": "nccl"}), "--max-logprobs", "-1"]
+        args += ["--enable-scale-out", "--weight-transfer-config", json.dumps({"backend": "nccl"}),
+                 "--max-logprobs", "-1"]
     if gen.server.enforce_eager:
         args.append("--enforce-eager")
     return args + list(gen.server.extra_args)

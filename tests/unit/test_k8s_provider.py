@@ -20,7 +20,7 @@ def cluster_config(**generation):
                        "server": {"tensor_parallel_size": 2, "startup_timeout_s": 0.05}, **generation},
         "train": {"processes_per_node": 8, "per_device_train_batch_size": 1, "num_generations": 8},
         "resources": {"train": {"gpu": 8, "image": "registry.example/grpo:1"},
-                      "vllm": {"gpu": 2, "image": "vllm/vllm-openai:v0.11.0"}, "namespace": "ml",
+                      "vllm": {"gpu": 2, "image": "vllm/vllm-openai:v0.32.0"}, "namespace": "ml",
                       "shared_volume_claim": "grpo-shared"},
     })
 
@@ -80,7 +80,7 @@ def test_rendered_deployment_requests_gpus_probes_health_and_carries_the_run_lab
     container = pod["containers"][0]
     assert (deployment["kind"], service["kind"]) == ("Deployment", "Service")
     assert deployment["metadata"]["namespace"] == service["metadata"]["namespace"] == "ml"
-    assert container["image"] == "vllm/vllm-openai:v0.11.0"
+    assert container["image"] == "vllm/vllm-openai:v0.32.0"
     assert container["resources"]["requests"]["nvidia.com/gpu"] == "2"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
@@ -108,6 +108,7 @@ def test_server_args_carry_trl_nccl_flags_only_with_nccl_sync():
     flag = {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}
     assert json.loads(flag["--weight-transfer-config"]) == {"backend": "nccl"}
     assert flag["--logprobs-mode"] == "processed_logprobs"
+    assert "--enable-scale-out" in args  # TRL's vllm-serve adds it for vLLM >= 0.30
     assert flag["--tensor-parallel-size"] == "2"
     assert (flag["--model"], flag["--served-model-name"], flag["--host"]) == ("m", "policy", "0.0.0.0")
     disk = k8s_provider.server_args(cluster_config(weight_sync="disk", backend="hf"), "m")
