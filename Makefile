@@ -5,6 +5,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 CONFIG ?= configs/local.yaml
+# Metaflow's local @parallel starts the gang's other nodes with `python` from PATH: the venv's.
+export PATH := $(abspath $(BIN)):$(PATH)
 # Metaflow needs a user name that is not root.
 export METAFLOW_USER ?= $(if $(filter-out root,$(USER)),$(USER),grpo)
 

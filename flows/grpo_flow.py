@@ -17,7 +17,6 @@ from metaflow import (
     checkpoint,
     config_expr,
     current,
-    exit_hook,
     model,
     parallel,
     project,
@@ -35,12 +34,11 @@ from grpo_steps.deploy import OnKubernetes
 
 
 def teardown_server(run=None):
-    """Argo exit hook of a failed run: delete its Kubernetes generation server."""
+    """Exit hook of a failed run (added by OnKubernetes with provider kubernetes): delete its server."""
     steps.teardown_failed_run(run)
 
 
 @OnKubernetes
-@exit_hook(on_error=[teardown_server])
 @schedule(cron=config_expr("config.schedule.cron"), timezone=config_expr("config.schedule.timezone"), daily=False)
 @project(name=config_expr("config.project"))
 class GRPOFlow(FlowSpec):

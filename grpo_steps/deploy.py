@@ -14,12 +14,19 @@ from metaflow import FlowMutator
 
 
 class OnKubernetes(FlowMutator):
-    """Add ``@kubernetes(image=config.resources.train.image)`` to every step when the image is set."""
+    """Add ``@kubernetes(image=config.resources.train.image)`` to every step when the image is set, and
+    with ``generation.provider: kubernetes`` an ``@exit_hook`` that deletes a failed run's server (the
+    flow file's ``teardown_server``; the hook looks it up in the flow file, so a run orchestrated
+    locally must start from ``flows/``; on Argo it always does)."""
 
     def pre_mutate(self, mutable_flow) -> None:
+        from metaflow import exit_hook
+
         config = dict(mutable_flow.configs).get("config")
         if config is None or not config.resources.train.image:
             return
+        if config.generation.provider == "kubernetes":
+            mutable_flow.add_decorator(exit_hook, deco_kwargs={"on_error": ["teardown_server"]})
         kwargs = {"image": config.resources.train.image, "namespace": config.resources.namespace}
         if config.resources.shared_volume_claim:
             kwargs["persistent_volume_claims"] = {config.resources.shared_volume_claim: "/shared"}

@@ -227,5 +227,18 @@ def metaflow_run_id() -> str:
 
 
 def owner_pid() -> int:
-    """PID of the process that owns the run's servers: the Metaflow runtime (parent of the task)."""
-    return os.getppid()
+    """PID of the process that owns the run's servers: the Metaflow runtime (parent of the task).
+
+    On the local runtime the other nodes of a ``@parallel`` gang are children of node 0's task
+    (``MF_PARALLEL_NODE_INDEX`` > 0): their owner is the grandparent, so they keep node 0's server.
+    """
+    pid = os.getppid()
+    if os.environ.get("MF_PARALLEL_NODE_INDEX", "0") != "0":
+        pid = parent_pid(pid)
+    return pid
+
+
+def parent_pid(pid: int) -> int:
+    """Parent PID of ``pid`` from ``/proc/PID/stat`` (Linux). Raises OSError when ``pid`` is gone."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])  # fields after "(comm)": state, ppid, ...
