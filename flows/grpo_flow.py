@@ -7,7 +7,7 @@
 Each step body only moves artifacts; the work is in ``grpo_steps``.
 """
 
-from metaflow import Config, FlowSpec, card, checkpoint, current, model, parallel, step
+from metaflow import Config, FlowSpec, card, checkpoint, current, model, parallel, retry, step
 
 import grpo_steps  # noqa: F401  (packaged with the flow: METAFLOW_PACKAGE_POLICY)
 import rewards  # noqa: F401
@@ -42,6 +42,7 @@ class GRPOFlow(FlowSpec):
         self.server = steps.provision(steps.config_of(self.config), self.model_path, steps.owner_pid())
         self.next(self.train, num_parallel=self.config.train.num_nodes)
 
+    @retry(times=config.train.retries, minutes_between_retries=0)
     @checkpoint(load_policy="fresh")
     @model
     @parallel

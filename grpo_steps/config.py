@@ -139,7 +139,17 @@ class TrainConfig(_Section):
     save_steps: int = Field(10, gt=0)
     """Checkpoint every this many optimizer steps."""
     save_total_limit: int = Field(2, gt=0)
-    """Checkpoints kept (newest first)."""
+    """Checkpoints kept, newest first: on local disk by the trainer, and in the datastore (local or S3)
+    per node: older ones are deleted after each save."""
+    resume_from: str | None = None
+    """Start training from a saved checkpoint instead of the base weights, continuing at its global
+    step: a run pathspec ``GRPOFlow/<run_id>`` (the newest checkpoint of that run's ``train`` step
+    for each node), a checkpoint key (``Checkpoint().list(...)[i]["key"]``), or a local directory
+    holding a trainer checkpoint (``trainer_state.json``). Ignored on ``@retry`` and ``resume``,
+    which continue from the failed attempt's own newest checkpoint."""
+    retries: int = Field(1, ge=0, le=10)
+    """``@retry`` of the ``train`` step: a failed gang (a crashed process, a dead generation server)
+    is started again this many times, each from its newest checkpoint, on a new server if needed."""
     logging_steps: int = Field(1, gt=0)
     seed: int = 42
     grpo: dict[str, Any] = Field(default_factory=dict)

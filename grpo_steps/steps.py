@@ -63,6 +63,8 @@ def provision(cfg: PipelineConfig, model_path: str, owner_pid: int) -> dict:
     log_dir = Path(tempfile.gettempdir()) / "grpo-vllm-logs"
     handle = vllm_server.start_local(model_path, gen.server, max_model_len=cfg.model.max_model_len,
                                      dtype=cfg.model.dtype, log_dir=log_dir, owner_pid=owner_pid)
+    print(f"[vllm] serving {handle.endpoint} supervisor_pid={handle.supervisor_pid} log={handle.log_path}",
+          flush=True)
     return handle.to_dict()
 
 
@@ -106,7 +108,8 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
     train_file.write_text("".join(json.dumps(row) + "\n" for row in train_rows))
     job = TrainJob(config=cfg, model_path=model_path, train_file=str(train_file), output_dir=str(output_dir),
                    endpoint=server["endpoint"] if cfg.generation.backend == "vllm" else None,
-                   resume_from=resume_checkpoint(node_index), mlflow_run_id=run_id, node_index=node_index)
+                   resume_from=resume_checkpoint(node_index, cfg.train.resume_from), mlflow_run_id=run_id,
+                   node_index=node_index)
     launch(job, node_index=node_index, main_ip=main_ip)
     return str(output_dir / "final")
 

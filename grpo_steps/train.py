@@ -151,6 +151,7 @@ def run(job: TrainJob) -> str:
 
     from rewards import resolve_reward
 
+    started = time.monotonic()
     cfg = job.config
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     args = grpo_args(job)
@@ -168,13 +169,18 @@ def run(job: TrainJob) -> str:
 
         rollout = VLLMRollout(VLLMClient(job.endpoint), tokenizer, Path(job.output_dir) / "weight-sync",
                               cfg.generation)
-    from grpo_steps.checkpoints import DatastoreCheckpointCallback, MLflowMetricsCallback, in_metaflow_task
+    from grpo_steps.checkpoints import (
+        DatastoreCheckpointCallback,
+        MLflowMetricsCallback,
+        ProgressCallback,
+        in_metaflow_task,
+    )
 
-    callbacks = []
+    mlflow_cb = MLflowMetricsCallback(job.mlflow_run_id, cfg.tracking.tracking_uri) if job.mlflow_run_id else None
+    callbacks = [ProgressCallback(started)] + ([mlflow_cb] if mlflow_cb else [])
     if in_metaflow_task():
-        callbacks.append(DatastoreCheckpointCallback(job.node_index))
-    if job.mlflow_run_id:
-        callbacks.append(MLflowMetricsCallback(job.mlflow_run_id, cfg.tracking.tracking_uri))
+        callbacks.append(DatastoreCheckpointCallback(job.node_index, keep=cfg.train.save_total_limit,
+                                                     log_metrics=mlflow_cb.log if mlflow_cb else None))
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[resolve_reward(r.name) for r in cfg.rewards],
