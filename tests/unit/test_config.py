@@ -48,6 +48,17 @@ BAD_CONFIGS = [
     ({"generation": {"backend": "hf", "weight_sync": "nccl"}}, "only applies to backend 'vllm'"),
     ({"eval": {"correctness_reward": "answer_format2"}}, "not one of the configured rewards"),
     ({"generation": {"server": {"port": 70000}}}, "generation.server.port"),
+    ({"data": {"source": "sqlite"}}, "data.source: Input should be 'reasoning_gym', 'gsm_symbolic', 'humaneval'"),
+    ({"data": {"source": "csv"}}, "set data.path"),
+    ({"data": {"columns": {"answer": "gold"}}}, "data.columns cannot name ['answer']"),
+    ({"data": {"answer_format": "boxed"}}, "data.answer_format"),
+    ({"data": {"task": "chain_sum", "mixture": [{"name": "a"}]}}, "move data.['task'] into each mixture entry"),
+    ({"data": {"mixture": [{"name": "a"}, {"name": "a", "source": "humaneval"}]}}, "must be unique"),
+    ({"data": {"num_eval": 2, "mixture": [{"name": "a", "weight": 9}, {"name": "b", "source": "humaneval"}]}},
+     "entry 'b' gets 0 of data.num_eval=2"),
+    ({"data": {"mixture": [{"source": "humaneval"}]}}, "data.mixture.0.name"),
+    ({"data": {"mixture": [{"name": "a", "weight": 0}]}}, "data.mixture.0.weight"),
+    ({"data": {"mixture": [{"name": "a", "source": "jsonl"}]}}, "set data.path"),
 ]
 
 
