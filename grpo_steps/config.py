@@ -138,7 +138,8 @@ class DataConfig(SourceConfig):
     def _mixture_consistent(self) -> DataConfig:
         if not self.mixture:
             return self
-        single = sorted(set(SOURCE_KEYS) & self.model_fields_set)
+        defaults = SourceConfig()  # a resolved config (all keys written out) round-trips: compare values
+        single = [key for key in SOURCE_KEYS if getattr(self, key) != getattr(defaults, key)]
         if single:
             raise ValueError(f"data.mixture replaces the single-source keys: move data.{single} into "
                              "each mixture entry")

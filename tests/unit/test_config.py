@@ -10,7 +10,8 @@ SHIPPED = sorted((REPO_ROOT / "configs").glob("*.yaml"))
 
 
 def test_there_are_shipped_configs():
-    assert {p.name for p in SHIPPED} >= {"local.yaml", "test.yaml"}
+    assert {p.name for p in SHIPPED} >= {"local.yaml", "test.yaml", "gsm8k.yaml", "humaneval.yaml",
+                                         "test-gsm8k.yaml", "test-humaneval.yaml"}
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
@@ -85,3 +86,9 @@ def test_load_config_reports_the_file(tmp_path):
     path.write_text(yaml.safe_dump({"model": {"nme": "x"}}))
     with pytest.raises(ConfigError, match=str(path)):
         load_config(path)
+
+
+def test_a_resolved_mixture_config_round_trips():
+    data = {"data": {"mixture": [{"name": "math"}, {"name": "code", "source": "humaneval"}]}}
+    resolved = parse_config(yaml.safe_dump(data))  # what the flow's Config stores: every default written out
+    assert validate_config(resolved).data.mixture[1].source == "humaneval"

