@@ -167,6 +167,12 @@ class RewardSpec(_Section):
     name: str
     """A registered reward name (see ``rewards.REGISTRY``) or a dotted path ``module:function``."""
     weight: float = 1.0
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments bound to the reward function (e.g. ``{max_completion_len: 64, soft_punish_cache: 16}``
+    for ``soft_overlong_punishment``, ``{model: path}`` for ``reward_model``); checked against its signature."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Seconds one call of the reward (one batch of completions) may take; past it every completion of the
+    call scores None and ``rewards/<name>/timeouts`` counts it (see ``rewards/guard.py``)."""
 
 
 class ServerConfig(_Section):
@@ -305,12 +311,12 @@ class PipelineConfig(_Section):
 
     @model_validator(mode="after")
     def _rewards_known(self) -> PipelineConfig:
-        from rewards import resolve_reward
+        from rewards import bind_options, resolve_reward
 
         if not self.rewards:
             raise ValueError("rewards: name at least one reward function")
         for spec in self.rewards:
-            resolve_reward(spec.name)  # raises with the list of known names
+            bind_options(resolve_reward(spec.name), spec.options, spec.name)  # unknown name or option: clear error
         names = {spec.name for spec in self.rewards}
         for key in ("correctness_reward", "format_reward"):
             value = getattr(self.eval, key)
