@@ -29,7 +29,8 @@ HUMANEVAL_INSTRUCTION = (
 """User-message text put before each HumanEval function signature + docstring."""
 
 NATIVE_COLUMNS: dict[str, tuple[str, ...]] = {"humaneval": ("test", "entry_point", "task_id")}
-"""Columns a source keeps for the rewards without being asked (``data.columns`` adds more)."""
+"""Columns a source keeps for the rewards without being asked (``data.columns`` adds more; ``humaneval``
+also offers ``code_prompt``, the signature + docstring, and ``canonical_solution``, the reference body)."""
 
 def gsm8k_answer(solution: str) -> str:
     """The final answer N of a GSM8K-format solution ending in ``#### N``.
@@ -109,7 +110,8 @@ def _humaneval() -> list[dict[str, Any]]:
     with gzip.open(data, "rt") as fh:
         problems = [json.loads(line) for line in fh if line.strip()]
     return [{"question": f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{p['prompt']}```", "answer": None,
-             "test": p["test"], "entry_point": p["entry_point"], "task_id": p["task_id"]} for p in problems]
+             "test": p["test"], "entry_point": p["entry_point"], "task_id": p["task_id"],
+             "code_prompt": p["prompt"], "canonical_solution": p["canonical_solution"]} for p in problems]
 
 
 def _file(src: SourceConfig) -> list[dict[str, Any]]:

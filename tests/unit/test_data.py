@@ -167,6 +167,17 @@ def test_humaneval_source_keeps_tests_and_entry_point(tiny_tokenizer):
         assert question.startswith(HUMANEVAL_INSTRUCTION) and f"def {row['entry_point']}(" in question
 
 
+def test_humaneval_reference_solutions_pass_their_kept_tests(tiny_tokenizer):
+    from rewards import code_execution
+
+    data = prepare(_cfg(source="humaneval", num_train=1, num_eval=6, max_prompt_tokens=4000,
+                        columns=["code_prompt", "canonical_solution"]), tiny_tokenizer)
+    rows = data.eval
+    completions = [f"```python\n{r['code_prompt']}{r['canonical_solution']}```" for r in rows]
+    assert code_execution(completions, test=[r["test"] for r in rows],
+                          entry_point=[r["entry_point"] for r in rows]) == [1.0] * len(rows)
+
+
 def test_csv_source_with_column_mapping_and_kept_columns(tmp_path, tiny_tokenizer):
     path = tmp_path / "rows.csv"
     pd.DataFrame({"problem": [f"Add {i} and 4." for i in range(40)], "gold": [str(i + 4) for i in range(40)],
@@ -298,12 +309,15 @@ def test_mixture_rows_route_to_their_rewards_in_score(tiny_tokenizer):
     from grpo_steps.config import validate_config
     from grpo_steps.evaluate import score
 
-    cfg = validate_config({"data": _mixture_cfg().model_dump(), "eval": {"format_reward": None},
-                           "rewards": [{"name": "answer_accuracy"}, {"name": "tests.unit.test_data:has_tests"}]})
+    cfg = validate_config({"data": _mixture_cfg().model_dump(), "eval": {"correctness_reward": "math_accuracy",
+                                                                          "format_reward": None},
+                           "rewards": [{"name": "math_accuracy"}, {"name": "code_execution"},
+                                       {"name": "tests.unit.test_data:has_tests"}]})
     rows = prepare(cfg.data, tiny_tokenizer).eval
-    scores = score(cfg, rows, [["Answer: 1", "no"] for _ in rows])
-    for row, accuracy, tests in zip(rows, scores["answer_accuracy"], scores["tests.unit.test_data:has_tests"],
-                                    strict=True):
+    completions = [[f"Answer: {row['answer']}", "```python\ndef f():\n    return 1\n```"] for row in rows]
+    scores = score(cfg, rows, completions)
+    for i, row in enumerate(rows):
         math = row["task"] == "math"
-        assert (accuracy[0] is not None) is math and (accuracy[1] == 0.0 if math else accuracy[1] is None)
-        assert tests == ([None, None] if math else [1.0, 1.0])
+        assert scores["math_accuracy"][i] == ([1.0, 0.0] if math else [None, None])  # gold from the answer column
+        assert scores["code_execution"][i] == ([None, None] if math else [0.0, 0.0])  # runs the row's tests
+        assert scores["tests.unit.test_data:has_tests"][i] == ([None, None] if math else [1.0, 1.0])
