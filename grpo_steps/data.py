@@ -149,10 +149,24 @@ def table(rows: list[dict[str, Any]]) -> dict[str, list]:
     return out
 
 
-def source_label(cfg: DataConfig) -> tuple[str, str]:
-    """(source URI, short name) of the dataset for MLflow, e.g. ``("reasoning_gym:chain_sum", "chain_sum")``
-    or ``("mixture:math+code", "mixture")``."""
+def mlflow_datasets(cfg: DataConfig, data: PreparedData) -> list[tuple[Any, str]]:
+    """``(mlflow.data dataset, context)`` for the train and eval splits, with a source MLflow can record:
+    the file for ``jsonl``/``parquet``/``csv``, the hub id for ``hf``, else a code source whose tag
+    ``source`` names the generator or package (``reasoning_gym:chain_sum``, ``humaneval``, ``mixture:a+b``).
+    """
+    import mlflow.data
+    import pandas as pd
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+    from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
+
     if cfg.mixture:
-        return "mixture:" + "+".join(m.name for m in cfg.mixture), "mixture"
-    name = cfg.sources()[0].name
-    return cfg.path or f"{cfg.source}:{cfg.task if cfg.source == 'reasoning_gym' else cfg.source}", name
+        name, source = "mixture", CodeDatasetSource(tags={"source": "mixture:" + "+".join(m.name for m in cfg.mixture)})
+    elif cfg.source == "hf":
+        name, source = cfg.path, HuggingFaceDatasetSource(path=cfg.path, config_name=cfg.subset, split=cfg.split)
+    elif cfg.source in ("jsonl", "parquet", "csv"):
+        name, source = cfg.sources()[0].name, str(cfg.path)
+    else:
+        name = cfg.sources()[0].name
+        source = CodeDatasetSource(tags={"source": f"{cfg.source}:{name}" if cfg.source == "reasoning_gym" else name})
+    return [(mlflow.data.from_pandas(pd.DataFrame(table(rows)), source=source, name=f"{name}-{split}"), context)
+            for split, rows, context in (("train", data.train, "training"), ("eval", data.eval, "evaluation"))]
