@@ -32,22 +32,17 @@ def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
     Returns ``(model_path, PreparedData)``.
     """
     import mlflow
-    import pandas as pd
     from transformers import AutoTokenizer
 
-    from grpo_steps.data import prepare
+    from grpo_steps.data import mlflow_datasets, prepare
     from grpo_steps.models import resolve_model
 
     model_path = resolve_model(cfg.model.name_or_path)
     data = prepare(cfg.data, AutoTokenizer.from_pretrained(model_path))
     tracking.client(cfg)  # sets the tracking URI
     with mlflow.start_run(run_id=run_id):
-        for split, rows in (("train", data.train), ("eval", data.eval)):
-            frame = pd.DataFrame({"question": [r["prompt"][-1]["content"] for r in rows],
-                                  "answer": [r["answer"] for r in rows]})
-            source = cfg.data.path or f"reasoning_gym:{cfg.data.task}"
-            mlflow.log_input(mlflow.data.from_pandas(frame, source=source, name=f"{cfg.data.task}-{split}"),
-                             context="training" if split == "train" else "evaluation")
+        for dataset, context in mlflow_datasets(cfg.data, data):
+            mlflow.log_input(dataset, context=context)
         mlflow.log_metrics({f"data/{k}": v for k, v in data.stats.items()})
     return model_path, data
 

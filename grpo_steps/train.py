@@ -87,6 +87,15 @@ class VLLMRollout:
         return out
 
 
+def reward_functions(cfg: PipelineConfig) -> list:
+    """The configured rewards as TRL reward functions: options bound, each call guarded (timeout, errors ->
+    None and counted), named as configured. Their ``rewards/<name>/timeouts|errors`` counts reach the
+    trainer's logs through TRL's ``log_metric`` (see ``rewards/guard.py``)."""
+    from rewards import build_reward
+
+    return [build_reward(spec) for spec in cfg.rewards]
+
+
 def grpo_args(job: TrainJob) -> Any:
     """``trl.GRPOConfig`` for a job. ``train.grpo`` entries override the derived fields.
 
@@ -149,8 +158,6 @@ def run(job: TrainJob) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
 
-    from rewards import resolve_reward
-
     started = time.monotonic()
     cfg = job.config
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -183,7 +190,7 @@ def run(job: TrainJob) -> str:
                                                      log_metrics=mlflow_cb.log if mlflow_cb else None))
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=[resolve_reward(r.name) for r in cfg.rewards],
+        reward_funcs=reward_functions(cfg),
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
