@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import yaml
 
@@ -16,6 +17,7 @@ from grpo_steps.config import REPO_ROOT
 FLOW = REPO_ROOT / "flows" / "grpo_flow.py"
 SAVING = re.compile(r"\[checkpoint\] saving step=(\d+) node=0 pid=(\d+)")
 SAVED = re.compile(r"\[checkpoint\] saved step=(\d+) node=0 pid=(\d+)")
+STEPS = {"start", "prepare_data", "provision_vllm", "train", "evaluate", "register", "end"}
 SERVING = re.compile(r"\[vllm\] serving (\S+) supervisor_pid=(\d+)")
 
 
@@ -118,3 +120,20 @@ RUN_ID = re.compile(r"\(run-id (\d+)\)")
 def flow_run_id(output: str) -> str:
     """The Metaflow run id of a flow run's output (``Workflow starting (run-id N)``)."""
     return RUN_ID.search(output).group(1)
+
+
+@contextmanager
+def completed_run(workdir, config_path):
+    """Run the flow on ``config_path`` in ``workdir`` (it must succeed); yields its Metaflow ``Run``,
+    read with the working directory set to ``workdir`` (where the local datastore is)."""
+    code, out = run_flow(workdir, flow_env(), ["--config", "config", str(config_path), "run"])
+    assert code == 0, f"flow failed:\n{out[-12000:]}"
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        from metaflow import Flow, namespace
+
+        namespace(None)
+        yield Flow("GRPOFlow").latest_run
+    finally:
+        os.chdir(cwd)

@@ -1,17 +1,12 @@
 """The whole flow on the tiny task configs (GSM8K math, HumanEval code): real vLLM server, real
 Metaflow run, real MLflow store, the task's own rewards in training and evaluation. ~3-5 min each."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from grpo_steps.config import REPO_ROOT, load_config
+from tests.integration.flowrun import STEPS, completed_run
 
 pytestmark = pytest.mark.slow
-FLOW = REPO_ROOT / "flows" / "grpo_flow.py"
-STEPS = {"start", "prepare_data", "provision_vllm", "train", "evaluate", "register", "end"}
 TASK_CONFIGS = ["test-gsm8k.yaml", "test-humaneval.yaml"]
 
 
@@ -20,19 +15,8 @@ def task_run(request, tmp_path_factory, tiny_model_path):
     """Run the flow once per task config in a fresh working directory; yields (config path, workdir, Run)."""
     config = REPO_ROOT / "configs" / request.param
     workdir = tmp_path_factory.mktemp(config.stem)
-    env = {**os.environ, "METAFLOW_USER": "grpo-tests", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, str(FLOW), "--config", "config", str(config), "run"], cwd=workdir,
-                          env=env, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, f"flow failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
-    cwd = os.getcwd()
-    os.chdir(workdir)  # the Metaflow client finds the local datastore from the working directory
-    try:
-        from metaflow import Flow, namespace
-
-        namespace(None)
-        yield config, workdir, Flow("GRPOFlow").latest_run
-    finally:
-        os.chdir(cwd)
+    with completed_run(workdir, config) as run:
+        yield config, workdir, run
 
 
 def test_task_flow_end_to_end(task_run):
