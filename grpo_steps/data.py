@@ -1,8 +1,12 @@
-"""Dataset preparation: source rows -> conversational prompts with their answers, deduplicated and
-split into train/eval sets that share no prompt.
+"""Dataset preparation: source rows -> conversational prompts with their reward columns,
+deduplicated and split into train/eval sets that share no prompt.
 
-A row of a prepared split is ``{"prompt": [{"role": ..., "content": ...}, ...], "answer": str}``
-(TRL's conversational prompt format); the ``answer`` column reaches the reward functions.
+A row of a prepared split is ``{"prompt": [{"role": ..., "content": ...}, ...], "answer": str | None,
+**kept}`` (TRL's conversational prompt format); every key but ``prompt`` reaches the reward
+functions as a keyword argument. ``kept`` holds the columns of :func:`grpo_steps.sources.kept_columns`
+(``test``/``entry_point`` for HumanEval, ``solution`` for GSM8K-format answers, ``data.columns``). A
+``data.mixture`` adds a ``task`` column and gives every row every task's columns, None where a task
+has none (a reward returns None on rows it does not apply to).
 """
 
 from __future__ import annotations
@@ -11,14 +15,12 @@ import hashlib
 import json
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from grpo_steps.config import DataConfig
+from grpo_steps.config import DataConfig, SourceConfig, split_counts
+from grpo_steps.sources import DataError, answer_of, check_columns, kept_columns, load_source
 
-
-class DataError(ValueError):
-    """A data source that cannot be used; the message says what is wrong and how to fix it."""
+__all__ = ["DataError", "PreparedData", "encode_prompt", "load_rows", "prepare", "to_prompt"]
 
 
 @dataclass(frozen=True)
@@ -33,51 +35,14 @@ class PreparedData:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _reasoning_gym_rows(cfg: DataConfig) -> list[dict[str, Any]]:
-    import reasoning_gym
-
-    size = 2 * (cfg.num_train + cfg.num_eval)  # head-room for duplicates and the token budget
-    try:
-        dataset = reasoning_gym.create_dataset(cfg.task, size=size, seed=cfg.seed, **cfg.task_options)
-    except (KeyError, ValueError, TypeError) as err:
-        raise DataError(f"reasoning-gym task {cfg.task!r} with options {cfg.task_options}: {err}") from None
-    return [{"question": row["question"], "answer": row["answer"]} for row in dataset]
-
-
-def _file_rows(cfg: DataConfig) -> list[dict[str, Any]]:
-    import datasets
-
-    if cfg.source == "hf":
-        try:
-            return list(datasets.load_dataset(cfg.path, split=cfg.split))
-        except Exception as err:  # the hub client raises many types; report with the fix
-            raise DataError(
-                f"could not load Hugging Face dataset {cfg.path!r} split {cfg.split!r}: {err}. "
-                "Check the id and the network, or download it and use source 'jsonl'/'parquet'."
-            ) from err
-    path = Path(cfg.path).expanduser()
-    if not path.is_file():
-        raise DataError(f"data.path {str(path)!r} does not exist or is not a file; point it at a .{cfg.source} file")
-    builder = {"jsonl": "json", "parquet": "parquet"}[cfg.source]
-    return list(datasets.load_dataset(builder, data_files=str(path), split="train"))
-
-
-def load_rows(cfg: DataConfig) -> list[dict[str, Any]]:
-    """Rows of the configured source, each with at least ``cfg.prompt_column`` and ``cfg.answer_column``.
+def load_rows(src: SourceConfig, size: int, seed: int) -> list[dict[str, Any]]:
+    """Rows of one source with every configured column present (see :func:`grpo_steps.sources.load_source`).
 
     Raises:
-        DataError: missing file, unloadable source, missing columns.
+        DataError: missing file or package, unloadable source, no rows, missing columns.
     """
-    rows = _reasoning_gym_rows(cfg) if cfg.source == "reasoning_gym" else _file_rows(cfg)
-    if not rows:
-        raise DataError(f"data source {cfg.source} {cfg.path or cfg.task!r} has no rows")
-    columns = set(rows[0])
-    for column, key in ((cfg.prompt_column, "prompt_column"), (cfg.answer_column, "answer_column")):
-        if column not in columns:
-            raise DataError(
-                f"data source has no column {column!r} (data.{key}); its columns are {sorted(columns)}. "
-                f"Set data.{key} to the right one."
-            )
+    rows = load_source(src, size, seed)
+    check_columns(src, set(rows[0]))
     return rows
 
 
@@ -96,46 +61,112 @@ def encode_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # BatchEncoding in transformers 5
 
 
-def prepare(cfg: DataConfig, tokenizer) -> PreparedData:
-    """Prepared train and eval splits of the configured source.
-
-    Deduplicates on the question text, shuffles with ``cfg.seed``, drops prompts longer than
-    ``cfg.max_prompt_tokens`` (with the chat template applied by ``tokenizer``), then takes
-    ``num_eval`` eval rows and up to ``num_train`` train rows. No prompt is in both splits.
-
-    Raises:
-        DataError: as :func:`load_rows`, or too few usable rows for the eval split plus one train row.
-    """
-    rows = load_rows(cfg)
-    seen: set[str] = set()
-    unique = []
+def _prepare_source(src: SourceConfig, cfg: DataConfig, num_train: int, num_eval: int, tokenizer,
+                    seen: set[str]) -> tuple[list[dict], list[dict], dict[str, int]]:
+    """(train, eval, stats) of one source; ``seen`` holds the questions taken by earlier sources."""
+    rows = load_rows(src, size=2 * (num_train + num_eval), seed=cfg.seed)  # head-room for duplicates, budget
+    kept_map = kept_columns(src)
+    unique, duplicates = [], 0
     for row in rows:
-        question = str(row[cfg.prompt_column]).strip()
-        if question and question not in seen:
-            seen.add(question)
-            unique.append({"question": question, "answer": str(row[cfg.answer_column]).strip()})
+        question = str(row[src.prompt_column]).strip()
+        if not question or question in seen:
+            duplicates += 1
+            continue
+        seen.add(question)
+        unique.append({"question": question, "answer": answer_of(src, row),
+                       **{name: row.get(column) for name, column in kept_map.items()}})
     random.Random(cfg.seed).shuffle(unique)
 
     kept, too_long = [], 0
     for row in unique:
-        prompt = to_prompt(row["question"], cfg.system_prompt)
+        prompt = to_prompt(row.pop("question"), src.system_prompt)
         if len(encode_prompt(tokenizer, prompt)) > cfg.max_prompt_tokens:
             too_long += 1
             continue
-        kept.append({"prompt": prompt, "answer": row["answer"]})
-        if len(kept) == cfg.num_eval + cfg.num_train:
+        kept.append({"prompt": prompt, **row})
+        if len(kept) == num_eval + num_train:
             break
-    if len(kept) <= cfg.num_eval:
+    if len(kept) <= num_eval:
         raise DataError(
-            f"only {len(kept)} usable prompts ({len(rows)} rows, {len(rows) - len(unique)} duplicates, "
-            f"{too_long} over data.max_prompt_tokens={cfg.max_prompt_tokens}); need more than "
-            f"data.num_eval={cfg.num_eval}. Lower num_eval, raise max_prompt_tokens or add data."
+            f"only {len(kept)} usable prompts from {src.source} {src.path or src.task!r} ({len(rows)} rows, "
+            f"{duplicates} duplicates, {too_long} over data.max_prompt_tokens={cfg.max_prompt_tokens}); need "
+            f"more than data.num_eval={num_eval}. Lower num_eval, raise max_prompt_tokens or add data."
         )
-    stats = {
-        "rows": len(rows),
-        "duplicates": len(rows) - len(unique),
-        "too_long": too_long,
-        "train": len(kept) - cfg.num_eval,
-        "eval": cfg.num_eval,
-    }
-    return PreparedData(train=kept[cfg.num_eval :], eval=kept[: cfg.num_eval], stats=stats)
+    stats = {"rows": len(rows), "duplicates": duplicates, "too_long": too_long, "train": len(kept) - num_eval,
+             "eval": num_eval}
+    return kept[num_eval:], kept[:num_eval], stats
+
+
+def prepare(cfg: DataConfig, tokenizer) -> PreparedData:
+    """Prepared train and eval splits of the configured source or mixture.
+
+    Per source: deduplicates on the question text, shuffles with ``cfg.seed``, drops prompts longer
+    than ``cfg.max_prompt_tokens`` (with the chat template applied by ``tokenizer``), then takes its
+    eval rows and up to its train rows (a mixture splits ``num_train``/``num_eval`` by weight, see
+    :func:`grpo_steps.config.split_counts`). No prompt is in both splits, nor in two sources.
+
+    Raises:
+        DataError: as :func:`load_rows`, or too few usable rows for a source's eval split plus one train row.
+    """
+    sources = cfg.sources()
+    weights = [s.weight for s in sources]
+    seen: set[str] = set()
+    train, evals, stats = [], [], {}
+    for src, n_train, n_eval in zip(sources, split_counts(cfg.num_train, weights),
+                                    split_counts(cfg.num_eval, weights), strict=True):
+        src_train, src_eval, src_stats = _prepare_source(src, cfg, n_train, n_eval, tokenizer, seen)
+        if cfg.mixture:
+            for row in src_train + src_eval:
+                row["task"] = src.name
+            stats.update({f"{src.name}/{key}": value for key, value in src_stats.items()})
+        for key, value in src_stats.items():
+            stats[key] = stats.get(key, 0) + value
+        train += src_train
+        evals += src_eval
+    if cfg.mixture:
+        train, evals = _same_columns(train), _same_columns(evals)
+        random.Random(cfg.seed).shuffle(train)  # interleave the tasks within each batch
+    return PreparedData(train=train, eval=evals, stats=stats)
+
+
+def _same_columns(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows with the union of all rows' keys, None where a row has none (one table schema)."""
+    keys = list(dict.fromkeys(key for row in rows for key in row))
+    return [{key: row.get(key) for key in keys} for row in rows]
+
+
+def table(rows: list[dict[str, Any]]) -> dict[str, list]:
+    """Column -> values of prepared rows for logging: ``question`` (the user message) then every other
+    column; lists and dicts as JSON text, None kept.
+
+    >>> table([{"prompt": [{"role": "user", "content": "1+1?"}], "answer": "2", "meta": {"a": 1}}])
+    {'question': ['1+1?'], 'answer': ['2'], 'meta': ['{"a": 1}']}
+    """
+    keys = [key for key in dict.fromkeys(k for row in rows for k in row) if key != "prompt"]
+    out: dict[str, list] = {"question": [row["prompt"][-1]["content"] for row in rows]}
+    for key in keys:
+        out[key] = [json.dumps(v) if isinstance(v, list | dict) else v for v in (row.get(key) for row in rows)]
+    return out
+
+
+def mlflow_datasets(cfg: DataConfig, data: PreparedData) -> list[tuple[Any, str]]:
+    """``(mlflow.data dataset, context)`` for the train and eval splits, with a source MLflow can record:
+    the file for ``jsonl``/``parquet``/``csv``, the hub id for ``hf``, else a code source whose tag
+    ``source`` names the generator or package (``reasoning_gym:chain_sum``, ``humaneval``, ``mixture:a+b``).
+    """
+    import mlflow.data
+    import pandas as pd
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+    from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
+
+    if cfg.mixture:
+        name, source = "mixture", CodeDatasetSource(tags={"source": "mixture:" + "+".join(m.name for m in cfg.mixture)})
+    elif cfg.source == "hf":
+        name, source = cfg.path, HuggingFaceDatasetSource(path=cfg.path, config_name=cfg.subset, split=cfg.split)
+    elif cfg.source in ("jsonl", "parquet", "csv"):
+        name, source = cfg.sources()[0].name, str(cfg.path)
+    else:
+        name = cfg.sources()[0].name
+        source = CodeDatasetSource(tags={"source": f"{cfg.source}:{name}" if cfg.source == "reasoning_gym" else name})
+    return [(mlflow.data.from_pandas(pd.DataFrame(table(rows)), source=source, name=f"{name}-{split}"), context)
+            for split, rows, context in (("train", data.train, "training"), ("eval", data.eval, "evaluation"))]

@@ -37,17 +37,21 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def score(cfg: PipelineConfig, rows: list[dict], completions: list[list[str]]) -> dict[str, list[list[float | None]]]:
-    """Reward of each completion under each configured reward function (the training code path).
+def score(cfg: PipelineConfig, rows: list[dict], completions: list[list[str]],
+          completion_ids: list[list[list[int]]] | None = None) -> dict[str, list[list[float | None]]]:
+    """Reward of each completion under each configured reward function (the training code path:
+    :func:`rewards.build_reward`, options and guard included).
 
     Args:
         rows: P eval rows (``prompt``, ``answer``, ...).
         completions: P lists of completion texts.
+        completion_ids: P lists of completion token ids, shaped like ``completions``, for rewards that
+            need lengths in tokens; None: such rewards score None.
 
     Returns:
         reward name -> P lists of scores (None where the reward does not apply).
     """
-    from rewards import resolve_reward
+    from rewards import build_reward
 
     flat_completions = [[{"role": "assistant", "content": text}] for texts in completions for text in texts]
     columns: dict[str, list] = {}
@@ -55,9 +59,11 @@ def score(cfg: PipelineConfig, rows: list[dict], completions: list[list[str]]) -
         if key != "prompt":
             columns[key] = [row[key] for row, texts in zip(rows, completions, strict=True) for _ in texts]
     prompts = [row["prompt"] for row, texts in zip(rows, completions, strict=True) for _ in texts]
+    if completion_ids is not None:
+        columns["completion_ids"] = [ids for group in completion_ids for ids in group]
     out = {}
     for spec in cfg.rewards:
-        flat = resolve_reward(spec.name)(prompts=prompts, completions=flat_completions, **columns)
+        flat = build_reward(spec)(prompts=prompts, completions=flat_completions, **columns)
         it = iter(flat)
         out[spec.name] = [[next(it) for _ in texts] for texts in completions]
     return out
@@ -88,8 +94,8 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict]) ->
                               top_p=gen.top_p)
     greedy = client.complete(prompt_ids, 1, max_tokens=gen.max_completion_tokens, temperature=0.0)
     texts = [[s["text"] for s in group] for group in sampled]
-    scores = score(cfg, rows, texts)
-    greedy_scores = score(cfg, rows, [[g[0]["text"]] for g in greedy])
+    scores = score(cfg, rows, texts, [[s["completion_ids"] for s in group] for group in sampled])
+    greedy_scores = score(cfg, rows, [[g[0]["text"]] for g in greedy], [[g[0]["completion_ids"]] for g in greedy])
 
     correctness = cfg.eval.correctness_reward
     correct = [[(s or 0.0) >= CORRECTNESS_THRESHOLD for s in per] for per in scores[correctness]]

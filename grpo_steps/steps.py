@@ -32,22 +32,17 @@ def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
     Returns ``(model_path, PreparedData)``.
     """
     import mlflow
-    import pandas as pd
     from transformers import AutoTokenizer
 
-    from grpo_steps.data import prepare
+    from grpo_steps.data import mlflow_datasets, prepare
     from grpo_steps.models import resolve_model
 
     model_path = resolve_model(cfg.model.name_or_path)
     data = prepare(cfg.data, AutoTokenizer.from_pretrained(model_path))
     tracking.client(cfg)  # sets the tracking URI
     with mlflow.start_run(run_id=run_id):
-        for split, rows in (("train", data.train), ("eval", data.eval)):
-            frame = pd.DataFrame({"question": [r["prompt"][-1]["content"] for r in rows],
-                                  "answer": [r["answer"] for r in rows]})
-            source = cfg.data.path or f"reasoning_gym:{cfg.data.task}"
-            mlflow.log_input(mlflow.data.from_pandas(frame, source=source, name=f"{cfg.data.task}-{split}"),
-                             context="training" if split == "train" else "evaluation")
+        for dataset, context in mlflow_datasets(cfg.data, data):
+            mlflow.log_input(dataset, context=context)
         mlflow.log_metrics({f"data/{k}": v for k, v in data.stats.items()})
     return model_path, data
 
@@ -71,6 +66,8 @@ def provision(cfg: PipelineConfig, model_path: str, owner_pid: int) -> dict:
     log_dir = Path(tempfile.gettempdir()) / "grpo-vllm-logs"
     handle = vllm_server.start_local(model_path, gen.server, max_model_len=cfg.model.max_model_len,
                                      dtype=cfg.model.dtype, log_dir=log_dir, owner_pid=owner_pid)
+    print(f"[vllm] serving {handle.endpoint} supervisor_pid={handle.supervisor_pid} log={handle.log_path}",
+          flush=True)
     return handle.to_dict()
 
 
@@ -132,7 +129,8 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
     train_file.write_text("".join(json.dumps(row) + "\n" for row in train_rows))
     job = TrainJob(config=cfg, model_path=model_path, train_file=str(train_file), output_dir=str(output_dir),
                    endpoint=server["endpoint"] if cfg.generation.backend == "vllm" else None,
-                   resume_from=resume_checkpoint(node_index), mlflow_run_id=run_id, node_index=node_index)
+                   resume_from=resume_checkpoint(node_index, cfg.train.resume_from), mlflow_run_id=run_id,
+                   node_index=node_index)
     launch(job, node_index=node_index, main_ip=main_ip)
     return str(output_dir / "final")
 

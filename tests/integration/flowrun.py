@@ -1,0 +1,139 @@
+"""Helpers for tests that run the real flow as a user would: a subprocess in a scratch directory,
+read line by line so a test can act (kill a process, stop a server) at a given point of the run."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import yaml
+
+from grpo_steps.config import REPO_ROOT
+
+FLOW = REPO_ROOT / "flows" / "grpo_flow.py"
+SAVING = re.compile(r"\[checkpoint\] saving step=(\d+) node=0 pid=(\d+)")
+SAVED = re.compile(r"\[checkpoint\] saved step=(\d+) node=0 pid=(\d+)")
+STEPS = {"start", "prepare_data", "provision_vllm", "train", "evaluate", "register", "end"}
+SERVING = re.compile(r"\[vllm\] serving (\S+) supervisor_pid=(\d+)")
+
+
+def flow_config(**sections) -> dict:
+    """configs/test.yaml with the given sections updated (``train={"max_steps": 8}``, ...)."""
+    config = yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text())
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    return config
+
+
+def flow_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "METAFLOW_USER": "grpo-tests", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def run_flow(workdir, env: dict, args: list[str], on_line: Callable[[str], None] | None = None,
+             timeout_s: float = 1500) -> tuple[int, str]:
+    """Run ``grpo_flow.py ARGS`` in ``workdir``; ``on_line`` sees each output line as it comes.
+    Returns (exit code, whole output)."""
+    proc = subprocess.Popen([sys.executable, str(FLOW), *args], cwd=workdir, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    log = []
+    try:
+        for line in proc.stdout:
+            log.append(line)
+            if on_line:
+                on_line(line)
+        proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, "".join(log)
+
+
+def run_config(workdir, env: dict, config: dict, on_line=None) -> tuple[int, str]:
+    """``run`` the flow on ``config`` (written to ``workdir/run.yaml``)."""
+    (workdir / "run.yaml").write_text(yaml.safe_dump(config))
+    return run_flow(workdir, env, ["--config", "config", "run.yaml", "run"], on_line)
+
+
+def vllm_child(supervisor_pid: int) -> int:
+    """PID of the vLLM server process run by our supervisor (its only child)."""
+    children = (open(f"/proc/{supervisor_pid}/task/{supervisor_pid}/children").read().split())
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+def mlflow_runs(workdir) -> list:
+    """MLflow runs of experiment ``grpo`` in ``workdir``'s store, oldest first."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "grpo"]
+    return sorted(client.search_runs([experiment.experiment_id]), key=lambda r: r.info.start_time)
+
+
+def metric_steps(workdir, metric: str, run_id: str | None = None) -> list[int]:
+    """Steps of ``metric`` in MLflow run ``run_id`` (default: the only run) of ``workdir``'s store."""
+    from mlflow import MlflowClient
+
+    if run_id is None:
+        (run,) = mlflow_runs(workdir)
+        run_id = run.info.run_id
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
+    return [m.step for m in client.get_metric_history(run_id, metric)]
+
+
+def model_versions(workdir, name: str) -> list:
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db").search_model_versions(f"name = '{name}'")
+
+
+def s3_keys(server) -> list[str]:
+    """Every object key in the local S3 server's bucket."""
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=server.access_key,
+                      aws_secret_access_key=server.secret_key, region_name="us-east-1")
+    return [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=server.bucket)
+            for o in page.get("Contents", [])]
+
+
+def checkpoint_steps(workdir, env: dict, run_id: str) -> list[int]:
+    """Global steps of the checkpoints the ``train`` task of ``GRPOFlow/run_id`` holds in the datastore
+    (read with the Metaflow client in a child process: it takes the datastore from env and cwd)."""
+    code = ("from metaflow import Checkpoint, Flow, namespace; namespace(None); "
+            f"t = Flow('GRPOFlow')['{run_id}']['train'].task; "
+            "print(sorted(c['metadata']['global_step'] for c in Checkpoint().list(task=t)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=workdir, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return yaml.safe_load(out.stdout.strip().splitlines()[-1])
+
+
+RUN_ID = re.compile(r"\(run-id (\d+)\)")
+
+
+def flow_run_id(output: str) -> str:
+    """The Metaflow run id of a flow run's output (``Workflow starting (run-id N)``)."""
+    return RUN_ID.search(output).group(1)
+
+
+@contextmanager
+def completed_run(workdir, config_path):
+    """Run the flow on ``config_path`` in ``workdir`` (it must succeed); yields its Metaflow ``Run``,
+    read with the working directory set to ``workdir`` (where the local datastore is)."""
+    code, out = run_flow(workdir, flow_env(), ["--config", "config", str(config_path), "run"])
+    assert code == 0, f"flow failed:\n{out[-12000:]}"
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        from metaflow import Flow, namespace
+
+        namespace(None)
+        yield Flow("GRPOFlow").latest_run
+    finally:
+        os.chdir(cwd)

@@ -1,0 +1,71 @@
+"""Checkpoint references, the trainer checkpoint inside a loaded directory, and the MLflow step watermark."""
+
+import pytest
+
+from grpo_steps.checkpoints import (
+    CheckpointNotFound,
+    MLflowMetricsCallback,
+    resolve_reference,
+    trainer_checkpoint_in,
+)
+
+
+def _trainer_checkpoint(path):
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text("{}")
+    return path
+
+
+@pytest.mark.parametrize(("layout", "expected"), [
+    ([], None),  # an empty directory holds no checkpoint
+    (["."], "."),  # the directory is itself a trainer checkpoint
+    (["checkpoint-2"], "checkpoint-2"),  # one checkpoint inside
+    (["checkpoint-2", "checkpoint-10"], "checkpoint-10"),  # newest by step, not by name order
+    (["checkpoint-9", "checkpoint-10", "checkpoint-100"], "checkpoint-100"),  # three, numeric order
+])
+def test_trainer_checkpoint_in(tmp_path, layout, expected):
+    root = tmp_path / "loaded"
+    root.mkdir()
+    for name in layout:
+        if name == ".":
+            (root / "trainer_state.json").write_text("{}")
+        else:
+            _trainer_checkpoint(root / name)
+    expected_path = None if expected is None else str(root if expected == "." else root / expected)
+    assert trainer_checkpoint_in(root) == expected_path
+
+
+def test_trainer_checkpoint_in_nothing():
+    assert trainer_checkpoint_in(None) is None
+    assert trainer_checkpoint_in("") is None
+
+
+def test_a_local_directory_reference_resolves_to_its_newest_checkpoint(tmp_path):
+    _trainer_checkpoint(tmp_path / "out" / "checkpoint-4")
+    _trainer_checkpoint(tmp_path / "out" / "checkpoint-12")
+    assert resolve_reference(str(tmp_path / "out"), node_index=0) == str(tmp_path / "out" / "checkpoint-12")
+
+
+def test_a_directory_without_a_checkpoint_is_rejected_with_the_reason(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointNotFound, match="no trainer checkpoint"):
+        resolve_reference(str(tmp_path / "empty"), node_index=0)
+
+
+def test_metrics_of_steps_an_earlier_attempt_logged_are_not_logged_again(tmp_path):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(client.create_experiment("t")).info.run_id
+    first = MLflowMetricsCallback(run_id, uri)
+    first.on_train_begin(None, None, None)
+    for step in (1, 2, 3):
+        first.log({"reward": float(step), first.WATERMARK: step}, step)
+    second = MLflowMetricsCallback(run_id, uri)  # a resumed attempt that restarts from step 2's checkpoint
+    second.on_train_begin(None, None, None)
+    assert second.logged_up_to == 3
+    for step in (3, 4):
+        second.log({"reward": 10.0 * step, second.WATERMARK: step}, step)
+    history = {m.step: m.value for m in client.get_metric_history(run_id, "reward")}
+    assert history == {1: 1.0, 2: 2.0, 3: 3.0, 4: 40.0}  # step 3 kept once, from the first attempt

@@ -1,0 +1,135 @@
+import threading
+import time
+
+import pytest
+
+from grpo_steps.config import ConfigError, validate_config
+from rewards import UnknownRewardError, bind_options, build_reward, guard
+from rewards.guard import counters, guarded
+
+_FOREVER = threading.Event()  # never set: a reward waiting on it hangs for good
+
+
+def sleeps_forever(completions, **_):
+    _FOREVER.wait()
+
+
+def raises(completions, **_):
+    raise RuntimeError("reward bug")
+
+
+def wrong_length(completions, **_):
+    return [1.0]
+
+
+def ones(completions, **_):
+    return [1.0] * len(completions)
+
+
+def counts_its_own(completions, **_):
+    guard.record("timeouts", 2)  # e.g. two sandboxed completions timed out
+    return [0.0] * len(completions)
+
+
+GUARD_CASES = [
+    (sleeps_forever, [None, None], "timeouts", 1),  # hangs: Nones after the limit, one timeout
+    (raises, [None, None], "errors", 1),  # raises: Nones, one error
+    (wrong_length, [None, None], "errors", 1),  # one score for two completions: an error
+    (ones, [1.0, 1.0], "errors", 0),  # healthy: scores pass through, nothing counted
+    (counts_its_own, [0.0, 0.0], "timeouts", 2),  # per-completion failures reported by the reward itself
+]
+
+
+@pytest.mark.parametrize(("fn", "expected", "kind", "count"), GUARD_CASES)
+def test_guard_returns_within_its_limit_and_counts(fn, expected, kind, count):
+    name = f"guard_case_{fn.__name__}"
+    key = f"rewards/{name}/{kind}"
+    before = counters().get(key, 0)
+    logged = {}
+    start = time.perf_counter()
+    scores = guarded(fn, name, timeout_s=0.3)(completions=["a", "b"], log_metric=logged.__setitem__)
+    assert time.perf_counter() - start < 2
+    assert scores == expected
+    assert counters().get(key, 0) == before + count
+    assert logged[key] == count  # what TRL's log_metric receives for this call
+
+
+def test_guard_keeps_the_configured_name_and_rejects_a_bad_limit():
+    assert guarded(ones, "my_reward").__name__ == "my_reward"
+    with pytest.raises(ValueError, match="timeout_s"):
+        guarded(ones, "x", timeout_s=0)
+
+
+OPTION_CASES = [
+    ("soft_overlong_punishment", {"max_completion_len": 8}, "soft_punish_cache"),  # required option missing
+    ("soft_overlong_punishment", {"max_completion_len": 8, "soft_punish_cache": 2, "typo": 1}, "typo"),  # unknown
+    ("answer_accuracy", {"threshold": 0.5}, "unknown options"),  # an option the reward does not have
+    ("code_execution", {"completions": []}, "completions"),  # per-call arguments are not options
+    ("reward_model", {}, "model"),  # reward_model needs its model
+]
+
+
+@pytest.mark.parametrize(("name", "options", "message"), OPTION_CASES)
+def test_bad_options_are_rejected_at_config_time(name, options, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_config({"rewards": [{"name": name, "options": options}], "eval": {"format_reward": None,
+                                                                                  "correctness_reward": name}})
+    with pytest.raises(UnknownRewardError, match=message):
+        from rewards import resolve_reward
+
+        bind_options(resolve_reward(name), options, name)
+
+
+def test_training_path_builds_guarded_named_rewards_from_the_config():
+    from grpo_steps.train import reward_functions
+
+    cfg = validate_config({
+        "rewards": [
+            {"name": "math_accuracy"},
+            {"name": "think_answer_format", "weight": 0.2},
+            {"name": "soft_overlong_punishment", "options": {"max_completion_len": 4, "soft_punish_cache": 2},
+             "timeout_s": 5},
+            {"name": "tests.unit.test_guard:raises"},
+        ],
+        "eval": {"correctness_reward": "math_accuracy", "format_reward": "think_answer_format"},
+    })
+    funcs = reward_functions(cfg)
+    assert [f.__name__ for f in funcs] == ["math_accuracy", "think_answer_format", "soft_overlong_punishment",
+                                           "tests.unit.test_guard:raises"]
+    # Called as GRPOTrainer._calculate_rewards calls them (keywords only, extra trainer arguments).
+    logged = {}
+    kwargs = dict(prompts=["q", "q"], completions=["<think>a</think><answer>2</answer>", "Answer: 3"],
+                  completion_ids=[[1, 2, 3], [1] * 5], answer=["2", "3"], trainer_state=None,
+                  log_extra=lambda *a: None, log_metric=logged.__setitem__)
+    assert [f(**kwargs) for f in funcs] == [[0.0, 1.0], [1.0, 0.0], [-0.5, -1.0], [None, None]]
+    assert logged["rewards/tests.unit.test_guard:raises/errors"] == 1.0
+    assert logged["rewards/math_accuracy/timeouts"] == 0.0
+
+
+def test_evaluation_scores_with_the_same_built_rewards():
+    from grpo_steps.evaluate import score
+
+    cfg = validate_config({
+        "rewards": [{"name": "answer_accuracy"},
+                    {"name": "soft_overlong_punishment", "options": {"max_completion_len": 4, "soft_punish_cache": 2}}],
+        "eval": {"format_reward": None},
+    })
+    rows = [{"prompt": [{"role": "user", "content": "1+1?"}], "answer": "2"}]
+    out = score(cfg, rows, [["Answer: 2", "Answer: 3"]], [[[1, 2, 3], [1]]])
+    assert out == {"answer_accuracy": [[1.0, 0.0]], "soft_overlong_punishment": [[-0.5, 0.0]]}
+    assert score(cfg, rows, [["Answer: 2"]])["soft_overlong_punishment"] == [[None]]  # no token ids: n/a
+
+
+def test_build_reward_binds_options():
+    cfg = validate_config({"rewards": [{"name": "soft_overlong_punishment", "timeout_s": 1,
+                                        "options": {"max_completion_len": 10, "soft_punish_cache": 5}}],
+                           "eval": {"correctness_reward": "soft_overlong_punishment", "format_reward": None}})
+    assert build_reward(cfg.rewards[0])(completions=["a"], completion_ids=[[0] * 9]) == [-0.8]
+
+
+def test_multi_objective_aggregation_passes_through_to_grpo_config(tmp_path):
+    from grpo_steps.train import TrainJob, grpo_args
+
+    cfg = validate_config({"train": {"grpo": {"multi_objective_aggregation": "normalize_then_sum"}}})
+    job = TrainJob(config=cfg, model_path="unused", train_file="unused", output_dir=str(tmp_path))
+    assert grpo_args(job).multi_objective_aggregation == "normalize_then_sum"
