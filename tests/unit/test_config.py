@@ -59,7 +59,7 @@ BAD_CONFIGS = [
     ({"resources": {"train": {"gpu": 8}}}, "must equal resources.train.gpu (8)"),
     ({"schedule": {"cron": "0 3 * * ? *"}}, "must have 5 fields"),
     ({"project": "My Project"}, "project"),
-    ({"train": {"retries": 9}}, "train.retries"),
+    ({"train": {"retries": 11}}, "train.retries"),
     ({"generation": {"backend": "hf", "weight_sync": "nccl"}}, "only applies to backend 'vllm'"),
     ({"eval": {"correctness_reward": "answer_format2"}}, "not one of the configured rewards"),
     ({"generation": {"server": {"port": 70000}}}, "generation.server.port"),
