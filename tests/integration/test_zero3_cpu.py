@@ -16,7 +16,6 @@ NODES = 2
 
 
 def test_two_nodes_train_under_zero3_with_a_shard_each(tmp_path, tiny_model_path, tiny_tokenizer):
-    pytest.importorskip("deepspeed")
     base = load_config(REPO_ROOT / "configs" / "test.yaml").model_dump()
     base["generation"]["backend"] = "hf"
     base["train"].update(max_steps=2, save_steps=2, num_nodes=NODES, deepspeed=True,
