@@ -51,6 +51,8 @@ lint: install
 
 bench: model
 	$(BIN)/python bench/step_time.py
+	$(BIN)/python bench/reward_throughput.py
+	$(BIN)/python bench/checkpoint_resume.py
 
 clean:
 	rm -rf .metaflow mlflow.db mlartifacts .pytest_cache .s3

@@ -62,3 +62,28 @@ def test_conversational_inputs_go_through_the_chat_template_and_the_model_loads_
 def test_empty_batch_and_missing_prompts(tiny_rm_path):
     assert reward_model([], model=tiny_rm_path) == []
     assert len(reward_model(["4", "5"], None, model=tiny_rm_path)) == 2  # no prompts: completions alone
+
+
+ADVERSARIAL = [
+    # (prompt, completion)
+    ("What is 2+2?", ""),  # empty completion
+    ("", "4"),  # empty prompt
+    ("Translate: chat", "猫 🐈 — Katze, ¿gato?"),  # unicode and emoji
+    ("Sum?", "Answer: 3\nAnswer: 4\n\\boxed{5}"),  # several answers
+    ("Big?", "9" * 500),  # huge number, many tokens
+    ("Tags?", "<think><think>x</think></think><answer>1</answer>"),  # nested tags
+    ("Long?", "word " * 3000),  # longer than max_length: truncated, still one score
+    ([{"role": "user", "content": "Hi"}], [{"role": "assistant", "content": "Hello"}]),  # conversational
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], "Hello"),  # system + text
+    ("Null bytes?", "a\x00b"),  # control characters
+]
+
+
+@pytest.mark.parametrize(("prompt", "completion"), ADVERSARIAL)
+def test_adversarial_inputs_get_one_finite_score_each_independent_of_the_batch(tiny_rm_path, prompt, completion):
+    import math
+
+    alone = reward_model([completion], [prompt], model=tiny_rm_path, max_length=256)
+    assert len(alone) == 1 and math.isfinite(alone[0])
+    batch = reward_model([completion, "4"], [prompt, "What is 2+2?"], model=tiny_rm_path, max_length=256)
+    assert batch[0] == pytest.approx(alone[0], abs=1e-4)  # padding next to a short sequence changes nothing
