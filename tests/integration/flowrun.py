@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from contextlib import contextmanager
+from pathlib import Path
 
 import yaml
 
@@ -30,7 +31,10 @@ def flow_config(**sections) -> dict:
 
 
 def flow_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "METAFLOW_USER": "grpo-tests", "PYTHONUNBUFFERED": "1", **extra}
+    """The environment of a flow run: this interpreter first on PATH (Metaflow's local @parallel starts
+    the gang's other nodes with ``python`` from PATH), a Metaflow user, unbuffered output."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    return {**os.environ, "PATH": path, "METAFLOW_USER": "grpo-tests", "PYTHONUNBUFFERED": "1", **extra}
 
 
 def run_flow(workdir, env: dict, args: list[str], on_line: Callable[[str], None] | None = None,
@@ -124,16 +128,18 @@ def flow_run_id(output: str) -> str:
 
 @contextmanager
 def completed_run(workdir, config_path):
-    """Run the flow on ``config_path`` in ``workdir`` (it must succeed); yields its Metaflow ``Run``,
-    read with the working directory set to ``workdir`` (where the local datastore is)."""
+    """Run the flow on ``config_path`` in ``workdir`` (it must succeed); yields ``(Run, output)``, the
+    Metaflow ``Run`` read from ``workdir``'s local datastore."""
+    from metaflow import Flow, metadata, namespace
+
     code, out = run_flow(workdir, flow_env(), ["--config", "config", str(config_path), "run"])
     assert code == 0, f"flow failed:\n{out[-12000:]}"
     cwd = os.getcwd()
     os.chdir(workdir)
     try:
-        from metaflow import Flow, namespace
-
+        # The client caches the local datastore it found first: point it at this run's, explicitly.
+        metadata(f"local@{workdir}")
         namespace(None)
-        yield Flow("GRPOFlow").latest_run
+        yield Flow("GRPOFlow")[flow_run_id(out)], out
     finally:
         os.chdir(cwd)

@@ -15,7 +15,7 @@ CONFIG = REPO_ROOT / "configs" / "test.yaml"
 def flow_run(tmp_path_factory, tiny_model_path):
     """Run the flow once in a fresh working directory; yields (workdir, metaflow Run)."""
     workdir = tmp_path_factory.mktemp("flow")
-    with completed_run(workdir, CONFIG) as run:
+    with completed_run(workdir, CONFIG) as (run, _):
         yield workdir, run
 
 

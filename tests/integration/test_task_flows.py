@@ -15,7 +15,7 @@ def task_run(request, tmp_path_factory, tiny_model_path):
     """Run the flow once per task config in a fresh working directory; yields (config path, workdir, Run)."""
     config = REPO_ROOT / "configs" / request.param
     workdir = tmp_path_factory.mktemp(config.stem)
-    with completed_run(workdir, config) as run:
+    with completed_run(workdir, config) as (run, _):
         yield config, workdir, run
 
 
