@@ -11,7 +11,9 @@ from grpo_steps.data import prepare
 from grpo_steps.launch import launch, rendezvous_port
 from grpo_steps.train import TrainJob
 
-pytestmark = pytest.mark.slow
+# Out of `make test`: once in two CI runs node 1's torchelastic agent timed out (300 s) at the exit barrier
+# after both nodes had trained and saved; run it with `make test-zero3`.
+pytestmark = [pytest.mark.slow, pytest.mark.zero3]
 NODES = 2
 
 
