@@ -65,7 +65,7 @@ def run_config(workdir, env: dict, config: dict, on_line=None) -> tuple[int, str
 
 def vllm_child(supervisor_pid: int) -> int:
     """PID of the vLLM server process run by our supervisor (its only child)."""
-    children = (open(f"/proc/{supervisor_pid}/task/{supervisor_pid}/children").read().split())
+    children = Path(f"/proc/{supervisor_pid}/task/{supervisor_pid}/children").read_text().split()
     assert len(children) == 1, children
     return int(children[0])
 
