@@ -10,7 +10,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 # Metaflow needs a user name that is not root.
 export METAFLOW_USER ?= $(if $(filter-out root,$(USER)),$(USER),grpo)
 
-.PHONY: install model run test test-zero3 test-fast ui s3 lint bench clean
+.PHONY: install model run test test-fast ui s3 lint bench bench-gpu clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,11 +34,7 @@ run: model
 	$(BIN)/python flows/grpo_flow.py --config config $(CONFIG) run
 
 test: install
-	$(BIN)/python -m pytest -m "not zero3"
-
-# DeepSpeed ZeRO-3 across two simulated CPU nodes (kept apart: see tests/integration/test_zero3_cpu.py)
-test-zero3: install
-	$(BIN)/python -m pytest -m zero3
+	$(BIN)/python -m pytest
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow"
@@ -57,6 +53,10 @@ bench: model
 	$(BIN)/python bench/step_time.py
 	$(BIN)/python bench/reward_throughput.py
 	$(BIN)/python bench/checkpoint_resume.py
+
+# One GPU, ZeRO-3: the training module beside a plain TRL script (needs the gpu extra; no vLLM)
+bench-gpu: install
+	$(BIN)/python bench/gpu_zero3.py
 
 clean:
 	rm -rf .metaflow mlflow.db mlartifacts .pytest_cache .s3

@@ -73,7 +73,7 @@ class GRPOFlow(FlowSpec):
                shared_memory=config_expr("config.resources.train.shared_memory_mib"),
                disk=config_expr("config.resources.train.disk_mib"))
     @retry(times=config_expr("config.train.retries"), minutes_between_retries=0)
-    @checkpoint(load_policy="fresh")
+    @checkpoint(load_policy="none")  # grpo_steps.checkpoints.resume_checkpoint picks per node
     @model
     @parallel
     @step

@@ -2,10 +2,11 @@
 
 The trainer writes a full checkpoint (weights, optimizer, scheduler, RNG, trainer state) to
 ``output_dir/checkpoint-N`` every ``save_steps``; :class:`DatastoreCheckpointCallback` then saves
-that directory to the datastore of the running task (local or S3) under ``CHECKPOINT_NAME`` with
-``{"global_step": N, "node_index": i}`` metadata. :func:`resume_checkpoint` finds the one to
-continue from: on ``@retry`` the ``@checkpoint`` decorator has loaded this task's newest; on
-``resume`` it loads the origin run's newest for the same node.
+that directory to the datastore of the running task (local or S3) under :func:`checkpoint_name` of
+its node with ``{"global_step": N, "node_index": i}`` metadata. The nodes of a ``@parallel`` gang
+share one checkpoint scope, so each node needs its own name: under one name their saves of the same
+step get the same key and overwrite each other. :func:`resume_checkpoint` finds the one to continue
+from: on ``@retry`` this task's newest for the node, on ``resume`` the origin run's.
 
 :class:`MLflowMetricsCallback` logs each step once: a run that continues from an older checkpoint
 does not log again the steps an earlier attempt already logged.
@@ -20,6 +21,11 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 CHECKPOINT_NAME = "grpo"
+
+
+def checkpoint_name(node_index: int) -> str:
+    """Datastore name of the checkpoints of node ``node_index`` (``grpo-node0``, ``grpo-node1``, ...)."""
+    return f"{CHECKPOINT_NAME}-node{node_index}"
 
 
 def in_metaflow_task() -> bool:
@@ -52,7 +58,7 @@ class DatastoreCheckpointCallback(TrainerCallback):
         path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         print(f"[checkpoint] saving step={state.global_step} node={self.node_index} pid={os.getpid()}", flush=True)
         start = time.perf_counter()
-        self.checkpointer.save(path=str(path), name=CHECKPOINT_NAME,
+        self.checkpointer.save(path=str(path), name=checkpoint_name(self.node_index),
                                metadata={"global_step": state.global_step, "node_index": self.node_index})
         seconds = time.perf_counter() - start
         kept = self._prune() if self.keep else None
@@ -73,8 +79,7 @@ class DatastoreCheckpointCallback(TrainerCallback):
             CheckpointArtifact,
         )
 
-        mine = [c for c in self.checkpointer.list(name=CHECKPOINT_NAME)
-                if c["metadata"].get("node_index", 0) == self.node_index]
+        mine = self.checkpointer.list(name=checkpoint_name(self.node_index))
         mine.sort(key=lambda c: c["metadata"]["global_step"], reverse=True)
         datastore = self.checkpointer._checkpointer._checkpoint_datastore
         for old in mine[self.keep:]:
@@ -154,8 +159,8 @@ def _newest_of_run(run, node_index: int) -> dict | None:
     """Newest checkpoint (by global step) saved by ``node_index`` in the ``train`` step of ``run``."""
     from metaflow import Checkpoint
 
-    saved = [c for task in run["train"] for c in Checkpoint().list(task=task, name=CHECKPOINT_NAME)
-             if c["metadata"].get("node_index", 0) == node_index]
+    name = checkpoint_name(node_index)
+    saved = {c["key"]: c for task in run["train"] for c in Checkpoint().list(task=task, name=name)}.values()
     return max(saved, key=lambda c: c["metadata"]["global_step"]) if saved else None
 
 
@@ -212,19 +217,21 @@ def resolve_reference(reference: str, node_index: int) -> str:
 def resume_checkpoint(node_index: int, configured: str | None = None) -> str | None:
     """Trainer checkpoint directory the current ``train`` task continues from, or None (start fresh).
 
-    In order: ``@retry``: the checkpoint ``@checkpoint(load_policy="fresh")`` loaded (this task's
-    newest); ``resume``: the newest checkpoint of the origin run's ``train`` step saved by the same
-    node; else ``configured`` (``train.resume_from``, see :func:`resolve_reference`). Call inside
-    the ``train`` step of a flow.
+    In order: ``@retry``: this task's newest checkpoint of this node (earlier attempts);
+    ``resume``: the newest checkpoint of the origin run's ``train`` step saved by the same node; else
+    ``configured`` (``train.resume_from``, see :func:`resolve_reference`). Call inside the ``train``
+    step of a flow.
 
     Raises:
         CheckpointNotFound: as :func:`resolve_reference`.
     """
     from metaflow import Flow, current
 
-    if current.checkpoint.is_loaded:
-        print("[checkpoint] resuming from this task's newest checkpoint (retry)", flush=True)
-        return trainer_checkpoint_in(current.checkpoint.directory)
+    if current.retry_count:
+        saved = current.checkpoint.list(name=checkpoint_name(node_index))  # every attempt of this task
+        if saved:
+            newest = max(saved, key=lambda c: c["metadata"]["global_step"])
+            return _load(newest, f"this task's step {newest['metadata']['global_step']} (retry)")
     if current.origin_run_id:
         newest = _newest_of_run(Flow(current.flow_name)[current.origin_run_id], node_index)
         if newest is not None:

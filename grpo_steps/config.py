@@ -199,8 +199,14 @@ class ServerConfig(_Section):
 
 
 class GenerationConfig(_Section):
-    backend: Literal["vllm", "hf"] = "vllm"
-    """``vllm``: rollouts from the provisioned server; ``hf``: transformers generate in the trainer."""
+    backend: Literal["vllm", "hf", "replay"] = "vllm"
+    """``vllm``: rollouts from the provisioned server; ``hf``: transformers generate in the trainer;
+    ``replay``: fixed completions read from ``replay_file`` (no sampling: for comparing layouts or
+    versions on identical batches, and for debugging rewards)."""
+    replay_file: str | None = None
+    """Backend ``replay``: a JSONL file, one row per prompt, ``{"question": str, "completions": [str, ...]}``;
+    ``question`` is the prompt's last message (the ``question`` column of the eval tables), with at
+    least ``train.num_generations`` completions. Each group of a prompt gets its first completions."""
     weight_sync: Literal["disk", "nccl"] = "disk"
     """How the trained weights reach the server. ``disk`` works everywhere; ``nccl`` needs CUDA."""
     provider: Literal["local", "kubernetes"] = "local"
@@ -216,9 +222,12 @@ class GenerationConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> GenerationConfig:
-        if self.backend == "hf" and self.weight_sync == "nccl":
+        if self.backend != "vllm" and self.weight_sync == "nccl":
             raise ValueError("generation.weight_sync 'nccl' only applies to backend 'vllm'; "
-                             "use 'disk' with backend 'hf'")
+                             f"use 'disk' with backend '{self.backend}'")
+        if (self.backend == "replay") != (self.replay_file is not None):
+            raise ValueError("generation.replay_file goes with backend 'replay' (and only with it): "
+                             "set both or neither")
         return self
 
 

@@ -2,7 +2,8 @@
 
 Runs TRL's ``GRPOTrainer`` on the prepared train split. With the ``vllm`` backend, rollouts come
 from the provisioned server through :class:`VLLMRollout` (``rollout_func``) with ``disk`` weight
-sync; with ``hf``, TRL generates with transformers in-process. Metrics go to the MLflow run named
+sync; with ``hf``, TRL generates with transformers in-process; with ``replay``, fixed completions
+come from a file (:class:`ReplayRollout`). Metrics go to the MLflow run named
 by ``job.mlflow_run_id`` (each step once, across resumes); checkpoints are written every
 ``save_steps`` and, inside a Metaflow task, saved to the datastore by
 :class:`grpo_steps.checkpoints.DatastoreCheckpointCallback`.
@@ -71,10 +72,7 @@ class VLLMRollout:
             seconds = self.push_weights(trainer)
             self.synced_step = trainer.state.global_step
             trainer._metrics["train"]["weight_sync/seconds"].append(seconds)  # averaged into the step's log
-        group = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
-        if len(prompts) % group or any(prompts[i] != prompts[i - i % group] for i in range(len(prompts))):
-            group = 1  # not laid out in groups: one sample per entry
-        unique = prompts[::group]
+        unique, group = prompt_groups(prompts, trainer)
         prompt_ids = [encode_prompt(self.tokenizer, p) for p in unique]
         samples = self.client.complete(prompt_ids, group, max_tokens=self.gen.max_completion_tokens,
                                        temperature=self.gen.temperature, top_p=self.gen.top_p)
@@ -84,6 +82,70 @@ class VLLMRollout:
                 out["prompt_ids"].append(ids)
                 out["completion_ids"].append(sample["completion_ids"])
                 out["logprobs"].append(sample["logprobs"])
+        return out
+
+
+def prompt_groups(prompts: list, trainer) -> tuple[list, int]:
+    """The distinct prompts of a ``rollout_func`` call and the group size: TRL passes each prompt
+    ``num_generations`` times in a row (``num_generations_eval`` in evaluation); anything else is
+    taken as one sample per entry (group size 1)."""
+    group = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
+    if len(prompts) % group or any(prompts[i] != prompts[i - i % group] for i in range(len(prompts))):
+        group = 1
+    return prompts[::group], group
+
+
+class ReplayRollout:
+    """TRL ``rollout_func`` that replays fixed completions instead of sampling (backend ``replay``).
+
+    Every layout (nodes, processes, ZeRO stage) then trains on the same completions of the same
+    prompts, so per-step losses and gradient norms are comparable. A prompt's group of G entries gets
+    the first G completions listed for its question, tokenized without special tokens, cut to
+    ``max_completion_tokens`` and ended with EOS when it fits. Returns ``prompt_ids``,
+    ``completion_ids`` (B lists of token ids) and ``logprobs`` None (no sampling distribution).
+
+    Raises:
+        FileNotFoundError: ``replay_file`` does not exist.
+        ValueError: a row without ``question``/``completions``, or a question with fewer completions than a group
+            needs.
+        KeyError: a prompt whose question has no row in the file.
+    """
+
+    def __init__(self, path: str | Path, tokenizer, gen_cfg) -> None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"generation.replay_file {path} does not exist (JSONL of "
+                                    '{"question": ..., "completions": [...]} rows)')
+        self.tokenizer, self.gen, self.completions = tokenizer, gen_cfg, {}
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row.get("question"), str) or not isinstance(row.get("completions"), list):
+                raise ValueError(f"{path}:{number}: a row needs 'question' (str) and 'completions' (list of str)")
+            self.completions[row["question"]] = row["completions"]
+
+    def _completion_ids(self, text: str) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: self.gen.max_completion_tokens]
+        if len(ids) < self.gen.max_completion_tokens:
+            ids.append(self.tokenizer.eos_token_id)
+        return ids
+
+    def __call__(self, prompts: list, trainer) -> dict[str, list | None]:
+        unique, group = prompt_groups(prompts, trainer)
+        out: dict[str, list | None] = {"prompt_ids": [], "completion_ids": [], "logprobs": None}
+        for prompt in unique:
+            question = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+            if question not in self.completions:
+                raise KeyError(f"generation.replay_file has no completions for the question {question!r}")
+            texts = self.completions[question]
+            if len(texts) < group:
+                raise ValueError(f"generation.replay_file lists {len(texts)} completions for {question!r}; "
+                                 f"a group needs {group} (train.num_generations)")
+            ids = encode_prompt(self.tokenizer, prompt)
+            for text in texts[:group]:
+                out["prompt_ids"].append(ids)
+                out["completion_ids"].append(self._completion_ids(text))
         return out
 
 
@@ -182,6 +244,8 @@ def run(job: TrainJob) -> str:
 
         rollout = VLLMRollout(VLLMClient(job.endpoint), tokenizer, Path(job.output_dir) / "weight-sync",
                               cfg.generation)
+    elif cfg.generation.backend == "replay":
+        rollout = ReplayRollout(cfg.generation.replay_file, tokenizer, cfg.generation)
     from grpo_steps.checkpoints import (
         DatastoreCheckpointCallback,
         MLflowMetricsCallback,
@@ -217,7 +281,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("job", help="JSON file of a TrainJob (written by the flow's train step)")
     args = parser.parse_args(argv)
     job = TrainJob.model_validate_json(Path(args.job).read_text())
-    print(run(job))
+    final = run(job)
+    shut_down_process_group()
+    print(final)
+
+
+def shut_down_process_group() -> None:
+    """Leave the distributed job together: a last barrier, then ``destroy_process_group``. Without it each
+    rank tears its process group down in interpreter shutdown, in any order (PyTorch warns that this can
+    hang), and a rank stuck there holds its node's torchelastic agent from the exit barrier."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -118,6 +118,22 @@ def checkpoint_steps(workdir, env: dict, run_id: str) -> list[int]:
     return yaml.safe_load(out.stdout.strip().splitlines()[-1])
 
 
+def checkpoint_files(workdir, env: dict, run_id: str, node: int) -> list[str]:
+    """Relative paths of the files in node ``node``'s newest checkpoint of ``GRPOFlow/run_id`` (loaded from
+    the datastore into a scratch directory by a child process, as :func:`checkpoint_steps`)."""
+    code = ("import json, os, tempfile; from metaflow import Checkpoint, Flow, namespace; namespace(None); "
+            f"saved = [c for t in Flow('GRPOFlow')['{run_id}']['train'] for c in Checkpoint().list(task=t) "
+            f"if c['metadata']['node_index'] == {node}]; "
+            "newest = max(saved, key=lambda c: c['metadata']['global_step']); d = tempfile.mkdtemp(); "
+            "Checkpoint().load(newest, d); "
+            "print(json.dumps(sorted(os.path.relpath(os.path.join(r, f), d) for r, _, fs in os.walk(d) "
+            "for f in fs)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=workdir, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return yaml.safe_load(out.stdout.strip().splitlines()[-1])
+
+
 RUN_ID = re.compile(r"\(run-id (\d+)\)")
 
 

@@ -1,0 +1,158 @@
+"""Benchmark (GPU): our training module against a plain TRL script, one GPU, DeepSpeed ZeRO-3,
+transformers generation, on a random-init model of a real architecture (Qwen2.5-0.5B shape).
+
+    python bench/gpu_zero3.py [--steps 8] [--completion-tokens 256] [--shape qwen2.5-0.5b|tiny]
+
+Each arm runs in its own process on the same settings (``grpo_steps.train.grpo_args`` of one job:
+batch, group size, completion length, ZeRO-3 config from ``infra/``):
+
+- ``ours``: ``grpo_steps.train.run`` (the flow's training module: our rewards, callbacks, checkpoint
+  saves to local disk);
+- ``trl``: ``GRPOTrainer`` with the same ``GRPOConfig`` and nothing else (one length reward).
+
+Prints a Markdown table for docs/benchmarks.md: mean step time (TRL's ``step_time``, first step left
+out), tokens/s (prompt + completion tokens per second of step time), peak GPU memory
+(``torch.cuda.max_memory_allocated``, GiB), and the ours/trl step-time ratio. The random model's
+completions run to the length limit (few EOS), so every step does the same work. Needs torch,
+transformers, trl, accelerate, deepspeed (the ``gpu`` extra); no network. ``--shape tiny`` runs the
+same code on CPU in a minute (a smoke check, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES = {  # Qwen/Qwen2.5-0.5B-Instruct config.json, random init
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512, tie_word_embeddings=True),
+}
+
+
+def build_model(shape: str, target: Path) -> Path:
+    """A random-init Qwen2 of ``shape`` saved in ``target`` with the tiny model's tokenizer (ids the
+    tokenizer does not know decode to nothing)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from grpo_steps.models import TINY, prepare_embedded
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(prepare_embedded(TINY))
+    config = Qwen2Config(**SHAPES[shape], bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    Qwen2ForCausalLM(config).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target
+
+
+def job_for(args, model_path: Path, workdir: Path):
+    import torch
+
+    from grpo_steps.config import REPO_ROOT, load_config, validate_config
+    from grpo_steps.data import prepare
+    from grpo_steps.train import TrainJob
+    from transformers import AutoTokenizer
+
+    base = load_config(REPO_ROOT / "configs" / "test.yaml").model_dump()
+    base["model"].update(name_or_path=str(model_path), dtype="bfloat16" if torch.cuda.is_available() else "float32",
+                         max_model_len=1024)
+    base["generation"].update(backend="hf", max_completion_tokens=args.completion_tokens)
+    base["data"].update(num_train=64)
+    base["train"].update(max_steps=args.steps, save_steps=args.steps, deepspeed=True, num_generations=8,
+                         per_device_train_batch_size=16, logging_steps=1)
+    cfg = validate_config(base)
+    rows = prepare(cfg.data, AutoTokenizer.from_pretrained(model_path)).train
+    train_file = workdir / "train.jsonl"
+    train_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return TrainJob(config=cfg, model_path=str(model_path), train_file=str(train_file), output_dir=str(workdir / "out"))
+
+
+def run_arm(arm: str, args, model_path: Path, workdir: Path) -> dict:
+    """Train one arm in this process; returns its per-step logs and peak GPU memory."""
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0",
+                      LOCAL_RANK="0", WORLD_SIZE="1", TRL_EXPERIMENTAL_SILENCE="1")
+    job = job_for(args, model_path, workdir)
+    if arm == "ours":
+        from grpo_steps.train import run
+
+        run(job)
+        history = json.loads((Path(job.output_dir) / "log_history.json").read_text())
+    else:
+        from datasets import Dataset
+        from trl import GRPOTrainer
+
+        from grpo_steps.train import grpo_args
+
+        if not torch.cuda.is_available():
+            import deepspeed
+
+            deepspeed.comm.init_distributed(dist_backend="gloo")
+        rows = [json.loads(line) for line in Path(job.train_file).read_text().splitlines()]
+
+        def length_reward(completions, **_):
+            return [float(len(c[0]["content"])) for c in completions]
+
+        trainer = GRPOTrainer(model=job.model_path, reward_funcs=[length_reward], args=grpo_args(job),
+                              train_dataset=Dataset.from_list(rows))
+        trainer.train()
+        history = trainer.state.log_history
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    return {"history": [h for h in history if "step_time" in h], "peak_gib": peak}
+
+
+def summary(result: dict) -> dict:
+    steps = result["history"][1:]  # first step: warm-up
+    step_time = statistics.fmean(h["step_time"] for h in steps)
+    tokens = steps[-1]["num_tokens"] - result["history"][0]["num_tokens"]
+    return {"step_time": step_time, "tokens_per_s": tokens / sum(h["step_time"] for h in steps),
+            "peak_gib": result["peak_gib"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--completion-tokens", type=int, default=256)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    parser.add_argument("--arm", choices=["ours", "trl"], help=argparse.SUPPRESS)  # one arm, in a child
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.arm:
+        result = run_arm(args.arm, args, Path(args.workdir) / "model", Path(args.workdir) / args.arm)
+        (Path(args.workdir) / f"{args.arm}.json").write_text(json.dumps(result))
+        return
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="grpo-gpu-bench-") as workdir:
+        build_model(args.shape, Path(workdir) / "model")
+        results = {}
+        for arm in ("ours", "trl"):
+            (Path(workdir) / arm).mkdir()
+            subprocess.run([sys.executable, __file__, "--arm", arm, "--workdir", workdir, "--steps", str(args.steps),
+                            "--completion-tokens", str(args.completion_tokens), "--shape", args.shape], check=True,
+                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+            results[arm] = summary(json.loads((Path(workdir) / f"{arm}.json").read_text()))
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    print(f"\n{time.strftime('%Y-%m-%d')}, {platform.node()}, {device}, shape {args.shape}, {args.steps} steps "
+          f"(first left out), 16 completions/step of {args.completion_tokens} tokens, ZeRO-3, 1 process\n")
+    print("| arm | step time, s | tokens/s | peak GPU memory, GiB |")
+    print("|---|---|---|---|")
+    for arm, r in results.items():
+        print(f"| {arm} | {r['step_time']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.2f} |")
+    print(f"\nours / trl step-time ratio: {results['ours']['step_time'] / results['trl']['step_time']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Backend ``replay``: the rollout function hands each prompt group its fixed completions as token ids."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from grpo_steps.config import GenerationConfig
+from grpo_steps.data import encode_prompt
+from grpo_steps.train import ReplayRollout
+
+GEN = GenerationConfig(backend="replay", replay_file="unused", max_completion_tokens=6)
+
+
+def trainer(num_generations: int = 2) -> SimpleNamespace:
+    """What the rollout function reads of TRL's GRPOTrainer."""
+    return SimpleNamespace(num_generations=num_generations, num_generations_eval=1,
+                           model=SimpleNamespace(training=True))
+
+
+def prompt(question: str) -> list[dict]:
+    return [{"role": "user", "content": question}]
+
+
+@pytest.fixture
+def replay(tmp_path, tiny_tokenizer):
+    path = tmp_path / "replay.jsonl"
+    path.write_text(json.dumps({"question": "1+1?", "completions": ["Answer: 2", "2", "no"]}) + "\n\n"
+                    + json.dumps({"question": "2+2?", "completions": ["Answer: 4 " * 10, "4"]}) + "\n")
+    return ReplayRollout(path, tiny_tokenizer, GEN)
+
+
+def test_each_group_gets_the_first_completions_of_its_question(replay, tiny_tokenizer):
+    out = replay([prompt("1+1?")] * 2 + [prompt("2+2?")] * 2, trainer())
+    assert out["logprobs"] is None  # nothing was sampled
+    assert out["prompt_ids"] == [encode_prompt(tiny_tokenizer, prompt("1+1?"))] * 2 + \
+        [encode_prompt(tiny_tokenizer, prompt("2+2?"))] * 2
+    texts = tiny_tokenizer.batch_decode(out["completion_ids"], skip_special_tokens=True)
+    assert texts[:2] == ["Answer: 2", "2"] and texts[3] == "4"
+    assert out["completion_ids"][0][-1] == tiny_tokenizer.eos_token_id  # a finished completion
+    assert len(out["completion_ids"][2]) == GEN.max_completion_tokens  # cut to the limit, no EOS
+    assert out["completion_ids"][2][-1] != tiny_tokenizer.eos_token_id
+
+
+def test_unknown_question_and_short_group_are_named(replay):
+    with pytest.raises(KeyError, match="no completions for the question '3\\+3\\?'"):
+        replay([prompt("3+3?")] * 2, trainer())
+    with pytest.raises(ValueError, match="lists 2 completions for '2\\+2\\?'; a group needs 3"):
+        replay([prompt("2+2?")] * 3, trainer(num_generations=3))
+
+
+def test_missing_or_malformed_file_is_rejected(tmp_path, tiny_tokenizer):
+    with pytest.raises(FileNotFoundError, match="generation.replay_file .*missing.jsonl does not exist"):
+        ReplayRollout(tmp_path / "missing.jsonl", tiny_tokenizer, GEN)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "1+1?", "completions": ["2"]}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: a row needs 'question'"):
+        ReplayRollout(bad, tiny_tokenizer, GEN)
