@@ -58,11 +58,11 @@ def build_model(shape: str, target: Path) -> Path:
 
 def job_for(args, model_path: Path, workdir: Path):
     import torch
+    from transformers import AutoTokenizer
 
     from grpo_steps.config import REPO_ROOT, load_config, validate_config
     from grpo_steps.data import prepare
     from grpo_steps.train import TrainJob
-    from transformers import AutoTokenizer
 
     base = load_config(REPO_ROOT / "configs" / "test.yaml").model_dump()
     base["model"].update(name_or_path=str(model_path), dtype="bfloat16" if torch.cuda.is_available() else "float32",

@@ -33,6 +33,16 @@ def in_metaflow_task() -> bool:
     return "METAFLOW_CHECKPOINT_UID" in os.environ
 
 
+def mark_latest_zero_tag(path: Path, global_step: int) -> None:
+    """Write DeepSpeed's ``latest`` tag file into the checkpoint ``path`` when it holds ZeRO partitions
+    (``global_stepN/``) without one. DeepSpeed writes ``latest`` on global rank 0 only, so the other
+    nodes' checkpoints could not be resumed from their own storage (``deepspeed_load_checkpoint`` reads
+    the tag from it)."""
+    tag = f"global_step{global_step}"
+    if (path / tag).is_dir() and not (path / "latest").exists():
+        (path / "latest").write_text(tag)
+
+
 class DatastoreCheckpointCallback(TrainerCallback):
     """After each trainer save (rank 0 of each node), copy the new ``checkpoint-N`` to the datastore,
     then delete this node's older datastore checkpoints beyond the newest ``keep``.
@@ -56,6 +66,7 @@ class DatastoreCheckpointCallback(TrainerCallback):
         if self.checkpointer is None:
             self.checkpointer = Checkpoint()
         path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        mark_latest_zero_tag(path, state.global_step)
         print(f"[checkpoint] saving step={state.global_step} node={self.node_index} pid={os.getpid()}", flush=True)
         start = time.perf_counter()
         self.checkpointer.save(path=str(path), name=checkpoint_name(self.node_index),
@@ -164,13 +175,21 @@ def _newest_of_run(run, node_index: int) -> dict | None:
     return max(saved, key=lambda c: c["metadata"]["global_step"]) if saved else None
 
 
-def _load(reference, what: str) -> str | None:
-    """Load a datastore checkpoint into the task's checkpoint directory; the trainer checkpoint in it."""
+def _load(reference, what: str) -> str:
+    """Load a datastore checkpoint into the task's checkpoint directory; the trainer checkpoint in it.
+
+    Raises:
+        CheckpointNotFound: the checkpoint holds no trainer state (``trainer_state.json``), so training
+            would silently start over.
+    """
     from metaflow import current
 
     print(f"[checkpoint] resuming from {what}", flush=True)
     current.checkpoint.load(reference)  # into current.checkpoint.directory
-    return trainer_checkpoint_in(current.checkpoint.directory)
+    found = trainer_checkpoint_in(current.checkpoint.directory)
+    if not found:
+        raise CheckpointNotFound(f"the checkpoint of {what} holds no trainer state (trainer_state.json)")
+    return found
 
 
 def resolve_reference(reference: str, node_index: int) -> str:
@@ -205,13 +224,12 @@ def resolve_reference(reference: str, node_index: int) -> str:
                                      f"{node_index}")
         return _load(newest, f"step {newest['metadata']['global_step']} of run {reference}")
     try:
-        found = _load(reference, f"checkpoint key {reference}")
+        return _load(reference, f"checkpoint key {reference}")
+    except CheckpointNotFound as err:
+        raise CheckpointNotFound(f"train.resume_from {reference!r}: {err}") from None
     except Exception as err:  # metaflow-checkpoint raises several types for a bad key
         raise CheckpointNotFound(f"train.resume_from {reference!r} is not a directory, a 'FlowName/run_id' "
                                  f"pathspec or a loadable checkpoint key: {err}") from err
-    if not found:
-        raise CheckpointNotFound(f"train.resume_from {reference!r}: the checkpoint holds no trainer state")
-    return found
 
 
 def resume_checkpoint(node_index: int, configured: str | None = None) -> str | None:

@@ -6,6 +6,7 @@ flow file imports fast and ``--help`` is instant.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from contextlib import contextmanager
@@ -82,8 +83,11 @@ def ensure_server(cfg: PipelineConfig, server: dict, model_path: str, owner_pid:
     """``server`` if it is healthy and owned by this run, else a newly provisioned one.
 
     After a ``resume`` the recorded server belongs to the earlier (dead) runtime: a local one stops
-    itself within ``orphan_grace_s``, or has already; it is stopped now and replaced. A Kubernetes
-    one is kept while its Deployment is ready (it is deleted in ``end`` or by the error exit hook).
+    itself within ``orphan_grace_s``, or has already; it is stopped now and replaced, once per run:
+    the nodes of a local ``@parallel`` gang all take the replacement the first of them started (a
+    second server would get no weight pushes, and the join could not merge two ``server`` values).
+    A Kubernetes one is kept while its Deployment is ready (it is deleted in ``end`` or by the error
+    exit hook).
     """
     from grpo_steps import vllm_server
 
@@ -94,10 +98,39 @@ def ensure_server(cfg: PipelineConfig, server: dict, model_path: str, owner_pid:
             return server
     elif server.get("owner_pid") == owner_pid and vllm_server.is_healthy(server["endpoint"]):
         return server
+    else:  # the local gang's nodes share one replacement: the first provisions it, the others take it
+        from metaflow import current
+
+        with _replacement_lock(f"{current.run_id}-{owner_pid}") as registry:
+            if registry.exists():
+                replacement = json.loads(registry.read_text())
+                if vllm_server.is_healthy(replacement["endpoint"]):
+                    return replacement
+            replacement = _replace(cfg, server, model_path, owner_pid)
+            registry.write_text(json.dumps(replacement))
+            return replacement
+    return _replace(cfg, server, model_path, owner_pid)
+
+
+def _replace(cfg: PipelineConfig, server: dict, model_path: str, owner_pid: int) -> dict:
     stop_server(server)
     print(f"generation server {server['endpoint']} belongs to an earlier run or is not answering: "
           "starting a new one")
     return provision(cfg, model_path, owner_pid)
+
+
+@contextmanager
+def _replacement_lock(key: str):
+    """Exclusive lock for the local server that replaces a stale one in a run (``key``: run id and the
+    runtime's PID); yields the file that records the replacement. The nodes of a local gang run on this
+    machine under one runtime, so they all compute the same key."""
+    import fcntl
+
+    folder = Path(tempfile.gettempdir()) / "grpo-vllm-servers"
+    folder.mkdir(exist_ok=True)
+    with open(folder / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield folder / f"{key}.json"
 
 
 def stop_server(server: dict | None) -> None:
@@ -118,7 +151,6 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
     (node 0's is the one kept). Continues from :func:`grpo_steps.checkpoints.resume_checkpoint`
     when there is one (``@retry``, ``resume``). Call inside the flow's ``train`` step.
     """
-    import json
 
     from grpo_steps.checkpoints import resume_checkpoint
     from grpo_steps.launch import launch

@@ -188,6 +188,9 @@ def grpo_args(job: TrainJob) -> Any:
         save_strategy="steps",
         save_steps=train.save_steps,
         save_total_limit=train.save_total_limit,
+        # every node trains in its own scratch directory: each needs the full trainer state beside its
+        # ZeRO-3 partition to resume (HF writes trainer_state.json, scheduler, RNG of rank 0 only otherwise)
+        save_on_each_node=train.num_nodes > 1,
         logging_steps=train.logging_steps,
         seed=train.seed,
         data_seed=train.seed,

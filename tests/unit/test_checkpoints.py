@@ -5,6 +5,7 @@ import pytest
 from grpo_steps.checkpoints import (
     CheckpointNotFound,
     MLflowMetricsCallback,
+    mark_latest_zero_tag,
     resolve_reference,
     trainer_checkpoint_in,
 )
@@ -69,3 +70,16 @@ def test_metrics_of_steps_an_earlier_attempt_logged_are_not_logged_again(tmp_pat
         second.log({"reward": 10.0 * step, second.WATERMARK: step}, step)
     history = {m.step: m.value for m in client.get_metric_history(run_id, "reward")}
     assert history == {1: 1.0, 2: 2.0, 3: 3.0, 4: 40.0}  # step 3 kept once, from the first attempt
+
+
+def test_a_zero_checkpoint_without_its_latest_tag_gets_one(tmp_path):
+    (tmp_path / "global_step4").mkdir()  # the partitions of a node other than global rank 0
+    mark_latest_zero_tag(tmp_path, 4)
+    assert (tmp_path / "latest").read_text() == "global_step4"
+    (tmp_path / "latest").write_text("global_step3")  # rank 0 wrote its own: left as it is
+    mark_latest_zero_tag(tmp_path, 4)
+    assert (tmp_path / "latest").read_text() == "global_step3"
+    plain = tmp_path / "plain"
+    plain.mkdir()  # not a DeepSpeed checkpoint: nothing written
+    mark_latest_zero_tag(plain, 4)
+    assert not (plain / "latest").exists()
