@@ -105,7 +105,9 @@ def run_arm(arm: str, args, model_path: Path, workdir: Path) -> dict:
         def length_reward(completions, **_):
             return [float(len(c[0]["content"])) for c in completions]
 
-        trainer = GRPOTrainer(model=job.model_path, reward_funcs=[length_reward], args=grpo_args(job),
+        config = grpo_args(job)
+        config.reward_weights = None  # one reward function here
+        trainer = GRPOTrainer(model=job.model_path, reward_funcs=[length_reward], args=config,
                               train_dataset=Dataset.from_list(rows))
         trainer.train()
         history = trainer.state.log_history
