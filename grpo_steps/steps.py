@@ -39,7 +39,14 @@ def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
     from grpo_steps.models import resolve_model
 
     model_path = resolve_model(cfg.model.name_or_path)
-    data = prepare(cfg.data, AutoTokenizer.from_pretrained(model_path))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    data = prepare(cfg.data, tokenizer)
+    if cfg.generation.backend == "replay":  # every train prompt needs its completions: fail before training
+        from grpo_steps.train import ReplayRollout
+
+        replay = ReplayRollout(cfg.generation.replay_file, tokenizer, cfg.generation)
+        for row in data.train:
+            replay.completions_for(row["prompt"], cfg.train.num_generations)
     tracking.client(cfg)  # sets the tracking URI
     with mlflow.start_run(run_id=run_id):
         for dataset, context in mlflow_datasets(cfg.data, data):
@@ -94,22 +101,20 @@ def ensure_server(cfg: PipelineConfig, server: dict, model_path: str, owner_pid:
     if server.get("provider", "local") == "kubernetes":
         from grpo_steps import k8s_provider
 
-        if k8s_provider.is_ready(server):
-            return server
-    elif server.get("owner_pid") == owner_pid and vllm_server.is_healthy(server["endpoint"]):
+        return server if k8s_provider.is_ready(server) else _replace(cfg, server, model_path, owner_pid)
+    if server.get("owner_pid") == owner_pid and vllm_server.is_healthy(server["endpoint"]):
         return server
-    else:  # the local gang's nodes share one replacement: the first provisions it, the others take it
-        from metaflow import current
+    from metaflow import current
 
-        with _replacement_lock(f"{current.run_id}-{owner_pid}") as registry:
-            if registry.exists():
-                replacement = json.loads(registry.read_text())
-                if vllm_server.is_healthy(replacement["endpoint"]):
-                    return replacement
-            replacement = _replace(cfg, server, model_path, owner_pid)
-            registry.write_text(json.dumps(replacement))
-            return replacement
-    return _replace(cfg, server, model_path, owner_pid)
+    # the nodes of a local gang share one replacement: the first provisions it, the others take it
+    with _replacement_lock(f"{current.run_id}-{owner_pid}") as registry:
+        if registry.exists():
+            replacement = json.loads(registry.read_text())
+            if vllm_server.is_healthy(replacement["endpoint"]):
+                return replacement
+        replacement = _replace(cfg, server, model_path, owner_pid)
+        registry.write_text(json.dumps(replacement))
+        return replacement
 
 
 def _replace(cfg: PipelineConfig, server: dict, model_path: str, owner_pid: int) -> dict:

@@ -131,19 +131,29 @@ class ReplayRollout:
             ids.append(self.tokenizer.eos_token_id)
         return ids
 
+    def completions_for(self, prompt: str | list[dict], group: int) -> list[str]:
+        """The first ``group`` completions of ``prompt``'s question (its last message).
+
+        Raises:
+            KeyError: the file has no row for the question.
+            ValueError: the row lists fewer than ``group`` completions.
+        """
+        question = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+        if question not in self.completions:
+            raise KeyError(f"generation.replay_file has no completions for the question {question!r}")
+        texts = self.completions[question]
+        if len(texts) < group:
+            raise ValueError(f"generation.replay_file lists {len(texts)} completions for {question!r}; "
+                             f"a group needs {group} (train.num_generations)")
+        return texts[:group]
+
     def __call__(self, prompts: list, trainer) -> dict[str, list | None]:
         unique, group = prompt_groups(prompts, trainer)
         out: dict[str, list | None] = {"prompt_ids": [], "completion_ids": [], "logprobs": None}
         for prompt in unique:
-            question = prompt[-1]["content"] if isinstance(prompt, list) else prompt
-            if question not in self.completions:
-                raise KeyError(f"generation.replay_file has no completions for the question {question!r}")
-            texts = self.completions[question]
-            if len(texts) < group:
-                raise ValueError(f"generation.replay_file lists {len(texts)} completions for {question!r}; "
-                                 f"a group needs {group} (train.num_generations)")
+            texts = self.completions_for(prompt, group)
             ids = encode_prompt(self.tokenizer, prompt)
-            for text in texts[:group]:
+            for text in texts:
                 out["prompt_ids"].append(ids)
                 out["completion_ids"].append(self._completion_ids(text))
         return out

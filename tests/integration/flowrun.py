@@ -106,32 +106,33 @@ def s3_keys(server) -> list[str]:
             for o in page.get("Contents", [])]
 
 
-def checkpoint_steps(workdir, env: dict, run_id: str) -> list[int]:
-    """Global steps of the checkpoints the ``train`` task of ``GRPOFlow/run_id`` holds in the datastore
-    (read with the Metaflow client in a child process: it takes the datastore from env and cwd)."""
-    code = ("from metaflow import Checkpoint, Flow, namespace; namespace(None); "
-            f"t = Flow('GRPOFlow')['{run_id}']['train'].task; "
-            "print(sorted(c['metadata']['global_step'] for c in Checkpoint().list(task=t)))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=workdir, env=env, capture_output=True, text=True,
-                         timeout=120)
+def client_in_child(workdir, env: dict, code: str, timeout_s: float = 300):
+    """Run Metaflow client ``code`` in a child process (the client takes the datastore from env and cwd,
+    and caches the first one it finds); returns its last printed line, parsed as YAML."""
+    out = subprocess.run([sys.executable, "-c", "from metaflow import Checkpoint, Flow, namespace; namespace(None)\n"
+                          + code], cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)
     assert out.returncode == 0, out.stderr[-3000:]
     return yaml.safe_load(out.stdout.strip().splitlines()[-1])
+
+
+def checkpoint_steps(workdir, env: dict, run_id: str) -> list[int]:
+    """Global steps of the checkpoints the ``train`` task of ``GRPOFlow/run_id`` holds in the datastore."""
+    return client_in_child(workdir, env, f"t = Flow('GRPOFlow')['{run_id}']['train'].task\n"
+                           "print(sorted(c['metadata']['global_step'] for c in Checkpoint().list(task=t)))")
 
 
 def checkpoint_files(workdir, env: dict, run_id: str, node: int) -> list[str]:
     """Relative paths of the files in node ``node``'s newest checkpoint of ``GRPOFlow/run_id`` (loaded from
-    the datastore into a scratch directory by a child process, as :func:`checkpoint_steps`)."""
-    code = ("import json, os, tempfile; from metaflow import Checkpoint, Flow, namespace; namespace(None); "
-            f"saved = [c for t in Flow('GRPOFlow')['{run_id}']['train'] for c in Checkpoint().list(task=t) "
-            f"if c['metadata']['node_index'] == {node}]; "
-            "newest = max(saved, key=lambda c: c['metadata']['global_step']); d = tempfile.mkdtemp(); "
-            "Checkpoint().load(newest, d); "
-            "print(json.dumps(sorted(os.path.relpath(os.path.join(r, f), d) for r, _, fs in os.walk(d) "
-            "for f in fs)))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=workdir, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return yaml.safe_load(out.stdout.strip().splitlines()[-1])
+    the datastore into a scratch directory)."""
+    return client_in_child(workdir, env, f"""
+import json, os, tempfile
+saved = [c for t in Flow('GRPOFlow')['{run_id}']['train'] for c in Checkpoint().list(task=t)
+         if c['metadata']['node_index'] == {node}]
+newest = max(saved, key=lambda c: c['metadata']['global_step'])
+d = tempfile.mkdtemp()
+Checkpoint().load(newest, d)
+print(json.dumps(sorted(os.path.relpath(os.path.join(r, f), d) for r, _, fs in os.walk(d) for f in fs)))
+""")
 
 
 RUN_ID = re.compile(r"\(run-id (\d+)\)")
