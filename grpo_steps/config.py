@@ -180,12 +180,15 @@ class RewardSpec(_Section):
 
 
 class ServerConfig(_Section):
+    endpoint: str | None = None
+    """Provider ``external``: base URL of the vLLM server you run, e.g. ``http://127.0.0.1:8000``
+    (started with ``VLLM_SERVER_DEV_MODE=1``; it must read the weight directories this machine writes)."""
     host: str = "127.0.0.1"
     """Interface the local vLLM server binds to. Keep loopback unless the trainer runs elsewhere."""
     port: int = Field(0, ge=0, le=65535)
     """Port of the local server; 0 picks a free one."""
     startup_timeout_s: float = Field(600.0, gt=0)
-    """Seconds to wait for ``/health`` before failing with the server's log tail."""
+    """Seconds to wait for ``/health`` before failing (with the server's log tail for ``local``)."""
     kv_cache_gib: int = Field(2, ge=1)
     """KV-cache size of the CPU backend (``VLLM_CPU_KVCACHE_SPACE``), GiB."""
     enforce_eager: bool = True
@@ -196,6 +199,13 @@ class ServerConfig(_Section):
     """The server stops itself this many seconds after the flow process that owns it is gone."""
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs one vLLM replica shards the model over (``--tensor-parallel-size``); 1 on CPU."""
+
+    @field_validator("endpoint")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"generation.server.endpoint {value!r} must be a base URL such as http://127.0.0.1:8000")
+        return value.rstrip("/") if value else value
 
 
 class GenerationConfig(_Section):
@@ -209,11 +219,12 @@ class GenerationConfig(_Section):
     least ``train.num_generations`` completions. Each group of a prompt gets its first completions."""
     weight_sync: Literal["disk", "nccl"] = "disk"
     """How the trained weights reach the server. ``disk`` works everywhere; ``nccl`` needs CUDA."""
-    provider: Literal["local", "kubernetes"] = "local"
-    """Who runs the generation server: ``local``, a child process on this machine; ``kubernetes``, a
-    Deployment + Service in the cluster (image and GPUs from ``resources.vllm``, see
-    ``infra/k8s/vllm-server.yaml``). The server also serves evaluation, so it is started with the
-    ``hf`` backend too."""
+    provider: Literal["local", "kubernetes", "external"] = "local"
+    """Who runs the generation server (``grpo_steps/servers/``): ``local``, a child process on this
+    machine; ``kubernetes``, a Deployment + Service in the cluster (image and GPUs from
+    ``resources.vllm``, see ``infra/k8s/vllm-server.yaml``); ``external``, a server you run at
+    ``server.endpoint``, never started or stopped by the pipeline. The server also serves
+    evaluation, so it is needed with the ``hf`` and ``replay`` backends too."""
     max_completion_tokens: int = Field(64, gt=0)
     """Longest completion sampled, in tokens."""
     temperature: float = Field(1.0, ge=0)
@@ -225,6 +236,9 @@ class GenerationConfig(_Section):
         if self.backend != "vllm" and self.weight_sync == "nccl":
             raise ValueError("generation.weight_sync 'nccl' only applies to backend 'vllm'; "
                              f"use 'disk' with backend '{self.backend}'")
+        if (self.provider == "external") != (self.server.endpoint is not None):
+            raise ValueError("generation.provider 'external' needs generation.server.endpoint (the URL of your "
+                             "vLLM server), and the endpoint is used by that provider only: set both or neither")
         if (self.backend == "replay") != (self.replay_file is not None):
             raise ValueError("generation.replay_file goes with backend 'replay' (and only with it): "
                              "set both or neither")
@@ -407,12 +421,12 @@ class PipelineConfig(_Section):
         if res.train.gpu and train.processes_per_node != res.train.gpu:
             raise ValueError(f"train.processes_per_node ({train.processes_per_node}) must equal "
                              f"resources.train.gpu ({res.train.gpu}): one training process per GPU")
-        if gen.weight_sync == "nccl" and not (res.train.gpu and res.vllm.gpu):
+        if gen.weight_sync == "nccl" and not (res.train.gpu and (res.vllm.gpu or gen.provider == "external")):
             raise ValueError("generation.weight_sync 'nccl' needs CUDA on both sides: set resources.train.gpu "
                              "and resources.vllm.gpu > 0, or use weight_sync 'disk'")
-        if gen.weight_sync == "nccl" and gen.provider != "kubernetes":
+        if gen.weight_sync == "nccl" and gen.provider == "local":
             raise ValueError("generation.weight_sync 'nccl' needs the server on its own GPUs: "
-                             "use generation.provider 'kubernetes'")
+                             "use generation.provider 'kubernetes' or 'external'")
         if gen.provider == "kubernetes":
             if gen.server.tensor_parallel_size > max(res.vllm.gpu, 1):
                 raise ValueError(f"generation.server.tensor_parallel_size ({gen.server.tensor_parallel_size}) "

@@ -35,6 +35,7 @@ class TrainJob(BaseModel):
     train_file: str  # jsonl of the prepared train split
     output_dir: str  # trainer output: checkpoints and the final model (``final/``)
     endpoint: str | None = None  # vLLM server base URL (backend vllm)
+    served_model: str = "policy"  # the model name the server serves the policy under
     resume_from: str | None = None  # a trainer checkpoint directory to continue from
     mlflow_run_id: str | None = None  # metrics go to this run
     node_index: int = 0  # machine rank in the gang
@@ -255,8 +256,8 @@ def run(job: TrainJob) -> str:
     if cfg.generation.backend == "vllm" and cfg.generation.weight_sync == "disk":
         from grpo_steps.weight_sync import VLLMClient
 
-        rollout = VLLMRollout(VLLMClient(job.endpoint), tokenizer, Path(job.output_dir) / "weight-sync",
-                              cfg.generation)
+        rollout = VLLMRollout(VLLMClient(job.endpoint, model=job.served_model), tokenizer,
+                              Path(job.output_dir) / "weight-sync", cfg.generation)
     elif cfg.generation.backend == "replay":
         rollout = ReplayRollout(cfg.generation.replay_file, tokenizer, cfg.generation)
     from grpo_steps.checkpoints import (

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from grpo_steps.vllm_server import ServerStartError
+from grpo_steps.processes import ProcessRef
+from grpo_steps.servers import ServerStartError
 from tests.integration.flowrun import (
     SAVED,
     SAVING,
@@ -19,6 +20,7 @@ from tests.integration.flowrun import (
     flow_run_id,
     metric_steps,
     model_versions,
+    on_server,
     run_config,
     s3_keys,
     vllm_child,
@@ -29,14 +31,16 @@ MODEL_NAME = "grpo-fault-test"
 
 @pytest.mark.slow
 def test_generation_server_killed_during_training_is_replaced_and_training_continues(tmp_path, tiny_model_path):
-    """kill -9 of the vLLM server after checkpoint 4: the train step fails, ``@retry`` runs it again on a
-    new server from its newest checkpoint, and the run finishes."""
+    """The ``local`` provider's whole lifecycle in a flow: ``provision_vllm`` starts a server; kill -9 of it
+    after checkpoint 4 fails the train step, ``@retry`` runs it again on a new server from its newest
+    checkpoint, the run finishes, and ``end`` stops the replacement (no server left behind)."""
     config = flow_config(train={"max_steps": 8, "save_steps": 2, "retries": 1}, registry={"model_name": MODEL_NAME})
-    servers, killed = [], []
+    servers, supervisors, killed = [], [], []
 
     def kill_server_after_checkpoint(line: str) -> None:
         if match := SERVING.search(line):
             servers.append(int(match.group(2)))
+            supervisors.append(ProcessRef.of(int(match.group(2))))  # alive now: record its create time
         match = SAVED.search(line)
         if match and int(match.group(1)) == 4 and not killed:
             child = vllm_child(servers[0])
@@ -52,11 +56,12 @@ def test_generation_server_killed_during_training_is_replaced_and_training_conti
     assert metric_steps(tmp_path, "reward") == list(range(1, 9))  # continuous: none repeated, none missing
     assert metric_steps(tmp_path, "train_runtime") == [8]
     assert len(model_versions(tmp_path, MODEL_NAME)) == 1
+    assert not any(s.is_running() for s in supervisors), "a server outlived the run"
 
 
 @pytest.mark.slow
 @pytest.mark.s3
-def test_s3_stopped_during_a_checkpoint_upload(tmp_path, tiny_model_path):
+def test_s3_stopped_during_a_checkpoint_upload(tmp_path, tiny_server):
     """The S3 server is down from checkpoint 2 until 10 s after the upload of checkpoint 4 began:
     the upload waits it out (client retries), and every checkpoint reaches the bucket."""
     from grpo_steps import local_s3
@@ -87,9 +92,9 @@ def test_s3_stopped_during_a_checkpoint_upload(tmp_path, tiny_model_path):
             events["restart"] = threading.Timer(10.0, restart)
             events["restart"].start()
 
-    config = flow_config(train={"max_steps": 6, "save_steps": 2, "save_total_limit": 10, "retries": 0},
-                         registry={"model_name": MODEL_NAME},
-                         tracking={"artifact_location": f"s3://{server.bucket}/mlflow"})
+    config = on_server(flow_config(train={"max_steps": 6, "save_steps": 2, "save_total_limit": 10, "retries": 0},
+                                   registry={"model_name": MODEL_NAME},
+                                   tracking={"artifact_location": f"s3://{server.bucket}/mlflow"}), tiny_server)
     env = flow_env(**server.env())
     try:
         code, out = run_config(tmp_path, env, config, outage)

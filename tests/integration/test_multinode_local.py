@@ -11,7 +11,6 @@ import re
 import signal
 
 import pytest
-import yaml
 
 from grpo_steps.config import validate_config
 from grpo_steps.data import prepare
@@ -20,11 +19,13 @@ from grpo_steps.train import TrainJob
 from tests.integration.flowrun import (
     checkpoint_files,
     completed_run,
+    config_file,
     flow_config,
     flow_env,
     flow_run_id,
     metric_steps,
     mlflow_runs,
+    on_server,
     run_config,
     run_flow,
 )
@@ -79,11 +80,10 @@ def assert_same_steps(gang: dict[str, list[float]], single: list[dict]) -> None:
         assert math.isclose(gang["grad_norm"][step], ref["grad_norm"], rel_tol=1e-4), (step, gang, single)
 
 
-def test_two_simulated_nodes_under_zero3_match_one_process(tmp_path, tiny_model_path, tiny_tokenizer):
+def test_two_simulated_nodes_under_zero3_match_one_process(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
     config, rows = gang_config(tmp_path, tiny_tokenizer, max_steps=STEPS, save_steps=1)
-    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
 
-    with completed_run(tmp_path, tmp_path / "cfg.yaml") as (run, log):
+    with completed_run(tmp_path, config_file(tmp_path, on_server(config, tiny_server))) as (run, log):
         assert run.successful
         assert len(list(run["train"])) == NODES  # a task per node
         assert "belongs to an earlier run" not in log  # node 1 kept node 0's server
@@ -102,7 +102,8 @@ def test_two_simulated_nodes_under_zero3_match_one_process(tmp_path, tiny_model_
 
 def test_killed_node_resumes_from_its_own_partition(tmp_path, tiny_model_path, tiny_tokenizer):
     """Node 1's training process is killed after the step-2 checkpoint; ``resume`` continues both nodes at
-    step 2, each from its own saved partition: steps 3-4 then match the uninterrupted single process too."""
+    step 2, each from its own saved partition: steps 3-4 then match the uninterrupted single process too.
+    The run has its own ``local`` server: after ``resume`` the gang's nodes share one replacement."""
     config, rows = gang_config(tmp_path, tiny_tokenizer, max_steps=4, save_steps=2, retries=0)
     saved_node1 = re.compile(r"\[checkpoint\] saved step=2 node=1 pid=(\d+)")
     killed = []
@@ -120,6 +121,7 @@ def test_killed_node_resumes_from_its_own_partition(tmp_path, tiny_model_path, t
     code, resumed = run_flow(tmp_path, env, ["resume"])
     assert code == 0, resumed[-8000:]
     origin = flow_run_id(out)
+    assert resumed.count("belongs to an earlier run or is not answering: starting a new one") == 1  # one for the gang
     # each node found its own checkpoint of the killed run, and both trained on to the end
     assert len(re.findall(rf"resuming from step 2 of run {origin}\b", resumed)) == NODES, resumed[-5000:]
     assert all(f"saved step=4 node={node}" in resumed for node in range(NODES))

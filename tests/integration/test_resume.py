@@ -18,6 +18,7 @@ from tests.integration.flowrun import (
     metric_steps,
     mlflow_runs,
     model_versions,
+    on_server,
     run_config,
     run_flow,
     s3_keys,
@@ -53,9 +54,9 @@ def _kill_and_resume(workdir, env: dict, config: dict) -> tuple[str, str]:
     return flow_run_id(out), resumed
 
 
-def _assert_resumed(workdir, env, origin_run: str, out: str) -> None:
+def _assert_resumed(workdir, env, origin_run: str, out: str, *, server_replaced: bool) -> None:
     assert f"resuming from step {KILL_AFTER} of run {origin_run}" in out
-    assert "belongs to an earlier run or is not answering: starting a new one" in out
+    assert ("belongs to an earlier run or is not answering: starting a new one" in out) is server_replaced
     (run,) = mlflow_runs(workdir)  # resume reopened the same run
     for metric in ("reward", "loss"):
         steps = metric_steps(workdir, metric)
@@ -72,14 +73,14 @@ def _assert_resumed(workdir, env, origin_run: str, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_kill_then_resume_on_the_local_datastore_then_start_from_its_checkpoint(tmp_path, tiny_model_path):
+def test_kill_then_resume_on_the_local_datastore_then_start_from_its_checkpoint(tmp_path, tiny_server):
     env = flow_env()
     origin, out = _kill_and_resume(tmp_path, env, _config())
-    _assert_resumed(tmp_path, env, origin, out)
+    _assert_resumed(tmp_path, env, origin, out, server_replaced=True)
     assert list((tmp_path / ".metaflow" / "mf.checkpoints").rglob("*")), "checkpoints in the local datastore"
 
     # (3) a new run started from the killed run's newest checkpoint, named in the config
-    config = _config()
+    config = on_server(_config(), tiny_server)
     config["train"]["resume_from"] = f"GRPOFlow/{origin}"
     code, started = run_config(tmp_path, env, config)
     assert code == 0, started[-6000:]
@@ -91,10 +92,11 @@ def test_kill_then_resume_on_the_local_datastore_then_start_from_its_checkpoint(
 
 @pytest.mark.slow
 @pytest.mark.s3
-def test_kill_then_resume_on_the_s3_datastore(tmp_path, tiny_model_path, local_s3):
+def test_kill_then_resume_on_the_s3_datastore(tmp_path, tiny_server, local_s3):
     env = flow_env(**local_s3.env())
-    origin, out = _kill_and_resume(tmp_path, env, _config(artifact_location=f"s3://{local_s3.bucket}/mlflow"))
-    _assert_resumed(tmp_path, env, origin, out)
+    config = on_server(_config(artifact_location=f"s3://{local_s3.bucket}/mlflow"), tiny_server)
+    origin, out = _kill_and_resume(tmp_path, env, config)
+    _assert_resumed(tmp_path, env, origin, out, server_replaced=False)
     keys = s3_keys(local_s3)
     assert any(k.startswith("metaflow/mf.checkpoints/") for k in keys), "checkpoints in the bucket"
     assert any(k.startswith("metaflow/mf.models/") for k in keys), "the final policy in the bucket"
