@@ -168,19 +168,18 @@ def reward_functions(cfg: PipelineConfig) -> list:
     return [build_reward(spec) for spec in cfg.rewards]
 
 
-def grpo_args(job: TrainJob) -> Any:
-    """``trl.GRPOConfig`` for a job. ``train.grpo`` entries override the derived fields.
+GRPO_DEFAULTS: dict[str, Any] = dict(dataloader_num_workers=0, disable_tqdm=True)
+"""``trl.GRPOConfig`` fields the pipeline sets by default; ``train.grpo`` may change them."""
 
-    Raises:
-        ValueError: a ``train.grpo`` key that ``GRPOConfig`` does not have.
+
+def config_grpo_kwargs(job: TrainJob, on_cpu: bool) -> dict[str, Any]:
+    """The ``trl.GRPOConfig`` fields derived from the config, for a job on CPU (``on_cpu``) or CUDA.
+
+    Its keys are those of :data:`grpo_steps.config.GRPO_ARGS_SET_BY` (``use_vllm``, ``vllm_mode``,
+    ``vllm_server_base_url`` with ``nccl`` weight sync, ``deepspeed`` with ``train.deepspeed``), which
+    ``train.grpo`` may not set. Pure: imports neither torch nor trl.
     """
-    import dataclasses
-
-    import torch
-    from trl import GRPOConfig
-
     cfg, train, gen = job.config, job.config.train, job.config.generation
-    on_cpu = not torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
         output_dir=job.output_dir,
         max_steps=train.max_steps,
@@ -208,8 +207,6 @@ def grpo_args(job: TrainJob) -> Any:
         use_cpu=on_cpu,
         bf16=(not on_cpu) and cfg.model.dtype == "bfloat16",
         fp16=False,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
     )
     if gen.weight_sync == "nccl":  # TRL's own server mode: generation + NCCL weight transfer (GPUs only)
         kwargs.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=job.endpoint)
@@ -217,12 +214,29 @@ def grpo_args(job: TrainJob) -> Any:
         from grpo_steps.config import INFRA_DIR
 
         kwargs["deepspeed"] = str(INFRA_DIR / "deepspeed_zero3.json")
+    return kwargs
+
+
+def grpo_args(job: TrainJob) -> Any:
+    """``trl.GRPOConfig`` for a job: the fields derived from the config (:func:`config_grpo_kwargs`),
+    :data:`GRPO_DEFAULTS`, and ``train.grpo`` (which overrides the defaults only: config validation
+    rejects the derived fields there).
+
+    Raises:
+        ValueError: a ``train.grpo`` key that ``GRPOConfig`` does not have.
+    """
+    import dataclasses
+
+    import torch
+    from trl import GRPOConfig
+
+    extra = job.config.train.grpo
     known = {f.name for f in dataclasses.fields(GRPOConfig)}
-    unknown = sorted(set(train.grpo) - known)
+    unknown = sorted(set(extra) - known)
     if unknown:
         raise ValueError(f"train.grpo keys {unknown} are not GRPOConfig fields (trl docs list them)")
-    kwargs.update(train.grpo)
-    return GRPOConfig(**kwargs)
+    derived = config_grpo_kwargs(job, on_cpu=not torch.cuda.is_available())
+    return GRPOConfig(**derived, **{**GRPO_DEFAULTS, **extra})  # a key in both: TypeError, never a silent override
 
 
 def run(job: TrainJob) -> str:
