@@ -13,6 +13,7 @@ Runs without Metaflow too, for debugging.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
@@ -86,13 +87,30 @@ class VLLMRollout:
 
 
 def prompt_groups(prompts: list, trainer) -> tuple[list, int]:
-    """The distinct prompts of a ``rollout_func`` call and the group size: TRL passes each prompt
-    ``num_generations`` times in a row (``num_generations_eval`` in evaluation); anything else is
-    taken as one sample per entry (group size 1)."""
-    group = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
-    if len(prompts) % group or any(prompts[i] != prompts[i - i % group] for i in range(len(prompts))):
-        group = 1
-    return prompts[::group], group
+    """The P distinct prompts of a ``rollout_func`` call and the group size G.
+
+    TRL hands each process whole groups: every prompt G times in a row, B = P x G entries (G is the
+    trainer's ``num_generations``, ``num_generations_eval`` in evaluation); the rollout returns G
+    completions per distinct prompt, in that order.
+
+    Raises:
+        ValueError: ``prompts`` are not whole groups of G equal entries in a row, e.g. a group split
+            across processes because a process's generation batch (``per_device_train_batch_size`` x
+            ``steps_per_generation``) is not a multiple of G. The message gives what TRL passed.
+    """
+    training = trainer.model.training
+    group = trainer.num_generations if training else trainer.num_generations_eval
+    if len(prompts) % group == 0 and all(p == prompts[i - i % group] for i, p in enumerate(prompts)):
+        return prompts[::group], group
+    runs = [len(list(run)) for _, run in itertools.groupby(prompts)]  # lengths of runs of equal prompts
+    shown = f"{runs[:16]}{' ...' if len(runs) > 16 else ''}"
+    setting = "num_generations" if training else "num_generations_eval"
+    raise ValueError(
+        f"rollout_func got {len(prompts)} prompts from TRL in runs of equal prompts {shown}; expected whole "
+        f"groups, each prompt {group} times in a row ({setting} = {group}). A group split across processes? "
+        "Each process's generation batch (train.per_device_train_batch_size x steps_per_generation, default "
+        "train.gradient_accumulation_steps) must be a multiple of train.num_generations."
+    )
 
 
 class ReplayRollout:
