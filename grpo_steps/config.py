@@ -488,6 +488,31 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _rollout_groups_whole(self) -> PipelineConfig:
+        """The pipeline's rollout functions (backend ``vllm`` with ``disk`` sync, ``replay``) sample whole
+        groups, so each training process's generation batch must hold whole groups
+        (:func:`grpo_steps.train.prompt_groups`); TRL's own generation (``hf``, ``nccl``) splits groups fine."""
+        gen, train = self.generation, self.train
+        if gen.backend == "hf" or gen.weight_sync == "nccl":
+            return self
+        steps = train.grpo.get("steps_per_generation", train.gradient_accumulation_steps)
+        what = "per_device_train_batch_size x steps_per_generation (default gradient_accumulation_steps)"
+        per_process = train.per_device_train_batch_size * steps if isinstance(steps, int) else None
+        if "generation_batch_size" in train.grpo:
+            what, size = "train.grpo.generation_batch_size / world size", train.grpo["generation_batch_size"]
+            per_process = size // train.world_size if isinstance(size, int) else None
+        if per_process is None:  # not an integer: GRPOConfig rejects it at train time
+            return self
+        if per_process % train.num_generations:
+            raise ValueError(
+                f"train: with generation.backend {gen.backend!r} each training process samples whole prompt groups, "
+                f"but its generation batch, {what} = {per_process}, is not a multiple of num_generations = "
+                f"{train.num_generations}; change train.per_device_train_batch_size, train.gradient_accumulation_steps "
+                "or train.grpo's steps_per_generation / generation_batch_size so it is"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _rewards_known(self) -> PipelineConfig:
         from rewards import bind_options, resolve_reward
 

@@ -85,7 +85,18 @@ BAD_CONFIGS = [
     ({"data": {"mixture": [{"source": "humaneval"}]}}, "data.mixture.0.name"),
     ({"data": {"mixture": [{"name": "a", "weight": 0}]}}, "data.mixture.0.weight"),
     ({"data": {"mixture": [{"name": "a", "source": "jsonl"}]}}, "set data.path"),
+    ({"train": {"num_nodes": 2, "per_device_train_batch_size": 2, "num_generations": 4}},
+     "its generation batch, per_device_train_batch_size x steps_per_generation (default "
+     "gradient_accumulation_steps) = 2, is not a multiple of num_generations = 4"),  # a group split over 2 nodes
+    ({"train": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2, "num_generations": 16,
+                "grpo": {"steps_per_generation": 3}}, "generation": {"backend": "replay", "replay_file": "r.jsonl"}},
+     "with generation.backend 'replay'"),  # 8 x 3 = 24 prompts a process: not whole groups of 16
 ]
+
+
+def test_split_groups_are_fine_when_trl_generates():
+    split = {"num_nodes": 2, "per_device_train_batch_size": 2, "num_generations": 4}  # a group over 2 nodes
+    assert validate_config({"train": split, "generation": {"backend": "hf"}}).train.num_nodes == 2
 
 
 @pytest.mark.parametrize(("data", "message"), BAD_CONFIGS)
