@@ -245,6 +245,54 @@ class GenerationConfig(_Section):
         return self
 
 
+GRPO_ARGS_SET_BY: dict[str, str] = {
+    "output_dir": "the pipeline (each node's scratch directory)",
+    "max_steps": "train.max_steps",
+    "learning_rate": "train.learning_rate",
+    "per_device_train_batch_size": "train.per_device_train_batch_size",
+    "gradient_accumulation_steps": "train.gradient_accumulation_steps",
+    "num_generations": "train.num_generations",
+    "beta": "train.beta",
+    "loss_type": "train.loss_type",
+    "scale_rewards": "train.scale_rewards",
+    "max_completion_length": "generation.max_completion_tokens",
+    "temperature": "generation.temperature",
+    "top_p": "generation.top_p",
+    "reward_weights": "rewards[].weight",
+    "save_strategy": "the pipeline (a checkpoint every train.save_steps)",
+    "save_steps": "train.save_steps",
+    "save_total_limit": "train.save_total_limit",
+    "save_on_each_node": "the pipeline (on when train.num_nodes > 1)",
+    "logging_steps": "train.logging_steps",
+    "seed": "train.seed",
+    "data_seed": "train.seed",
+    "report_to": "the pipeline (metrics reach MLflow through grpo_steps.checkpoints.MLflowMetricsCallback)",
+    "use_cpu": "the pipeline (on without CUDA)",
+    "bf16": "model.dtype",
+    "fp16": "the pipeline (off: mixed precision is bf16, from model.dtype)",
+    "use_vllm": "generation.weight_sync",
+    "vllm_mode": "generation.weight_sync",
+    "vllm_server_base_url": "the pipeline (the provisioned generation server)",
+    "deepspeed": "train.deepspeed",
+}
+"""The ``trl.GRPOConfig`` fields :func:`grpo_steps.train.grpo_args` derives from the config -> the config
+key (or pipeline rule) that sets them. ``train.grpo`` may not set these; a unit test checks that this
+is exactly what ``grpo_args`` sets."""
+
+
+def grpo_key_owner_error(key: str) -> str:
+    """The message for a ``train.grpo`` key the config owns, naming the key to use instead.
+
+    >>> grpo_key_owner_error("num_generations")
+    'train.grpo.num_generations is set by train.num_generations: set it there'
+    >>> grpo_key_owner_error("output_dir")
+    "train.grpo.output_dir is set by the pipeline (each node's scratch directory): remove it"
+    """
+    owner = GRPO_ARGS_SET_BY[key]
+    fix = "remove it" if owner.startswith("the pipeline") else "set it there"
+    return f"train.grpo.{key} is set by {owner}: {fix}"
+
+
 class TrainConfig(_Section):
     num_nodes: int = Field(1, ge=1)
     """Nodes of the ``@parallel`` training gang."""
@@ -281,7 +329,8 @@ class TrainConfig(_Section):
     logging_steps: int = Field(1, gt=0)
     seed: int = 42
     grpo: dict[str, Any] = Field(default_factory=dict)
-    """Any other ``trl.GRPOConfig`` field, passed as is (checked against GRPOConfig at train time)."""
+    """Any other ``trl.GRPOConfig`` field, passed as is (checked against GRPOConfig at train time). The
+    fields the config sets (:data:`GRPO_ARGS_SET_BY`) are rejected: set their config key instead."""
     main_process_port: int = Field(0, ge=0, le=65535)
     """Rendezvous port of ``accelerate launch`` on node 0; 0: a free port picked by node 0 (local
     runtime, where simulated nodes share one machine) or 29500 on a cluster."""
@@ -289,6 +338,14 @@ class TrainConfig(_Section):
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.processes_per_node
+
+    @field_validator("grpo")
+    @classmethod
+    def _grpo_sets_no_owned_key(cls, value: dict[str, Any]) -> dict[str, Any]:
+        owned = [key for key in value if key in GRPO_ARGS_SET_BY]
+        if owned:
+            raise ValueError("; ".join(grpo_key_owner_error(key) for key in owned))
+        return value
 
     @model_validator(mode="after")
     def _batch_arithmetic(self) -> TrainConfig:
@@ -442,6 +499,31 @@ class PipelineConfig(_Section):
                                  "reached by its Service name): set resources.train.image")
         elif gen.server.tensor_parallel_size > 1:
             raise ValueError("generation.server.tensor_parallel_size > 1 needs GPUs: use provider 'kubernetes'")
+        return self
+
+    @model_validator(mode="after")
+    def _rollout_groups_whole(self) -> PipelineConfig:
+        """The pipeline's rollout functions (backend ``vllm`` with ``disk`` sync, ``replay``) sample whole
+        groups, so each training process's generation batch must hold whole groups
+        (:func:`grpo_steps.train.prompt_groups`); TRL's own generation (``hf``, ``nccl``) splits groups fine."""
+        gen, train = self.generation, self.train
+        if gen.backend == "hf" or gen.weight_sync == "nccl":
+            return self
+        steps = train.grpo.get("steps_per_generation", train.gradient_accumulation_steps)
+        what = "per_device_train_batch_size x steps_per_generation (default gradient_accumulation_steps)"
+        per_process = train.per_device_train_batch_size * steps if isinstance(steps, int) else None
+        if "generation_batch_size" in train.grpo:
+            what, size = "train.grpo.generation_batch_size / world size", train.grpo["generation_batch_size"]
+            per_process = size // train.world_size if isinstance(size, int) else None
+        if per_process is None:  # not an integer: GRPOConfig rejects it at train time
+            return self
+        if per_process % train.num_generations:
+            raise ValueError(
+                f"train: with generation.backend {gen.backend!r} each training process samples whole prompt groups, "
+                f"but its generation batch, {what} = {per_process}, is not a multiple of num_generations = "
+                f"{train.num_generations}; change train.per_device_train_batch_size, train.gradient_accumulation_steps "
+                "or train.grpo's steps_per_generation / generation_batch_size so it is"
+            )
         return self
 
     @model_validator(mode="after")

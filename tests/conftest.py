@@ -8,7 +8,8 @@ os.environ.setdefault("METAFLOW_USER", "grpo-tests")
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
     """A tiny Qwen2 policy with a locally trained tokenizer, built once (cached) in ~20 s."""
-    from grpo_steps.models import TINY, prepare_embedded
+    from grpo_steps.dev.tiny_model import TINY
+    from grpo_steps.models import prepare_embedded
 
     return str(prepare_embedded(TINY))
 

