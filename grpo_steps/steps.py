@@ -62,8 +62,7 @@ def provision(cfg: PipelineConfig, model_path: str) -> dict:
     from grpo_steps import servers
 
     server = servers.provision(cfg, model_path, owner=run_owner(), run_id=metaflow_run_id())
-    pid = f" supervisor_pid={server.supervisor_pid} log={server.log_path}" if server.provider == "local" else ""
-    print(f"[vllm] serving {server.endpoint}{pid} ({server.provider})", flush=True)
+    print(f"[vllm] serving {server.summary()}", flush=True)
     return server.to_dict()
 
 

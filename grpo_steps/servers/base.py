@@ -91,5 +91,9 @@ class GenerationServer:
         """The handle as a plain dict (a Metaflow artifact), ``provider`` included."""
         return {"provider": self.provider, **dataclasses.asdict(self)}
 
+    def summary(self) -> str:
+        """One line for the log: the endpoint, what identifies the server, the provider."""
+        return f"{self.endpoint} ({self.provider})"
+
     def __str__(self) -> str:
         return f"{self.provider} generation server {self.endpoint}"

@@ -63,6 +63,9 @@ class LocalServer(GenerationServer):
         return start_local(model_path, cfg.generation.server, max_model_len=cfg.model.max_model_len,
                            dtype=cfg.model.dtype, owner=owner)
 
+    def summary(self) -> str:
+        return f"{self.endpoint} supervisor_pid={self.supervisor_pid} log={self.log_path} (local)"
+
     def stop(self, timeout_s: float = 30.0) -> bool:
         """Stop the supervisor (it stops vLLM) by its recorded PID and create time; a PID that now
         belongs to another process is never signalled. True when it was running."""
