@@ -44,7 +44,7 @@ def main() -> None:
     model_path = resolve_model(args.model)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    probe = encode_prompt(tokenizer, to_prompt("Calculate 4 + 4.", "Solve the problem."))[:64]
+    probe = encode_prompt(tokenizer, to_prompt("Calculate 4 + 4.", "Solve the problem."))[:16]
     handle = start_local(model_path, ServerConfig(kv_cache_gib=1, startup_timeout_s=600), max_model_len=512,
                          dtype="float32", log_dir=tempfile.gettempdir(), owner_pid=os.getpid())
     client = VLLMClient(handle.endpoint)

@@ -34,8 +34,9 @@ from grpo_steps.weight_sync import (
     version_label,
 )
 
-PROBE_TOKENS = 64
-"""Longest probe sequence, tokens."""
+PROBE_TOKENS = 16
+"""Longest probe sequence, tokens: the policy scores it with one extra forward per push (0.1-0.5 s for
+SmolLM2-135M on the 2 shared CPU cores), enough tokens to see any weight change in its logprobs."""
 HISTORY = 4
 """Verified pushes remembered to name the version a stale server serves."""
 
@@ -86,7 +87,9 @@ class DiskSync:
         trainer, accelerator = self.trainer, self.trainer.accelerator
         version = trainer.state.global_step
         start = time.perf_counter()
-        state_dict = accelerator.get_state_dict(trainer.model)  # ZeRO-3: gathered on rank 0, collective
+        # As Trainer.save_model: under DeepSpeed the engine gathers (ZeRO-3: a collective, the full dict on rank 0)
+        source = trainer.model_wrapped if trainer.is_deepspeed_enabled else trainer.model
+        state_dict = accelerator.get_state_dict(source)
         gathered = time.perf_counter()
         parts = {"write_seconds": 0.0, "reload_seconds": 0.0}
         failure: str | None = None

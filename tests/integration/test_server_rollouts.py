@@ -119,3 +119,18 @@ def test_a_reload_serves_the_written_weights_tied_head_included(tmp_path, tiny_m
         assert max(abs(a - b) for a, b in zip(served, policy, strict=True)) < 1e-4
     finally:
         client.reload_weights(tiny_model_path)
+
+
+def test_zero3_two_processes_push_verify_and_correct(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
+    """DeepSpeed ZeRO-3 over 2 CPU processes (gloo): the push gathers on every rank, rank 0 writes, every rank
+    scores the probe and learns the verdict; TRL's correction runs on each rank's share of the batch."""
+    from grpo_steps.launch import launch
+
+    job = _job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint,
+               train={"max_steps": 2, "deepspeed": True, "processes_per_node": 2, "per_device_train_batch_size": 4})
+    launch(job)
+    history = _history(tmp_path)
+    assert [h["weight_sync/version"] for h in history] == [0, 1]
+    for h in history:
+        assert h["sampling/sampling_logp_difference/mean"] < 1e-3
+        assert h["weight_sync/probe_logp_diff"] < 1e-3
