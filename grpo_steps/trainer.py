@@ -92,29 +92,26 @@ class DiskSync:
         state_dict = accelerator.get_state_dict(source)
         gathered = time.perf_counter()
         parts = {"write_seconds": 0.0, "reload_seconds": 0.0}
-        failure: str | None = None
+        error: BaseException | None = None  # rank 0's failure, re-raised on every rank after the broadcast
         if accelerator.is_main_process:
             try:
                 parts = self.push.push(state_dict, version, model=accelerator.unwrap_model(trainer.model))
-            except GenerationServerError as err:
-                failure = str(err)
+            except Exception as err:  # noqa: BLE001  (not swallowed: raised on every rank below)
+                error = err
         del state_dict
         pushed = time.perf_counter()
-        policy = policy_logprobs(trainer.model, self.probe_ids)
+        policy = policy_logprobs(trainer.model, self.probe_ids)  # every rank: a collective forward under ZeRO-3
         gap = 0.0
-        if accelerator.is_main_process and failure is None:
+        if accelerator.is_main_process and error is None:
             try:
-                client = self.push.client
-                record = ProbeRecord(version, policy, client.prompt_logprobs(self.probe_ids))
-                gap = sum(abs(a - b) for a, b in zip(record.served, record.policy, strict=True)) / len(policy)
-                check_served_version(record, self.history, client.weight_version(), self.probe_tolerance,
-                                     step=version + 1)
-                self.history = (self.history + [record])[-HISTORY:]
-            except GenerationServerError as err:
-                failure = str(err)
-        failure = broadcast_object_list([failure])[0]
-        if failure is not None:
-            raise GenerationServerError(failure)
+                gap = self._verify(version, policy)
+            except Exception as err:  # noqa: BLE001  (not swallowed: raised on every rank below)
+                error = err
+        message = broadcast_object_list([None if error is None else f"{type(error).__name__}: {error}"])[0]
+        if error is not None:
+            raise error
+        if message is not None:
+            raise GenerationServerError(f"rank 0 failed the weight push of step {version}: {message}")
         done = time.perf_counter()
         self.pushed_version, self.first_batch_pending = version, True
         self._log("gather_seconds", gathered - start)
@@ -125,6 +122,14 @@ class DiskSync:
         self._log("version", float(version))
         self._log("probe_logp_diff", gap)
 
+    def _verify(self, version: int, policy: list[float]) -> float:
+        """Rank 0: check the server's label and probe (see :func:`check_served_version`); returns the probe's
+        mean |server - policy| logp. Raises GenerationServerError."""
+        client = self.push.client
+        record = ProbeRecord(version, policy, client.prompt_logprobs(self.probe_ids))
+        check_served_version(record, self.history, client.weight_version(), self.probe_tolerance, step=version + 1)
+        self.history = (self.history + [record])[-HISTORY:]
+        return sum(abs(a - b) for a, b in zip(record.served, record.policy, strict=True)) / len(policy)
 
     def close(self) -> None:
         """Remove this run's sync directory (rank 0; the server keeps the weights in memory)."""
