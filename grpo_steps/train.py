@@ -202,6 +202,8 @@ def grpo_args(job: TrainJob) -> Any:
                       vllm_importance_sampling_clip_min=gen.importance_sampling.clip_min)
         if gen.importance_sampling.enabled:
             kwargs["vllm_importance_sampling_mode"] = gen.importance_sampling.mode
+    if gen.backend == "vllm" and gen.mode == "colocate":  # TRL's colocate mode: vLLM in this process
+        kwargs.update(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=cfg.model.max_model_len)
     if gen.weight_sync == "nccl":  # TRL's own server mode: generation + NCCL weight transfer (GPUs only)
         kwargs.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=job.endpoint)
     if train.deepspeed:
@@ -243,7 +245,9 @@ def run(job: TrainJob) -> str:
     dataset = Dataset.from_list(rows)
 
     rollout, trainer_class, server_kwargs = None, GRPOTrainer, {}
-    if cfg.generation.backend == "vllm" and cfg.generation.weight_sync == "disk":
+    if cfg.generation.backend == "vllm" and cfg.generation.mode == "colocate":
+        colocate_environment(cfg)
+    elif cfg.generation.backend == "vllm" and cfg.generation.weight_sync == "disk":
         from grpo_steps.trainer import ServerGRPOTrainer, disk_sync
         from grpo_steps.weight_sync import VLLMClient
 
@@ -287,6 +291,18 @@ def run(job: TrainJob) -> str:
         tokenizer.save_pretrained(final)
         (Path(job.output_dir) / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
     return str(final)
+
+
+def colocate_environment(cfg: PipelineConfig) -> None:
+    """What TRL's colocate mode needs in the environment: vLLM's ``external_launcher`` reads the torch.distributed
+    variables (set by ``accelerate launch``; a single process run directly gets rank 0 of 1), and the CPU
+    backend its KV-cache size (GiB) and cores, as the local server gets them (``grpo_steps.vllm_server``)."""
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(29500 + os.getpid() % 1000),
+                       "VLLM_CPU_KVCACHE_SPACE": str(cfg.generation.server.kv_cache_gib),
+                       "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                       "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))}.items():
+        os.environ.setdefault(key, value)
 
 
 def main(argv: list[str] | None = None) -> None:

