@@ -252,12 +252,28 @@ class SyncCheckConfig(_Section):
     (``prompt_logprobs``) and by the policy, and the first rollout batch's mean |logp difference| is
     compared with ``max_logp_diff``. A failed check stops training with ``GenerationServerError``."""
 
-    probe_tolerance: float = Field(0.05, gt=0)
+    probe_tolerance: float | Literal["auto"] = "auto"
     """Mean |server logp - policy logp| over the probe's tokens (nats per token) above which the server is
-    taken to serve other weights than the version just pushed."""
-    max_logp_diff: float | None = Field(0.5, gt=0)
+    taken to serve other weights than the version just pushed. ``auto``: 1e-3 when ``model.dtype`` is
+    float32 (measured kernel noise 1e-8..1e-5), 0.05 for 16-bit weights."""
+    max_logp_diff: float | Literal["auto"] | None = "auto"
     """Largest mean |sampling logp - policy logp| (nats per token) of the first batch after a push
-    (TRL's ``sampling/sampling_logp_difference/mean``); null: not checked. Needs importance sampling on."""
+    (TRL's ``sampling/sampling_logp_difference/mean``); null: not checked. Needs importance sampling on.
+    ``auto``: 1e-3 for float32 (measured 4e-7..2e-5; a stale tied LM head gave 5e-3), 0.5 for 16-bit."""
+
+    @field_validator("probe_tolerance", "max_logp_diff")
+    @classmethod
+    def _positive(cls, value: Any) -> Any:
+        if isinstance(value, float | int) and value <= 0:
+            raise ValueError("must be > 0 (or 'auto')")
+        return value
+
+    def thresholds(self, dtype: str) -> tuple[float, float | None]:
+        """(probe tolerance, first-batch limit) in nats per token for a policy served in ``dtype``."""
+        exact = dtype == "float32"
+        probe = (1e-3 if exact else 0.05) if self.probe_tolerance == "auto" else self.probe_tolerance
+        first = (1e-3 if exact else 0.5) if self.max_logp_diff == "auto" else self.max_logp_diff
+        return float(probe), None if first is None else float(first)
 
 
 class GenerationConfig(_Section):

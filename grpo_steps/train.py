@@ -254,8 +254,9 @@ def run(job: TrainJob) -> str:
         client = VLLMClient(job.endpoint)
         rollout = VLLMRollout(client, tokenizer, cfg.generation)
         trainer_class = ServerGRPOTrainer
-        server_kwargs = dict(sync=disk_sync(client, cfg.generation, tokenizer, rows[0]["prompt"], job.output_dir),
-                             max_logp_diff=cfg.generation.sync_check.max_logp_diff)
+        probe_tolerance, max_logp_diff = cfg.generation.sync_check.thresholds(cfg.model.dtype)
+        server_kwargs = dict(sync=disk_sync(client, tokenizer, rows[0]["prompt"], job.output_dir, probe_tolerance,
+                                            cfg.generation.sync_dir), max_logp_diff=max_logp_diff)
     elif cfg.generation.backend == "replay":
         rollout = ReplayRollout(cfg.generation.replay_file, tokenizer, cfg.generation)
     from grpo_steps.checkpoints import (

@@ -138,11 +138,11 @@ class DiskSync:
             shutil.rmtree(self.push.root, ignore_errors=True)
 
 
-def sync_root(gen_cfg, output_dir: str) -> Path:
-    """A new directory for this run's pushes: under ``generation.sync_dir`` if set, else under ``/dev/shm``
-    (RAM-backed) when it exists, else under ``{output_dir}/weight-sync``."""
-    if gen_cfg.sync_dir:
-        parent = Path(gen_cfg.sync_dir)
+def sync_root(sync_dir: str | None, output_dir: str) -> Path:
+    """A new directory for this run's pushes: under ``sync_dir`` (``generation.sync_dir``) if set, else under
+    ``/dev/shm`` (RAM-backed) when it exists, else under ``{output_dir}/weight-sync``."""
+    if sync_dir:
+        parent = Path(sync_dir)
     elif Path("/dev/shm").is_dir():
         parent = Path("/dev/shm")
     else:
@@ -151,17 +151,18 @@ def sync_root(gen_cfg, output_dir: str) -> Path:
     return Path(tempfile.mkdtemp(prefix="grpo-sync-", dir=parent))
 
 
-def disk_sync(client, gen_cfg, tokenizer, probe_prompt, output_dir: str) -> DiskSync:
+def disk_sync(client, tokenizer, probe_prompt, output_dir: str, probe_tolerance: float,
+              sync_dir: str | None = None) -> DiskSync:
     """The :class:`DiskSync` of a training process: rank 0 pushes into a fresh :func:`sync_root`; the probe is
-    ``probe_prompt`` (a dataset prompt, chat template applied) cut to ``PROBE_TOKENS`` tokens."""
+    ``probe_prompt`` (a dataset prompt, chat template applied) cut to ``PROBE_TOKENS`` tokens; ``probe_tolerance``
+    in nats per token (``SyncCheckConfig.thresholds``)."""
     from accelerate.state import PartialState
 
     from grpo_steps.data import encode_prompt
 
-    push = DiskWeightPush(client, sync_root(gen_cfg, output_dir)) if PartialState().is_main_process else None
+    push = DiskWeightPush(client, sync_root(sync_dir, output_dir)) if PartialState().is_main_process else None
     probe_ids = encode_prompt(tokenizer, probe_prompt)[:PROBE_TOKENS]
-    return DiskSync(trainer=None, push=push, probe_ids=probe_ids,
-                    probe_tolerance=gen_cfg.sync_check.probe_tolerance)
+    return DiskSync(trainer=None, push=push, probe_ids=probe_ids, probe_tolerance=probe_tolerance)
 
 
 class ServerGRPOTrainer(GRPOTrainer):
@@ -171,7 +172,7 @@ class ServerGRPOTrainer(GRPOTrainer):
         args: a ``GRPOConfig`` with ``use_vllm=False`` and the correction in its
             ``vllm_importance_sampling_*`` fields (see :func:`grpo_steps.train.grpo_args`).
         sync: a :class:`DiskSync` without its trainer; pushes and verifies before sampling.
-        max_logp_diff: ``generation.sync_check.max_logp_diff`` (nats per token; None: unchecked).
+        max_logp_diff: the first-batch limit (``SyncCheckConfig.thresholds``; nats per token; None: unchecked).
 
     Raises:
         ValueError: ``args.use_vllm`` is set (TRL would start its own vLLM client).

@@ -64,6 +64,14 @@ def test_bad_algorithm_choices_are_rejected_with_a_clear_message(data, message):
     assert message in str(err.value)
 
 
+def test_sync_check_thresholds_follow_the_served_dtype():
+    check = validate_config({}).generation.sync_check
+    assert check.thresholds("float32") == (1e-3, 1e-3)
+    assert check.thresholds("bfloat16") == (0.05, 0.5)
+    own = validate_config({"generation": {"sync_check": {"probe_tolerance": 0.2, "max_logp_diff": None}}})
+    assert own.generation.sync_check.thresholds("float32") == (0.2, None)
+
+
 def test_defaults_are_trls():
     cfg = validate_config({})
     assert (cfg.train.loss_type, cfg.train.importance_sampling_level, cfg.train.off_policy_mask_threshold) == \
