@@ -1,9 +1,11 @@
 """Benchmark: GRPO step time with vLLM rollouts + disk weight sync against in-process HF generation,
 at the same settings (model, prompts, batch, completion length), and the weight-sync time per step.
 
-    .venv/bin/python bench/step_time.py [--config configs/local.yaml] [--steps 6]
+    .venv/bin/python bench/step_time.py [--config configs/local.yaml] [--steps 6] [--backends vllm,hf]
 
-Prints a Markdown table for docs/benchmarks.md. The first step of each backend (warm-up) is left out.
+Prints Markdown tables for docs/benchmarks.md: step time per backend, and for ``vllm`` the weight sync per
+step in its parts (median) and the trainer–inference mismatch (TRL's ``sampling/*`` metrics, mean over steps).
+The first step of each backend (warm-up) is left out.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/local.yaml")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--backends", default="vllm,hf", help="comma-separated, of vllm and hf")
     args = parser.parse_args()
     base = load_config(args.config)
     overrides = {"train": {**base.train.model_dump(), "max_steps": args.steps, "save_steps": 10_000}}
@@ -45,7 +48,7 @@ def main() -> None:
 
     rows = prepare(base.data, AutoTokenizer.from_pretrained(model_path)).train
     results = {}
-    for backend in ("vllm", "hf"):
+    for backend in args.backends.split(","):
         gen = {**base.generation.model_dump(), "backend": backend}
         cfg = base.model_validate({**base.model_dump(), **overrides, "generation": gen})
         server = None
@@ -69,9 +72,22 @@ def main() -> None:
         length = statistics.fmean(h["completions/mean_length"] for h in history)
         sync_text = f"{statistics.fmean(sync):.2f}" if sync else "-"
         print(f"| {backend} | {step:.2f} | {sync_text} | {length:.1f} |")
-    ratio = statistics.fmean(h["step_time"] for h in results["hf"][0]) / statistics.fmean(
-        h["step_time"] for h in results["vllm"][0])
-    print(f"\nhf / vllm step-time ratio: {ratio:.2f}")
+    if {"hf", "vllm"} <= results.keys():
+        ratio = statistics.fmean(h["step_time"] for h in results["hf"][0]) / statistics.fmean(
+            h["step_time"] for h in results["vllm"][0])
+        print(f"\nhf / vllm step-time ratio: {ratio:.2f}")
+    if "vllm" in results:
+        history = results["vllm"][0]
+        parts = ["gather", "write", "reload", "verify"]
+        print("\n| weight sync per step (median of steps 2..), s | " + " | ".join(parts) + " | total |")
+        print("|---|" + "---|" * (len(parts) + 1))
+        keys = [f"weight_sync/{p}_seconds" for p in parts] + ["weight_sync/seconds"]
+        medians = [statistics.median(h[k] for h in history) for k in keys]
+        print("| vllm, disk | " + " | ".join(f"{m:.3f}" for m in medians) + " |")
+        names = ["sampling_logp_difference/mean", "sampling_logp_difference/max", "importance_sampling_ratio/mean"]
+        means = [statistics.fmean(h[f"sampling/{n}"] for h in history) for n in names]
+        text = ", ".join(f"{n} {m:.2e}" for n, m in zip(names, means, strict=True))
+        print(f"\nmismatch, mean over steps 2..: {text}")
 
 
 if __name__ == "__main__":

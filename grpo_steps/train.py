@@ -2,7 +2,8 @@
 
 Runs TRL's ``GRPOTrainer`` on the prepared train split. With the ``vllm`` backend, rollouts come
 from the provisioned server through :class:`VLLMRollout` (``rollout_func``) with ``disk`` weight
-sync; with ``hf``, TRL generates with transformers in-process; with ``replay``, fixed completions
+sync, verified pushes and TRL's mismatch correction (:mod:`grpo_steps.trainer`); with ``hf``, TRL
+generates with transformers in-process; with ``replay``, fixed completions
 come from a file (:class:`ReplayRollout`). Metrics go to the MLflow run named
 by ``job.mlflow_run_id`` (each step once, across resumes); checkpoints are written every
 ``save_steps`` and, inside a Metaflow task, saved to the datastore by
@@ -43,37 +44,19 @@ class TrainJob(BaseModel):
 
 
 class VLLMRollout:
-    """TRL ``rollout_func``: completions from a vLLM server, weights pushed first when they changed.
+    """TRL ``rollout_func``: completions from a vLLM server.
 
     Called by ``GRPOTrainer`` with this process's prompts, each repeated ``num_generations`` times
     in a row; returns one completion per prompt entry: ``prompt_ids`` (list of B lists of token
     ids), ``completion_ids`` (B lists) and ``logprobs`` (B lists, natural log, one per completion
-    token). The weights are pushed before the first generation (the server may hold stale ones
-    after a resume) and after every optimizer step.
+    token). The weights reach the server before (``grpo_steps.trainer.ServerGRPOTrainer``: pushed and
+    verified after every optimizer step and before the first generation).
     """
 
-    def __init__(self, client, tokenizer, sync_dir: str | Path, gen_cfg) -> None:
-        self.client, self.tokenizer, self.sync_dir, self.gen = client, tokenizer, Path(sync_dir), gen_cfg
-        self.synced_step: int | None = None
-
-    def push_weights(self, trainer) -> float:
-        """Write the policy's weights and load them into the server (rank 0); returns seconds taken."""
-        from grpo_steps.weight_sync import save_weights
-
-        start = time.perf_counter()
-        if trainer.accelerator.is_main_process:
-            state_dict = trainer.accelerator.get_state_dict(trainer.model)  # gathers ZeRO-3 shards
-            model = trainer.accelerator.unwrap_model(trainer.model)
-            save_weights(model, self.sync_dir, state_dict=state_dict)
-            self.client.reload_weights(self.sync_dir)
-        trainer.accelerator.wait_for_everyone()
-        return time.perf_counter() - start
+    def __init__(self, client, tokenizer, gen_cfg) -> None:
+        self.client, self.tokenizer, self.gen = client, tokenizer, gen_cfg
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
-        if self.synced_step != trainer.state.global_step:
-            seconds = self.push_weights(trainer)
-            self.synced_step = trainer.state.global_step
-            trainer._metrics["train"]["weight_sync/seconds"].append(seconds)  # averaged into the step's log
         unique, group = prompt_groups(prompts, trainer)
         prompt_ids = [encode_prompt(self.tokenizer, p) for p in unique]
         samples = self.client.complete(prompt_ids, group, max_tokens=self.gen.max_completion_tokens,
@@ -208,6 +191,8 @@ def config_grpo_kwargs(job: TrainJob, on_cpu: bool) -> dict[str, Any]:
         num_generations=train.num_generations,
         beta=train.beta,
         loss_type=train.loss_type,
+        importance_sampling_level=train.importance_sampling_level,
+        off_policy_mask_threshold=train.off_policy_mask_threshold,
         scale_rewards=train.scale_rewards,
         max_completion_length=gen.max_completion_tokens,
         temperature=gen.temperature,
@@ -227,6 +212,14 @@ def config_grpo_kwargs(job: TrainJob, on_cpu: bool) -> dict[str, Any]:
         bf16=(not on_cpu) and cfg.model.dtype == "bfloat16",
         fp16=False,
     )
+    if gen.backend == "vllm":  # TRL's mismatch correction (on TRL's vLLM path and on ours, ServerGRPOTrainer)
+        kwargs.update(vllm_importance_sampling_correction=gen.importance_sampling.enabled,
+                      vllm_importance_sampling_clip_max=gen.importance_sampling.clip_max,
+                      vllm_importance_sampling_clip_min=gen.importance_sampling.clip_min)
+        if gen.importance_sampling.enabled:
+            kwargs["vllm_importance_sampling_mode"] = gen.importance_sampling.mode
+    if gen.backend == "vllm" and gen.mode == "colocate":  # TRL's colocate mode: vLLM in this process
+        kwargs.update(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=cfg.model.max_model_len)
     if gen.weight_sync == "nccl":  # TRL's own server mode: generation + NCCL weight transfer (GPUs only)
         kwargs.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=job.endpoint)
     if train.deepspeed:
@@ -284,12 +277,19 @@ def run(job: TrainJob) -> str:
     rows = [json.loads(line) for line in Path(job.train_file).read_text().splitlines() if line.strip()]
     dataset = Dataset.from_list(rows)
 
-    rollout = None
-    if cfg.generation.backend == "vllm" and cfg.generation.weight_sync == "disk":
+    rollout, trainer_class, server_kwargs = None, GRPOTrainer, {}
+    if cfg.generation.backend == "vllm" and cfg.generation.mode == "colocate":
+        colocate_environment(cfg)
+    elif cfg.generation.backend == "vllm" and cfg.generation.weight_sync == "disk":
+        from grpo_steps.trainer import ServerGRPOTrainer, disk_sync
         from grpo_steps.weight_sync import VLLMClient
 
-        rollout = VLLMRollout(VLLMClient(job.endpoint, model=job.served_model), tokenizer,
-                              Path(job.output_dir) / "weight-sync", cfg.generation)
+        client = VLLMClient(job.endpoint, model=job.served_model)
+        rollout = VLLMRollout(client, tokenizer, cfg.generation)
+        trainer_class = ServerGRPOTrainer
+        probe_tolerance, max_logp_diff = cfg.generation.sync_check.thresholds(cfg.model.dtype)
+        server_kwargs = dict(sync=disk_sync(client, tokenizer, rows[0]["prompt"], job.output_dir, probe_tolerance,
+                                            cfg.generation.sync_dir), max_logp_diff=max_logp_diff)
     elif cfg.generation.backend == "replay":
         rollout = ReplayRollout(cfg.generation.replay_file, tokenizer, cfg.generation)
     from grpo_steps.checkpoints import (
@@ -304,7 +304,7 @@ def run(job: TrainJob) -> str:
     if in_metaflow_task():
         callbacks.append(DatastoreCheckpointCallback(job.node_index, keep=cfg.train.save_total_limit,
                                                      log_metrics=mlflow_cb.log if mlflow_cb else None))
-    trainer = GRPOTrainer(
+    trainer = trainer_class(
         model=model,
         reward_funcs=reward_functions(cfg),
         args=args,
@@ -312,14 +312,31 @@ def run(job: TrainJob) -> str:
         processing_class=tokenizer,
         rollout_func=rollout,
         callbacks=callbacks,
+        **server_kwargs,
     )
-    trainer.train(resume_from_checkpoint=job.resume_from)
+    try:
+        trainer.train(resume_from_checkpoint=job.resume_from)
+    finally:
+        if "sync" in server_kwargs:
+            server_kwargs["sync"].close()
     final = Path(job.output_dir) / "final"
     trainer.save_model(str(final))
     if trainer.accelerator.is_main_process:
         tokenizer.save_pretrained(final)
         (Path(job.output_dir) / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
     return str(final)
+
+
+def colocate_environment(cfg: PipelineConfig) -> None:
+    """What TRL's colocate mode needs in the environment: vLLM's ``external_launcher`` reads the torch.distributed
+    variables (set by ``accelerate launch``; a single process run directly gets rank 0 of 1), and the CPU
+    backend its KV-cache size (GiB) and cores, as the local server gets them (``grpo_steps.vllm_server``)."""
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(29500 + os.getpid() % 1000),
+                       "VLLM_CPU_KVCACHE_SPACE": str(cfg.generation.server.kv_cache_gib),
+                       "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                       "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))}.items():
+        os.environ.setdefault(key, value)
 
 
 def main(argv: list[str] | None = None) -> None:

