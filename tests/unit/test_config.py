@@ -174,7 +174,8 @@ def test_the_owned_keys_are_exactly_what_grpo_args_derives():
     from grpo_steps.train import GRPO_DEFAULTS, TrainJob, config_grpo_kwargs
 
     derived: set[str] = set()
-    for data in ({}, NCCL_DEEPSPEED):  # the default path, and the one that sets every optional field
+    colocate = {"generation": {"mode": "colocate"}}
+    for data in ({}, NCCL_DEEPSPEED, colocate):  # the default path, and those that set every optional field
         job = TrainJob(config=validate_config(data), model_path="m", train_file="t", output_dir="o", endpoint="e")
         for on_cpu in (True, False):
             derived |= set(config_grpo_kwargs(job, on_cpu=on_cpu))
