@@ -64,13 +64,13 @@ def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tag
     if existing:
         version = existing[0]
     else:
-        with mlflow.start_run(run_id=run_id):
-            info = mlflow.transformers.log_model(
-                transformers_model=model_dir, name="model", task="text-generation",
-                # explicit: MLflow's inference of requirements wants torchvision, absent on CPU installs
-                pip_requirements=[f"{pkg}=={ver}" for pkg, ver in tracking.package_versions().items()
-                                  if pkg in ("torch", "transformers")],
-            )
+        info = mlflow.transformers.log_model(
+            transformers_model=model_dir, name="model", task="text-generation",
+            run_id=run_id,  # not ``with mlflow.start_run()``: its exit would end the flow's run FINISHED
+            # explicit: MLflow's inference of requirements wants torchvision, absent on CPU installs
+            pip_requirements=[f"{pkg}=={ver}" for pkg, ver in tracking.package_versions().items()
+                              if pkg in ("torch", "transformers")],
+        )
         trained = report["trained"]["metrics"]
         version_tags = {**tags, **{tracking.mlflow_name(f"eval.{k}"): f"{v:.6g}" for k, v in trained.items()}}
         version = mlflow.register_model(info.model_uri, name, tags=version_tags)

@@ -23,7 +23,18 @@ def config_of(config_value: Any) -> PipelineConfig:
 
 
 def start(cfg: PipelineConfig, pathspec: str) -> str:
-    """Open the flow's MLflow run; returns its id."""
+    """Check what can be checked before anything is written, then open the flow's MLflow run; returns its id.
+
+    Raises:
+        TrackingUnreachable: an ``http(s)`` tracking URI that does not answer (within seconds).
+        CheckpointNotFound: ``train.resume_from`` names no usable checkpoint.
+    """
+    tracking.check_reachable(cfg.tracking.tracking_uri)
+    if cfg.train.resume_from:
+        from grpo_steps.checkpoints import check_reference
+
+        print(f"[checkpoint] train.resume_from: {check_reference(cfg.train.resume_from, cfg.train.num_nodes)}",
+              flush=True)
     return tracking.open_run(cfg, pathspec)
 
 
@@ -32,7 +43,7 @@ def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
 
     Returns ``(model_path, PreparedData)``.
     """
-    import mlflow
+    from mlflow.tracking.fluent import _create_dataset_input
     from transformers import AutoTokenizer
 
     from grpo_steps.data import mlflow_datasets, prepare
@@ -47,11 +58,10 @@ def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
         replay = ReplayRollout(cfg.generation.replay_file, tokenizer, cfg.generation)
         for row in data.train:
             replay.completions_for(row["prompt"], cfg.train.num_generations)
-    tracking.client(cfg)  # sets the tracking URI
-    with mlflow.start_run(run_id=run_id):
-        for dataset, context in mlflow_datasets(cfg.data, data):
-            mlflow.log_input(dataset, context=context)
-        mlflow.log_metrics({f"data/{k}": v for k, v in data.stats.items()})
+    # through the client: the fluent ``with mlflow.start_run()`` would end the run FINISHED on exit
+    tracking.client(cfg).log_inputs(run_id, datasets=[_create_dataset_input(dataset, context)
+                                                      for dataset, context in mlflow_datasets(cfg.data, data)])
+    tracking.log_metrics(cfg, run_id, {f"data/{k}": v for k, v in data.stats.items()})
     return model_path, data
 
 
@@ -161,6 +171,7 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
     from grpo_steps.launch import launch
     from grpo_steps.train import TrainJob
 
+    tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
     output_dir = Path(output_dir)
     train_file = output_dir / "train.jsonl"
     train_file.write_text("".join(json.dumps(row) + "\n" for row in train_rows))

@@ -1,0 +1,88 @@
+"""Bad inputs stop the flow early with a message that names the problem: before provision_vllm (no server
+started, seconds) where they can be seen there; in ``train`` for the two that only show while training.
+Every case: exit non-zero, the message, no server left, no model version registered."""
+
+import json
+import os
+import socket
+import time
+
+import pytest
+
+from tests.integration.flowrun import SERVING, flow_config, flow_env, mlflow_runs, model_versions, run_config
+
+pytestmark = pytest.mark.usefixtures("tiny_model_path")
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _fails_before_the_server(workdir, config: dict, message: str, env: dict | None = None) -> str:
+    """Run the flow on ``config``; assert it fails with ``message`` before provision_vllm. Returns the output."""
+    code, out = run_config(workdir, env or flow_env(), config)
+    assert code != 0, out[-3000:]
+    assert message in out, out[-6000:]
+    assert "provision_vllm" not in out and not SERVING.search(out)  # no server was started
+    if (workdir / "mlflow.db").exists():
+        assert model_versions(workdir, config["registry"]["model_name"]) == []
+    return out
+
+
+def test_an_unreachable_tracking_server_fails_start_within_seconds_naming_it(tmp_path):
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    started = time.monotonic()
+    out = _fails_before_the_server(tmp_path, flow_config(tracking={"tracking_uri": uri}),
+                                   f"MLflow tracking server {uri} does not answer")
+    assert time.monotonic() - started < 30
+    assert "fix tracking.tracking_uri" in out
+
+
+def test_too_few_rows_is_a_data_error_with_the_counts_and_the_mlflow_run_ends_failed(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(20)))
+    config = flow_config(data={"source": "jsonl", "path": str(rows), "task_options": {}})
+    _fails_before_the_server(tmp_path, config, "DataError: data source 'jsonl': 20 usable prompts (20 rows, "
+                             "0 duplicates, 0 over data.max_prompt_tokens=96), fewer than num_train + num_eval = "
+                             "16 + 8")
+    (run,) = mlflow_runs(tmp_path)  # start opened it; prepare_data failed; the exit hook ended it
+    assert run.info.status == "FAILED"
+    assert run.info.end_time is not None
+
+
+@pytest.mark.parametrize(("kind", "text", "where"), [
+    ("jsonl", '{"question": "1 + 1?", "answer": "2"}\n{"question": "2 + 2?", "answer": \n', ":2: malformed jsonl"),
+    ("csv", "question,answer\n1 + 1?,2\n2 + 2?,4,extra\n", ":3: malformed csv line: 3 fields where the header has 2"),
+])
+def test_a_malformed_line_is_a_data_error_naming_the_file_and_line(tmp_path, kind, text, where):
+    path = tmp_path / f"rows.{kind}"
+    path.write_text(text)
+    config = flow_config(data={"source": kind, "path": str(path), "task_options": {}})
+    _fails_before_the_server(tmp_path, config, f"DataError: {path}{where}")
+
+
+def test_a_reward_whose_signature_cannot_take_the_call_is_rejected_before_any_step(tmp_path):
+    (tmp_path / "my_rewards.py").write_text("def score(completions, answer):\n    return [1.0] * len(completions)\n")
+    env = flow_env(PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    config = flow_config(eval={"format_reward": None, "correctness_reward": "my_rewards:score"})
+    config["rewards"] = [{"name": "my_rewards:score"}]
+    out = _fails_before_the_server(tmp_path, config, "reward 'my_rewards:score' has the signature (completions, "
+                                   "answer); a reward must take (completions, ", env)
+    assert "add a var-keyword parameter such as" in out  # Metaflow's log drops the asterisks of **kwargs
+    assert "Traceback" not in out  # a config error is one block
+    assert not (tmp_path / "mlflow.db").exists()  # rejected with the config: nothing ran
+
+
+@pytest.mark.parametrize(("reference", "message"), [
+    ("GRPOFlow/999999", "train.resume_from 'GRPOFlow/999999': no such run"),
+    ("GRPOFlow/no-such-key/3", "train.resume_from 'GRPOFlow/no-such-key/3' is not a directory, a 'FlowName/run_id' "
+                               "pathspec or a checkpoint key"),
+])
+def test_a_resume_from_that_names_nothing_fails_start(tmp_path, reference, message):
+    out = _fails_before_the_server(tmp_path, flow_config(train={"resume_from": reference}),
+                                   f"CheckpointNotFound: {message}")
+    assert "prepare_data" not in out  # checked in start, before the MLflow run is opened
+    assert not (tmp_path / "mlflow.db").exists()
