@@ -509,7 +509,7 @@ def parse_config(text: str) -> dict[str, Any]:
     """
     from metaflow.exception import MetaflowException
 
-    class InvalidRunConfig(MetaflowException, ConfigError):  # Metaflow prints its message as a block, without a traceback
+    class InvalidRunConfig(MetaflowException, ConfigError):  # printed by Metaflow as a block, no traceback
         headline = "Invalid run config (--config config FILE)"
 
     try:

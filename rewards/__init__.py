@@ -110,10 +110,10 @@ def check_signature(fn: Callable[..., list], name: str, columns: set[str] | None
         UnknownRewardError: the signature cannot take that call; the message names the reward and the fix.
 
     >>> check_signature(answer_format, "answer_format")
-    >>> check_signature(lambda text: [1.0], "mine")
+    >>> check_signature(lambda text: [1.0], "mine")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    rewards.UnknownRewardError: reward 'mine' has the signature (text); a reward must take (completions, **kwargs): add a var-keyword parameter such as **kwargs (TRL passes the prompts, completion_ids and every dataset column by keyword)
+    rewards.UnknownRewardError: reward 'mine' has the signature (text); a reward must take (completions, **kwargs): ...
     """
     params = list(inspect.signature(fn).parameters.values())
     signature = f"({', '.join(str(p) for p in params)})"

@@ -87,10 +87,10 @@ def check_scores(name: str, result: Any, n: int) -> list[float | None]:
 
     >>> check_scores("r", [1, None, 0.5], 3)
     [1.0, None, 0.5]
-    >>> check_scores("r", 1.0, 1)
+    >>> check_scores("r", 1.0, 1)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    rewards.guard.RewardReturnError: reward 'r' returned 1.0 (float); a reward returns a list of 1 float or None, one per completion
+    rewards.guard.RewardReturnError: reward 'r' returned 1.0 (float); a reward returns a list of 1 float or None, ...
     """
     contract = f"a reward returns a list of {n} float or None, one per completion"
     shown = repr(result)
