@@ -169,7 +169,7 @@ def takes_a_kept_column(completions, solution, **_):
 
 SIGNATURE_CASES = [
     # (dotted-path reward in this module, text of the config error)
-    ("no_kwargs", "add a var-keyword parameter such as **kwargs"),  # TRL passes prompts, completion_ids, ... by keyword: it would fail every call
+    ("no_kwargs", "add a var-keyword parameter such as **kwargs"),  # TRL passes prompts, ... by keyword
     ("no_positional", "no positional parameter for the completions"),  # the guard passes them by position
     ("needs_a_missing_column", "it requires ['rubric'], which no prepared row has"),  # no row has `rubric`
 ]
