@@ -137,17 +137,26 @@ class MLflowMetricsCallback(TrainerCallback):
 
 
 class ProgressCallback(TrainerCallback):
-    """Prints ``[train] step N/M`` after each optimizer step (rank 0) with the seconds since the
-    training process started; the first step's time is the time to first step of a fresh or resumed run.
+    """Prints ``[train] step N/M t=T s rate=R s/step eta=E s`` after each optimizer step (rank 0): ``t``
+    since the training process started (the first step's is the time to first step of a fresh or resumed
+    run), ``rate`` the mean seconds per step of the steps this process ran, ``eta`` the rest at that rate.
     """
 
     def __init__(self, started: float) -> None:
         self.started = started  # time.monotonic() at process start
+        self.first: tuple[int, float] | None = None  # (global step, time) when this process's first step ended
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            print(f"[train] step {state.global_step}/{state.max_steps} "
-                  f"t={time.monotonic() - self.started:.1f}s", flush=True)
+        if not state.is_world_process_zero:
+            return control
+        now, step = time.monotonic(), state.global_step
+        if self.first is None:
+            self.first = (step, now)
+            rate = (now - self.started) / max(step, 1) if step == 1 else None
+        else:
+            rate = (now - self.first[1]) / (step - self.first[0])
+        timing = f" rate={rate:.1f}s/step eta={rate * (state.max_steps - step):.0f}s" if rate else ""
+        print(f"[train] step {step}/{state.max_steps} t={now - self.started:.1f}s{timing}", flush=True)
         return control
 
 

@@ -267,6 +267,9 @@ class TrainConfig(_Section):
     retries: int = Field(1, ge=0, le=10)
     """``@retry`` of the ``train`` step: a failed gang (a crashed process, a dead generation server)
     is started again this many times, each from its newest checkpoint, on a new server if needed."""
+    max_all_none_steps: int = Field(3, ge=0)
+    """Stop training with an error when every reward scored None for every completion in this many
+    optimizer steps in a row (a reward that never applies, or fails every call); 0: never stop."""
     logging_steps: int = Field(1, gt=0)
     seed: int = 42
     grpo: dict[str, Any] = Field(default_factory=dict)

@@ -11,6 +11,7 @@ import math
 
 from grpo_steps import tracking
 from grpo_steps.config import PipelineConfig
+from grpo_steps.report import version_description
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 GATE_METRIC = "pass@1"
@@ -46,12 +47,13 @@ def _champion_score(client, name: str) -> float | None:
 
 
 def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tags: dict[str, str]) -> dict:
-    """Log ``model_dir`` to the run, register it as a version with alias ``candidate``, and move
-    ``champion`` when :func:`gate` passes.
+    """Log ``model_dir`` to the run, register it as a version with alias ``candidate``, move
+    ``champion`` when :func:`gate` passes, and describe the version
+    (:func:`grpo_steps.report.version_description`).
 
     Args:
         report: the evaluate step's ``{"baseline": {"metrics": ...}, "trained": {"metrics": ...}}``.
-        tags: version tags (Metaflow pathspec, config hash, dataset digest, git commit).
+        tags: version tags (``metaflow.pathspec`` of the register task, config hash, dataset digest, git commit).
 
     Returns:
         ``{"name", "version", "aliases", "gate_passed", "gate_reason"}``.
@@ -84,5 +86,8 @@ def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tag
     passed, reason = gate(trained_score, baseline_score, champion, cfg.registry.min_improvement)
     if passed:
         client.set_registered_model_alias(name, CHAMPION, version_id)
+    description = version_description(cfg, report, run_url=tracking.run_url(cfg, run_id),
+                                      run_pathspec=tags["metaflow.pathspec"].rsplit("/", 2)[0], gate_reason=reason)
+    client.update_model_version(name, version_id, description=description)
     aliases = sorted(client.get_model_version(name, version_id).aliases)
     return {"name": name, "version": version_id, "aliases": aliases, "gate_passed": passed, "gate_reason": reason}

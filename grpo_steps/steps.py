@@ -169,6 +169,7 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
 
     from grpo_steps.checkpoints import resume_checkpoint
     from grpo_steps.launch import launch
+    from grpo_steps.monitor import system_metrics
     from grpo_steps.train import TrainJob
 
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
@@ -179,16 +180,45 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
                    endpoint=server["endpoint"] if cfg.generation.backend == "vllm" else None,
                    resume_from=resume_checkpoint(node_index, cfg.train.resume_from), mlflow_run_id=run_id,
                    node_index=node_index)
-    launch(job, node_index=node_index, main_ip=main_ip)
+    with system_metrics(run_id, cfg.tracking.tracking_uri, node_id=f"node{node_index}" if node_index else None):
+        launch(job, node_index=node_index, main_ip=main_ip)
     return str(output_dir / "final")
 
 
 def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str, trained_model: str,
              eval_rows: list[dict]) -> dict:
-    """Baseline and trained policy on the eval split through the same server; metrics and samples to MLflow.
+    """Baseline and trained policy on the eval split through the same server; metrics, samples, system
+    metrics (while it runs) and the charts (``charts/*.png``) to MLflow.
 
     Returns ``{"baseline": {"metrics", "samples"}, "trained": {...}}``.
     """
+    from grpo_steps.monitor import system_metrics
+
+    tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
+    with system_metrics(run_id, cfg.tracking.tracking_uri):
+        report = _evaluate(cfg, run_id=run_id, server=server, base_model=base_model, trained_model=trained_model,
+                           eval_rows=eval_rows)
+    log_charts(cfg, run_id, report)
+    return report
+
+
+def log_charts(cfg: PipelineConfig, run_id: str, report: dict) -> None:
+    """The training reward curves and the baseline-vs-trained bars as images of the run (``charts/``)."""
+    import matplotlib.pyplot as plt
+
+    from grpo_steps.report import eval_figure, reward_figure
+
+    mlflow_client = tracking.client(cfg)
+    curves = {"reward": reward_curve(cfg, run_id)}
+    curves.update({f"rewards/{r.name}/mean": reward_curve(cfg, run_id, f"rewards/{r.name}/mean") for r in cfg.rewards})
+    for figure, path in ((reward_figure(curves), "charts/reward_curve.png"),
+                         (eval_figure(cfg, report), "charts/eval_baseline_vs_trained.png")):
+        mlflow_client.log_figure(run_id, figure, path)
+        plt.close(figure)
+
+
+def _evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str, trained_model: str,
+              eval_rows: list[dict]) -> dict:
     from transformers import AutoTokenizer
 
     from grpo_steps.evaluate import evaluate_policy
@@ -203,7 +233,7 @@ def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
 
             weights = stage_weights(weights, server["run_id"], label)
         client.reload_weights(weights)
-        report[label] = evaluate_policy(cfg, client, tokenizer, eval_rows)
+        report[label] = evaluate_policy(cfg, client, tokenizer, eval_rows, label=label)
         tracking.log_metrics(cfg, run_id, {f"eval/{label}/{k}": v for k, v in report[label]["metrics"].items()})
     mlflow_client = tracking.client(cfg)
     for label in report:
@@ -243,6 +273,7 @@ def register(cfg: PipelineConfig, *, run_id: str, model_dir: str, report: dict, 
     """Register the trained policy (see :func:`grpo_steps.register.register`)."""
     from grpo_steps.register import register as register_version
 
+    tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
     tags = {"metaflow.pathspec": pathspec, "config.sha256": cfg.sha256(), "dataset.digest": dataset_digest,
             "git.commit": tracking.git_commit()}
     return register_version(cfg, run_id, model_dir, report, tags)

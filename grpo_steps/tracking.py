@@ -117,6 +117,15 @@ def open_run(cfg: PipelineConfig, pathspec: str) -> str:
     return run.info.run_id
 
 
+def run_url(cfg: PipelineConfig, run_id: str) -> str:
+    """Link to the run's page in the MLflow UI: absolute for an ``http(s)`` tracking server, else the UI's
+    relative route (``#/experiments/E/runs/R``, what ``mlflow ui`` serves for a local store)."""
+    experiment_id = client(cfg).get_run(run_id).info.experiment_id
+    uri = cfg.tracking.tracking_uri
+    base = redacted(uri).rstrip("/") + "/" if urllib.parse.urlsplit(uri).scheme in ("http", "https") else ""
+    return f"{base}#/experiments/{experiment_id}/runs/{run_id}"
+
+
 def mlflow_name(key: str) -> str:
     """A metric/tag key MLflow accepts: ``pass@4`` -> ``pass_at_4`` (MLflow forbids ``@``)."""
     return key.replace("@", "_at_")

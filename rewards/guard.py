@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 KINDS = ("timeouts", "errors")
 
 _COUNTS: Counter[str] = Counter()
+_SCORED: Counter[str] = Counter()  # reward name -> completions scored
+_NONES: Counter[str] = Counter()  # reward name -> completions that scored None
 _LOCK = threading.Lock()
 # Name and per-call tally of the reward running in this thread (set by the guard; read by record()).
 _CURRENT: contextvars.ContextVar[tuple[str, Counter[str]] | None] = contextvars.ContextVar("reward", default=None)
@@ -66,6 +68,13 @@ def counters() -> dict[str, int]:
     """Snapshot of all counters of this process, ``rewards/<name>/<kind> -> count``."""
     with _LOCK:
         return dict(_COUNTS)
+
+
+def scored() -> dict[str, tuple[int, int]]:
+    """Per reward name, ``(completions scored, of which None)`` by guarded calls in this process so far
+    (None: the reward does not apply, failed or timed out)."""
+    with _LOCK:
+        return {name: (_SCORED[name], _NONES[name]) for name in _SCORED}
 
 
 def _nones(completions: Any) -> list[None]:
@@ -165,6 +174,9 @@ def guarded(fn: Callable[..., list], name: str, timeout_s: float = 60.0) -> Call
             result = _nones(completions)
         else:
             result = check_scores(name, box["result"], len(completions))
+        with _LOCK:
+            _SCORED[name] += len(result)
+            _NONES[name] += sum(v is None for v in result)
         if callable(log_metric):
             for kind in KINDS:
                 key = counter_key(name, kind)
