@@ -86,3 +86,56 @@ def test_a_resume_from_that_names_nothing_fails_start(tmp_path, reference, messa
                                    f"CheckpointNotFound: {message}")
     assert "prepare_data" not in out  # checked in start, before the MLflow run is opened
     assert not (tmp_path / "mlflow.db").exists()
+
+
+# --- bad inputs that only show while training: the flow reaches `train` (a vLLM server, minutes) -------------
+
+REWARDS_MODULE = '''
+def a_float(completions, **kwargs):
+    return 1.0
+
+
+def never_applies(completions, **kwargs):
+    return [None] * len(completions)
+'''
+
+
+def _fails_in_train(workdir, reward: str, message: str, **sections) -> str:
+    """Run the flow with the dotted-path ``reward`` of REWARDS_MODULE as its only reward; assert it fails in
+    ``train`` with ``message``, its MLflow run FAILED, no version registered and its server gone."""
+    (workdir / "my_rewards.py").write_text(REWARDS_MODULE)
+    env = flow_env(PYTHONPATH=os.pathsep.join([str(workdir), os.environ.get("PYTHONPATH", "")]))
+    name = f"my_rewards:{reward}"
+    config = flow_config(eval={"format_reward": None, "correctness_reward": name}, **sections)
+    config["rewards"] = [{"name": name}]
+    config["train"].update(retries=0)
+    code, out = run_config(workdir, env, config)
+    assert code != 0, out[-3000:]
+    assert message in out, out[-8000:]
+    assert "Step train" in out and "failed" in out
+    (run,) = mlflow_runs(workdir)
+    assert run.info.status == "FAILED"
+    assert model_versions(workdir, config["registry"]["model_name"]) == []
+    supervisor = int(SERVING.search(out).group(2))
+    deadline = time.monotonic() + config["generation"]["server"].get("orphan_grace_s", 60) + 30
+    while time.monotonic() < deadline:  # the server stops itself once the flow's runtime is gone
+        try:
+            os.kill(supervisor, 0)
+        except ProcessLookupError:
+            return out
+        time.sleep(2)
+    raise AssertionError(f"generation server supervisor {supervisor} still running")
+
+
+@pytest.mark.slow
+def test_a_reward_returning_a_float_stops_training_naming_the_reward(tmp_path):
+    _fails_in_train(tmp_path, "a_float", "RewardReturnError: reward 'my_rewards:a_float' returned 1.0 (float); "
+                    "a reward returns a list of 8 float or None, one per completion")  # 2 prompts x 4 completions
+
+
+@pytest.mark.slow
+def test_rewards_all_none_for_steps_in_a_row_stop_the_run(tmp_path):
+    out = _fails_in_train(tmp_path, "never_applies", "AllRewardsNone: every reward (my_rewards:never_applies) scored "
+                          "None for every completion in steps 1..2 (2 in a row, train.max_all_none_steps=2)",
+                          train={"max_all_none_steps": 2})
+    assert "[train] step 3/" not in out  # stopped at the second step
