@@ -34,7 +34,7 @@ run: model
 	$(BIN)/python flows/grpo_flow.py --config config $(CONFIG) run
 
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=15
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow"
@@ -44,7 +44,7 @@ ui: install
 
 # A local S3-compatible server (SeaweedFS) on 127.0.0.1:8333 with credentials; prints the exports.
 s3: install
-	$(BIN)/python -m grpo_steps.local_s3 serve --dir .s3 --port 8333
+	$(BIN)/python -m grpo_steps.dev.local_s3 serve --dir .s3 --port 8333
 
 lint: install
 	$(BIN)/ruff check .

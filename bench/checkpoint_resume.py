@@ -48,7 +48,7 @@ def _config(path: str, **tracking) -> dict:
 
 
 def measure(config_path: str, datastore: str) -> dict:
-    from grpo_steps import local_s3
+    from grpo_steps.dev import local_s3
 
     with tempfile.TemporaryDirectory(prefix=f"grpo-bench-ckpt-{datastore}-") as tmp:
         workdir = Path(tmp)

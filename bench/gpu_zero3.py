@@ -46,7 +46,8 @@ def build_model(shape: str, target: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from grpo_steps.models import TINY, prepare_embedded
+    from grpo_steps.dev.tiny_model import TINY
+    from grpo_steps.models import prepare_embedded
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(prepare_embedded(TINY))

@@ -20,8 +20,9 @@ from pathlib import Path
 from grpo_steps.config import load_config
 from grpo_steps.data import prepare
 from grpo_steps.models import resolve_model
+from grpo_steps.processes import ProcessRef
+from grpo_steps.servers.local import start_local
 from grpo_steps.train import TrainJob, run
-from grpo_steps.vllm_server import start_local, stop
 
 
 def _train(cfg, model_path: str, rows: list[dict], endpoint: str | None) -> list[dict]:
@@ -47,16 +48,17 @@ def main() -> None:
     for backend in ("vllm", "hf"):
         gen = {**base.generation.model_dump(), "backend": backend}
         cfg = base.model_validate({**base.model_dump(), **overrides, "generation": gen})
-        handle = None
+        server = None
         if backend == "vllm":
-            handle = start_local(model_path, cfg.generation.server, max_model_len=cfg.model.max_model_len,
-                                 dtype=cfg.model.dtype, log_dir=tempfile.gettempdir(), owner_pid=os.getpid())
+            server = start_local(model_path, cfg.generation.server, max_model_len=cfg.model.max_model_len,
+                                 dtype=cfg.model.dtype, owner=ProcessRef.of(os.getpid()))
         try:
             start = time.perf_counter()
-            history = _train(cfg, model_path, rows, handle.endpoint if handle else None)
+            history = _train(cfg, model_path, rows, server.endpoint if server else None)
             results[backend] = (history[1:], time.perf_counter() - start)
         finally:
-            stop(handle)
+            if server:
+                server.stop()
     print(f"\n{time.strftime('%Y-%m-%d')}, {platform.node()}, {os.cpu_count()} cores, config {args.config}, "
           f"{args.steps} steps (first left out)\n")
     print("| backend | step time, s (mean) | weight sync, s/step (mean) | completion length, tokens |")

@@ -35,7 +35,7 @@ from grpo_steps.deploy import OnKubernetes
 
 
 def teardown_server(run=None):
-    """Exit hook of a failed run (added by OnKubernetes with provider kubernetes): delete its server."""
+    """Exit hook of a failed run (added by OnKubernetes with provider kubernetes): stop its server."""
     steps.teardown_failed_run(run)
 
 
@@ -67,7 +67,7 @@ class GRPOFlow(FlowSpec):
     @step
     def provision_vllm(self):
         """Start the generation server (rollouts with backend vllm, evaluation always)."""
-        self.server = steps.provision(steps.config_of(self.config), self.model_path, steps.owner_pid())
+        self.server = steps.provision(steps.config_of(self.config), self.model_path)
         self.next(self.train, num_parallel=self.config.train.num_nodes)
 
     @resources(gpu=config_expr("config.resources.train.gpu"), cpu=config_expr("config.resources.train.cpu"),
@@ -82,7 +82,7 @@ class GRPOFlow(FlowSpec):
     def train(self):
         """GRPO on every node of the gang; node 0 saves the final policy to the datastore."""
         cfg = steps.config_of(self.config)
-        self.server = steps.ensure_server(cfg, self.server, self.model_path, steps.owner_pid())
+        self.server = steps.ensure_server(cfg, self.server, self.model_path)
         with steps.scratch_dir() as workdir:
             final_dir = steps.train(cfg, run_id=self.mlflow_run_id, model_path=self.model_path,
                                     train_rows=self.train_rows, server=self.server,
@@ -99,7 +99,7 @@ class GRPOFlow(FlowSpec):
         """Baseline vs trained policy on the held-out split, through the same server."""
         self.merge_artifacts(inputs)
         cfg = steps.config_of(self.config)
-        self.server = steps.ensure_server(cfg, self.server, self.model_path, steps.owner_pid())
+        self.server = steps.ensure_server(cfg, self.server, self.model_path)
         self.eval_report = steps.evaluate(cfg, run_id=self.mlflow_run_id, server=self.server,
                                           base_model=self.model_path, trained_model=current.model.load(self.policy),
                                           eval_rows=self.eval_rows)

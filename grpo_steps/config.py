@@ -183,12 +183,15 @@ class RewardSpec(_Section):
 
 
 class ServerConfig(_Section):
+    endpoint: str | None = None
+    """Provider ``external``: base URL of the vLLM server you run, e.g. ``http://127.0.0.1:8000``
+    (started with ``VLLM_SERVER_DEV_MODE=1``; it must read the weight directories this machine writes)."""
     host: str = "127.0.0.1"
     """Interface the local vLLM server binds to. Keep loopback unless the trainer runs elsewhere."""
     port: int = Field(0, ge=0, le=65535)
     """Port of the local server; 0 picks a free one."""
     startup_timeout_s: float = Field(600.0, gt=0)
-    """Seconds to wait for ``/health`` before failing with the server's log tail."""
+    """Seconds to wait for ``/health`` before failing (with the server's log tail for ``local``)."""
     kv_cache_gib: int = Field(2, ge=1)
     """KV-cache size of the CPU backend (``VLLM_CPU_KVCACHE_SPACE``), GiB."""
     enforce_eager: bool = True
@@ -199,6 +202,13 @@ class ServerConfig(_Section):
     """The server stops itself this many seconds after the flow process that owns it is gone."""
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs one vLLM replica shards the model over (``--tensor-parallel-size``); 1 on CPU."""
+
+    @field_validator("endpoint")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"generation.server.endpoint {value!r} must be a base URL such as http://127.0.0.1:8000")
+        return value.rstrip("/") if value else value
 
 
 class GenerationConfig(_Section):
@@ -212,11 +222,12 @@ class GenerationConfig(_Section):
     least ``train.num_generations`` completions. Each group of a prompt gets its first completions."""
     weight_sync: Literal["disk", "nccl"] = "disk"
     """How the trained weights reach the server. ``disk`` works everywhere; ``nccl`` needs CUDA."""
-    provider: Literal["local", "kubernetes"] = "local"
-    """Who runs the generation server: ``local``, a child process on this machine; ``kubernetes``, a
-    Deployment + Service in the cluster (image and GPUs from ``resources.vllm``, see
-    ``infra/k8s/vllm-server.yaml``). The server also serves evaluation, so it is started with the
-    ``hf`` backend too."""
+    provider: Literal["local", "kubernetes", "external"] = "local"
+    """Who runs the generation server (``grpo_steps/servers/``): ``local``, a child process on this
+    machine; ``kubernetes``, a Deployment + Service in the cluster (image and GPUs from
+    ``resources.vllm``, see ``infra/k8s/vllm-server.yaml``); ``external``, a server you run at
+    ``server.endpoint``, never started or stopped by the pipeline. The server also serves
+    evaluation, so it is needed with the ``hf`` and ``replay`` backends too."""
     max_completion_tokens: int = Field(64, gt=0)
     """Longest completion sampled, in tokens."""
     temperature: float = Field(1.0, ge=0)
@@ -228,10 +239,61 @@ class GenerationConfig(_Section):
         if self.backend != "vllm" and self.weight_sync == "nccl":
             raise ValueError("generation.weight_sync 'nccl' only applies to backend 'vllm'; "
                              f"use 'disk' with backend '{self.backend}'")
+        if (self.provider == "external") != (self.server.endpoint is not None):
+            raise ValueError("generation.provider 'external' needs generation.server.endpoint (the URL of your "
+                             "vLLM server), and the endpoint is used by that provider only: set both or neither")
         if (self.backend == "replay") != (self.replay_file is not None):
             raise ValueError("generation.replay_file goes with backend 'replay' (and only with it): "
                              "set both or neither")
         return self
+
+
+GRPO_ARGS_SET_BY: dict[str, str] = {
+    "output_dir": "the pipeline (each node's scratch directory)",
+    "max_steps": "train.max_steps",
+    "learning_rate": "train.learning_rate",
+    "per_device_train_batch_size": "train.per_device_train_batch_size",
+    "gradient_accumulation_steps": "train.gradient_accumulation_steps",
+    "num_generations": "train.num_generations",
+    "beta": "train.beta",
+    "loss_type": "train.loss_type",
+    "scale_rewards": "train.scale_rewards",
+    "max_completion_length": "generation.max_completion_tokens",
+    "temperature": "generation.temperature",
+    "top_p": "generation.top_p",
+    "reward_weights": "rewards[].weight",
+    "save_strategy": "the pipeline (a checkpoint every train.save_steps)",
+    "save_steps": "train.save_steps",
+    "save_total_limit": "train.save_total_limit",
+    "save_on_each_node": "the pipeline (on when train.num_nodes > 1)",
+    "logging_steps": "train.logging_steps",
+    "seed": "train.seed",
+    "data_seed": "train.seed",
+    "report_to": "the pipeline (metrics reach MLflow through grpo_steps.checkpoints.MLflowMetricsCallback)",
+    "use_cpu": "the pipeline (on without CUDA)",
+    "bf16": "model.dtype",
+    "fp16": "the pipeline (off: mixed precision is bf16, from model.dtype)",
+    "use_vllm": "generation.weight_sync",
+    "vllm_mode": "generation.weight_sync",
+    "vllm_server_base_url": "the pipeline (the provisioned generation server)",
+    "deepspeed": "train.deepspeed",
+}
+"""The ``trl.GRPOConfig`` fields :func:`grpo_steps.train.grpo_args` derives from the config -> the config
+key (or pipeline rule) that sets them. ``train.grpo`` may not set these; a unit test checks that this
+is exactly what ``grpo_args`` sets."""
+
+
+def grpo_key_owner_error(key: str) -> str:
+    """The message for a ``train.grpo`` key the config owns, naming the key to use instead.
+
+    >>> grpo_key_owner_error("num_generations")
+    'train.grpo.num_generations is set by train.num_generations: set it there'
+    >>> grpo_key_owner_error("output_dir")
+    "train.grpo.output_dir is set by the pipeline (each node's scratch directory): remove it"
+    """
+    owner = GRPO_ARGS_SET_BY[key]
+    fix = "remove it" if owner.startswith("the pipeline") else "set it there"
+    return f"train.grpo.{key} is set by {owner}: {fix}"
 
 
 class TrainConfig(_Section):
@@ -273,7 +335,8 @@ class TrainConfig(_Section):
     logging_steps: int = Field(1, gt=0)
     seed: int = 42
     grpo: dict[str, Any] = Field(default_factory=dict)
-    """Any other ``trl.GRPOConfig`` field, passed as is (checked against GRPOConfig at train time)."""
+    """Any other ``trl.GRPOConfig`` field, passed as is (checked against GRPOConfig at train time). The
+    fields the config sets (:data:`GRPO_ARGS_SET_BY`) are rejected: set their config key instead."""
     main_process_port: int = Field(0, ge=0, le=65535)
     """Rendezvous port of ``accelerate launch`` on node 0; 0: a free port picked by node 0 (local
     runtime, where simulated nodes share one machine) or 29500 on a cluster."""
@@ -281,6 +344,14 @@ class TrainConfig(_Section):
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.processes_per_node
+
+    @field_validator("grpo")
+    @classmethod
+    def _grpo_sets_no_owned_key(cls, value: dict[str, Any]) -> dict[str, Any]:
+        owned = [key for key in value if key in GRPO_ARGS_SET_BY]
+        if owned:
+            raise ValueError("; ".join(grpo_key_owner_error(key) for key in owned))
+        return value
 
     @model_validator(mode="after")
     def _batch_arithmetic(self) -> TrainConfig:
@@ -413,12 +484,12 @@ class PipelineConfig(_Section):
         if res.train.gpu and train.processes_per_node != res.train.gpu:
             raise ValueError(f"train.processes_per_node ({train.processes_per_node}) must equal "
                              f"resources.train.gpu ({res.train.gpu}): one training process per GPU")
-        if gen.weight_sync == "nccl" and not (res.train.gpu and res.vllm.gpu):
+        if gen.weight_sync == "nccl" and not (res.train.gpu and (res.vllm.gpu or gen.provider == "external")):
             raise ValueError("generation.weight_sync 'nccl' needs CUDA on both sides: set resources.train.gpu "
                              "and resources.vllm.gpu > 0, or use weight_sync 'disk'")
-        if gen.weight_sync == "nccl" and gen.provider != "kubernetes":
+        if gen.weight_sync == "nccl" and gen.provider == "local":
             raise ValueError("generation.weight_sync 'nccl' needs the server on its own GPUs: "
-                             "use generation.provider 'kubernetes'")
+                             "use generation.provider 'kubernetes' or 'external'")
         if gen.provider == "kubernetes":
             if gen.server.tensor_parallel_size > max(res.vllm.gpu, 1):
                 raise ValueError(f"generation.server.tensor_parallel_size ({gen.server.tensor_parallel_size}) "
@@ -434,6 +505,31 @@ class PipelineConfig(_Section):
                                  "reached by its Service name): set resources.train.image")
         elif gen.server.tensor_parallel_size > 1:
             raise ValueError("generation.server.tensor_parallel_size > 1 needs GPUs: use provider 'kubernetes'")
+        return self
+
+    @model_validator(mode="after")
+    def _rollout_groups_whole(self) -> PipelineConfig:
+        """The pipeline's rollout functions (backend ``vllm`` with ``disk`` sync, ``replay``) sample whole
+        groups, so each training process's generation batch must hold whole groups
+        (:func:`grpo_steps.train.prompt_groups`); TRL's own generation (``hf``, ``nccl``) splits groups fine."""
+        gen, train = self.generation, self.train
+        if gen.backend == "hf" or gen.weight_sync == "nccl":
+            return self
+        steps = train.grpo.get("steps_per_generation", train.gradient_accumulation_steps)
+        what = "per_device_train_batch_size x steps_per_generation (default gradient_accumulation_steps)"
+        per_process = train.per_device_train_batch_size * steps if isinstance(steps, int) else None
+        if "generation_batch_size" in train.grpo:
+            what, size = "train.grpo.generation_batch_size / world size", train.grpo["generation_batch_size"]
+            per_process = size // train.world_size if isinstance(size, int) else None
+        if per_process is None:  # not an integer: GRPOConfig rejects it at train time
+            return self
+        if per_process % train.num_generations:
+            raise ValueError(
+                f"train: with generation.backend {gen.backend!r} each training process samples whole prompt groups, "
+                f"but its generation batch, {what} = {per_process}, is not a multiple of num_generations = "
+                f"{train.num_generations}; change train.per_device_train_batch_size, train.gradient_accumulation_steps "
+                "or train.grpo's steps_per_generation / generation_batch_size so it is"
+            )
         return self
 
     @model_validator(mode="after")

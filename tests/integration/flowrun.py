@@ -30,6 +30,21 @@ def flow_config(**sections) -> dict:
     return config
 
 
+def on_server(config: dict, server) -> dict:
+    """``config`` with its generation server replaced by ``server`` (the session's ``tiny_server``),
+    reached as provider ``external``: for flow tests that are not about a server's own lifecycle."""
+    generation = config.setdefault("generation", {})
+    generation.update(provider="external", server={**generation.get("server", {}), "endpoint": server.endpoint})
+    return config
+
+
+def config_file(workdir, config: dict, name: str = "run.yaml"):
+    """Write ``config`` to ``workdir/name``; returns the path."""
+    path = workdir / name
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 def flow_env(**extra: str) -> dict[str, str]:
     """The environment of a flow run: this interpreter first on PATH (Metaflow's local @parallel starts
     the gang's other nodes with ``python`` from PATH), a Metaflow user, unbuffered output."""
@@ -59,15 +74,15 @@ def run_flow(workdir, env: dict, args: list[str], on_line: Callable[[str], None]
 
 def run_config(workdir, env: dict, config: dict, on_line=None) -> tuple[int, str]:
     """``run`` the flow on ``config`` (written to ``workdir/run.yaml``)."""
-    (workdir / "run.yaml").write_text(yaml.safe_dump(config))
-    return run_flow(workdir, env, ["--config", "config", "run.yaml", "run"], on_line)
+    return run_flow(workdir, env, ["--config", "config", str(config_file(workdir, config)), "run"], on_line)
 
 
 def vllm_child(supervisor_pid: int) -> int:
     """PID of the vLLM server process run by our supervisor (its only child)."""
-    children = Path(f"/proc/{supervisor_pid}/task/{supervisor_pid}/children").read_text().split()
-    assert len(children) == 1, children
-    return int(children[0])
+    import psutil
+
+    (child,) = psutil.Process(supervisor_pid).children()
+    return child.pid
 
 
 def mlflow_runs(workdir) -> list:

@@ -22,7 +22,7 @@ CONFIG = REPO_ROOT / "configs" / "multinode.yaml"
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    from grpo_steps import local_s3
+    from grpo_steps.dev import local_s3
 
     server = local_s3.start(tmp_path_factory.mktemp("s3"))
     yield server

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.integration.flowrun import SERVING, flow_config, flow_env, mlflow_runs, model_versions, run_config
+from tests.integration.flowrun import flow_config, flow_env, mlflow_runs, model_versions, on_server, run_config
 
 pytestmark = pytest.mark.usefixtures("tiny_model_path")
 
@@ -25,7 +25,7 @@ def _fails_before_the_server(workdir, config: dict, message: str, env: dict | No
     code, out = run_config(workdir, env or flow_env(), config)
     assert code != 0, out[-3000:]
     assert message in out, out[-6000:]
-    assert "provision_vllm" not in out and not SERVING.search(out)  # no server was started
+    assert "provision_vllm" not in out and "[vllm] serving" not in out  # no server was started
     if (workdir / "mlflow.db").exists():
         assert model_versions(workdir, config["registry"]["model_name"]) == []
     return out
@@ -88,7 +88,7 @@ def test_a_resume_from_that_names_nothing_fails_start(tmp_path, reference, messa
     assert not (tmp_path / "mlflow.db").exists()
 
 
-# --- bad inputs that only show while training: the flow reaches `train` (a vLLM server, minutes) -------------
+# --- bad inputs that only show while training: the flow reaches `train` (on the session's server) -----------
 
 REWARDS_MODULE = '''
 def a_float(completions, **kwargs):
@@ -100,42 +100,37 @@ def never_applies(completions, **kwargs):
 '''
 
 
-def _fails_in_train(workdir, reward: str, message: str, **sections) -> str:
-    """Run the flow with the dotted-path ``reward`` of REWARDS_MODULE as its only reward; assert it fails in
-    ``train`` with ``message``, its MLflow run FAILED, no version registered and its server gone."""
+def _fails_in_train(workdir, server, reward: str, message: str, **sections) -> str:
+    """Run the flow on the session's ``server`` (provider ``external``) with the dotted-path ``reward`` of
+    REWARDS_MODULE as its only reward; assert it fails in ``train`` with ``message``, its MLflow run FAILED,
+    no version registered, no server of its own started."""
     (workdir / "my_rewards.py").write_text(REWARDS_MODULE)
     env = flow_env(PYTHONPATH=os.pathsep.join([str(workdir), os.environ.get("PYTHONPATH", "")]))
     name = f"my_rewards:{reward}"
-    config = flow_config(eval={"format_reward": None, "correctness_reward": name}, **sections)
+    config = on_server(flow_config(eval={"format_reward": None, "correctness_reward": name}, **sections), server)
     config["rewards"] = [{"name": name}]
     config["train"].update(retries=0)
     code, out = run_config(workdir, env, config)
     assert code != 0, out[-3000:]
     assert message in out, out[-8000:]
     assert "Step train" in out and "failed" in out
+    assert f"[vllm] serving {server.endpoint} (external)" in out and "supervisor_pid=" not in out
     (run,) = mlflow_runs(workdir)
     assert run.info.status == "FAILED"
     assert model_versions(workdir, config["registry"]["model_name"]) == []
-    supervisor = int(SERVING.search(out).group(2))
-    deadline = time.monotonic() + config["generation"]["server"].get("orphan_grace_s", 60) + 30
-    while time.monotonic() < deadline:  # the server stops itself once the flow's runtime is gone
-        try:
-            os.kill(supervisor, 0)
-        except ProcessLookupError:
-            return out
-        time.sleep(2)
-    raise AssertionError(f"generation server supervisor {supervisor} still running")
+    return out
 
 
 @pytest.mark.slow
-def test_a_reward_returning_a_float_stops_training_naming_the_reward(tmp_path):
-    _fails_in_train(tmp_path, "a_float", "RewardReturnError: reward 'my_rewards:a_float' returned 1.0 (float); "
-                    "a reward returns a list of 8 float or None, one per completion")  # 2 prompts x 4 completions
+def test_a_reward_returning_a_float_stops_training_naming_the_reward(tmp_path, tiny_server):
+    _fails_in_train(tmp_path, tiny_server, "a_float",
+                    "RewardReturnError: reward 'my_rewards:a_float' returned 1.0 (float); a reward returns a list of 8 "
+                    "float or None, one per completion")  # 2 prompts x 4 completions
 
 
 @pytest.mark.slow
-def test_rewards_all_none_for_steps_in_a_row_stop_the_run(tmp_path):
-    out = _fails_in_train(tmp_path, "never_applies", "AllRewardsNone: every reward (my_rewards:never_applies) scored "
-                          "None for every completion in steps 1..2 (2 in a row, train.max_all_none_steps=2)",
-                          train={"max_all_none_steps": 2})
+def test_rewards_all_none_for_steps_in_a_row_stop_the_run(tmp_path, tiny_server):
+    out = _fails_in_train(tmp_path, tiny_server, "never_applies",
+                          "AllRewardsNone: every reward (my_rewards:never_applies) scored None for every completion "
+                          "in steps 1..2 (2 in a row, train.max_all_none_steps=2)", train={"max_all_none_steps": 2})
     assert "[train] step 3/" not in out  # stopped at the second step

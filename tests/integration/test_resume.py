@@ -7,11 +7,15 @@ server (marker ``s3``)."""
 import os
 import re
 import signal
+import threading
+import time
 
 import pytest
 
+from grpo_steps.processes import PortInUseError, wait_until
 from tests.integration.flowrun import (
     SAVED,
+    SAVING,
     checkpoint_steps,
     flow_config,
     flow_env,
@@ -19,6 +23,7 @@ from tests.integration.flowrun import (
     metric_steps,
     mlflow_runs,
     model_versions,
+    on_server,
     run_config,
     run_flow,
     s3_keys,
@@ -35,12 +40,14 @@ def _config(**tracking) -> dict:
                        registry={"model_name": MODEL_NAME}, tracking=tracking)
 
 
-def _kill_and_resume(workdir, env: dict, config: dict) -> tuple[str, str]:
-    """Run the flow, kill its training process after checkpoint KILL_AFTER, resume.
-    Returns (the killed run's id, resume's output)."""
+def _kill_and_resume(workdir, env: dict, config: dict, on_line=None) -> tuple[str, str]:
+    """Run the flow, kill its training process after checkpoint KILL_AFTER, resume. ``on_line`` also sees
+    each line of the first run. Returns (the killed run's id, resume's output)."""
     killed = []
 
     def kill_after_checkpoint(line: str) -> None:
+        if on_line:
+            on_line(line)
         match = SAVED.search(line)
         if match and int(match.group(1)) == KILL_AFTER and not killed:
             os.kill(int(match.group(2)), signal.SIGKILL)  # the training process, by the PID it reported
@@ -66,9 +73,9 @@ def _kill_and_resume(workdir, env: dict, config: dict) -> tuple[str, str]:
     return flow_run_id(out), resumed
 
 
-def _assert_resumed(workdir, env, origin_run: str, out: str) -> None:
+def _assert_resumed(workdir, env, origin_run: str, out: str, *, server_replaced: bool) -> None:
     assert f"resuming from step {KILL_AFTER} of run {origin_run}" in out
-    assert "belongs to an earlier run or is not answering: starting a new one" in out
+    assert ("belongs to an earlier run or is not answering: starting a new one" in out) is server_replaced
     (run,) = mlflow_runs(workdir)  # resume reopened the same run
     for metric in ("reward", "loss"):
         steps = metric_steps(workdir, metric)
@@ -85,14 +92,14 @@ def _assert_resumed(workdir, env, origin_run: str, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_kill_then_resume_on_the_local_datastore_then_start_from_its_checkpoint(tmp_path, tiny_model_path):
+def test_kill_then_resume_on_the_local_datastore_then_start_from_its_checkpoint(tmp_path, tiny_server):
     env = flow_env()
     origin, out = _kill_and_resume(tmp_path, env, _config())
-    _assert_resumed(tmp_path, env, origin, out)
+    _assert_resumed(tmp_path, env, origin, out, server_replaced=True)
     assert list((tmp_path / ".metaflow" / "mf.checkpoints").rglob("*")), "checkpoints in the local datastore"
 
     # (3) a new run started from the killed run's newest checkpoint, named in the config
-    config = _config()
+    config = on_server(_config(), tiny_server)
     config["train"]["resume_from"] = f"GRPOFlow/{origin}"
     code, started = run_config(tmp_path, env, config)
     assert code == 0, started[-6000:]
@@ -102,13 +109,61 @@ def test_kill_then_resume_on_the_local_datastore_then_start_from_its_checkpoint(
     assert len(model_versions(tmp_path, MODEL_NAME)) == 2  # one per flow run
 
 
+class S3Outage:
+    """Stops the local S3 server once checkpoint 2 is saved and starts it again, on the same port and
+    data, 10 s after the upload of checkpoint 4 began (so that upload has to wait it out)."""
+
+    def __init__(self, data_dir):
+        from grpo_steps.dev import local_s3
+
+        self.data_dir, self.server, self.events = data_dir, local_s3.start(data_dir), {}
+
+    def __call__(self, line: str) -> None:
+        from grpo_steps.dev import local_s3
+
+        match = SAVED.search(line)
+        if match and int(match.group(1)) == 2 and "down" not in self.events:
+            local_s3.stop(self.server)
+            self.events["down"] = time.monotonic()
+        match = SAVING.search(line)
+        if match and int(match.group(1)) == 4 and "down" in self.events and "restart" not in self.events:
+            self.events["restart"] = threading.Timer(10.0, self._restart)
+            self.events["restart"].start()
+
+    def _restart(self) -> None:
+
+        port = int(self.server.endpoint.rsplit(":", 1)[1])
+        assert wait_until(lambda: self._try_start(port), timeout_s=60, interval_s=1.0), "S3 did not come back"
+        self.events["up"] = time.monotonic()
+
+    def _try_start(self, port: int) -> bool:
+        from grpo_steps.dev import local_s3
+
+        try:  # the port can stay busy for a moment after the stop
+            self.server = local_s3.start(self.data_dir, port=port)
+        except (local_s3.S3StartError, PortInUseError):
+            return False
+        return True
+
+
 @pytest.mark.slow
 @pytest.mark.s3
-def test_kill_then_resume_on_the_s3_datastore(tmp_path, tiny_model_path, local_s3):
-    env = flow_env(**local_s3.env())
-    origin, out = _kill_and_resume(tmp_path, env, _config(artifact_location=f"s3://{local_s3.bucket}/mlflow"))
-    _assert_resumed(tmp_path, env, origin, out)
-    keys = s3_keys(local_s3)
+def test_kill_then_resume_on_the_s3_datastore_across_an_s3_outage(tmp_path, tiny_server):
+    from grpo_steps.dev import local_s3
+
+    outage = S3Outage(tmp_path / "s3")
+    env = flow_env(**outage.server.env())
+    config = on_server(_config(artifact_location=f"s3://{outage.server.bucket}/mlflow"), tiny_server)
+    try:
+        origin, out = _kill_and_resume(tmp_path, env, config, on_line=outage)
+        outage.events["restart"].join()
+        assert outage.events["up"] - outage.events["down"] >= 10, outage.events
+        # the newest KEEP checkpoints of the killed run are in the bucket, among them step 4, whose upload
+        # waited out the outage (asserted by _assert_resumed); nothing was lost
+        _assert_resumed(tmp_path, env, origin, out, server_replaced=False)
+        keys = s3_keys(outage.server)
+    finally:
+        local_s3.stop(outage.server)
     assert any(k.startswith("metaflow/mf.checkpoints/") for k in keys), "checkpoints in the bucket"
     assert any(k.startswith("metaflow/mf.models/") for k in keys), "the final policy in the bucket"
     assert any(k.startswith("metaflow/GRPOFlow/") for k in keys), "step artifacts in the bucket"

@@ -1,21 +1,25 @@
 """The whole flow on the tiny task configs (GSM8K math, HumanEval code): real vLLM server, real
-Metaflow run, real MLflow store, the task's own rewards in training and evaluation. ~3-5 min each."""
+Metaflow run, real MLflow store, the task's own rewards in training and evaluation. ~2-3 min each."""
 
 import pytest
 
 from grpo_steps.config import REPO_ROOT, load_config
-from tests.integration.flowrun import STEPS, completed_run
+from tests.integration.flowrun import STEPS, completed_run, config_file, on_server
 
 pytestmark = pytest.mark.slow
 TASK_CONFIGS = ["test-gsm8k.yaml", "test-humaneval.yaml"]
 
 
 @pytest.fixture(scope="module", params=TASK_CONFIGS)
-def task_run(request, tmp_path_factory, tiny_model_path):
-    """Run the flow once per task config in a fresh working directory; yields (config path, workdir, Run)."""
+def task_run(request, tmp_path_factory, tiny_server):
+    """Run the flow once per task config in a fresh working directory, on the session's generation
+    server (provider ``external``); yields (config path, workdir, Run)."""
+    import yaml
+
     config = REPO_ROOT / "configs" / request.param
     workdir = tmp_path_factory.mktemp(config.stem)
-    with completed_run(workdir, config) as (run, _):
+    path = config_file(workdir, on_server(yaml.safe_load(config.read_text()), tiny_server))
+    with completed_run(workdir, path) as (run, _):
         yield config, workdir, run
 
 

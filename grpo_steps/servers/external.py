@@ -1,0 +1,68 @@
+"""The ``external`` provider: a vLLM server you already run, at ``generation.server.endpoint``.
+
+The pipeline never starts or stops it: :meth:`ExternalServer.start` waits for its ``/health``
+(up to ``generation.server.startup_timeout_s``), checks that it can take weight reloads (vLLM's dev
+routes, ``VLLM_SERVER_DEV_MODE=1``) and reads the name it serves the model under. Weights reach it
+like a local server's: ``reload_weights`` from directories this machine writes, so the server must
+read the same paths (the same machine, or the same shared mount). Start one, e.g.::
+
+    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model PATH --port 8000
+
+After a run it holds the weights evaluation loaded last: the run's trained policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import requests
+
+from grpo_steps.processes import wait_until
+from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy
+
+if TYPE_CHECKING:
+    from grpo_steps.config import PipelineConfig
+    from grpo_steps.processes import ProcessRef
+
+
+@dataclass(frozen=True)
+class ExternalServer(GenerationServer):
+    """A server the user runs; health-checked and fed weights, never stopped by the pipeline."""
+
+    provider = "external"
+    replaceable = False
+
+    @classmethod
+    def start(cls, cfg: PipelineConfig, model_path: str = "", *, owner: ProcessRef | None = None,
+              run_id: str = "") -> ExternalServer:
+        """Reach the server at ``generation.server.endpoint`` (``model_path``, ``owner`` and ``run_id``
+        are not used: the server already serves its model).
+
+        Raises:
+            ServerStartError: no ``/health`` within ``generation.server.startup_timeout_s`` seconds, no
+                dev routes (started without ``VLLM_SERVER_DEV_MODE=1``), or no model served.
+        """
+        endpoint, timeout_s = cfg.generation.server.endpoint, cfg.generation.server.startup_timeout_s
+        if not wait_until(lambda: is_healthy(endpoint), timeout_s, interval_s=1.0):
+            raise ServerStartError(
+                f"the external generation server {endpoint} (generation.server.endpoint) did not answer "
+                f"GET /health within {timeout_s:.0f} s (generation.server.startup_timeout_s): start it, or "
+                "correct the endpoint")
+        try:
+            info = requests.get(f"{endpoint}/server_info", timeout=10)
+            models = requests.get(f"{endpoint}/v1/models", timeout=10)
+        except requests.RequestException as err:
+            raise ServerStartError(f"the external generation server {endpoint} stopped answering: {err}") from err
+        if info.status_code == 404:
+            raise ServerStartError(
+                f"the external generation server {endpoint} has no dev routes, so it cannot reload weights: "
+                "start it with VLLM_SERVER_DEV_MODE=1 in its environment")
+        served = [m["id"] for m in models.json().get("data", [])] if models.ok else []
+        if not served:
+            raise ServerStartError(f"the external generation server {endpoint} lists no model on GET /v1/models "
+                                   f"(HTTP {models.status_code})")
+        return cls(endpoint, served_model=served[0])
+
+    def __str__(self) -> str:
+        return f"external generation server {self.endpoint} (model {self.served_model!r})"

