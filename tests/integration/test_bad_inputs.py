@@ -4,13 +4,17 @@ Every case: exit non-zero, the message, no server left, no model version registe
 
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from datetime import datetime
 
 import pytest
+import yaml
 
-from tests.integration.flowrun import flow_config, flow_env, mlflow_runs, model_versions, on_server, run_config
+from tests.integration.flowrun import FLOW, flow_config, flow_env, mlflow_runs, model_versions, on_server, run_config
 
 pytestmark = pytest.mark.usefixtures("tiny_model_path")
 
@@ -140,3 +144,26 @@ def test_rewards_all_none_for_steps_in_a_row_stop_the_run(tmp_path, tiny_server)
                           "AllRewardsNone: every reward (my_rewards:never_applies) scored None for every completion "
                           "in steps 1..2 (2 in a row, train.max_all_none_steps=2)", train={"max_all_none_steps": 2})
     assert "[train] step 3/" not in out  # stopped at the second step
+
+
+def test_an_interrupted_run_ends_killed_in_mlflow(tmp_path):
+    """Ctrl+C (SIGINT) to the flow's runtime while prepare_data runs: the exit hook ends the run KILLED."""
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(flow_config()))
+    proc = subprocess.Popen([sys.executable, str(FLOW), "--config", "config", "run.yaml", "run"], cwd=tmp_path,
+                            env=flow_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, interrupted = [], []
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if "/prepare_data/" in line and "(pid" in line and not interrupted:
+                proc.send_signal(signal.SIGINT)  # once (a second Ctrl+C cuts Metaflow's clean-up short)
+                interrupted.append(line)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert interrupted and proc.returncode != 0
+    (run,) = mlflow_runs(tmp_path)
+    assert run.info.status == "KILLED", "".join(out)[-4000:]
+    assert "[vllm] serving" not in "".join(out)
