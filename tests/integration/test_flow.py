@@ -128,7 +128,8 @@ def test_what_the_mlflow_ui_pages_show(flow_run):
     assert f"#/experiments/{experiment.experiment_id}/runs/{run_id}" in description
     assert f"GRPOFlow/{run.id}" in description and "card get" in description
     assert "candidate" in version.aliases
-    assert version.tags["git.commit"] and version.tags["config.sha256"] == cfg.sha256()
+    used = load_config(workdir / "run.yaml")  # test.yaml on the session's server
+    assert version.tags["git.commit"] and version.tags["config.sha256"] == used.sha256()
 
 
 def test_progress_lines_with_rate_and_eta(flow_run):
