@@ -10,7 +10,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 # Metaflow needs a user name that is not root.
 export METAFLOW_USER ?= $(if $(filter-out root,$(USER)),$(USER),grpo)
 
-.PHONY: install model run test test-fast ui s3 lint bench bench-gpu clean
+.PHONY: install model run test test-fast ui s3 lint bench bench-gpu screenshots clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,10 @@ bench: model
 # One GPU, ZeRO-3: the training module beside a plain TRL script (needs the gpu extra; no vLLM)
 bench-gpu: install
 	$(BIN)/python bench/gpu_zero3.py
+
+# MLflow UI pages of a tiny run as PNGs in docs/images/ (needs Debian's chromium: apt-get install chromium)
+screenshots: install
+	$(BIN)/python bench/screenshots.py
 
 clean:
 	rm -rf .metaflow mlflow.db mlartifacts .pytest_cache .s3

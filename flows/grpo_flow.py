@@ -17,6 +17,7 @@ from metaflow import (
     checkpoint,
     config_expr,
     current,
+    exit_hook,
     model,
     parallel,
     project,
@@ -39,6 +40,7 @@ def teardown_server(run=None):
 
 
 @OnKubernetes
+@exit_hook(on_error=["grpo_steps.tracking.on_flow_error"])  # the MLflow run ends FAILED (or KILLED)
 @schedule(cron=config_expr("config.schedule.cron"), timezone=config_expr("config.schedule.timezone"), daily=False)
 @project(name=config_expr("config.project"))
 class GRPOFlow(FlowSpec):

@@ -137,17 +137,26 @@ class MLflowMetricsCallback(TrainerCallback):
 
 
 class ProgressCallback(TrainerCallback):
-    """Prints ``[train] step N/M`` after each optimizer step (rank 0) with the seconds since the
-    training process started; the first step's time is the time to first step of a fresh or resumed run.
+    """Prints ``[train] step N/M t=T s rate=R s/step eta=E s`` after each optimizer step (rank 0): ``t``
+    since the training process started (the first step's is the time to first step of a fresh or resumed
+    run), ``rate`` the mean seconds per step of the steps this process ran, ``eta`` the rest at that rate.
     """
 
     def __init__(self, started: float) -> None:
         self.started = started  # time.monotonic() at process start
+        self.first: tuple[int, float] | None = None  # (global step, time) when this process's first step ended
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            print(f"[train] step {state.global_step}/{state.max_steps} "
-                  f"t={time.monotonic() - self.started:.1f}s", flush=True)
+        if not state.is_world_process_zero:
+            return control
+        now, step = time.monotonic(), state.global_step
+        if self.first is None:
+            self.first = (step, now)
+            rate = (now - self.started) / max(step, 1) if step == 1 else None
+        else:
+            rate = (now - self.first[1]) / (step - self.first[0])
+        timing = f" rate={rate:.1f}s/step eta={rate * (state.max_steps - step):.0f}s" if rate else ""
+        print(f"[train] step {step}/{state.max_steps} t={now - self.started:.1f}s{timing}", flush=True)
         return control
 
 
@@ -230,6 +239,57 @@ def resolve_reference(reference: str, node_index: int) -> str:
     except Exception as err:  # metaflow-checkpoint raises several types for a bad key
         raise CheckpointNotFound(f"train.resume_from {reference!r} is not a directory, a 'FlowName/run_id' "
                                  f"pathspec or a loadable checkpoint key: {err}") from err
+
+
+def check_reference(reference: str, num_nodes: int = 1) -> str:
+    """Check a ``train.resume_from`` reference without loading it (before any server starts); returns
+    what it names, for the log.
+
+    A directory must hold a trainer checkpoint; a ``FlowName/run_id`` pathspec must name a run of this
+    datastore and namespace whose ``train`` step saved a checkpoint for each of the ``num_nodes`` nodes;
+    anything else must be a checkpoint key whose metadata is in the datastore.
+
+    Raises:
+        CheckpointNotFound: the reference names none of these; the message names it and what to give.
+    """
+    from metaflow import Flow
+    from metaflow.exception import MetaflowNotFound
+
+    local = Path(reference).expanduser()
+    if local.is_dir():
+        found = trainer_checkpoint_in(local)
+        if not found:
+            raise CheckpointNotFound(f"train.resume_from {reference!r}: no trainer checkpoint (trainer_state.json) "
+                                     "in that directory or its checkpoint-* subdirectories")
+        return f"local directory {found}"
+    parts = reference.strip("/").split("/")
+    if len(parts) == 2 and not reference.startswith(("/", ".", "~")):
+        try:
+            run = Flow(parts[0])[parts[1]]
+        except (MetaflowNotFound, KeyError) as err:  # no such flow / no such run
+            raise CheckpointNotFound(f"train.resume_from {reference!r}: no such run in this datastore/namespace "
+                                     f"({err}); give 'FlowName/run_id', a checkpoint key or a directory") from None
+        if "train" not in run:
+            raise CheckpointNotFound(f"train.resume_from {reference!r}: that run never reached its train step")
+        steps = []
+        for node in range(num_nodes):
+            newest = _newest_of_run(run, node)
+            if newest is None:
+                raise CheckpointNotFound(f"train.resume_from {reference!r}: that run saved no checkpoint for node "
+                                         f"{node}")
+            steps.append(newest["metadata"]["global_step"])
+        return f"run {reference}, step {steps[0]}" + (f" (nodes: {steps})" if num_nodes > 1 else "")
+    from metaflow_extensions.obcheckpoint.plugins.machine_learning_utilities.datastructures import (
+        CheckpointArtifact,
+    )
+
+    try:
+        found = CheckpointArtifact._load_metadata_from_key(reference, None)
+    except Exception as err:  # metaflow-checkpoint raises several types for a bad key
+        raise CheckpointNotFound(f"train.resume_from {reference!r} is not a directory, a 'FlowName/run_id' "
+                                 f"pathspec or a checkpoint key in this datastore ({type(err).__name__}: {err})"
+                                 ) from None
+    return f"checkpoint key {reference} ({found.name}, version {found.version_id})"
 
 
 def resume_checkpoint(node_index: int, configured: str | None = None) -> str | None:

@@ -133,6 +133,9 @@ class DataConfig(SourceConfig):
     """Held-out prompts, all tasks together; they share no prompt with the training split."""
     max_prompt_tokens: int = Field(256, gt=0)
     """Prompts longer than this (chat template applied), in tokens, are dropped."""
+    allow_smaller_split: bool = False
+    """False: fewer usable prompts (after deduplication and the token budget) than ``num_train + num_eval``
+    is an error. True: train on the rows there are (the eval split stays ``num_eval``)."""
     seed: int = 42
     mixture: list[MixtureEntry] = Field(default_factory=list)
     """Multi-task data: sources with a ``name`` and a ``weight``; rows get a ``task`` column and every
@@ -438,6 +441,9 @@ class TrainConfig(_Section):
     retries: int = Field(1, ge=0, le=10)
     """``@retry`` of the ``train`` step: a failed gang (a crashed process, a dead generation server)
     is started again this many times, each from its newest checkpoint, on a new server if needed."""
+    max_all_none_steps: int = Field(3, ge=0)
+    """Stop training with an error when every reward scored None for every completion in this many
+    optimizer steps in a row (a reward that never applies, or fails every call); 0: never stop."""
     logging_steps: int = Field(1, gt=0)
     seed: int = 42
     grpo: dict[str, Any] = Field(default_factory=dict)
@@ -656,12 +662,17 @@ class PipelineConfig(_Section):
 
     @model_validator(mode="after")
     def _rewards_known(self) -> PipelineConfig:
-        from rewards import bind_options, resolve_reward
+        from grpo_steps.sources import kept_columns
+        from rewards import bind_options, check_signature, resolve_reward
 
         if not self.rewards:
             raise ValueError("rewards: name at least one reward function")
-        for spec in self.rewards:
-            bind_options(resolve_reward(spec.name), spec.options, spec.name)  # unknown name or option: clear error
+        columns = {"answer", *(["task"] if self.data.mixture else [])}
+        columns.update(name for src in self.data.sources() for name in kept_columns(src))
+        for spec in self.rewards:  # unknown name or option, a signature the call cannot fit: clear error
+            fn = resolve_reward(spec.name)
+            check_signature(fn, spec.name)
+            check_signature(bind_options(fn, spec.options, spec.name), spec.name, columns)
         names = {spec.name for spec in self.rewards}
         for key in ("correctness_reward", "format_reward"):
             value = getattr(self.eval, key)
@@ -697,6 +708,8 @@ def _format_errors(err: ValidationError, source: str) -> str:
         where = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
             lines.append(f"  - {where}: unknown key; remove it or check its spelling (see grpo_steps/config.py)")
+        elif e["type"] == "value_error":  # a validator's own message names the keys and the fix
+            lines.append(f"  - {where}: {e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  - {where}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)
@@ -718,12 +731,23 @@ def parse_config(text: str) -> dict[str, Any]:
     """Metaflow ``Config`` parser: YAML text -> validated, fully resolved dict (defaults filled in).
 
     Raises:
-        ConfigError: as :func:`validate_config`, or YAML that is not a mapping.
+        metaflow.exception.MetaflowException: as :func:`validate_config` (ConfigError), or YAML that is not
+            a mapping or does not parse; Metaflow prints its message without a traceback.
     """
-    data = yaml.safe_load(text)
-    if data is not None and not isinstance(data, dict):
-        raise ConfigError(f"run config must be a YAML mapping, got {type(data).__name__}")
-    return validate_config(data).model_dump(mode="json")
+    from metaflow.exception import MetaflowException
+
+    class InvalidRunConfig(MetaflowException, ConfigError):  # printed by Metaflow as a block, no traceback
+        headline = "Invalid run config (--config config FILE)"
+
+    try:
+        data = yaml.safe_load(text)
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(f"run config must be a YAML mapping, got {type(data).__name__}")
+        return validate_config(data).model_dump(mode="json")
+    except yaml.YAMLError as err:
+        raise InvalidRunConfig(f"not valid YAML: {err}") from None
+    except ConfigError as err:
+        raise InvalidRunConfig(str(err).removeprefix("invalid run config:\n")) from None
 
 
 def load_config(path: str | Path) -> PipelineConfig:

@@ -92,6 +92,13 @@ def _prepare_source(src: SourceConfig, cfg: DataConfig, num_train: int, num_eval
             f"{duplicates} duplicates, {too_long} over data.max_prompt_tokens={cfg.max_prompt_tokens}); need "
             f"more than data.num_eval={num_eval}. Lower num_eval, raise max_prompt_tokens or add data."
         )
+    if len(kept) < num_train + num_eval and not cfg.allow_smaller_split:
+        raise DataError(
+            f"data source {src.name!r}: {len(kept)} usable prompts ({len(rows)} rows, {duplicates} duplicates, "
+            f"{too_long} over data.max_prompt_tokens={cfg.max_prompt_tokens}), fewer than num_train + num_eval = "
+            f"{num_train} + {num_eval}. Lower data.num_train, raise data.max_prompt_tokens, add data, or set "
+            f"data.allow_smaller_split: true to train on the {len(kept) - num_eval} there are."
+        )
     stats = {"rows": len(rows), "duplicates": duplicates, "too_long": too_long, "train": len(kept) - num_eval,
              "eval": num_eval}
     return kept[num_eval:], kept[:num_eval], stats
@@ -106,7 +113,8 @@ def prepare(cfg: DataConfig, tokenizer) -> PreparedData:
     :func:`grpo_steps.config.split_counts`). No prompt is in both splits, nor in two sources.
 
     Raises:
-        DataError: as :func:`load_rows`, or too few usable rows for a source's eval split plus one train row.
+        DataError: as :func:`load_rows`; fewer usable rows in a source than its train + eval counts (unless
+            ``cfg.allow_smaller_split``: then fewer than its eval split plus one train row).
     """
     sources = cfg.sources()
     weights = [s.weight for s in sources]

@@ -74,45 +74,79 @@ def _mean(values) -> float:
     return float(statistics.fmean(values)) if values else float("nan")
 
 
-def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict]) -> dict:
+def _metrics(cfg: PipelineConfig, n: int, scores: dict, greedy_scores: dict, lengths: list[list[int]],
+             keep: list[int]) -> dict[str, float]:
+    """The metrics of :func:`evaluate_policy` over the prompts whose indices are in ``keep``."""
+    correctness = cfg.eval.correctness_reward
+    correct = [[(s or 0.0) >= CORRECTNESS_THRESHOLD for s in scores[correctness][i]] for i in keep]
+    metrics: dict[str, float] = {
+        "accuracy": _mean(float((greedy_scores[correctness][i][0] or 0.0) >= CORRECTNESS_THRESHOLD) for i in keep),
+        "completion_length": _mean(length for i in keep for length in lengths[i]),
+    }
+    for k in cfg.eval.k:
+        metrics[f"pass@{k}"] = _mean(pass_at_k(n, sum(c), k) for c in correct)
+    if cfg.eval.format_reward:
+        metrics["format_rate"] = _mean(float(s == 1.0) for i in keep for s in scores[cfg.eval.format_reward][i])
+    total = [0.0] * sum(len(scores[correctness][i]) for i in keep)
+    for spec in cfg.rewards:
+        flat = [s for i in keep for s in scores[spec.name][i]]
+        metrics[f"reward/{spec.name}"] = _mean(flat)
+        total = [t + spec.weight * (s or 0.0) for t, s in zip(total, flat, strict=True)]
+    metrics["reward"] = _mean(total)
+    return metrics
+
+
+def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], label: str = "eval") -> dict:
     """Metrics of the weights the server holds now, on ``rows``.
 
     Samples ``eval.num_samples`` completions per prompt at ``eval.temperature`` plus one greedy
-    completion. Returns ``{"metrics": {name: float}, "samples": [row dicts], "probe_logprobs":
+    completion, in batches of prompts with a progress line (``[eval <label>] done/total prompts rate eta``)
+    after each. Returns ``{"metrics": {name: float}, "samples": [row dicts], "probe_logprobs":
     [float]}`` (the last: greedy logprobs of the first prompt, a fingerprint of the served weights),
     where metrics are:
     ``accuracy`` (greedy, 0..1), ``pass@k`` for each configured k (unbiased, 0..1), ``format_rate``
     (share of samples the format reward scores 1, when configured), ``reward/<name>`` (mean per
     reward function over samples), ``reward`` (weighted sum, as in training), ``completion_length``
-    (mean tokens per sample).
+    (mean tokens per sample); the reward guard's counts of this evaluation, ``reward/<name>/timeouts``
+    and ``reward/<name>/errors`` (calls) and ``reward/<name>/none_share`` (share of completions scored
+    None, 0..1); with a ``task`` column (data mixtures), each metric above also per task as
+    ``task/<task>/<metric>``.
     """
     from grpo_steps.data import encode_prompt
+    from grpo_steps.monitor import Progress
+    from rewards import guard
 
     n, gen = cfg.eval.num_samples, cfg.generation
     prompt_ids = [encode_prompt(tokenizer, row["prompt"]) for row in rows]
-    sampled = client.complete(prompt_ids, n, max_tokens=gen.max_completion_tokens, temperature=cfg.eval.temperature,
-                              top_p=gen.top_p)
-    greedy = client.complete(prompt_ids, 1, max_tokens=gen.max_completion_tokens, temperature=0.0)
+    progress = Progress(f"eval {label}", len(rows), "prompts")
+    batch = max(8, -(-len(rows) // 10))  # about ten progress lines
+    sampled, greedy = [], []
+    for i in range(0, len(rows), batch):
+        chunk = prompt_ids[i : i + batch]
+        sampled += client.complete(chunk, n, max_tokens=gen.max_completion_tokens, temperature=cfg.eval.temperature,
+                                   top_p=gen.top_p)
+        greedy += client.complete(chunk, 1, max_tokens=gen.max_completion_tokens, temperature=0.0)
+        progress.update(len(chunk))
     texts = [[s["text"] for s in group] for group in sampled]
+    counts_before, scored_before = guard.counters(), guard.scored()
     scores = score(cfg, rows, texts, [[s["completion_ids"] for s in group] for group in sampled])
     greedy_scores = score(cfg, rows, [[g[0]["text"]] for g in greedy], [[g[0]["completion_ids"]] for g in greedy])
+    lengths = [[len(s["completion_ids"]) for s in group] for group in sampled]
 
-    correctness = cfg.eval.correctness_reward
-    correct = [[(s or 0.0) >= CORRECTNESS_THRESHOLD for s in per] for per in scores[correctness]]
-    metrics: dict[str, float] = {
-        "accuracy": _mean(float((g[0] or 0.0) >= CORRECTNESS_THRESHOLD) for g in greedy_scores[correctness]),
-        "completion_length": _mean(len(s["completion_ids"]) for group in sampled for s in group),
-    }
-    for k in cfg.eval.k:
-        metrics[f"pass@{k}"] = _mean(pass_at_k(n, sum(c), k) for c in correct)
-    if cfg.eval.format_reward:
-        metrics["format_rate"] = _mean(float(s == 1.0) for per in scores[cfg.eval.format_reward] for s in per)
-    total = [0.0] * sum(len(t) for t in texts)
+    metrics = _metrics(cfg, n, scores, greedy_scores, lengths, list(range(len(rows))))
+    counts, scored = guard.counters(), guard.scored()
     for spec in cfg.rewards:
-        flat = [s for per in scores[spec.name] for s in per]
-        metrics[f"reward/{spec.name}"] = _mean(flat)
-        total = [t + spec.weight * (s or 0.0) for t, s in zip(total, flat, strict=True)]
-    metrics["reward"] = _mean(total)
+        for kind in guard.KINDS:
+            key = guard.counter_key(spec.name, kind)
+            metrics[f"reward/{spec.name}/{kind}"] = float(counts.get(key, 0) - counts_before.get(key, 0))
+        total = scored[spec.name][0] - scored_before.get(spec.name, (0, 0))[0]
+        nones = scored[spec.name][1] - scored_before.get(spec.name, (0, 0))[1]
+        metrics[f"reward/{spec.name}/none_share"] = nones / total if total else float("nan")
+    tasks = sorted({row["task"] for row in rows if row.get("task") is not None})
+    for task in tasks:
+        keep = [i for i, row in enumerate(rows) if row.get("task") == task]
+        metrics.update({f"task/{task}/{k}": v for k, v in
+                        _metrics(cfg, n, scores, greedy_scores, lengths, keep).items()})
 
     samples = []
     for i, row in enumerate(rows[: cfg.eval.num_table_rows]):

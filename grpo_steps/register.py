@@ -11,6 +11,7 @@ import math
 
 from grpo_steps import tracking
 from grpo_steps.config import PipelineConfig
+from grpo_steps.report import version_description
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 GATE_METRIC = "pass@1"
@@ -46,12 +47,13 @@ def _champion_score(client, name: str) -> float | None:
 
 
 def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tags: dict[str, str]) -> dict:
-    """Log ``model_dir`` to the run, register it as a version with alias ``candidate``, and move
-    ``champion`` when :func:`gate` passes.
+    """Log ``model_dir`` to the run, register it as a version with alias ``candidate``, move
+    ``champion`` when :func:`gate` passes, and describe the version
+    (:func:`grpo_steps.report.version_description`).
 
     Args:
         report: the evaluate step's ``{"baseline": {"metrics": ...}, "trained": {"metrics": ...}}``.
-        tags: version tags (Metaflow pathspec, config hash, dataset digest, git commit).
+        tags: version tags (``metaflow.pathspec`` of the register task, config hash, dataset digest, git commit).
 
     Returns:
         ``{"name", "version", "aliases", "gate_passed", "gate_reason"}``.
@@ -64,13 +66,13 @@ def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tag
     if existing:
         version = existing[0]
     else:
-        with mlflow.start_run(run_id=run_id):
-            info = mlflow.transformers.log_model(
-                transformers_model=model_dir, name="model", task="text-generation",
-                # explicit: MLflow's inference of requirements wants torchvision, absent on CPU installs
-                pip_requirements=[f"{pkg}=={ver}" for pkg, ver in tracking.package_versions().items()
-                                  if pkg in ("torch", "transformers")],
-            )
+        info = mlflow.transformers.log_model(
+            transformers_model=model_dir, name="model", task="text-generation",
+            run_id=run_id,  # not ``with mlflow.start_run()``: its exit would end the flow's run FINISHED
+            # explicit: MLflow's inference of requirements wants torchvision, absent on CPU installs
+            pip_requirements=[f"{pkg}=={ver}" for pkg, ver in tracking.package_versions().items()
+                              if pkg in ("torch", "transformers")],
+        )
         trained = report["trained"]["metrics"]
         version_tags = {**tags, **{tracking.mlflow_name(f"eval.{k}"): f"{v:.6g}" for k, v in trained.items()}}
         version = mlflow.register_model(info.model_uri, name, tags=version_tags)
@@ -84,5 +86,8 @@ def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tag
     passed, reason = gate(trained_score, baseline_score, champion, cfg.registry.min_improvement)
     if passed:
         client.set_registered_model_alias(name, CHAMPION, version_id)
+    description = version_description(cfg, report, run_url=tracking.run_url(cfg, run_id),
+                                      run_pathspec=tags["metaflow.pathspec"].rsplit("/", 2)[0], gate_reason=reason)
+    client.update_model_version(name, version_id, description=description)
     aliases = sorted(client.get_model_version(name, version_id).aliases)
     return {"name": name, "version": version_id, "aliases": aliases, "gate_passed": passed, "gate_reason": reason}

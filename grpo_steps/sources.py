@@ -7,7 +7,9 @@ Every loader returns a list of plain dicts (one per item, its source's own colum
 
 from __future__ import annotations
 
+import csv
 import importlib.util
+import json
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -106,8 +108,43 @@ def _file(src: SourceConfig) -> list[dict[str, Any]]:
         raise DataError(f"data.path {str(path)!r} does not exist or is not a file; point it at a .{src.source} file")
     if path.stat().st_size == 0:
         return []
+    where = malformed_line(path, src.source) if src.source in ("jsonl", "csv") else None
+    if where:
+        raise DataError(f"{path}:{where[0]}: malformed {src.source} line: {where[1]}. Fix or remove that line "
+                        "(data.path)")
     builder = {"jsonl": "json", "parquet": "parquet", "csv": "csv"}[src.source]
-    return list(datasets.load_dataset(builder, data_files=str(path), split="train"))
+    try:
+        return list(datasets.load_dataset(builder, data_files=str(path), split="train"))
+    except Exception as err:  # datasets wraps every parser error in DatasetGenerationError
+        raise DataError(f"{path}: cannot read this {src.source} file (data.path): {err.__cause__ or err}") from err
+
+
+def malformed_line(path: Path, kind: str) -> tuple[int, str] | None:
+    """``(line number, what is wrong)`` of the first line of a ``jsonl``/``csv`` file that does not parse
+    (1-based, as an editor counts; CSV records spanning lines count from their first line), or None.
+
+    A JSONL line must be one JSON object; a CSV record must have as many fields as the header.
+    """
+    with open(path, newline="", encoding="utf-8", errors="replace") as fh:
+        if kind == "jsonl":
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line)
+                except json.JSONDecodeError as err:
+                    return number, f"not valid JSON ({err.msg}, column {err.colno}): {line.strip()[:80]!r}"
+                if not isinstance(value, dict):
+                    return number, f"a JSONL line must be a JSON object, got {type(value).__name__}"
+            return None
+        reader = csv.reader(fh)
+        header = next(reader, None)
+        start = reader.line_num + 1
+        for record in reader:
+            if record and header is not None and len(record) != len(header):
+                return start, f"{len(record)} fields where the header has {len(header)}: {','.join(record)[:80]!r}"
+            start = reader.line_num + 1
+    return None
 
 
 def load_source(src: SourceConfig, size: int, seed: int) -> list[dict[str, Any]]:

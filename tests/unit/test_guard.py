@@ -34,7 +34,6 @@ def counts_its_own(completions, **_):
 GUARD_CASES = [
     (sleeps_forever, [None, None], "timeouts", 1),  # hangs: Nones after the limit, one timeout
     (raises, [None, None], "errors", 1),  # raises: Nones, one error
-    (wrong_length, [None, None], "errors", 1),  # one score for two completions: an error
     (ones, [1.0, 1.0], "errors", 0),  # healthy: scores pass through, nothing counted
     (counts_its_own, [0.0, 0.0], "timeouts", 2),  # per-completion failures reported by the reward itself
 ]
@@ -52,6 +51,23 @@ def test_guard_returns_within_its_limit_and_counts(fn, expected, kind, count):
     assert scores == expected
     assert counters().get(key, 0) == before + count
     assert logged[key] == count  # what TRL's log_metric receives for this call
+
+
+RETURN_ERRORS = [
+    # (reward, text the error must contain besides the reward's name)
+    (wrong_length, "returned 1 scores for 2 completions: [1.0]"),  # one score for two completions
+    (lambda completions, **_: 1.0, "returned 1.0 (float)"),  # a bare float
+    (lambda completions, **_: None, "returned None (NoneType)"),  # forgot the return
+    (lambda completions, **_: ["1", "0"], "returned str scores such as '1'"),  # strings
+    (lambda completions, **_: [True, False], "returned bool scores such as True"),  # booleans are not scores
+]
+
+
+@pytest.mark.parametrize(("fn", "message"), RETURN_ERRORS)
+def test_a_reward_returning_the_wrong_shape_or_type_is_an_error_naming_it(fn, message):
+    with pytest.raises(guard.RewardReturnError) as err:
+        guarded(fn, "my_reward", timeout_s=5)(completions=["a", "b"])
+    assert "reward 'my_reward' " in str(err.value) and message in str(err.value)
 
 
 def test_guard_keeps_the_configured_name_and_rejects_a_bad_limit():
@@ -133,3 +149,42 @@ def test_multi_objective_aggregation_passes_through_to_grpo_config(tmp_path):
     cfg = validate_config({"train": {"grpo": {"multi_objective_aggregation": "normalize_then_sum"}}})
     job = TrainJob(config=cfg, model_path="unused", train_file="unused", output_dir=str(tmp_path))
     assert grpo_args(job).multi_objective_aggregation == "normalize_then_sum"
+
+
+def no_kwargs(completions, answer):
+    return [1.0] * len(completions)
+
+
+def no_positional(*, completions, **_):
+    return [1.0] * len(completions)
+
+
+def needs_a_missing_column(completions, rubric, **_):
+    return [1.0] * len(completions)
+
+
+def takes_a_kept_column(completions, solution, **_):
+    return [1.0] * len(completions)
+
+
+SIGNATURE_CASES = [
+    # (dotted-path reward in this module, text of the config error)
+    ("no_kwargs", "add a var-keyword parameter such as **kwargs"),  # TRL passes prompts, ... by keyword
+    ("no_positional", "no positional parameter for the completions"),  # the guard passes them by position
+    ("needs_a_missing_column", "it requires ['rubric'], which no prepared row has"),  # no row has `rubric`
+]
+
+
+@pytest.mark.parametrize(("fn", "message"), SIGNATURE_CASES)
+def test_a_reward_whose_signature_cannot_take_the_call_is_rejected_at_config_time(fn, message):
+    with pytest.raises(ConfigError) as err:
+        validate_config({"rewards": [{"name": f"tests.unit.test_guard:{fn}"}],
+                         "eval": {"format_reward": None, "correctness_reward": f"tests.unit.test_guard:{fn}"}})
+    assert f"reward 'tests.unit.test_guard:{fn}' has the signature" in str(err.value)
+    assert message in str(err.value)
+
+
+def test_a_required_column_the_data_keeps_is_accepted():
+    name = "tests.unit.test_guard:takes_a_kept_column"
+    validate_config({"data": {"answer_format": "gsm8k"}, "rewards": [{"name": name}],  # gsm8k keeps `solution`
+                     "eval": {"format_reward": None, "correctness_reward": name}})

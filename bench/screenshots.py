@@ -1,0 +1,218 @@
+"""Screenshots of the MLflow UI after a tiny flow run, for the README (``make screenshots``).
+
+Runs the flow on ``configs/test.yaml`` in a scratch directory (or uses ``--workdir`` holding a finished
+run's ``mlflow.db``), serves ``mlflow ui`` on 127.0.0.1 and a free port, and saves with headless Chromium
+(Debian's ``chromium`` package, driven over the DevTools protocol on loopback) into ``docs/images/``:
+
+- ``mlflow-experiment.png``: the experiment's training-runs page (run, status, metrics);
+- ``mlflow-run-metrics.png``: the run's model-metrics page, charts filtered to the rewards;
+- ``mlflow-model-version.png``: the registered version's page (description, aliases, tags).
+
+The UI server is stopped by its process group (started here, in a new session) at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+OUT = REPO / "docs" / "images"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_tiny_flow(workdir: Path) -> None:
+    from tests.integration.flowrun import flow_env, run_flow
+
+    code, out = run_flow(workdir, flow_env(), ["--config", "config", str(REPO / "configs" / "test.yaml"), "run"])
+    if code != 0:
+        raise SystemExit(f"the tiny flow failed:\n{out[-4000:]}")
+
+
+def pages(workdir: Path) -> dict[str, str]:
+    """UI route of each screenshot, for the newest run and version in ``workdir``'s store."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
+    experiment = client.get_experiment_by_name("grpo")
+    run = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"], max_results=1)[0]
+    version = max(client.search_model_versions(f"run_id = '{run.info.run_id}'"), key=lambda v: int(v.version))
+    return {
+        # MLflow 3.17's UI opens experiments in its GenAI or Model-training mode by a switch kept per browser
+        # (default GenAI); the URL parameter picks Model training
+        "mlflow-experiment.png": f"#/experiments/{experiment.experiment_id}?workflowType=machine_learning",
+        "mlflow-run-metrics.png": f"#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}/model-metrics"
+                                  "?workflowType=machine_learning",
+        "mlflow-model-version.png": f"#/models/{version.name}/versions/{version.version}",
+    }
+
+
+def serve_ui(workdir: Path, port: int) -> subprocess.Popen:
+    mlflow = Path(sys.executable).parent / "mlflow"
+    proc = subprocess.Popen([str(mlflow), "ui", "--host", "127.0.0.1", "--port", str(port), "--backend-store-uri",
+                             f"sqlite:///{workdir}/mlflow.db"], cwd=workdir, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+            return proc
+        except OSError:
+            if proc.poll() is not None:
+                raise SystemExit(f"mlflow ui exited with {proc.returncode}") from None
+            time.sleep(1)
+    stop(proc)
+    raise SystemExit("mlflow ui did not answer /health within 120 s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop the UI server and its workers: the process group this script created for it."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+CLOSE_ASSISTANT = """(() => {
+  const close = [...document.querySelectorAll('button[aria-label="Close"]')].find(
+    b => b.parentElement && b.parentElement.querySelector('button[aria-label="New Chat"]'));
+  if (!close) return 'no assistant panel';
+  close.click();
+  return 'closed';
+})()"""
+"""The MLflow Assistant side panel opens by itself on a first visit from localhost: close it (the choice
+is kept in the browser profile's local storage)."""
+
+SEARCH_CHARTS = """(() => {
+  const input = document.querySelector('input[placeholder^="Search metric"]');
+  if (!input) return 'no search box';
+  Object.getOwnPropertyDescriptor(HTMLInputElement.prototype, 'value').set.call(input, '%s');
+  input.dispatchEvent(new Event('input', {bubbles: true}));
+  return 'filtered';
+})()"""
+
+
+class Browser:
+    """Headless Chromium driven over the DevTools protocol (``websocket-client``): navigate, run a script,
+    capture a PNG. Started here with its own profile; stopped by its PID."""
+
+    def __init__(self, chromium: str, width: int = 1440, height: int = 1000) -> None:
+        import websocket
+
+        self.profile = tempfile.mkdtemp(prefix="grpo-chromium-")
+        self.proc = subprocess.Popen([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                                      "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
+                                      f"--user-data-dir={self.profile}", f"--window-size={width},{height}",
+                                      "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        port_file = Path(self.profile) / "DevToolsActivePort"
+        deadline = time.monotonic() + 60
+        while not port_file.exists() or not port_file.read_text().strip():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.close()
+                raise SystemExit("chromium did not open its DevTools port")
+            time.sleep(0.2)
+        port = int(port_file.read_text().split()[0])
+        targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10).read())
+        page = next(t for t in targets if t["type"] == "page")
+        self.ws = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=60, suppress_origin=True)
+        self.next_id = 0
+        self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
+
+    def call(self, method: str, **params) -> dict:
+        self.next_id += 1
+        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        while True:
+            message = json.loads(self.ws.recv())
+            if message.get("id") == self.next_id:
+                if "error" in message:
+                    raise RuntimeError(f"{method}: {message['error']}")
+                return message.get("result", {})
+
+    def evaluate(self, script: str):
+        return self.call("Runtime.evaluate", expression=script, returnByValue=True)["result"].get("value")
+
+    def open(self, url: str, settle_s: float) -> None:
+        self.call("Page.navigate", url=url)
+        deadline = time.monotonic() + 60
+        while self.evaluate("document.readyState") != "complete" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(settle_s)  # the UI fetches runs, metrics and charts after the document loads
+
+    def screenshot(self, path: Path) -> None:
+        path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
+
+    def close(self) -> None:
+        if getattr(self, "ws", None) is not None:
+            self.ws.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.profile, ignore_errors=True)
+
+
+def take(browser: Browser, base: str, routes: dict[str, str], out: Path, settle_s: float) -> None:
+    """Open each route, close the assistant panel, filter the metric charts to the rewards, save the PNG."""
+    for name, route in routes.items():
+        browser.open(f"{base}/{route}", settle_s)
+        print(f"assistant panel: {browser.evaluate(CLOSE_ASSISTANT)}", flush=True)
+        if "/model-metrics" in route:
+            print(f"metric charts: {browser.evaluate(SEARCH_CHARTS % 'rewards/')}", flush=True)  # training curves
+            time.sleep(settle_s)
+        browser.screenshot(out / name)
+        print(f"saved {out / name} ({route}; landed on {browser.evaluate('location.hash')})", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, help="directory of a finished run (mlflow.db); default: run the "
+                        "tiny flow in a scratch directory")
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--settle-s", type=float, default=20.0, help="seconds each page gets to render")
+    args = parser.parse_args(argv)
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not chromium:
+        raise SystemExit("headless Chromium not found: apt-get install chromium")
+    with tempfile.TemporaryDirectory(prefix="grpo-screens-") as scratch:
+        workdir = args.workdir or Path(scratch)
+        if args.workdir is None:
+            run_tiny_flow(workdir)
+        routes = pages(workdir.resolve())
+        port = free_port()
+        ui = serve_ui(workdir.resolve(), port)
+        browser = None
+        try:
+            args.out.mkdir(parents=True, exist_ok=True)
+            browser = Browser(chromium)
+            take(browser, f"http://127.0.0.1:{port}", routes, args.out, args.settle_s)
+        finally:
+            if browser is not None:
+                browser.close()
+            stop(ui)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""What a person reads after a run: charts logged as images of the MLflow run, and the Markdown
+description of the registered model version (baseline vs trained, task, model, links)."""
+
+from __future__ import annotations
+
+import math
+
+from grpo_steps.config import PipelineConfig
+
+HEADLINE = ("pass@1", "accuracy", "format_rate", "reward")
+"""Metrics that lead the description's table and the eval chart (then every ``pass@k``)."""
+
+
+def headline_metrics(cfg: PipelineConfig) -> list[str]:
+    """The report's metric names in order: pass@1, every other configured pass@k, accuracy, format rate
+    (when configured), mean reward."""
+    names = ["pass@1"] + [f"pass@{k}" for k in cfg.eval.k if k != 1] + ["accuracy"]
+    return names + (["format_rate"] if cfg.eval.format_reward else []) + ["reward"]
+
+
+def _cell(value: float | None) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3f}"
+
+
+def comparison_table(cfg: PipelineConfig, report: dict) -> str:
+    """Markdown table ``| metric | baseline | trained | change |`` over :func:`headline_metrics`, then the
+    reward guard's counts (timeouts, errors, None share per reward) of the trained policy's evaluation.
+
+    >>> from grpo_steps.config import PipelineConfig
+    >>> cfg = PipelineConfig(eval={"k": [1], "num_samples": 1, "format_reward": None})
+    >>> m = {"pass@1": 0.25, "accuracy": 0.5, "reward": 0.75}
+    >>> print(comparison_table(cfg, {"baseline": {"metrics": m}, "trained": {"metrics": {**m, "pass@1": 0.5}}}))
+    | metric | baseline | trained | change |
+    |---|---:|---:|---:|
+    | pass@1 | 0.250 | 0.500 | +0.250 |
+    | accuracy | 0.500 | 0.500 | +0.000 |
+    | reward | 0.750 | 0.750 | +0.000 |
+    """
+    base, trained = report["baseline"]["metrics"], report["trained"]["metrics"]
+    lines = ["| metric | baseline | trained | change |", "|---|---:|---:|---:|"]
+    for name in headline_metrics(cfg):
+        b, t = base.get(name), trained.get(name)
+        change = f"{t - b:+.3f}" if b is not None and t is not None and not math.isnan(t - b) else "n/a"
+        lines.append(f"| {name} | {_cell(b)} | {_cell(t)} | {change} |")
+    guard_rows = [name for name in trained if name.startswith("reward/") and name.count("/") == 2]
+    if guard_rows:
+        lines += ["", "| reward guard (trained eval) | value |", "|---|---:|"]
+        lines += [f"| {name} | {_cell(trained[name])} |" for name in sorted(guard_rows)]
+    return "\n".join(lines)
+
+
+def version_description(cfg: PipelineConfig, report: dict, *, run_url: str, run_pathspec: str,
+                        gate_reason: str) -> str:
+    """Markdown of a registered version: task, base model, the baseline-vs-trained table, the quality
+    gate's verdict, per-task pass@1 for mixtures, and where to look (MLflow run, Metaflow run and card)."""
+    data = cfg.data
+    if data.mixture:
+        task = "mixture of " + ", ".join(f"{m.name} ({m.weight:g})" for m in data.mixture)
+    else:
+        task = f"{data.source}:{data.task}" if data.source == "reasoning_gym" else f"{data.source} {data.path or ''}"
+    trained = report["trained"]["metrics"]
+    lines = [
+        f"GRPO-trained policy. **Task**: {task.strip()}; {data.num_train} train / {data.num_eval} held-out prompts. "
+        f"**Base model**: `{cfg.model.name_or_path}`; {cfg.train.max_steps} optimizer steps, "
+        f"{cfg.train.num_generations} completions per prompt, rewards "
+        + ", ".join(f"`{r.name}` x{r.weight:g}" for r in cfg.rewards) + ".",
+        "",
+        f"Held-out evaluation ({cfg.eval.num_samples} samples per prompt at temperature {cfg.eval.temperature:g}; "
+        "accuracy is greedy):",
+        "",
+        comparison_table(cfg, report),
+        "",
+        f"**Quality gate**: {gate_reason}.",
+    ]
+    tasks = sorted({key.split("/")[1] for key in trained if key.startswith("task/")})
+    if tasks:
+        lines += ["", "| task | baseline pass@1 | trained pass@1 |", "|---|---:|---:|"]
+        base = report["baseline"]["metrics"]
+        lines += [f"| {t} | {_cell(base.get(f'task/{t}/pass@1'))} | {_cell(trained.get(f'task/{t}/pass@1'))} |"
+                  for t in tasks]
+    lines += [
+        "",
+        f"**MLflow run**: [{run_url}]({run_url}) (training curves, system metrics, charts under Artifacts -> "
+        "`charts/`, sample completions under `eval/`).",
+        f"**Metaflow run**: `{run_pathspec}`; evaluation card: "
+        f"`python flows/grpo_flow.py card get {run_pathspec}/evaluate --id eval card.html`.",
+    ]
+    return "\n".join(lines)
+
+
+def reward_figure(curves: dict[str, list[dict]]):
+    """Matplotlib figure of training curves: ``{metric: [{"step", "value"}]}`` on one axis over the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=110)
+    for name, points in curves.items():
+        if points:
+            ax.plot([p["step"] for p in points], [p["value"] for p in points], marker="o", label=name)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("mean reward")
+    ax.set_title("Training reward")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def eval_figure(cfg: PipelineConfig, report: dict):
+    """Matplotlib bar chart of :func:`headline_metrics`, baseline beside trained."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = headline_metrics(cfg)
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=110)
+    width = 0.38
+    for offset, label in ((-width / 2, "baseline"), (width / 2, "trained")):
+        values = [report[label]["metrics"].get(name, float("nan")) for name in names]
+        bars = ax.bar([i + offset for i in range(len(names))], [0 if math.isnan(v) else v for v in values],
+                      width, label=label)
+        ax.bar_label(bars, labels=[_cell(v) for v in values], fontsize=7)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_title(f"Held-out evaluation ({cfg.data.num_eval} prompts)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

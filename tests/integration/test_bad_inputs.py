@@ -1,0 +1,169 @@
+"""Bad inputs stop the flow early with a message that names the problem: before provision_vllm (no server
+started, seconds) where they can be seen there; in ``train`` for the two that only show while training.
+Every case: exit non-zero, the message, no server left, no model version registered."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime
+
+import pytest
+import yaml
+
+from tests.integration.flowrun import FLOW, flow_config, flow_env, mlflow_runs, model_versions, on_server, run_config
+
+pytestmark = pytest.mark.usefixtures("tiny_model_path")
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _fails_before_the_server(workdir, config: dict, message: str, env: dict | None = None) -> str:
+    """Run the flow on ``config``; assert it fails with ``message`` before provision_vllm. Returns the output."""
+    code, out = run_config(workdir, env or flow_env(), config)
+    assert code != 0, out[-3000:]
+    assert message in out, out[-6000:]
+    assert "provision_vllm" not in out and "[vllm] serving" not in out  # no server was started
+    if (workdir / "mlflow.db").exists():
+        assert model_versions(workdir, config["registry"]["model_name"]) == []
+    return out
+
+
+def test_an_unreachable_tracking_server_fails_start_within_seconds_naming_it(tmp_path):
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    started = time.monotonic()
+    out = _fails_before_the_server(tmp_path, flow_config(tracking={"tracking_uri": uri}),
+                                   f"MLflow tracking server {uri} does not answer")
+    # the start step fails within 30 s of its first line (the probe gives up after 10 s; MLflow's own client
+    # would retry for minutes); the whole command within 60 s (~3-4 s on an idle 2-core machine, ~28 s with
+    # the cores shared by four flows)
+    stamps = [datetime.fromisoformat(line[:23]) for line in out.splitlines() if "/start/1 (pid" in line]
+    assert (stamps[-1] - stamps[0]).total_seconds() < 30
+    assert time.monotonic() - started < 60
+    assert "fix tracking.tracking_uri" in out
+
+
+def test_too_few_rows_is_a_data_error_with_the_counts_and_the_mlflow_run_ends_failed(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(20)))
+    config = flow_config(data={"source": "jsonl", "path": str(rows), "task_options": {}})
+    _fails_before_the_server(tmp_path, config, "DataError: data source 'jsonl': 20 usable prompts (20 rows, "
+                             "0 duplicates, 0 over data.max_prompt_tokens=96), fewer than num_train + num_eval = "
+                             "16 + 8")
+    (run,) = mlflow_runs(tmp_path)  # start opened it; prepare_data failed; the exit hook ended it
+    assert run.info.status == "FAILED"
+    assert run.info.end_time is not None
+
+
+@pytest.mark.parametrize(("kind", "text", "where"), [
+    ("jsonl", '{"question": "1 + 1?", "answer": "2"}\n{"question": "2 + 2?", "answer": \n', ":2: malformed jsonl"),
+    ("csv", "question,answer\n1 + 1?,2\n2 + 2?,4,extra\n", ":3: malformed csv line: 3 fields where the header has 2"),
+])
+def test_a_malformed_line_is_a_data_error_naming_the_file_and_line(tmp_path, kind, text, where):
+    path = tmp_path / f"rows.{kind}"
+    path.write_text(text)
+    config = flow_config(data={"source": kind, "path": str(path), "task_options": {}})
+    _fails_before_the_server(tmp_path, config, f"DataError: {path}{where}")
+
+
+def test_a_reward_whose_signature_cannot_take_the_call_is_rejected_before_any_step(tmp_path):
+    (tmp_path / "my_rewards.py").write_text("def score(completions, answer):\n    return [1.0] * len(completions)\n")
+    env = flow_env(PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    config = flow_config(eval={"format_reward": None, "correctness_reward": "my_rewards:score"})
+    config["rewards"] = [{"name": "my_rewards:score"}]
+    out = _fails_before_the_server(tmp_path, config, "reward 'my_rewards:score' has the signature (completions, "
+                                   "answer); a reward must take (completions, ", env)
+    assert "add a var-keyword parameter such as" in out  # Metaflow's log drops the asterisks of **kwargs
+    assert "Traceback" not in out  # a config error is one block
+    assert not (tmp_path / "mlflow.db").exists()  # rejected with the config: nothing ran
+
+
+@pytest.mark.parametrize(("reference", "message"), [
+    ("GRPOFlow/999999", "train.resume_from 'GRPOFlow/999999': no such run"),
+    ("GRPOFlow/no-such-key/3", "train.resume_from 'GRPOFlow/no-such-key/3' is not a directory, a 'FlowName/run_id' "
+                               "pathspec or a checkpoint key"),
+])
+def test_a_resume_from_that_names_nothing_fails_start(tmp_path, reference, message):
+    out = _fails_before_the_server(tmp_path, flow_config(train={"resume_from": reference}),
+                                   f"CheckpointNotFound: {message}")
+    assert "prepare_data" not in out  # checked in start, before the MLflow run is opened
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+# --- bad inputs that only show while training: the flow reaches `train` (on the session's server) -----------
+
+REWARDS_MODULE = '''
+def a_float(completions, **kwargs):
+    return 1.0
+
+
+def never_applies(completions, **kwargs):
+    return [None] * len(completions)
+'''
+
+
+def _fails_in_train(workdir, server, reward: str, message: str, **sections) -> str:
+    """Run the flow on the session's ``server`` (provider ``external``) with the dotted-path ``reward`` of
+    REWARDS_MODULE as its only reward; assert it fails in ``train`` with ``message``, its MLflow run FAILED,
+    no version registered, no server of its own started."""
+    (workdir / "my_rewards.py").write_text(REWARDS_MODULE)
+    env = flow_env(PYTHONPATH=os.pathsep.join([str(workdir), os.environ.get("PYTHONPATH", "")]))
+    name = f"my_rewards:{reward}"
+    config = on_server(flow_config(eval={"format_reward": None, "correctness_reward": name}, **sections), server)
+    config["rewards"] = [{"name": name}]
+    config["train"].update(retries=0)
+    code, out = run_config(workdir, env, config)
+    assert code != 0, out[-3000:]
+    assert message in out, out[-8000:]
+    assert "Step train" in out and "failed" in out
+    assert f"[vllm] serving {server.endpoint} (external)" in out and "supervisor_pid=" not in out
+    (run,) = mlflow_runs(workdir)
+    assert run.info.status == "FAILED"
+    assert model_versions(workdir, config["registry"]["model_name"]) == []
+    return out
+
+
+@pytest.mark.slow
+def test_a_reward_returning_a_float_stops_training_naming_the_reward(tmp_path, tiny_server):
+    _fails_in_train(tmp_path, tiny_server, "a_float",
+                    "RewardReturnError: reward 'my_rewards:a_float' returned 1.0 (float); a reward returns a list of 8 "
+                    "float or None, one per completion")  # 2 prompts x 4 completions
+
+
+@pytest.mark.slow
+def test_rewards_all_none_for_steps_in_a_row_stop_the_run(tmp_path, tiny_server):
+    out = _fails_in_train(tmp_path, tiny_server, "never_applies",
+                          "AllRewardsNone: every reward (my_rewards:never_applies) scored None for every completion "
+                          "in steps 1..2 (2 in a row, train.max_all_none_steps=2)", train={"max_all_none_steps": 2})
+    assert "[train] step 3/" not in out  # stopped at the second step
+
+
+def test_an_interrupted_run_ends_killed_in_mlflow(tmp_path):
+    """Ctrl+C (SIGINT) to the flow's runtime while prepare_data runs: the exit hook ends the run KILLED."""
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(flow_config()))
+    proc = subprocess.Popen([sys.executable, str(FLOW), "--config", "config", "run.yaml", "run"], cwd=tmp_path,
+                            env=flow_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, interrupted = [], []
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if "/prepare_data/" in line and "(pid" in line and not interrupted:
+                proc.send_signal(signal.SIGINT)  # once (a second Ctrl+C cuts Metaflow's clean-up short)
+                interrupted.append(line)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert interrupted and proc.returncode != 0
+    (run,) = mlflow_runs(tmp_path)
+    assert run.info.status == "KILLED", "".join(out)[-4000:]
+    assert "[vllm] serving" not in "".join(out)
