@@ -41,7 +41,8 @@ def secret_in_parent(monkeypatch):
     monkeypatch.setenv("GRPO_TEST_SECRET", "hunter2")
 
 
-@pytest.mark.parametrize(("program", "status"), HOSTILE_CASES)
+@pytest.mark.parametrize(("program", "status"), HOSTILE_CASES,  # ids without the random paths: the same in
+                         ids=[f"case{i:02d}-{status}" for i, (_, status) in enumerate(HOSTILE_CASES)])  # every worker
 def test_hostile_program_is_contained(program, status):
     result = run_python(program, SMALL)
     assert result.status == status, result.stderr_tail
