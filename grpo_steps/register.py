@@ -66,6 +66,9 @@ def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tag
     if existing:
         version = existing[0]
     else:
+        # the logged model goes to the run's experiment (and its artifact location, e.g. S3); without an
+        # active run MLflow would put it in the default experiment under ./mlruns
+        mlflow.set_experiment(experiment_id=client.get_run(run_id).info.experiment_id)
         info = mlflow.transformers.log_model(
             transformers_model=model_dir, name="model", task="text-generation",
             run_id=run_id,  # not ``with mlflow.start_run()``: its exit would end the flow's run FINISHED

@@ -36,3 +36,14 @@ def tiny_server(tiny_model_path, tmp_path_factory):
                          log_dir=tmp_path_factory.mktemp("tiny-server-logs"))
     yield server
     server.stop()
+
+
+# The longest test files first (minutes each: kill-and-resume scenarios, the ZeRO-3 gang, the server fault), so
+# that `make test`'s two pytest-xdist workers (`--dist loadfile`) do not end on them one after the other.
+LONGEST_FIRST = ("test_resume.py", "test_multinode_local.py", "test_faults.py", "test_task_flows.py",
+                 "test_bad_inputs.py", "test_flow.py", "test_server_rollouts.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept otherwise
