@@ -22,10 +22,10 @@ from grpo_steps.processes import ProcessRef, wait_until
 def supervise(owner: ProcessRef, grace_s: float, cmd: list[str]) -> int:
     """Run ``cmd`` in its own process group until it exits, SIGTERM/SIGINT arrives, or ``owner`` is gone
     for ``grace_s`` seconds; then stop the group (SIGTERM, SIGKILL after 15 s). Returns the exit code."""
-    child = subprocess.Popen(cmd, start_new_session=True)
     stopping = []
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in (signal.SIGTERM, signal.SIGINT):  # before the child exists: a stop never orphans it
         signal.signal(signum, lambda *_: stopping.append(True))
+    child = subprocess.Popen(cmd, start_new_session=True)
     gone_since: list[float] = []
 
     def should_stop() -> bool:
