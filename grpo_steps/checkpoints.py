@@ -201,6 +201,22 @@ def _load(reference, what: str) -> str:
     return found
 
 
+def _local_checkpoint(reference: str) -> str | None:
+    """The trainer checkpoint in ``reference`` when it is a local directory; None when it is no directory.
+
+    Raises:
+        CheckpointNotFound: a directory without a trainer checkpoint.
+    """
+    local = Path(reference).expanduser()
+    if not local.is_dir():
+        return None
+    found = trainer_checkpoint_in(local)
+    if not found:
+        raise CheckpointNotFound(f"train.resume_from {reference!r}: no trainer checkpoint (trainer_state.json) "
+                                 "in that directory or its checkpoint-* subdirectories")
+    return found
+
+
 def resolve_reference(reference: str, node_index: int) -> str:
     """Trainer checkpoint directory for a ``train.resume_from`` reference, loaded from the datastore
     when it is a run pathspec or a checkpoint key. Call inside the ``train`` step.
@@ -212,12 +228,8 @@ def resolve_reference(reference: str, node_index: int) -> str:
     from metaflow import Flow
     from metaflow.exception import MetaflowNotFound
 
-    local = Path(reference).expanduser()
-    if local.is_dir():
-        found = trainer_checkpoint_in(local)
-        if not found:
-            raise CheckpointNotFound(f"train.resume_from {reference!r}: no trainer checkpoint (trainer_state.json) "
-                                     "in that directory or its checkpoint-* subdirectories")
+    found = _local_checkpoint(reference)
+    if found:
         print(f"[checkpoint] resuming from local directory {found}", flush=True)
         return found
     parts = reference.strip("/").split("/")
@@ -255,12 +267,8 @@ def check_reference(reference: str, num_nodes: int = 1) -> str:
     from metaflow import Flow
     from metaflow.exception import MetaflowNotFound
 
-    local = Path(reference).expanduser()
-    if local.is_dir():
-        found = trainer_checkpoint_in(local)
-        if not found:
-            raise CheckpointNotFound(f"train.resume_from {reference!r}: no trainer checkpoint (trainer_state.json) "
-                                     "in that directory or its checkpoint-* subdirectories")
+    found = _local_checkpoint(reference)
+    if found:
         return f"local directory {found}"
     parts = reference.strip("/").split("/")
     if len(parts) == 2 and not reference.startswith(("/", ".", "~")):
