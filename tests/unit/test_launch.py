@@ -23,6 +23,17 @@ def test_accelerate_command_flags(ds, use_cpu, present, absent):
     assert cmd[-3:] == ["--module", "grpo_steps.train", "job.json"]
 
 
+@pytest.mark.parametrize("use_cpu", [True, False])
+def test_one_plain_process_runs_the_training_module_without_a_launcher(use_cpu):
+    cmd = accelerate_command("job.json", num_nodes=1, processes_per_node=1, node_index=0, main_ip="127.0.0.1",
+                             main_port=29500, use_cpu=use_cpu, deepspeed_config=None)
+    assert cmd[1:] == ["-m", "grpo_steps.train", "job.json"]
+    with_deepspeed = accelerate_command("job.json", num_nodes=1, processes_per_node=1, node_index=0,
+                                        main_ip="127.0.0.1", main_port=29500, use_cpu=use_cpu,
+                                        deepspeed_config="ds.json")
+    assert "accelerate.commands.launch" in with_deepspeed and "--use_deepspeed" in with_deepspeed
+
+
 def test_rendezvous_port_is_shared_by_a_gang_and_differs_between_runs():
     ports = {rendezvous_port(0, f"run-{i}") for i in range(50)}
     assert rendezvous_port(0, "run-7") == rendezvous_port(0, "run-7")  # every node computes the same
