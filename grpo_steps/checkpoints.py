@@ -1,24 +1,21 @@
 """Training checkpoints in the Metaflow datastore (metaflow-checkpoint), and metrics aligned with them.
 
 The trainer writes a full checkpoint (weights, optimizer, scheduler, RNG, trainer state) to
-``output_dir/checkpoint-N`` every ``save_steps``; :class:`DatastoreCheckpointCallback` then saves
+``output_dir/checkpoint-N`` every ``save_steps``; :class:`grpo_steps.callbacks.DatastoreCheckpointCallback` then saves
 that directory to the datastore of the running task (local or S3) under :func:`checkpoint_name` of
 its node with ``{"global_step": N, "node_index": i}`` metadata. The nodes of a ``@parallel`` gang
 share one checkpoint scope, so each node needs its own name: under one name their saves of the same
 step get the same key and overwrite each other. :func:`resume_checkpoint` finds the one to continue
 from: on ``@retry`` this task's newest for the node, on ``resume`` the origin run's.
 
-:class:`MLflowMetricsCallback` logs each step once: a run that continues from an older checkpoint
-does not log again the steps an earlier attempt already logged.
+This module imports neither torch nor transformers: the flow's tasks that only look checkpoints up
+start fast. The training process's callbacks are in :mod:`grpo_steps.callbacks`.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
-
-from transformers import TrainerCallback
 
 CHECKPOINT_NAME = "grpo"
 
@@ -41,123 +38,6 @@ def mark_latest_zero_tag(path: Path, global_step: int) -> None:
     tag = f"global_step{global_step}"
     if (path / tag).is_dir() and not (path / "latest").exists():
         (path / "latest").write_text(tag)
-
-
-class DatastoreCheckpointCallback(TrainerCallback):
-    """After each trainer save (rank 0 of each node), copy the new ``checkpoint-N`` to the datastore,
-    then delete this node's older datastore checkpoints beyond the newest ``keep``.
-
-    Args:
-        node_index: the node of the gang (checkpoints are saved and found per node).
-        keep: checkpoints of this node kept in the running task (all attempts), newest by global step.
-        log_metrics: ``fn(metrics, step)`` that receives ``checkpoint/save_seconds`` (wall seconds of
-            the upload) and ``checkpoint/kept``; None to skip.
-    """
-
-    def __init__(self, node_index: int = 0, keep: int | None = None, log_metrics=None) -> None:
-        self.node_index, self.keep, self.log_metrics = node_index, keep, log_metrics
-        self.checkpointer = None  # one Checkpoint for the whole process: its version counter names each save
-
-    def on_save(self, args, state, control, **kwargs):
-        if not state.is_local_process_zero:
-            return control
-        from metaflow import Checkpoint
-
-        if self.checkpointer is None:
-            self.checkpointer = Checkpoint()
-        path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        mark_latest_zero_tag(path, state.global_step)
-        print(f"[checkpoint] saving step={state.global_step} node={self.node_index} pid={os.getpid()}", flush=True)
-        start = time.perf_counter()
-        self.checkpointer.save(path=str(path), name=checkpoint_name(self.node_index),
-                               metadata={"global_step": state.global_step, "node_index": self.node_index})
-        seconds = time.perf_counter() - start
-        kept = self._prune() if self.keep else None
-        print(f"[checkpoint] saved step={state.global_step} node={self.node_index} pid={os.getpid()} "
-              f"seconds={seconds:.2f}", flush=True)
-        if self.log_metrics:
-            self.log_metrics({"checkpoint/save_seconds": seconds, **({"checkpoint/kept": kept} if kept else {})},
-                             state.global_step)
-        return control
-
-    def _prune(self) -> int:
-        """Delete this node's datastore checkpoints older than the newest ``keep``; returns how many remain.
-
-        metaflow-checkpoint 0.2 has no public delete: this uses the write datastore of the task's
-        ``Checkpoint`` (pinned ``<0.3`` in pyproject; covered by the flow tests).
-        """
-        from metaflow_extensions.obcheckpoint.plugins.machine_learning_utilities.datastructures import (
-            CheckpointArtifact,
-        )
-
-        mine = self.checkpointer.list(name=checkpoint_name(self.node_index))
-        mine.sort(key=lambda c: c["metadata"]["global_step"], reverse=True)
-        datastore = self.checkpointer._checkpointer._checkpoint_datastore
-        for old in mine[self.keep:]:
-            datastore.delete(CheckpointArtifact.hydrate(old))
-            print(f"[checkpoint] removed step={old['metadata']['global_step']} node={self.node_index} "
-                  f"(train.save_total_limit={self.keep})", flush=True)
-        return min(len(mine), self.keep)
-
-
-class MLflowMetricsCallback(TrainerCallback):
-    """Log the trainer's numeric logs to the MLflow run ``run_id`` at their global step (rank 0).
-
-    Steps the run already holds (an earlier attempt logged them before it died) are not logged
-    again, so a run resumed from an older checkpoint keeps one continuous history: every step once,
-    none missing. The watermark is the newest step of the ``WATERMARK`` metric, read at train start.
-    """
-
-    WATERMARK = "trainer/global_step"
-
-    def __init__(self, run_id: str, tracking_uri: str) -> None:
-        from mlflow import MlflowClient
-
-        self.run_id, self.client = run_id, MlflowClient(tracking_uri=tracking_uri)
-        self.logged_up_to = 0
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        history = self.client.get_metric_history(self.run_id, self.WATERMARK)
-        self.logged_up_to = max((int(m.step) for m in history), default=0)
-        return control
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        """Log ``metrics`` at ``step`` unless an earlier attempt already logged that step."""
-        from grpo_steps.tracking import log_metrics_with
-
-        if step > self.logged_up_to:
-            log_metrics_with(self.client, self.run_id, metrics, step)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs:
-            return control
-        numeric = {k: float(v) for k, v in logs.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-        self.log({**numeric, self.WATERMARK: state.global_step}, state.global_step)
-        return control
-
-
-class ProgressCallback(TrainerCallback):
-    """Prints ``[train] step N/M t=T s rate=R s/step eta=E s`` after each optimizer step (rank 0): ``t``
-    since the training process started (the first step's is the time to first step of a fresh or resumed
-    run), ``rate`` the mean seconds per step of the steps this process ran, ``eta`` the rest at that rate.
-    """
-
-    def __init__(self, started: float) -> None:
-        self.started = started  # time.monotonic() at process start
-        self.first: tuple[int, float] | None = None  # (global step, time) when this process's first step ended
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
-            return control
-        now, step = time.monotonic(), state.global_step
-        if self.first is None:
-            self.first = (step, now)
-            rate = (now - self.started) / max(step, 1) if step == 1 else None
-        else:
-            rate = (now - self.first[1]) / (step - self.first[0])
-        timing = f" rate={rate:.1f}s/step eta={rate * (state.max_steps - step):.0f}s" if rate else ""
-        print(f"[train] step {step}/{state.max_steps} t={now - self.started:.1f}s{timing}", flush=True)
-        return control
 
 
 def trainer_checkpoint_in(directory: str | os.PathLike | None) -> str | None:

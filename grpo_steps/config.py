@@ -362,7 +362,7 @@ GRPO_ARGS_SET_BY: dict[str, str] = {
     "logging_steps": "train.logging_steps",
     "seed": "train.seed",
     "data_seed": "train.seed",
-    "report_to": "the pipeline (metrics reach MLflow through grpo_steps.checkpoints.MLflowMetricsCallback)",
+    "report_to": "the pipeline (metrics reach MLflow through grpo_steps.callbacks.MLflowMetricsCallback)",
     "use_cpu": "the pipeline (on without CUDA)",
     "bf16": "model.dtype",
     "fp16": "the pipeline (off: mixed precision is bf16, from model.dtype)",

@@ -1,57 +1,10 @@
-"""Watching a run while it goes: a training callback that stops a run whose rewards all score None,
-MLflow system metrics (CPU, memory, GPU) around a step's work, and progress lines with rate and ETA."""
+"""Watching a run while it goes: MLflow system metrics (CPU, memory, GPU) around a step's work, and
+progress lines with rate and ETA. Imports neither torch nor transformers (the flow's tasks use it)."""
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-
-from transformers import TrainerCallback
-
-from rewards import guard
-
-
-class AllRewardsNone(RuntimeError):
-    """Every reward scored None for every completion for ``train.max_all_none_steps`` steps in a row."""
-
-
-class AllNoneStop(TrainerCallback):
-    """Stop training (raise :class:`AllRewardsNone`) when, for ``limit`` optimizer steps in a row, every
-    completion scored by the guarded rewards of this process got None from every reward: nothing to learn
-    from, and a sign of a reward that does not apply to the data or fails every call. Steps in which no
-    reward ran (TRL reuses a generation batch over several steps) neither count nor reset the streak.
-
-    Args:
-        limit: steps in a row (``train.max_all_none_steps``); 0 disables the check.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.streak, self.seen = limit, [], guard.scored()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if not self.limit:
-            return control
-        now = guard.scored()
-        delta = {name: (n - self.seen.get(name, (0, 0))[0], nones - self.seen.get(name, (0, 0))[1])
-                 for name, (n, nones) in now.items()}
-        self.seen = now
-        if not any(n for n, _ in delta.values()):
-            return control
-        if all(n == nones for n, nones in delta.values()):
-            self.streak.append(state.global_step)
-        else:
-            self.streak = []
-        if len(self.streak) >= self.limit:
-            counts = guard.counters()
-            failures = {k: v for k, v in counts.items() if v and k.split("/")[1] in delta}
-            raise AllRewardsNone(
-                f"every reward ({', '.join(sorted(delta))}) scored None for every completion in steps "
-                f"{self.streak[0]}..{self.streak[-1]} ({len(self.streak)} in a row, train.max_all_none_steps="
-                f"{self.limit}); failures so far: {failures or 'none: the rewards returned None'}. Check that the "
-                "rewards apply to this data (the columns they need) and that they do not fail (rewards/<name>/errors, "
-                "timeouts), or raise train.max_all_none_steps (0: never stop)"
-            )
-        return control
 
 
 @contextmanager

@@ -7,7 +7,7 @@ generates with transformers in-process; with ``replay``, fixed completions
 come from a file (:class:`ReplayRollout`). Metrics go to the MLflow run named
 by ``job.mlflow_run_id`` (each step once, across resumes); checkpoints are written every
 ``save_steps`` and, inside a Metaflow task, saved to the datastore by
-:class:`grpo_steps.checkpoints.DatastoreCheckpointCallback`.
+:class:`grpo_steps.callbacks.DatastoreCheckpointCallback`.
 Runs without Metaflow too, for debugging.
 """
 
@@ -207,7 +207,7 @@ def config_grpo_kwargs(job: TrainJob, on_cpu: bool) -> dict[str, Any]:
         logging_steps=train.logging_steps,
         seed=train.seed,
         data_seed=train.seed,
-        report_to=[],  # metrics: grpo_steps.checkpoints.MLflowMetricsCallback
+        report_to=[],  # metrics: grpo_steps.callbacks.MLflowMetricsCallback
         use_cpu=on_cpu,
         bf16=(not on_cpu) and cfg.model.dtype == "bfloat16",
         fp16=False,
@@ -292,16 +292,10 @@ def run(job: TrainJob) -> str:
                                             cfg.generation.sync_dir), max_logp_diff=max_logp_diff)
     elif cfg.generation.backend == "replay":
         rollout = ReplayRollout(cfg.generation.replay_file, tokenizer, cfg.generation)
-    from grpo_steps.checkpoints import (
-        DatastoreCheckpointCallback,
-        MLflowMetricsCallback,
-        ProgressCallback,
-        in_metaflow_task,
-    )
+    from grpo_steps.callbacks import AllNoneStop, DatastoreCheckpointCallback, MLflowMetricsCallback, ProgressCallback
+    from grpo_steps.checkpoints import in_metaflow_task
 
     mlflow_cb = MLflowMetricsCallback(job.mlflow_run_id, cfg.tracking.tracking_uri) if job.mlflow_run_id else None
-    from grpo_steps.monitor import AllNoneStop
-
     callbacks = [ProgressCallback(started), AllNoneStop(cfg.train.max_all_none_steps)]
     callbacks += [mlflow_cb] if mlflow_cb else []
     if in_metaflow_task():

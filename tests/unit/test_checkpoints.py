@@ -2,9 +2,9 @@
 
 import pytest
 
+from grpo_steps.callbacks import MLflowMetricsCallback
 from grpo_steps.checkpoints import (
     CheckpointNotFound,
-    MLflowMetricsCallback,
     mark_latest_zero_tag,
     resolve_reference,
     trainer_checkpoint_in,
@@ -83,3 +83,15 @@ def test_a_zero_checkpoint_without_its_latest_tag_gets_one(tmp_path):
     plain.mkdir()  # not a DeepSpeed checkpoint: nothing written
     mark_latest_zero_tag(plain, 4)
     assert not (plain / "latest").exists()
+
+
+def test_the_flow_side_modules_import_neither_torch_nor_transformers():
+    """The train and evaluate tasks import these to look checkpoints up and watch the run; torch and
+    transformers (~9 s of imports on 2 CPU cores) belong to the training process and the evaluation."""
+    import subprocess
+    import sys
+
+    code = ("import sys, grpo_steps.checkpoints, grpo_steps.monitor, grpo_steps.steps; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
