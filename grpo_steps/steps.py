@@ -47,6 +47,8 @@ def check_lora_targets(cfg: PipelineConfig) -> None:
     from grpo_steps.lora import check_target_modules
     from grpo_steps.models import resolve_model
 
+    if cfg.train.peft.target_modules == "all-linear":  # fits every architecture: nothing to resolve yet
+        return
     model_path = resolve_model(cfg.model.name_or_path)
     if Path(model_path).is_dir():
         check_target_modules(cfg.train.peft, model_path)
