@@ -131,3 +131,41 @@ def test_lora_kill_then_resume_continues_at_the_checkpoint(tmp_path, lora_server
         assert metric_steps(tmp_path, metric) == list(range(1, max_steps + 1)), metric
     assert metric_steps(tmp_path, "train_runtime") == [max_steps]
     assert len(model_versions(tmp_path, MODEL_NAME)) == 1
+
+
+def test_registry_register_adapter_registers_the_adapter_alone_with_its_base(tmp_path, tiny_model_path):
+    import mlflow
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_steps import tracking
+    from grpo_steps.config import REPO_ROOT, load_config, validate_config
+    from grpo_steps.register import register
+
+    torch.manual_seed(0)
+    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),
+                            LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    for name, param in policy.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)  # a trained-looking adapter (B = 0 would change nothing)
+    policy.save_pretrained(tmp_path / "final")
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(tmp_path / "final")
+    data = load_config(REPO_ROOT / "configs" / "test.yaml").model_dump(mode="json")
+    data["train"]["peft"], data["registry"]["register"] = {"r": 8}, "adapter"
+    data["tracking"]["tracking_uri"] = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = validate_config(data)
+    mlflow.set_tracking_uri(cfg.tracking.tracking_uri)
+    run = tracking.client(cfg).create_run(mlflow.set_experiment("grpo").experiment_id)
+    report = {"baseline": {"metrics": {"pass@1": 0.1}}, "trained": {"metrics": {"pass@1": 0.2}}}
+    tags = {"metaflow.pathspec": "GRPOFlow/1/register/3", "config.sha256": "x", "dataset.digest": "d",
+            "git.commit": "c"}
+    out = register(cfg, run.info.run_id, str(tmp_path / "final"), report, tags)
+    version = tracking.client(cfg).get_model_version(out["name"], out["version"])
+    assert version.tags["base_model"] == "embedded:tiny-random-qwen2"
+    assert version.tags["base_model.path"] == tiny_model_path and version.tags["lora.register"] == "adapter"
+    loaded = mlflow.transformers.load_model(f"models:/{out['name']}/{out['version']}", return_type="components")
+    assert type(loaded["model"]).__name__.startswith("PeftModel")  # the adapter, on its base loaded from the path
+    ids = list(range(3, 40))
+    expected, got = _token_logprobs(policy, ids), _token_logprobs(loaded["model"], ids)
+    assert max(abs(a - b) for a, b in zip(expected, got, strict=True)) < 1e-5
