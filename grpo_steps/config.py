@@ -396,6 +396,53 @@ def grpo_key_owner_error(key: str) -> str:
     return f"train.grpo.{key} is set by {owner}: {fix}"
 
 
+LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``--max-lora-rank`` values vLLM 0.32 accepts (``vllm.config.lora.MaxLoRARanks``); the local server gets the
+smallest one at or above ``train.peft.r``."""
+
+
+class PeftConfig(_Section):
+    """LoRA adapters instead of full fine-tuning (``train.peft``), as a ``peft.LoraConfig`` given to TRL's
+    ``GRPOTrainer(peft_config=...)``. Only the adapter is trained, checkpointed and pushed to the generation server
+    (vLLM runtime LoRA loading, ``disk`` sync); with ``nccl`` sync TRL merges the adapter and pushes merged weights.
+    Scaling of the update: ``alpha / r`` (Hu et al. 2021, "LoRA", arXiv 2106.09685, section 4.1)."""
+
+    r: int = Field(16, gt=0, le=max(LORA_RANKS))
+    """Rank of each adapter's A (r x in) and B (out x r) matrices; vLLM serves ranks up to 512."""
+    alpha: float = Field(32.0, gt=0)
+    """``lora_alpha``: the update B A is scaled by alpha / r."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """``lora_dropout`` on the adapter's input during training. 0 keeps the policy's logprobs deterministic, as the
+    weight-sync probe and TRL's mismatch correction compare them with the server's."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names (the last part, e.g. ``q_proj``) that get an adapter; ``all-linear``: every linear layer of the
+    architecture except the LM head (PEFT's shorthand). Checked against the model before anything runs."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _named(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, list) and not value:
+            raise ValueError("train.peft.target_modules is empty: name modules (e.g. [q_proj, v_proj]) or "
+                             "use 'all-linear'")
+        if isinstance(value, list) and "lm_head" in value:
+            raise ValueError("train.peft.target_modules cannot hold 'lm_head': TRL computes logprobs from "
+                             "lm_head.weight directly, so an adapter there would never train (and vLLM serves none "
+                             "there); remove it")
+        return value
+
+    @property
+    def max_lora_rank(self) -> int:
+        """``--max-lora-rank`` of a server that serves this adapter (vLLM's allowed value at or above ``r``)."""
+        return min(rank for rank in LORA_RANKS if rank >= self.r)
+
+    def lora_config(self) -> Any:
+        """The ``peft.LoraConfig`` (task ``CAUSAL_LM``, bias none)."""
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, bias="none",
+                          target_modules=self.target_modules, task_type="CAUSAL_LM")
+
+
 class TrainConfig(_Section):
     num_nodes: int = Field(1, ge=1)
     """Nodes of the ``@parallel`` training gang."""
@@ -449,6 +496,8 @@ class TrainConfig(_Section):
     grpo: dict[str, Any] = Field(default_factory=dict)
     """Any other ``trl.GRPOConfig`` field, passed as is (checked against GRPOConfig at train time). The
     fields the config sets (:data:`GRPO_ARGS_SET_BY`) are rejected: set their config key instead."""
+    peft: PeftConfig | None = None
+    """LoRA training (:class:`PeftConfig`); null: full fine-tuning."""
     main_process_port: int = Field(0, ge=0, le=65535)
     """Rendezvous port of ``accelerate launch`` on node 0; 0: a free port picked by node 0 (local
     runtime, where simulated nodes share one machine) or 29500 on a cluster."""
@@ -464,6 +513,13 @@ class TrainConfig(_Section):
         if owned:
             raise ValueError("; ".join(grpo_key_owner_error(key) for key in owned))
         return value
+
+    @model_validator(mode="after")
+    def _peft_supported(self) -> TrainConfig:
+        if self.peft is not None and self.grpo.get("sync_ref_model"):
+            raise ValueError("train.grpo.sync_ref_model is not supported with train.peft (TRL keeps no reference "
+                             "model with LoRA: it disables the adapter instead); remove it or set train.peft: null")
+        return self
 
     @model_validator(mode="after")
     def _luspo_is_sequence_level(self) -> TrainConfig:
@@ -505,11 +561,19 @@ class EvalConfig(_Section):
 
 
 class RegistryConfig(_Section):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True, validate_by_alias=True,
+                              serialize_by_alias=True)
+
     model_name: str = "grpo-policy"
     """Name of the registered model in the MLflow registry."""
     min_improvement: float = 0.0
     """Quality gate: ``champion`` moves only when trained pass@1 beats the baseline and the current
     champion by more than this margin (absolute, 0..1)."""
+    register_as: Literal["merged", "adapter"] = Field("merged", alias="register")
+    """``registry.register`` (an alias: pydantic's models have a ``register`` method). With ``train.peft``:
+    ``merged`` registers base + adapter merged into a plain transformers model (the adapter
+    and its ``LoraConfig`` logged beside it as artifacts); ``adapter`` registers the adapter alone. Both record
+    the base model in the version's tags. No effect on full fine-tuning."""
 
 
 class TrackingConfig(_Section):
@@ -649,6 +713,17 @@ class PipelineConfig(_Section):
                 f"{train.num_generations}; change train.per_device_train_batch_size, train.gradient_accumulation_steps "
                 "or train.grpo's steps_per_generation / generation_batch_size so it is"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _peft_consistent(self) -> PipelineConfig:
+        """LoRA (``train.peft``): ``registry.register: adapter`` needs it. With ``generation.weight_sync: nccl``
+        (TRL's server mode) TRL supports LoRA by merging the adapter into the weights and pushing the merged
+        weights every step (``trl/generation/vllm_generation.py``, ``_iter_named_params``; DDP and ZeRO-3):
+        accepted, and the server needs no LoRA support; adapter-only pushes exist on the ``disk`` path only."""
+        if self.registry.register_as == "adapter" and self.train.peft is None:
+            raise ValueError("registry.register 'adapter' registers a LoRA adapter: set train.peft (r, alpha, ...) "
+                             "or use registry.register: merged")
         return self
 
     @model_validator(mode="after")

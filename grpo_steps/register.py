@@ -8,9 +8,11 @@ its model artifact is fully logged, so a failure leaves no half-registered model
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from grpo_steps import tracking
 from grpo_steps.config import PipelineConfig
+from grpo_steps.lora import is_adapter_dir
 from grpo_steps.report import version_description
 
 CANDIDATE, CHAMPION = "candidate", "champion"
@@ -46,8 +48,51 @@ def _champion_score(client, name: str) -> float | None:
     return float(value) if value is not None else None
 
 
+def _requirements(*extra: str) -> list[str]:
+    # explicit: MLflow's inference of requirements wants torchvision, absent on CPU installs
+    return [f"{pkg}=={ver}" for pkg, ver in tracking.package_versions().items()
+            if pkg in ("torch", "transformers", *extra)]
+
+
+def _log_model(model_dir, run_id: str, **kwargs):
+    import mlflow
+
+    return mlflow.transformers.log_model(
+        transformers_model=model_dir, name="model", task="text-generation",
+        run_id=run_id,  # not ``with mlflow.start_run()``: its exit would end the flow's run FINISHED
+        pip_requirements=_requirements(*(("peft",) if "base_model_path" in kwargs else ())), **kwargs)
+
+
+def _log_lora_model(cfg: PipelineConfig, client, run_id: str, adapter_dir: str) -> tuple[object, dict[str, str]]:
+    """Log a LoRA policy (``registry.register``): ``merged``, base + adapter merged into a plain transformers model,
+    with the adapter (``adapter_model.safetensors``, ``adapter_config.json``: its ``LoraConfig``) as run artifacts
+    under ``lora_adapter/``; ``adapter``, the adapter alone through MLflow's PEFT support (the base model referenced
+    by its local path, ``base_model_path``). Returns the model info and the version tags naming the base model."""
+    import json
+    import tempfile
+
+    from grpo_steps.lora import merge_adapter
+
+    base_path = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())["base_model_name_or_path"]
+    tags = {"base_model": cfg.model.name_or_path, "base_model.path": base_path,
+            "lora.register": cfg.registry.register_as}
+    if cfg.registry.register_as == "adapter":
+        import torch
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+        policy = PeftModel.from_pretrained(base, adapter_dir)
+        components = {"model": policy, "tokenizer": AutoTokenizer.from_pretrained(adapter_dir)}
+        return _log_model(components, run_id, base_model_path=base_path), tags
+    client.log_artifacts(run_id, adapter_dir, artifact_path="lora_adapter")
+    with tempfile.TemporaryDirectory(prefix="grpo-merged-") as merged:
+        return _log_model(str(merge_adapter(base_path, adapter_dir, merged)), run_id), tags
+
+
 def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tags: dict[str, str]) -> dict:
-    """Log ``model_dir`` to the run, register it as a version with alias ``candidate``, move
+    """Log ``model_dir`` to the run (a LoRA adapter directory: see :func:`_log_lora_model`), register it as a
+    version with alias ``candidate``, move
     ``champion`` when :func:`gate` passes, and describe the version
     (:func:`grpo_steps.report.version_description`).
 
@@ -69,15 +114,13 @@ def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tag
         # the logged model goes to the run's experiment (and its artifact location, e.g. S3); without an
         # active run MLflow would put it in the default experiment under ./mlruns
         mlflow.set_experiment(experiment_id=client.get_run(run_id).info.experiment_id)
-        info = mlflow.transformers.log_model(
-            transformers_model=model_dir, name="model", task="text-generation",
-            run_id=run_id,  # not ``with mlflow.start_run()``: its exit would end the flow's run FINISHED
-            # explicit: MLflow's inference of requirements wants torchvision, absent on CPU installs
-            pip_requirements=[f"{pkg}=={ver}" for pkg, ver in tracking.package_versions().items()
-                              if pkg in ("torch", "transformers")],
-        )
+        if is_adapter_dir(model_dir):
+            info, lora_tags = _log_lora_model(cfg, client, run_id, model_dir)
+        else:
+            info, lora_tags = _log_model(model_dir, run_id), {}
         trained = report["trained"]["metrics"]
-        version_tags = {**tags, **{tracking.mlflow_name(f"eval.{k}"): f"{v:.6g}" for k, v in trained.items()}}
+        version_tags = {**tags, **lora_tags,
+                        **{tracking.mlflow_name(f"eval.{k}"): f"{v:.6g}" for k, v in trained.items()}}
         version = mlflow.register_model(info.model_uri, name, tags=version_tags)
     version_id = str(version.version)
     client.set_registered_model_alias(name, CANDIDATE, version_id)

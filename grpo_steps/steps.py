@@ -27,15 +27,31 @@ def start(cfg: PipelineConfig, pathspec: str) -> str:
 
     Raises:
         TrackingUnreachable: an ``http(s)`` tracking URI that does not answer (within seconds).
+        ConfigError: ``train.peft.target_modules`` names no linear layer of the model.
         CheckpointNotFound: ``train.resume_from`` names no usable checkpoint.
     """
     tracking.check_reachable(cfg.tracking.tracking_uri)
+    if cfg.train.peft is not None:
+        check_lora_targets(cfg)
     if cfg.train.resume_from:
         from grpo_steps.checkpoints import check_reference
 
         print(f"[checkpoint] train.resume_from: {check_reference(cfg.train.resume_from, cfg.train.num_nodes)}",
               flush=True)
     return tracking.open_run(cfg, pathspec)
+
+
+def check_lora_targets(cfg: PipelineConfig) -> None:
+    """``train.peft.target_modules`` against the policy's architecture (a local or embedded model; a hub id is
+    checked by PEFT when training starts). Raises ConfigError."""
+    from grpo_steps.lora import check_target_modules
+    from grpo_steps.models import resolve_model
+
+    if cfg.train.peft.target_modules == "all-linear":  # fits every architecture: nothing to resolve yet
+        return
+    model_path = resolve_model(cfg.model.name_or_path)
+    if Path(model_path).is_dir():
+        check_target_modules(cfg.train.peft, model_path)
 
 
 def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
@@ -199,8 +215,8 @@ def _evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str
     tokenizer = AutoTokenizer.from_pretrained(base_model)
     report = {}
     for label, weights in (("baseline", base_model), ("trained", trained_model)):
-        client.reload_weights(generation_server.stage_weights(weights, label))
-        report[label] = evaluate_policy(cfg, client, tokenizer, eval_rows, label=label)
+        with _served_policy(cfg, generation_server, client, weights, label):
+            report[label] = evaluate_policy(cfg, client, tokenizer, eval_rows, label=label)
         tracking.log_metrics(cfg, run_id, {f"eval/{label}/{k}": v for k, v in report[label]["metrics"].items()})
     mlflow_client = tracking.client(cfg)
     for label in report:
@@ -209,6 +225,37 @@ def _evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str
             table = {key: [s[key] for s in samples] for key in samples[0]}
             mlflow_client.log_table(run_id, data=table, artifact_file=f"eval/{label}_samples.json")
     return report
+
+
+@contextmanager
+def _served_policy(cfg: PipelineConfig, generation_server, client, weights: str, label: str):
+    """Make ``client`` sample from ``weights`` while the block runs: full weights are reloaded into the server;
+    a LoRA adapter (``train.peft``) is loaded beside the base weights as ``{served}-lora-final`` and requested by
+    that name, then unloaded. A ``kubernetes`` server (``nccl`` sync, no runtime LoRA) gets base + adapter merged."""
+    from grpo_steps.lora import adapter_name, is_adapter_dir, merge_adapter
+
+    client.model = client.base_model
+    if not is_adapter_dir(weights):
+        client.reload_weights(generation_server.stage_weights(weights, label))
+        yield
+        return
+    base = json.loads((Path(weights) / "adapter_config.json").read_text())["base_model_name_or_path"]
+    if generation_server.provider == "kubernetes":
+        with scratch_dir() as merged:
+            client.reload_weights(generation_server.stage_weights(merge_adapter(base, weights, merged), label))
+        yield
+        return
+    client.reload_weights(generation_server.stage_weights(base, "baseline"))  # the adapter's base under it
+    name = adapter_name(client.base_model, "final")
+    if name in client.served_adapters():  # left by an earlier attempt of this step
+        client.unload_lora_adapter(name)
+    client.load_lora_adapter(name, generation_server.stage_weights(weights, label))
+    client.model = name
+    try:
+        yield
+    finally:
+        client.model = client.base_model
+        client.unload_lora_adapter(name)
 
 
 def reward_curve(cfg: PipelineConfig, run_id: str, metric: str = "reward") -> list[dict]:

@@ -252,7 +252,8 @@ def grpo_args(job: TrainJob) -> Any:
 
 
 def run(job: TrainJob) -> str:
-    """Train; returns the directory of the final policy (``{output_dir}/final``, safetensors + tokenizer).
+    """Train; returns the directory of the final policy (``{output_dir}/final``, safetensors + tokenizer; with
+    ``train.peft`` the adapter only: ``adapter_model.safetensors``, ``adapter_config.json`` + tokenizer).
 
     Also writes the trainer's per-step log to ``{output_dir}/log_history.json``.
     """
@@ -289,7 +290,8 @@ def run(job: TrainJob) -> str:
         trainer_class = ServerGRPOTrainer
         probe_tolerance, max_logp_diff = cfg.generation.sync_check.thresholds(cfg.model.dtype)
         server_kwargs = dict(sync=disk_sync(client, tokenizer, rows[0]["prompt"], job.output_dir, probe_tolerance,
-                                            cfg.generation.sync_dir), max_logp_diff=max_logp_diff)
+                                            cfg.generation.sync_dir, lora=cfg.train.peft is not None),
+                             max_logp_diff=max_logp_diff)
     elif cfg.generation.backend == "replay":
         rollout = ReplayRollout(cfg.generation.replay_file, tokenizer, cfg.generation)
     from grpo_steps.callbacks import AllNoneStop, DatastoreCheckpointCallback, MLflowMetricsCallback, ProgressCallback
@@ -309,6 +311,7 @@ def run(job: TrainJob) -> str:
         processing_class=tokenizer,
         rollout_func=rollout,
         callbacks=callbacks,
+        peft_config=cfg.train.peft.lora_config() if cfg.train.peft else None,  # LoRA: TRL wraps the policy
         **server_kwargs,
     )
     try:

