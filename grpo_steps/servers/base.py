@@ -48,6 +48,9 @@ class GenerationServer:
     """``generation.provider`` value of this class."""
     replaceable: ClassVar[bool] = True
     """Whether the pipeline may start a new server when this one is gone (not for ``external``)."""
+    runtime_lora: ClassVar[bool] = True
+    """Whether LoRA adapters are loaded into it at run time (``/v1/load_lora_adapter``); otherwise the
+    evaluation of a LoRA policy reloads base + adapter merged (``kubernetes``: started for NCCL sync)."""
 
     @classmethod
     def start(cls, cfg: PipelineConfig, model_path: str, *, owner: ProcessRef, run_id: str) -> GenerationServer:

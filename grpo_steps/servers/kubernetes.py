@@ -143,6 +143,7 @@ class KubernetesServer(GenerationServer):
     """The Metaflow run whose labelled objects these are."""
 
     provider = "kubernetes"
+    runtime_lora = False
 
     @classmethod
     def start(cls, cfg: PipelineConfig, model_path: str, *, owner: ProcessRef | None = None, run_id: str,
