@@ -87,7 +87,7 @@ class GRPOFlow(FlowSpec):
             final_dir = steps.train(cfg, run_id=self.mlflow_run_id, model_path=self.model_path,
                                     train_rows=self.train_rows, server=self.server,
                                     node_index=current.parallel.node_index, main_ip=current.parallel.main_ip,
-                                    output_dir=workdir)
+                                    output_dir=workdir, eval_rows=self.eval_rows)
             if current.parallel.node_index == 0:
                 self.policy = current.model.save(final_dir, label="policy", metadata={"run_id": self.mlflow_run_id})
         self.next(self.evaluate)

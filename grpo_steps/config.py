@@ -551,6 +551,14 @@ class EvalConfig(_Section):
     """The reward (one of ``rewards``) that defines a correct completion (score 1) for accuracy and pass@k."""
     format_reward: str | None = "answer_format"
     """The reward (one of ``rewards``) whose score 1 counts toward ``format_rate``; null for none."""
+    every_steps: int = Field(0, ge=0)
+    """Held-out evaluation during training (:mod:`grpo_steps.eval_during`): node 0 evaluates the policy at
+    step 0 and every this many optimizer steps, through the generation server right after it received that
+    step's weights, on the first ``during_training_prompts`` eval prompts; logged as ``eval_during/<metric>``
+    at the optimizer step. 0: off. Needs generation.backend 'vllm' in mode 'server' with weight_sync 'disk'."""
+    during_training_prompts: int = Field(64, ge=1)
+    """Held-out prompts evaluated during training: the first this many of the eval split (a fixed subset);
+    at most ``data.num_eval``."""
 
     @model_validator(mode="after")
     def _k_le_n(self) -> EvalConfig:
@@ -724,6 +732,23 @@ class PipelineConfig(_Section):
         if self.registry.register_as == "adapter" and self.train.peft is None:
             raise ValueError("registry.register 'adapter' registers a LoRA adapter: set train.peft (r, alpha, ...) "
                              "or use registry.register: merged")
+        return self
+
+    @model_validator(mode="after")
+    def _eval_during_training(self) -> PipelineConfig:
+        gen, ev = self.generation, self.eval
+        if not ev.every_steps:
+            return self
+        if gen.backend != "vllm" or gen.mode != "server" or gen.weight_sync != "disk":
+            raise ValueError(
+                f"eval.every_steps evaluates during training through the generation server, right after the trainer "
+                f"pushed a step's weights to it: that needs generation.backend 'vllm', mode 'server', weight_sync "
+                f"'disk' (got backend {gen.backend!r}, mode {gen.mode!r}, weight_sync {gen.weight_sync!r}); set "
+                "eval.every_steps: 0 (the evaluate step still compares baseline and trained policy)"
+            )
+        if ev.during_training_prompts > self.data.num_eval:
+            raise ValueError(f"eval.during_training_prompts ({ev.during_training_prompts}) is a subset of the eval "
+                             f"split: lower it to at most data.num_eval ({self.data.num_eval})")
         return self
 
     @model_validator(mode="after")

@@ -86,7 +86,16 @@ def _metrics(cfg: PipelineConfig, n: int, scores: dict, greedy_scores: dict, len
     for k in cfg.eval.k:
         metrics[f"pass@{k}"] = _mean(pass_at_k(n, sum(c), k) for c in correct)
     if cfg.eval.format_reward:
-        metrics["format_rate"] = _mean(float(s == 1.0) for i in keep for s in scores[cfg.eval.format_reward][i])
+        fmt = cfg.eval.format_reward
+        metrics["format_rate"] = _mean(float(s == 1.0) for i in keep for s in scores[fmt][i])
+        metrics["format_rate_greedy"] = _mean(float(greedy_scores[fmt][i][0] == 1.0) for i in keep)
+        # correctness among the completions in the checked format: the gain that is not format
+        metrics["accuracy_formatted"] = _mean(
+            float((greedy_scores[correctness][i][0] or 0.0) >= CORRECTNESS_THRESHOLD)
+            for i in keep if greedy_scores[fmt][i][0] == 1.0)
+        metrics["pass@1_formatted"] = _mean(
+            float((c or 0.0) >= CORRECTNESS_THRESHOLD)
+            for i in keep for c, f in zip(scores[correctness][i], scores[fmt][i], strict=True) if f == 1.0)
     total = [0.0] * sum(len(scores[correctness][i]) for i in keep)
     for spec in cfg.rewards:
         flat = [s for i in keep for s in scores[spec.name][i]]
@@ -105,7 +114,10 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
     [float]}`` (the last: greedy logprobs of the first prompt, a fingerprint of the served weights),
     where metrics are:
     ``accuracy`` (greedy, 0..1), ``pass@k`` for each configured k (unbiased, 0..1), ``format_rate``
-    (share of samples the format reward scores 1, when configured), ``reward/<name>`` (mean per
+    (share of samples the format reward scores 1, when configured) and with it ``format_rate_greedy``
+    (the same over the greedy completions), ``accuracy_formatted`` (greedy accuracy among the greedy
+    completions in the format; NaN when none is) and ``pass@1_formatted`` (share correct among the
+    formatted samples): correctness apart from format, ``reward/<name>`` (mean per
     reward function over samples), ``reward`` (weighted sum, as in training), ``completion_length``
     (mean tokens per sample); the reward guard's counts of this evaluation, ``reward/<name>/timeouts``
     and ``reward/<name>/errors`` (calls) and ``reward/<name>/none_share`` (share of completions scored

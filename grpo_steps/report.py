@@ -12,10 +12,10 @@ HEADLINE = ("pass@1", "accuracy", "format_rate", "reward")
 
 
 def headline_metrics(cfg: PipelineConfig) -> list[str]:
-    """The report's metric names in order: pass@1, every other configured pass@k, accuracy, format rate
-    (when configured), mean reward."""
+    """The report's metric names in order: pass@1, every other configured pass@k, accuracy, format rate and
+    accuracy among formatted answers (when a format reward is configured), mean reward."""
     names = ["pass@1"] + [f"pass@{k}" for k in cfg.eval.k if k != 1] + ["accuracy"]
-    return names + (["format_rate"] if cfg.eval.format_reward else []) + ["reward"]
+    return names + (["format_rate", "accuracy_formatted"] if cfg.eval.format_reward else []) + ["reward"]
 
 
 def _cell(value: float | None) -> str:
@@ -88,7 +88,7 @@ def version_description(cfg: PipelineConfig, report: dict, *, run_url: str, run_
     return "\n".join(lines)
 
 
-def reward_figure(curves: dict[str, list[dict]]):
+def reward_figure(curves: dict[str, list[dict]], ylabel: str = "mean reward", title: str = "Training reward"):
     """Matplotlib figure of training curves: ``{metric: [{"step", "value"}]}`` on one axis over the step."""
     import matplotlib
 
@@ -100,8 +100,8 @@ def reward_figure(curves: dict[str, list[dict]]):
         if points:
             ax.plot([p["step"] for p in points], [p["value"] for p in points], marker="o", label=name)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("mean reward")
-    ax.set_title("Training reward")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

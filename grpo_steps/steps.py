@@ -146,10 +146,12 @@ def _shared_replacement(key: str):
 
 
 def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list[dict], server: dict,
-          node_index: int, main_ip: str, output_dir: str) -> str:
+          node_index: int, main_ip: str, output_dir: str, eval_rows: list[dict] | None = None) -> str:
     """Run this node's share of GRPO training in ``output_dir``; returns the final policy directory
     (node 0's is the one kept). Continues from :func:`grpo_steps.checkpoints.resume_checkpoint`
-    when there is one (``@retry``, ``resume``). Call inside the flow's ``train`` step.
+    when there is one (``@retry``, ``resume``). Call inside the flow's ``train`` step. With
+    ``eval.every_steps``, node 0 evaluates the first ``eval.during_training_prompts`` of ``eval_rows``
+    during training (:mod:`grpo_steps.eval_during`).
     """
 
     from grpo_steps.checkpoints import resume_checkpoint
@@ -161,11 +163,16 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
     output_dir = Path(output_dir)
     train_file = output_dir / "train.jsonl"
     train_file.write_text("".join(json.dumps(row) + "\n" for row in train_rows))
+    eval_file = None
+    if cfg.eval.every_steps and node_index == 0:
+        eval_file = output_dir / "eval_during.jsonl"
+        eval_file.write_text("".join(json.dumps(row) + "\n" for row in (eval_rows or [])[
+            : cfg.eval.during_training_prompts]))
     job = TrainJob(config=cfg, model_path=model_path, train_file=str(train_file), output_dir=str(output_dir),
                    endpoint=server["endpoint"] if cfg.generation.backend == "vllm" else None,
                    served_model=server["served_model"],
                    resume_from=resume_checkpoint(node_index, cfg.train.resume_from), mlflow_run_id=run_id,
-                   node_index=node_index)
+                   node_index=node_index, eval_file=str(eval_file) if eval_file else None)
     with system_metrics(run_id, cfg.tracking.tracking_uri, node_id=f"node{node_index}" if node_index else None):
         launch(job, node_index=node_index, main_ip=main_ip)
     return str(output_dir / "final")
@@ -197,8 +204,14 @@ def log_charts(cfg: PipelineConfig, run_id: str, report: dict) -> None:
     mlflow_client = tracking.client(cfg)
     curves = {"reward": reward_curve(cfg, run_id)}
     curves.update({f"rewards/{r.name}/mean": reward_curve(cfg, run_id, f"rewards/{r.name}/mean") for r in cfg.rewards})
-    for figure, path in ((reward_figure(curves), "charts/reward_curve.png"),
-                         (eval_figure(cfg, report), "charts/eval_baseline_vs_trained.png")):
+    figures = [(reward_figure(curves), "charts/reward_curve.png"),
+               (eval_figure(cfg, report), "charts/eval_baseline_vs_trained.png")]
+    during = eval_during_curves(cfg, run_id)
+    if any(during.values()):
+        figures.append((reward_figure(during, ylabel="share of held-out prompts",
+                                      title=f"Held-out evaluation during training ({cfg.eval.during_training_prompts} "
+                                            "prompts)"), "charts/eval_during_training.png"))
+    for figure, path in figures:
         mlflow_client.log_figure(run_id, figure, path)
         plt.close(figure)
 
@@ -265,8 +278,32 @@ def reward_curve(cfg: PipelineConfig, run_id: str, metric: str = "reward") -> li
     return [{"step": m.step, "value": m.value} for m in sorted(history, key=lambda m: m.step)]
 
 
+EVAL_DURING_CURVES = ("accuracy", "pass@1", "format_rate", "accuracy_formatted")
+"""The ``eval_during/<metric>`` curves charted (card and ``charts/eval_during_training.png``)."""
+
+
+def eval_during_curves(cfg: PipelineConfig, run_id: str) -> dict[str, list[dict]]:
+    """``{"eval_during/<metric>": [{"step", "value"}]}`` of :data:`EVAL_DURING_CURVES` from the MLflow run
+    (empty lists when ``eval.every_steps`` is off)."""
+    from grpo_steps.tracking import mlflow_name
+
+    return {f"eval_during/{name}": reward_curve(cfg, run_id, mlflow_name(f"eval_during/{name}"))
+            for name in EVAL_DURING_CURVES}
+
+
+def _line_chart(points: list[dict], y_title: str, color: str | None = None) -> dict:
+    """Vega-Lite spec of ``[{"step", "value", ("series")}]`` over the optimizer step."""
+    encoding = {"x": {"field": "step", "type": "quantitative", "title": "optimizer step"},
+                "y": {"field": "value", "type": "quantitative", "title": y_title}}
+    if color:
+        encoding["color"] = {"field": color, "type": "nominal"}
+    return {"$schema": "https://vega.github.io/schema/vega-lite/v5.json", "data": {"values": points},
+            "mark": {"type": "line", "point": True}, "width": 500, "height": 250, "encoding": encoding}
+
+
 def card_components(cfg: PipelineConfig, run_id: str, report: dict) -> list:
-    """Metaflow card: the training reward curve (from MLflow) and a baseline-vs-trained table."""
+    """Metaflow card: the training reward curve (from MLflow), beside it the held-out curves during training
+    (``eval.every_steps``), and a baseline-vs-trained table."""
     from metaflow.cards import Markdown, Table, VegaChart
 
     curve = reward_curve(cfg, run_id)
@@ -274,12 +311,15 @@ def card_components(cfg: PipelineConfig, run_id: str, report: dict) -> list:
     rows = [[name, f"{report['baseline']['metrics'][name]:.4f}", f"{report['trained']['metrics'][name]:.4f}"]
             for name in names]
     components = [Markdown("## Held-out evaluation"), Table(rows, headers=["metric", "baseline", "trained"])]
+    during = [{**point, "metric": name.removeprefix("eval_during/")}
+              for name, points in eval_during_curves(cfg, run_id).items() for point in points
+              if point["value"] == point["value"]]  # NaN (no formatted answer) is not JSON
+    if during:
+        components = [Markdown(f"## Held-out evaluation during training ({cfg.eval.during_training_prompts} prompts, "
+                               f"every {cfg.eval.every_steps} steps)"),
+                      VegaChart(_line_chart(during, "share of prompts", color="metric"))] + components
     if curve:
-        spec = {"$schema": "https://vega.github.io/schema/vega-lite/v5.json", "data": {"values": curve},
-                "mark": {"type": "line", "point": True}, "width": 500, "height": 250,
-                "encoding": {"x": {"field": "step", "type": "quantitative", "title": "optimizer step"},
-                             "y": {"field": "value", "type": "quantitative", "title": "mean reward"}}}
-        components = [Markdown("## Training reward"), VegaChart(spec)] + components
+        components = [Markdown("## Training reward"), VegaChart(_line_chart(curve, "mean reward"))] + components
     return components
 
 

@@ -41,6 +41,7 @@ class TrainJob(BaseModel):
     resume_from: str | None = None  # a trainer checkpoint directory to continue from
     mlflow_run_id: str | None = None  # metrics go to this run
     node_index: int = 0  # machine rank in the gang
+    eval_file: str | None = None  # jsonl of the eval prompts evaluated during training (eval.every_steps)
 
 
 class VLLMRollout:
@@ -314,6 +315,8 @@ def run(job: TrainJob) -> str:
         peft_config=cfg.train.peft.lora_config() if cfg.train.peft else None,  # LoRA: TRL wraps the policy
         **server_kwargs,
     )
+    if cfg.eval.every_steps:
+        trainer.add_callback(eval_during_callback(job, trainer, tokenizer))
     try:
         trainer.train(resume_from_checkpoint=job.resume_from)
     finally:
@@ -325,6 +328,36 @@ def run(job: TrainJob) -> str:
         tokenizer.save_pretrained(final)
         (Path(job.output_dir) / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
     return str(final)
+
+
+def eval_during_callback(job: TrainJob, trainer, tokenizer):
+    """The :class:`grpo_steps.eval_during.EvalDuringTraining` of this process: global rank 0 (on node 0)
+    evaluates ``job.eval_file``'s rows and logs to ``job.mlflow_run_id``; the other ranks only push.
+
+    Raises:
+        ValueError: node 0's job has no ``eval_file`` (the flow's train step writes it).
+    """
+    from grpo_steps.eval_during import EvalDuringTraining, logged_steps
+
+    evaluator = trainer.accelerator.is_main_process and job.node_index == 0
+    if evaluator and not job.eval_file:
+        raise ValueError("eval.every_steps needs the eval prompts in node 0's train job (TrainJob.eval_file)")
+    rows = [json.loads(line) for line in Path(job.eval_file).read_text().splitlines() if line.strip()] \
+        if evaluator else []
+    log, logged = None, set()
+    if evaluator and job.mlflow_run_id:
+        from mlflow import MlflowClient
+
+        from grpo_steps.tracking import log_metrics_with
+
+        mlflow_client = MlflowClient(tracking_uri=job.config.tracking.tracking_uri)
+        logged = logged_steps(mlflow_client, job.mlflow_run_id)
+
+        def log(metrics, step):
+            log_metrics_with(mlflow_client, job.mlflow_run_id, metrics, step)
+
+    return EvalDuringTraining(job.config, trainer, trainer.vllm_generation.push.client if evaluator else None,
+                              tokenizer, rows, log=log, logged_steps=logged, evaluator=evaluator)
 
 
 def colocate_environment(cfg: PipelineConfig) -> None:

@@ -91,6 +91,11 @@ BAD_CONFIGS = [
     ({"train": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2, "num_generations": 16,
                 "grpo": {"steps_per_generation": 3}}, "generation": {"backend": "replay", "replay_file": "r.jsonl"}},
      "with generation.backend 'replay'"),  # 8 x 3 = 24 prompts a process: not whole groups of 16
+    ({"eval": {"every_steps": 5}, "generation": {"backend": "hf"}},
+     "eval.every_steps evaluates during training through the generation server"),  # hf: no pushes to a server
+    ({"eval": {"every_steps": 5}, "generation": {"mode": "colocate"}}, "got backend 'vllm', mode 'colocate'"),
+    ({"eval": {"every_steps": 5, "during_training_prompts": 101}}, "at most data.num_eval (100)"),
+    ({"eval": {"every_steps": -1}}, "eval.every_steps"),
 ]
 
 

@@ -1,0 +1,104 @@
+"""Held-out evaluation during training (``eval.every_steps``): a validation curve, as TRL's
+``eval_strategy``/``eval_steps`` and verl's ``test_freq`` log one.
+
+At step 0 and every ``eval.every_steps`` optimizer steps, node 0 evaluates the policy on a fixed subset
+of the eval split (its first ``eval.during_training_prompts`` prompts) with
+:func:`grpo_steps.evaluate.evaluate_policy` (the rewards and metrics of the ``evaluate`` step), through
+the generation server, and logs each metric as ``eval_during/<metric>`` at the optimizer step.
+
+The server holds the step's weights without an extra reload: after optimizer step N, TRL pushes the
+policy to the server before the first generation of step N+1 (``ServerGRPOTrainer``: ``DiskSync``
+writes, reloads and verifies version ``step-N``). :class:`EvalDuringTraining` makes that same push at the
+beginning of step N+1 (``on_step_begin``, before its generation) and marks it done for TRL
+(``_last_loaded_step``), then evaluates; step N+1's rollouts then sample from the same weights. At step 0
+this is the push of the base weights TRL makes before the first generation; only the last step, when it
+is a multiple of ``every_steps``, costs a push that training alone would not make (in ``on_train_end``).
+The server's weight label at evaluation is logged as ``eval_during/weight_version`` (the step number),
+so a curve point says which weights it measured.
+"""
+
+from __future__ import annotations
+
+import time
+
+from transformers import TrainerCallback
+
+from grpo_steps.config import PipelineConfig
+
+PREFIX = "eval_during"
+"""MLflow name prefix of the during-training metrics: ``eval_during/<metric>`` (``pass@k`` is logged as
+``pass_at_k``, see :func:`grpo_steps.tracking.mlflow_name`)."""
+
+
+class EvalDuringTraining(TrainerCallback):
+    """Evaluates the policy the server holds at steps 0, N, 2N, ... (N = ``eval.every_steps``), the last
+    step included when it is a multiple of N.
+
+    Every rank runs the weight push (a collective under ZeRO-3); only the evaluator (global rank 0, which
+    is on node 0) generates, scores and logs, the other ranks wait for it at the next collective. Steps
+    an earlier attempt of a resumed run already logged are not evaluated again.
+
+    Args:
+        cfg: the run config (``eval``: prompts, samples, temperature; ``rewards``).
+        trainer: a :class:`grpo_steps.trainer.ServerGRPOTrainer` (its ``vllm_generation`` is the push).
+        client: the generation server's :class:`grpo_steps.weight_sync.VLLMClient` (evaluator only).
+        tokenizer: the policy's tokenizer (chat template).
+        rows: the eval rows evaluated each time (``prompt``, ``answer``, ...).
+        log: ``log(metrics, step)`` into the run's MLflow run (evaluator only; None: not logged).
+        logged_steps: steps whose ``eval_during`` metrics the run already holds.
+        evaluator: whether this process evaluates (global rank 0).
+
+    Per evaluation it also logs ``eval_during/seconds`` (wall time of the evaluation, push excluded) and
+    ``eval_during/probe_logprob`` (sum of the greedy logprobs of the first prompt's completion, nats: the
+    fingerprint of the served weights that ``evaluate`` returns as ``probe_logprobs``).
+    Raises what :func:`~grpo_steps.evaluate.evaluate_policy` and the push raise
+    (``GenerationServerError``).
+    """
+
+    def __init__(self, cfg: PipelineConfig, trainer, client, tokenizer, rows: list[dict], *, log=None,
+                 logged_steps: set[int] = frozenset(), evaluator: bool) -> None:
+        self.cfg, self.trainer, self.client, self.tokenizer, self.rows = cfg, trainer, client, tokenizer, rows
+        self.log, self.logged_steps, self.evaluator = log, set(logged_steps), evaluator
+        self.every = cfg.eval.every_steps
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step % self.every == 0:
+            self.evaluate_at(state.global_step)
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if state.global_step % self.every == 0:  # the last step (never begun by on_step_begin)
+            self.evaluate_at(state.global_step)
+        return control
+
+    def evaluate_at(self, step: int) -> dict[str, float] | None:
+        """Push step ``step``'s weights unless the server has them (every rank), then evaluate (evaluator
+        only, unless already logged); returns the metrics logged, or None on the other ranks."""
+        trainer = self.trainer
+        if trainer._last_loaded_step != step:  # the push TRL makes before the next generation, made now
+            trainer.vllm_generation.sync_weights()
+            trainer._last_loaded_step = step
+        if not self.evaluator or step in self.logged_steps:
+            return None
+        from grpo_steps.evaluate import evaluate_policy
+
+        started = time.perf_counter()
+        version = self.client.weight_version()
+        result = evaluate_policy(self.cfg, self.client, self.tokenizer, self.rows, label=f"{PREFIX} step {step}")
+        metrics = {f"{PREFIX}/{name}": value for name, value in result["metrics"].items()}
+        metrics[f"{PREFIX}/weight_version"] = float(version.removeprefix("step-")) if version.startswith("step-") \
+            else float("nan")
+        metrics[f"{PREFIX}/probe_logprob"] = sum(result["probe_logprobs"])
+        metrics[f"{PREFIX}/seconds"] = time.perf_counter() - started
+        if self.log is not None:
+            self.log(metrics, step)
+        self.logged_steps.add(step)
+        shown = ", ".join(f"{k}={result['metrics'][k]:.3f}" for k in ("accuracy", "pass@1", "format_rate")
+                          if k in result["metrics"])
+        print(f"[{PREFIX}] step {step} ({version}): {shown} in {metrics[f'{PREFIX}/seconds']:.1f}s", flush=True)
+        return metrics
+
+
+def logged_steps(mlflow_client, run_id: str) -> set[int]:
+    """Steps at which the MLflow run already holds ``eval_during`` metrics (an earlier attempt of a resumed run)."""
+    return {int(m.step) for m in mlflow_client.get_metric_history(run_id, f"{PREFIX}/weight_version")}
