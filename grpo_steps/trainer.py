@@ -88,8 +88,10 @@ class DiskSync:
     model name after each verified push (rank 0's push does it for its own)."""
 
     def _log(self, name: str, value: float) -> None:
-        mode = "train" if self.trainer.model.training else "eval"
-        self.trainer._metrics[mode][f"weight_sync/{name}"].append(value)
+        # Always the training logs: a push serves the training's rollouts (the pipeline runs no TRL eval loop), and
+        # the push made for the evaluation at step 0 (grpo_steps.eval_during) comes before Trainer puts the freshly
+        # loaded model (eval mode) into train mode; TRL would drop eval-mode metrics of a training step.
+        self.trainer._metrics["train"][f"weight_sync/{name}"].append(value)
 
     def sync_weights(self) -> None:
         from accelerate.utils import broadcast_object_list
