@@ -11,6 +11,7 @@ import pytest
 from tests.integration.flowrun import (
     SAVED,
     checkpoint_files,
+    client_in_child,
     flow_config,
     flow_env,
     flow_run_id,
@@ -80,12 +81,10 @@ def test_lora_flow_pushes_the_adapter_every_step_and_registers_the_merged_model(
 
     # evaluation: the baseline is the base weights, the trained policy base + adapter, both through the server:
     # the server's greedy logprobs of the first eval prompt differ
-    from metaflow import Flow, namespace
-
-    namespace(None)
-    os.chdir(tmp_path)  # the local datastore of the run
-    report = Flow("GRPOFlow")[flow_run_id(out)]["evaluate"].task.data.eval_report
-    assert report["baseline"]["probe_logprobs"] != report["trained"]["probe_logprobs"]
+    baseline, trained = client_in_child(  # a child: the Metaflow client caches the first local datastore it found
+        tmp_path, env, f"import json\nr = Flow('GRPOFlow')['{flow_run_id(out)}']['evaluate'].task.data.eval_report\n"
+        "print(json.dumps([r['baseline']['probe_logprobs'], r['trained']['probe_logprobs']]))")
+    assert baseline != trained
     assert "eval/trained/pass_at_1" in run.data.metrics
 
     # registration: the merged model (a plain transformers model) with the adapter and its LoraConfig as artifacts
