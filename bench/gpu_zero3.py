@@ -2,13 +2,20 @@
 transformers generation, on a random-init model of a real architecture (Qwen2.5-0.5B shape).
 
     python bench/gpu_zero3.py [--steps 8] [--completion-tokens 256] [--shape qwen2.5-0.5b|tiny]
+    python bench/gpu_zero3.py --shape smollm2 --no-zero3 --steps 10   # the CPU comparison of issue 11
 
 Each arm runs in its own process on the same settings (``grpo_steps.train.grpo_args`` of one job:
 batch, group size, completion length, ZeRO-3 config from ``infra/``):
 
-- ``ours``: ``grpo_steps.train.run`` (the flow's training module: our rewards, callbacks, checkpoint
+- ``ours``: ``grpo_steps.train.run`` (the flow's training module: guarded rewards, callbacks, checkpoint
   saves to local disk);
-- ``trl``: ``GRPOTrainer`` with the same ``GRPOConfig`` and nothing else (one length reward).
+- ``trl``: ``GRPOTrainer`` with the same ``GRPOConfig``, the config's reward functions called directly
+  (no guard) and nothing else.
+
+``--shape smollm2``: the real SmolLM2-135M-Instruct (embedded) on ``configs/local.yaml`` (its data,
+rewards, batch, group size and completion length; ``--completion-tokens`` overrides the last), for
+the CPU comparison with ``--no-zero3``; completions then end at EOS, so the arms' step times are only
+comparable because both train the same policy on the same seed (their completion lengths are printed).
 
 Prints a Markdown table for docs/benchmarks.md: mean step time (TRL's ``step_time``, first step left
 out), tokens/s (prompt + completion tokens per second of step time), peak GPU memory
@@ -37,12 +44,17 @@ SHAPES = {  # Qwen/Qwen2.5-0.5B-Instruct config.json, random init
                          rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512, tie_word_embeddings=True),
+    "smollm2": None,  # the embedded SmolLM2-135M-Instruct itself, on configs/local.yaml
 }
 
 
 def build_model(shape: str, target: Path) -> Path:
     """A random-init Qwen2 of ``shape`` saved in ``target`` with the tiny model's tokenizer (ids the
-    tokenizer does not know decode to nothing)."""
+    tokenizer does not know decode to nothing); for ``smollm2`` the embedded model's directory."""
+    if SHAPES[shape] is None:
+        from grpo_steps.models import resolve_model
+
+        return Path(resolve_model("embedded:SmolLM2-135M-Instruct"))
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
@@ -65,13 +77,16 @@ def job_for(args, model_path: Path, workdir: Path):
     from grpo_steps.data import prepare
     from grpo_steps.train import TrainJob
 
-    base = load_config(REPO_ROOT / "configs" / "test.yaml").model_dump()
+    real = SHAPES[args.shape] is None
+    base = load_config(REPO_ROOT / "configs" / ("local.yaml" if real else "test.yaml")).model_dump()
     base["model"].update(name_or_path=str(model_path), dtype="bfloat16" if torch.cuda.is_available() else "float32",
                          max_model_len=1024)
-    base["generation"].update(backend="hf", max_completion_tokens=args.completion_tokens)
-    base["data"].update(num_train=64)
-    base["train"].update(max_steps=args.steps, save_steps=args.steps, deepspeed=True, num_generations=8,
-                         per_device_train_batch_size=16, logging_steps=1)
+    base["generation"].update(backend="hf", max_completion_tokens=args.completion_tokens
+                              or base["generation"]["max_completion_tokens"])
+    if not real:
+        base["data"].update(num_train=64)
+        base["train"].update(num_generations=8, per_device_train_batch_size=16)
+    base["train"].update(max_steps=args.steps, save_steps=args.steps, deepspeed=args.zero3, logging_steps=1)
     cfg = validate_config(base)
     rows = prepare(cfg.data, AutoTokenizer.from_pretrained(model_path)).train
     train_file = workdir / "train.jsonl"
@@ -97,18 +112,15 @@ def run_arm(arm: str, args, model_path: Path, workdir: Path) -> dict:
 
         from grpo_steps.train import grpo_args
 
-        if not torch.cuda.is_available():
+        from rewards import bind_options, resolve_reward
+
+        if args.zero3 and not torch.cuda.is_available():
             import deepspeed
 
             deepspeed.comm.init_distributed(dist_backend="gloo")
         rows = [json.loads(line) for line in Path(job.train_file).read_text().splitlines()]
-
-        def length_reward(completions, **_):
-            return [float(len(c[0]["content"])) for c in completions]
-
-        config = grpo_args(job)
-        config.reward_weights = None  # one reward function here
-        trainer = GRPOTrainer(model=job.model_path, reward_funcs=[length_reward], args=config,
+        reward_funcs = [bind_options(resolve_reward(spec.name), spec.options) for spec in job.config.rewards]
+        trainer = GRPOTrainer(model=job.model_path, reward_funcs=reward_funcs, args=grpo_args(job),
                               train_dataset=Dataset.from_list(rows))
         trainer.train()
         history = trainer.state.log_history
@@ -121,39 +133,49 @@ def summary(result: dict) -> dict:
     step_time = statistics.fmean(h["step_time"] for h in steps)
     tokens = steps[-1]["num_tokens"] - result["history"][0]["num_tokens"]
     return {"step_time": step_time, "tokens_per_s": tokens / sum(h["step_time"] for h in steps),
-            "peak_gib": result["peak_gib"]}
+            "peak_gib": result["peak_gib"], "length": statistics.fmean(h["completions/mean_length"] for h in steps)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--completion-tokens", type=int, default=256)
+    parser.add_argument("--completion-tokens", type=int, default=None,
+                        help="completion length limit (default: 256; smollm2: the config's)")
+    parser.add_argument("--zero3", action=argparse.BooleanOptionalAction, default=True,
+                        help="DeepSpeed ZeRO-3 in both arms (default on)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
     parser.add_argument("--arm", choices=["ours", "trl"], help=argparse.SUPPRESS)  # one arm, in a child
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.completion_tokens is None and SHAPES[args.shape] is not None:
+        args.completion_tokens = 256
     if args.arm:
-        result = run_arm(args.arm, args, Path(args.workdir) / "model", Path(args.workdir) / args.arm)
+        result = run_arm(args.arm, args, Path(args.model), Path(args.workdir) / args.arm)
         (Path(args.workdir) / f"{args.arm}.json").write_text(json.dumps(result))
         return
     import torch
 
     with tempfile.TemporaryDirectory(prefix="grpo-gpu-bench-") as workdir:
-        build_model(args.shape, Path(workdir) / "model")
+        model = build_model(args.shape, Path(workdir) / "model")
         results = {}
         for arm in ("ours", "trl"):
             (Path(workdir) / arm).mkdir()
-            subprocess.run([sys.executable, __file__, "--arm", arm, "--workdir", workdir, "--steps", str(args.steps),
-                            "--completion-tokens", str(args.completion_tokens), "--shape", args.shape], check=True,
-                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+            subprocess.run([sys.executable, __file__, "--arm", arm, "--workdir", workdir, "--model", str(model),
+                            "--steps", str(args.steps), "--shape", args.shape,
+                            "--zero3" if args.zero3 else "--no-zero3"]
+                           + (["--completion-tokens", str(args.completion_tokens)] if args.completion_tokens else []),
+                           check=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
             results[arm] = summary(json.loads((Path(workdir) / f"{arm}.json").read_text()))
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    limit = args.completion_tokens or "the config's"
     print(f"\n{time.strftime('%Y-%m-%d')}, {platform.node()}, {device}, shape {args.shape}, {args.steps} steps "
-          f"(first left out), 16 completions/step of {args.completion_tokens} tokens, ZeRO-3, 1 process\n")
-    print("| arm | step time, s | tokens/s | peak GPU memory, GiB |")
-    print("|---|---|---|---|")
+          f"(first left out), completions of at most {limit} tokens, "
+          f"{'ZeRO-3' if args.zero3 else 'no DeepSpeed'}, 1 process\n")
+    print("| arm | step time, s | tokens/s | completion length, tokens | peak GPU memory, GiB |")
+    print("|---|---|---|---|---|")
     for arm, r in results.items():
-        print(f"| {arm} | {r['step_time']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.2f} |")
+        print(f"| {arm} | {r['step_time']:.2f} | {r['tokens_per_s']:.0f} | {r['length']:.1f} | {r['peak_gib']:.2f} |")
     print(f"\nours / trl step-time ratio: {results['ours']['step_time'] / results['trl']['step_time']:.2f}")
 
 

@@ -2,6 +2,11 @@
 at the same settings (model, prompts, batch, completion length), and the weight-sync time per step.
 
     .venv/bin/python bench/step_time.py [--config configs/local.yaml] [--steps 6] [--backends vllm,hf]
+        [--completion-tokens N] [--system-prompt TEXT]
+
+``--completion-tokens`` overrides ``generation.max_completion_tokens``; ``--system-prompt`` replaces the
+config's (e.g. one that asks for worked steps, so completions run long: the default config's policy
+answers in ~6 tokens, where generation speed hardly shows in the step time).
 
 Prints Markdown tables for docs/benchmarks.md: step time per backend, and for ``vllm`` the weight sync per
 step in its parts (median) and the trainer–inference mismatch (TRL's ``sampling/*`` metrics, mean over steps).
@@ -40,8 +45,15 @@ def main() -> None:
     parser.add_argument("--config", default="configs/local.yaml")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--backends", default="vllm,hf", help="comma-separated, of vllm and hf")
+    parser.add_argument("--completion-tokens", type=int, help="generation.max_completion_tokens (default: config)")
+    parser.add_argument("--system-prompt", help="data.system_prompt (default: config)")
     args = parser.parse_args()
     base = load_config(args.config)
+    if args.completion_tokens or args.system_prompt:
+        gen = {**base.generation.model_dump(), **({"max_completion_tokens": args.completion_tokens}
+                                                  if args.completion_tokens else {})}
+        data = {**base.data.model_dump(), **({"system_prompt": args.system_prompt} if args.system_prompt else {})}
+        base = base.model_validate({**base.model_dump(), "generation": gen, "data": data})
     overrides = {"train": {**base.train.model_dump(), "max_steps": args.steps, "save_steps": 10_000}}
     model_path = resolve_model(base.model.name_or_path)
     from transformers import AutoTokenizer
@@ -63,7 +75,7 @@ def main() -> None:
             if server:
                 server.stop()
     print(f"\n{time.strftime('%Y-%m-%d')}, {platform.node()}, {os.cpu_count()} cores, config {args.config}, "
-          f"{args.steps} steps (first left out)\n")
+          f"{args.steps} steps (first left out), max {base.generation.max_completion_tokens} completion tokens\n")
     print("| backend | step time, s (mean) | weight sync, s/step (mean) | completion length, tokens |")
     print("|---|---|---|---|")
     for backend, (history, _) in results.items():

@@ -42,11 +42,20 @@ class ModelConfig(_Section):
 
 
 SOURCE_KEYS = ("source", "task", "task_options", "path", "split", "subset", "prompt_column", "answer_column",
-               "answer_format", "columns", "system_prompt")
+               "answer_format", "columns", "system_prompt", "few_shot")
 """The keys of one data source; with ``data.mixture`` they go into each mixture entry instead."""
 RESERVED_COLUMNS = ("prompt", "answer", "task")
 """Columns of a prepared row that ``data.columns`` cannot name: they are always set by the pipeline."""
 DEFAULT_SYSTEM_PROMPT = "Solve the problem. End your reply with a final line of the form 'Answer: <number>'."
+
+
+class FewShotExample(_Section):
+    """One worked example shown to the policy before the question (a user turn and the assistant's reply)."""
+
+    question: str = Field(min_length=1)
+    """The example's user message, written like the task's questions."""
+    completion: str = Field(min_length=1)
+    """The reply the policy should imitate, in the format the rewards check (e.g. ``Answer: 42``)."""
 
 
 class SourceConfig(_Section):
@@ -82,6 +91,11 @@ class SourceConfig(_Section):
     Sources add their own: ``humaneval`` keeps ``test``, ``entry_point``, ``task_id``."""
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
     """System message of the conversational prompt; null for no system message."""
+    few_shot: list[FewShotExample] = Field(default_factory=list)
+    """Worked examples put between the system message and the question, as user/assistant turns of the
+    same conversation (in-context examples, as lm-eval's ``num_fewshot`` does): they teach a small base model
+    the answer format without training, so a run's reward measures correctness, not format. Their questions
+    are removed from the training and eval splits."""
 
     @field_validator("columns", mode="before")
     @classmethod

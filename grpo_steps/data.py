@@ -46,9 +46,12 @@ def load_rows(src: SourceConfig, size: int, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-def to_prompt(question: str, system_prompt: str | None) -> list[dict[str, str]]:
-    """Conversational prompt: optional system message, then the question as the user message."""
+def to_prompt(question: str, system_prompt: str | None, few_shot=()) -> list[dict[str, str]]:
+    """Conversational prompt: optional system message, the ``few_shot`` examples (objects with ``question``
+    and ``completion``) as user/assistant turns, then the question as the user message."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    for example in few_shot:
+        messages += [{"role": "user", "content": example.question}, {"role": "assistant", "content": example.completion}]
     return messages + [{"role": "user", "content": question}]
 
 
@@ -67,6 +70,7 @@ def _prepare_source(src: SourceConfig, cfg: DataConfig, num_train: int, num_eval
     rows = load_rows(src, size=2 * (num_train + num_eval), seed=cfg.seed)  # head-room for duplicates, budget
     kept_map = kept_columns(src)
     unique, duplicates = [], 0
+    seen |= {example.question.strip() for example in src.few_shot}  # an example is never a test item
     for row in rows:
         question = str(row[src.prompt_column]).strip()
         if not question or question in seen:
@@ -79,7 +83,7 @@ def _prepare_source(src: SourceConfig, cfg: DataConfig, num_train: int, num_eval
 
     kept, too_long = [], 0
     for row in unique:
-        prompt = to_prompt(row.pop("question"), src.system_prompt)
+        prompt = to_prompt(row.pop("question"), src.system_prompt, src.few_shot)
         if len(encode_prompt(tokenizer, prompt)) > cfg.max_prompt_tokens:
             too_long += 1
             continue

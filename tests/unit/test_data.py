@@ -29,6 +29,27 @@ def test_reasoning_gym_splits_share_no_prompt_and_keep_answers(tiny_tokenizer):
     assert row["answer"] != ""
 
 
+def test_few_shot_examples_come_between_system_and_question_and_never_as_items(tiny_tokenizer):
+    base = _cfg(num_train=60, num_eval=20, task_options={"min_terms": 2, "max_terms": 2, "max_digits": 1})
+    plain = prepare(base, tiny_tokenizer)
+    taken = plain.eval[0]["prompt"][-1]["content"]  # a real item of the task becomes an example
+    shots = [{"question": taken, "completion": "Answer: 1"}, {"question": "Calculate 10 + 20.", "completion": "Answer: 30"}]
+    data = prepare(base.model_copy(update={"few_shot": DataConfig(few_shot=shots).few_shot}), tiny_tokenizer)
+    for row in data.train + data.eval:
+        roles = [m["role"] for m in row["prompt"]]
+        assert roles == ["system", "user", "assistant", "user", "assistant", "user"]
+        assert [m["content"] for m in row["prompt"][1:5]] == [taken, "Answer: 1", "Calculate 10 + 20.", "Answer: 30"]
+    assert taken not in _questions(data.train) + _questions(data.eval)
+    assert taken in _questions(plain.train) + _questions(plain.eval)
+
+
+@pytest.mark.parametrize("shot, message", [({"question": "", "completion": "Answer: 1"}, "question"),
+                                            ({"question": "Calculate 1 + 1."}, "completion")])
+def test_bad_few_shot_example_names_the_key(shot, message):
+    with pytest.raises(ValueError, match=message):
+        DataConfig(few_shot=[shot])
+
+
 def test_same_seed_same_data_other_seed_other_data(tiny_tokenizer):
     assert prepare(_cfg(), tiny_tokenizer).digest() == prepare(_cfg(), tiny_tokenizer).digest()
     assert prepare(_cfg(), tiny_tokenizer).digest() != prepare(_cfg(seed=7), tiny_tokenizer).digest()
