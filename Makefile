@@ -22,11 +22,11 @@ $(BIN)/python:
 # the folder where pip's config keeps the CPU torch wheel (find-links) is handed on; UV_EXTRA_INDEX_URL
 # (e.g. PyTorch's CPU index) is read by uv itself.
 FIND_LINKS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
-UV_PIP = $(BIN)/uv pip --quiet --python $(BIN)/python
+UV_ARGS = --quiet --python $(BIN)/python
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet 'uv>=0.9,<1'
-	$(UV_PIP) install $(addprefix --find-links ,$(FIND_LINKS)) -e '.[cpu,dev]'
-	$(UV_PIP) uninstall torchvision torchaudio torchcodec
+	$(BIN)/uv pip install $(UV_ARGS) $(addprefix --find-links ,$(FIND_LINKS)) -e '.[cpu,dev]'
+	$(BIN)/uv pip uninstall $(UV_ARGS) torchvision torchaudio torchcodec
 	rm -f $(VENV)/.installed-*
 	touch $@
 
