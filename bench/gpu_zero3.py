@@ -111,7 +111,6 @@ def run_arm(arm: str, args, model_path: Path, workdir: Path) -> dict:
         from trl import GRPOTrainer
 
         from grpo_steps.train import grpo_args
-
         from rewards import bind_options, resolve_reward
 
         if args.zero3 and not torch.cuda.is_available():

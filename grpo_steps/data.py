@@ -51,7 +51,8 @@ def to_prompt(question: str, system_prompt: str | None, few_shot=()) -> list[dic
     and ``completion``) as user/assistant turns, then the question as the user message."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     for example in few_shot:
-        messages += [{"role": "user", "content": example.question}, {"role": "assistant", "content": example.completion}]
+        messages += [{"role": "user", "content": example.question},
+                     {"role": "assistant", "content": example.completion}]
     return messages + [{"role": "user", "content": question}]
 
 

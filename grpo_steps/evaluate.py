@@ -37,6 +37,27 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
+def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
+    """Mean gain ``after - before`` over prompts scored by both policies, and the half-width of its 95 %
+    normal-approximation interval: ``1.96 * sd(d) / sqrt(P)`` for the P per-prompt differences ``d`` (a paired
+    interval: each prompt is its own control; the standard error of a mean as lm-evaluation-harness's
+    ``mean_stderr``). The half-width is NaN with fewer than 2 prompts.
+
+    Raises:
+        ValueError: the lists differ in length or are empty.
+
+    >>> paired_gain([0.0, 0.0, 1.0, 0.0], [1.0, 0.0, 1.0, 1.0])
+    (0.5, 0.565...)
+    """
+    if len(before) != len(after) or not before:
+        raise ValueError(f"paired_gain needs two equally long, non-empty lists, got {len(before)} and {len(after)}")
+    diffs = [b - a for a, b in zip(before, after, strict=True)]
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return mean, float("nan")
+    return mean, 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5
+
+
 def score(cfg: PipelineConfig, rows: list[dict], completions: list[list[str]],
           completion_ids: list[list[list[int]]] | None = None) -> dict[str, list[list[float | None]]]:
     """Reward of each completion under each configured reward function (the training code path:
@@ -146,6 +167,11 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
     lengths = [[len(s["completion_ids"]) for s in group] for group in sampled]
 
     metrics = _metrics(cfg, n, scores, greedy_scores, lengths, list(range(len(rows))))
+    correctness = cfg.eval.correctness_reward
+    per_prompt = {  # for paired intervals between two policies on the same prompts (see paired_gain)
+        "accuracy": [float((g[0] or 0.0) >= CORRECTNESS_THRESHOLD) for g in greedy_scores[correctness]],
+        "pass@1": [_mean(float((s or 0.0) >= CORRECTNESS_THRESHOLD) for s in group) for group in scores[correctness]],
+    }
     counts, scored = guard.counters(), guard.scored()
     for spec in cfg.rewards:
         for kind in guard.KINDS:
@@ -169,4 +195,5 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
             **{name: scores[name][i][0] for name in scores},
         })
     # Fingerprint of the weights the server holds: greedy logprobs of the first prompt's completion.
-    return {"metrics": metrics, "samples": samples, "probe_logprobs": greedy[0][0]["logprobs"]}
+    return {"metrics": metrics, "samples": samples, "probe_logprobs": greedy[0][0]["logprobs"],
+            "per_prompt": per_prompt}

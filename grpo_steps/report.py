@@ -23,7 +23,8 @@ def _cell(value: float | None) -> str:
 
 
 def comparison_table(cfg: PipelineConfig, report: dict) -> str:
-    """Markdown table ``| metric | baseline | trained | change |`` over :func:`headline_metrics`, then the
+    """Markdown table ``| metric | baseline | trained | change |`` over :func:`headline_metrics` (the change with
+    its paired 95 % interval, ``± half-width``, where ``report["gain"]`` has one), then the
     reward guard's counts (timeouts, errors, None share per reward) of the trained policy's evaluation.
 
     >>> from grpo_steps.config import PipelineConfig
@@ -35,12 +36,20 @@ def comparison_table(cfg: PipelineConfig, report: dict) -> str:
     | pass@1 | 0.250 | 0.500 | +0.250 |
     | accuracy | 0.500 | 0.500 | +0.000 |
     | reward | 0.750 | 0.750 | +0.000 |
+    >>> gain = {"pass@1": 0.25, "pass@1_ci95": 0.1}
+    >>> print(comparison_table(cfg, {"baseline": {"metrics": m}, "trained": {"metrics": {**m, "pass@1": 0.5}},
+    ...                              "gain": gain}).splitlines()[2])
+    | pass@1 | 0.250 | 0.500 | +0.250 ± 0.100 |
     """
     base, trained = report["baseline"]["metrics"], report["trained"]["metrics"]
+    gain = report.get("gain", {})  # paired 95 % half-widths (grpo_steps.steps.gain_metrics)
     lines = ["| metric | baseline | trained | change |", "|---|---:|---:|---:|"]
     for name in headline_metrics(cfg):
         b, t = base.get(name), trained.get(name)
         change = f"{t - b:+.3f}" if b is not None and t is not None and not math.isnan(t - b) else "n/a"
+        half_width = gain.get(f"{name}_ci95")
+        if half_width is not None and not math.isnan(half_width) and change != "n/a":
+            change += f" ± {half_width:.3f}"
         lines.append(f"| {name} | {_cell(b)} | {_cell(t)} | {change} |")
     guard_rows = [name for name in trained if name.startswith("reward/") and name.count("/") == 2]
     if guard_rows:

@@ -183,7 +183,8 @@ def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
     """Baseline and trained policy on the eval split through the same server; metrics, samples, system
     metrics (while it runs) and the charts (``charts/*.png``) to MLflow.
 
-    Returns ``{"baseline": {"metrics", "samples"}, "trained": {...}}``.
+    Returns ``{"baseline": {"metrics", "samples", "per_prompt", ...}, "trained": {...}, "gain": {...}}``
+    (``gain``: trained minus baseline with paired 95 % intervals, :func:`gain_metrics`; MLflow ``eval/gain/...``).
     """
     from grpo_steps.monitor import system_metrics
 
@@ -216,6 +217,18 @@ def log_charts(cfg: PipelineConfig, run_id: str, report: dict) -> None:
         plt.close(figure)
 
 
+def gain_metrics(baseline: dict[str, list[float]], trained: dict[str, list[float]]) -> dict[str, float]:
+    """Trained minus baseline on the same prompts, per metric of ``per_prompt`` (see
+    :func:`grpo_steps.evaluate.evaluate_policy`): ``<metric>`` (mean gain) and ``<metric>_ci95`` (half-width of
+    its paired 95 % interval, :func:`grpo_steps.evaluate.paired_gain`)."""
+    from grpo_steps.evaluate import paired_gain
+
+    out = {}
+    for name in baseline:
+        out[name], out[f"{name}_ci95"] = paired_gain(baseline[name], trained[name])
+    return out
+
+
 def _evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str, trained_model: str,
               eval_rows: list[dict]) -> dict:
     from transformers import AutoTokenizer
@@ -231,8 +244,10 @@ def _evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str
         with _served_policy(cfg, generation_server, client, weights, label):
             report[label] = evaluate_policy(cfg, client, tokenizer, eval_rows, label=label)
         tracking.log_metrics(cfg, run_id, {f"eval/{label}/{k}": v for k, v in report[label]["metrics"].items()})
+    report["gain"] = gain_metrics(report["baseline"]["per_prompt"], report["trained"]["per_prompt"])
+    tracking.log_metrics(cfg, run_id, {f"eval/gain/{k}": v for k, v in report["gain"].items()})
     mlflow_client = tracking.client(cfg)
-    for label in report:
+    for label in ("baseline", "trained"):
         samples = report[label]["samples"]
         if samples:
             table = {key: [s[key] for s in samples] for key in samples[0]}

@@ -69,6 +69,13 @@ def test_metrics_params_and_registered_version_in_mlflow(flow_run):
     for label in ("baseline", "trained"):
         for metric in ("accuracy", "pass_at_1", "pass_at_2", "format_rate", "completion_length", "reward"):
             assert f"eval/{label}/{metric}" in mlflow_run.data.metrics
+    # trained minus baseline on the same prompts, with the half-width of its paired 95 % interval
+    report = run["evaluate"].task.data.eval_report
+    for metric, key in (("accuracy", "accuracy"), ("pass@1", "pass_at_1")):
+        gain = report["trained"]["metrics"][metric] - report["baseline"]["metrics"][metric]
+        assert report["gain"][metric] == pytest.approx(gain)
+        assert mlflow_run.data.metrics[f"eval/gain/{key}"] == pytest.approx(gain)
+        assert mlflow_run.data.metrics[f"eval/gain/{key}_ci95"] >= 0.0
     versions = client.search_model_versions(f"name = '{cfg.registry.model_name}'")
     assert len(versions) == 1
     version = versions[0]

@@ -33,7 +33,8 @@ def test_few_shot_examples_come_between_system_and_question_and_never_as_items(t
     base = _cfg(num_train=60, num_eval=20, task_options={"min_terms": 2, "max_terms": 2, "max_digits": 1})
     plain = prepare(base, tiny_tokenizer)
     taken = plain.eval[0]["prompt"][-1]["content"]  # a real item of the task becomes an example
-    shots = [{"question": taken, "completion": "Answer: 1"}, {"question": "Calculate 10 + 20.", "completion": "Answer: 30"}]
+    shots = [{"question": taken, "completion": "Answer: 1"},
+             {"question": "Calculate 10 + 20.", "completion": "Answer: 30"}]
     data = prepare(base.model_copy(update={"few_shot": DataConfig(few_shot=shots).few_shot}), tiny_tokenizer)
     for row in data.train + data.eval:
         roles = [m["role"] for m in row["prompt"]]

@@ -1,8 +1,9 @@
 import itertools
+import math
 
 import pytest
 
-from grpo_steps.evaluate import pass_at_k
+from grpo_steps.evaluate import paired_gain, pass_at_k
 from grpo_steps.register import gate
 
 
@@ -45,3 +46,29 @@ GATE_CASES = [
 @pytest.mark.parametrize(("trained", "baseline", "champion", "margin", "passes"), GATE_CASES)
 def test_quality_gate(trained, baseline, champion, margin, passes):
     assert gate(trained, baseline, champion, margin)[0] is passes
+
+
+@pytest.mark.parametrize(("before", "after", "gain", "half_width"), [
+    ([0.0] * 4, [1.0] * 4, 1.0, 0.0),                      # every prompt gains 1: no spread, zero width
+    ([1.0, 0.0, 1.0, 0.0], [1.0, 0.0, 1.0, 0.0], 0.0, 0.0),  # the same answers: no gain
+    ([0.0, 0.0, 1.0, 0.0], [1.0, 0.0, 1.0, 1.0], 0.5, 1.96 * math.sqrt(1 / 3) / 2),  # d = 1,0,0,1: sd sqrt(1/3)
+    ([1.0, 1.0], [0.0, 0.0], -1.0, 0.0),                   # a loss is negative
+])
+def test_paired_gain(before, after, gain, half_width):
+    assert paired_gain(before, after) == pytest.approx((gain, half_width))
+
+
+def test_paired_gain_width_shrinks_with_more_prompts():
+    # the same mix of per-prompt differences over 4x the prompts: sd sqrt(4/15), over sqrt(16)
+    large = paired_gain([0.0, 0.0, 1.0, 0.0] * 4, [1.0, 0.0, 1.0, 1.0] * 4)[1]
+    assert large == pytest.approx(1.96 * math.sqrt(4 / 15) / 4)
+    assert large < paired_gain([0.0, 0.0, 1.0, 0.0], [1.0, 0.0, 1.0, 1.0])[1] / 2
+
+
+def test_paired_gain_one_prompt_has_no_width_and_mismatched_lists_fail():
+    gain, width = paired_gain([0.0], [1.0])
+    assert gain == 1.0 and math.isnan(width)
+    with pytest.raises(ValueError, match="equally long"):
+        paired_gain([0.0, 1.0], [1.0])
+    with pytest.raises(ValueError, match="non-empty"):
+        paired_gain([], [])
