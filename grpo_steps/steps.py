@@ -259,8 +259,8 @@ def _evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str
 def _served_policy(cfg: PipelineConfig, generation_server, client, weights: str, label: str):
     """Make ``client`` sample from ``weights`` while the block runs: full weights are reloaded into the server;
     a LoRA adapter (``train.peft``) is loaded beside the base weights as ``{served}-lora-final`` and requested by
-    that name, then unloaded. A server without runtime LoRA (``runtime_lora``: ``kubernetes``) gets base + adapter
-    merged."""
+    that name, then unloaded. A server without runtime LoRA (``runtime_lora``: ``kubernetes``), or a run that pushes
+    merged weights (``train.peft.push: merged``), gets base + adapter merged."""
     from grpo_steps.lora import adapter_name, is_adapter_dir, merge_adapter
 
     client.model = client.base_model
@@ -269,7 +269,7 @@ def _served_policy(cfg: PipelineConfig, generation_server, client, weights: str,
         yield
         return
     base = json.loads((Path(weights) / "adapter_config.json").read_text())["base_model_name_or_path"]
-    if not generation_server.runtime_lora:
+    if not generation_server.runtime_lora or not cfg.serves_adapter:
         with scratch_dir() as merged:
             client.reload_weights(generation_server.stage_weights(merge_adapter(base, weights, merged), label))
         yield

@@ -290,8 +290,9 @@ def run(job: TrainJob) -> str:
         rollout = VLLMRollout(client, tokenizer, cfg.generation)
         trainer_class = ServerGRPOTrainer
         probe_tolerance, max_logp_diff = cfg.generation.sync_check.thresholds(cfg.model.dtype)
+        lora_push = cfg.train.peft.push if cfg.train.peft else None
         server_kwargs = dict(sync=disk_sync(client, tokenizer, rows[0]["prompt"], job.output_dir, probe_tolerance,
-                                            cfg.generation.sync_dir, lora=cfg.train.peft is not None),
+                                            cfg.generation.sync_dir, lora=lora_push),
                              max_logp_diff=max_logp_diff)
     elif cfg.generation.backend == "replay":
         rollout = ReplayRollout(cfg.generation.replay_file, tokenizer, cfg.generation)

@@ -86,6 +86,9 @@ class DiskSync:
     rollout_client: VLLMClient | None = None
     """LoRA (:class:`grpo_steps.lora.AdapterPush`): every rank's rollout client, pointed at the pushed adapter's
     model name after each verified push (rank 0's push does it for its own)."""
+    merge_lora: bool = False
+    """LoRA with ``train.peft.push: merged``: push base + adapter merged (:func:`grpo_steps.lora.merged_state_dict`)
+    as full weights."""
 
     def _log(self, name: str, value: float) -> None:
         # Always the training logs: a push serves the training's rollouts (the pipeline runs no TRL eval loop), and
@@ -99,15 +102,21 @@ class DiskSync:
         trainer, accelerator = self.trainer, self.trainer.accelerator
         version = trainer.state.global_step
         start = time.perf_counter()
-        # As Trainer.save_model: under DeepSpeed the engine gathers (ZeRO-3: a collective, the full dict on rank 0)
-        source = trainer.model_wrapped if trainer.is_deepspeed_enabled else trainer.model
-        state_dict = accelerator.get_state_dict(source)
+        policy_model = accelerator.unwrap_model(trainer.model)
+        if self.merge_lora:  # full weights under the base model's names (no ZeRO-3: config-checked)
+            from grpo_steps.lora import merged_state_dict
+
+            state_dict = merged_state_dict(policy_model) if accelerator.is_main_process else {}
+            policy_model = policy_model.get_base_model()
+        else:  # as Trainer.save_model: under DeepSpeed the engine gathers (ZeRO-3: a collective, the dict on rank 0)
+            source = trainer.model_wrapped if trainer.is_deepspeed_enabled else trainer.model
+            state_dict = accelerator.get_state_dict(source)
         gathered = time.perf_counter()
         parts = {"write_seconds": 0.0, "reload_seconds": 0.0}
         error: BaseException | None = None  # rank 0's failure, re-raised on every rank after the broadcast
         if accelerator.is_main_process:
             try:
-                parts = self.push.push(state_dict, version, model=accelerator.unwrap_model(trainer.model))
+                parts = self.push.push(state_dict, version, model=policy_model)
             except Exception as err:  # noqa: BLE001  (not swallowed: raised on every rank below)
                 error = err
         del state_dict
@@ -168,12 +177,13 @@ def sync_root(sync_dir: str | None, output_dir: str) -> Path:
 
 
 def disk_sync(client, tokenizer, probe_prompt, output_dir: str, probe_tolerance: float,
-              sync_dir: str | None = None, lora: bool = False) -> DiskSync:
+              sync_dir: str | None = None, lora: str | None = None) -> DiskSync:
     """The :class:`DiskSync` of a training process: rank 0 pushes into a fresh :func:`sync_root`; the probe is
     ``probe_prompt`` (a dataset prompt, chat template applied) cut to ``PROBE_TOKENS`` tokens; ``probe_tolerance``
-    in nats per token (``SyncCheckConfig.thresholds``). ``lora``: push the adapter only
-    (:class:`grpo_steps.lora.AdapterPush`) and point ``client`` (the rollout client, ``client.base_model`` the
-    served base model name) at it after each push."""
+    in nats per token (``SyncCheckConfig.thresholds``). ``lora`` (``train.peft.push``): ``adapter``, push the
+    adapter only (:class:`grpo_steps.lora.AdapterPush`) and point ``client`` (the rollout client,
+    ``client.base_model`` the served base model name) at it after each push; ``merged``, push base + adapter
+    merged as full weights; None: full fine-tuning."""
     from accelerate.state import PartialState
 
     from grpo_steps.data import encode_prompt
@@ -181,10 +191,10 @@ def disk_sync(client, tokenizer, probe_prompt, output_dir: str, probe_tolerance:
     push = None
     if PartialState().is_main_process:
         root = sync_root(sync_dir, output_dir)
-        push = AdapterPush(client, root, client.base_model) if lora else DiskWeightPush(client, root)
+        push = AdapterPush(client, root, client.base_model) if lora == "adapter" else DiskWeightPush(client, root)
     probe_ids = encode_prompt(tokenizer, probe_prompt)[:PROBE_TOKENS]
     return DiskSync(trainer=None, push=push, probe_ids=probe_ids, probe_tolerance=probe_tolerance,
-                    rollout_client=client if lora else None)
+                    rollout_client=client if lora == "adapter" else None, merge_lora=lora == "merged")
 
 
 class ServerGRPOTrainer(GRPOTrainer):

@@ -70,7 +70,7 @@ class LocalServer(GenerationServer):
         """Start a server on ``generation.server.host`` for ``model_path``; see :func:`start_local`."""
         return start_local(model_path, cfg.generation.server, max_model_len=cfg.model.max_model_len,
                            dtype=cfg.model.dtype, owner=owner,
-                           max_lora_rank=cfg.train.peft.max_lora_rank if cfg.train.peft else None)
+                           max_lora_rank=cfg.train.peft.max_lora_rank if cfg.serves_adapter else None)
 
     def summary(self) -> str:
         return f"{self.endpoint} supervisor_pid={self.supervisor_pid} log={self.log_path} (local)"

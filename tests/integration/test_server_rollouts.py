@@ -153,3 +153,25 @@ def test_colocate_mode_trains_with_vllm_inside_the_trainer(tmp_path, tiny_model_
     for h in history:
         assert "sampling/sampling_logp_difference/mean" in h
         assert "weight_sync/version" not in h  # TRL loads the weights itself
+
+
+def test_lora_merged_push_serves_base_plus_adapter(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
+    """``train.peft.push: merged`` on a server without LoRA support (the shared one): every push is verified (label
+    and probe: the server's logprobs are the PEFT policy's), and after the run the server no longer serves the base
+    weights."""
+    from grpo_steps.data import encode_prompt
+
+    job = _job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint,
+               train={"learning_rate": 1e-2, "peft": {"r": 8, "alpha": 16, "push": "merged"}})
+    client = VLLMClient(tiny_server.endpoint)
+    probe = encode_prompt(tiny_tokenizer, [{"role": "user", "content": "Calculate 1 + 2."}])
+    client.reload_weights(tiny_model_path)
+    base = client.prompt_logprobs(probe)
+    run(job)
+    history = _history(tmp_path)
+    assert [h["weight_sync/version"] for h in history] == [0, 1, 2]
+    assert all(h["weight_sync/probe_logp_diff"] < 1e-3 for h in history)
+    assert client.weight_version() == "step-2"
+    moved = sum(abs(a - b) for a, b in zip(client.prompt_logprobs(probe), base, strict=True)) / len(base)
+    assert moved > 1e-4  # merged adapter weights, not the base model
+    assert list((tmp_path / "sync").iterdir()) == []

@@ -24,6 +24,9 @@ BAD = [
     ({"registry": {"register": "adapter"}}, "registry.register 'adapter' registers a LoRA adapter"),  # no peft
     ({"registry": {"register": "lora"}, "train": {"peft": PEFT}}, "registry.register"),  # not merged|adapter
     ({"train": {"peft": PEFT, "grpo": {"sync_ref_model": True}}}, "sync_ref_model is not supported with train.peft"),
+    ({"train": {"peft": {**PEFT, "push": "weights"}}}, "train.peft.push"),  # adapter | merged
+    ({"train": {"peft": {**PEFT, "push": "merged"}, "deepspeed": True}},  # ZeRO-3 partitions the weights to merge
+     "train.peft.push 'merged' merges the adapter from one process's full weights"),
 ]
 
 
@@ -84,3 +87,38 @@ def test_registry_register_round_trips_under_its_own_name():
 def test_shipped_lora_config_trains_an_adapter():
     cfg = load_config(REPO_ROOT / "configs" / "lora.yaml")
     assert cfg.train.peft is not None and cfg.model.name_or_path == "embedded:SmolLM2-135M-Instruct"
+
+
+def test_merged_push_starts_no_lora_server_adapter_push_does():
+    merged = validate_config({"train": {"peft": {**PEFT, "push": "merged"}}})
+    assert not merged.serves_adapter and validate_config({"train": {"peft": PEFT}}).serves_adapter
+    assert not validate_config({}).serves_adapter  # full fine-tuning
+
+
+def test_merged_state_dict_is_base_plus_adapter_under_base_names(tiny_model_path):
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from grpo_steps.lora import merged_state_dict
+
+    torch.manual_seed(0)
+    base_names = set(AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict())
+    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path),
+                            validate_config({"train": {"peft": PEFT}}).train.peft.lora_config())
+    for name, param in policy.named_parameters():
+        if "lora_B" in name:  # B starts at 0 (a no-op adapter): give it a value so the merge shows
+            torch.nn.init.normal_(param, std=0.05)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    merged = merged_state_dict(policy)
+    assert set(merged) == base_names  # the base model's names, no lora_ entries
+    assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())  # the policy is not changed
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    plain.load_state_dict(merged)
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    policy.eval()
+    with torch.no_grad():
+        expected, got = policy(input_ids=ids).logits, plain(input_ids=ids).logits
+        unadapted = AutoModelForCausalLM.from_pretrained(tiny_model_path)(input_ids=ids).logits
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert not torch.allclose(got, unadapted, atol=1e-3)  # the adapter did change the weights
