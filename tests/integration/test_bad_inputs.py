@@ -149,8 +149,11 @@ def test_rewards_all_none_for_steps_in_a_row_stop_the_run(tmp_path, tiny_server)
 def test_an_interrupted_run_ends_killed_in_mlflow(tmp_path):
     """Ctrl+C (SIGINT) to the flow's runtime while prepare_data runs: the exit hook ends the run KILLED."""
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(flow_config()))
+    # Ctrl+C as in a terminal, also when the suite itself runs in the background (`make test &`), where the shell
+    # starts every process with SIGINT ignored and Python then installs no KeyboardInterrupt handler
     proc = subprocess.Popen([sys.executable, str(FLOW), "--config", "config", "run.yaml", "run"], cwd=tmp_path,
-                            env=flow_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=flow_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out, interrupted = [], []
     try:
         for line in proc.stdout:

