@@ -175,3 +175,27 @@ def test_lora_merged_push_serves_base_plus_adapter(tmp_path, tiny_model_path, ti
     moved = sum(abs(a - b) for a, b in zip(client.prompt_logprobs(probe), base, strict=True)) / len(base)
     assert moved > 1e-4  # merged adapter weights, not the base model
     assert list((tmp_path / "sync").iterdir()) == []
+
+
+def test_an_idle_local_server_leaves_the_cores_to_the_trainer(tiny_server):
+    """vLLM's worker busy-polls its message queue for 1 s after every request (``SpinCondition``), holding one of
+    the cores the trainer then computes on; the worker extension shortens that to ``IDLE_SPIN_S`` on CPU. Measured
+    as the CPU time of the whole server process tree in the second after a completion (1.0 s before the fix)."""
+    import time
+
+    import psutil
+
+    from grpo_steps.vllm_worker import IDLE_SPIN_S
+
+    tree = psutil.Process(tiny_server.supervisor_pid)
+    procs = [tree, *tree.children(recursive=True)]
+
+    def cpu_seconds() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+    client = VLLMClient(tiny_server.endpoint)
+    client.complete([[1, 2, 3, 4]], 4, max_tokens=8, temperature=1.0)
+    before = cpu_seconds()
+    time.sleep(1.0)
+    idle = cpu_seconds() - before
+    assert idle < 0.25 + IDLE_SPIN_S, f"the server used {idle:.2f} CPU-s in the second after a request: it spins"
