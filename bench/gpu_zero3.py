@@ -87,6 +87,7 @@ def job_for(args, model_path: Path, workdir: Path):
         base["data"].update(num_train=64)
         base["train"].update(num_generations=8, per_device_train_batch_size=16)
     base["train"].update(max_steps=args.steps, save_steps=args.steps, deepspeed=args.zero3, logging_steps=1)
+    base["eval"].update(every_steps=0)  # step time only: no held-out evaluation during training
     cfg = validate_config(base)
     rows = prepare(cfg.data, AutoTokenizer.from_pretrained(model_path)).train
     train_file = workdir / "train.jsonl"

@@ -54,7 +54,8 @@ def main() -> None:
                                                   if args.completion_tokens else {})}
         data = {**base.data.model_dump(), **({"system_prompt": args.system_prompt} if args.system_prompt else {})}
         base = base.model_validate({**base.model_dump(), "generation": gen, "data": data})
-    overrides = {"train": {**base.train.model_dump(), "max_steps": args.steps, "save_steps": 10_000}}
+    overrides = {"train": {**base.train.model_dump(), "max_steps": args.steps, "save_steps": 10_000},
+                 "eval": {**base.eval.model_dump(), "every_steps": 0}}  # step time only: no evaluation during training
     model_path = resolve_model(base.model.name_or_path)
     from transformers import AutoTokenizer
 
