@@ -17,6 +17,7 @@ worker process otherwise busy-polls its message queue for 1 s (``shm_broadcast.S
 from __future__ import annotations
 
 import inspect
+import sys
 
 IDLE_SPIN_S = 0.01
 """Seconds the vLLM worker keeps busy-polling for the next engine step after one (vLLM's default: 1 s).
@@ -32,7 +33,7 @@ def limit_idle_spin(seconds: float = IDLE_SPIN_S) -> bool:
     before the worker builds its queues (``WorkerProc``: extension resolved in ``init_worker``, queues after).
 
     Returns whether the default was changed: False off CPU (a GPU server keeps vLLM's latency trade-off) or
-    when this vLLM has no such parameter (then nothing is changed).
+    when this vLLM has no such last parameter (then nothing is changed and stderr says so).
     """
     from vllm.platforms import current_platform
 
@@ -41,10 +42,11 @@ def limit_idle_spin(seconds: float = IDLE_SPIN_S) -> bool:
     try:
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
     except ImportError:
-        return False
-    init = SpinCondition.__init__
-    names = [p.name for p in inspect.signature(init).parameters.values() if p.default is not inspect.Parameter.empty]
-    if not names or names[-1] != "busy_loop_s" or len(init.__defaults__ or ()) != len(names):
+        SpinCondition = None
+    init = getattr(SpinCondition, "__init__", None)
+    if init is None or list(inspect.signature(init).parameters)[-1] != "busy_loop_s" or not init.__defaults__:
+        print("[grpo_steps.vllm_worker] this vLLM has no SpinCondition(busy_loop_s): its worker may spin a core for "
+              "1 s after each request", file=sys.stderr)
         return False
     init.__defaults__ = (*init.__defaults__[:-1], seconds)
     return True

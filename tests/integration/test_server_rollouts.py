@@ -2,7 +2,9 @@
 step, one verified weight version per push, and a server that keeps stale weights stopping the run."""
 
 import json
+import time
 
+import psutil
 import pytest
 import requests
 
@@ -181,12 +183,7 @@ def test_an_idle_local_server_leaves_the_cores_to_the_trainer(tiny_server):
     """vLLM's worker busy-polls its message queue for 1 s after every request (``SpinCondition``), holding one of
     the cores the trainer then computes on; the worker extension shortens that to ``IDLE_SPIN_S`` on CPU. Measured
     as the CPU time of the whole server process tree in the second after a completion (1.0 s before the fix)."""
-    import time
-
-    import psutil
-
-    from grpo_steps.vllm_worker import IDLE_SPIN_S
-
+    from grpo_steps.vllm_worker import IDLE_SPIN_S  # imports vLLM: here, not at collection
     tree = psutil.Process(tiny_server.supervisor_pid)
     procs = [tree, *tree.children(recursive=True)]
 
