@@ -1,6 +1,7 @@
 """Benchmark: one ``disk`` weight push, before (``save_pretrained`` into one reused directory + reload) and after
-(safetensors straight into a fresh ``/dev/shm`` directory + reload + CPU GEMM refresh + version label + probe
-check), alternating on one local vLLM server so both see the same machine load.
+(safetensors into a new ``/dev/shm`` directory, from the third push an older push's file rewritten in place + reload +
+CPU GEMM refresh of a tied head + version label + probe check), alternating on one local vLLM server so both see the
+same machine load.
 
     .venv/bin/python bench/weight_sync.py [--model embedded:SmolLM2-135M-Instruct] [--pushes 8]
 
@@ -92,7 +93,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     print(f"| before: `save_pretrained` + reload | {med['before_write']:.2f} | {med['before_reload']:.2f} | - | "
           f"{med['before_total']:.2f} |")
-    print(f"| after: safetensors, fresh dir + reload + refresh + check | {med['after_write']:.2f} | "
+    print(f"| after: new dir (older push rewritten in place) + reload + check | {med['after_write']:.2f} | "
           f"{med['after_reload']:.2f} | {med['after_verify']:.2f} | {med['after_total']:.2f} |")
     print(f"\nprobe mean |server - policy| logp after a push: {med['probe_diff']:.2e} nats/token")
 

@@ -1,18 +1,20 @@
 """Generation through the vLLM server and the ``disk`` weight sync.
 
 Disk sync (works on CPU and GPU): rank 0 writes the policy's weights as one safetensors file into a
-fresh directory (``write_safetensors``; vLLM issue #32718: reloading from the same directory can
-serve stale weights), then asks the server (started with ``VLLM_SERVER_DEV_MODE=1``) to
-``/pause?mode=wait`` -> ``/collective_rpc reload_weights(weights_path=DIR)`` ->
-``/reset_prefix_cache`` -> ``/resume``, and records the push's version (``/update_weight_version``).
-Rollouts use the OpenAI-compatible ``/v1/completions`` with token-id prompts, ``n`` samples, the
-sampled tokens' logprobs and their ids. :class:`DiskWeightPush` does one push and
-:func:`check_served_version` verifies that the server serves it (an HTTP 200 does not prove the weights
-changed, vLLM RFC #48312).
+new directory per push (``write_safetensors``, or ``overwrite_safetensors`` of an older push's file
+moved there; vLLM issue #32718: reloading from the same directory can serve stale weights), then asks
+the server (started with ``VLLM_SERVER_DEV_MODE=1``) to ``/pause?mode=wait`` ->
+``/collective_rpc reload_weights(weights_path=DIR)`` -> ``/reset_prefix_cache`` -> ``/resume``, and
+records the push's version (``/update_weight_version``). Rollouts use the OpenAI-compatible
+``/v1/completions`` with token-id prompts, ``n`` samples, the sampled tokens' logprobs and their ids.
+:class:`DiskWeightPush` does one push and :func:`check_served_version` verifies that the server serves
+it (an HTTP 200 does not prove the weights changed, vLLM RFC #48312).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import sys
 import time
@@ -207,6 +209,65 @@ def write_safetensors(state_dict: dict, directory: str | Path, model=None) -> Pa
     return directory
 
 
+_SAFETENSORS_DTYPES = {"F64": "torch.float64", "F32": "torch.float32", "F16": "torch.float16",
+                       "BF16": "torch.bfloat16", "I64": "torch.int64", "I32": "torch.int32", "I16": "torch.int16",
+                       "I8": "torch.int8", "U8": "torch.uint8", "BOOL": "torch.bool"}
+
+
+def _safetensors_layout(path: Path) -> tuple[int, dict]:
+    """(offset of the data section in bytes, the header's tensor entries) of the safetensors file ``path``
+    (format: 8-byte little-endian header length, JSON header, data; huggingface/safetensors README)."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return 8 + length, header
+
+
+def overwrite_safetensors(state_dict: dict, old: str | Path, directory: str | Path, model=None) -> Path | None:
+    """Move the push directory ``old`` to ``directory`` and overwrite its ``model.safetensors`` in place with
+    ``state_dict`` when the file holds exactly these tensors (names, dtypes, shapes): the bytes a fresh
+    :func:`write_safetensors` would write, without allocating fresh RAM-disk pages (on the 2-core CPU,
+    SmolLM2-135M: ~0.10 s instead of ~0.19 s, 2026-11-24). The server reads it under the new path only.
+
+    Returns ``directory``, or None when the layout differs (then ``old`` is removed and nothing written).
+
+    Raises:
+        FileExistsError: ``directory`` exists.
+        OSError: the file could not be written (``directory`` is then removed).
+    """
+    import torch
+
+    old, directory = Path(old), Path(directory)
+    if directory.exists():
+        raise FileExistsError(directory)
+    tensors = checkpoint_state_dict(state_dict, model)
+    start, header = _safetensors_layout(old / "model.safetensors")
+    if header.keys() != tensors.keys() or any(
+            _SAFETENSORS_DTYPES.get(entry["dtype"]) != str(tensors[name].dtype)
+            or list(entry["shape"]) != list(tensors[name].shape) for name, entry in header.items()):
+        shutil.rmtree(old, ignore_errors=True)
+        return None
+    old.rename(directory)
+    try:
+        fd = os.open(directory / "model.safetensors", os.O_WRONLY)
+        try:
+            for name, entry in header.items():
+                data = memoryview(tensors[name].reshape(-1).view(torch.uint8).numpy())
+                offset, end = start + entry["data_offsets"][0], start + entry["data_offsets"][1]
+                if end - offset != len(data):
+                    raise OSError(f"{name}: {len(data)} bytes do not fit the file's {end - offset}")
+                while data:  # os.pwrite may write less than asked (at most ~2 GiB at once on Linux)
+                    written = os.pwrite(fd, data, offset)
+                    data, offset = data[written:], offset + written
+        finally:
+            os.close(fd)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return directory
+
+
 def save_weights(model, directory: str | Path, state_dict: dict | None = None) -> Path:
     """Write ``model``'s weights (or the given full ``state_dict``) as safetensors into ``directory``
     with ``save_pretrained`` (config and generation config too). Call on rank 0 only. Returns the dir."""
@@ -217,15 +278,19 @@ def save_weights(model, directory: str | Path, state_dict: dict | None = None) -
 
 @dataclass
 class DiskWeightPush:
-    """Rank 0's half of ``disk`` sync: each push writes ``root/v{version}``, reloads the server from it,
-    labels the server's weights ``step-{version}`` and removes the previous push's directory.
+    """Rank 0's half of ``disk`` sync: each push writes ``root/v{version}``, reloads the server from it and
+    labels the server's weights ``step-{version}``.
 
-    ``root`` should be RAM-backed (``/dev/shm``) and readable by the server.
+    From the third push on, the directory of the push before the previous one is renamed to ``v{version}`` and its
+    file overwritten in place (:func:`overwrite_safetensors`): a new path per push, every byte rewritten, no fresh
+    RAM-disk pages. So two pushes' files are kept (``current``, ``spare``); ``root`` should be RAM-backed
+    (``/dev/shm``) with room for two copies of the weights, and readable by the server.
     """
 
     client: VLLMClient
     root: Path
     current: Path | None = field(default=None, init=False)
+    spare: Path | None = field(default=None, init=False)
 
     def push(self, state_dict: dict, version: int, model=None) -> dict[str, float]:
         """Write, reload, label. Returns ``{"write_seconds": s, "reload_seconds": s}``.
@@ -237,14 +302,15 @@ class DiskWeightPush:
         directory = Path(self.root) / f"v{version}"
         if directory.exists():  # a retried push of the same step: never reload a reused directory
             shutil.rmtree(directory)
-        write_safetensors(state_dict, directory, model=model)
+            self.current = None if self.current == directory else self.current
+        spare, self.spare = self.spare, None
+        if spare is None or overwrite_safetensors(state_dict, spare, directory, model=model) is None:
+            write_safetensors(state_dict, directory, model=model)
         written = time.perf_counter()
         self.client.reload_weights(directory)
         self.client.set_weight_version(version_label(version))
         reloaded = time.perf_counter()
-        previous, self.current = self.current, directory
-        if previous is not None and previous != directory:
-            shutil.rmtree(previous, ignore_errors=True)
+        self.spare, self.current = self.current, directory
         return {"write_seconds": written - start, "reload_seconds": reloaded - written}
 
     def served_label(self) -> str:
@@ -252,10 +318,11 @@ class DiskWeightPush:
         return self.client.weight_version()
 
     def close(self) -> None:
-        """Remove the last push's directory (the server keeps its weights in memory)."""
-        if self.current is not None:
-            shutil.rmtree(self.current, ignore_errors=True)
-            self.current = None
+        """Remove the pushes' directories (the server keeps its weights in memory)."""
+        for directory in (self.current, self.spare):
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
+        self.current = self.spare = None
 
 
 def version_label(version: int) -> str:

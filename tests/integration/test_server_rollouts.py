@@ -124,6 +124,42 @@ def test_a_reload_serves_the_written_weights_tied_head_included(tmp_path, tiny_m
         client.reload_weights(tiny_model_path)
 
 
+def test_successive_pushes_serve_each_version_from_two_rewritten_directories(tmp_path, tiny_model_path,
+                                                                             tiny_tokenizer, tiny_server):
+    """From the third push on, ``DiskWeightPush`` moves the push before the previous one to the new version's name and
+    rewrites its file in place: the server serves every version's weights (tied head included), under a new path each
+    time, and only the last two pushes' directories are kept."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_steps.data import encode_prompt, to_prompt
+    from grpo_steps.trainer import policy_logprobs
+    from grpo_steps.weight_sync import DiskWeightPush
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    client = VLLMClient(tiny_server.endpoint)
+    push = DiskWeightPush(client, tmp_path / "sync")
+    ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
+    served_before = client.prompt_logprobs(ids)
+    try:
+        for version in range(4):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+            push.push(model.state_dict(), version, model=model)
+            served, policy = client.prompt_logprobs(ids), policy_logprobs(model, ids)
+            assert max(abs(a - b) for a, b in zip(served, policy, strict=True)) < 1e-4, version
+            assert max(abs(a - b) for a, b in zip(served, served_before, strict=True)) > 1e-3, version
+            served_before = served
+            assert client.weight_version() == f"step-{version}"
+            kept = sorted(d.name for d in (tmp_path / "sync").iterdir())
+            assert kept == ([f"v{version - 1}"] if version else []) + [f"v{version}"]
+        push.close()
+        assert list((tmp_path / "sync").iterdir()) == []
+    finally:
+        client.reload_weights(tiny_model_path)
+
+
 def test_zero3_two_processes_push_verify_and_correct(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
     """DeepSpeed ZeRO-3 over 2 CPU processes (gloo): the push gathers on every rank, rank 0 writes, every rank
     scores the probe and learns the verdict; TRL's correction runs on each rank's share of the batch."""
