@@ -339,8 +339,9 @@ class GenerationConfig(_Section):
     load (``model.load_weights``) fails there, or, where the weight is kept, never reaches the kernels (the
     sampler stays on the start-up weights)."""
     sync_dir: str | None = None
-    """Where ``disk`` sync writes the pushed weights (a fresh directory per push, the previous one
-    removed); the server must read it. Null: ``/dev/shm`` (RAM) when it exists, else the trainer's output dir."""
+    """Where ``disk`` sync writes the pushed weights (a new directory per push; the last two pushes' are kept, the
+    older one is rewritten in place for the next push: room for two copies of the weights); the server must read
+    it. Null: ``/dev/shm`` (RAM) when it exists, else the trainer's output dir."""
     importance_sampling: ImportanceSamplingConfig = ImportanceSamplingConfig()
     """Trainer–inference mismatch correction (backend ``vllm``); on by default, as in TRL."""
     sync_check: SyncCheckConfig = SyncCheckConfig()
