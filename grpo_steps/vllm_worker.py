@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections import Counter
 
 IDLE_SPIN_S = 0.01
 """Seconds the vLLM worker keeps busy-polling for the next engine step after one (vLLM's default: 1 s).
@@ -74,11 +75,8 @@ class WorkerExtension:
         if not current_platform.is_cpu():
             return 0
         modules = list(self.model_runner.get_model().modules())
-        holders: dict[int, int] = {}  # weight storage -> number of modules holding it
-        for module in modules:
-            weight = getattr(module, "weight", None)
-            if weight is not None and weight.numel() > 0:
-                holders[weight.data_ptr()] = holders.get(weight.data_ptr(), 0) + 1
+        holders = Counter(m.weight.data_ptr() for m in modules  # weight storage -> modules holding it
+                          if getattr(m, "weight", None) is not None and m.weight.numel() > 0)
         rebuilt = 0
         for module in modules:
             weight = getattr(module, "weight", None)

@@ -302,7 +302,8 @@ class DiskWeightPush:
         directory = Path(self.root) / f"v{version}"
         if directory.exists():  # a retried push of the same step: never reload a reused directory
             shutil.rmtree(directory)
-            self.current = None if self.current == directory else self.current
+            if self.current == directory:
+                self.current = None
         spare, self.spare = self.spare, None
         if spare is None or overwrite_safetensors(state_dict, spare, directory, model=model) is None:
             write_safetensors(state_dict, directory, model=model)
