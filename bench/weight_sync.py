@@ -1,7 +1,12 @@
-"""Benchmark: one ``disk`` weight push, before (``save_pretrained`` into one reused directory + reload) and after
-(safetensors into a new ``/dev/shm`` directory, from the third push an older push's file rewritten in place + reload +
-CPU GEMM refresh of a tied head + version label + probe check), alternating on one local vLLM server so both see the
-same machine load.
+"""Benchmark: one ``disk`` weight push on one local vLLM server, three arms alternating so all see the same load:
+
+- ``save_pretrained``: the first design, ``save_pretrained`` into one reused directory + vLLM's ``reload_weights``;
+- ``vllm reload``: safetensors into a new ``/dev/shm`` directory (from the third push an older push's file rewritten
+  in place) + vLLM's ``reload_weights`` + the tied-head handle rebuild (``load_weights_from(direct=False)``);
+- ``direct``: the same files, each CPU GEMM handle made straight from the file (``load_weights_from``, the default).
+
+Each push is followed by the trainer's check (version label + the server's probe, :func:`check_served_version`); the
+policy's own probe, which runs only when TRL's first-batch check cannot, is timed separately.
 
     .venv/bin/python bench/weight_sync.py [--model embedded:SmolLM2-135M-Instruct] [--pushes 8]
 
@@ -37,6 +42,7 @@ def main() -> None:
         VLLMClient,
         check_served_version,
         save_weights,
+        weights_fingerprint,
     )
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -51,51 +57,64 @@ def main() -> None:
                          dtype="float32", owner=ProcessRef.of(os.getpid()))
     client = VLLMClient(handle.endpoint)
     scratch = Path(tempfile.mkdtemp(prefix="grpo-bench-sync-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    push = DiskWeightPush(client, scratch / "after")
-    rows: dict[str, list[float]] = {k: [] for k in ("before_write", "before_reload", "before_total", "after_write",
-                                                    "after_reload", "after_verify", "after_total", "probe_diff")}
+    arms = {"vllm reload": DiskWeightPush(client, scratch / "vllm", direct=False),
+            "direct": DiskWeightPush(client, scratch / "direct")}
+    rows: dict[str, dict[str, list[float]]] = {name: {} for name in ["save_pretrained", *arms]}
+    policy_probe: list[float] = []
+    probe_diff: list[float] = []
     history: list[ProbeRecord] = []
+    version = 0
+
+    def add(arm: str, **seconds: float) -> None:
+        for key, value in seconds.items():
+            rows[arm].setdefault(key, []).append(value)
+
     try:
-        for version in range(args.pushes + 1):
+        for push_index in range(args.pushes + 1):
+            warm = push_index > 0
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 1e-4)
             start = time.perf_counter()
-            save_weights(model, scratch / "before")  # the old path: one directory, save_pretrained extras
+            save_weights(model, scratch / "before")
             written = time.perf_counter()
-            client.reload_weights(scratch / "before")
-            done = time.perf_counter()
-            if version:
-                rows["before_write"].append(written - start)
-                rows["before_reload"].append(done - written)
-                rows["before_total"].append(done - start)
-            start = time.perf_counter()
-            parts = push.push(model.state_dict(), version, model=model)
-            pushed = time.perf_counter()
-            record = ProbeRecord(version, policy_logprobs(model, probe), client.prompt_logprobs(probe))
-            check_served_version(record, history, client.weight_version(), 0.05, step=version + 1)
-            history = (history + [record])[-4:]
-            done = time.perf_counter()
-            if version:
-                rows["after_write"].append(parts["write_seconds"])
-                rows["after_reload"].append(parts["reload_seconds"])
-                rows["after_verify"].append(done - pushed)
-                rows["after_total"].append(done - start)
-                gap = sum(abs(a - b) for a, b in zip(record.served, record.policy, strict=True))
-                rows["probe_diff"].append(gap / len(record.policy))
+            client.reload_weights(scratch / "before", direct=False)
+            if warm:
+                add("save_pretrained", write=written - start, reload=time.perf_counter() - written)
+            for arm, push in arms.items():
+                start = time.perf_counter()
+                state_dict = model.state_dict()
+                weights = weights_fingerprint(state_dict)
+                parts = push.push(state_dict, version, model=model)
+                pushed = time.perf_counter()
+                record = ProbeRecord(version, weights, client.prompt_logprobs(probe))
+                check_served_version(record, history, client.weight_version(), 0.05, step=version + 1)
+                history = (history + [record])[-4:]
+                done = time.perf_counter()
+                version += 1
+                if warm:
+                    add(arm, write=parts["write_seconds"], reload=parts["reload_seconds"], verify=done - pushed,
+                        total=done - start)
+                if push.direct:  # the policy probe: only when the first-batch check is off
+                    probe_start = time.perf_counter()
+                    policy = policy_logprobs(model, probe)
+                    if warm:
+                        policy_probe.append(time.perf_counter() - probe_start)
+                        probe_diff.append(sum(abs(a - b) for a, b in zip(record.served, policy, strict=True))
+                                          / len(policy))
     finally:
         handle.stop()
         shutil.rmtree(scratch, ignore_errors=True)
-    med = {k: statistics.median(v) for k, v in rows.items()}
+    med = {arm: {k: statistics.median(v) for k, v in parts.items()} for arm, parts in rows.items()}
     print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f}, model {args.model}, {args.pushes} pushes per arm (medians, s)\n")
-    print("| path | write | reload | verify | total |")
+    print("| path | write | reload | verify (label + server probe) | total |")
     print("|---|---|---|---|---|")
-    print(f"| before: `save_pretrained` + reload | {med['before_write']:.2f} | {med['before_reload']:.2f} | - | "
-          f"{med['before_total']:.2f} |")
-    print(f"| after: new dir (older push rewritten in place) + reload + check | {med['after_write']:.2f} | "
-          f"{med['after_reload']:.2f} | {med['after_verify']:.2f} | {med['after_total']:.2f} |")
-    print(f"\nprobe mean |server - policy| logp after a push: {med['probe_diff']:.2e} nats/token")
+    for arm, m in med.items():
+        total = m.get("total", m["write"] + m["reload"])
+        print(f"| {arm} | {m['write']:.3f} | {m['reload']:.3f} | {m.get('verify', float('nan')):.3f} | {total:.3f} |")
+    print(f"\npolicy probe (only with the first-batch check off): {statistics.median(policy_probe):.3f} s; "
+          f"probe mean |server - policy| logp after a direct push: {statistics.median(probe_diff):.2e} nats/token")
 
 
 if __name__ == "__main__":

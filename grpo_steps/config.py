@@ -282,13 +282,15 @@ class SyncCheckConfig(_Section):
 
     Every push gets a version (the optimizer step) recorded on the server (``/update_weight_version``)
     and read back (``/weight_info``); a fixed probe sequence is then scored by the server
-    (``prompt_logprobs``) and by the policy, and the first rollout batch's mean |logp difference| is
-    compared with ``max_logp_diff``. A failed check stops training with ``GenerationServerError``."""
+    (``prompt_logprobs``), which must not answer it exactly as for an earlier push of other weights, and the
+    first rollout batch's mean |logp difference| is compared with ``max_logp_diff``. Where that comparison
+    cannot run (importance sampling off, or ``max_logp_diff: null``) the policy scores the probe too and the
+    two must agree within ``probe_tolerance``. A failed check stops training with ``GenerationServerError``."""
 
     probe_tolerance: float | Literal["auto"] = "auto"
     """Mean |server logp - policy logp| over the probe's tokens (nats per token) above which the server is
-    taken to serve other weights than the version just pushed. ``auto``: 1e-3 when ``model.dtype`` is
-    float32 (measured kernel noise 1e-8..1e-5), 0.05 for 16-bit weights."""
+    taken to serve other weights than the version just pushed (checked when the first batch is not). ``auto``:
+    1e-3 when ``model.dtype`` is float32 (measured kernel noise 1e-8..1e-5), 0.05 for 16-bit weights."""
     max_logp_diff: float | Literal["auto"] | None = "auto"
     """Largest mean |sampling logp - policy logp| (nats per token) of the first batch after a push
     (TRL's ``sampling/sampling_logp_difference/mean``); null: not checked. Needs importance sampling on.

@@ -4,11 +4,11 @@ Disk sync (works on CPU and GPU): rank 0 writes the policy's weights as one safe
 new directory per push (``write_safetensors``, or ``overwrite_safetensors`` of an older push's file
 moved there; vLLM issue #32718: reloading from the same directory can serve stale weights), then asks
 the server (started with ``VLLM_SERVER_DEV_MODE=1``) to ``/pause?mode=wait`` ->
-``/collective_rpc reload_weights(weights_path=DIR)`` -> ``/reset_prefix_cache`` -> ``/resume``, and
-records the push's version (``/update_weight_version``). Rollouts use the OpenAI-compatible
-``/v1/completions`` with token-id prompts, ``n`` samples, the sampled tokens' logprobs and their ids.
-:class:`DiskWeightPush` does one push and :func:`check_served_version` verifies that the server serves
-it (an HTTP 200 does not prove the weights changed, vLLM RFC #48312).
+``/collective_rpc load_weights_from(weights_path=DIR)`` (:mod:`grpo_steps.vllm_worker`) ->
+``/reset_prefix_cache`` -> ``/resume``, and records the push's version (``/update_weight_version``).
+Rollouts use the OpenAI-compatible ``/v1/completions`` with token-id prompts, ``n`` samples, the sampled
+tokens' logprobs and their ids. :class:`DiskWeightPush` does one push and :func:`check_served_version`
+verifies that the server serves it (an HTTP 200 does not prove the weights changed, vLLM RFC #48312).
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ class VLLMClient:
     def __post_init__(self) -> None:
         self.base_model = self.model  # the base weights' name; ``model`` may become a LoRA adapter's name
         self._http = _session()
-        self._has_refresh: bool | None = None  # the server has grpo_steps.vllm_worker's refresh_cpu_gemm
+        self._has_extension: bool | None = None  # the server has grpo_steps.vllm_worker's WorkerExtension
+        self.load_path: str | None = None
+        """How the last reload ran: ``direct`` or ``vllm: <why not direct>`` (see :meth:`reload_weights`)."""
 
     def _request(self, method: str, path: str, **kwargs) -> requests.Response:
         try:
@@ -67,37 +69,42 @@ class VLLMClient:
     def _post(self, path: str, **kwargs) -> requests.Response:
         return self._request("POST", path, **kwargs)
 
-    def reload_weights(self, weights_dir: str | Path) -> float:
+    def reload_weights(self, weights_dir: str | Path, direct: bool = True) -> float:
         """Make the server load the safetensors in ``weights_dir`` (same architecture). Returns seconds taken.
 
-        Then rebuilds the CPU GEMM handles that vLLM's reload leaves stale (a tied LM head, see
-        :mod:`grpo_steps.vllm_worker`) when the server has that extension; a server without it (started
-        elsewhere) is told once on stderr, and the weight-sync checks stay the guard.
+        Through :meth:`grpo_steps.vllm_worker.WorkerExtension.load_weights_from` when the server has that
+        extension (the local provider starts it so): on CPU each layer's GEMM handle is made straight from the
+        file (unless ``direct`` is false: vLLM's reload), and a tied LM head is not left stale; ``load_path`` then
+        says which path ran. A server without it (started elsewhere) gets vLLM's ``reload_weights`` and is told
+        once on stderr; the weight-sync checks stay the guard.
         """
         start = time.perf_counter()
         self._post("/pause", params={"mode": "wait"})
         try:
-            self._post("/collective_rpc", json={"method": "reload_weights",
-                                                "kwargs": {"weights_path": str(weights_dir)}})
-            self._refresh_cpu_gemm()
+            self._load(str(weights_dir), direct)
             self._post("/reset_prefix_cache")
         finally:
             self._post("/resume")
         return time.perf_counter() - start
 
-    def _refresh_cpu_gemm(self) -> None:
-        if self._has_refresh is False:
-            return
-        try:
-            self._post("/collective_rpc", json={"method": "refresh_cpu_gemm"})
-            self._has_refresh = True
-        except GenerationServerError as err:
-            if self._has_refresh is None and "refresh_cpu_gemm" in str(err):
-                self._has_refresh = False
-                print(f"[weight-sync] {self.endpoint} has no grpo_steps.vllm_worker.WorkerExtension: a tied LM head "
-                      "may keep its old weights after reloads on CPU (the sync checks will tell)", file=sys.stderr)
-            else:
-                raise
+    def _load(self, weights_dir: str, direct: bool) -> None:
+        if self._has_extension is not False:
+            try:
+                results = self._post("/collective_rpc", json={"method": "load_weights_from",
+                                                              "kwargs": {"weights_path": weights_dir,
+                                                                         "direct": direct}}).json()
+                self._has_extension = True
+                self.load_path = ", ".join(sorted(set(map(str, results.get("results", [])))))
+                return
+            except GenerationServerError as err:
+                if self._has_extension is not None or "load_weights_from" not in str(err):
+                    raise
+                self._has_extension = False
+                print(f"[weight-sync] {self.endpoint} has no grpo_steps.vllm_worker.WorkerExtension: vLLM's own "
+                      "reload runs, and on CPU a tied LM head may keep its old weights (the sync checks will tell)",
+                      file=sys.stderr)
+        self._post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": weights_dir}})
+        self.load_path = "vllm: the server has no grpo_steps.vllm_worker extension"
 
     def set_weight_version(self, version: str) -> None:
         """Label the weights the server now serves (vLLM dev route ``/update_weight_version``). A label only:
@@ -289,6 +296,8 @@ class DiskWeightPush:
 
     client: VLLMClient
     root: Path
+    direct: bool = True
+    """Load through the direct CPU path where it applies (:meth:`VLLMClient.reload_weights`)."""
     current: Path | None = field(default=None, init=False)
     spare: Path | None = field(default=None, init=False)
 
@@ -308,7 +317,7 @@ class DiskWeightPush:
         if spare is None or overwrite_safetensors(state_dict, spare, directory, model=model) is None:
             write_safetensors(state_dict, directory, model=model)
         written = time.perf_counter()
-        self.client.reload_weights(directory)
+        self.client.reload_weights(directory, direct=self.direct)
         self.client.set_weight_version(version_label(version))
         reloaded = time.perf_counter()
         self.spare, self.current = self.current, directory
@@ -331,13 +340,28 @@ def version_label(version: int) -> str:
     return f"step-{version}"
 
 
+def weights_fingerprint(state_dict: dict, samples: int = 256) -> tuple[float, ...]:
+    """A cheap digest of a state dict: for each non-empty tensor, the float64 sum of about ``samples`` of its elements
+    taken at an even stride (in ``state_dict`` order). Equal weights give equal digests; an optimizer step changes
+    the digest (it moves nearly every element of each layer it updates). Tells whether two pushes carried different
+    weights without keeping either; ~5 ms for SmolLM2-135M on the 2-core CPU."""
+    import torch
+
+    sums = [t.detach().reshape(-1)[:: max(1, t.numel() // samples)].double().sum()
+            for t in state_dict.values() if t.numel()]
+    return tuple(torch.stack(sums).tolist()) if sums else ()
+
+
 @dataclass
 class ProbeRecord:
-    """What one push's verification saw: the policy's and the server's probe logprobs (T-1 floats each)."""
+    """What one push's verification saw: ``weights``, the pushed state dict's :func:`weights_fingerprint`;
+    ``served``, the server's probe logprobs (T-1 floats); ``policy``, the policy's on the same probe, or None when
+    the first rollout batch is compared with the policy instead (``generation.sync_check.max_logp_diff``)."""
 
     version: int
-    policy: list[float]
+    weights: tuple[float, ...]
     served: list[float]
+    policy: list[float] | None = None
 
 
 def _mean_abs_diff(a: list[float], b: list[float]) -> float:
@@ -345,24 +369,25 @@ def _mean_abs_diff(a: list[float], b: list[float]) -> float:
 
 
 def served_version(record: ProbeRecord, history: list[ProbeRecord], tolerance: float) -> int | None:
-    """Which version's weights the server serves, judged by the probe: ``record.version`` when its probe
-    matches the policy's within ``tolerance`` (mean |delta logp|, nats per token) and is not bit-for-bit
-    the previous version's while the policy changed; else the newest earlier version whose probe it matches
-    (the server's own earlier answer within 1e-6, or that version's policy within ``tolerance``); else None.
+    """Which version's weights the server serves, judged by the probe: an earlier version's when the server's answer
+    is that version's own answer bit for bit (within 1e-6) although the pushed weights differ from it (the newest
+    such); else ``record.version`` when the probe matches the policy's within ``tolerance`` (mean |delta logp|, nats
+    per token), or when there is no policy probe; else the newest earlier version whose policy probe it matches;
+    else None.
 
-    The server's forward pass is deterministic for one request, so serving the previous weights shows as the
-    previous answer exactly, even when an optimizer step moved the logprobs by less than ``tolerance``.
+    The server's forward pass is deterministic for one request, so serving an earlier push's weights shows as that
+    push's answer exactly, even when an optimizer step moved the logprobs by less than ``tolerance``; a push of
+    unchanged weights (a step without gradient) is not taken for stale.
     """
     exact = 1e-6
     newest_first = sorted(history, key=lambda r: -r.version)
-    previous = newest_first[0] if newest_first else None
-    policy_moved = previous is not None and _mean_abs_diff(record.policy, previous.policy) > exact
-    stale = previous is not None and policy_moved and _mean_abs_diff(record.served, previous.served) <= exact
-    if _mean_abs_diff(record.served, record.policy) <= tolerance and not stale:
+    for earlier in newest_first:
+        if earlier.weights != record.weights and _mean_abs_diff(record.served, earlier.served) <= exact:
+            return earlier.version
+    if record.policy is None or _mean_abs_diff(record.served, record.policy) <= tolerance:
         return record.version
     for earlier in newest_first:
-        if (_mean_abs_diff(record.served, earlier.served) <= exact
-                or _mean_abs_diff(record.served, earlier.policy) <= tolerance):
+        if earlier.policy is not None and _mean_abs_diff(record.served, earlier.policy) <= tolerance:
             return earlier.version
     return None
 
@@ -385,11 +410,11 @@ def check_served_version(record: ProbeRecord, history: list[ProbeRecord], label:
                                     f"expected {expected!r} (was it restarted or reloaded by someone else?)")
     served = served_version(record, history, tolerance)
     if served != record.version:
-        gap = _mean_abs_diff(record.served, record.policy)
         served_text = f"version {served} ({version_label(served)})" if served is not None else "unknown weights"
+        gap = "" if record.policy is None else (
+            f"; probe mean |delta logp| server vs policy {_mean_abs_diff(record.served, record.policy):.3g} "
+            f"(tolerance {tolerance:g}, generation.sync_check.probe_tolerance)")
         raise GenerationServerError(
             f"step {step}: the generation server does not serve the weights just pushed: expected version "
-            f"{record.version} ({expected}), served {served_text}; probe mean |delta logp| server vs policy "
-            f"{gap:.3g} (tolerance {tolerance:g}, generation.sync_check.probe_tolerance). Refusing to sample "
-            "off-policy."
+            f"{record.version} ({expected}), served {served_text}{gap}. Refusing to sample off-policy."
         )

@@ -72,7 +72,8 @@ def test_lora_flow_pushes_the_adapter_every_step_and_registers_the_merged_model(
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     versions = [m.value for m in client.get_metric_history(run_id, "weight_sync/version")]
     assert versions == [float(v) for v in range(steps)]
-    assert max(m.value for m in client.get_metric_history(run_id, "weight_sync/probe_logp_diff")) < 1e-3
+    # ... and sampled from the policy: TRL's mismatch metric at float32 kernel noise
+    assert max(m.value for m in client.get_metric_history(run_id, "sampling/sampling_logp_difference/mean")) < 1e-3
 
     # the checkpoints hold the adapter and its optimizer state, not the full weights
     files = checkpoint_files(tmp_path, env, flow_run_id(out), node=0)

@@ -37,3 +37,28 @@ def test_an_existing_target_is_refused(tmp_path):
     with pytest.raises(FileExistsError):
         overwrite_safetensors(_state(1), tmp_path / "v0", tmp_path / "v2")
     assert (tmp_path / "v0" / "model.safetensors").exists()
+
+
+def test_sync_dirs_of_exited_training_processes_are_removed_others_kept(tmp_path):
+    """A run killed with kill -9 leaves its push directories in /dev/shm; the next run's ``sync_root`` removes the
+    ones whose recorded owner has exited and keeps a live run's and any without an owner record."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from grpo_steps.processes import ProcessRef
+    from grpo_steps.trainer import OWNER_FILE, sync_root
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead = ProcessRef.of(child.pid)
+    child.wait()
+    orphan, unowned = tmp_path / "grpo-sync-killed", tmp_path / "grpo-sync-starting"
+    (orphan / "v3").mkdir(parents=True)
+    (orphan / OWNER_FILE).write_text(json.dumps({"pid": dead.pid, "started": dead.started}))
+    unowned.mkdir()
+    live = sync_root(str(tmp_path), str(tmp_path / "out"))
+    assert json.loads((live / OWNER_FILE).read_text())["pid"] == os.getpid()
+    other = sync_root(str(tmp_path), str(tmp_path / "out"))  # a second run beside the first
+    assert not orphan.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, unowned.name])
