@@ -151,9 +151,12 @@ def direct_cpu_load_plan(model, tensors: dict) -> DirectCpuLoad | str:
         UnquantizedEmbeddingMethod,
         VocabParallelEmbedding,
     )
+    from vllm.platforms import current_platform
 
     if get_tensor_model_parallel_world_size() != 1:
         return "tensor parallel"
+    if current_platform.is_zen_cpu() and hasattr(torch.ops.zentorch, "zentorch_linear_unary"):
+        return "zentorch kernels (they may keep the file's tensor itself)"
     packed = getattr(model, "packed_modules_mapping", None) or {}
     plan, used, handled, sources = DirectCpuLoad(), set(), set(), {}
 
@@ -216,7 +219,8 @@ def direct_cpu_load_plan(model, tensors: dict) -> DirectCpuLoad | str:
 def apply_direct_cpu_load(plan: DirectCpuLoad) -> None:
     """Carry out a :func:`direct_cpu_load_plan`: an embedding's weight is copied in (its padding rows kept) and
     keeps it, a linear layer's handle is made from the file's tensor and the weight dropped (as vLLM does after
-    loading), tied heads take their embedding's handle, other parameters are copied in place."""
+    loading; a layer whose kernel computes from the weight itself, vLLM's ``torch.nn.functional.linear``
+    fallback, keeps a copy), tied heads take their embedding's handle, other parameters are copied in place."""
     import torch
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
@@ -227,6 +231,8 @@ def apply_direct_cpu_load(plan: DirectCpuLoad) -> None:
             else:
                 module.weight = torch.nn.Parameter(source, requires_grad=False)
             dispatch_cpu_unquantized_gemm(module, remove_weight=not embedding)
+            if not embedding and module.weight.numel():  # kept: must not be a view of the file
+                module.weight = torch.nn.Parameter(source.clone(), requires_grad=False)
         for module, owner in plan.tied:
             module.cpu_linear = owner.cpu_linear
         for param, source in plan.copies:
