@@ -25,7 +25,7 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
-from grpo_steps.servers.base import SERVED_MODEL_NAME
+from grpo_steps.servers.base import SERVED_MODEL_NAME, WORKER_EXTENSION
 
 
 class GenerationServerError(RuntimeError):
@@ -88,23 +88,26 @@ class VLLMClient:
         return time.perf_counter() - start
 
     def _load(self, weights_dir: str, direct: bool) -> None:
-        if self._has_extension is not False:
-            try:
-                results = self._post("/collective_rpc", json={"method": "load_weights_from",
-                                                              "kwargs": {"weights_path": weights_dir,
-                                                                         "direct": direct}}).json()
-                self._has_extension = True
-                self.load_path = ", ".join(sorted(set(map(str, results.get("results", [])))))
-                return
-            except GenerationServerError as err:
-                if self._has_extension is not None or "load_weights_from" not in str(err):
-                    raise
-                self._has_extension = False
-                print(f"[weight-sync] {self.endpoint} has no grpo_steps.vllm_worker.WorkerExtension: vLLM's own "
-                      "reload runs, and on CPU a tied LM head may keep its old weights (the sync checks will tell)",
-                      file=sys.stderr)
-        self._post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": weights_dir}})
-        self.load_path = "vllm: the server has no grpo_steps.vllm_worker extension"
+        if self._has_extension is None:
+            self._has_extension = self.has_worker_extension()
+            if not self._has_extension:
+                print(f"[weight-sync] {self.endpoint} was started without --worker-extension-cls {WORKER_EXTENSION}: "
+                      "vLLM's own reload runs, and on CPU a tied LM head keeps its old weights (the first-batch check "
+                      "will report it)", file=sys.stderr)
+        if self._has_extension:
+            results = self._post("/collective_rpc", json={"method": "load_weights_from",
+                                                          "kwargs": {"weights_path": weights_dir, "direct": direct}})
+            self.load_path = ", ".join(sorted(set(map(str, results.json().get("results", [])))))
+        else:
+            self._post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": weights_dir}})
+            self.load_path = "vllm: the server has no grpo_steps.vllm_worker extension"
+
+    def has_worker_extension(self) -> bool:
+        """Whether the server runs :data:`WORKER_EXTENSION` (its config, dev route ``/server_info``). Asked instead of
+        trying the extension's method: vLLM 0.32's engine dies on a ``collective_rpc`` of a method its workers do not
+        have (measured: the server closed the connection and stopped)."""
+        config = self._request("GET", "/server_info", params={"config_format": "json"}).json()["vllm_config"]
+        return (config.get("parallel_config") or {}).get("worker_extension_cls") == WORKER_EXTENSION
 
     def set_weight_version(self, version: str) -> None:
         """Label the weights the server now serves (vLLM dev route ``/update_weight_version``). A label only:

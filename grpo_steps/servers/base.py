@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 
 SERVED_MODEL_NAME = "policy"
 """``--served-model-name`` of the servers the pipeline starts (``local``, ``kubernetes``)."""
+WORKER_EXTENSION = "grpo_steps.vllm_worker.WorkerExtension"
+"""The ``--worker-extension-cls`` of the servers this pipeline starts (:mod:`grpo_steps.vllm_worker`: weight loading
+on CPU, the idle-spin limit)."""
 
 
 class ServerStartError(RuntimeError):

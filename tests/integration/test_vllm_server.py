@@ -80,3 +80,33 @@ def test_a_server_that_fails_to_start_reports_its_log(tiny_model_path, tmp_path)
     message = str(err.value)
     assert "exited with code" in message
     assert "NoSuchArchitectureForCausalLM" in message  # the tail of the server's own log
+
+
+def test_a_server_without_the_worker_extension_gets_vllms_reload(tiny_model_path, tiny_tokenizer, tmp_path, capsys):
+    """A server started elsewhere without ``--worker-extension-cls grpo_steps.vllm_worker.WorkerExtension`` (vLLM's
+    engine dies on an RPC of a method its workers lack, so the client asks ``/server_info`` first): each push goes
+    through vLLM's ``reload_weights``, the server keeps serving and serves the new weights, stderr says why."""
+    from transformers import AutoModelForCausalLM
+
+    server = start_local(tiny_model_path, ServerConfig(kv_cache_gib=1, startup_timeout_s=300,
+                                                       extra_args=["--worker-extension-cls", ""]),  # last one wins
+                         max_model_len=256, dtype="float32", owner=ProcessRef.of(os.getpid()), log_dir=tmp_path)
+    try:
+        client = server.client()
+        assert not client.has_worker_extension()
+        ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
+        before = client.prompt_logprobs(ids)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        client.reload_weights(save_weights(model, tmp_path / "perturbed"))
+        assert client.load_path.startswith("vllm: ")
+        assert "was started without --worker-extension-cls" in capsys.readouterr().err
+        assert client.prompt_logprobs(ids) != pytest.approx(before, abs=1e-3)  # alive, and on the new weights
+    finally:
+        server.stop()
+
+
+def test_the_pipelines_server_has_the_worker_extension(tiny_server):
+    assert tiny_server.client().has_worker_extension()
