@@ -41,6 +41,7 @@ def main() -> None:
         ProbeRecord,
         VLLMClient,
         check_served_version,
+        mean_abs_diff,
         save_weights,
         weights_fingerprint,
     )
@@ -100,8 +101,7 @@ def main() -> None:
                     policy = policy_logprobs(model, probe)
                     if warm:
                         policy_probe.append(time.perf_counter() - probe_start)
-                        probe_diff.append(sum(abs(a - b) for a, b in zip(record.served, policy, strict=True))
-                                          / len(policy))
+                        probe_diff.append(mean_abs_diff(record.served, policy))
     finally:
         handle.stop()
         shutil.rmtree(scratch, ignore_errors=True)

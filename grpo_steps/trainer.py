@@ -39,6 +39,7 @@ from grpo_steps.weight_sync import (
     ProbeRecord,
     VLLMClient,
     check_served_version,
+    mean_abs_diff,
     version_label,
     weights_fingerprint,
 )
@@ -168,9 +169,7 @@ class DiskSync:
         record = ProbeRecord(version, weights, self.push.client.prompt_logprobs(self.probe_ids), policy)
         check_served_version(record, self.history, self.push.served_label(), self.probe_tolerance, step=version + 1)
         self.history = (self.history + [record])[-HISTORY:]
-        if policy is None:
-            return None
-        return sum(abs(a - b) for a, b in zip(record.served, policy, strict=True)) / len(policy)
+        return None if policy is None else mean_abs_diff(record.served, policy)
 
     def close(self) -> None:
         """Remove this run's sync directory (rank 0; the server keeps the weights in memory)."""

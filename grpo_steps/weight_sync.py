@@ -367,7 +367,8 @@ class ProbeRecord:
     policy: list[float] | None = None
 
 
-def _mean_abs_diff(a: list[float], b: list[float]) -> float:
+def mean_abs_diff(a: list[float], b: list[float]) -> float:
+    """Mean |a_t - b_t| over equal-length logprob lists (nats per token; 0 for empty lists)."""
     return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / max(len(a), 1)
 
 
@@ -385,12 +386,12 @@ def served_version(record: ProbeRecord, history: list[ProbeRecord], tolerance: f
     exact = 1e-6
     newest_first = sorted(history, key=lambda r: -r.version)
     for earlier in newest_first:
-        if earlier.weights != record.weights and _mean_abs_diff(record.served, earlier.served) <= exact:
+        if earlier.weights != record.weights and mean_abs_diff(record.served, earlier.served) <= exact:
             return earlier.version
-    if record.policy is None or _mean_abs_diff(record.served, record.policy) <= tolerance:
+    if record.policy is None or mean_abs_diff(record.served, record.policy) <= tolerance:
         return record.version
     for earlier in newest_first:
-        if earlier.policy is not None and _mean_abs_diff(record.served, earlier.policy) <= tolerance:
+        if earlier.policy is not None and mean_abs_diff(record.served, earlier.policy) <= tolerance:
             return earlier.version
     return None
 
@@ -415,7 +416,7 @@ def check_served_version(record: ProbeRecord, history: list[ProbeRecord], label:
     if served != record.version:
         served_text = f"version {served} ({version_label(served)})" if served is not None else "unknown weights"
         gap = "" if record.policy is None else (
-            f"; probe mean |delta logp| server vs policy {_mean_abs_diff(record.served, record.policy):.3g} "
+            f"; probe mean |delta logp| server vs policy {mean_abs_diff(record.served, record.policy):.3g} "
             f"(tolerance {tolerance:g}, generation.sync_check.probe_tolerance)")
         raise GenerationServerError(
             f"step {step}: the generation server does not serve the weights just pushed: expected version "
