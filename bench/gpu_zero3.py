@@ -4,10 +4,10 @@ transformers generation, on a random-init model of a real architecture (Qwen2.5-
     python bench/gpu_zero3.py [--steps 8] [--completion-tokens 256] [--shape qwen2.5-0.5b|tiny]
     python bench/gpu_zero3.py --shape smollm2 --no-zero3 --steps 10   # the CPU comparison of issue 11
 
-Each arm runs in its own process on the same settings (``grpo_steps.train.grpo_args`` of one job:
+Each arm runs in its own process on the same settings (``grpo_steps.training.job.grpo_args`` of one job:
 batch, group size, completion length, ZeRO-3 config from ``infra/``):
 
-- ``ours``: ``grpo_steps.train.run`` (the flow's training module: guarded rewards, callbacks, checkpoint
+- ``ours``: ``grpo_steps.training.entry.run`` (the flow's training module: guarded rewards, callbacks, checkpoint
   saves to local disk);
 - ``trl``: ``GRPOTrainer`` with the same ``GRPOConfig``, the config's reward functions called directly
   (no guard) and nothing else.
@@ -75,7 +75,7 @@ def job_for(args, model_path: Path, workdir: Path):
 
     from grpo_steps.config import REPO_ROOT, load_config, validate_config
     from grpo_steps.data import prepare
-    from grpo_steps.train import TrainJob
+    from grpo_steps.training.job import TrainJob
 
     real = SHAPES[args.shape] is None
     base = load_config(REPO_ROOT / "configs" / ("local.yaml" if real else "test.yaml")).model_dump()
@@ -103,7 +103,7 @@ def run_arm(arm: str, args, model_path: Path, workdir: Path) -> dict:
                       LOCAL_RANK="0", WORLD_SIZE="1", TRL_EXPERIMENTAL_SILENCE="1")
     job = job_for(args, model_path, workdir)
     if arm == "ours":
-        from grpo_steps.train import run
+        from grpo_steps.training.entry import run
 
         run(job)
         history = json.loads((Path(job.output_dir) / "log_history.json").read_text())
@@ -111,7 +111,7 @@ def run_arm(arm: str, args, model_path: Path, workdir: Path) -> dict:
         from datasets import Dataset
         from trl import GRPOTrainer
 
-        from grpo_steps.train import grpo_args
+        from grpo_steps.training.job import grpo_args
         from rewards import bind_options, resolve_reward
 
         if args.zero3 and not torch.cuda.is_available():

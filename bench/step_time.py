@@ -29,7 +29,8 @@ from grpo_steps.data import prepare
 from grpo_steps.models import resolve_model
 from grpo_steps.processes import ProcessRef
 from grpo_steps.servers.local import start_local
-from grpo_steps.train import TrainJob, run
+from grpo_steps.training.entry import run
+from grpo_steps.training.job import TrainJob
 
 
 def _train(cfg, model_path: str, rows: list[dict], endpoint: str | None) -> list[dict]:

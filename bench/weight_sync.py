@@ -34,17 +34,17 @@ def main() -> None:
     from grpo_steps.data import encode_prompt, to_prompt
     from grpo_steps.models import resolve_model
     from grpo_steps.processes import ProcessRef
+    from grpo_steps.servers.client import VLLMClient
     from grpo_steps.servers.local import start_local
-    from grpo_steps.trainer import policy_logprobs
-    from grpo_steps.weight_sync import (
+    from grpo_steps.training.trainer import policy_logprobs
+    from grpo_steps.training.weight_sync import (
         DiskWeightPush,
         ProbeRecord,
-        VLLMClient,
         check_served_version,
         mean_abs_diff,
-        save_weights,
         weights_fingerprint,
     )
+    from grpo_steps.weight_files import save_weights
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded:SmolLM2-135M-Instruct")

@@ -1,15 +1,16 @@
 """Training checkpoints in the Metaflow datastore (metaflow-checkpoint), and metrics aligned with them.
 
 The trainer writes a full checkpoint (weights, optimizer, scheduler, RNG, trainer state) to
-``output_dir/checkpoint-N`` every ``save_steps``; :class:`grpo_steps.callbacks.DatastoreCheckpointCallback` then saves
-that directory to the datastore of the running task (local or S3) under :func:`checkpoint_name` of
-its node with ``{"global_step": N, "node_index": i}`` metadata. The nodes of a ``@parallel`` gang
+``output_dir/checkpoint-N`` every ``save_steps``;
+:class:`grpo_steps.training.callbacks.DatastoreCheckpointCallback` then saves that directory to the datastore
+of the running task (local or S3) under :func:`checkpoint_name` of its node with
+``{"global_step": N, "node_index": i}`` metadata. The nodes of a ``@parallel`` gang
 share one checkpoint scope, so each node needs its own name: under one name their saves of the same
 step get the same key and overwrite each other. :func:`resume_checkpoint` finds the one to continue
 from: on ``@retry`` this task's newest for the node, on ``resume`` the origin run's.
 
 This module imports neither torch nor transformers: the flow's tasks that only look checkpoints up
-start fast. The training process's callbacks are in :mod:`grpo_steps.callbacks`.
+start fast. The training process's callbacks are in :mod:`grpo_steps.training.callbacks`.
 """
 
 from __future__ import annotations

@@ -119,6 +119,20 @@ class SourceConfig(_Section):
         return self
 
 
+NATIVE_COLUMNS: dict[str, tuple[str, ...]] = {"humaneval": ("test", "entry_point", "task_id")}
+"""Columns a source keeps for the rewards without being asked (``data.columns`` adds more; ``humaneval``
+also offers ``code_prompt``, the signature + docstring, and ``canonical_solution``, the reference body)."""
+
+
+def kept_columns(src: SourceConfig) -> dict[str, str]:
+    """Prepared-row column -> source column, besides ``prompt`` and ``answer``: the source's own
+    (:data:`NATIVE_COLUMNS`), ``solution`` for GSM8K-format answers, then ``data.columns``."""
+    kept = {name: name for name in NATIVE_COLUMNS.get(src.source, ())}
+    if src.source == "gsm_symbolic" or src.answer_format == "gsm8k":
+        kept["solution"] = src.answer_column or "answer"
+    return {**kept, **src.columns}
+
+
 class MixtureEntry(SourceConfig):
     """One task of a multi-task mixture: a source plus its name and share."""
 
@@ -387,7 +401,7 @@ GRPO_ARGS_SET_BY: dict[str, str] = {
     "logging_steps": "train.logging_steps",
     "seed": "train.seed",
     "data_seed": "train.seed",
-    "report_to": "the pipeline (metrics reach MLflow through grpo_steps.callbacks.MLflowMetricsCallback)",
+    "report_to": "the pipeline (metrics reach MLflow through grpo_steps.training.callbacks.MLflowMetricsCallback)",
     "use_cpu": "the pipeline (on without CUDA)",
     "bf16": "model.dtype",
     "fp16": "the pipeline (off: mixed precision is bf16, from model.dtype)",
@@ -403,7 +417,7 @@ GRPO_ARGS_SET_BY: dict[str, str] = {
     "vllm_importance_sampling_clip_min": "generation.importance_sampling.clip_min",
     "vllm_max_model_length": "model.max_model_len",
 }
-"""The ``trl.GRPOConfig`` fields :func:`grpo_steps.train.grpo_args` derives from the config -> the config
+"""The ``trl.GRPOConfig`` fields :func:`grpo_steps.training.job.grpo_args` derives from the config -> the config
 key (or pipeline rule) that sets them. ``train.grpo`` may not set these; a unit test checks that this
 is exactly what ``grpo_args`` sets."""
 
@@ -593,7 +607,7 @@ class EvalConfig(_Section):
     format_reward: str | None = "answer_format"
     """The reward (one of ``rewards``) whose score 1 counts toward ``format_rate``; null for none."""
     every_steps: int = Field(0, ge=0)
-    """Held-out evaluation during training (:mod:`grpo_steps.eval_during`): node 0 evaluates the policy at
+    """Held-out evaluation during training (:mod:`grpo_steps.training.eval_during`): node 0 evaluates the policy at
     step 0 and every this many optimizer steps, through the generation server right after it received that
     step's weights, on the first ``during_training_prompts`` eval prompts; logged as ``eval_during/<metric>``
     at the optimizer step. 0: off. Needs generation.backend 'vllm' in mode 'server' with weight_sync 'disk'."""
@@ -745,7 +759,8 @@ class PipelineConfig(_Section):
     def _rollout_groups_whole(self) -> PipelineConfig:
         """The pipeline's rollout functions (backend ``vllm`` with ``disk`` sync, ``replay``) sample whole
         groups, so each training process's generation batch must hold whole groups
-        (:func:`grpo_steps.train.prompt_groups`); TRL's own generation (``hf``, ``nccl``) splits groups fine."""
+        (:func:`grpo_steps.training.rollouts.prompt_groups`); TRL's own generation (``hf``, ``nccl``) splits groups
+        fine."""
         gen, train = self.generation, self.train
         if gen.backend == "hf" or gen.weight_sync == "nccl":
             return self
@@ -810,7 +825,6 @@ class PipelineConfig(_Section):
 
     @model_validator(mode="after")
     def _rewards_known(self) -> PipelineConfig:
-        from grpo_steps.sources import kept_columns
         from rewards import bind_options, check_signature, resolve_reward
 
         if not self.rewards:

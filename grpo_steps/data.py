@@ -3,7 +3,7 @@ deduplicated and split into train/eval sets that share no prompt.
 
 A row of a prepared split is ``{"prompt": [{"role": ..., "content": ...}, ...], "answer": str | None,
 **kept}`` (TRL's conversational prompt format); every key but ``prompt`` reaches the reward
-functions as a keyword argument. ``kept`` holds the columns of :func:`grpo_steps.sources.kept_columns`
+functions as a keyword argument. ``kept`` holds the columns of :func:`grpo_steps.config.kept_columns`
 (``test``/``entry_point`` for HumanEval, ``solution`` for GSM8K-format answers, ``data.columns``). A
 ``data.mixture`` adds a ``task`` column and gives every row every task's columns, None where a task
 has none (a reward returns None on rows it does not apply to).
@@ -15,12 +15,13 @@ import hashlib
 import json
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from grpo_steps.config import DataConfig, SourceConfig, split_counts
-from grpo_steps.sources import DataError, answer_of, check_columns, kept_columns, load_source
+from grpo_steps.config import DataConfig, SourceConfig, kept_columns, split_counts
+from grpo_steps.sources import DataError, answer_of, check_columns, load_source
 
-__all__ = ["DataError", "PreparedData", "encode_prompt", "load_rows", "prepare", "to_prompt"]
+__all__ = ["DataError", "PreparedData", "ReplayFile", "encode_prompt", "load_rows", "prepare", "to_prompt"]
 
 
 @dataclass(frozen=True)
@@ -183,3 +184,45 @@ def mlflow_datasets(cfg: DataConfig, data: PreparedData) -> list[tuple[Any, str]
         source = CodeDatasetSource(tags={"source": f"{cfg.source}:{name}" if cfg.source == "reasoning_gym" else name})
     return [(mlflow.data.from_pandas(pd.DataFrame(table(rows)), source=source, name=f"{name}-{split}"), context)
             for split, rows, context in (("train", data.train, "training"), ("eval", data.eval, "evaluation"))]
+
+
+class ReplayFile:
+    """The fixed completions of backend ``replay`` (``generation.replay_file``): a JSONL file, one row per prompt,
+    ``{"question": str, "completions": [str, ...]}``, ``question`` being the prompt's last message. Read by the
+    training process's :class:`grpo_steps.training.rollouts.ReplayRollout` and checked against the train split in
+    ``prepare_data``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: a row without ``question``/``completions``.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"generation.replay_file {path} does not exist (JSONL of "
+                                    '{"question": ..., "completions": [...]} rows)')
+        self.completions: dict[str, list[str]] = {}
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row.get("question"), str) or not isinstance(row.get("completions"), list):
+                raise ValueError(f"{path}:{number}: a row needs 'question' (str) and 'completions' (list of str)")
+            self.completions[row["question"]] = row["completions"]
+
+    def completions_for(self, prompt: str | list[dict], group: int) -> list[str]:
+        """The first ``group`` completions of ``prompt``'s question (its last message).
+
+        Raises:
+            KeyError: the file has no row for the question.
+            ValueError: the row lists fewer than ``group`` completions.
+        """
+        question = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+        if question not in self.completions:
+            raise KeyError(f"generation.replay_file has no completions for the question {question!r}")
+        texts = self.completions[question]
+        if len(texts) < group:
+            raise ValueError(f"generation.replay_file lists {len(texts)} completions for {question!r}; "
+                             f"a group needs {group} (train.num_generations)")
+        return texts[:group]

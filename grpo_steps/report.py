@@ -1,10 +1,11 @@
-"""What a person reads after a run: charts logged as images of the MLflow run, and the Markdown
-description of the registered model version (baseline vs trained, task, model, links)."""
+"""What a person reads after a run: charts logged as images of the MLflow run, the evaluate step's Metaflow card,
+and the Markdown description of the registered model version (baseline vs trained, task, model, links)."""
 
 from __future__ import annotations
 
 import math
 
+from grpo_steps import tracking
 from grpo_steps.config import PipelineConfig
 
 HEADLINE = ("pass@1", "accuracy", "format_rate", "reward")
@@ -137,3 +138,71 @@ def eval_figure(cfg: PipelineConfig, report: dict):
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def log_charts(cfg: PipelineConfig, run_id: str, report: dict) -> None:
+    """The training reward curves and the baseline-vs-trained bars as images of the run (``charts/``)."""
+    import matplotlib.pyplot as plt
+
+    mlflow_client = tracking.client(cfg)
+    curves = {"reward": reward_curve(cfg, run_id)}
+    curves.update({f"rewards/{r.name}/mean": reward_curve(cfg, run_id, f"rewards/{r.name}/mean") for r in cfg.rewards})
+    figures = [(reward_figure(curves), "charts/reward_curve.png"),
+               (eval_figure(cfg, report), "charts/eval_baseline_vs_trained.png")]
+    during = eval_during_curves(cfg, run_id)
+    if any(during.values()):
+        figures.append((reward_figure(during, ylabel="share of held-out prompts",
+                                      title=f"Held-out evaluation during training ({cfg.eval.during_training_prompts} "
+                                            "prompts)"), "charts/eval_during_training.png"))
+    for figure, path in figures:
+        mlflow_client.log_figure(run_id, figure, path)
+        plt.close(figure)
+
+
+def reward_curve(cfg: PipelineConfig, run_id: str, metric: str = "reward") -> list[dict]:
+    """``[{"step", "value"}]`` of a training metric from the MLflow run (empty when not logged)."""
+    history = tracking.client(cfg).get_metric_history(run_id, metric)
+    return [{"step": m.step, "value": m.value} for m in sorted(history, key=lambda m: m.step)]
+
+
+EVAL_DURING_CURVES = ("accuracy", "pass@1", "format_rate", "accuracy_formatted")
+"""The ``eval_during/<metric>`` curves charted (card and ``charts/eval_during_training.png``)."""
+
+
+def eval_during_curves(cfg: PipelineConfig, run_id: str) -> dict[str, list[dict]]:
+    """``{"eval_during/<metric>": [{"step", "value"}]}`` of :data:`EVAL_DURING_CURVES` from the MLflow run
+    (empty lists when ``eval.every_steps`` is off)."""
+    return {f"eval_during/{name}": reward_curve(cfg, run_id, tracking.mlflow_name(f"eval_during/{name}"))
+            for name in EVAL_DURING_CURVES}
+
+
+def _line_chart(points: list[dict], y_title: str, color: str | None = None) -> dict:
+    """Vega-Lite spec of ``[{"step", "value", ("series")}]`` over the optimizer step."""
+    encoding = {"x": {"field": "step", "type": "quantitative", "title": "optimizer step"},
+                "y": {"field": "value", "type": "quantitative", "title": y_title}}
+    if color:
+        encoding["color"] = {"field": color, "type": "nominal"}
+    return {"$schema": "https://vega.github.io/schema/vega-lite/v5.json", "data": {"values": points},
+            "mark": {"type": "line", "point": True}, "width": 500, "height": 250, "encoding": encoding}
+
+
+def card_components(cfg: PipelineConfig, run_id: str, report: dict) -> list:
+    """Metaflow card: the training reward curve (from MLflow), beside it the held-out curves during training
+    (``eval.every_steps``), and a baseline-vs-trained table."""
+    from metaflow.cards import Markdown, Table, VegaChart
+
+    curve = reward_curve(cfg, run_id)
+    names = list(report["trained"]["metrics"])
+    rows = [[name, f"{report['baseline']['metrics'][name]:.4f}", f"{report['trained']['metrics'][name]:.4f}"]
+            for name in names]
+    components = [Markdown("## Held-out evaluation"), Table(rows, headers=["metric", "baseline", "trained"])]
+    during = [{**point, "metric": name.removeprefix("eval_during/")}
+              for name, points in eval_during_curves(cfg, run_id).items() for point in points
+              if point["value"] == point["value"]]  # NaN (no formatted answer) is not JSON
+    if during:
+        components = [Markdown(f"## Held-out evaluation during training ({cfg.eval.during_training_prompts} prompts, "
+                               f"every {cfg.eval.every_steps} steps)"),
+                      VegaChart(_line_chart(during, "share of prompts", color="metric"))] + components
+    if curve:
+        components = [Markdown("## Training reward"), VegaChart(_line_chart(curve, "mean reward"))] + components
+    return components

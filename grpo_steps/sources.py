@@ -28,10 +28,6 @@ HUMANEVAL_INSTRUCTION = (
 )
 """User-message text put before each HumanEval function signature + docstring."""
 
-NATIVE_COLUMNS: dict[str, tuple[str, ...]] = {"humaneval": ("test", "entry_point", "task_id")}
-"""Columns a source keeps for the rewards without being asked (``data.columns`` adds more; ``humaneval``
-also offers ``code_prompt``, the signature + docstring, and ``canonical_solution``, the reference body)."""
-
 
 def _reasoning_gym(src: SourceConfig, size: int, seed: int) -> list[dict[str, Any]]:
     import reasoning_gym
@@ -169,15 +165,6 @@ def load_source(src: SourceConfig, size: int, seed: int) -> list[dict[str, Any]]
         raise DataError(f"data source {src.source} {src.path or src.task!r} has no rows; point data.path at a "
                         "file with data")
     return rows
-
-
-def kept_columns(src: SourceConfig) -> dict[str, str]:
-    """Prepared-row column -> source column, besides ``prompt`` and ``answer``: the source's own
-    (:data:`NATIVE_COLUMNS`), ``solution`` for GSM8K-format answers, then ``data.columns``."""
-    kept = {name: name for name in NATIVE_COLUMNS.get(src.source, ())}
-    if src.source == "gsm_symbolic" or src.answer_format == "gsm8k":
-        kept["solution"] = src.answer_column or "answer"
-    return {**kept, **src.columns}
 
 
 def check_columns(src: SourceConfig, columns: set[str]) -> None:

@@ -15,6 +15,8 @@ from typing import Any
 
 from grpo_steps import tracking
 from grpo_steps.config import PipelineConfig, validate_config
+from grpo_steps.report import card_components  # noqa: F401  (the evaluate step's card)
+from grpo_steps.weight_files import scratch_dir  # noqa: F401  (the train step's working directory)
 
 
 def config_of(config_value: Any) -> PipelineConfig:
@@ -69,9 +71,9 @@ def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     data = prepare(cfg.data, tokenizer)
     if cfg.generation.backend == "replay":  # every train prompt needs its completions: fail before training
-        from grpo_steps.train import ReplayRollout
+        from grpo_steps.data import ReplayFile
 
-        replay = ReplayRollout(cfg.generation.replay_file, tokenizer, cfg.generation)
+        replay = ReplayFile(cfg.generation.replay_file)
         for row in data.train:
             replay.completions_for(row["prompt"], cfg.train.num_generations)
     # through the client: the fluent ``with mlflow.start_run()`` would end the run FINISHED on exit
@@ -92,13 +94,6 @@ def provision(cfg: PipelineConfig, model_path: str) -> dict:
     return server.to_dict()
 
 
-@contextmanager
-def scratch_dir():
-    """A RAM-backed (``/dev/shm`` when present) temporary directory, removed on exit."""
-    with tempfile.TemporaryDirectory(prefix="grpo-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as d:
-        yield d
-
-
 def ensure_server(cfg: PipelineConfig, server: dict, model_path: str) -> dict:
     """``server`` if this run can go on using it (:meth:`~grpo_steps.servers.GenerationServer.serves`),
     else a newly provisioned one, once per run.
@@ -112,7 +107,7 @@ def ensure_server(cfg: PipelineConfig, server: dict, model_path: str) -> dict:
         GenerationServerError: an ``external`` server is not answering (the pipeline cannot start it).
     """
     from grpo_steps import servers
-    from grpo_steps.weight_sync import GenerationServerError
+    from grpo_steps.servers.client import GenerationServerError
 
     current, owner = servers.from_dict(server), run_owner()
     if current.serves(owner):
@@ -151,13 +146,13 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
     (node 0's is the one kept). Continues from :func:`grpo_steps.checkpoints.resume_checkpoint`
     when there is one (``@retry``, ``resume``). Call inside the flow's ``train`` step. With
     ``eval.every_steps``, node 0 evaluates the first ``eval.during_training_prompts`` of ``eval_rows``
-    during training (:mod:`grpo_steps.eval_during`).
+    during training (:mod:`grpo_steps.training.eval_during`).
     """
 
     from grpo_steps.checkpoints import resume_checkpoint
     from grpo_steps.launch import launch
     from grpo_steps.monitor import system_metrics
-    from grpo_steps.train import TrainJob
+    from grpo_steps.training.job import TrainJob
 
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
     output_dir = Path(output_dir)
@@ -184,158 +179,19 @@ def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
     metrics (while it runs) and the charts (``charts/*.png``) to MLflow.
 
     Returns ``{"baseline": {"metrics", "samples", "per_prompt", ...}, "trained": {...}, "gain": {...}}``
-    (``gain``: trained minus baseline with paired 95 % intervals, :func:`gain_metrics`; MLflow ``eval/gain/...``).
+    (``gain``: trained minus baseline with paired 95 % intervals, :func:`grpo_steps.evaluate.gain_metrics`; MLflow
+    ``eval/gain/...``).
     """
+    from grpo_steps.evaluate import evaluate_baseline_and_trained
     from grpo_steps.monitor import system_metrics
+    from grpo_steps.report import log_charts
 
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
     with system_metrics(run_id, cfg.tracking.tracking_uri):
-        report = _evaluate(cfg, run_id=run_id, server=server, base_model=base_model, trained_model=trained_model,
-                           eval_rows=eval_rows)
+        report = evaluate_baseline_and_trained(cfg, run_id=run_id, server=server, base_model=base_model,
+                                               trained_model=trained_model, eval_rows=eval_rows)
     log_charts(cfg, run_id, report)
     return report
-
-
-def log_charts(cfg: PipelineConfig, run_id: str, report: dict) -> None:
-    """The training reward curves and the baseline-vs-trained bars as images of the run (``charts/``)."""
-    import matplotlib.pyplot as plt
-
-    from grpo_steps.report import eval_figure, reward_figure
-
-    mlflow_client = tracking.client(cfg)
-    curves = {"reward": reward_curve(cfg, run_id)}
-    curves.update({f"rewards/{r.name}/mean": reward_curve(cfg, run_id, f"rewards/{r.name}/mean") for r in cfg.rewards})
-    figures = [(reward_figure(curves), "charts/reward_curve.png"),
-               (eval_figure(cfg, report), "charts/eval_baseline_vs_trained.png")]
-    during = eval_during_curves(cfg, run_id)
-    if any(during.values()):
-        figures.append((reward_figure(during, ylabel="share of held-out prompts",
-                                      title=f"Held-out evaluation during training ({cfg.eval.during_training_prompts} "
-                                            "prompts)"), "charts/eval_during_training.png"))
-    for figure, path in figures:
-        mlflow_client.log_figure(run_id, figure, path)
-        plt.close(figure)
-
-
-def gain_metrics(baseline: dict[str, list[float]], trained: dict[str, list[float]]) -> dict[str, float]:
-    """Trained minus baseline on the same prompts, per metric of ``per_prompt`` (see
-    :func:`grpo_steps.evaluate.evaluate_policy`): ``<metric>`` (mean gain) and ``<metric>_ci95`` (half-width of
-    its paired 95 % interval, :func:`grpo_steps.evaluate.paired_gain`)."""
-    from grpo_steps.evaluate import paired_gain
-
-    out = {}
-    for name in baseline:
-        out[name], out[f"{name}_ci95"] = paired_gain(baseline[name], trained[name])
-    return out
-
-
-def _evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str, trained_model: str,
-              eval_rows: list[dict]) -> dict:
-    from transformers import AutoTokenizer
-
-    from grpo_steps import servers
-    from grpo_steps.evaluate import evaluate_policy
-
-    generation_server = servers.from_dict(server)
-    client = generation_server.client()
-    tokenizer = AutoTokenizer.from_pretrained(base_model)
-    report = {}
-    for label, weights in (("baseline", base_model), ("trained", trained_model)):
-        with _served_policy(cfg, generation_server, client, weights, label):
-            report[label] = evaluate_policy(cfg, client, tokenizer, eval_rows, label=label)
-        tracking.log_metrics(cfg, run_id, {f"eval/{label}/{k}": v for k, v in report[label]["metrics"].items()})
-    report["gain"] = gain_metrics(report["baseline"]["per_prompt"], report["trained"]["per_prompt"])
-    tracking.log_metrics(cfg, run_id, {f"eval/gain/{k}": v for k, v in report["gain"].items()})
-    mlflow_client = tracking.client(cfg)
-    for label in ("baseline", "trained"):
-        samples = report[label]["samples"]
-        if samples:
-            table = {key: [s[key] for s in samples] for key in samples[0]}
-            mlflow_client.log_table(run_id, data=table, artifact_file=f"eval/{label}_samples.json")
-    return report
-
-
-@contextmanager
-def _served_policy(cfg: PipelineConfig, generation_server, client, weights: str, label: str):
-    """Make ``client`` sample from ``weights`` while the block runs: full weights are reloaded into the server;
-    a LoRA adapter (``train.peft``) is loaded beside the base weights as ``{served}-lora-final`` and requested by
-    that name, then unloaded. A server without runtime LoRA (``runtime_lora``: ``kubernetes``), or a run that pushes
-    merged weights (``train.peft.push: merged``), gets base + adapter merged."""
-    from grpo_steps.lora import adapter_name, is_adapter_dir, merge_adapter
-
-    client.model = client.base_model
-    if not is_adapter_dir(weights):
-        client.reload_weights(generation_server.stage_weights(weights, label))
-        yield
-        return
-    base = json.loads((Path(weights) / "adapter_config.json").read_text())["base_model_name_or_path"]
-    if not generation_server.runtime_lora or not cfg.serves_adapter:
-        with scratch_dir() as merged:
-            client.reload_weights(generation_server.stage_weights(merge_adapter(base, weights, merged), label))
-        yield
-        return
-    client.reload_weights(generation_server.stage_weights(base, "baseline"))  # the adapter's base under it
-    name = adapter_name(client.base_model, "final")
-    if name in client.served_adapters():  # left by an earlier attempt of this step
-        client.unload_lora_adapter(name)
-    client.load_lora_adapter(name, generation_server.stage_weights(weights, label))
-    client.model = name
-    try:
-        yield
-    finally:
-        client.model = client.base_model
-        client.unload_lora_adapter(name)
-
-
-def reward_curve(cfg: PipelineConfig, run_id: str, metric: str = "reward") -> list[dict]:
-    """``[{"step", "value"}]`` of a training metric from the MLflow run (empty when not logged)."""
-    history = tracking.client(cfg).get_metric_history(run_id, metric)
-    return [{"step": m.step, "value": m.value} for m in sorted(history, key=lambda m: m.step)]
-
-
-EVAL_DURING_CURVES = ("accuracy", "pass@1", "format_rate", "accuracy_formatted")
-"""The ``eval_during/<metric>`` curves charted (card and ``charts/eval_during_training.png``)."""
-
-
-def eval_during_curves(cfg: PipelineConfig, run_id: str) -> dict[str, list[dict]]:
-    """``{"eval_during/<metric>": [{"step", "value"}]}`` of :data:`EVAL_DURING_CURVES` from the MLflow run
-    (empty lists when ``eval.every_steps`` is off)."""
-    from grpo_steps.tracking import mlflow_name
-
-    return {f"eval_during/{name}": reward_curve(cfg, run_id, mlflow_name(f"eval_during/{name}"))
-            for name in EVAL_DURING_CURVES}
-
-
-def _line_chart(points: list[dict], y_title: str, color: str | None = None) -> dict:
-    """Vega-Lite spec of ``[{"step", "value", ("series")}]`` over the optimizer step."""
-    encoding = {"x": {"field": "step", "type": "quantitative", "title": "optimizer step"},
-                "y": {"field": "value", "type": "quantitative", "title": y_title}}
-    if color:
-        encoding["color"] = {"field": color, "type": "nominal"}
-    return {"$schema": "https://vega.github.io/schema/vega-lite/v5.json", "data": {"values": points},
-            "mark": {"type": "line", "point": True}, "width": 500, "height": 250, "encoding": encoding}
-
-
-def card_components(cfg: PipelineConfig, run_id: str, report: dict) -> list:
-    """Metaflow card: the training reward curve (from MLflow), beside it the held-out curves during training
-    (``eval.every_steps``), and a baseline-vs-trained table."""
-    from metaflow.cards import Markdown, Table, VegaChart
-
-    curve = reward_curve(cfg, run_id)
-    names = list(report["trained"]["metrics"])
-    rows = [[name, f"{report['baseline']['metrics'][name]:.4f}", f"{report['trained']['metrics'][name]:.4f}"]
-            for name in names]
-    components = [Markdown("## Held-out evaluation"), Table(rows, headers=["metric", "baseline", "trained"])]
-    during = [{**point, "metric": name.removeprefix("eval_during/")}
-              for name, points in eval_during_curves(cfg, run_id).items() for point in points
-              if point["value"] == point["value"]]  # NaN (no formatted answer) is not JSON
-    if during:
-        components = [Markdown(f"## Held-out evaluation during training ({cfg.eval.during_training_prompts} prompts, "
-                               f"every {cfg.eval.every_steps} steps)"),
-                      VegaChart(_line_chart(during, "share of prompts", color="metric"))] + components
-    if curve:
-        components = [Markdown("## Training reward"), VegaChart(_line_chart(curve, "mean reward"))] + components
-    return components
 
 
 def register(cfg: PipelineConfig, *, run_id: str, model_dir: str, report: dict, pathspec: str,

@@ -1,7 +1,7 @@
 """MLflow tracking: one run per flow run, opened in ``start`` and written to by every step.
 
 The run id travels as a Metaflow artifact; the training process gets it in its job file and logs
-into the same run (:class:`grpo_steps.callbacks.MLflowMetricsCallback`), so a resumed flow run
+into the same run (:class:`grpo_steps.training.callbacks.MLflowMetricsCallback`), so a resumed flow run
 continues the same history. Tags link the run to its Metaflow pathspec, config sha256, git commit.
 """
 

@@ -20,7 +20,8 @@ import dataclasses
 from typing import Any
 
 from grpo_steps.processes import ProcessRef
-from grpo_steps.servers.base import SERVED_MODEL_NAME, GenerationServer, ServerStartError, is_healthy
+from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy
+from grpo_steps.servers.client import SERVED_MODEL_NAME
 from grpo_steps.servers.external import ExternalServer
 from grpo_steps.servers.kubernetes import KubernetesServer
 from grpo_steps.servers.local import LocalServer

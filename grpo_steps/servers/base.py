@@ -9,16 +9,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import requests
 
+from grpo_steps.servers.client import SERVED_MODEL_NAME, VLLMClient
+
 if TYPE_CHECKING:
     from grpo_steps.config import PipelineConfig
     from grpo_steps.processes import ProcessRef
-    from grpo_steps.weight_sync import VLLMClient
-
-SERVED_MODEL_NAME = "policy"
-"""``--served-model-name`` of the servers the pipeline starts (``local``, ``kubernetes``)."""
-WORKER_EXTENSION = "grpo_steps.vllm_worker.WorkerExtension"
-"""The ``--worker-extension-cls`` of the servers this pipeline starts (:mod:`grpo_steps.vllm_worker`: weight loading
-on CPU, the idle-spin limit)."""
 
 
 class ServerStartError(RuntimeError):
@@ -89,8 +84,6 @@ class GenerationServer:
 
     def client(self, timeout_s: float = 600.0) -> VLLMClient:
         """A client for completions and weight reloads (``timeout_s`` per request, seconds)."""
-        from grpo_steps.weight_sync import VLLMClient
-
         return VLLMClient(self.endpoint, model=self.served_model, timeout_s=timeout_s)
 
     def to_dict(self) -> dict[str, Any]:

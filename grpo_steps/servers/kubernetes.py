@@ -27,7 +27,8 @@ import yaml
 
 from grpo_steps.config import INFRA_DIR, PipelineConfig
 from grpo_steps.processes import ProcessRef, wait_until
-from grpo_steps.servers.base import SERVED_MODEL_NAME, GenerationServer, ServerStartError
+from grpo_steps.servers.base import GenerationServer, ServerStartError
+from grpo_steps.servers.client import SERVED_MODEL_NAME
 
 TEMPLATE = INFRA_DIR / "k8s" / "vllm-server.yaml"
 MANAGED_BY = "grpo-pipeline"

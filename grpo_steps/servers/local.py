@@ -18,13 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from grpo_steps.processes import PortInUseError, ProcessRef, log_tail, pick_port, wait_until
-from grpo_steps.servers.base import (
-    SERVED_MODEL_NAME,
-    WORKER_EXTENSION,
-    GenerationServer,
-    ServerStartError,
-    is_healthy,
-)
+from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy
+from grpo_steps.servers.client import SERVED_MODEL_NAME, WORKER_EXTENSION
 
 if TYPE_CHECKING:
     from grpo_steps.config import PipelineConfig, ServerConfig

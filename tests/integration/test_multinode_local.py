@@ -15,7 +15,7 @@ import pytest
 from grpo_steps.config import validate_config
 from grpo_steps.data import prepare
 from grpo_steps.launch import launch
-from grpo_steps.train import TrainJob
+from grpo_steps.training.job import TrainJob
 from tests.integration.flowrun import (
     checkpoint_files,
     flow_config,

@@ -10,8 +10,9 @@ import requests
 
 from grpo_steps.config import REPO_ROOT, load_config, validate_config
 from grpo_steps.data import prepare
-from grpo_steps.train import TrainJob, run
-from grpo_steps.weight_sync import GenerationServerError, VLLMClient
+from grpo_steps.servers.client import GenerationServerError, VLLMClient
+from grpo_steps.training.entry import run
+from grpo_steps.training.job import TrainJob
 
 pytestmark = pytest.mark.slow
 
@@ -107,8 +108,8 @@ def test_a_reload_serves_the_written_weights_tied_head_included(tmp_path, tiny_m
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.data import encode_prompt, to_prompt
-    from grpo_steps.trainer import policy_logprobs
-    from grpo_steps.weight_sync import write_safetensors
+    from grpo_steps.training.trainer import policy_logprobs
+    from grpo_steps.weight_files import write_safetensors
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     assert model.config.tie_word_embeddings
@@ -137,8 +138,8 @@ def test_successive_pushes_serve_each_version_from_two_rewritten_directories(tmp
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.data import encode_prompt, to_prompt
-    from grpo_steps.trainer import policy_logprobs
-    from grpo_steps.weight_sync import DiskWeightPush
+    from grpo_steps.training.trainer import policy_logprobs
+    from grpo_steps.training.weight_sync import DiskWeightPush
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     client = VLLMClient(tiny_server.endpoint)
@@ -189,7 +190,7 @@ def test_colocate_mode_refuses_to_train_without_a_gpu(tmp_path, tiny_model_path,
     (tmp_path / "out").mkdir()
     job_file = tmp_path / "out" / "job.json"
     job_file.write_text(job.model_dump_json())
-    proc = subprocess.run([sys.executable, "-m", "grpo_steps.train", str(job_file)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "grpo_steps.training", str(job_file)], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode != 0
     assert "generation.mode 'colocate' needs GPUs" in proc.stderr and "this machine has no CUDA device" in proc.stderr

@@ -6,7 +6,8 @@ import pytest
 
 from grpo_steps.config import REPO_ROOT, load_config, validate_config
 from grpo_steps.data import prepare
-from grpo_steps.train import TrainJob, run
+from grpo_steps.training.entry import run
+from grpo_steps.training.job import TrainJob
 
 pytestmark = pytest.mark.slow
 

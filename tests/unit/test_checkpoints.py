@@ -2,13 +2,13 @@
 
 import pytest
 
-from grpo_steps.callbacks import MLflowMetricsCallback
 from grpo_steps.checkpoints import (
     CheckpointNotFound,
     mark_latest_zero_tag,
     resolve_reference,
     trainer_checkpoint_in,
 )
+from grpo_steps.training.callbacks import MLflowMetricsCallback
 
 
 def _trainer_checkpoint(path):

@@ -177,7 +177,7 @@ def test_the_owned_keys_are_exactly_what_grpo_args_derives():
 
     from trl import GRPOConfig
 
-    from grpo_steps.train import GRPO_DEFAULTS, TrainJob, config_grpo_kwargs
+    from grpo_steps.training.job import GRPO_DEFAULTS, TrainJob, config_grpo_kwargs
 
     derived: set[str] = set()
     colocate = {"generation": {"mode": "colocate"}, "resources": {"train": {"gpu": 1}}}

@@ -97,7 +97,7 @@ def test_bad_options_are_rejected_at_config_time(name, options, message):
 
 
 def test_training_path_builds_guarded_named_rewards_from_the_config():
-    from grpo_steps.train import reward_functions
+    from grpo_steps.training.entry import reward_functions
 
     cfg = validate_config({
         "rewards": [
@@ -144,7 +144,7 @@ def test_build_reward_binds_options():
 
 
 def test_multi_objective_aggregation_passes_through_to_grpo_config(tmp_path):
-    from grpo_steps.train import TrainJob, grpo_args
+    from grpo_steps.training.job import TrainJob, grpo_args
 
     cfg = validate_config({"train": {"grpo": {"multi_objective_aggregation": "normalize_then_sum"}}})
     job = TrainJob(config=cfg, model_path="unused", train_file="unused", output_dir=str(tmp_path))

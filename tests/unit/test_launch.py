@@ -20,14 +20,14 @@ def test_accelerate_command_flags(ds, use_cpu, present, absent):
     assert (flags["--num_machines"], flags["--machine_rank"], flags["--num_processes"]) == ("2", "1", "8")
     assert (flags["--main_process_ip"], flags["--main_process_port"]) == ("10.0.0.5", "29999")
     assert all(f in cmd for f in present) and not any(f in cmd for f in absent)
-    assert cmd[-3:] == ["--module", "grpo_steps.train", "job.json"]
+    assert cmd[-3:] == ["--module", "grpo_steps.training", "job.json"]
 
 
 @pytest.mark.parametrize("use_cpu", [True, False])
 def test_one_plain_process_runs_the_training_module_without_a_launcher(use_cpu):
     cmd = accelerate_command("job.json", num_nodes=1, processes_per_node=1, node_index=0, main_ip="127.0.0.1",
                              main_port=29500, use_cpu=use_cpu, deepspeed_config=None)
-    assert cmd[1:] == ["-m", "grpo_steps.train", "job.json"]
+    assert cmd[1:] == ["-m", "grpo_steps.training", "job.json"]
     with_deepspeed = accelerate_command("job.json", num_nodes=1, processes_per_node=1, node_index=0,
                                         main_ip="127.0.0.1", main_port=29500, use_cpu=use_cpu,
                                         deepspeed_config="ds.json")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from grpo_steps.config import validate_config
-from grpo_steps.train import TrainJob, grpo_args
-from grpo_steps.trainer import DiskSync, ServerGRPOTrainer
+from grpo_steps.training.job import TrainJob, grpo_args
+from grpo_steps.training.trainer import DiskSync, ServerGRPOTrainer
 
 LENGTHS = [3, 5]  # completion tokens of the two sequences
 ADVANTAGES = [1.0, -0.5]

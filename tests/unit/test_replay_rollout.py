@@ -7,7 +7,7 @@ import pytest
 
 from grpo_steps.config import GenerationConfig
 from grpo_steps.data import encode_prompt
-from grpo_steps.train import ReplayRollout, prompt_groups
+from grpo_steps.training.rollouts import ReplayRollout, prompt_groups
 
 GEN = GenerationConfig(backend="replay", replay_file="unused", max_completion_tokens=6)
 

@@ -91,8 +91,8 @@ def test_an_external_server_without_dev_routes_is_refused_with_the_fix():
 
 
 def test_a_dead_external_server_is_not_replaced_but_named():
+    from grpo_steps.servers.client import GenerationServerError
     from grpo_steps.steps import ensure_server
-    from grpo_steps.weight_sync import GenerationServerError
 
     endpoint = f"http://127.0.0.1:{_closed_port()}"
     cfg = external_config(endpoint)

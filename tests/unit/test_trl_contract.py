@@ -51,7 +51,7 @@ def test_the_vllm_gates_that_server_trainer_opens_are_where_it_expects():
 
 
 def test_a_config_becomes_the_grpo_config_it_names(tmp_path):
-    from grpo_steps.train import TrainJob, grpo_args
+    from grpo_steps.training.job import TrainJob, grpo_args
 
     cfg = validate_config({"train": {"loss_type": "grpo", "importance_sampling_level": "sequence",
                                      "off_policy_mask_threshold": 0.5},

@@ -4,7 +4,7 @@ fresh write would, and a file of another layout is never reused."""
 import pytest
 import torch
 
-from grpo_steps.weight_sync import overwrite_safetensors, write_safetensors
+from grpo_steps.weight_files import overwrite_safetensors, write_safetensors
 
 
 def _state(seed: int, hidden: int = 8) -> dict:
@@ -48,7 +48,7 @@ def test_sync_dirs_of_exited_training_processes_are_removed_others_kept(tmp_path
     import sys
 
     from grpo_steps.processes import ProcessRef
-    from grpo_steps.trainer import OWNER_FILE, sync_root
+    from grpo_steps.training.weight_sync import OWNER_FILE, sync_root
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     dead = ProcessRef.of(child.pid)

@@ -1,10 +1,10 @@
 """Which weights a server serves, judged from probe logprobs and the pushed weights' fingerprints
-(``grpo_steps.weight_sync.served_version``), and the error that names the step and both versions."""
+(``grpo_steps.training.weight_sync.served_version``), and the error that names the step and both versions."""
 
 import pytest
 import torch
 
-from grpo_steps.weight_sync import (
+from grpo_steps.training.weight_sync import (
     GenerationServerError,
     ProbeRecord,
     check_served_version,

@@ -1,5 +1,5 @@
 """The training process's ``TrainerCallback``s: datastore checkpoints, MLflow metrics, progress lines,
-and the stop of a run whose rewards all score None. Imported by :mod:`grpo_steps.train` only, so the
+and the stop of a run whose rewards all score None. Imported by :mod:`grpo_steps.training.entry` only, so the
 flow's own tasks never import transformers for them.
 
 :class:`MLflowMetricsCallback` logs each step once: a run that continues from an older checkpoint

@@ -19,28 +19,21 @@ policy as well (one extra forward, ~0.1 s for SmolLM2-135M on 2 CPU cores).
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from trl import GRPOTrainer
 
-from grpo_steps.lora import AdapterPush
-from grpo_steps.processes import ProcessRef
-from grpo_steps.weight_sync import (
+from grpo_steps.servers.client import GenerationServerError, VLLMClient, version_label
+from grpo_steps.training.weight_sync import (
+    AdapterPush,
     DiskWeightPush,
-    GenerationServerError,
     ProbeRecord,
-    VLLMClient,
     check_served_version,
     mean_abs_diff,
-    version_label,
+    sync_root,
     weights_fingerprint,
 )
 
@@ -73,10 +66,10 @@ class DiskSync:
     """Stands in for TRL's ``VLLMGeneration`` (only ``sync_weights`` is called with a ``rollout_func``).
 
     ``sync_weights()`` (every rank, collective under ZeRO-3): gathers the policy's state dict, rank 0
-    fingerprints (:func:`grpo_steps.weight_sync.weights_fingerprint`), writes and reloads it through ``push``
+    fingerprints (:func:`grpo_steps.training.weight_sync.weights_fingerprint`), writes and reloads it through ``push``
     (version = the optimizer step that produced it); with ``probe_policy`` every rank scores the probe with the
     policy; rank 0 asks the server for its label and its probe logprobs and checks them
-    (:func:`grpo_steps.weight_sync.check_served_version`); the verdict is broadcast so that every rank
+    (:func:`grpo_steps.training.weight_sync.check_served_version`); the verdict is broadcast so that every rank
     raises together. Metrics (seconds, into the step's log): ``weight_sync/gather_seconds``,
     ``write_seconds``, ``reload_seconds``, ``verify_seconds``, ``seconds`` (total); ``weight_sync/version``;
     with ``probe_policy``, ``weight_sync/probe_logp_diff`` (mean |server - policy| on the probe, nats per token).
@@ -96,11 +89,11 @@ class DiskSync:
     pushed_version: int | None = None
     first_batch_pending: bool = False
     rollout_client: VLLMClient | None = None
-    """LoRA (:class:`grpo_steps.lora.AdapterPush`): every rank's rollout client, pointed at the pushed adapter's
-    model name after each verified push (rank 0's push does it for its own)."""
+    """LoRA (:class:`grpo_steps.training.weight_sync.AdapterPush`): every rank's rollout client, pointed at the
+    pushed adapter's model name after each verified push (rank 0's push does it for its own)."""
     merge_lora: bool = False
-    """LoRA with ``train.peft.push: merged``: push base + adapter merged (:func:`grpo_steps.lora.merged_state_dict`)
-    as full weights."""
+    """LoRA with ``train.peft.push: merged``: push base + adapter merged
+    (:func:`grpo_steps.training.weight_sync.merged_state_dict`) as full weights."""
 
     def _log(self, name: str, value: float) -> None:
         # Always the training logs: a push serves the training's rollouts (the pipeline runs no TRL eval loop), and
@@ -116,7 +109,7 @@ class DiskSync:
         start = time.perf_counter()
         policy_model = accelerator.unwrap_model(trainer.model)
         if self.merge_lora:  # full weights under the base model's names (no ZeRO-3: config-checked)
-            from grpo_steps.lora import merged_state_dict
+            from grpo_steps.training.weight_sync import merged_state_dict
 
             state_dict = merged_state_dict(policy_model) if accelerator.is_main_process else {}
             policy_model = policy_model.get_base_model()
@@ -178,55 +171,12 @@ class DiskSync:
             shutil.rmtree(self.push.root, ignore_errors=True)
 
 
-SYNC_PREFIX = "grpo-sync-"
-OWNER_FILE = "owner.json"
-"""In each sync directory: ``{"pid": int, "started": float}`` of the training process that pushes into it."""
-
-
-def sync_root(sync_dir: str | None, output_dir: str) -> Path:
-    """A new directory for this run's pushes, owned by this process (:data:`OWNER_FILE`): under ``sync_dir``
-    (``generation.sync_dir``) if set, else under ``/dev/shm`` (RAM-backed) when it exists, else under
-    ``{output_dir}/weight-sync``. First removes the directories there that killed runs left
-    (:func:`remove_orphan_sync_dirs`)."""
-    if sync_dir:
-        parent = Path(sync_dir)
-    elif Path("/dev/shm").is_dir():
-        parent = Path("/dev/shm")
-    else:
-        parent = Path(output_dir) / "weight-sync"
-    parent.mkdir(parents=True, exist_ok=True)
-    for orphan in remove_orphan_sync_dirs(parent):
-        print(f"[weight-sync] removed {orphan}: left by a training process that no longer runs", file=sys.stderr)
-    root = Path(tempfile.mkdtemp(prefix=SYNC_PREFIX, dir=parent))
-    owner = ProcessRef.of(os.getpid())
-    (root / OWNER_FILE).write_text(json.dumps({"pid": owner.pid, "started": owner.started}))
-    return root
-
-
-def remove_orphan_sync_dirs(parent: Path) -> list[Path]:
-    """Remove the sync directories under ``parent`` whose owning training process has exited: a run killed with
-    ``kill -9`` cannot clean up and leaves up to two copies of the weights in RAM-backed ``/dev/shm`` (1.1 GB for
-    SmolLM2-135M). Directories whose owner still runs, or without a readable owner record (another run's directory
-    a moment before it writes one), are kept. Returns the removed directories."""
-    removed = []
-    for directory in sorted(parent.glob(f"{SYNC_PREFIX}*")):
-        try:
-            owner = json.loads((directory / OWNER_FILE).read_text())
-            ref = ProcessRef(int(owner["pid"]), float(owner["started"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if not ref.is_running():
-            shutil.rmtree(directory, ignore_errors=True)
-            removed.append(directory)
-    return removed
-
-
 def disk_sync(client, tokenizer, probe_prompt, output_dir: str, probe_tolerance: float,
               sync_dir: str | None = None, lora: str | None = None) -> DiskSync:
     """The :class:`DiskSync` of a training process: rank 0 pushes into a fresh :func:`sync_root`; the probe is
     ``probe_prompt`` (a dataset prompt, chat template applied) cut to ``PROBE_TOKENS`` tokens; ``probe_tolerance``
     in nats per token (``SyncCheckConfig.thresholds``). ``lora`` (``train.peft.push``): ``adapter``, push the
-    adapter only (:class:`grpo_steps.lora.AdapterPush`) and point ``client`` (the rollout client,
+    adapter only (:class:`grpo_steps.training.weight_sync.AdapterPush`) and point ``client`` (the rollout client,
     ``client.base_model`` the served base model name) at it after each push; ``merged``, push base + adapter
     merged as full weights; None: full fine-tuning."""
     from accelerate.state import PartialState
@@ -247,7 +197,7 @@ class ServerGRPOTrainer(GRPOTrainer):
 
     Args (besides ``GRPOTrainer``'s):
         args: a ``GRPOConfig`` with ``use_vllm=False`` and the correction in its
-            ``vllm_importance_sampling_*`` fields (see :func:`grpo_steps.train.grpo_args`).
+            ``vllm_importance_sampling_*`` fields (see :func:`grpo_steps.training.job.grpo_args`).
         sync: a :class:`DiskSync` without its trainer; pushes and verifies before sampling.
         max_logp_diff: the first-batch limit (``SyncCheckConfig.thresholds``; nats per token; None: unchecked).
 

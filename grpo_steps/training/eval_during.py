@@ -40,8 +40,8 @@ class EvalDuringTraining(TrainerCallback):
 
     Args:
         cfg: the run config (``eval``: prompts, samples, temperature; ``rewards``).
-        trainer: a :class:`grpo_steps.trainer.ServerGRPOTrainer` (its ``vllm_generation`` is the push).
-        client: the generation server's :class:`grpo_steps.weight_sync.VLLMClient` (evaluator only).
+        trainer: a :class:`grpo_steps.training.trainer.ServerGRPOTrainer` (its ``vllm_generation`` is the push).
+        client: the generation server's :class:`grpo_steps.servers.client.VLLMClient` (evaluator only).
         tokenizer: the policy's tokenizer (chat template).
         rows: the eval rows evaluated each time (``prompt``, ``answer``, ...).
         log: ``log(metrics, step)`` into the run's MLflow run (evaluator only; None: not logged).

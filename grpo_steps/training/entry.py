@@ -1,0 +1,188 @@
+"""GRPO training entry point: ``python -m grpo_steps.training JOB.json`` (under ``accelerate launch``).
+
+Runs TRL's ``GRPOTrainer`` on the prepared train split of a :class:`grpo_steps.training.job.TrainJob`. With the
+``vllm`` backend, rollouts come from the provisioned server through
+:class:`grpo_steps.training.rollouts.VLLMRollout` (``rollout_func``) with ``disk`` weight sync, verified pushes
+and TRL's mismatch correction (:mod:`grpo_steps.training.trainer`); with ``hf``, TRL generates with transformers
+in-process; with ``replay``, fixed completions come from a file
+(:class:`grpo_steps.training.rollouts.ReplayRollout`). Metrics go to the MLflow run named by
+``job.mlflow_run_id`` (each step once, across resumes); checkpoints are written every ``save_steps`` and, inside
+a Metaflow task, saved to the datastore by :class:`grpo_steps.training.callbacks.DatastoreCheckpointCallback`.
+Runs without Metaflow too, for debugging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from grpo_steps.config import PipelineConfig
+from grpo_steps.training.job import TrainJob, grpo_args
+from grpo_steps.training.rollouts import ReplayRollout, VLLMRollout
+
+
+def reward_functions(cfg: PipelineConfig) -> list:
+    """The configured rewards as TRL reward functions: options bound, each call guarded (timeout, errors ->
+    None and counted), named as configured. Their ``rewards/<name>/timeouts|errors`` counts reach the
+    trainer's logs through TRL's ``log_metric`` (see ``rewards/guard.py``)."""
+    from rewards import build_reward
+
+    return [build_reward(spec) for spec in cfg.rewards]
+
+
+def run(job: TrainJob) -> str:
+    """Train; returns the directory of the final policy (``{output_dir}/final``, safetensors + tokenizer; with
+    ``train.peft`` the adapter only: ``adapter_model.safetensors``, ``adapter_config.json`` + tokenizer).
+
+    Also writes the trainer's per-step log to ``{output_dir}/log_history.json``.
+    """
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOTrainer
+
+    started = time.monotonic()
+    cfg = job.config
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    if cfg.train.deepspeed and not torch.cuda.is_available():
+        import deepspeed  # ZeRO-3 on CPU: gloo must be up before GRPOConfig picks the backend
+
+        deepspeed.comm.init_distributed(dist_backend="gloo")
+    args = grpo_args(job)
+    tokenizer = AutoTokenizer.from_pretrained(job.model_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    dtype = getattr(torch, cfg.model.dtype) if torch.cuda.is_available() else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(job.model_path, dtype=dtype)
+    rows = [json.loads(line) for line in Path(job.train_file).read_text().splitlines() if line.strip()]
+    dataset = Dataset.from_list(rows)
+
+    rollout, trainer_class, server_kwargs = None, GRPOTrainer, {}
+    if cfg.generation.backend == "vllm" and cfg.generation.mode == "colocate":
+        if not torch.cuda.is_available():  # a GPU config run on a CPU machine: see COLOCATE_NEEDS_GPU
+            from grpo_steps.config import COLOCATE_NEEDS_GPU, ConfigError
+
+            raise ConfigError(f"{COLOCATE_NEEDS_GPU} (this machine has no CUDA device)")
+        colocate_environment(cfg)
+    elif cfg.generation.backend == "vllm" and cfg.generation.weight_sync == "disk":
+        from grpo_steps.servers.client import VLLMClient
+        from grpo_steps.training.trainer import ServerGRPOTrainer, disk_sync
+
+        client = VLLMClient(job.endpoint, model=job.served_model)
+        rollout = VLLMRollout(client, tokenizer, cfg.generation)
+        trainer_class = ServerGRPOTrainer
+        probe_tolerance, max_logp_diff = cfg.generation.sync_check.thresholds(cfg.model.dtype)
+        lora_push = cfg.train.peft.push if cfg.train.peft else None
+        server_kwargs = dict(sync=disk_sync(client, tokenizer, rows[0]["prompt"], job.output_dir, probe_tolerance,
+                                            cfg.generation.sync_dir, lora=lora_push),
+                             max_logp_diff=max_logp_diff)
+    elif cfg.generation.backend == "replay":
+        rollout = ReplayRollout(cfg.generation.replay_file, tokenizer, cfg.generation)
+    from grpo_steps.checkpoints import in_metaflow_task
+    from grpo_steps.training.callbacks import (
+        AllNoneStop,
+        DatastoreCheckpointCallback,
+        MLflowMetricsCallback,
+        ProgressCallback,
+    )
+
+    mlflow_cb = MLflowMetricsCallback(job.mlflow_run_id, cfg.tracking.tracking_uri) if job.mlflow_run_id else None
+    callbacks = [ProgressCallback(started), AllNoneStop(cfg.train.max_all_none_steps)]
+    callbacks += [mlflow_cb] if mlflow_cb else []
+    if in_metaflow_task():
+        callbacks.append(DatastoreCheckpointCallback(job.node_index, keep=cfg.train.save_total_limit,
+                                                     log_metrics=mlflow_cb.log if mlflow_cb else None))
+    trainer = trainer_class(
+        model=model,
+        reward_funcs=reward_functions(cfg),
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        rollout_func=rollout,
+        callbacks=callbacks,
+        peft_config=cfg.train.peft.lora_config() if cfg.train.peft else None,  # LoRA: TRL wraps the policy
+        **server_kwargs,
+    )
+    if cfg.eval.every_steps:
+        trainer.add_callback(eval_during_callback(job, trainer, tokenizer))
+    try:
+        trainer.train(resume_from_checkpoint=job.resume_from)
+    finally:
+        if "sync" in server_kwargs:
+            server_kwargs["sync"].close()
+    final = Path(job.output_dir) / "final"
+    trainer.save_model(str(final))
+    if trainer.accelerator.is_main_process:
+        tokenizer.save_pretrained(final)
+        (Path(job.output_dir) / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+    return str(final)
+
+
+def eval_during_callback(job: TrainJob, trainer, tokenizer):
+    """The :class:`grpo_steps.training.eval_during.EvalDuringTraining` of this process: global rank 0 (on node 0)
+    evaluates ``job.eval_file``'s rows and logs to ``job.mlflow_run_id``; the other ranks only push.
+
+    Raises:
+        ValueError: node 0's job has no ``eval_file`` (the flow's train step writes it).
+    """
+    from grpo_steps.training.eval_during import EvalDuringTraining, logged_steps
+
+    evaluator = trainer.accelerator.is_main_process and job.node_index == 0
+    if evaluator and not job.eval_file:
+        raise ValueError("eval.every_steps needs the eval prompts in node 0's train job (TrainJob.eval_file)")
+    rows = [json.loads(line) for line in Path(job.eval_file).read_text().splitlines() if line.strip()] \
+        if evaluator else []
+    log, logged = None, set()
+    if evaluator and job.mlflow_run_id:
+        from mlflow import MlflowClient
+
+        from grpo_steps.tracking import log_metrics_with
+
+        mlflow_client = MlflowClient(tracking_uri=job.config.tracking.tracking_uri)
+        logged = logged_steps(mlflow_client, job.mlflow_run_id)
+
+        def log(metrics, step):
+            log_metrics_with(mlflow_client, job.mlflow_run_id, metrics, step)
+
+    return EvalDuringTraining(job.config, trainer, trainer.vllm_generation.push.client if evaluator else None,
+                              tokenizer, rows, log=log, logged_steps=logged, evaluator=evaluator)
+
+
+def colocate_environment(cfg: PipelineConfig) -> None:
+    """What TRL's colocate mode needs in the environment: vLLM's ``external_launcher`` reads the torch.distributed
+    variables (set by ``accelerate launch``; a single process run directly gets rank 0 of 1), and the CPU
+    backend its KV-cache size (GiB) and cores, as the local server gets them (``grpo_steps.servers.local``)."""
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(29500 + os.getpid() % 1000),
+                       "VLLM_CPU_KVCACHE_SPACE": str(cfg.generation.server.kv_cache_gib),
+                       "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                       "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))}.items():
+        os.environ.setdefault(key, value)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="GRPO training on a prepared dataset (one job file).")
+    parser.add_argument("job", help="JSON file of a TrainJob (written by the flow's train step)")
+    args = parser.parse_args(argv)
+    job = TrainJob.model_validate_json(Path(args.job).read_text())
+    final = run(job)
+    shut_down_process_group()
+    print(final)
+
+
+def shut_down_process_group() -> None:
+    """Leave the distributed job together: a last barrier, then ``destroy_process_group``. Without it each
+    rank tears its process group down in interpreter shutdown, in any order (PyTorch warns that this can
+    hang), and a rank stuck there holds its node's torchelastic agent from the exit barrier."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The training job: everything the training process needs, written as JSON by the flow's ``train`` step, and its
+mapping to ``trl.GRPOConfig``.
+
+This is the one module of :mod:`grpo_steps.training` that flow-side code imports (an import contract in
+``pyproject.toml`` keeps it so): it imports neither torch nor TRL at module level, so the flow's tasks build
+and launch a job without them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from grpo_steps.config import PipelineConfig
+
+TRAINING_MODULE = "grpo_steps.training"
+"""What ``python -m`` and ``accelerate launch --module`` run in the training process
+(:mod:`grpo_steps.training.entry`)."""
+
+
+class TrainJob(BaseModel):
+    """Everything the training process needs, written as JSON by the flow's ``train`` step."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: PipelineConfig
+    model_path: str  # resolved weights directory or hub id
+    train_file: str  # jsonl of the prepared train split
+    output_dir: str  # trainer output: checkpoints and the final model (``final/``)
+    endpoint: str | None = None  # vLLM server base URL (backend vllm)
+    served_model: str = "policy"  # the model name the server serves the policy under
+    resume_from: str | None = None  # a trainer checkpoint directory to continue from
+    mlflow_run_id: str | None = None  # metrics go to this run
+    node_index: int = 0  # machine rank in the gang
+    eval_file: str | None = None  # jsonl of the eval prompts evaluated during training (eval.every_steps)
+
+
+GRPO_DEFAULTS: dict[str, Any] = dict(dataloader_num_workers=0, disable_tqdm=True)
+"""``trl.GRPOConfig`` fields the pipeline sets by default; ``train.grpo`` may change them."""
+
+
+def config_grpo_kwargs(job: TrainJob, on_cpu: bool) -> dict[str, Any]:
+    """The ``trl.GRPOConfig`` fields derived from the config, for a job on CPU (``on_cpu``) or CUDA.
+
+    Its keys are those of :data:`grpo_steps.config.GRPO_ARGS_SET_BY` (``use_vllm``, ``vllm_mode``,
+    ``vllm_server_base_url`` with ``nccl`` weight sync, ``deepspeed`` with ``train.deepspeed``), which
+    ``train.grpo`` may not set. Pure: imports neither torch nor trl.
+    """
+    cfg, train, gen = job.config, job.config.train, job.config.generation
+    kwargs: dict[str, Any] = dict(
+        output_dir=job.output_dir,
+        max_steps=train.max_steps,
+        learning_rate=train.learning_rate,
+        per_device_train_batch_size=train.per_device_train_batch_size,
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
+        num_generations=train.num_generations,
+        beta=train.beta,
+        loss_type=train.loss_type,
+        importance_sampling_level=train.importance_sampling_level,
+        off_policy_mask_threshold=train.off_policy_mask_threshold,
+        scale_rewards=train.scale_rewards,
+        max_completion_length=gen.max_completion_tokens,
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        reward_weights=[r.weight for r in cfg.rewards],
+        save_strategy="steps",
+        save_steps=train.save_steps,
+        save_total_limit=train.save_total_limit,
+        # every node trains in its own scratch directory: each needs the full trainer state beside its
+        # ZeRO-3 partition to resume (HF writes trainer_state.json, scheduler, RNG of rank 0 only otherwise)
+        save_on_each_node=train.num_nodes > 1,
+        logging_steps=train.logging_steps,
+        seed=train.seed,
+        data_seed=train.seed,
+        report_to=[],  # metrics: grpo_steps.training.callbacks.MLflowMetricsCallback
+        use_cpu=on_cpu,
+        bf16=(not on_cpu) and cfg.model.dtype == "bfloat16",
+        fp16=False,
+    )
+    if gen.backend == "vllm":  # TRL's mismatch correction (on TRL's vLLM path and on ours, ServerGRPOTrainer)
+        kwargs.update(vllm_importance_sampling_correction=gen.importance_sampling.enabled,
+                      vllm_importance_sampling_clip_max=gen.importance_sampling.clip_max,
+                      vllm_importance_sampling_clip_min=gen.importance_sampling.clip_min)
+        if gen.importance_sampling.enabled:
+            kwargs["vllm_importance_sampling_mode"] = gen.importance_sampling.mode
+    if gen.backend == "vllm" and gen.mode == "colocate":  # TRL's colocate mode: vLLM in this process
+        kwargs.update(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=cfg.model.max_model_len)
+    if gen.weight_sync == "nccl":  # TRL's own server mode: generation + NCCL weight transfer (GPUs only)
+        kwargs.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=job.endpoint)
+    if train.deepspeed:
+        from grpo_steps.config import INFRA_DIR
+
+        kwargs["deepspeed"] = str(INFRA_DIR / "deepspeed_zero3.json")
+    return kwargs
+
+
+def grpo_args(job: TrainJob) -> Any:
+    """``trl.GRPOConfig`` for a job: the fields derived from the config (:func:`config_grpo_kwargs`),
+    :data:`GRPO_DEFAULTS`, and ``train.grpo`` (which overrides the defaults only: config validation
+    rejects the derived fields there).
+
+    Raises:
+        ValueError: a ``train.grpo`` key that ``GRPOConfig`` does not have.
+    """
+    import dataclasses
+
+    import torch
+    from trl import GRPOConfig
+
+    extra = job.config.train.grpo
+    known = {f.name for f in dataclasses.fields(GRPOConfig)}
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ValueError(f"train.grpo keys {unknown} are not GRPOConfig fields (trl docs list them)")
+    derived = config_grpo_kwargs(job, on_cpu=not torch.cuda.is_available())
+    return GRPOConfig(**derived, **{**GRPO_DEFAULTS, **extra})  # a key in both: TypeError, never a silent override
+
+

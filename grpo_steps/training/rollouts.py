@@ -1,0 +1,102 @@
+"""Rollout functions (TRL's ``rollout_func``): completions from the generation server, or replayed from a file.
+
+TRL hands each training process whole prompt groups (every prompt ``num_generations`` times in a row,
+:func:`prompt_groups`); a rollout function returns one completion per entry as token ids, with the sampler's
+logprobs when there is a sampler.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+from grpo_steps.data import ReplayFile, encode_prompt
+
+
+class VLLMRollout:
+    """TRL ``rollout_func``: completions from a vLLM server.
+
+    Called by ``GRPOTrainer`` with this process's prompts, each repeated ``num_generations`` times
+    in a row; returns one completion per prompt entry: ``prompt_ids`` (list of B lists of token
+    ids), ``completion_ids`` (B lists) and ``logprobs`` (B lists, natural log, one per completion
+    token). The weights reach the server before (``grpo_steps.trainer.ServerGRPOTrainer``: pushed and
+    verified after every optimizer step and before the first generation).
+    """
+
+    def __init__(self, client, tokenizer, gen_cfg) -> None:
+        self.client, self.tokenizer, self.gen = client, tokenizer, gen_cfg
+
+    def __call__(self, prompts: list, trainer) -> dict[str, list]:
+        unique, group = prompt_groups(prompts, trainer)
+        prompt_ids = [encode_prompt(self.tokenizer, p) for p in unique]
+        samples = self.client.complete(prompt_ids, group, max_tokens=self.gen.max_completion_tokens,
+                                       temperature=self.gen.temperature, top_p=self.gen.top_p)
+        out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for ids, group_samples in zip(prompt_ids, samples, strict=True):
+            for sample in group_samples:
+                out["prompt_ids"].append(ids)
+                out["completion_ids"].append(sample["completion_ids"])
+                out["logprobs"].append(sample["logprobs"])
+        return out
+
+
+def prompt_groups(prompts: list, trainer) -> tuple[list, int]:
+    """The P distinct prompts of a ``rollout_func`` call and the group size G.
+
+    TRL hands each process whole groups: every prompt G times in a row, B = P x G entries (G is the
+    trainer's ``num_generations``, ``num_generations_eval`` in evaluation); the rollout returns G
+    completions per distinct prompt, in that order.
+
+    Raises:
+        ValueError: ``prompts`` are not whole groups of G equal entries in a row, e.g. a group split
+            across processes because a process's generation batch (``per_device_train_batch_size`` x
+            ``steps_per_generation``) is not a multiple of G. The message gives what TRL passed.
+    """
+    training = trainer.model.training
+    group = trainer.num_generations if training else trainer.num_generations_eval
+    if len(prompts) % group == 0 and all(p == prompts[i - i % group] for i, p in enumerate(prompts)):
+        return prompts[::group], group
+    runs = [len(list(run)) for _, run in itertools.groupby(prompts)]  # lengths of runs of equal prompts
+    shown = f"{runs[:16]}{' ...' if len(runs) > 16 else ''}"
+    setting = "num_generations" if training else "num_generations_eval"
+    raise ValueError(
+        f"rollout_func got {len(prompts)} prompts from TRL in runs of equal prompts {shown}; expected whole "
+        f"groups, each prompt {group} times in a row ({setting} = {group}). A group split across processes? "
+        "Each process's generation batch (train.per_device_train_batch_size x steps_per_generation, default "
+        "train.gradient_accumulation_steps) must be a multiple of train.num_generations."
+    )
+
+
+class ReplayRollout:
+    """TRL ``rollout_func`` that replays fixed completions instead of sampling (backend ``replay``).
+
+    Every layout (nodes, processes, ZeRO stage) then trains on the same completions of the same
+    prompts, so per-step losses and gradient norms are comparable. A prompt's group of G entries gets
+    the first G completions listed for its question (:class:`grpo_steps.data.ReplayFile`), tokenized without
+    special tokens, cut to ``max_completion_tokens`` and ended with EOS when it fits. Returns ``prompt_ids``,
+    ``completion_ids`` (B lists of token ids) and ``logprobs`` None (no sampling distribution).
+
+    Raises:
+        FileNotFoundError, ValueError: as :class:`grpo_steps.data.ReplayFile`.
+        KeyError: a prompt whose question has no row in the file.
+    """
+
+    def __init__(self, path: str | Path, tokenizer, gen_cfg) -> None:
+        self.tokenizer, self.gen, self.file = tokenizer, gen_cfg, ReplayFile(path)
+
+    def _completion_ids(self, text: str) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: self.gen.max_completion_tokens]
+        if len(ids) < self.gen.max_completion_tokens:
+            ids.append(self.tokenizer.eos_token_id)
+        return ids
+
+    def __call__(self, prompts: list, trainer) -> dict[str, list | None]:
+        unique, group = prompt_groups(prompts, trainer)
+        out: dict[str, list | None] = {"prompt_ids": [], "completion_ids": [], "logprobs": None}
+        for prompt in unique:
+            texts = self.file.completions_for(prompt, group)
+            ids = encode_prompt(self.tokenizer, prompt)
+            for text in texts:
+                out["prompt_ids"].append(ids)
+                out["completion_ids"].append(self._completion_ids(text))
+        return out

@@ -1,0 +1,298 @@
+"""The push side of ``disk`` weight sync (rank 0 of the training process) and its verification.
+
+Rank 0 writes the policy's weights as one safetensors file into a new directory per push under a run-owned
+root (:func:`sync_root`; :func:`grpo_steps.weight_files.write_safetensors`, or
+:func:`grpo_steps.weight_files.overwrite_safetensors` of an older push's file moved there), then has the server
+load it (:meth:`grpo_steps.servers.client.VLLMClient.reload_weights`) and labels it ``step-N``
+(:class:`DiskWeightPush`); with LoRA the adapter alone is written and loaded as a new served model
+(:class:`AdapterPush`), or base + adapter merged (:func:`merged_state_dict`) is pushed as full weights.
+:func:`check_served_version` verifies that the server serves the push (an HTTP 200 does not prove the weights
+changed, vLLM RFC #48312).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grpo_steps.lora import adapter_name
+from grpo_steps.processes import ProcessRef
+from grpo_steps.servers.client import GenerationServerError, VLLMClient, version_label
+from grpo_steps.weight_files import overwrite_safetensors, write_safetensors
+
+
+@dataclass
+class DiskWeightPush:
+    """Rank 0's half of ``disk`` sync: each push writes ``root/v{version}``, reloads the server from it and
+    labels the server's weights ``step-{version}``.
+
+    From the third push on, the directory of the push before the previous one is renamed to ``v{version}`` and its
+    file overwritten in place (:func:`overwrite_safetensors`): a new path per push, every byte rewritten, no fresh
+    RAM-disk pages. So two pushes' files are kept (``current``, ``spare``); ``root`` should be RAM-backed
+    (``/dev/shm``) with room for two copies of the weights, and readable by the server.
+    """
+
+    client: VLLMClient
+    root: Path
+    direct: bool = True
+    """Load through the direct CPU path where it applies (:meth:`VLLMClient.reload_weights`)."""
+    current: Path | None = field(default=None, init=False)
+    spare: Path | None = field(default=None, init=False)
+
+    def push(self, state_dict: dict, version: int, model=None) -> dict[str, float]:
+        """Write, reload, label. Returns ``{"write_seconds": s, "reload_seconds": s}``.
+
+        Raises:
+            GenerationServerError: the server failed a request.
+        """
+        start = time.perf_counter()
+        directory = Path(self.root) / f"v{version}"
+        if directory.exists():  # a retried push of the same step: never reload a reused directory
+            shutil.rmtree(directory)
+            if self.current == directory:
+                self.current = None
+        spare, self.spare = self.spare, None
+        if spare is None or overwrite_safetensors(state_dict, spare, directory, model=model) is None:
+            write_safetensors(state_dict, directory, model=model)
+        written = time.perf_counter()
+        self.client.reload_weights(directory, direct=self.direct)
+        self.client.set_weight_version(version_label(version))
+        reloaded = time.perf_counter()
+        self.spare, self.current = self.current, directory
+        return {"write_seconds": written - start, "reload_seconds": reloaded - written}
+
+    def served_label(self) -> str:
+        """The server's weight label (``/weight_info``), ``step-N`` after a verified push of version N."""
+        return self.client.weight_version()
+
+    def close(self) -> None:
+        """Remove the pushes' directories (the server keeps its weights in memory)."""
+        for directory in (self.current, self.spare):
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
+        self.current = self.spare = None
+
+
+@dataclass
+class AdapterPush:
+    """Rank 0's half of ``disk`` sync with LoRA: each push writes the adapter (``adapter_model.safetensors`` +
+    ``adapter_config.json``) to ``root/v{version}``, loads it into the server as :func:`adapter_name` of the
+    version, points ``client`` (the rollout client) at it, then unloads the previous push's adapter and removes its
+    directory. Same interface as :class:`DiskWeightPush`."""
+
+    client: VLLMClient
+    root: Path
+    base_model: str  # the server's name of the base weights
+    current: Path | None = field(default=None, init=False)
+    current_name: str | None = field(default=None, init=False)
+
+    def push(self, state_dict: dict, version: int, model=None) -> dict[str, float]:
+        """Write and load the adapter of ``model`` (the unwrapped ``PeftModel``; ``state_dict``: the full state dict
+        gathered from it, the adapter's entries are picked by PEFT). Returns ``{"write_seconds",
+        "reload_seconds"}``.
+
+        Raises:
+            GenerationServerError: the server failed a request.
+        """
+        start = time.perf_counter()
+        directory = Path(self.root) / f"v{version}"
+        if directory.exists():  # a retried push of the same step: never reload a reused directory
+            shutil.rmtree(directory)
+        model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
+        written = time.perf_counter()
+        name = adapter_name(self.base_model, version)
+        if name in self.client.served_adapters():  # left by an earlier attempt (a crash, a resume)
+            self.client.unload_lora_adapter(name)
+        self.client.load_lora_adapter(name, directory)
+        self.client.model = name
+        loaded = time.perf_counter()
+        previous, previous_name = self.current, self.current_name
+        self.current, self.current_name = directory, name
+        if previous_name is not None and previous_name != name:
+            self.client.unload_lora_adapter(previous_name)
+        if previous is not None and previous != directory:
+            shutil.rmtree(previous, ignore_errors=True)
+        return {"write_seconds": written - start, "reload_seconds": loaded - written}
+
+    def served_label(self) -> str:
+        """``step-N`` when the server serves the last pushed adapter from its directory, else a description of
+        what it serves (see :func:`check_served_version`)."""
+        served = self.client.served_adapters()
+        if self.current_name is not None and served.get(self.current_name) == str(self.current):
+            return version_label(int(self.current.name[1:]))
+        return f"adapters {served}"
+
+    def close(self) -> None:
+        """Unload the last adapter and remove its directory. A server that no longer answers is reported on
+        stderr, not raised (this runs in a ``finally`` and must not hide the error that ended training)."""
+        if self.current_name is not None:
+            try:
+                self.client.unload_lora_adapter(self.current_name)
+            except GenerationServerError as err:
+                print(f"[weight-sync] could not unload adapter {self.current_name}: {err}", file=sys.stderr)
+            self.current_name = None
+        if self.current is not None:
+            shutil.rmtree(self.current, ignore_errors=True)
+            self.current = None
+
+
+def merged_state_dict(model) -> dict:
+    """Base + active adapter merged, under the base model's parameter names, for a full-weights push
+    (``train.peft.push: merged``): each adapted layer's weight plus PEFT's ``get_delta_weight`` (``B A * alpha /
+    r``, fan-in/fan-out handled by PEFT); the adapter's own tensors left out. ``model``: the unwrapped
+    ``PeftModel`` with full (not ZeRO-3-partitioned) parameters; it is not changed (no merge/unmerge round trip that
+    would add rounding to the base weights every step). Returns new tensors on the model's device, detached.
+    """
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    adapter = model.active_adapter
+    base = model.get_base_model()
+    with torch.no_grad():
+        deltas = {name: module.get_delta_weight(adapter) for name, module in base.named_modules()
+                  if isinstance(module, LoraLayer) and adapter in module.lora_A}
+        merged = {}
+        for key, tensor in base.state_dict().items():
+            if ".lora_" in key:
+                continue
+            owner, _, leaf = key.rpartition(".base_layer.")
+            if owner:
+                key = f"{owner}.{leaf}"
+                if leaf == "weight" and owner in deltas:
+                    tensor = tensor + deltas[owner].to(tensor.dtype)
+            merged[key] = tensor.detach()
+    return merged
+
+
+def weights_fingerprint(state_dict: dict, samples: int = 256) -> tuple[float, ...]:
+    """A cheap digest of a state dict: for each non-empty tensor, the float64 sum of about ``samples`` of its elements
+    taken at an even stride (in ``state_dict`` order). Equal weights give equal digests; an optimizer step changes
+    the digest (it moves nearly every element of each layer it updates). Tells whether two pushes carried different
+    weights without keeping either; ~5 ms for SmolLM2-135M on the 2-core CPU."""
+    import torch
+
+    sums = [t.detach().reshape(-1)[:: max(1, t.numel() // samples)].double().sum()
+            for t in state_dict.values() if t.numel()]
+    return tuple(torch.stack(sums).tolist()) if sums else ()
+
+
+@dataclass
+class ProbeRecord:
+    """What one push's verification saw: ``weights``, the pushed state dict's :func:`weights_fingerprint`;
+    ``served``, the server's probe logprobs (T-1 floats); ``policy``, the policy's on the same probe, or None when
+    the first rollout batch is compared with the policy instead (``generation.sync_check.max_logp_diff``)."""
+
+    version: int
+    weights: tuple[float, ...]
+    served: list[float]
+    policy: list[float] | None = None
+
+
+def mean_abs_diff(a: list[float], b: list[float]) -> float:
+    """Mean |a_t - b_t| over equal-length logprob lists (nats per token; 0 for empty lists)."""
+    return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / max(len(a), 1)
+
+
+def served_version(record: ProbeRecord, history: list[ProbeRecord], tolerance: float) -> int | None:
+    """Which version's weights the server serves, judged by the probe: an earlier version's when the server's answer
+    is that version's own answer bit for bit (within 1e-6) although the pushed weights differ from it (the newest
+    such); else ``record.version`` when the probe matches the policy's within ``tolerance`` (mean |delta logp|, nats
+    per token), or when there is no policy probe; else the newest earlier version whose policy probe it matches;
+    else None.
+
+    The server's forward pass is deterministic for one request, so serving an earlier push's weights shows as that
+    push's answer exactly, even when an optimizer step moved the logprobs by less than ``tolerance``; a push of
+    unchanged weights (a step without gradient) is not taken for stale.
+    """
+    exact = 1e-6
+    newest_first = sorted(history, key=lambda r: -r.version)
+    for earlier in newest_first:
+        if earlier.weights != record.weights and mean_abs_diff(record.served, earlier.served) <= exact:
+            return earlier.version
+    if record.policy is None or mean_abs_diff(record.served, record.policy) <= tolerance:
+        return record.version
+    for earlier in newest_first:
+        if earlier.policy is not None and mean_abs_diff(record.served, earlier.policy) <= tolerance:
+            return earlier.version
+    return None
+
+
+def check_served_version(record: ProbeRecord, history: list[ProbeRecord], label: str, tolerance: float,
+                         step: int) -> None:
+    """Raise unless the server serves version ``record.version`` (label and probe, see :func:`served_version`).
+
+    Args:
+        label: the server's ``/weight_info`` answer after the push.
+        step: the optimizer step about to sample (named in the error).
+
+    Raises:
+        GenerationServerError: the label is not this version's, or the probe says other weights; the
+            message names the step, the expected and the served version.
+    """
+    expected = version_label(record.version)
+    if label != expected:
+        raise GenerationServerError(f"step {step}: the generation server reports weight version {label!r}, "
+                                    f"expected {expected!r} (was it restarted or reloaded by someone else?)")
+    served = served_version(record, history, tolerance)
+    if served != record.version:
+        served_text = f"version {served} ({version_label(served)})" if served is not None else "unknown weights"
+        gap = "" if record.policy is None else (
+            f"; probe mean |delta logp| server vs policy {mean_abs_diff(record.served, record.policy):.3g} "
+            f"(tolerance {tolerance:g}, generation.sync_check.probe_tolerance)")
+        raise GenerationServerError(
+            f"step {step}: the generation server does not serve the weights just pushed: expected version "
+            f"{record.version} ({expected}), served {served_text}{gap}. Refusing to sample off-policy."
+        )
+
+
+SYNC_PREFIX = "grpo-sync-"
+
+
+OWNER_FILE = "owner.json"
+"""In each sync directory: ``{"pid": int, "started": float}`` of the training process that pushes into it."""
+
+
+def sync_root(sync_dir: str | None, output_dir: str) -> Path:
+    """A new directory for this run's pushes, owned by this process (:data:`OWNER_FILE`): under ``sync_dir``
+    (``generation.sync_dir``) if set, else under ``/dev/shm`` (RAM-backed) when it exists, else under
+    ``{output_dir}/weight-sync``. First removes the directories there that killed runs left
+    (:func:`remove_orphan_sync_dirs`)."""
+    if sync_dir:
+        parent = Path(sync_dir)
+    elif Path("/dev/shm").is_dir():
+        parent = Path("/dev/shm")
+    else:
+        parent = Path(output_dir) / "weight-sync"
+    parent.mkdir(parents=True, exist_ok=True)
+    for orphan in remove_orphan_sync_dirs(parent):
+        print(f"[weight-sync] removed {orphan}: left by a training process that no longer runs", file=sys.stderr)
+    root = Path(tempfile.mkdtemp(prefix=SYNC_PREFIX, dir=parent))
+    owner = ProcessRef.of(os.getpid())
+    (root / OWNER_FILE).write_text(json.dumps({"pid": owner.pid, "started": owner.started}))
+    return root
+
+
+def remove_orphan_sync_dirs(parent: Path) -> list[Path]:
+    """Remove the sync directories under ``parent`` whose owning training process has exited: a run killed with
+    ``kill -9`` cannot clean up and leaves up to two copies of the weights in RAM-backed ``/dev/shm`` (1.1 GB for
+    SmolLM2-135M). Directories whose owner still runs, or without a readable owner record (another run's directory
+    a moment before it writes one), are kept. Returns the removed directories."""
+    removed = []
+    for directory in sorted(parent.glob(f"{SYNC_PREFIX}*")):
+        try:
+            owner = json.loads((directory / OWNER_FILE).read_text())
+            ref = ProcessRef(int(owner["pid"]), float(owner["started"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not ref.is_running():
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+    return removed
+
+
