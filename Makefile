@@ -54,6 +54,7 @@ s3: install
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 bench: model
 	$(BIN)/python bench/step_time.py

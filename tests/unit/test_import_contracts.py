@@ -1,0 +1,50 @@
+"""The import contracts of ``pyproject.toml`` ([tool.importlinter]) hold, and each kind of forbidden import breaks
+them: the check is import-linter's ``lint-imports`` run on the code (a copy of it, for the broken cases)."""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_steps.config import REPO_ROOT
+
+LINT = "from importlinter.cli import lint_imports; raise SystemExit(lint_imports(no_cache=True, no_logo=True))"
+
+
+def lint(root: Path) -> subprocess.CompletedProcess:
+    """``lint-imports`` on the packages under ``root`` with ``root/pyproject.toml``'s contracts."""
+    return subprocess.run([sys.executable, "-c", LINT], cwd=root, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)},
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_contracts_hold():
+    result = lint(REPO_ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+@pytest.mark.parametrize("module, line, broken", [
+    # flow-side evaluation reaching into the training process past its job module
+    ("grpo_steps/evaluate.py", "from grpo_steps.training import rollouts", "Flow side reaches training only"),
+    # two modules importing each other (data imports config)
+    ("grpo_steps/config.py", "import grpo_steps.data", "No two modules import each other"),
+    # the rewards (the lowest layer) reaching into the pipeline
+    ("rewards/guard.py", "import grpo_steps.config", "Layers from the step bodies"),
+    # a lower layer importing a higher one (the server client importing the step bodies)
+    ("grpo_steps/servers/client.py", "import grpo_steps.steps", "Layers from the step bodies"),
+    # inside the training process: the job (imported by the flow) pulling in the trainer and TRL
+    ("grpo_steps/training/job.py", "import grpo_steps.training.trainer", "Layers inside the training process"),
+])
+def test_a_forbidden_import_breaks_a_contract(tmp_path, module, line, broken):
+    for package in ("grpo_steps", "rewards"):
+        shutil.copytree(REPO_ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO_ROOT / "pyproject.toml", tmp_path)
+    assert lint(tmp_path).returncode == 0  # the copy as it is keeps them
+    target = tmp_path / module
+    target.write_text(target.read_text() + f"\n\ndef _back_import():\n    {line}  # noqa\n")
+    result = lint(tmp_path)
+    assert result.returncode != 0
+    assert re.search(rf"^{re.escape(broken)}.* BROKEN\b", result.stdout, re.MULTILINE), result.stdout
