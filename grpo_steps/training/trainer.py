@@ -186,7 +186,8 @@ def disk_sync(client, tokenizer, probe_prompt, output_dir: str, probe_tolerance:
     push = None
     if PartialState().is_main_process:
         root = sync_root(sync_dir, output_dir)
-        push = AdapterPush(client, root, client.base_model) if lora == "adapter" else DiskWeightPush(client, root)
+        push = (AdapterPush(client, root, base_model=client.base_model) if lora == "adapter"
+                else DiskWeightPush(client, root))
     probe_ids = encode_prompt(tokenizer, probe_prompt)[:PROBE_TOKENS]
     return DiskSync(trainer=None, push=push, probe_ids=probe_ids, probe_tolerance=probe_tolerance,
                     rollout_client=client if lora == "adapter" else None, merge_lora=lora == "merged")

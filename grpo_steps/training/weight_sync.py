@@ -28,25 +28,21 @@ from grpo_steps.weight_files import overwrite_safetensors, write_safetensors
 
 
 @dataclass
-class DiskWeightPush:
-    """Rank 0's half of ``disk`` sync: each push writes ``root/v{version}``, reloads the server from it and
-    labels the server's weights ``step-{version}``.
-
-    From the third push on, the directory of the push before the previous one is renamed to ``v{version}`` and its
-    file overwritten in place (:func:`overwrite_safetensors`): a new path per push, every byte rewritten, no fresh
-    RAM-disk pages. So two pushes' files are kept (``current``, ``spare``); ``root`` should be RAM-backed
-    (``/dev/shm``) with room for two copies of the weights, and readable by the server.
+class WeightPush:
+    """Rank 0's half of ``disk`` sync, one push per weight version: write the weights into a fresh directory
+    ``root/v{version}`` (vLLM issue #32718: never reload from a reused directory), have the server load them, then
+    retire the previous push's directory. :class:`DiskWeightPush` (full weights) and :class:`AdapterPush` (a LoRA
+    adapter) say what is written and how the server loads it; ``root`` must be readable by the server.
     """
 
     client: VLLMClient
     root: Path
-    direct: bool = True
-    """Load through the direct CPU path where it applies (:meth:`VLLMClient.reload_weights`)."""
     current: Path | None = field(default=None, init=False)
-    spare: Path | None = field(default=None, init=False)
+    """The directory of the last push (the server's weights came from it)."""
 
     def push(self, state_dict: dict, version: int, model=None) -> dict[str, float]:
-        """Write, reload, label. Returns ``{"write_seconds": s, "reload_seconds": s}``.
+        """Write, load, retire. ``state_dict``: the policy's full state dict (on rank 0); ``model``: the unwrapped
+        policy it came from. Returns ``{"write_seconds": s, "reload_seconds": s}``.
 
         Raises:
             GenerationServerError: the server failed a request.
@@ -55,17 +51,70 @@ class DiskWeightPush:
         directory = Path(self.root) / f"v{version}"
         if directory.exists():  # a retried push of the same step: never reload a reused directory
             shutil.rmtree(directory)
-            if self.current == directory:
-                self.current = None
+            self._forget(directory)
+        self._write(state_dict, directory, model)
+        written = time.perf_counter()
+        self._load(directory, version)
+        loaded = time.perf_counter()
+        previous, self.current = self.current, directory
+        if previous is not None:
+            self._retire(previous)
+        return {"write_seconds": written - start, "reload_seconds": loaded - written}
+
+    def _forget(self, directory: Path) -> None:
+        """``directory`` was removed: drop every reference to it."""
+        if self.current == directory:
+            self.current = None
+
+    def _write(self, state_dict: dict, directory: Path, model) -> None:
+        raise NotImplementedError
+
+    def _load(self, directory: Path, version: int) -> None:
+        raise NotImplementedError
+
+    def _retire(self, previous: Path) -> None:
+        """The push before this one is no longer served: by default its directory is removed."""
+        shutil.rmtree(previous, ignore_errors=True)
+
+    def close(self) -> None:
+        """Remove the last push's directory (the server keeps its weights in memory)."""
+        if self.current is not None:
+            shutil.rmtree(self.current, ignore_errors=True)
+            self.current = None
+
+
+@dataclass
+class DiskWeightPush(WeightPush):
+    """Full weights: each push writes ``model.safetensors`` to ``root/v{version}``, reloads the server from it
+    (:meth:`VLLMClient.reload_weights`) and labels the server's weights ``step-{version}``.
+
+    From the third push on, the directory of the push before the previous one is renamed to ``v{version}`` and its
+    file overwritten in place (:func:`overwrite_safetensors`): a new path per push, every byte rewritten, no fresh
+    RAM-disk pages. So two pushes' files are kept (``current``, ``spare``); ``root`` should be RAM-backed
+    (``/dev/shm``) with room for two copies of the weights.
+    """
+
+    direct: bool = True
+    """Load through the direct CPU path where it applies (:meth:`VLLMClient.reload_weights`)."""
+    spare: Path | None = field(default=None, init=False)
+    """The push before ``current``, kept to be rewritten in place by the next push."""
+
+    def _forget(self, directory: Path) -> None:
+        super()._forget(directory)
+        if self.spare == directory:
+            self.spare = None
+
+    def _write(self, state_dict: dict, directory: Path, model) -> None:
         spare, self.spare = self.spare, None
         if spare is None or overwrite_safetensors(state_dict, spare, directory, model=model) is None:
             write_safetensors(state_dict, directory, model=model)
-        written = time.perf_counter()
+
+    def _load(self, directory: Path, version: int) -> None:
         self.client.reload_weights(directory, direct=self.direct)
         self.client.set_weight_version(version_label(version))
-        reloaded = time.perf_counter()
-        self.spare, self.current = self.current, directory
-        return {"write_seconds": written - start, "reload_seconds": reloaded - written}
+
+    def _retire(self, previous: Path) -> None:
+        self.spare = previous
 
     def served_label(self) -> str:
         """The server's weight label (``/weight_info``), ``step-N`` after a verified push of version N."""
@@ -73,52 +122,41 @@ class DiskWeightPush:
 
     def close(self) -> None:
         """Remove the pushes' directories (the server keeps its weights in memory)."""
-        for directory in (self.current, self.spare):
-            if directory is not None:
-                shutil.rmtree(directory, ignore_errors=True)
-        self.current = self.spare = None
+        super().close()
+        if self.spare is not None:
+            shutil.rmtree(self.spare, ignore_errors=True)
+            self.spare = None
 
 
 @dataclass
-class AdapterPush:
-    """Rank 0's half of ``disk`` sync with LoRA: each push writes the adapter (``adapter_model.safetensors`` +
-    ``adapter_config.json``) to ``root/v{version}``, loads it into the server as :func:`adapter_name` of the
-    version, points ``client`` (the rollout client) at it, then unloads the previous push's adapter and removes its
-    directory. Same interface as :class:`DiskWeightPush`."""
+class AdapterPush(WeightPush):
+    """A LoRA adapter: each push writes the adapter (``adapter_model.safetensors`` + ``adapter_config.json``) to
+    ``root/v{version}``, loads it into the server as :func:`grpo_steps.lora.adapter_name` of the version (vLLM's
+    runtime LoRA loading) and points ``client`` (the rollout client) at it, then unloads the previous push's adapter
+    and removes its directory."""
 
-    client: VLLMClient
-    root: Path
-    base_model: str  # the server's name of the base weights
-    current: Path | None = field(default=None, init=False)
+    base_model: str = ""
+    """The server's name of the base weights."""
     current_name: str | None = field(default=None, init=False)
+    previous_name: str | None = field(default=None, init=False)
 
-    def push(self, state_dict: dict, version: int, model=None) -> dict[str, float]:
-        """Write and load the adapter of ``model`` (the unwrapped ``PeftModel``; ``state_dict``: the full state dict
-        gathered from it, the adapter's entries are picked by PEFT). Returns ``{"write_seconds",
-        "reload_seconds"}``.
-
-        Raises:
-            GenerationServerError: the server failed a request.
-        """
-        start = time.perf_counter()
-        directory = Path(self.root) / f"v{version}"
-        if directory.exists():  # a retried push of the same step: never reload a reused directory
-            shutil.rmtree(directory)
+    def _write(self, state_dict: dict, directory: Path, model) -> None:
+        # model: the unwrapped PeftModel; PEFT picks the adapter's entries of the full state dict
         model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
-        written = time.perf_counter()
+
+    def _load(self, directory: Path, version: int) -> None:
         name = adapter_name(self.base_model, version)
         if name in self.client.served_adapters():  # left by an earlier attempt (a crash, a resume)
             self.client.unload_lora_adapter(name)
         self.client.load_lora_adapter(name, directory)
         self.client.model = name
-        loaded = time.perf_counter()
-        previous, previous_name = self.current, self.current_name
-        self.current, self.current_name = directory, name
-        if previous_name is not None and previous_name != name:
-            self.client.unload_lora_adapter(previous_name)
-        if previous is not None and previous != directory:
-            shutil.rmtree(previous, ignore_errors=True)
-        return {"write_seconds": written - start, "reload_seconds": loaded - written}
+        self.previous_name, self.current_name = self.current_name, name
+
+    def _retire(self, previous: Path) -> None:
+        if self.previous_name is not None and self.previous_name != self.current_name:
+            self.client.unload_lora_adapter(self.previous_name)
+        self.previous_name = None
+        super()._retire(previous)
 
     def served_label(self) -> str:
         """``step-N`` when the server serves the last pushed adapter from its directory, else a description of
@@ -137,9 +175,7 @@ class AdapterPush:
             except GenerationServerError as err:
                 print(f"[weight-sync] could not unload adapter {self.current_name}: {err}", file=sys.stderr)
             self.current_name = None
-        if self.current is not None:
-            shutil.rmtree(self.current, ignore_errors=True)
-            self.current = None
+        super().close()
 
 
 def merged_state_dict(model) -> dict:

@@ -16,8 +16,8 @@ LINT = "from importlinter.cli import lint_imports; raise SystemExit(lint_imports
 
 def lint(root: Path) -> subprocess.CompletedProcess:
     """``lint-imports`` on the packages under ``root`` with ``root/pyproject.toml``'s contracts."""
-    return subprocess.run([sys.executable, "-c", LINT], cwd=root, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)},
-                          capture_output=True, text=True, timeout=120)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)}
+    return subprocess.run([sys.executable, "-c", LINT], cwd=root, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_the_contracts_hold():
