@@ -61,7 +61,6 @@ def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
 
     Returns ``(model_path, PreparedData)``.
     """
-    from mlflow.tracking.fluent import _create_dataset_input
     from transformers import AutoTokenizer
 
     from grpo_steps.data import mlflow_datasets, prepare
@@ -76,9 +75,7 @@ def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
         replay = ReplayFile(cfg.generation.replay_file)
         for row in data.train:
             replay.completions_for(row["prompt"], cfg.train.num_generations)
-    # through the client: the fluent ``with mlflow.start_run()`` would end the run FINISHED on exit
-    tracking.client(cfg).log_inputs(run_id, datasets=[_create_dataset_input(dataset, context)
-                                                      for dataset, context in mlflow_datasets(cfg.data, data)])
+    tracking.log_datasets(cfg, run_id, mlflow_datasets(cfg.data, data))
     tracking.log_metrics(cfg, run_id, {f"data/{k}": v for k, v in data.stats.items()})
     return model_path, data
 

@@ -11,6 +11,7 @@ import subprocess
 import urllib.parse
 import urllib.request
 from importlib import metadata
+from typing import Any
 
 from grpo_steps.config import REPO_ROOT, PipelineConfig, validate_config
 
@@ -160,8 +161,27 @@ def reopen_run(cfg: PipelineConfig, run_id: str) -> None:
 
     mlflow_client = client(cfg)
     if mlflow_client.get_run(run_id).info.status != "RUNNING":
-        mlflow_client._tracking_client.store.update_run_info(run_id, RunStatus.RUNNING, end_time=None, run_name=None)
+        mlflow_client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
         print(f"[mlflow] run {run_id} is RUNNING again", flush=True)
+
+
+DATASET_CONTEXT_TAG = "mlflow.data.context"
+"""The input tag MLflow's UI reads a logged dataset's role from (``training``, ``evaluation``); MLflow's own
+``mlflow.utils.mlflow_tags.MLFLOW_DATASET_CONTEXT``, checked by tests/unit/test_private_apis.py."""
+
+
+def log_datasets(cfg: PipelineConfig, run_id: str, datasets: list[tuple[Any, str]]) -> None:
+    """Log ``(mlflow.data dataset, context)`` pairs as the run's inputs, through the client (the fluent
+    ``mlflow.log_input`` needs an active run, and ``with mlflow.start_run()`` would end the run FINISHED on exit)."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    inputs = []
+    for dataset, context in datasets:
+        fields = dataset.to_dict()  # name, digest, source, source_type, schema, profile
+        entity = Dataset(name=fields["name"], digest=fields["digest"], source_type=fields["source_type"],
+                         source=fields["source"], schema=fields.get("schema"), profile=fields.get("profile"))
+        inputs.append(DatasetInput(entity, tags=[InputTag(key=DATASET_CONTEXT_TAG, value=context)]))
+    client(cfg).log_inputs(run_id, datasets=inputs)
 
 
 def on_flow_error(run=None) -> None:
