@@ -34,7 +34,7 @@ COLOCATE_NEEDS_GPU = (
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class ModelConfig(_Section):
@@ -109,9 +109,13 @@ class SourceConfig(_Section):
         return {name: name for name in value} if isinstance(value, list) else value
 
     @model_validator(mode="after")
-    def _source_consistent(self) -> SourceConfig:
+    def _file_source_has_a_path(self) -> SourceConfig:
         if self.source in ("jsonl", "parquet", "csv", "hf") and not self.path:
             raise ValueError(f"data.source is {self.source!r}: set data.path to the file or dataset id")
+        return self
+
+    @model_validator(mode="after")
+    def _columns_not_reserved(self) -> SourceConfig:
         reserved = sorted(set(self.columns) & set(RESERVED_COLUMNS))
         if reserved:
             raise ValueError(f"data.columns cannot name {reserved}: the pipeline sets {list(RESERVED_COLUMNS)}; "
@@ -171,12 +175,13 @@ class DataConfig(SourceConfig):
     """False: fewer usable prompts (after deduplication and the token budget) than ``num_train + num_eval``
     is an error. True: train on the rows there are (the eval split stays ``num_eval``)."""
     seed: int = 42
+    """Seed of the reasoning-gym generators and of the shuffle before the train/eval split."""
     mixture: list[MixtureEntry] = Field(default_factory=list)
     """Multi-task data: sources with a ``name`` and a ``weight``; rows get a ``task`` column and every
     kept column of every task (None where a task has none). Replaces the single-source keys."""
 
     @model_validator(mode="after")
-    def _mixture_consistent(self) -> DataConfig:
+    def _mixture_replaces_single_source_keys(self) -> DataConfig:
         if not self.mixture:
             return self
         defaults = SourceConfig()  # a resolved config (all keys written out) round-trips: compare values
@@ -184,9 +189,19 @@ class DataConfig(SourceConfig):
         if single:
             raise ValueError(f"data.mixture replaces the single-source keys: move data.{single} into "
                              "each mixture entry")
+        return self
+
+    @model_validator(mode="after")
+    def _mixture_names_unique(self) -> DataConfig:
         names = [m.name for m in self.mixture]
         if len(set(names)) != len(names):
             raise ValueError(f"data.mixture names {names} must be unique (they label the task column)")
+        return self
+
+    @model_validator(mode="after")
+    def _mixture_entries_get_rows(self) -> DataConfig:
+        if not self.mixture:
+            return self
         weights = [m.weight for m in self.mixture]
         for key in ("num_train", "num_eval"):
             for entry, count in zip(self.mixture, split_counts(getattr(self, key), weights), strict=True):
@@ -208,6 +223,8 @@ class RewardSpec(_Section):
     name: str
     """A registered reward name (see ``rewards.REGISTRY``) or a dotted path ``module:function``."""
     weight: float = 1.0
+    """Weight of this reward in the sum GRPO's advantage is computed from (TRL's ``reward_weights``); evaluation's
+    ``reward`` metric is the same weighted sum."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments bound to the reward function (e.g. ``{max_completion_len: 64, soft_punish_cache: 16}``
     for ``soft_overlong_punishment``, ``{model: path}`` for ``reward_model``); checked against its signature."""
@@ -277,10 +294,14 @@ class ImportanceSamplingConfig(_Section):
     """Lower bound C_min of the ratio (TRL's ``vllm_importance_sampling_clip_min``); null: none."""
 
     @model_validator(mode="after")
-    def _bounds(self) -> ImportanceSamplingConfig:
+    def _clip_min_below_clip_max(self) -> ImportanceSamplingConfig:
         if self.clip_min is not None and self.clip_max is not None and self.clip_min >= self.clip_max:
             raise ValueError(f"generation.importance_sampling.clip_min ({self.clip_min}) must be below clip_max "
                              f"({self.clip_max})")
+        return self
+
+    @model_validator(mode="after")
+    def _truncation_has_a_bound(self) -> ImportanceSamplingConfig:
         if self.mode.endswith("_truncate") and self.clip_min is None and self.clip_max is None:
             raise ValueError(f"generation.importance_sampling.mode {self.mode!r} clips the ratio: set clip_max "
                              "and/or clip_min")
@@ -345,8 +366,12 @@ class GenerationConfig(_Section):
     max_completion_tokens: int = Field(64, gt=0)
     """Longest completion sampled, in tokens."""
     temperature: float = Field(1.0, ge=0)
+    """Sampling temperature of the training rollouts (1.0: the policy's own distribution)."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling of the training rollouts: sample among the smallest set of tokens whose probability reaches
+    this (1.0: off)."""
     server: ServerConfig = ServerConfig()
+    """The generation server: provider settings (endpoint, port, KV cache, start-up timeout, extra arguments)."""
     mode: Literal["server", "colocate"] = "server"
     """Backend ``vllm``: ``server``, rollouts from the provisioned server (``weight_sync`` pushes the weights);
     ``colocate``, TRL's colocate mode: vLLM inside each training process, weights loaded in memory (the
@@ -364,16 +389,28 @@ class GenerationConfig(_Section):
     """Verification of each ``disk`` weight push."""
 
     @model_validator(mode="after")
-    def _consistent(self) -> GenerationConfig:
+    def _nccl_only_with_vllm(self) -> GenerationConfig:
         if self.backend != "vllm" and self.weight_sync == "nccl":
             raise ValueError("generation.weight_sync 'nccl' only applies to backend 'vllm'; "
                              f"use 'disk' with backend '{self.backend}'")
+        return self
+
+    @model_validator(mode="after")
+    def _endpoint_with_external(self) -> GenerationConfig:
         if (self.provider == "external") != (self.server.endpoint is not None):
             raise ValueError("generation.provider 'external' needs generation.server.endpoint (the URL of your "
                              "vLLM server), and the endpoint is used by that provider only: set both or neither")
+        return self
+
+    @model_validator(mode="after")
+    def _colocate_loads_in_memory(self) -> GenerationConfig:
         if self.mode == "colocate" and (self.backend != "vllm" or self.weight_sync != "disk"):
             raise ValueError("generation.mode 'colocate' runs vLLM inside the trainer: it needs backend 'vllm' and "
                              "no weight_sync 'nccl' (the weights are loaded in memory)")
+        return self
+
+    @model_validator(mode="after")
+    def _replay_file_with_replay(self) -> GenerationConfig:
         if (self.backend == "replay") != (self.replay_file is not None):
             raise ValueError("generation.replay_file goes with backend 'replay' (and only with it): "
                              "set both or neither")
@@ -500,9 +537,12 @@ class TrainConfig(_Section):
     max_steps: int = Field(30, gt=0)
     """Optimizer steps."""
     learning_rate: float = Field(1e-5, gt=0)
+    """Peak learning rate of the AdamW optimizer (TRL's ``learning_rate``; linear decay to 0 over ``max_steps``)."""
     per_device_train_batch_size: int = Field(8, gt=0)
     """Completions per device per micro-batch."""
     gradient_accumulation_steps: int = Field(1, gt=0)
+    """Micro-batches accumulated per optimizer step; a step sees ``per_device_train_batch_size`` x this x world size
+    completions."""
     num_generations: int = Field(8, ge=2)
     """Completions sampled per prompt (the GRPO group size)."""
     beta: float = Field(0.0, ge=0)
@@ -521,6 +561,8 @@ class TrainConfig(_Section):
     """Off-policy sequence masking (DeepSeek-V3.2, eq. 9): completions with a negative advantage whose mean
     per-token KL(sampler || policy) exceeds this (nats) are dropped from the loss; null: off. E.g. 0.5."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
+    """How the advantage (reward minus its group mean) is scaled: ``group``, divided by the group's standard deviation
+    (GRPO); ``batch``, by the batch's; ``none``, not scaled (Dr. GRPO, arXiv 2503.20783)."""
     save_steps: int = Field(10, gt=0)
     """Checkpoint every this many optimizer steps."""
     save_total_limit: int = Field(2, gt=0)
@@ -539,7 +581,9 @@ class TrainConfig(_Section):
     """Stop training with an error when every reward scored None for every completion in this many
     optimizer steps in a row (a reward that never applies, or fails every call); 0: never stop."""
     logging_steps: int = Field(1, gt=0)
+    """Optimizer steps between two training log lines (and MLflow metric points)."""
     seed: int = 42
+    """Seed of the trainer (initialisation, data order, sampling inside the trainer)."""
     grpo: dict[str, Any] = Field(default_factory=dict)
     """Any other ``trl.GRPOConfig`` field, passed as is (checked against GRPOConfig at train time). The
     fields the config sets (:data:`GRPO_ARGS_SET_BY`) are rejected: set their config key instead."""
@@ -600,6 +644,7 @@ class EvalConfig(_Section):
     k: list[int] = Field(default_factory=lambda: [1, 4])
     """The k values of pass@k reported; each at most ``num_samples``."""
     temperature: float = Field(0.6, ge=0)
+    """Sampling temperature of the ``num_samples`` completions per held-out prompt (accuracy is greedy)."""
     num_table_rows: int = Field(20, ge=0)
     """Sample completions logged to the MLflow table."""
     correctness_reward: str = "answer_accuracy"
@@ -624,8 +669,8 @@ class EvalConfig(_Section):
 
 
 class RegistryConfig(_Section):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True, validate_by_alias=True,
-                              serialize_by_alias=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, validate_by_name=True,
+                              validate_by_alias=True, serialize_by_alias=True)
 
     model_name: str = "grpo-policy"
     """Name of the registered model in the MLflow registry."""
@@ -643,6 +688,7 @@ class TrackingConfig(_Section):
     tracking_uri: str = "sqlite:///mlflow.db"
     """MLflow tracking URI; the default is MLflow's own, a file in the working directory."""
     experiment_name: str = "grpo"
+    """MLflow experiment of the run (created on first use, tagged as a model-training experiment)."""
     artifact_location: str | None = None
     """Where the experiment keeps artifacts (models, tables), e.g. ``s3://bucket/mlflow``; used when
     the experiment is created. None: MLflow's default next to the tracking store."""
@@ -670,6 +716,7 @@ class VLLMResources(_Section):
     """GPUs of the generation server pod (provider ``kubernetes``); at least
     ``generation.server.tensor_parallel_size``."""
     cpu: int = Field(4, ge=1)
+    """CPU cores of the generation server pod."""
     memory_mib: int = Field(16384, ge=512)
     """Memory of the generation server pod, MiB."""
     image: str = "vllm/vllm-openai:v0.32.0"
@@ -709,49 +756,93 @@ class PipelineConfig(_Section):
     """The whole run config. Every section has defaults; a YAML file overrides what it names."""
 
     model: ModelConfig = ModelConfig()
+    """The policy: weights, dtype, context length."""
     data: DataConfig = DataConfig()
+    """The prompts: source or mixture, splits, token budget."""
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="answer_accuracy"), RewardSpec(name="answer_format", weight=0.5)]
     )
+    """The reward functions, in TRL's signature, with weights; training and evaluation call the same ones."""
     generation: GenerationConfig = GenerationConfig()
+    """Rollouts: backend, server provider, weight sync, sampling."""
     train: TrainConfig = TrainConfig()
+    """GRPO training: hyperparameters, nodes, checkpoints, LoRA, any other ``GRPOConfig`` field."""
     eval: EvalConfig = EvalConfig()
+    """Held-out evaluation of baseline and trained policy (and during training)."""
     registry: RegistryConfig = RegistryConfig()
+    """MLflow model registration and the quality gate."""
     tracking: TrackingConfig = TrackingConfig()
+    """MLflow tracking store and experiment."""
     resources: ResourcesConfig = ResourcesConfig()
+    """Kubernetes resources of the training nodes and the generation server."""
     schedule: ScheduleConfig = ScheduleConfig()
+    """Cron schedule of the deployed flow."""
     project: str = Field("grpo", pattern=r"^[a-z0-9_]+$")
     """Metaflow ``@project`` name: deployments are named ``{project}.{branch}.GRPOFlow`` per branch
     (``--branch``, ``--production``), so branches never overwrite each other."""
 
     @model_validator(mode="after")
-    def _resources_consistent(self) -> PipelineConfig:
-        train, res, gen = self.train, self.resources, self.generation
+    def _one_process_per_gpu(self) -> PipelineConfig:
+        train, res = self.train, self.resources
         if res.train.gpu and train.processes_per_node != res.train.gpu:
             raise ValueError(f"train.processes_per_node ({train.processes_per_node}) must equal "
                              f"resources.train.gpu ({res.train.gpu}): one training process per GPU")
-        if gen.mode == "colocate" and not res.train.gpu:
+        return self
+
+    @model_validator(mode="after")
+    def _colocate_needs_gpu(self) -> PipelineConfig:
+        if self.generation.mode == "colocate" and not self.resources.train.gpu:
             raise ValueError(COLOCATE_NEEDS_GPU)
+        return self
+
+    @model_validator(mode="after")
+    def _nccl_needs_cuda_on_both_sides(self) -> PipelineConfig:
+        gen, res = self.generation, self.resources
         if gen.weight_sync == "nccl" and not (res.train.gpu and (res.vllm.gpu or gen.provider == "external")):
             raise ValueError("generation.weight_sync 'nccl' needs CUDA on both sides: set resources.train.gpu "
                              "and resources.vllm.gpu > 0, or use weight_sync 'disk'")
-        if gen.weight_sync == "nccl" and gen.provider == "local":
+        return self
+
+    @model_validator(mode="after")
+    def _nccl_needs_a_server_of_its_own(self) -> PipelineConfig:
+        if self.generation.weight_sync == "nccl" and self.generation.provider == "local":
             raise ValueError("generation.weight_sync 'nccl' needs the server on its own GPUs: "
                              "use generation.provider 'kubernetes' or 'external'")
-        if gen.provider == "kubernetes":
-            if gen.server.tensor_parallel_size > max(res.vllm.gpu, 1):
-                raise ValueError(f"generation.server.tensor_parallel_size ({gen.server.tensor_parallel_size}) "
-                                 f"needs as many GPUs: raise resources.vllm.gpu ({res.vllm.gpu})")
-            if not res.shared_volume_claim:
-                raise ValueError("generation.provider 'kubernetes': the server reloads weights from paths the flow "
-                                 "writes; set resources.shared_volume_claim to a ReadWriteMany PVC")
-            if gen.backend == "vllm" and gen.weight_sync == "disk":
-                raise ValueError("generation.provider 'kubernetes' with backend 'vllm': use weight_sync 'nccl' "
-                                 "(disk sync writes to the trainer's local scratch directory)")
-            if not res.train.image:
-                raise ValueError("generation.provider 'kubernetes' needs the flow on the cluster (the server is "
-                                 "reached by its Service name): set resources.train.image")
-        elif gen.server.tensor_parallel_size > 1:
+        return self
+
+    @model_validator(mode="after")
+    def _kubernetes_tensor_parallel_fits(self) -> PipelineConfig:
+        gen, res = self.generation, self.resources
+        if gen.provider == "kubernetes" and gen.server.tensor_parallel_size > max(res.vllm.gpu, 1):
+            raise ValueError(f"generation.server.tensor_parallel_size ({gen.server.tensor_parallel_size}) "
+                             f"needs as many GPUs: raise resources.vllm.gpu ({res.vllm.gpu})")
+        return self
+
+    @model_validator(mode="after")
+    def _kubernetes_needs_a_shared_volume(self) -> PipelineConfig:
+        if self.generation.provider == "kubernetes" and not self.resources.shared_volume_claim:
+            raise ValueError("generation.provider 'kubernetes': the server reloads weights from paths the flow "
+                             "writes; set resources.shared_volume_claim to a ReadWriteMany PVC")
+        return self
+
+    @model_validator(mode="after")
+    def _kubernetes_trains_over_nccl(self) -> PipelineConfig:
+        gen = self.generation
+        if gen.provider == "kubernetes" and gen.backend == "vllm" and gen.weight_sync == "disk":
+            raise ValueError("generation.provider 'kubernetes' with backend 'vllm': use weight_sync 'nccl' "
+                             "(disk sync writes to the trainer's local scratch directory)")
+        return self
+
+    @model_validator(mode="after")
+    def _kubernetes_needs_the_flow_on_the_cluster(self) -> PipelineConfig:
+        if self.generation.provider == "kubernetes" and not self.resources.train.image:
+            raise ValueError("generation.provider 'kubernetes' needs the flow on the cluster (the server is "
+                             "reached by its Service name): set resources.train.image")
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel_needs_kubernetes(self) -> PipelineConfig:
+        if self.generation.provider != "kubernetes" and self.generation.server.tensor_parallel_size > 1:
             raise ValueError("generation.server.tensor_parallel_size > 1 needs GPUs: use provider 'kubernetes'")
         return self
 
@@ -798,18 +889,21 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _eval_during_training(self) -> PipelineConfig:
+    def _eval_during_needs_server_pushes(self) -> PipelineConfig:
         gen, ev = self.generation, self.eval
-        if not ev.every_steps:
-            return self
-        if gen.backend != "vllm" or gen.mode != "server" or gen.weight_sync != "disk":
+        if ev.every_steps and (gen.backend != "vllm" or gen.mode != "server" or gen.weight_sync != "disk"):
             raise ValueError(
                 f"eval.every_steps evaluates during training through the generation server, right after the trainer "
                 f"pushed a step's weights to it: that needs generation.backend 'vllm', mode 'server', weight_sync "
                 f"'disk' (got backend {gen.backend!r}, mode {gen.mode!r}, weight_sync {gen.weight_sync!r}); set "
                 "eval.every_steps: 0 (the evaluate step still compares baseline and trained policy)"
             )
-        if ev.during_training_prompts > self.data.num_eval:
+        return self
+
+    @model_validator(mode="after")
+    def _eval_during_prompts_in_the_eval_split(self) -> PipelineConfig:
+        ev = self.eval
+        if ev.every_steps and ev.during_training_prompts > self.data.num_eval:
             raise ValueError(f"eval.during_training_prompts ({ev.during_training_prompts}) is a subset of the eval "
                              f"split: lower it to at most data.num_eval ({self.data.num_eval})")
         return self
@@ -824,7 +918,7 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _rewards_known(self) -> PipelineConfig:
+    def _rewards_callable_on_the_data(self) -> PipelineConfig:
         from rewards import bind_options, check_signature, resolve_reward
 
         if not self.rewards:
@@ -835,6 +929,10 @@ class PipelineConfig(_Section):
             fn = resolve_reward(spec.name)
             check_signature(fn, spec.name)
             check_signature(bind_options(fn, spec.options, spec.name), spec.name, columns)
+        return self
+
+    @model_validator(mode="after")
+    def _eval_rewards_configured(self) -> PipelineConfig:
         names = {spec.name for spec in self.rewards}
         for key in ("correctness_reward", "format_reward"):
             value = getattr(self.eval, key)

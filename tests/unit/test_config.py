@@ -188,3 +188,19 @@ def test_the_owned_keys_are_exactly_what_grpo_args_derives():
     assert derived == set(GRPO_ARGS_SET_BY)
     assert not set(GRPO_DEFAULTS) & derived  # defaults stay overridable
     assert derived | set(GRPO_DEFAULTS) <= {f.name for f in dataclasses.fields(GRPOConfig)}  # real fields
+
+
+def test_every_config_field_is_documented():
+    """Each field of every config section has a docstring under it (pydantic reads it as the description)."""
+    import inspect
+
+    import pydantic
+
+    import grpo_steps.config as config_module
+
+    sections = [cls for cls in vars(config_module).values() if inspect.isclass(cls)
+                and issubclass(cls, pydantic.BaseModel) and cls.__module__ == config_module.__name__]
+    assert len(sections) > 10
+    undocumented = [f"{cls.__name__}.{name}" for cls in sections for name, field in cls.model_fields.items()
+                    if not (field.description or "").strip()]
+    assert undocumented == [], f"add a docstring under each of {undocumented} in grpo_steps/config.py"
