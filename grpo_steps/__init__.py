@@ -1,4 +1,6 @@
-"""GRPO pipeline steps: one module per concern (config, data, models, servers, weight_sync,
-train, launch, evaluate, register, tracking, checkpoints); ``steps`` glues them to the flow."""
+"""GRPO pipeline: one module per concern on the flow side (config, sources, data, models, weight_files, evaluate,
+report, register, tracking, checkpoints, launch, lora, monitor, processes, deploy); ``steps`` holds the step bodies
+the flow calls; ``servers`` the generation server and its client; ``training`` what runs in the training process
+(reached from the flow side only through ``training.job``)."""
 
 METAFLOW_PACKAGE_POLICY = "include"
