@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -346,6 +347,63 @@ class SyncCheckConfig(_Section):
         return float(probe), None if first is None else float(first)
 
 
+class StructuredOutputsConfig(_Section):
+    """Constrained decoding (vLLM's structured outputs): every sampled completion matches ``regex``, or is JSON
+    valid under ``json_schema``, or is one of ``choice`` -- exactly one of the three. Sent to vLLM as its
+    ``structured_outputs`` request field (the server's default backend, e.g. xgrammar, compiles it)."""
+
+    regex: str | None = None
+    """A regular expression every completion matches (vLLM's regex dialect; checked with Python's ``re`` here)."""
+    json_schema: dict[str, Any] | None = None
+    """A JSON schema every completion is valid under (vLLM's ``json``)."""
+    choice: list[str] | None = None
+    """The completions allowed, verbatim."""
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputsConfig:
+        given = [key for key in ("regex", "json_schema", "choice") if getattr(self, key) is not None]
+        if len(given) != 1:
+            raise ValueError(f"generation.structured_outputs takes exactly one of regex, json_schema, choice (got "
+                             f"{given or 'none'})")
+        return self
+
+    @field_validator("regex")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as err:
+                raise ValueError(f"generation.structured_outputs.regex {value!r} does not compile: {err}") from None
+        return value
+
+    @field_validator("choice")
+    @classmethod
+    def _choices(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and (not value or any(not c for c in value)):
+            raise ValueError("generation.structured_outputs.choice needs at least one non-empty string")
+        return value
+
+    def request(self) -> dict[str, Any]:
+        """vLLM's ``structured_outputs`` request field (``{"regex": ...}``, ``{"json": ...}`` or ``{"choice": ...}``).
+
+        >>> StructuredOutputsConfig(regex="[0-9]+").request()
+        {'regex': '[0-9]+'}
+        """
+        if self.regex is not None:
+            return {"regex": self.regex}
+        if self.json_schema is not None:
+            return {"json": self.json_schema}
+        return {"choice": list(self.choice or [])}
+
+
+SAMPLING_FILTERS = ("top_p", "top_k", "min_p", "repetition_penalty")
+"""The ``generation`` keys that change the distribution sampled from beyond its temperature (vLLM applies them in
+its sampler; the sampler's processed logprobs include them)."""
+CONSTRAINTS = ("stop", "stop_token_ids", "structured_outputs")
+"""The ``generation`` keys that end or constrain completions."""
+
+
 class GenerationConfig(_Section):
     backend: Literal["vllm", "hf", "replay"] = "vllm"
     """``vllm``: rollouts from the provisioned server; ``hf``: transformers generate in the trainer;
@@ -365,11 +423,28 @@ class GenerationConfig(_Section):
     evaluation, so it is needed with the ``hf`` and ``replay`` backends too."""
     max_completion_tokens: int = Field(64, gt=0)
     """Longest completion sampled, in tokens."""
-    temperature: float = Field(1.0, ge=0)
-    """Sampling temperature of the training rollouts (1.0: the policy's own distribution)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the training rollouts (1.0: the policy's own distribution; > 0: GRPO needs different
+    completions in a group). The policy's logprobs in the loss are taken at the same temperature (TRL)."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling of the training rollouts: sample among the smallest set of tokens whose probability reaches
-    this (1.0: off)."""
+    """Nucleus sampling: sample among the most probable tokens whose probabilities add up to this (1.0: off)."""
+    top_k: int = Field(0, ge=0)
+    """Sample among the this many most probable tokens (0: off)."""
+    min_p: float = Field(0.0, ge=0, le=1)
+    """Drop tokens whose probability is below this times the most probable token's (0: off)."""
+    repetition_penalty: float = Field(1.0, gt=0)
+    """Penalty on tokens already in the prompt or the completion (> 1 discourages repeats; 1.0: off); as vLLM and
+    transformers apply it: a positive logit is divided by it, a negative one multiplied."""
+    stop: list[str] = Field(default_factory=list)
+    """Strings that end a completion when sampled (the completion keeps the tokens that produced the string; vLLM's
+    text output leaves the string out)."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Token ids that end a completion when sampled, besides the tokenizer's end-of-sequence token."""
+    structured_outputs: StructuredOutputsConfig | None = None
+    """Constrained decoding: a regex, a JSON schema or a choice every completion follows; null: none."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the tokenizer's chat template when a prompt is rendered, in training, evaluation and
+    data preparation alike (e.g. ``{enable_thinking: false}`` for templates that read it)."""
     server: ServerConfig = ServerConfig()
     """The generation server: provider settings (endpoint, port, KV cache, start-up timeout, extra arguments)."""
     mode: Literal["server", "colocate"] = "server"
@@ -387,6 +462,64 @@ class GenerationConfig(_Section):
     """Trainer–inference mismatch correction (backend ``vllm``); on by default, as in TRL."""
     sync_check: SyncCheckConfig = SyncCheckConfig()
     """Verification of each ``disk`` weight push."""
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings_not_empty(cls, value: list[str]) -> list[str]:
+        if any(not text for text in value):
+            raise ValueError("generation.stop holds an empty string, which would end every completion at once")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids_not_negative(cls, value: list[int]) -> list[int]:
+        if any(token < 0 for token in value):
+            raise ValueError(f"generation.stop_token_ids {value} must be token ids (>= 0)")
+        return value
+
+    @model_validator(mode="after")
+    def _sampling_keys_on_the_backend(self) -> GenerationConfig:
+        if self.backend == "replay":
+            fields = type(self).model_fields
+            changed = [key for key in ("temperature", *SAMPLING_FILTERS, *CONSTRAINTS)
+                       if getattr(self, key) != fields[key].get_default(call_default_factory=True)]
+            if changed:
+                raise ValueError(f"generation.{changed} set with backend 'replay', which samples nothing (it trains on "
+                                 "the completions of generation.replay_file): remove them")
+        if self.backend == "hf":
+            changed = [key for key in CONSTRAINTS if getattr(self, key)]
+            if changed:
+                raise ValueError(
+                    f"generation.{changed} cannot be honoured by backend 'hf': TRL's transformers generation calls "
+                    "generate() without the tokenizer that stop strings need, ends completions only at the "
+                    "tokenizer's end-of-sequence tokens, and has no constrained decoding; use backend 'vllm'")
+        return self
+
+    def sampling_request(self, filters: bool = True) -> dict[str, Any]:
+        """The fields of a vLLM ``/v1/completions`` request for these settings, temperature and length aside:
+        the sampling filters (``filters``; greedy requests leave them out), stop strings and ids, structured
+        outputs. Every filter is sent, also at its neutral value, so a server's model defaults
+        (``generation_config.json``) never apply unseen.
+
+        >>> GenerationConfig(top_k=20, stop=["\\n"]).sampling_request()
+        {'top_p': 1.0, 'top_k': 20, 'min_p': 0.0, 'repetition_penalty': 1.0, 'stop': ['\\n']}
+        >>> GenerationConfig(structured_outputs={"choice": ["yes", "no"]}).sampling_request(filters=False)
+        {'structured_outputs': {'choice': ['yes', 'no']}}
+        """
+        out: dict[str, Any] = {key: getattr(self, key) for key in SAMPLING_FILTERS} if filters else {}
+        if self.stop:
+            out["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.structured_outputs is not None:
+            out["structured_outputs"] = self.structured_outputs.request()
+        return out
+
+    @property
+    def filters_logits(self) -> bool:
+        """Whether the rollouts sample from more than the temperature-scaled policy (a sampling filter set)."""
+        return (self.top_p < 1 or self.top_k > 0 or self.min_p > 0 or self.repetition_penalty != 1
+                or self.structured_outputs is not None)
 
     @model_validator(mode="after")
     def _nccl_only_with_vllm(self) -> GenerationConfig:
@@ -430,6 +563,12 @@ GRPO_ARGS_SET_BY: dict[str, str] = {
     "max_completion_length": "generation.max_completion_tokens",
     "temperature": "generation.temperature",
     "top_p": "generation.top_p",
+    "top_k": "generation.top_k",
+    "min_p": "generation.min_p",
+    "repetition_penalty": "generation.repetition_penalty",
+    "generation_kwargs": "generation.stop, generation.stop_token_ids and generation.structured_outputs",
+    "vllm_structured_outputs_regex": "generation.structured_outputs",
+    "chat_template_kwargs": "generation.chat_template_kwargs",
     "reward_weights": "rewards[].weight",
     "save_strategy": "the pipeline (a checkpoint every train.save_steps)",
     "save_steps": "train.save_steps",
@@ -457,6 +596,48 @@ GRPO_ARGS_SET_BY: dict[str, str] = {
 """The ``trl.GRPOConfig`` fields :func:`grpo_steps.training.job.grpo_args` derives from the config -> the config
 key (or pipeline rule) that sets them. ``train.grpo`` may not set these; a unit test checks that this
 is exactly what ``grpo_args`` sets."""
+
+GRPO_KEYS_REPLACED: dict[str, str] = {
+    "max_prompt_length": "data.max_prompt_tokens (longer prompts are dropped when the data is prepared; TRL 1.16 "
+                         "removed max_prompt_length)",
+    "vllm_guided_decoding_regex": "generation.structured_outputs.regex (TRL 1.16 renamed guided decoding to "
+                                  "structured outputs)",
+    "use_liger_loss": "nothing: TRL 1.16 removed it (GRPOTrainer computes the per-token logprobs with a fused LM "
+                      "head already); remove it",
+    "wandb_log_unique_prompts": "train.log_completions_steps (completions tables in MLflow)",
+    "warmup_ratio": "train.grpo.warmup_steps, which takes a ratio of the steps as a float below 1 (transformers 5 "
+                    "removed warmup_ratio)",
+}
+"""``train.grpo`` names the reference docs (TRL, Axolotl) use that TRL 1.16 removed or renamed -> what to use
+instead."""
+
+_EVALUATED_BY_THE_PIPELINE = ("the pipeline evaluates with eval.* (eval.every_steps during training); TRL's own "
+                              "evaluation loop never runs")
+_COMPLETIONS_TABLES = "train.log_completions_steps (completions tables in MLflow)"
+GRPO_KEYS_WITHOUT_EFFECT: dict[str, str] = {
+    **{key: _EVALUATED_BY_THE_PIPELINE for key in (
+        "eval_strategy", "eval_steps", "eval_on_start", "eval_delay", "per_device_eval_batch_size", "do_eval",
+        "num_generations_eval", "eval_accumulation_steps", "load_best_model_at_end", "metric_for_best_model",
+        "greater_is_better", "batch_eval_metrics", "eval_do_concat_batches", "eval_use_gather_object",
+        "bf16_full_eval", "fp16_full_eval")},
+    "num_train_epochs": "train.max_steps sets the length of training",
+    "resume_from_checkpoint": "train.resume_from (and @retry / resume, which continue from the newest checkpoint)",
+    "log_completions": _COMPLETIONS_TABLES,
+    "num_completions_to_print": _COMPLETIONS_TABLES,
+    "log_unique_prompts": _COMPLETIONS_TABLES,
+    "run_name": "the MLflow run is the flow's (tracking.*)",
+    "project": "metrics go to the flow's MLflow run (tracking.*)",
+    "trackio_space_id": "metrics go to the flow's MLflow run (tracking.*)",
+}
+"""``trl.GRPOConfig`` fields that change nothing in this pipeline, whatever the path -> what does the job here."""
+TRL_VLLM_ONLY_KEYS = ("vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+                      "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_enable_sleep_mode",
+                      "vllm_model_impl", "vllm_importance_sampling_cap")
+"""``trl.GRPOConfig`` fields read only by TRL's own vLLM generation (``generation.mode: colocate`` or
+``generation.weight_sync: nccl``)."""
+TRANSFORMERS_GENERATION_KEYS = ("cache_implementation", "use_transformers_paged",
+                                "use_transformers_continuous_batching", "transformers_continuous_batching_config")
+"""``trl.GRPOConfig`` fields read only by TRL's transformers generation (``generation.backend: hf``)."""
 
 
 def grpo_key_owner_error(key: str) -> str:
@@ -582,6 +763,9 @@ class TrainConfig(_Section):
     optimizer steps in a row (a reward that never applies, or fails every call); 0: never stop."""
     logging_steps: int = Field(1, gt=0)
     """Optimizer steps between two training log lines (and MLflow metric points)."""
+    log_completions_steps: int = Field(10, ge=0)
+    """Every this many optimizer steps, the step's generation batch goes to the MLflow run as a table
+    (``completions/step_NNNNNN.json``: prompt, completion, each reward, advantage, weight version); 0: never."""
     seed: int = 42
     """Seed of the trainer (initialisation, data order, sampling inside the trainer)."""
     grpo: dict[str, Any] = Field(default_factory=dict)
@@ -603,6 +787,24 @@ class TrainConfig(_Section):
         owned = [key for key in value if key in GRPO_ARGS_SET_BY]
         if owned:
             raise ValueError("; ".join(grpo_key_owner_error(key) for key in owned))
+        return value
+
+    @field_validator("grpo")
+    @classmethod
+    def _grpo_names_no_removed_key(cls, value: dict[str, Any]) -> dict[str, Any]:
+        replaced = [key for key in value if key in GRPO_KEYS_REPLACED]
+        if replaced:
+            raise ValueError("; ".join(f"train.grpo.{key} is not a TRL 1.16 GRPOConfig field: use "
+                                       f"{GRPO_KEYS_REPLACED[key]}" for key in replaced))
+        return value
+
+    @field_validator("grpo")
+    @classmethod
+    def _grpo_keys_take_effect(cls, value: dict[str, Any]) -> dict[str, Any]:
+        idle = [key for key in value if key in GRPO_KEYS_WITHOUT_EFFECT]
+        if idle:
+            raise ValueError("; ".join(f"train.grpo.{key} has no effect in this pipeline: "
+                                       f"{GRPO_KEYS_WITHOUT_EFFECT[key]}" for key in idle))
         return value
 
     @model_validator(mode="after")
@@ -906,6 +1108,35 @@ class PipelineConfig(_Section):
         if ev.every_steps and ev.during_training_prompts > self.data.num_eval:
             raise ValueError(f"eval.during_training_prompts ({ev.during_training_prompts}) is a subset of the eval "
                              f"split: lower it to at most data.num_eval ({self.data.num_eval})")
+        return self
+
+    @model_validator(mode="after")
+    def _grpo_keys_of_the_generation_path(self) -> PipelineConfig:
+        """``train.grpo`` keys read by only one generation path are refused on the others."""
+        gen, grpo = self.generation, self.train.grpo
+        trl_vllm = gen.backend == "vllm" and (gen.mode == "colocate" or gen.weight_sync == "nccl")
+        idle = [(key, "TRL's own vLLM generation (generation.mode 'colocate' or weight_sync 'nccl')")
+                for key in TRL_VLLM_ONLY_KEYS if key in grpo and not trl_vllm]
+        idle += [(key, "TRL's transformers generation (generation.backend 'hf')")
+                 for key in TRANSFORMERS_GENERATION_KEYS if key in grpo and gen.backend != "hf"]
+        if "ds3_gather_for_generation" in grpo and not (gen.backend == "hf" or trl_vllm):
+            idle.append(("ds3_gather_for_generation", "TRL's own generation (backend 'hf', mode 'colocate' or "
+                                                      "weight_sync 'nccl'); the server rollouts gather for each push"))
+        if idle:
+            raise ValueError("; ".join(f"train.grpo.{key} only applies to {path}, not to generation.backend "
+                                       f"{gen.backend!r} with mode {gen.mode!r} and weight_sync {gen.weight_sync!r}: "
+                                       "remove it" for key, path in idle))
+        return self
+
+    @model_validator(mode="after")
+    def _prompt_and_completion_fit_the_model(self) -> PipelineConfig:
+        budget = self.data.max_prompt_tokens + self.generation.max_completion_tokens
+        if budget > self.model.max_model_len:
+            raise ValueError(
+                f"data.max_prompt_tokens ({self.data.max_prompt_tokens}) + generation.max_completion_tokens "
+                f"({self.generation.max_completion_tokens}) = {budget} tokens exceeds model.max_model_len "
+                f"({self.model.max_model_len}), the longest sequence the generation server accepts: lower one of "
+                "them or raise model.max_model_len")
         return self
 
     @model_validator(mode="after")

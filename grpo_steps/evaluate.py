@@ -155,15 +155,16 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
     from rewards import guard
 
     n, gen = cfg.eval.num_samples, cfg.generation
-    prompt_ids = [encode_prompt(tokenizer, row["prompt"]) for row in rows]
+    prompt_ids = [encode_prompt(tokenizer, row["prompt"], gen.chat_template_kwargs) for row in rows]
     progress = Progress(f"eval {label}", len(rows), "prompts")
     batch = max(8, -(-len(rows) // 10))  # about ten progress lines
     sampled, greedy = [], []
     for i in range(0, len(rows), batch):
         chunk = prompt_ids[i : i + batch]
         sampled += client.complete(chunk, n, max_tokens=gen.max_completion_tokens, temperature=cfg.eval.temperature,
-                                   top_p=gen.top_p)
-        greedy += client.complete(chunk, 1, max_tokens=gen.max_completion_tokens, temperature=0.0)
+                                   request=gen.sampling_request())
+        greedy += client.complete(chunk, 1, max_tokens=gen.max_completion_tokens, temperature=0.0,
+                                  request=gen.sampling_request(filters=False))
         progress.update(len(chunk))
     texts = [[s["text"] for s in group] for group in sampled]
     counts_before, scored_before = guard.counters(), guard.scored()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from grpo_steps.processes import PortInUseError, ProcessRef, log_tail, pick_port, wait_until
 from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy
-from grpo_steps.servers.client import SERVED_MODEL_NAME, WORKER_EXTENSION
+from grpo_steps.servers.client import LOGPROBS_MODE, SERVED_MODEL_NAME, WORKER_EXTENSION
 
 if TYPE_CHECKING:
     from grpo_steps.config import PipelineConfig, ServerConfig
@@ -38,7 +38,8 @@ def vllm_command(model_path: str, host: str, port: int, *, max_model_len: int, d
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
            "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(port),
            "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0",
-           "--worker-extension-cls", WORKER_EXTENSION]  # reloads on CPU, see there
+           "--worker-extension-cls", WORKER_EXTENSION,  # reloads on CPU, see there
+           "--logprobs-mode", LOGPROBS_MODE]  # the sampled distribution's logprobs, as TRL's vllm-serve
     if enforce_eager:
         cmd.append("-O0")
     if max_lora_rank is not None:

@@ -42,7 +42,8 @@ def run(job: TrainJob) -> str:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOTrainer
+
+    from grpo_steps.training.trainer import PipelineGRPOTrainer
 
     started = time.monotonic()
     cfg = job.config
@@ -60,7 +61,7 @@ def run(job: TrainJob) -> str:
     rows = [json.loads(line) for line in Path(job.train_file).read_text().splitlines() if line.strip()]
     dataset = Dataset.from_list(rows)
 
-    rollout, trainer_class, server_kwargs = None, GRPOTrainer, {}
+    rollout, trainer_class, server_kwargs = None, PipelineGRPOTrainer, {}
     if cfg.generation.backend == "vllm" and cfg.generation.mode == "colocate":
         if not torch.cuda.is_available():  # a GPU config run on a CPU machine: see COLOCATE_NEEDS_GPU
             from grpo_steps.config import COLOCATE_NEEDS_GPU, ConfigError
@@ -84,6 +85,7 @@ def run(job: TrainJob) -> str:
     from grpo_steps.checkpoints import in_metaflow_task
     from grpo_steps.training.callbacks import (
         AllNoneStop,
+        CompletionsTableCallback,
         DatastoreCheckpointCallback,
         MLflowMetricsCallback,
         ProgressCallback,
@@ -108,6 +110,9 @@ def run(job: TrainJob) -> str:
     )
     if cfg.eval.every_steps:
         trainer.add_callback(eval_during_callback(job, trainer, tokenizer))
+    if mlflow_cb and cfg.train.log_completions_steps:
+        trainer.add_callback(CompletionsTableCallback(trainer, mlflow_cb.client, job.mlflow_run_id,
+                                                      cfg.train.log_completions_steps))
     try:
         trainer.train(resume_from_checkpoint=job.resume_from)
     finally:

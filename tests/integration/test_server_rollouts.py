@@ -108,7 +108,7 @@ def test_a_reload_serves_the_written_weights_tied_head_included(tmp_path, tiny_m
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.data import encode_prompt, to_prompt
-    from grpo_steps.training.trainer import policy_logprobs
+    from grpo_steps.training.sampling import policy_logprobs
     from grpo_steps.weight_files import write_safetensors
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
@@ -138,7 +138,7 @@ def test_successive_pushes_serve_each_version_from_two_rewritten_directories(tmp
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.data import encode_prompt, to_prompt
-    from grpo_steps.training.trainer import policy_logprobs
+    from grpo_steps.training.sampling import policy_logprobs
     from grpo_steps.training.weight_sync import DiskWeightPush
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
