@@ -16,6 +16,8 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from grpo_steps.redaction import inline_secret, is_secret_flag, redact, redact_value
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "local.yaml"
 INFRA_DIR = Path(os.environ.get("GRPO_INFRA_DIR") or REPO_ROOT / "infra")
@@ -222,6 +224,26 @@ class ServerConfig(_Section):
     """The server stops itself this many seconds after the flow process that owns it is gone."""
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs one vLLM replica shards the model over (``--tensor-parallel-size``); 1 on CPU."""
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint_has_no_credentials(cls, value: str | None) -> str | None:
+        if value is not None and inline_secret(value):
+            raise ValueError(f"generation.server.endpoint {redact(value)!r} holds credentials "
+                             f"({inline_secret(value)}): remove them; the pipeline presents the server's token "
+                             "from the environment (GRPO_SERVER_TOKEN, or VLLM_API_KEY for a server started with "
+                             "vLLM's --api-key)")
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra_args_hold_no_secret(cls, value: list[str]) -> list[str]:
+        secret = [arg.split("=", 1)[0] for arg in value if is_secret_flag(arg) or inline_secret(arg)]
+        if secret:
+            raise ValueError(f"generation.server.extra_args passes a secret inline ({', '.join(secret)}): "
+                             "command lines reach logs and MLflow; give vLLM its key as VLLM_API_KEY in the "
+                             "environment instead (a local server inherits the flow's environment)")
+        return value
 
     @field_validator("endpoint")
     @classmethod
@@ -633,6 +655,17 @@ class TrackingConfig(_Section):
     """Where the experiment keeps artifacts (models, tables), e.g. ``s3://bucket/mlflow``; used when
     the experiment is created. None: MLflow's default next to the tracking store."""
 
+    @field_validator("tracking_uri", "artifact_location")
+    @classmethod
+    def _no_inline_credentials(cls, value: str | None, info: Any) -> str | None:
+        if value is not None and inline_secret(value):
+            raise ValueError(
+                f"tracking.{info.field_name} {redact(value)!r} holds credentials ({inline_secret(value)}): remove them "
+                "and set them in the environment: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+                "MLFLOW_TRACKING_TOKEN) for an MLflow server, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY for S3; a "
+                "database store's password belongs to the MLflow server (mlflow server --backend-store-uri)")
+        return value
+
 
 class TrainNodeResources(_Section):
     gpu: int = Field(0, ge=0)
@@ -833,7 +866,8 @@ class PipelineConfig(_Section):
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
 
     def flat_params(self) -> dict[str, str]:
-        """The config as dotted ``section.key -> str`` pairs, for MLflow params (values cut at 500 chars)."""
+        """The config as dotted ``section.key -> str`` pairs, for MLflow params (values cut at 500 chars; credentials
+        redacted by :func:`grpo_steps.redaction.redact_value`)."""
         out: dict[str, str] = {}
 
         def walk(prefix: str, value: Any) -> None:
@@ -846,7 +880,7 @@ class PipelineConfig(_Section):
             else:
                 out[prefix] = str(value)[:500]
 
-        walk("", self.model_dump(mode="json"))
+        walk("", redact_value(self.model_dump(mode="json")))  # defence in depth: the validators refuse secrets
         return out
 
 
