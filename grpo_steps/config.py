@@ -638,13 +638,23 @@ class RegistryConfig(_Section):
     model_name: str = "grpo-policy"
     """Name of the registered model in the MLflow registry."""
     min_improvement: float = 0.0
-    """Quality gate: ``champion`` moves only when trained pass@1 beats the baseline and the current
-    champion by more than this margin (absolute, 0..1)."""
+    """Quality gate: ``champion`` moves only when the lower bound of the paired 95 % interval of the pass@1 gain
+    (per held-out prompt) exceeds this margin, against the baseline and against the current champion on the
+    same prompts (absolute, 0..1; see ``grpo_steps/gate.py``)."""
     register_as: Literal["merged", "adapter"] = Field("merged", alias="register")
     """``registry.register`` (an alias: pydantic's models have a ``register`` method). With ``train.peft``:
     ``merged`` registers base + adapter merged into a plain transformers model (the adapter
     and its ``LoraConfig`` logged beside it as artifacts); ``adapter`` registers the adapter alone. Both record
     the base model in the version's tags. No effect on full fine-tuning."""
+
+    @field_validator("min_improvement")
+    @classmethod
+    def _min_improvement_is_a_share(cls, value: float) -> float:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"registry.min_improvement {value!r} must lie in 0..1 (a pass@1 difference): a negative "
+                             "margin would let a worse policy become champion; use 0.0 to require a gain whose whole "
+                             "95 % interval is above zero")
+        return value
 
 
 class TrackingConfig(_Section):
