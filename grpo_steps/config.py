@@ -540,6 +540,11 @@ class TrainConfig(_Section):
     for each node), a checkpoint key (``Checkpoint().list(...)[i]["key"]``), or a local directory
     holding a trainer checkpoint (``trainer_state.json``). Ignored on ``@retry`` and ``resume``,
     which continue from the failed attempt's own newest checkpoint."""
+    trust_checkpoint: bool = False
+    """Accept a ``train.resume_from`` checkpoint that would be unpickled: DeepSpeed (``train.deepspeed``) loads its
+    optimizer state with ``torch.load(weights_only=False)``, which runs whatever code the file holds. Without
+    DeepSpeed every file of a checkpoint is read as weights only (safetensors, ``weights_only=True``); a
+    run's own checkpoints (``@retry``, ``resume``) need no trust. Set true only for checkpoints you made."""
     retries: int = Field(1, ge=0, le=10)
     """``@retry`` of the ``train`` step: a failed gang (a crashed process, a dead generation server)
     is started again this many times, each from its newest checkpoint, on a new server if needed."""
@@ -574,6 +579,15 @@ class TrainConfig(_Section):
         if self.peft is not None and self.grpo.get("sync_ref_model"):
             raise ValueError("train.grpo.sync_ref_model is not supported with train.peft (TRL keeps no reference "
                              "model with LoRA: it disables the adapter instead); remove it or set train.peft: null")
+        return self
+
+    @model_validator(mode="after")
+    def _unpickled_checkpoint_is_trusted(self) -> TrainConfig:
+        if self.resume_from and self.deepspeed and not self.trust_checkpoint:
+            raise ValueError(
+                f"train.resume_from {self.resume_from!r} with train.deepspeed: DeepSpeed unpickles the optimizer state "
+                "(torch.load weights_only=False), so a checkpoint from elsewhere can run code: set "
+                "train.trust_checkpoint: true if you made it, or resume without train.deepspeed")
         return self
 
     @model_validator(mode="after")
