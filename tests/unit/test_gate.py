@@ -79,8 +79,8 @@ def _register(db: str, label: str, scores: list[float], barrier, write_delay_s: 
 
 
 @pytest.mark.slow  # two processes importing MLflow, ~15 s a case
-@pytest.mark.parametrize(("better_delay", "weaker_delay"), [(0, 0), (0, 1.5), (1.5, 0)],
-                         ids=["together", "weaker-writes-late", "better-writes-late"])
+@pytest.mark.parametrize(("better_delay", "weaker_delay"), [(0, 0), (0, 1.5)],
+                         ids=["together", "weaker-writes-late"])  # both fail when each registrar just sets the alias
 def test_two_concurrent_registrations_end_with_the_better_as_champion(tmp_path, better_delay, weaker_delay):
     from mlflow import MlflowClient
 

@@ -15,7 +15,7 @@ from rewards import guard
 from rewards.code import code_execution
 from rewards.sandbox import MODES, WEAK_MODES, Limits, _works, isolation, run_python, run_tests
 
-SMALL = Limits(timeout_s=3, cpu_s=3, memory_mib=512)
+SMALL = Limits(timeout_s=2, cpu_s=2, memory_mib=512)
 MARK = Path("/tmp") / f"grpo-sandbox-escape-{uuid.uuid4().hex}"
 HOME_MARK = Path.home() / f"grpo-sandbox-escape-{uuid.uuid4().hex}"
 STRONG = [mode for mode in MODES if mode not in WEAK_MODES and _works(mode)]
