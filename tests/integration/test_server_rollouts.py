@@ -3,6 +3,7 @@ step, one verified weight version per push, and a server that keeps stale weight
 
 import json
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -259,3 +260,4 @@ def test_a_request_without_the_run_token_is_refused(tiny_server, method, path, b
     cmdline = psutil.Process(tiny_server.supervisor_pid).cmdline()
     assert "--middleware" in cmdline
     assert token_for(tiny_server.endpoint) not in " ".join(cmdline)  # the token is in the environment only
+    assert token_for(tiny_server.endpoint) not in Path(tiny_server.log_path).read_text(errors="replace")  # not logged
