@@ -103,3 +103,42 @@ def test_two_concurrent_registrations_end_with_the_better_as_champion(tmp_path, 
     for version, (passed, reason, _) in results.values():
         tags = client.get_model_version("policy", version).tags
         assert tags["gate.passed"] == str(passed).lower() and tags["gate.reason"] == reason  # recorded
+
+
+def _open_run(db: str, barrier, out) -> None:
+    from mlflow import MlflowClient
+
+    from grpo_steps import tracking
+    from grpo_steps.config import validate_config
+
+    cfg = validate_config({"tracking": {"tracking_uri": db, "experiment_name": "race"}})
+    tracking.client(cfg)  # the store's own schema first: this test is about the experiment
+    lookup, calls = MlflowClient.get_experiment_by_name, []
+
+    def first_sees_none(self, name):  # both registrars look before either creates: the race, every time
+        calls.append(name)
+        return None if len(calls) == 1 else lookup(self, name)
+
+    MlflowClient.get_experiment_by_name = first_sees_none
+    barrier.wait(timeout=120)
+    out.put(tracking.open_run(cfg, "GRPOFlow/1/start/1"))
+
+
+@pytest.mark.slow  # two processes importing MLflow
+def test_two_runs_on_a_fresh_store_both_open_in_one_experiment(tmp_path):
+    from mlflow import MlflowClient
+
+    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(db).search_experiments()  # creates the store's tables; the experiment "race" does not exist
+    context = multiprocessing.get_context("spawn")
+    barrier, out = context.Barrier(2), context.Queue()
+    procs = [context.Process(target=_open_run, args=(db, barrier, out)) for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    run_ids = [out.get(timeout=90) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    client = MlflowClient(db)
+    experiment = client.get_experiment_by_name("race")
+    assert {client.get_run(r).info.experiment_id for r in run_ids} == {experiment.experiment_id}
