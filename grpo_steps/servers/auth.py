@@ -6,7 +6,8 @@ servers this pipeline starts load :class:`RunTokenMiddleware` (``--middleware``,
 every request without ``Authorization: Bearer <token>`` except ``GET /health`` (liveness probes). The token
 travels in the environment (:data:`TOKEN_ENV`), never on a command line, in a log or an artifact:
 
-- ``local`` provider: a fresh token per server, in the server's environment and in a file only this user can
+- ``local`` provider: a fresh token per server (or ``GRPO_SERVER_TOKEN`` / ``VLLM_API_KEY`` when the flow's
+  environment sets one: what its clients present), in the server's environment and in a file only this user can
   read (``~/.cache/grpo-pipeline/server-tokens/<host>-<port>``, mode 0600), where the run's clients find it by
   endpoint (:func:`token_for`); removed when the server stops.
 - ``external``: start the server with ``--middleware grpo_steps.servers.auth.RunTokenMiddleware`` and

@@ -119,8 +119,9 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
         raise ServerStartError(str(err)) from None
     log_path = Path(log_dir) / f"vllm-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    # the run's token, in the environment only; vLLM's own key (VLLM_API_KEY) must then be the same value
-    token = os.environ.get("VLLM_API_KEY") or auth.new_token()
+    # the run's token, in the environment only: the one the flow's clients would present (grpo_steps.servers.auth
+    # token_for), else a new one; with VLLM_API_KEY set, vLLM's own check of /v1 paths takes the same value
+    token = os.environ.get(auth.TOKEN_ENV) or os.environ.get("VLLM_API_KEY") or auth.new_token()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(server_cfg.kv_cache_gib))
     env[auth.TOKEN_ENV] = token
     # CPU backend: use every core of this process (training and generation alternate, they do not overlap).
@@ -145,6 +146,7 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
                   interval_s=1.0) and proc.poll() is None:
         return server
     if proc.poll() is not None:
+        auth.forget_token(server.endpoint)
         raise ServerStartError(f"vLLM server exited with code {proc.returncode} before becoming healthy. "
                                f"Log {log_path}, last lines:\n{log_tail(log_path)}")
     server.stop()
