@@ -19,7 +19,7 @@ class VLLMRollout:
     Called by ``GRPOTrainer`` with this process's prompts, each repeated ``num_generations`` times
     in a row; returns one completion per prompt entry: ``prompt_ids`` (list of B lists of token
     ids), ``completion_ids`` (B lists) and ``logprobs`` (B lists, natural log, one per completion
-    token). The weights reach the server before (``grpo_steps.trainer.ServerGRPOTrainer``: pushed and
+    token). The weights reach the server before (``grpo_steps.training.trainer.ServerGRPOTrainer``: pushed and
     verified after every optimizer step and before the first generation).
     """
 
