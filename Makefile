@@ -10,7 +10,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 # Metaflow needs a user name that is not root.
 export METAFLOW_USER ?= $(if $(filter-out root,$(USER)),$(USER),grpo)
 
-.PHONY: install model run test test-fast ui s3 lint bench bench-gpu screenshots clean
+.PHONY: install sandbox model run test test-fast ui s3 lint bench bench-gpu screenshots clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,16 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-install: $(STAMP)
+install: $(STAMP) sandbox
+
+# The code reward's strongest isolation is bubblewrap (Debian/Ubuntu `bubblewrap`); installed here when this
+# machine's user may (root with apt-get). Without it the sandbox uses unshare+setpriv (root) or refuses to run
+# code_execution unless allowed explicitly (rewards/sandbox.py).
+sandbox:
+	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && { apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null 2>&1 \
+	       || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null; }; } \
+	  || echo "note: bubblewrap is not installed (apt-get install bubblewrap): the code sandbox uses a weaker isolation"; }
 
 model: install
 	$(BIN)/python -m grpo_steps.models prepare --name SmolLM2-135M-Instruct

@@ -17,6 +17,8 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from grpo_steps.redaction import inline_secret, is_secret_flag, redact, redact_value
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "local.yaml"
 INFRA_DIR = Path(os.environ.get("GRPO_INFRA_DIR") or REPO_ROOT / "infra")
@@ -254,6 +256,26 @@ class ServerConfig(_Section):
     """The server stops itself this many seconds after the flow process that owns it is gone."""
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs one vLLM replica shards the model over (``--tensor-parallel-size``); 1 on CPU."""
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint_has_no_credentials(cls, value: str | None) -> str | None:
+        if value is not None and inline_secret(value):
+            raise ValueError(f"generation.server.endpoint {redact(value)!r} holds credentials "
+                             f"({inline_secret(value)}): remove them; the pipeline presents the server's token "
+                             "from the environment (GRPO_SERVER_TOKEN, or VLLM_API_KEY for a server started with "
+                             "vLLM's --api-key)")
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra_args_hold_no_secret(cls, value: list[str]) -> list[str]:
+        secret = [arg.split("=", 1)[0] for arg in value if is_secret_flag(arg) or inline_secret(arg)]
+        if secret:
+            raise ValueError(f"generation.server.extra_args passes a secret inline ({', '.join(secret)}): "
+                             "command lines reach logs and MLflow; give vLLM its key as VLLM_API_KEY in the "
+                             "environment instead (a local server inherits the flow's environment)")
+        return value
 
     @field_validator("endpoint")
     @classmethod
@@ -755,6 +777,11 @@ class TrainConfig(_Section):
     for each node), a checkpoint key (``Checkpoint().list(...)[i]["key"]``), or a local directory
     holding a trainer checkpoint (``trainer_state.json``). Ignored on ``@retry`` and ``resume``,
     which continue from the failed attempt's own newest checkpoint."""
+    trust_checkpoint: bool = False
+    """Accept a ``train.resume_from`` checkpoint that would be unpickled: DeepSpeed (``train.deepspeed``) loads its
+    optimizer state with ``torch.load(weights_only=False)``, which runs whatever code the file holds. Without
+    DeepSpeed every file of a checkpoint is read as weights only (safetensors, ``weights_only=True``); a
+    run's own checkpoints (``@retry``, ``resume``) need no trust. Set true only for checkpoints you made."""
     retries: int = Field(1, ge=0, le=10)
     """``@retry`` of the ``train`` step: a failed gang (a crashed process, a dead generation server)
     is started again this many times, each from its newest checkpoint, on a new server if needed."""
@@ -812,6 +839,15 @@ class TrainConfig(_Section):
         if self.peft is not None and self.grpo.get("sync_ref_model"):
             raise ValueError("train.grpo.sync_ref_model is not supported with train.peft (TRL keeps no reference "
                              "model with LoRA: it disables the adapter instead); remove it or set train.peft: null")
+        return self
+
+    @model_validator(mode="after")
+    def _unpickled_checkpoint_is_trusted(self) -> TrainConfig:
+        if self.resume_from and self.deepspeed and not self.trust_checkpoint:
+            raise ValueError(
+                f"train.resume_from {self.resume_from!r} with train.deepspeed: DeepSpeed unpickles the optimizer state "
+                "(torch.load weights_only=False), so a checkpoint from elsewhere can run code: set "
+                "train.trust_checkpoint: true if you made it, or resume without train.deepspeed")
         return self
 
     @model_validator(mode="after")
@@ -877,13 +913,23 @@ class RegistryConfig(_Section):
     model_name: str = "grpo-policy"
     """Name of the registered model in the MLflow registry."""
     min_improvement: float = 0.0
-    """Quality gate: ``champion`` moves only when trained pass@1 beats the baseline and the current
-    champion by more than this margin (absolute, 0..1)."""
+    """Quality gate: ``champion`` moves only when the lower bound of the paired 95 % interval of the pass@1 gain
+    (per held-out prompt) exceeds this margin, against the baseline and against the current champion on the
+    same prompts (absolute, 0..1; see ``grpo_steps/gate.py``)."""
     register_as: Literal["merged", "adapter"] = Field("merged", alias="register")
     """``registry.register`` (an alias: pydantic's models have a ``register`` method). With ``train.peft``:
     ``merged`` registers base + adapter merged into a plain transformers model (the adapter
     and its ``LoraConfig`` logged beside it as artifacts); ``adapter`` registers the adapter alone. Both record
     the base model in the version's tags. No effect on full fine-tuning."""
+
+    @field_validator("min_improvement")
+    @classmethod
+    def _min_improvement_is_a_share(cls, value: float) -> float:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"registry.min_improvement {value!r} must lie in 0..1 (a pass@1 difference): a negative "
+                             "margin would let a worse policy become champion; use 0.0 to require a gain whose whole "
+                             "95 % interval is above zero")
+        return value
 
 
 class TrackingConfig(_Section):
@@ -894,6 +940,17 @@ class TrackingConfig(_Section):
     artifact_location: str | None = None
     """Where the experiment keeps artifacts (models, tables), e.g. ``s3://bucket/mlflow``; used when
     the experiment is created. None: MLflow's default next to the tracking store."""
+
+    @field_validator("tracking_uri", "artifact_location")
+    @classmethod
+    def _no_inline_credentials(cls, value: str | None, info: Any) -> str | None:
+        if value is not None and inline_secret(value):
+            raise ValueError(
+                f"tracking.{info.field_name} {redact(value)!r} holds credentials ({inline_secret(value)}): remove them "
+                "and set them in the environment: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+                "MLFLOW_TRACKING_TOKEN) for an MLflow server, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY for S3; a "
+                "database store's password belongs to the MLflow server (mlflow server --backend-store-uri)")
+        return value
 
 
 class TrainNodeResources(_Section):
@@ -1176,7 +1233,8 @@ class PipelineConfig(_Section):
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
 
     def flat_params(self) -> dict[str, str]:
-        """The config as dotted ``section.key -> str`` pairs, for MLflow params (values cut at 500 chars)."""
+        """The config as dotted ``section.key -> str`` pairs, for MLflow params (values cut at 500 chars; credentials
+        redacted by :func:`grpo_steps.redaction.redact_value`)."""
         out: dict[str, str] = {}
 
         def walk(prefix: str, value: Any) -> None:
@@ -1189,7 +1247,7 @@ class PipelineConfig(_Section):
             else:
                 out[prefix] = str(value)[:500]
 
-        walk("", self.model_dump(mode="json"))
+        walk("", redact_value(self.model_dump(mode="json")))  # defence in depth: the validators refuse secrets
         return out
 
 

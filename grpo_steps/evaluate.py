@@ -8,6 +8,7 @@ evaluation during training.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 from contextlib import contextmanager
@@ -40,6 +41,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def prompt_key(prompt) -> str:
+    """A short stable digest of one prompt (a string or a chat message list): which prompts two policies' scores
+    share (the registry compares a version with the champion prompt by prompt, :mod:`grpo_steps.gate`).
+
+    >>> prompt_key([{"role": "user", "content": "1 + 1?"}]) == prompt_key([{"role": "user", "content": "1 + 1?"}])
+    True
+    """
+    return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
@@ -136,9 +147,10 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
 
     Samples ``eval.num_samples`` completions per prompt at ``eval.temperature`` plus one greedy
     completion, in batches of prompts with a progress line (``[eval <label>] done/total prompts rate eta``)
-    after each. Returns ``{"metrics": {name: float}, "samples": [row dicts], "probe_logprobs":
-    [float]}`` (the last: greedy logprobs of the first prompt, a fingerprint of the served weights),
-    where metrics are:
+    after each. Returns ``{"metrics": {name: float}, "samples": [row dicts], "probe_logprobs": [float],
+    "per_prompt": {"accuracy", "pass@1": [float per prompt]}, "prompt_keys": [str per prompt]}``
+    (``probe_logprobs``: greedy logprobs of the first prompt, a fingerprint of the served weights;
+    ``prompt_keys``: :func:`prompt_key` of each prompt), where metrics are:
     ``accuracy`` (greedy, 0..1), ``pass@k`` for each configured k (unbiased, 0..1), ``format_rate``
     (share of samples the format reward scores 1, when configured) and with it ``format_rate_greedy``
     (the same over the greedy completions), ``accuracy_formatted`` (greedy accuracy among the greedy
@@ -202,7 +214,7 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
         })
     # Fingerprint of the weights the server holds: greedy logprobs of the first prompt's completion.
     return {"metrics": metrics, "samples": samples, "probe_logprobs": greedy[0][0]["logprobs"],
-            "per_prompt": per_prompt}
+            "per_prompt": per_prompt, "prompt_keys": [prompt_key(row["prompt"]) for row in rows]}
 
 
 def gain_metrics(baseline: dict[str, list[float]], trained: dict[str, list[float]]) -> dict[str, float]:

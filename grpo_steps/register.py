@@ -1,51 +1,31 @@
 """Model registration in the MLflow registry, with the ``candidate``/``champion`` aliases.
 
 Idempotent: a flow run registers at most one version (found again by its MLflow run id), so a
-resumed or retried ``register`` step never creates a second one. A version is only created after
+resumed or retried ``register`` step never creates a second one, and its gate decision (version tags
+``gate.passed``, ``gate.reason``) is made once. ``champion`` moves by :mod:`grpo_steps.gate` (paired interval,
+compare-and-set). A version is only created after
 its model artifact is fully logged, so a failure leaves no half-registered model.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from grpo_steps import tracking
 from grpo_steps.config import PipelineConfig
+from grpo_steps.gate import (
+    GATE_METRIC,
+    PASSED_TAG,
+    REASON_TAG,
+    champion_scores,
+    gate,
+    save_per_prompt,
+    settle_champion,
+)
 from grpo_steps.lora import is_adapter_dir
 from grpo_steps.report import version_description
 
 CANDIDATE, CHAMPION = "candidate", "champion"
-GATE_METRIC = "pass@1"
-
-
-def gate(trained: float, baseline: float, champion: float | None, margin: float) -> tuple[bool, str]:
-    """Quality gate: the trained policy must beat the baseline and the current champion by ``margin``.
-
-    Returns ``(passed, reason)``. Scores are in 0..1 (pass@1); a NaN score never passes.
-
-    >>> gate(0.30, 0.10, None, 0.05)
-    (True, 'pass@1 0.300 > baseline 0.100 + 0.050')
-    >>> gate(0.30, 0.10, 0.40, 0.0)[0]
-    False
-    """
-    if math.isnan(trained) or trained <= baseline + margin:
-        return False, f"{GATE_METRIC} {trained:.3f} <= baseline {baseline:.3f} + {margin:.3f}"
-    if champion is not None and trained <= champion + margin:
-        return False, f"{GATE_METRIC} {trained:.3f} <= champion {champion:.3f} + {margin:.3f}"
-    suffix = f" and champion {champion:.3f} + {margin:.3f}" if champion is not None else ""
-    return True, f"{GATE_METRIC} {trained:.3f} > baseline {baseline:.3f} + {margin:.3f}{suffix}"
-
-
-def _champion_score(client, name: str) -> float | None:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        version = client.get_model_version_by_alias(name, CHAMPION)
-    except MlflowException:
-        return None
-    value = version.tags.get(tracking.mlflow_name(f"eval.{GATE_METRIC}"))
-    return float(value) if value is not None else None
 
 
 def _requirements(*extra: str) -> list[str]:
@@ -97,7 +77,8 @@ def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tag
     (:func:`grpo_steps.report.version_description`).
 
     Args:
-        report: the evaluate step's ``{"baseline": {"metrics": ...}, "trained": {"metrics": ...}}``.
+        report: the evaluate step's ``{"baseline": {"metrics", "per_prompt"}, "trained": {"metrics", "per_prompt",
+            "prompt_keys"}}``.
         tags: version tags (``metaflow.pathspec`` of the register task, config hash, dataset digest, git commit).
 
     Returns:
@@ -119,21 +100,50 @@ def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tag
         else:
             info, lora_tags = _log_model(model_dir, run_id), {}
         trained = report["trained"]["metrics"]
+        save_per_prompt(client, run_id, report["trained"].get("prompt_keys") or [],
+                        report["trained"]["per_prompt"][GATE_METRIC])
         version_tags = {**tags, **lora_tags,
                         **{tracking.mlflow_name(f"eval.{k}"): f"{v:.6g}" for k, v in trained.items()}}
         version = mlflow.register_model(info.model_uri, name, tags=version_tags)
     version_id = str(version.version)
     client.set_registered_model_alias(name, CANDIDATE, version_id)
-
-    trained_score = report["trained"]["metrics"][GATE_METRIC]
-    baseline_score = report["baseline"]["metrics"][GATE_METRIC]
-    current = client.get_registered_model(name).aliases.get(CHAMPION)
-    champion = None if str(current) == version_id else _champion_score(client, name)
-    passed, reason = gate(trained_score, baseline_score, champion, cfg.registry.min_improvement)
+    passed, reason, champion = _decide(cfg, client, name, version_id, report)
     if passed:
-        client.set_registered_model_alias(name, CHAMPION, version_id)
+        reason += (f"; champion moved to version {champion}" if champion == version_id else
+                   f"; champion is version {champion}, a better version registered at the same time")
+    else:
+        reason += f"; champion {'stays version ' + champion if champion else 'not set'}"
     description = version_description(cfg, report, run_url=tracking.run_url(cfg, run_id),
                                       run_pathspec=tags["metaflow.pathspec"].rsplit("/", 2)[0], gate_reason=reason)
     client.update_model_version(name, version_id, description=description)
     aliases = sorted(client.get_model_version(name, version_id).aliases)
     return {"name": name, "version": version_id, "aliases": aliases, "gate_passed": passed, "gate_reason": reason}
+
+
+def _decide(cfg: PipelineConfig, client, name: str, version_id: str, report: dict) -> tuple[bool, str, str | None]:
+    """The gate decision of a version (made once, kept in its tags) and, when it passed, ``champion`` settled by
+    compare-and-set (:func:`grpo_steps.gate.settle_champion`). Returns ``(passed, reason, champion version)``."""
+    from mlflow.exceptions import MlflowException
+
+    tags = client.get_model_version(name, version_id).tags
+    if PASSED_TAG in tags:  # decided by an earlier attempt of this step
+        passed, reason = tags[PASSED_TAG] == "true", tags.get(REASON_TAG, "")
+        compared = tags.get("gate.compared_champion") or None
+    else:
+        keys = report["trained"].get("prompt_keys") or []
+        compared, scores, note = champion_scores(client, name, keys)
+        if compared == version_id:
+            compared, scores, note = None, None, ""
+        passed, reason = gate(report["trained"]["per_prompt"][GATE_METRIC],
+                              report["baseline"]["per_prompt"][GATE_METRIC], scores, cfg.registry.min_improvement,
+                              note)
+        for key, value in ((REASON_TAG, reason[:5000]), ("gate.compared_champion", compared or ""),
+                           (PASSED_TAG, "true" if passed else "false")):  # passed last: it makes a contender
+            client.set_model_version_tag(name, version_id, key, value)
+    if passed:
+        return passed, reason, settle_champion(client, name, compared)
+    try:
+        champion = str(client.get_model_version_by_alias(name, CHAMPION).version)
+    except MlflowException:
+        champion = None
+    return passed, reason, champion

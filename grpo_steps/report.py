@@ -7,6 +7,7 @@ import math
 
 from grpo_steps import tracking
 from grpo_steps.config import PipelineConfig
+from grpo_steps.redaction import redact
 
 HEADLINE = ("pass@1", "accuracy", "format_rate", "reward")
 """Metrics that lead the description's table and the eval chart (then every ``pass@k``)."""
@@ -62,7 +63,8 @@ def comparison_table(cfg: PipelineConfig, report: dict) -> str:
 def version_description(cfg: PipelineConfig, report: dict, *, run_url: str, run_pathspec: str,
                         gate_reason: str) -> str:
     """Markdown of a registered version: task, base model, the baseline-vs-trained table, the quality
-    gate's verdict, per-task pass@1 for mixtures, and where to look (MLflow run, Metaflow run and card)."""
+    gate's verdict, per-task pass@1 for mixtures, and where to look (MLflow run, Metaflow run and card: the
+    printed ``card get <run id>/evaluate`` is the form Metaflow's CLI takes). Credentials are redacted."""
     data = cfg.data
     if data.mixture:
         task = "mixture of " + ", ".join(f"{m.name} ({m.weight:g})" for m in data.mixture)
@@ -93,9 +95,9 @@ def version_description(cfg: PipelineConfig, report: dict, *, run_url: str, run_
         f"**MLflow run**: [{run_url}]({run_url}) (training curves, system metrics, charts under Artifacts -> "
         "`charts/`, sample completions under `eval/`).",
         f"**Metaflow run**: `{run_pathspec}`; evaluation card: "
-        f"`python flows/grpo_flow.py card get {run_pathspec}/evaluate --id eval card.html`.",
+        f"`python flows/grpo_flow.py card get {run_pathspec.split('/')[-1]}/evaluate --id eval card.html`.",
     ]
-    return "\n".join(lines)
+    return redact("\n".join(lines))
 
 
 def reward_figure(curves: dict[str, list[dict]], ylabel: str = "mean reward", title: str = "Training reward"):

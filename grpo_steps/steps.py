@@ -15,6 +15,7 @@ from typing import Any
 
 from grpo_steps import tracking
 from grpo_steps.config import PipelineConfig, validate_config
+from grpo_steps.redaction import redact
 from grpo_steps.report import card_components  # noqa: F401  (the evaluate step's card)
 from grpo_steps.weight_files import scratch_dir  # noqa: F401  (the train step's working directory)
 
@@ -32,11 +33,14 @@ def start(cfg: PipelineConfig, pathspec: str) -> str:
         ConfigError: ``train.grpo`` keys the installed TRL does not have; ``train.peft.target_modules`` naming no
             linear layer of the model.
         CheckpointNotFound: ``train.resume_from`` names no usable checkpoint.
+        SandboxUnavailable: ``code_execution`` is configured where only the weak sandbox mode works, without
+            its ``allow_weak_isolation`` option.
     """
     from grpo_steps.training.job import check_grpo_keys
 
     tracking.check_reachable(cfg.tracking.tracking_uri)
     check_grpo_keys(cfg)
+    check_sandbox(cfg)
     if cfg.train.peft is not None:
         check_lora_targets(cfg)
     if cfg.train.resume_from:
@@ -45,6 +49,17 @@ def start(cfg: PipelineConfig, pathspec: str) -> str:
         print(f"[checkpoint] train.resume_from: {check_reference(cfg.train.resume_from, cfg.train.num_nodes)}",
               flush=True)
     return tracking.open_run(cfg, pathspec)
+
+
+def check_sandbox(cfg: PipelineConfig) -> None:
+    """The code reward's sandbox can contain programs here, or the config accepts the weak mode explicitly
+    (:func:`rewards.sandbox.require_isolation`). Raises SandboxUnavailable."""
+    for spec in cfg.rewards:
+        if spec.name == "code_execution":
+            from rewards.sandbox import require_isolation
+
+            mode = require_isolation(bool(spec.options.get("allow_weak_isolation", False)))
+            print(f"[sandbox] code_execution isolation: {mode}", flush=True)
 
 
 def check_lora_targets(cfg: PipelineConfig) -> None:
@@ -91,7 +106,7 @@ def provision(cfg: PipelineConfig, model_path: str) -> dict:
     from grpo_steps import servers
 
     server = servers.provision(cfg, model_path, owner=run_owner(), run_id=metaflow_run_id())
-    print(f"[vllm] serving {server.summary()}", flush=True)
+    print(redact(f"[vllm] serving {server.summary()}"), flush=True)
     return server.to_dict()
 
 

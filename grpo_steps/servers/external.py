@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import requests
 
 from grpo_steps.processes import wait_until
+from grpo_steps.servers.auth import auth_headers
 from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy
 from grpo_steps.servers.client import LOGPROBS_MODE
 
@@ -53,10 +54,16 @@ class ExternalServer(GenerationServer):
                 f"GET /health within {timeout_s:.0f} s (generation.server.startup_timeout_s): start it, or "
                 "correct the endpoint")
         try:
-            info = requests.get(f"{endpoint}/server_info", params={"config_format": "json"}, timeout=10)
-            models = requests.get(f"{endpoint}/v1/models", timeout=10)
+            headers = auth_headers(endpoint)  # the server's token from the environment, when it has one
+            info = requests.get(f"{endpoint}/server_info", params={"config_format": "json"}, timeout=10,
+                                headers=headers)
+            models = requests.get(f"{endpoint}/v1/models", timeout=10, headers=headers)
         except requests.RequestException as err:
             raise ServerStartError(f"the external generation server {endpoint} stopped answering: {err}") from err
+        if info.status_code == 401:
+            raise ServerStartError(
+                f"the external generation server {endpoint} refused the run's token (HTTP 401): set GRPO_SERVER_TOKEN "
+                "(or VLLM_API_KEY) in the flow's environment to the value the server was started with")
         if info.status_code == 404:
             raise ServerStartError(
                 f"the external generation server {endpoint} has no dev routes, so it cannot reload weights: "

@@ -1,12 +1,13 @@
 """The ``kubernetes`` provider of the generation server: a vLLM Deployment + Service per run.
 
 The manifests come from ``infra/k8s/vllm-server.yaml`` (rendered by :func:`render_manifests`, a
-pure function); :meth:`KubernetesServer.start` creates them with the official ``kubernetes`` client,
+pure function; a NetworkPolicy admits only the run's pods to the server, :func:`network_policy_peers`);
+:meth:`KubernetesServer.start` creates them with the official ``kubernetes`` client,
 waits until the Deployment has a ready replica (its readiness probe is ``GET /health``) and returns a
 handle whose endpoint is the Service's cluster DNS name. On a timeout it raises with the pods' status
 and deletes what it created; :meth:`KubernetesServer.stop` and :func:`stop_run` delete a run's objects
-by their labels (``end``, the error exit hook). The methods take the two client APIs as ``apps`` and
-``core`` (default: the cluster's), so tests pass a fake.
+by their labels (``end``, the error exit hook). The methods take the client APIs as ``apps``, ``core`` and
+``networking`` (default: the cluster's), so tests pass a fake.
 
 Flags for ``nccl`` weight sync are the ones TRL's ``vllm-serve`` wrapper passes (trl/scripts/vllm_serve.py,
 TRL 1.16, for vLLM >= 0.30): ``--enable-scale-out --weight-transfer-config '{"backend":"nccl"}'
@@ -65,8 +66,28 @@ def server_args(cfg: PipelineConfig, model: str) -> list[str]:
     return args + list(gen.server.extra_args)
 
 
+ARGO_WORKFLOW_LABEL = "workflows.argoproj.io/workflow"
+"""Label Argo puts on every pod of a workflow; Metaflow's Argo run ids are ``argo-<workflow name>``."""
+
+
+def network_policy_peers(run_id: str, name: str, run_label: str) -> list[dict]:
+    """The ``ingress[].from`` peers of a run's server: the pods of the run's Argo workflow (``argo-<workflow>``
+    run ids), else the namespace's Metaflow task pods (a run of the local runtime on Kubernetes: Metaflow labels
+    its pods by kind only, the run id is an annotation), and the server's own pods.
+
+    >>> network_policy_peers("argo-grpoflow-x7k2p", "vllm-x", "x")[0]
+    {'podSelector': {'matchLabels': {'workflows.argoproj.io/workflow': 'grpoflow-x7k2p'}}}
+    """
+    if run_id.startswith("argo-"):
+        run_pods = {ARGO_WORKFLOW_LABEL: label_value(run_id.removeprefix("argo-"))}
+    else:
+        run_pods = {"app.kubernetes.io/name": "metaflow-task", "app.kubernetes.io/part-of": "metaflow"}
+    own = {"app.kubernetes.io/name": "vllm-server", RUN_LABEL: run_label}
+    return [{"podSelector": {"matchLabels": run_pods}}, {"podSelector": {"matchLabels": own}}]
+
+
 def render_manifests(cfg: PipelineConfig, run_id: str, model: str, template: Path = TEMPLATE) -> list[dict]:
-    """``[Deployment, Service]`` of a run's generation server, as dicts ready for the client.
+    """``[Deployment, Service, NetworkPolicy]`` of a run's generation server, as dicts ready for the client.
 
     ``model`` is a Hugging Face id or a path under ``/shared``, where ``resources.shared_volume_claim`` is
     mounted. No GPU request is written when ``resources.vllm.gpu`` is 0.
@@ -75,7 +96,8 @@ def render_manifests(cfg: PipelineConfig, run_id: str, model: str, template: Pat
     text = string.Template(template.read_text()).substitute(
         name=k8s_name(run_id), namespace=cfg.resources.namespace, run_id=label_value(run_id), image=res.image,
         port=PORT, cpu=res.cpu, memory_mib=res.memory_mib, gpu=res.gpu)
-    deployment, service = yaml.safe_load_all(text)
+    deployment, service, policy = yaml.safe_load_all(text)
+    policy["spec"]["ingress"] = [{"from": network_policy_peers(run_id, k8s_name(run_id), label_value(run_id))}]
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
     container["args"] = server_args(cfg, model)
@@ -86,19 +108,19 @@ def render_manifests(cfg: PipelineConfig, run_id: str, model: str, template: Pat
     if claim:
         pod["volumes"].append({"name": "shared", "persistentVolumeClaim": {"claimName": claim}})
         container["volumeMounts"].append({"name": "shared", "mountPath": SHARED_MOUNT})
-    return [deployment, service]
+    return [deployment, service, policy]
 
 
-def _clients(apps: Any = None, core: Any = None) -> tuple[Any, Any]:
-    if apps is not None and core is not None:
-        return apps, core
+def _clients(apps: Any = None, core: Any = None, networking: Any = None) -> tuple[Any, Any, Any]:
+    if apps is not None and core is not None and networking is not None:
+        return apps, core, networking
     from kubernetes import client, config
 
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    return client.AppsV1Api(), client.CoreV1Api()
+    return apps or client.AppsV1Api(), core or client.CoreV1Api(), networking or client.NetworkingV1Api()
 
 
 def pod_status(core: Any, namespace: str, run_id: str) -> str:
@@ -117,9 +139,9 @@ def pod_status(core: Any, namespace: str, run_id: str) -> str:
     return "\n".join(lines) or "(no pods)"
 
 
-def stop_run(namespace: str, run_id: str, *, apps: Any = None, core: Any = None) -> int:
-    """Delete every Deployment and Service labelled with this run; returns how many were deleted."""
-    apps, core = _clients(apps, core)
+def stop_run(namespace: str, run_id: str, *, apps: Any = None, core: Any = None, networking: Any = None) -> int:
+    """Delete every Deployment, Service and NetworkPolicy labelled with this run; returns how many were deleted."""
+    apps, core, networking = _clients(apps, core, networking)
     selector = f"app.kubernetes.io/managed-by={MANAGED_BY},{RUN_LABEL}={label_value(run_id)}"
     deleted = 0
     for obj in apps.list_namespaced_deployment(namespace, label_selector=selector).items:
@@ -127,6 +149,9 @@ def stop_run(namespace: str, run_id: str, *, apps: Any = None, core: Any = None)
         deleted += 1
     for obj in core.list_namespaced_service(namespace, label_selector=selector).items:
         core.delete_namespaced_service(obj.metadata.name, namespace)
+        deleted += 1
+    for obj in networking.list_namespaced_network_policy(namespace, label_selector=selector).items:
+        networking.delete_namespaced_network_policy(obj.metadata.name, namespace)
         deleted += 1
     return deleted
 
@@ -148,7 +173,7 @@ class KubernetesServer(GenerationServer):
 
     @classmethod
     def start(cls, cfg: PipelineConfig, model_path: str, *, owner: ProcessRef | None = None, run_id: str,
-              apps: Any = None, core: Any = None, poll_s: float = 5.0) -> KubernetesServer:
+              apps: Any = None, core: Any = None, networking: Any = None, poll_s: float = 5.0) -> KubernetesServer:
         """Create the run's Deployment + Service and wait for a ready replica.
 
         Serves ``model_path`` when it lies on the shared volume (``/shared``), else ``model.name_or_path``
@@ -159,14 +184,15 @@ class KubernetesServer(GenerationServer):
             ServerStartError: not ready within ``generation.server.startup_timeout_s`` seconds; the
                 message carries each pod's phase and waiting reason. The created objects are deleted first.
         """
-        apps, core = _clients(apps, core)
+        apps, core, networking = _clients(apps, core, networking)
         model = model_path if model_path.startswith(SHARED_MOUNT) else cfg.model.name_or_path
-        deployment, service = render_manifests(cfg, run_id, model)
+        deployment, service, policy = render_manifests(cfg, run_id, model)
         namespace, name = cfg.resources.namespace, deployment["metadata"]["name"]
         server = cls(f"http://{name}.{namespace}.svc:{PORT}", model=model, namespace=namespace, name=name,
                      run_id=run_id)
         timeout_s = cfg.generation.server.startup_timeout_s
         try:
+            networking.create_namespaced_network_policy(namespace, policy)  # before the server can answer
             apps.create_namespaced_deployment(namespace, deployment)
             core.create_namespaced_service(namespace, service)
             if wait_until(lambda: server.is_ready(apps=apps), timeout_s, interval_s=poll_s):
@@ -176,12 +202,12 @@ class KubernetesServer(GenerationServer):
                 f"(generation.server.startup_timeout_s). Pods:\n{pod_status(core, namespace, run_id)}"
             )
         except BaseException:
-            stop_run(namespace, run_id, apps=apps, core=core)
+            stop_run(namespace, run_id, apps=apps, core=core, networking=networking)
             raise
 
-    def stop(self, *, apps: Any = None, core: Any = None) -> bool:
-        """Delete the run's Deployment and Service; True when there was something to delete."""
-        return stop_run(self.namespace, self.run_id, apps=apps, core=core) > 0
+    def stop(self, *, apps: Any = None, core: Any = None, networking: Any = None) -> bool:
+        """Delete the run's Deployment, Service and NetworkPolicy; True when there was something to delete."""
+        return stop_run(self.namespace, self.run_id, apps=apps, core=core, networking=networking) > 0
 
     def is_ready(self, *, apps: Any = None) -> bool:
         """True when the Deployment exists and has a ready replica."""

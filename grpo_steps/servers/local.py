@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from grpo_steps.processes import PortInUseError, ProcessRef, log_tail, pick_port, wait_until
+from grpo_steps.servers import auth
 from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy
 from grpo_steps.servers.client import LOGPROBS_MODE, SERVED_MODEL_NAME, WORKER_EXTENSION
 
@@ -39,7 +40,8 @@ def vllm_command(model_path: str, host: str, port: int, *, max_model_len: int, d
            "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(port),
            "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0",
            "--worker-extension-cls", WORKER_EXTENSION,  # reloads on CPU, see there
-           "--logprobs-mode", LOGPROBS_MODE]  # the sampled distribution's logprobs, as TRL's vllm-serve
+           "--logprobs-mode", LOGPROBS_MODE,  # the sampled distribution's logprobs, as TRL's vllm-serve
+           "--middleware", auth.MIDDLEWARE]  # every route but /health needs the run's token
     if enforce_eager:
         cmd.append("-O0")
     if max_lora_rank is not None:
@@ -81,7 +83,9 @@ class LocalServer(GenerationServer):
         """Stop the supervisor (it stops vLLM) by its recorded PID and create time; a PID that now
         belongs to another process is never signalled. True when it was running."""
         supervisor = self.supervisor
-        return supervisor.stop_group(timeout_s) if supervisor else False
+        stopped = supervisor.stop_group(timeout_s) if supervisor else False
+        auth.forget_token(self.endpoint)
+        return stopped
 
     def serves(self, owner: ProcessRef) -> bool:
         """Healthy and owned by ``owner``: a server of an earlier runtime (before ``resume``) stops
@@ -111,7 +115,11 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
         raise ServerStartError(str(err)) from None
     log_path = Path(log_dir) / f"vllm-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    # the run's token, in the environment only: the one the flow's clients would present (grpo_steps.servers.auth
+    # token_for), else a new one; with VLLM_API_KEY set, vLLM's own check of /v1 paths takes the same value
+    token = os.environ.get(auth.TOKEN_ENV) or os.environ.get("VLLM_API_KEY") or auth.new_token()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(server_cfg.kv_cache_gib))
+    env[auth.TOKEN_ENV] = token
     # CPU backend: use every core of this process (training and generation alternate, they do not overlap).
     if max_lora_rank is not None:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
@@ -129,10 +137,12 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
     server = LocalServer(f"http://{server_cfg.host}:{port}", model=model_path, supervisor_pid=ref.pid,
                          supervisor_started=ref.started, owner_pid=owner.pid, owner_started=owner.started,
                          log_path=str(log_path))
+    auth.save_token(server.endpoint, token)
     if wait_until(lambda: proc.poll() is not None or is_healthy(server.endpoint), server_cfg.startup_timeout_s,
                   interval_s=1.0) and proc.poll() is None:
         return server
     if proc.poll() is not None:
+        auth.forget_token(server.endpoint)
         raise ServerStartError(f"vLLM server exited with code {proc.returncode} before becoming healthy. "
                                f"Log {log_path}, last lines:\n{log_tail(log_path)}")
     server.stop()

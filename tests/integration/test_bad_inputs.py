@@ -178,3 +178,21 @@ def test_lora_target_modules_the_model_lacks_fail_start(tmp_path):
                                                      "are not linear layers of the model")
     assert "prepare_data" not in out  # checked in start, before the MLflow run is opened
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_inline_credentials_are_refused_before_any_step_and_leave_no_trace(tmp_path):
+    secret = "hunter2-flow-s3cr3t"
+    config = flow_config(tracking={"tracking_uri": f"https://alice:{secret}@127.0.0.1:1"},
+                         generation={"provider": "external",
+                                     "server": {"endpoint": f"http://bob:{secret}@127.0.0.1:8000",
+                                                "extra_args": ["--api-key", secret]}})
+    code, out = run_config(tmp_path, flow_env(), config)
+    assert code != 0
+    for key in ("tracking.tracking_uri", "generation.server.endpoint", "generation.server.extra_args"):
+        assert key in out, out[-3000:]
+    assert "MLFLOW_TRACKING_PASSWORD" in out and "VLLM_API_KEY" in out
+    assert secret not in out  # the log
+    assert "start" not in {p.name for p in (tmp_path / ".metaflow").rglob("*")}  # no step ran, no config artifact
+    for path in tmp_path.rglob("*"):  # the Metaflow datastore, any MLflow store: nothing but the config file
+        if path.is_file() and path.name != "run.yaml":
+            assert secret.encode() not in path.read_bytes(), path

@@ -3,6 +3,7 @@ step, one verified weight version per push, and a server that keeps stale weight
 
 import json
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -236,3 +237,28 @@ def test_an_idle_local_server_leaves_the_cores_to_the_trainer(tiny_server):
     time.sleep(1.0)
     idle = cpu_seconds() - before
     assert idle < 0.25 + IDLE_SPIN_S, f"the server used {idle:.2f} CPU-s in the second after a request: it spins"
+
+
+CONTROL_ROUTES = [("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/tmp/other"}}),
+                  ("POST", "/pause", None), ("POST", "/update_weight_version", {"version": 99}),
+                  ("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp/other"}),
+                  ("POST", "/v1/completions", {"model": "policy", "prompt": "hi", "max_tokens": 1}),
+                  ("GET", "/server_info", None), ("GET", "/v1/models", None), ("GET", "/metrics", None)]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), CONTROL_ROUTES, ids=[p for _, p, _ in CONTROL_ROUTES])
+def test_a_request_without_the_run_token_is_refused(tiny_server, method, path, body):
+    """The local provider's server answers its routes to the pipeline's client only (grpo_steps.servers.auth)."""
+    for headers in ({}, {"Authorization": "Bearer not-the-token"}, {"Authorization": "Basic Zm9vOmJhcg=="}):
+        response = requests.request(method, f"{tiny_server.endpoint}{path}", json=body, headers=headers, timeout=10)
+        assert response.status_code == 401, (path, headers, response.text[:200])
+    assert requests.get(f"{tiny_server.endpoint}/health", timeout=5).status_code == 200  # probes need no token
+    client = VLLMClient(tiny_server.endpoint)  # presents the run's token: the same routes answer it
+    assert client._http.get(f"{tiny_server.endpoint}/v1/models", timeout=10).status_code == 200
+    assert client.has_worker_extension()
+    from grpo_steps.servers.auth import token_for
+
+    cmdline = psutil.Process(tiny_server.supervisor_pid).cmdline()
+    assert "--middleware" in cmdline
+    assert token_for(tiny_server.endpoint) not in " ".join(cmdline)  # the token is in the environment only
+    assert token_for(tiny_server.endpoint) not in Path(tiny_server.log_path).read_text(errors="replace")  # not logged

@@ -95,3 +95,27 @@ def test_the_flow_side_modules_import_neither_torch_nor_transformers():
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_foreign_checkpoint_that_deepspeed_would_unpickle_needs_explicit_trust():
+    from grpo_steps.config import ConfigError, validate_config
+
+    foreign = {"resume_from": "GRPOFlow/123", "deepspeed": True}
+    with pytest.raises(ConfigError, match=r"train.trust_checkpoint: true") as err:
+        validate_config({"train": foreign})
+    assert "weights_only=False" in str(err.value)
+    assert validate_config({"train": {**foreign, "trust_checkpoint": True}}).train.trust_checkpoint
+    assert validate_config({"train": {"resume_from": "GRPOFlow/123"}}).train.resume_from  # weights only: no trust
+
+
+def test_the_trainer_reads_checkpoint_files_as_weights_only():
+    """What the refusal relies on: without DeepSpeed, the installed HF Trainer loads every pickled file of a
+    checkpoint (optimizer, scheduler, scaler, RNG state) with ``weights_only=True``."""
+    import inspect
+    import re
+
+    from transformers import Trainer
+
+    source = inspect.getsource(Trainer)
+    loads = re.findall(r"torch\.load\((.*?)\)\s*\n", source, flags=re.S)
+    assert loads and all("weights_only=True" in call for call in loads), loads

@@ -15,6 +15,7 @@ JSONS = sorted((REPO_ROOT / "infra").rglob("*.json"))
 API_VERSIONS = {  # kind -> apiVersion the manifests must use
     "Deployment": "apps/v1", "StatefulSet": "apps/v1", "Service": "v1", "ServiceAccount": "v1",
     "Role": "rbac.authorization.k8s.io/v1", "RoleBinding": "rbac.authorization.k8s.io/v1",
+    "NetworkPolicy": "networking.k8s.io/v1", "Secret": "v1", "ConfigMap": "v1",
 }
 
 

@@ -1,5 +1,5 @@
 """The ``kubernetes`` generation-server provider (:class:`grpo_steps.servers.KubernetesServer`) against an
-in-memory fake of the two client APIs it calls (no cluster is reachable here): rendered manifests,
+in-memory fake of the three client APIs it calls (no cluster is reachable here): rendered manifests,
 readiness wait, cleanup on failure, the handle."""
 
 import json
@@ -31,11 +31,13 @@ def _matches(labels: dict, selector: str) -> bool:
 
 
 class FakeCluster:
-    """The AppsV1Api + CoreV1Api methods the provider calls, over dicts; ready after ``ready_after`` reads."""
+    """The AppsV1Api + CoreV1Api + NetworkingV1Api methods the provider calls, over dicts; ready after
+    ``ready_after`` reads."""
 
     def __init__(self, ready_after: int | None = 0):
         self.deployments: dict[tuple, dict] = {}
         self.services: dict[tuple, dict] = {}
+        self.policies: dict[tuple, dict] = {}
         self.ready_after, self.reads = ready_after, 0
 
     # AppsV1Api
@@ -64,6 +66,16 @@ class FakeCluster:
     def delete_namespaced_service(self, name, namespace):
         del self.services[(namespace, name)]
 
+    # NetworkingV1Api
+    def create_namespaced_network_policy(self, namespace, body):
+        self.policies[(namespace, body["metadata"]["name"])] = body
+
+    def list_namespaced_network_policy(self, namespace, label_selector):
+        return self._list(self.policies, namespace, label_selector)
+
+    def delete_namespaced_network_policy(self, name, namespace):
+        del self.policies[(namespace, name)]
+
     def list_namespaced_pod(self, namespace, label_selector):
         waiting = NS(reason="ImagePullBackOff", message="pull access denied")
         status = NS(phase="Pending", container_statuses=[NS(state=NS(waiting=waiting, terminated=None))])
@@ -76,7 +88,7 @@ class FakeCluster:
 
 
 def test_rendered_deployment_requests_gpus_probes_health_and_carries_the_run_labels():
-    deployment, service = kubernetes.render_manifests(cluster_config(), RUN_ID, "Qwen/Qwen2.5-1.5B-Instruct")
+    deployment, service, _ = kubernetes.render_manifests(cluster_config(), RUN_ID, "Qwen/Qwen2.5-1.5B-Instruct")
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert (deployment["kind"], service["kind"]) == ("Deployment", "Service")
@@ -140,7 +152,7 @@ def test_object_names_are_dns_1035(run_id, name):
 def test_start_waits_for_a_ready_replica_and_returns_the_service_endpoint():
     fake = FakeCluster(ready_after=2)
     cfg = cluster_config(server={"tensor_parallel_size": 2, "startup_timeout_s": 5})
-    server = KubernetesServer.start(cfg, "/cache/m", run_id=RUN_ID, apps=fake, core=fake, poll_s=0.001)
+    server = KubernetesServer.start(cfg, "/cache/m", run_id=RUN_ID, apps=fake, core=fake, networking=fake, poll_s=0.001)
     assert fake.reads == 3
     assert server.endpoint == f"http://vllm-{RUN_ID}.ml.svc:8000"
     assert server.model == "Qwen/Qwen2.5-1.5B-Instruct"  # a local path is not on the pod: the hub id
@@ -150,24 +162,45 @@ def test_start_waits_for_a_ready_replica_and_returns_the_service_endpoint():
         "kubernetes", "ml", f"vllm-{RUN_ID}", RUN_ID)
     again = servers.from_dict(handle)
     assert again.is_ready(apps=fake)
-    assert again.stop(apps=fake, core=fake) is True
-    assert not fake.deployments and not fake.services
-    assert again.stop(apps=fake, core=fake) is False  # nothing left to delete
+    assert again.stop(apps=fake, core=fake, networking=fake) is True
+    assert not fake.deployments and not fake.services and not fake.policies
+    assert again.stop(apps=fake, core=fake, networking=fake) is False  # nothing left to delete
 
 
 def test_start_timeout_reports_pod_status_and_deletes_what_it_created():
     fake = FakeCluster(ready_after=None)
     with pytest.raises(ServerStartError) as err:
-        KubernetesServer.start(cluster_config(), "m", run_id=RUN_ID, apps=fake, core=fake, poll_s=0.001)
+        KubernetesServer.start(cluster_config(), "m", run_id=RUN_ID, apps=fake, core=fake, networking=fake,
+                               poll_s=0.001)
     assert "not ready after" in str(err.value)
     assert "ImagePullBackOff" in str(err.value)
-    assert not fake.deployments and not fake.services
+    assert not fake.deployments and not fake.services and not fake.policies
 
 
 def test_stop_deletes_only_this_runs_objects():
     fake = FakeCluster()
     cfg = cluster_config(server={"tensor_parallel_size": 2, "startup_timeout_s": 5})
-    mine = KubernetesServer.start(cfg, "m", run_id=RUN_ID, apps=fake, core=fake, poll_s=0)
-    KubernetesServer.start(cfg, "m", run_id="other-run", apps=fake, core=fake, poll_s=0)
-    assert mine.stop(apps=fake, core=fake) is True
+    mine = KubernetesServer.start(cfg, "m", run_id=RUN_ID, apps=fake, core=fake, networking=fake, poll_s=0)
+    KubernetesServer.start(cfg, "m", run_id="other-run", apps=fake, core=fake, networking=fake, poll_s=0)
+    assert mine.stop(apps=fake, core=fake, networking=fake) is True
     assert list(fake.deployments) == [("ml", "vllm-other-run")]
+    assert list(fake.policies) == [("ml", "vllm-other-run")]
+
+
+@pytest.mark.parametrize(("run_id", "run_pods"), [
+    (RUN_ID, {"workflows.argoproj.io/workflow": "grpoflow-x7k2p"}),  # Argo: the run's workflow pods
+    ("1764050000123456", {"app.kubernetes.io/name": "metaflow-task", "app.kubernetes.io/part-of": "metaflow"}),
+])  # the local runtime on Kubernetes: Metaflow's task pods (its run id is an annotation, not a label)
+def test_rendered_network_policy_admits_only_the_runs_pods_and_the_servers_own(run_id, run_pods):
+    import yaml
+
+    deployment, _, policy = kubernetes.render_manifests(cluster_config(), run_id, "m")
+    policy = yaml.safe_load(yaml.safe_dump(policy))  # as the YAML the API server gets
+    assert (policy["kind"], policy["apiVersion"]) == ("NetworkPolicy", "networking.k8s.io/v1")
+    assert policy["metadata"]["namespace"] == "ml" and policy["spec"]["policyTypes"] == ["Ingress"]
+    # it selects exactly the server's pods
+    assert policy["spec"]["podSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    (rule,) = policy["spec"]["ingress"]
+    assert "ports" not in rule and "ipBlock" not in repr(rule) and "namespaceSelector" not in repr(rule)
+    peers = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
+    assert peers == [run_pods, deployment["spec"]["selector"]["matchLabels"]]

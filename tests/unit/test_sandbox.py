@@ -1,7 +1,12 @@
-"""Hostile programs in the sandbox: each is contained, scores 0, is counted, and the next program still runs."""
+"""Hostile programs in the sandbox: each is contained, scores 0, is counted, and the next program still runs.
+
+Containment cases run in every strong isolation mode that works here (CI installs bubblewrap: ``make install``);
+forgery cases (a program trying to make its own verdict) also run in the weak ``audit`` mode, forced.
+"""
 
 import json
 import os
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -9,11 +14,12 @@ import pytest
 
 from rewards import guard
 from rewards.code import code_execution
-from rewards.sandbox import Limits, isolation, run_python
+from rewards.sandbox import MODES, WEAK_MODES, Limits, _works, isolation, run_python, run_tests
 
-SMALL = Limits(timeout_s=3, cpu_s=3, memory_mib=512)
+SMALL = Limits(timeout_s=2, cpu_s=2, memory_mib=512)
 MARK = Path("/tmp") / f"grpo-sandbox-escape-{uuid.uuid4().hex}"
 HOME_MARK = Path.home() / f"grpo-sandbox-escape-{uuid.uuid4().hex}"
+STRONG = [mode for mode in MODES if mode not in WEAK_MODES and _works(mode)]
 
 HOSTILE_CASES = [
     ("while True:\n    pass", "timeout"),  # infinite loop: killed at the wall-clock / CPU limit
@@ -31,8 +37,44 @@ HOSTILE_CASES = [
     ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", "error"),  # kill the parent
     ("assert 'GRPO_TEST_SECRET' in __import__('os').environ", "failed"),  # secret in the environment
     ("import os\nassert 'GRPO_TEST_SECRET' in open(f'/proc/{os.getppid()}/environ').read()", "failed"),  # via /proc
+    ("import os\nassert any('GRPO_TEST_SECRET' in open(f'/proc/{p}/environ', errors='replace').read()\n"
+     "           for p in os.listdir('/proc') if p.isdigit() and os.access(f'/proc/{p}/environ', os.R_OK))",
+     "failed"),  # any process's environment
+    (f"import os\nfd = os.open('/tmp', os.O_RDONLY)\nos.open({MARK.name!r}, os.O_CREAT | os.O_WRONLY, dir_fd=fd)\n"
+     "raise SystemExit(3)", "failed"),  # a write outside through dir_fd (no MARK may appear)
     ("open('f.txt', 'w').write('x' * (64 * 1024 ** 2))", "failed"),  # file over RLIMIT_FSIZE (SIGXFSZ ignored)
     ("open('ok.txt', 'w').write('inside is fine')\nassert open('ok.txt').read()", "passed"),  # work dir writable
+]
+
+# A HumanEval-style row and wrong programs that try to make the verdict say "passed" anyway.
+TEST, ENTRY = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n", "add"
+WRONG = "def add(a, b):\n    return 0\n"
+HOOK_OFF = ("import gc\nfor f in gc.get_objects():\n    if getattr(f, '__name__', '') in ('hook', '_hook'):\n"
+            "        for c in f.__closure__ or ():\n"
+            "            if isinstance(c.cell_contents, frozenset): c.cell_contents = frozenset()\n"
+            "        if f.__defaults__: f.__defaults__ = tuple(None for _ in f.__defaults__)\n")
+FORGERY_CASES = [
+    WRONG + "import __main__, os\nos.write(1, str(getattr(__main__, 'job', {}).get('token')).encode())\n"
+            "os._exit(0)",  # print the harness's pass token (the old design's verdict) and exit 0
+    WRONG + "import sys\nsys.exit(0)",  # exit 0 before the tests
+    WRONG + "import os\nfor fd in range(64):\n    try: os.write(fd, b'{\"status\": \"passed\"}\\n')\n"
+            "    except OSError: pass\nos._exit(0)",  # a verdict line into every descriptor it has
+    WRONG + "import os, gc\nfor o in gc.get_objects():\n    if type(o) is dict and 'names' in o: pass\n"
+            "os.write(1, b'{\"names\": [\"add\"]}\\n')",  # a forged hello on its stdout (the program's own)
+    "class I(int):\n    def __eq__(self, other): return True\n    __hash__ = int.__hash__\n"
+    "def add(a, b):\n    return I(0)",  # an int whose == is always true
+    "class A:\n    def __eq__(self, other): return True\ndef add(a, b):\n    return A()",  # any object == all
+    "import builtins\nbuiltins.AssertionError = type('Quiet', (Exception,), {})\n" + WRONG,  # rebind the assertion
+    HOOK_OFF + WRONG + f"open({str(MARK)!r}, 'w').write('escaped')\n",  # hook turned off, then a write outside
+    HOOK_OFF + WRONG + (  # hook off, then a passing verdict written into the judge's pipes, and the judge killed
+        "import os, signal\nfor pid in os.listdir('/proc'):\n"
+        "    if not pid.isdigit() or int(pid) == os.getpid(): continue\n"
+        "    try:\n        cmd = open(f'/proc/{pid}/cmdline', 'rb').read()\n    except OSError: continue\n"
+        "    if b'sandbox_judge' not in cmd and b'verdict' not in cmd: continue\n"
+        "    for fd in os.listdir(f'/proc/{pid}/fd'):\n"
+        "        try:\n            w = os.open(f'/proc/{pid}/fd/{fd}', os.O_WRONLY)\n"
+        "            os.write(w, b'{\"status\": \"passed\", \"detail\": \"\"}\\n')\n        except OSError: pass\n"
+        "    try: os.kill(int(pid), signal.SIGKILL)\n    except OSError: pass\n"),
 ]
 
 
@@ -41,14 +83,48 @@ def secret_in_parent(monkeypatch):
     monkeypatch.setenv("GRPO_TEST_SECRET", "hunter2")
 
 
+def test_ci_runs_a_strong_mode():
+    assert STRONG, "no strong isolation mode works here: `make install` installs bubblewrap, or run as root"
+    assert isolation() == STRONG[0]
+
+
+@pytest.mark.parametrize("mode", STRONG)
 @pytest.mark.parametrize(("program", "status"), HOSTILE_CASES,  # ids without the random paths: the same in
                          ids=[f"case{i:02d}-{status}" for i, (_, status) in enumerate(HOSTILE_CASES)])  # every worker
-def test_hostile_program_is_contained(program, status):
-    result = run_python(program, SMALL)
-    assert result.status == status, result.stderr_tail
+def test_hostile_program_is_contained(program, status, mode):
+    result = run_python(program, SMALL, mode)
+    assert result.status == status, (result.detail, result.stderr_tail)
     assert result.seconds < SMALL.timeout_s + 2
     assert not MARK.exists() and not HOME_MARK.exists()
-    assert run_python("assert sum(range(4)) == 6", SMALL).status == "passed"  # the next program still runs
+    assert run_python("assert sum(range(4)) == 6", SMALL, mode).status == "passed"  # the next program still runs
+
+
+@pytest.mark.parametrize("mode", [*STRONG, *WEAK_MODES])
+@pytest.mark.parametrize("program", FORGERY_CASES, ids=[f"forgery{i:02d}" for i in range(len(FORGERY_CASES))])
+def test_a_wrong_program_cannot_forge_a_pass(program, mode):
+    result = run_tests(program, TEST, ENTRY, SMALL, mode)
+    assert result.status != "passed", result
+    assert run_tests(program.replace(WRONG, "def add(a, b):\n    return a + b\n"), "", None, SMALL, mode)  # still runs
+    if mode not in WEAK_MODES:
+        assert not MARK.exists()
+    MARK.unlink(missing_ok=True)  # the weak mode does not contain writes: that is why it is refused by default
+
+
+@pytest.mark.parametrize("mode", [*STRONG, *WEAK_MODES])
+def test_a_right_program_with_its_hook_off_still_passes(mode):
+    assert run_tests(HOOK_OFF + "def add(a, b):\n    return a + b\n", TEST, ENTRY, SMALL, mode).status == "passed"
+
+
+def test_strong_modes_hide_the_judge_and_other_processes():
+    for mode in STRONG:
+        program = ("import os\nmine = {os.getpid()}\nseen = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+                   "assert not any(b'JUDGE' in open(f'/proc/{p}/cmdline', 'rb').read().upper() for p in seen)\n")
+        assert run_python(program, SMALL, mode).status in ("passed", "failed")
+    if "bwrap+audit" in STRONG:  # its own PID namespace: bubblewrap's init and the program, nothing else
+        assert run_python("import os\nassert len([p for p in os.listdir('/proc') if p.isdigit()]) <= 2", SMALL,
+                          "bwrap+audit").status == "passed"
+        assert run_python("import os\nassert not os.path.exists(os.path.expanduser('~/.cache'))\n"
+                          "assert not os.path.exists('/work')", SMALL, "bwrap+audit").status == "passed"
 
 
 def test_hostile_completions_score_zero_are_counted_and_the_next_completion_scores():
@@ -66,13 +142,24 @@ def test_hostile_completions_score_zero_are_counted_and_the_next_completion_scor
     assert not MARK.exists() and not HOME_MARK.exists()
 
 
-def test_work_dir_is_removed_and_environment_is_minimal():
+def test_work_dir_is_removed_and_environment_is_minimal(tmp_path, monkeypatch):
     program = "import json, os, sys\nsys.stderr.write(json.dumps([os.getcwd(), sorted(os.environ)]) + '\\n')\nassert 0"
-    result = run_python(program, SMALL)
-    cwd, env = json.loads(result.stderr_tail.splitlines()[0])
-    assert not os.path.exists(cwd)
-    assert set(env) <= {"PATH", "LC_CTYPE"}  # LC_CTYPE: Python's own locale coercion (PEP 538)
+    # this test's work directories only (sandboxes of tests running beside it come and go in /tmp)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for mode in [*STRONG, *WEAK_MODES]:
+        result = run_python(program, SMALL, mode)
+        cwd, env = json.loads(result.stderr_tail.splitlines()[0])
+        assert cwd == "/sandbox" or (cwd.startswith(str(tmp_path)) and not os.path.exists(cwd))
+        assert list(tmp_path.glob("grpo-sandbox-*")) == []
+        # LC_CTYPE: Python's own locale coercion (PEP 538); PWD: bubblewrap's --chdir sets it (/sandbox)
+        assert set(env) <= {"PATH", "LC_CTYPE", "PWD"}
 
 
-def test_isolation_is_reported():
-    assert isolation() in ("netns+nobody+audit", "audit")
+def test_the_weak_mode_is_refused_unless_allowed(monkeypatch):
+    from rewards import sandbox
+
+    monkeypatch.setattr(sandbox, "isolation", lambda: "audit")
+    with pytest.raises(sandbox.SandboxUnavailable, match="allow_weak_isolation: true"):
+        code_execution([WRONG], test=[TEST], entry_point=[ENTRY])
+    assert code_execution(["def add(a, b):\n    return a + b\n"], test=[TEST], entry_point=[ENTRY],
+                          allow_weak_isolation=True) == [1.0]

@@ -1,0 +1,113 @@
+"""The trusted side of the code sandbox (:mod:`rewards.sandbox`): runs a row's unit tests against the candidate's
+functions, called through the candidate process, and writes the verdict. Run as ``python -I -B -c`` with
+:mod:`rewards.sandbox_wire` inlined in place of its import; never imported by the pipeline.
+
+Input on stdin: ``{"code", "test", "entry_point", "to_candidate", "from_candidate", "max_reply_bytes",
+"violation_exit", "memory_exit"}``. The candidate's top-level functions appear in the tests' namespace as
+proxies (so tests may use the program's helpers, as HumanEval's do); every call sends plain data and gets plain
+data back (:mod:`rewards.sandbox_wire`), and the tests compare in this process, which the program cannot reach.
+Output: one JSON line ``{"status": "passed" | "failed" | "crashed", "detail"}`` on the stdout this process was
+started with (``crashed``: the candidate process ended or broke the protocol).
+"""
+
+import builtins
+import json
+import os
+import sys
+
+from rewards.sandbox_wire import decode, encode  # the sandbox inlines the module here
+
+
+def main():
+    """Run the protocol above until the end (never returns: ends the process)."""
+    _verdict = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)  # the tests' prints go to stderr
+    _job = json.loads(sys.stdin.read())
+    _tx = os.fdopen(_job["to_candidate"], "w", encoding="utf-8")
+    _rx = os.fdopen(_job["from_candidate"], "r", encoding="utf-8")
+
+
+    class CandidateGone(Exception):
+        """The candidate process ended, or answered with something that is not the protocol."""
+
+
+    def _finish(status, detail=""):
+        _verdict.write(json.dumps({"status": status, "detail": str(detail)[:1000]}) + "\n")
+        _verdict.flush()
+        os._exit(0)
+
+
+    def _exchange(message):
+        try:
+            _tx.write(json.dumps(message) + "\n")
+            _tx.flush()
+        except (BrokenPipeError, OSError) as err:
+            raise CandidateGone(f"candidate gone: {err}") from None
+        line = _rx.readline(_job["max_reply_bytes"])
+        if not line.endswith("\n"):
+            raise CandidateGone("candidate ended" if not line else "candidate reply too long or unterminated")
+        try:
+            return json.loads(line)
+        except ValueError as err:
+            raise CandidateGone(f"candidate reply is not JSON: {err}") from None
+
+
+    class Remote:
+        """A top-level function of the candidate's program, called across the process boundary."""
+
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, *args, **kwargs):
+            def ref(value):
+                return value.name if isinstance(value, Remote) else None
+
+            reply = _exchange({"op": "call", "name": self.name, "args": encode(list(args), ref),
+                               "kwargs": encode(kwargs, ref)})
+            if "error" in reply:
+                kind = getattr(builtins, str(reply["error"]), None)
+                kind = kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError
+                raise kind(f"{reply['error']} in the candidate: {reply.get('message', '')}")
+            try:
+                return decode(reply["value"])
+            except (KeyError, TypeError, ValueError) as err:
+                raise CandidateGone(f"candidate reply is not plain data: {err}") from None
+
+        def __repr__(self):
+            return f"<candidate function {self.name}>"
+
+
+    try:
+        _tx.write(json.dumps({"code": _job["code"], "violation_exit": _job["violation_exit"],
+                              "memory_exit": _job["memory_exit"]}) + "\n")
+        _tx.flush()
+        _line = _rx.readline(_job["max_reply_bytes"])
+        _hello = json.loads(_line) if _line.endswith("\n") else {"gone": True}
+    except (OSError, ValueError) as err:
+        _finish("crashed", err)
+    if "load_error" in _hello:
+        _finish("failed", _hello["load_error"])
+    if not isinstance(_hello.get("names"), list):
+        _finish("crashed", "the candidate did not load")
+    _namespace = {"__name__": "__main__", **{str(n): Remote(str(n)) for n in _hello["names"]}}
+    try:
+        exec(compile(_job["test"], "<test>", "exec"), _namespace)
+        _entry = _job["entry_point"]
+        if _entry is not None:
+            if _entry not in _namespace:
+                _finish("failed", f"the program defines no function {_entry!r}")
+            _namespace["check"](_namespace[_entry])
+    except CandidateGone as err:
+        _finish("crashed", err)
+    except BaseException as err:  # noqa: BLE001 - a failing test, whatever it raised
+        _finish("failed", f"{type(err).__name__}: {err}")
+    try:
+        _tx.write(json.dumps({"op": "exit"}) + "\n")
+        _tx.flush()
+    except OSError:
+        pass  # the candidate already ended: the tests had passed
+    _finish("passed")
+
+
+if __name__ == "__main__":
+    main()

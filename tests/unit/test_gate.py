@@ -1,0 +1,144 @@
+"""The registry's quality gate on per-prompt scores (paired 95 % interval), and ``champion`` moved by
+compare-and-set: two registrations at once against one real MLflow store end with the better one as champion."""
+
+import multiprocessing
+import time
+
+import pytest
+
+from grpo_steps.config import ConfigError, validate_config
+from grpo_steps.gate import gate
+
+Z20 = [0.0] * 20
+
+GATE_CASES = [
+    # (trained, baseline, champion, margin, passes) per-prompt pass@1
+    ([0.5] + [0.0] * 19, Z20, None, 0.0, False),  # the user's run: +0.025 on 20 prompts, inside its interval
+    ([1.0] * 10 + [0.0] * 10, Z20, None, 0.0, True),  # +0.5 on 20 prompts: lower bound well above 0
+    ([1.0] * 10 + [0.0] * 10, Z20, None, 0.4, False),  # ... but not above a 0.4 margin (lower bound ~0.27)
+    ([1.0] * 20, Z20, None, 0.0, True),  # every prompt gains: zero width
+    (Z20, Z20, None, 0.0, False),  # no gain
+    ([1.0] * 20, Z20, [1.0] * 20, 0.0, False),  # beats the baseline, ties the champion
+    ([1.0] * 20, Z20, [1.0] * 10 + [0.0] * 10, 0.0, True),  # beats baseline and champion on the same prompts
+    ([1.0] * 20, Z20, [0.9] * 20, 0.0, True),  # beats the champion by 0.1 on every prompt
+    ([1.0], [0.0], None, 0.0, False),  # one prompt: no interval, never passes
+]
+
+
+@pytest.mark.parametrize(("trained", "baseline", "champion", "margin", "passes"), GATE_CASES)
+def test_quality_gate(trained, baseline, champion, margin, passes):
+    assert gate(trained, baseline, champion, margin)[0] is passes
+
+
+def test_the_gate_says_why():
+    passed, reason = gate([0.5] + [0.0] * 19, Z20, None, 0.0)
+    assert not passed
+    assert "gain over the baseline +0.025 ± 0.049" in reason
+    assert "does not beat registry.min_improvement 0.000" in reason
+
+
+def test_a_champion_on_other_prompts_holds():
+    passed, reason = gate([1.0] * 20, Z20, None, 0.0, champion_note="the champion was evaluated on other prompts")
+    assert not passed and "other prompts" in reason
+
+
+@pytest.mark.parametrize("margin", [-0.5, -1e-9, 1.5])
+def test_min_improvement_is_bounded_to_0_1(margin):
+    with pytest.raises(ConfigError, match="registry.min_improvement"):
+        validate_config({"registry": {"min_improvement": margin}})
+
+
+def _register(db: str, label: str, scores: list[float], barrier, write_delay_s: float, out) -> None:
+    """One registrar in its own process: a run with per-prompt scores, a version, then the gate and the move of
+    champion (``grpo_steps.register._decide``); ``write_delay_s`` delays its alias writes (a slow registrar)."""
+    from mlflow import MlflowClient
+
+    from grpo_steps.config import validate_config
+    from grpo_steps.gate import save_per_prompt
+    from grpo_steps.register import _decide
+
+    cfg = validate_config({"tracking": {"tracking_uri": db}, "registry": {"model_name": "policy"}})
+    client = MlflowClient(db)
+    run = client.create_run("0", tags={"label": label})
+    keys = [f"p{i}" for i in range(len(scores))]
+    save_per_prompt(client, run.info.run_id, keys, scores)
+    version = client.create_model_version("policy", f"runs:/{run.info.run_id}/model", run.info.run_id,
+                                          tags={"eval.pass_at_1": f"{sum(scores) / len(scores):.6g}", "label": label})
+    report = {"trained": {"per_prompt": {"pass@1": scores}, "prompt_keys": keys},
+              "baseline": {"per_prompt": {"pass@1": [0.0] * len(scores)}}}
+    if write_delay_s:
+        original = client.set_registered_model_alias
+
+        def slow(*args):
+            time.sleep(write_delay_s)
+            original(*args)
+
+        client.set_registered_model_alias = slow
+    barrier.wait(timeout=120)
+    out.put((label, version.version, _decide(cfg, client, "policy", str(version.version), report)))
+
+
+@pytest.mark.slow  # two processes importing MLflow, ~15 s a case
+@pytest.mark.parametrize(("better_delay", "weaker_delay"), [(0, 0), (0, 1.5)],
+                         ids=["together", "weaker-writes-late"])  # both fail when each registrar just sets the alias
+def test_two_concurrent_registrations_end_with_the_better_as_champion(tmp_path, better_delay, weaker_delay):
+    from mlflow import MlflowClient
+
+    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(db)  # the store and the model exist before the two registrars race
+    client.create_registered_model("policy")
+    context = multiprocessing.get_context("spawn")
+    barrier, out = context.Barrier(2), context.Queue()
+    better, weaker = [1.0] * 16 + [0.0] * 4, [1.0] * 10 + [0.0] * 10  # both beat the baseline of zeros
+    procs = [context.Process(target=_register, args=(db, label, scores, barrier, delay, out))
+             for label, scores, delay in (("better", better, better_delay), ("weaker", weaker, weaker_delay))]
+    for proc in procs:
+        proc.start()
+    results = {label: (version, decision) for label, version, decision in (out.get(timeout=180) for _ in procs)}
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    champion = client.get_model_version_by_alias("policy", "champion")
+    assert champion.tags["label"] == "better"
+    for version, (passed, reason, _) in results.values():
+        tags = client.get_model_version("policy", version).tags
+        assert tags["gate.passed"] == str(passed).lower() and tags["gate.reason"] == reason  # recorded
+
+
+def _open_run(db: str, barrier, out) -> None:
+    from mlflow import MlflowClient
+
+    from grpo_steps import tracking
+    from grpo_steps.config import validate_config
+
+    cfg = validate_config({"tracking": {"tracking_uri": db, "experiment_name": "race"}})
+    tracking.client(cfg)  # the store's own schema first: this test is about the experiment
+    lookup, calls = MlflowClient.get_experiment_by_name, []
+
+    def first_sees_none(self, name):  # both registrars look before either creates: the race, every time
+        calls.append(name)
+        return None if len(calls) == 1 else lookup(self, name)
+
+    MlflowClient.get_experiment_by_name = first_sees_none
+    barrier.wait(timeout=120)
+    out.put(tracking.open_run(cfg, "GRPOFlow/1/start/1"))
+
+
+@pytest.mark.slow  # two processes importing MLflow
+def test_two_runs_on_a_fresh_store_both_open_in_one_experiment(tmp_path):
+    from mlflow import MlflowClient
+
+    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(db).search_experiments()  # creates the store's tables; the experiment "race" does not exist
+    context = multiprocessing.get_context("spawn")
+    barrier, out = context.Barrier(2), context.Queue()
+    procs = [context.Process(target=_open_run, args=(db, barrier, out)) for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    run_ids = [out.get(timeout=90) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    client = MlflowClient(db)
+    experiment = client.get_experiment_by_name("race")
+    assert {client.get_run(r).info.experiment_id for r in run_ids} == {experiment.experiment_id}
