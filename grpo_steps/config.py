@@ -144,9 +144,19 @@ class MixtureEntry(SourceConfig):
     """One task of a multi-task mixture: a source plus its name and share."""
 
     name: str = Field(min_length=1)
-    """Task name, stored in the ``task`` column of its rows (rewards can route on it)."""
+    """Task name, stored in the ``task`` column of its rows (rewards can route on it) and part of the per-task
+    metric names (``task/<name>/pass_at_1``): letters, digits, ``_``, ``-``, ``.`` and spaces."""
     weight: float = Field(1.0, gt=0)
     """Share of this task in ``num_train`` and ``num_eval`` (weights are normalised)."""
+
+    @field_validator("name")
+    @classmethod
+    def _name_fits_a_metric_name(cls, value: str) -> str:
+        # MLflow's metric names: alphanumerics, _ - . space : / ; a slash or colon would change the metric's path
+        if not re.fullmatch(r"[\w.\- ]+", value) or value.strip(".") == "":
+            raise ValueError(f"data.mixture name {value!r} becomes part of MLflow metric names (task/<name>/...): use "
+                             "letters, digits, '_', '-', '.' and spaces only")
+        return value
 
 
 def split_counts(total: int, weights: list[float]) -> list[int]:
@@ -506,13 +516,15 @@ class GenerationConfig(_Section):
             changed = [key for key in ("temperature", *SAMPLING_FILTERS, *CONSTRAINTS)
                        if getattr(self, key) != fields[key].get_default(call_default_factory=True)]
             if changed:
-                raise ValueError(f"generation.{changed} set with backend 'replay', which samples nothing (it trains on "
-                                 "the completions of generation.replay_file): remove them")
+                keys = ", ".join(f"generation.{key}" for key in changed)
+                raise ValueError(f"{keys} set with backend 'replay', which samples nothing (it trains on the "
+                                 "completions of generation.replay_file): remove them")
         if self.backend == "hf":
             changed = [key for key in CONSTRAINTS if getattr(self, key)]
             if changed:
                 raise ValueError(
-                    f"generation.{changed} cannot be honoured by backend 'hf': TRL's transformers generation calls "
+                    f"{', '.join(f'generation.{key}' for key in changed)} cannot be honoured by backend 'hf': TRL's "
+                    "transformers generation calls "
                     "generate() without the tokenizer that stop strings need, ends completions only at the "
                     "tokenizer's end-of-sequence tokens, and has no constrained decoding; use backend 'vllm'")
         return self
@@ -880,9 +892,13 @@ class EvalConfig(_Section):
     num_samples: int = Field(4, ge=1)
     """Completions sampled per held-out prompt (n of pass@k)."""
     k: list[int] = Field(default_factory=lambda: [1, 4])
-    """The k values of pass@k reported; each at most ``num_samples``."""
+    """The k values of pass@k reported, each at most ``num_samples``; pass@1 is always reported (the quality gate's
+    metric)."""
     temperature: float = Field(0.6, ge=0)
-    """Sampling temperature of the ``num_samples`` completions per held-out prompt (accuracy is greedy)."""
+    """Sampling temperature of the ``num_samples`` completions per held-out prompt (accuracy is greedy). The
+    other sampling settings are shared with training: ``generation.top_p``, ``top_k``, ``min_p`` and
+    ``repetition_penalty`` apply to these samples; ``generation.stop``, ``stop_token_ids``, ``structured_outputs``,
+    ``chat_template_kwargs`` and ``max_completion_tokens`` to every evaluation completion, greedy ones included."""
     num_table_rows: int = Field(20, ge=0)
     """Sample completions logged to the MLflow table."""
     correctness_reward: str = "answer_accuracy"
@@ -899,6 +915,14 @@ class EvalConfig(_Section):
     at most ``data.num_eval``."""
 
     @model_validator(mode="after")
+    def _greedy_samples_one(self) -> EvalConfig:
+        if self.temperature == 0 and self.num_samples > 1:
+            raise ValueError(f"eval.temperature 0 samples greedily: the {self.num_samples} completions per prompt "
+                             "would all be the same (and vLLM takes n = 1 only for greedy requests); set "
+                             "eval.num_samples: 1 and eval.k: [1], or a temperature above 0")
+        return self
+
+    @model_validator(mode="after")
     def _k_le_n(self) -> EvalConfig:
         bad = [k for k in self.k if not 1 <= k <= self.num_samples]
         if bad:
@@ -911,7 +935,16 @@ class RegistryConfig(_Section):
                               validate_by_alias=True, serialize_by_alias=True)
 
     model_name: str = "grpo-policy"
-    """Name of the registered model in the MLflow registry."""
+    """Name of the registered model in the MLflow registry (no ``/`` or ``:``, MLflow's rule)."""
+
+    @field_validator("model_name")
+    @classmethod
+    def _registrable_name(cls, value: str) -> str:
+        # mlflow.utils.validation._validate_model_name, checked here so registration cannot fail after training
+        if not value.strip() or "/" in value or ":" in value or value.strip(".") == "":
+            raise ValueError(f"registry.model_name {value!r}: MLflow's registered model names are not empty and hold "
+                             "no '/' or ':'")
+        return value
     min_improvement: float = 0.0
     """Quality gate: ``champion`` moves only when the lower bound of the paired 95 % interval of the pass@1 gain
     (per held-out prompt) exceeds this margin, against the baseline and against the current champion on the
@@ -1203,6 +1236,15 @@ class PipelineConfig(_Section):
             raise ValueError(f"train.loss_type 'vespo' weights sequences itself and takes only token-level mismatch "
                              f"ratios (TRL raises otherwise): set generation.importance_sampling.mode to "
                              f"'token_truncate' or 'token_mask' (or 'off'), not {mode!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _reward_names_unique(self) -> PipelineConfig:
+        names = [spec.name for spec in self.rewards]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"rewards {repeated} are listed twice: each reward's metrics and table columns are named "
+                             "after it (rewards/<name>/mean); give it one entry with the sum of the weights")
         return self
 
     @model_validator(mode="after")

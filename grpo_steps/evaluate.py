@@ -120,7 +120,7 @@ def _metrics(cfg: PipelineConfig, n: int, scores: dict, greedy_scores: dict, len
         "accuracy": _mean(float((greedy_scores[correctness][i][0] or 0.0) >= CORRECTNESS_THRESHOLD) for i in keep),
         "completion_length": _mean(length for i in keep for length in lengths[i]),
     }
-    for k in cfg.eval.k:
+    for k in sorted({1, *cfg.eval.k}):  # pass@1 always: the quality gate's metric
         metrics[f"pass@{k}"] = _mean(pass_at_k(n, sum(c), k) for c in correct)
     if cfg.eval.format_reward:
         fmt = cfg.eval.format_reward
