@@ -251,11 +251,12 @@ def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: d
     report["gain"] = gain_metrics(report["baseline"]["per_prompt"], report["trained"]["per_prompt"])
     tracking.log_metrics(cfg, run_id, {f"eval/gain/{k}": v for k, v in report["gain"].items()})
     mlflow_client = tracking.client(cfg)
+    logged = {a.path for a in mlflow_client.list_artifacts(run_id, "eval")}
     for label in ("baseline", "trained"):
-        samples = report[label]["samples"]
-        if samples:
+        samples, path = report[label]["samples"], f"eval/{label}_samples.json"
+        if samples and path not in logged:  # MLflow appends to an existing table: a retried step logs it once
             table = {key: [s[key] for s in samples] for key in samples[0]}
-            mlflow_client.log_table(run_id, data=table, artifact_file=f"eval/{label}_samples.json")
+            mlflow_client.log_table(run_id, data=table, artifact_file=path)
     return report
 
 

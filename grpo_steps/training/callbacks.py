@@ -141,18 +141,24 @@ def completions_table(trainer, version: int) -> dict[str, list]:
 class CompletionsTableCallback(TrainerCallback):
     """Every ``every`` optimizer steps (``train.log_completions_steps``), logs the latest generation batch
     (:func:`completions_table`) to the MLflow run ``run_id`` as ``completions/step_NNNNNN.json``, so the MLflow UI
-    shows what the policy wrote at that step (main process). Steps an earlier attempt logged are logged again
-    (same artifact path: replaced)."""
+    shows what the policy wrote at that step (main process). Each step's table is logged once: MLflow appends to an
+    existing table file, so a step already in the run (logged twice at the last step, or by an earlier attempt of a
+    resumed run) is left as it is."""
 
     def __init__(self, trainer, mlflow_client, run_id: str, every: int) -> None:
         self.trainer, self.client, self.run_id, self.every = trainer, mlflow_client, run_id, every
+        self.logged: set[str] | None = None  # artifact paths the run holds, read once
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or state.global_step % self.every or not self.trainer._logs["prompt"]:
             return control
-        table = completions_table(self.trainer, getattr(self.trainer, "sampled_version", state.global_step - 1))
-        self.client.log_table(self.run_id, data=table,
-                              artifact_file=f"{COMPLETIONS_DIR}/step_{state.global_step:06d}.json")
+        if self.logged is None:
+            self.logged = {a.path for a in self.client.list_artifacts(self.run_id, COMPLETIONS_DIR)}
+        path = f"{COMPLETIONS_DIR}/step_{state.global_step:06d}.json"
+        if path not in self.logged:
+            table = completions_table(self.trainer, getattr(self.trainer, "sampled_version", state.global_step - 1))
+            self.client.log_table(self.run_id, data=table, artifact_file=path)
+            self.logged.add(path)
         return control
 
 
