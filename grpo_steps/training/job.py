@@ -126,7 +126,7 @@ def check_grpo_keys(cfg: PipelineConfig) -> None:
                           for key, close in hints.items())
         raise ConfigError(f"train.grpo keys that are not fields of the installed TRL's GRPOConfig: {shown}. The "
                           "fields are listed in TRL's GRPOConfig docs; pipeline settings have config keys of their "
-                          "own (grpo_steps/config.py)")
+                          "own (grpo_steps/config/)")
 
 
 def grpo_args(job: TrainJob) -> Any:
