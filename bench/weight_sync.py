@@ -36,7 +36,7 @@ def main() -> None:
     from grpo_steps.processes import ProcessRef
     from grpo_steps.servers.client import VLLMClient
     from grpo_steps.servers.local import start_local
-    from grpo_steps.training.trainer import policy_logprobs
+    from grpo_steps.training.sampling import policy_logprobs
     from grpo_steps.training.weight_sync import (
         DiskWeightPush,
         ProbeRecord,

@@ -120,7 +120,7 @@ def _metrics(cfg: PipelineConfig, n: int, scores: dict, greedy_scores: dict, len
         "accuracy": _mean(float((greedy_scores[correctness][i][0] or 0.0) >= CORRECTNESS_THRESHOLD) for i in keep),
         "completion_length": _mean(length for i in keep for length in lengths[i]),
     }
-    for k in cfg.eval.k:
+    for k in sorted({1, *cfg.eval.k}):  # pass@1 always: the quality gate's metric
         metrics[f"pass@{k}"] = _mean(pass_at_k(n, sum(c), k) for c in correct)
     if cfg.eval.format_reward:
         fmt = cfg.eval.format_reward
@@ -167,15 +167,16 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
     from rewards import guard
 
     n, gen = cfg.eval.num_samples, cfg.generation
-    prompt_ids = [encode_prompt(tokenizer, row["prompt"]) for row in rows]
+    prompt_ids = [encode_prompt(tokenizer, row["prompt"], gen.chat_template_kwargs) for row in rows]
     progress = Progress(f"eval {label}", len(rows), "prompts")
     batch = max(8, -(-len(rows) // 10))  # about ten progress lines
     sampled, greedy = [], []
     for i in range(0, len(rows), batch):
         chunk = prompt_ids[i : i + batch]
         sampled += client.complete(chunk, n, max_tokens=gen.max_completion_tokens, temperature=cfg.eval.temperature,
-                                   top_p=gen.top_p)
-        greedy += client.complete(chunk, 1, max_tokens=gen.max_completion_tokens, temperature=0.0)
+                                   request=gen.sampling_request())
+        greedy += client.complete(chunk, 1, max_tokens=gen.max_completion_tokens, temperature=0.0,
+                                  request=gen.sampling_request(filters=False))
         progress.update(len(chunk))
     texts = [[s["text"] for s in group] for group in sampled]
     counts_before, scored_before = guard.counters(), guard.scored()
@@ -250,11 +251,12 @@ def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: d
     report["gain"] = gain_metrics(report["baseline"]["per_prompt"], report["trained"]["per_prompt"])
     tracking.log_metrics(cfg, run_id, {f"eval/gain/{k}": v for k, v in report["gain"].items()})
     mlflow_client = tracking.client(cfg)
+    logged = {a.path for a in mlflow_client.list_artifacts(run_id, "eval")}
     for label in ("baseline", "trained"):
-        samples = report[label]["samples"]
-        if samples:
+        samples, path = report[label]["samples"], f"eval/{label}_samples.json"
+        if samples and path not in logged:  # MLflow appends to an existing table: a retried step logs it once
             table = {key: [s[key] for s in samples] for key in samples[0]}
-            mlflow_client.log_table(run_id, data=table, artifact_file=f"eval/{label}_samples.json")
+            mlflow_client.log_table(run_id, data=table, artifact_file=path)
     return report
 
 

@@ -26,6 +26,9 @@ from grpo_steps.lora import is_adapter_dir
 from grpo_steps.report import version_description
 
 CANDIDATE, CHAMPION = "candidate", "champion"
+DESCRIPTION_LIMIT = 5000
+"""Characters of a model version's description MLflow's SQL stores keep (``String(5000)``; PostgreSQL refuses more)."""
+CUT_NOTE = "\n\n(cut at MLflow's 5000 characters: the whole evaluation is in the MLflow run)"
 
 
 def _requirements(*extra: str) -> list[str]:
@@ -115,6 +118,8 @@ def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tag
         reason += f"; champion {'stays version ' + champion if champion else 'not set'}"
     description = version_description(cfg, report, run_url=tracking.run_url(cfg, run_id),
                                       run_pathspec=tags["metaflow.pathspec"].rsplit("/", 2)[0], gate_reason=reason)
+    if len(description) > DESCRIPTION_LIMIT:  # a long mixture's table: keep the head, say where the rest is
+        description = description[: DESCRIPTION_LIMIT - len(CUT_NOTE)] + CUT_NOTE
     client.update_model_version(name, version_id, description=description)
     aliases = sorted(client.get_model_version(name, version_id).aliases)
     return {"name": name, "version": version_id, "aliases": aliases, "gate_passed": passed, "gate_reason": reason}

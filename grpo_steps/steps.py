@@ -30,12 +30,16 @@ def start(cfg: PipelineConfig, pathspec: str) -> str:
 
     Raises:
         TrackingUnreachable: an ``http(s)`` tracking URI that does not answer (within seconds).
-        ConfigError: ``train.peft.target_modules`` names no linear layer of the model.
+        ConfigError: ``train.grpo`` keys the installed TRL does not have; ``train.peft.target_modules`` naming no
+            linear layer of the model.
         CheckpointNotFound: ``train.resume_from`` names no usable checkpoint.
         SandboxUnavailable: ``code_execution`` is configured where only the weak sandbox mode works, without
             its ``allow_weak_isolation`` option.
     """
+    from grpo_steps.training.job import check_grpo_keys
+
     tracking.check_reachable(cfg.tracking.tracking_uri)
+    check_grpo_keys(cfg)
     check_sandbox(cfg)
     if cfg.train.peft is not None:
         check_lora_targets(cfg)
@@ -83,7 +87,7 @@ def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
 
     model_path = resolve_model(cfg.model.name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    data = prepare(cfg.data, tokenizer)
+    data = prepare(cfg.data, tokenizer, cfg.generation.chat_template_kwargs)
     if cfg.generation.backend == "replay":  # every train prompt needs its completions: fail before training
         from grpo_steps.data import ReplayFile
 

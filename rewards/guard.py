@@ -15,8 +15,10 @@ them over the logging window and across processes, so the logged value is "failu
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import functools
+import inspect
 import logging
 import threading
 from collections import Counter
@@ -77,6 +79,10 @@ def scored() -> dict[str, tuple[int, int]]:
         return {name: (_SCORED[name], _NONES[name]) for name in _SCORED}
 
 
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
 def _nones(completions: Any) -> list[None]:
     return [None] * len(completions)
 
@@ -120,7 +126,8 @@ def guarded(fn: Callable[..., list], name: str, timeout_s: float = 60.0) -> Call
     """``fn`` wrapped with a per-call wall-clock limit; the wrapper's ``__name__`` is ``name``.
 
     Args:
-        fn: a reward in TRL's contract ``fn(completions, **columns) -> list[float | None]``.
+        fn: a reward in TRL's contract ``fn(completions, **columns) -> list[float | None]``, or an ``async def``
+            one (awaited in the call's thread, on an event loop of its own; the wrapper stays synchronous).
         name: the configured reward name (TRL logs ``rewards/<name>/mean``; counters use it too).
         timeout_s: seconds a call may take; after that the call returns Nones and the worker thread is
             abandoned (a daemon thread: it cannot be killed, so a reward that hangs forever keeps one
@@ -150,7 +157,10 @@ def guarded(fn: Callable[..., list], name: str, timeout_s: float = 60.0) -> Call
         def target() -> None:
             _CURRENT.set((name, call_counts))
             try:
-                box["result"] = fn(completions, **kwargs)
+                result = fn(completions, **kwargs)
+                # an ``async def`` reward (an LLM judge, say; TRL awaits them): run it to the end on this thread's
+                # own event loop, under the same wall-clock limit
+                box["result"] = asyncio.run(_awaited(result)) if inspect.isawaitable(result) else result
             except BaseException as err:  # noqa: B036 - reported below, never raised into the trainer
                 box["error"] = err
             finally:

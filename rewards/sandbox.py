@@ -196,7 +196,10 @@ def _set_limits(limits: Limits, nproc: bool = True) -> None:
     if nproc:
         values.append((resource.RLIMIT_NPROC, limits.nproc))
     for which, value in values:
-        resource.setrlimit(which, (value, value))
+        # CPU: SIGXCPU at the soft limit (the process ends with it: reported as a timeout), SIGKILL a second later as
+        # the backstop; with soft == hard the kernel would SIGKILL at once, which reads as a crash when the CPU limit
+        # comes before the wall-clock one (a loaded machine, a slow judge start)
+        resource.setrlimit(which, (value, value + 1) if which == resource.RLIMIT_CPU else (value, value))
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

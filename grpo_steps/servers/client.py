@@ -23,6 +23,10 @@ from grpo_steps.servers.auth import auth_headers
 
 SERVED_MODEL_NAME = "policy"
 """``--served-model-name`` of the servers the pipeline starts (``local``, ``kubernetes``)."""
+LOGPROBS_MODE = "processed_logprobs"
+"""``--logprobs-mode`` of every server rollouts come from: vLLM then returns the logprob of each sampled token under
+the distribution it sampled from (after temperature, penalties, min-p, top-k/top-p), as TRL's mismatch correction and
+the first-batch check need; vLLM's default (``raw_logprobs``) is the model's before any of them."""
 WORKER_EXTENSION = "grpo_steps.vllm_worker.WorkerExtension"
 """The ``--worker-extension-cls`` of the servers this pipeline starts (:mod:`grpo_steps.vllm_worker`: weight loading
 on CPU, the idle-spin limit)."""
@@ -107,8 +111,16 @@ class VLLMClient:
         """Whether the server runs :data:`WORKER_EXTENSION` (its config, dev route ``/server_info``). Asked instead of
         trying the extension's method: vLLM 0.32's engine dies on a ``collective_rpc`` of a method its workers do not
         have (measured: the server closed the connection and stopped)."""
-        config = self._request("GET", "/server_info", params={"config_format": "json"}).json()["vllm_config"]
-        return (config.get("parallel_config") or {}).get("worker_extension_cls") == WORKER_EXTENSION
+        return (self.server_config().get("parallel_config") or {}).get("worker_extension_cls") == WORKER_EXTENSION
+
+    def server_config(self) -> dict:
+        """The server's vLLM config (dev route ``/server_info``, JSON form): ``model_config``, ``parallel_config``,
+        ..."""
+        return self._request("GET", "/server_info", params={"config_format": "json"}).json()["vllm_config"]
+
+    def logprobs_mode(self) -> str:
+        """The server's ``--logprobs-mode`` (``raw_logprobs`` unless it was started with another)."""
+        return str((self.server_config().get("model_config") or {}).get("logprobs_mode", "raw_logprobs"))
 
     def set_weight_version(self, version: str) -> None:
         """Label the weights the server now serves (vLLM dev route ``/update_weight_version``). A label only:
@@ -165,8 +177,14 @@ class VLLMClient:
         return out
 
     def complete(self, prompt_ids: list[list[int]], n: int, *, max_tokens: int, temperature: float,
-                 top_p: float = 1.0) -> list[list[dict]]:
+                 request: dict | None = None) -> list[list[dict]]:
         """Sample ``n`` completions for each token-id prompt.
+
+        Args:
+            max_tokens: longest completion, tokens.
+            temperature: 0 samples greedily.
+            request: more fields of the vLLM request: sampling filters, stop strings and ids, structured outputs
+                (:meth:`grpo_steps.config.GenerationConfig.sampling_request`).
 
         Returns:
             For each prompt, ``n`` dicts ``{"completion_ids": list[int], "logprobs": list[float],
@@ -175,7 +193,7 @@ class VLLMClient:
             one ("CPU Generator does not use offset"); the server is started with ``--seed`` instead.
         """
         body = {"model": self.model, "prompt": prompt_ids, "n": n, "max_tokens": max_tokens,
-                "temperature": temperature, "top_p": top_p, "logprobs": 0, "return_token_ids": True,
+                "temperature": temperature, **(request or {}), "logprobs": 0, "return_token_ids": True,
                 "skip_special_tokens": True}
         choices = self._post("/v1/completions", json=body).json()["choices"]
         out: list[list[dict]] = [[] for _ in prompt_ids]

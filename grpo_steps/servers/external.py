@@ -21,6 +21,7 @@ import requests
 from grpo_steps.processes import wait_until
 from grpo_steps.servers.auth import auth_headers
 from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy
+from grpo_steps.servers.client import LOGPROBS_MODE
 
 if TYPE_CHECKING:
     from grpo_steps.config import PipelineConfig
@@ -42,7 +43,9 @@ class ExternalServer(GenerationServer):
 
         Raises:
             ServerStartError: no ``/health`` within ``generation.server.startup_timeout_s`` seconds, no
-                dev routes (started without ``VLLM_SERVER_DEV_MODE=1``), or no model served.
+                dev routes (started without ``VLLM_SERVER_DEV_MODE=1``), no model served, or, when rollouts come
+                from it (backend ``vllm``), logprobs of another kind than the sampled distribution's (started
+                without ``--logprobs-mode processed_logprobs``).
         """
         endpoint, timeout_s = cfg.generation.server.endpoint, cfg.generation.server.startup_timeout_s
         if not wait_until(lambda: is_healthy(endpoint), timeout_s, interval_s=1.0):
@@ -52,7 +55,8 @@ class ExternalServer(GenerationServer):
                 "correct the endpoint")
         try:
             headers = auth_headers(endpoint)  # the server's token from the environment, when it has one
-            info = requests.get(f"{endpoint}/server_info", timeout=10, headers=headers)
+            info = requests.get(f"{endpoint}/server_info", params={"config_format": "json"}, timeout=10,
+                                headers=headers)
             models = requests.get(f"{endpoint}/v1/models", timeout=10, headers=headers)
         except requests.RequestException as err:
             raise ServerStartError(f"the external generation server {endpoint} stopped answering: {err}") from err
@@ -68,6 +72,13 @@ class ExternalServer(GenerationServer):
         if not served:
             raise ServerStartError(f"the external generation server {endpoint} lists no model on GET /v1/models "
                                    f"(HTTP {models.status_code})")
+        model_config = (info.json().get("vllm_config") or {}).get("model_config") or {}
+        mode = model_config.get("logprobs_mode", "raw_logprobs")
+        if cfg.generation.backend == "vllm" and mode != LOGPROBS_MODE:
+            raise ServerStartError(
+                f"the external generation server {endpoint} returns {mode} (its --logprobs-mode): rollouts need the "
+                f"logprobs of the distribution it samples from (TRL's mismatch correction, the first-batch check); "
+                f"restart it with --logprobs-mode {LOGPROBS_MODE}")
         return cls(endpoint, served_model=served[0])
 
     def __str__(self) -> str:

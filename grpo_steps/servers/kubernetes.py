@@ -29,7 +29,7 @@ import yaml
 from grpo_steps.config import INFRA_DIR, PipelineConfig
 from grpo_steps.processes import ProcessRef, wait_until
 from grpo_steps.servers.base import GenerationServer, ServerStartError
-from grpo_steps.servers.client import SERVED_MODEL_NAME
+from grpo_steps.servers.client import LOGPROBS_MODE, SERVED_MODEL_NAME
 
 TEMPLATE = INFRA_DIR / "k8s" / "vllm-server.yaml"
 MANAGED_BY = "grpo-pipeline"
@@ -57,7 +57,7 @@ def server_args(cfg: PipelineConfig, model: str) -> list[str]:
     gen = cfg.generation
     args = ["--model", model, "--served-model-name", SERVED_MODEL_NAME, "--host", "0.0.0.0", "--port", str(PORT),
             "--dtype", cfg.model.dtype, "--max-model-len", str(cfg.model.max_model_len), "--seed", "0",
-            "--tensor-parallel-size", str(gen.server.tensor_parallel_size), "--logprobs-mode", "processed_logprobs"]
+            "--tensor-parallel-size", str(gen.server.tensor_parallel_size), "--logprobs-mode", LOGPROBS_MODE]
     if gen.weight_sync == "nccl":
         args += ["--enable-scale-out", "--weight-transfer-config", json.dumps({"backend": "nccl"}),
                  "--max-logprobs", "-1"]

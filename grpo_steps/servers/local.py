@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from grpo_steps.processes import PortInUseError, ProcessRef, log_tail, pick_port, wait_until
 from grpo_steps.servers import auth
 from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy
-from grpo_steps.servers.client import SERVED_MODEL_NAME, WORKER_EXTENSION
+from grpo_steps.servers.client import LOGPROBS_MODE, SERVED_MODEL_NAME, WORKER_EXTENSION
 
 if TYPE_CHECKING:
     from grpo_steps.config import PipelineConfig, ServerConfig
@@ -40,6 +40,7 @@ def vllm_command(model_path: str, host: str, port: int, *, max_model_len: int, d
            "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(port),
            "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0",
            "--worker-extension-cls", WORKER_EXTENSION,  # reloads on CPU, see there
+           "--logprobs-mode", LOGPROBS_MODE,  # the sampled distribution's logprobs, as TRL's vllm-serve
            "--middleware", auth.MIDDLEWARE]  # every route but /health needs the run's token
     if enforce_eager:
         cmd.append("-O0")

@@ -111,6 +111,57 @@ class MLflowMetricsCallback(TrainerCallback):
         return control
 
 
+COMPLETIONS_DIR = "completions"
+"""Artifact folder of the per-step completions tables: ``completions/step_000010.json``."""
+
+
+def completions_table(trainer, version: int) -> dict[str, list]:
+    """The latest generation batch as a table (column -> values): ``prompt`` (the last message of a conversational
+    prompt), ``completion`` (its text), one column per reward function (None where it did not apply), ``advantage``
+    and ``weight_version`` (the policy version that sampled it). Read from TRL's ``GRPOTrainer._logs``, which holds
+    the batch gathered from every process (main process only; pinned by tests/unit/test_trl_contract.py)."""
+    import math
+
+    logs = trainer._logs
+
+    def text(value) -> str:
+        if isinstance(value, list) and value and isinstance(value[-1], dict):
+            return str(value[-1].get("content", ""))
+        return str(value)
+
+    table: dict[str, list] = {"prompt": [text(p) for p in logs["prompt"]],
+                              "completion": [text(c) for c in logs["completion"]]}
+    for name, values in logs["rewards"].items():
+        table[name] = [None if v is None or math.isnan(v) else float(v) for v in values]
+    table["advantage"] = [float(a) for a in logs["advantages"]]
+    table["weight_version"] = [version] * len(table["prompt"])
+    return table
+
+
+class CompletionsTableCallback(TrainerCallback):
+    """Every ``every`` optimizer steps (``train.log_completions_steps``), logs the latest generation batch
+    (:func:`completions_table`) to the MLflow run ``run_id`` as ``completions/step_NNNNNN.json``, so the MLflow UI
+    shows what the policy wrote at that step (main process). Each step's table is logged once: MLflow appends to an
+    existing table file, so a step already in the run (logged twice at the last step, or by an earlier attempt of a
+    resumed run) is left as it is."""
+
+    def __init__(self, trainer, mlflow_client, run_id: str, every: int) -> None:
+        self.trainer, self.client, self.run_id, self.every = trainer, mlflow_client, run_id, every
+        self.logged: set[str] | None = None  # artifact paths the run holds, read once
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or state.global_step % self.every or not self.trainer._logs["prompt"]:
+            return control
+        if self.logged is None:
+            self.logged = {a.path for a in self.client.list_artifacts(self.run_id, COMPLETIONS_DIR)}
+        path = f"{COMPLETIONS_DIR}/step_{state.global_step:06d}.json"
+        if path not in self.logged:
+            table = completions_table(self.trainer, getattr(self.trainer, "sampled_version", state.global_step - 1))
+            self.client.log_table(self.run_id, data=table, artifact_file=path)
+            self.logged.add(path)
+        return control
+
+
 class ProgressCallback(TrainerCallback):
     """Prints ``[train] step N/M t=T s rate=R s/step eta=E s`` after each optimizer step (rank 0): ``t``
     since the training process started (the first step's is the time to first step of a fresh or resumed

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -42,7 +43,8 @@ def run(job: TrainJob) -> str:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOTrainer
+
+    from grpo_steps.training.trainer import PipelineGRPOTrainer
 
     started = time.monotonic()
     cfg = job.config
@@ -60,7 +62,7 @@ def run(job: TrainJob) -> str:
     rows = [json.loads(line) for line in Path(job.train_file).read_text().splitlines() if line.strip()]
     dataset = Dataset.from_list(rows)
 
-    rollout, trainer_class, server_kwargs = None, GRPOTrainer, {}
+    rollout, trainer_class, server_kwargs = None, PipelineGRPOTrainer, {}
     if cfg.generation.backend == "vllm" and cfg.generation.mode == "colocate":
         if not torch.cuda.is_available():  # a GPU config run on a CPU machine: see COLOCATE_NEEDS_GPU
             from grpo_steps.config import COLOCATE_NEEDS_GPU, ConfigError
@@ -84,6 +86,7 @@ def run(job: TrainJob) -> str:
     from grpo_steps.checkpoints import in_metaflow_task
     from grpo_steps.training.callbacks import (
         AllNoneStop,
+        CompletionsTableCallback,
         DatastoreCheckpointCallback,
         MLflowMetricsCallback,
         ProgressCallback,
@@ -108,6 +111,9 @@ def run(job: TrainJob) -> str:
     )
     if cfg.eval.every_steps:
         trainer.add_callback(eval_during_callback(job, trainer, tokenizer))
+    if mlflow_cb and cfg.train.log_completions_steps:
+        trainer.add_callback(CompletionsTableCallback(trainer, mlflow_cb.client, job.mlflow_run_id,
+                                                      cfg.train.log_completions_steps))
     try:
         trainer.train(resume_from_checkpoint=job.resume_from)
     finally:
@@ -169,19 +175,29 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     job = TrainJob.model_validate_json(Path(args.job).read_text())
     final = run(job)
-    shut_down_process_group()
-    print(final)
+    distributed = shut_down_process_group()
+    print(final, flush=True)
+    if distributed:
+        # Everything is written (final policy, checkpoints, logs) and the process group is destroyed; skip the
+        # interpreter's finalization, where gloo's worker threads can still release tensors they held and abort the
+        # process with SIGABRT ("terminate called without an active exception", pytorch/pytorch#179291): seen once
+        # in ~10 runs of the 2-process ZeRO-3 test on the loaded 2-core machine, after training had finished.
+        sys.stderr.flush()
+        os._exit(0)
 
 
-def shut_down_process_group() -> None:
+def shut_down_process_group() -> bool:
     """Leave the distributed job together: a last barrier, then ``destroy_process_group``. Without it each
     rank tears its process group down in interpreter shutdown, in any order (PyTorch warns that this can
-    hang), and a rank stuck there holds its node's torchelastic agent from the exit barrier."""
+    hang), and a rank stuck there holds its node's torchelastic agent from the exit barrier. Returns whether
+    there was a process group."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        return True
+    return False
 
 
 if __name__ == "__main__":

@@ -63,6 +63,14 @@ def config_grpo_kwargs(job: TrainJob, on_cpu: bool) -> dict[str, Any]:
         max_completion_length=gen.max_completion_tokens,
         temperature=gen.temperature,
         top_p=gen.top_p,
+        top_k=gen.top_k,
+        min_p=gen.min_p or None,
+        repetition_penalty=gen.repetition_penalty,
+        # stop strings/ids and structured outputs reach TRL's own vLLM generation (colocate, nccl) as request fields;
+        # our server rollouts send them themselves, backend hf refuses them (config), replay samples nothing
+        generation_kwargs=gen.sampling_request(filters=False) or None,
+        vllm_structured_outputs_regex=None,  # in generation_kwargs["structured_outputs"], with json and choice
+        chat_template_kwargs=dict(gen.chat_template_kwargs) or None,
         reward_weights=[r.weight for r in cfg.rewards],
         save_strategy="steps",
         save_steps=train.save_steps,
@@ -93,6 +101,32 @@ def config_grpo_kwargs(job: TrainJob, on_cpu: bool) -> dict[str, Any]:
 
         kwargs["deepspeed"] = str(INFRA_DIR / "deepspeed_zero3.json")
     return kwargs
+
+
+def check_grpo_keys(cfg: PipelineConfig) -> None:
+    """``train.grpo`` against the installed TRL's ``GRPOConfig`` (imports TRL: seconds), in ``start``, before any
+    data is prepared or server started; the names TRL removed or renamed, the keys the config owns and those without
+    effect were refused when the config was parsed.
+
+    Raises:
+        ConfigError: keys that are not ``GRPOConfig`` fields, with the closest field names.
+    """
+    import dataclasses
+    import difflib
+
+    from trl import GRPOConfig
+
+    from grpo_steps.config import ConfigError
+
+    known = {f.name for f in dataclasses.fields(GRPOConfig)}
+    unknown = sorted(set(cfg.train.grpo) - known)
+    if unknown:
+        hints = {key: difflib.get_close_matches(key, known, n=2) for key in unknown}
+        shown = "; ".join(f"{key}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
+                          for key, close in hints.items())
+        raise ConfigError(f"train.grpo keys that are not fields of the installed TRL's GRPOConfig: {shown}. The "
+                          "fields are listed in TRL's GRPOConfig docs; pipeline settings have config keys of their "
+                          "own (grpo_steps/config/)")
 
 
 def grpo_args(job: TrainJob) -> Any:

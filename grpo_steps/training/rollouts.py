@@ -19,24 +19,30 @@ class VLLMRollout:
     Called by ``GRPOTrainer`` with this process's prompts, each repeated ``num_generations`` times
     in a row; returns one completion per prompt entry: ``prompt_ids`` (list of B lists of token
     ids), ``completion_ids`` (B lists) and ``logprobs`` (B lists, natural log, one per completion
-    token). The weights reach the server before (``grpo_steps.training.trainer.ServerGRPOTrainer``: pushed and
-    verified after every optimizer step and before the first generation).
+    token, of the distribution the server sampled from: the server runs with ``--logprobs-mode
+    processed_logprobs``). Sampling follows the ``generation`` config (temperature, filters, stop strings and ids,
+    structured outputs; prompts rendered with ``generation.chat_template_kwargs``). The weights reach the server
+    before (``grpo_steps.training.trainer.ServerGRPOTrainer``: pushed and verified after every optimizer step and
+    before the first generation). ``last_batch`` keeps the last call's ``(prompt_ids, completion_ids, logprobs)``
+    triples for the trainer's first-batch check.
     """
 
     def __init__(self, client, tokenizer, gen_cfg) -> None:
         self.client, self.tokenizer, self.gen = client, tokenizer, gen_cfg
+        self.last_batch: list[tuple[list[int], list[int], list[float]]] = []
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         unique, group = prompt_groups(prompts, trainer)
-        prompt_ids = [encode_prompt(self.tokenizer, p) for p in unique]
+        prompt_ids = [encode_prompt(self.tokenizer, p, self.gen.chat_template_kwargs) for p in unique]
         samples = self.client.complete(prompt_ids, group, max_tokens=self.gen.max_completion_tokens,
-                                       temperature=self.gen.temperature, top_p=self.gen.top_p)
+                                       temperature=self.gen.temperature, request=self.gen.sampling_request())
         out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
         for ids, group_samples in zip(prompt_ids, samples, strict=True):
             for sample in group_samples:
                 out["prompt_ids"].append(ids)
                 out["completion_ids"].append(sample["completion_ids"])
                 out["logprobs"].append(sample["logprobs"])
+        self.last_batch = list(zip(out["prompt_ids"], out["completion_ids"], out["logprobs"], strict=True))
         return out
 
 
@@ -95,7 +101,7 @@ class ReplayRollout:
         out: dict[str, list | None] = {"prompt_ids": [], "completion_ids": [], "logprobs": None}
         for prompt in unique:
             texts = self.file.completions_for(prompt, group)
-            ids = encode_prompt(self.tokenizer, prompt)
+            ids = encode_prompt(self.tokenizer, prompt, self.gen.chat_template_kwargs)
             for text in texts:
                 out["prompt_ids"].append(ids)
                 out["completion_ids"].append(self._completion_ids(text))

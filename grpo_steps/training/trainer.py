@@ -27,6 +27,7 @@ import torch
 from trl import GRPOTrainer
 
 from grpo_steps.servers.client import GenerationServerError, VLLMClient, version_label
+from grpo_steps.training.sampling import policy_logprobs, processed_logprobs
 from grpo_steps.training.weight_sync import (
     AdapterPush,
     DiskWeightPush,
@@ -42,23 +43,9 @@ PROBE_TOKENS = 16
 SmolLM2-135M on the 2 shared CPU cores), enough tokens to see any weight change in its logprobs."""
 HISTORY = 4
 """Verified pushes remembered to name the version a stale server serves."""
-
-
-def policy_logprobs(model, token_ids: list[int]) -> list[float]:
-    """log pi(token_t | tokens_<t) of the policy for t = 1..T-1 (temperature 1), float64 list of T-1.
-
-    Runs one no-grad forward of shape (1, T) on ``model`` (wrapped or not); under ZeRO-3 every rank must call.
-    """
-    ids = torch.tensor([token_ids], device=next(model.parameters()).device)
-    training = model.training
-    model.eval()  # no dropout (LoRA's included): the server computes without it
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits.float()  # (1, T, V)
-    finally:
-        model.train(training)
-    logps = torch.log_softmax(logits[0, :-1], dim=-1)  # (T-1, V)
-    return logps.gather(-1, ids[0, 1:, None]).squeeze(-1).double().tolist()
+FIRST_BATCH_COMPLETIONS = 4
+"""Completions of the first batch after a push that the policy scores again for the first-batch check (one forward
+of up to this many sequences per push and process)."""
 
 
 @dataclass
@@ -193,7 +180,23 @@ def disk_sync(client, tokenizer, probe_prompt, output_dir: str, probe_tolerance:
                     rollout_client=client if lora == "adapter" else None, merge_lora=lora == "merged")
 
 
-class ServerGRPOTrainer(GRPOTrainer):
+class PipelineGRPOTrainer(GRPOTrainer):
+    """TRL's ``GRPOTrainer`` as every backend runs it here; it records which policy version sampled the latest
+    generation batch (``sampled_version``: the optimizer step whose weights generated it), for the completions
+    tables. TRL generates from the current policy (``hf``, colocate) or syncs it first (``nccl``)."""
+
+    sampled_version: int = -1
+
+    def _sampled_version(self) -> int:
+        return self.state.global_step
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        self.sampled_version = self._sampled_version()
+        return output
+
+
+class ServerGRPOTrainer(PipelineGRPOTrainer):
     """``GRPOTrainer`` for rollouts from our vLLM server (``rollout_func``) with ``disk`` weight sync.
 
     Args (besides ``GRPOTrainer``'s):
@@ -201,16 +204,19 @@ class ServerGRPOTrainer(GRPOTrainer):
             ``vllm_importance_sampling_*`` fields (see :func:`grpo_steps.training.job.grpo_args`).
         sync: a :class:`DiskSync` without its trainer; pushes and verifies before sampling.
         max_logp_diff: the first-batch limit (``SyncCheckConfig.thresholds``; nats per token; None: unchecked).
+        rollout_func: a :class:`grpo_steps.training.rollouts.VLLMRollout` (its ``last_batch`` is checked).
 
     Raises:
         ValueError: ``args.use_vllm`` is set (TRL would start its own vLLM client).
-        GenerationServerError: from the push, or when the first batch after a push has a mean
-            |sampling logp - policy logp| above ``max_logp_diff`` (importance sampling on only: the
-            policy's logprobs of the batch are computed only then).
+        GenerationServerError: from the push, or when the first completions sampled after a push have a mean
+            |sampling logp - policy logp| above ``max_logp_diff`` (the policy's logprobs taken under the configured
+            sampling settings; not with structured outputs, whose grammar only the server knows: then the push's
+            probe is compared with the policy instead).
     """
 
     def __init__(self, *args, sync: DiskSync, max_logp_diff: float | None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.rollout = kwargs.get("rollout_func")  # a VLLMRollout: its last batch is what the first-batch check scores
         if self.args.use_vllm:
             raise ValueError("ServerGRPOTrainer brings its own generation: build it with GRPOConfig(use_vllm=False)")
         # TRL's gate of the vLLM paths (grpo_trainer.py: _generate -> vllm_generation.sync_weights(), the
@@ -219,15 +225,19 @@ class ServerGRPOTrainer(GRPOTrainer):
         self.use_vllm = True
         self.vllm_mode = "server"
         sync.trainer = self
-        sync.probe_policy = not self._checks_first_batch(max_logp_diff)
+        self.max_logp_diff = max_logp_diff
+        sync.probe_policy = not self._checks_first_batch()
         self.vllm_generation = sync
         self._last_loaded_step = -1  # push before the first generation (the server may hold stale weights)
-        self.max_logp_diff = max_logp_diff
 
-    def _checks_first_batch(self, max_logp_diff: float | None) -> bool:
-        # TRL computes the policy's logprobs of the sampled batch (and the metric the check reads) only with the
-        # importance-sampling correction on
-        return max_logp_diff is not None and bool(self.vllm_importance_sampling_correction)
+    def _checks_first_batch(self) -> bool:
+        # structured outputs renormalise over the tokens a grammar allows, which the policy cannot know: then the
+        # push's probe is scored by the policy instead
+        return (self.max_logp_diff is not None and self.rollout is not None
+                and self.rollout.gen.structured_outputs is None)
+
+    def _sampled_version(self) -> int:
+        return self.vllm_generation.pushed_version  # the push verified before this batch was sampled
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -238,14 +248,24 @@ class ServerGRPOTrainer(GRPOTrainer):
         return output
 
     def _check_first_batch(self, version: int) -> None:
-        if not self._checks_first_batch(self.max_logp_diff):
+        """Score the first completions of the batch just sampled with the policy, under the distribution the server
+        samples from (:func:`grpo_steps.training.sampling.processed_logprobs`), and compare with the sampler's
+        logprobs; the largest mean |difference| over the processes decides, so every rank raises together."""
+        if not self._checks_first_batch():
             return
-        mode = "train" if self.model.training else "eval"
-        value = self._metrics[mode]["sampling/sampling_logp_difference/mean"][-1]  # gathered: same on every rank
-        if value > self.max_logp_diff:
+        diffs: list[float] = []
+        for prompt_ids, completion_ids, logprobs in self.rollout.last_batch[:FIRST_BATCH_COMPLETIONS]:
+            if completion_ids:
+                policy = processed_logprobs(self.model, prompt_ids, completion_ids, self.rollout.gen)
+                diffs += [abs(a - b) for a, b in zip(logprobs, policy, strict=True)]
+        gap = sum(diffs) / max(len(diffs), 1)  # inf when the policy excludes a token the server sampled
+        value = float(self.accelerator.gather(torch.tensor([gap], device=self.accelerator.device)).max())
+        self._metrics["train"]["weight_sync/first_batch_logp_diff"].append(value)
+        if not value <= self.max_logp_diff:
             raise GenerationServerError(
                 f"step {self.state.global_step + 1}: the first batch sampled after pushing version {version} "
-                f"({version_label(version)}) has mean |sampling logp - policy logp| = {value:.3g} nats per token, "
-                f"above generation.sync_check.max_logp_diff = {self.max_logp_diff:g}: the server does not sample "
-                "from the policy (stale or other weights, other sampling settings)"
+                f"({version_label(version)}) has mean |sampling logp - policy logp| = {value:.3g} nats per token "
+                f"under the configured sampling settings, above generation.sync_check.max_logp_diff = "
+                f"{self.max_logp_diff:g}: the server does not sample from the policy (stale or other weights, other "
+                "sampling settings, or a server started without --logprobs-mode processed_logprobs)"
             )

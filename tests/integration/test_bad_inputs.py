@@ -50,6 +50,19 @@ def test_an_unreachable_tracking_server_fails_start_within_seconds_naming_it(tmp
     assert "fix tracking.tracking_uri" in out
 
 
+@pytest.mark.parametrize(("grpo", "message"), [
+    # a name the reference docs teach, removed in TRL 1.16: refused when the config is read, naming its replacement
+    ({"max_prompt_length": 256}, "train.grpo.max_prompt_length is not a TRL 1.16 GRPOConfig field: use "
+                                 "data.max_prompt_tokens"),
+    # a typo: refused in start against the installed TRL, with the closest field
+    ({"num_iteration": 2}, "num_iteration (did you mean num_iterations"),
+])
+def test_a_train_grpo_key_trl_lacks_fails_within_seconds_naming_the_fix(tmp_path, grpo, message):
+    started = time.monotonic()
+    _fails_before_the_server(tmp_path, flow_config(train={"grpo": grpo}), message)
+    assert time.monotonic() - started < 90  # seconds, not minutes: no data prepared, no server started
+
+
 def test_too_few_rows_is_a_data_error_with_the_counts_and_the_mlflow_run_ends_failed(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"

@@ -157,7 +157,11 @@ def test_registry_register_adapter_registers_the_adapter_alone_with_its_base(tmp
     cfg = validate_config(data)
     mlflow.set_tracking_uri(cfg.tracking.tracking_uri)
     run = tracking.client(cfg).create_run(mlflow.set_experiment("grpo").experiment_id)
-    report = {"baseline": {"metrics": {"pass@1": 0.1}}, "trained": {"metrics": {"pass@1": 0.2}}}
+    keys = ["p1", "p2", "p3", "p4"]
+    report = {"baseline": {"metrics": {"pass@1": 0.1}, "per_prompt": {"pass@1": [0.0, 0.0, 0.5, 0.0]},
+                           "prompt_keys": keys},
+              "trained": {"metrics": {"pass@1": 0.2}, "per_prompt": {"pass@1": [0.0, 0.5, 0.5, 0.0]},
+                          "prompt_keys": keys}}
     tags = {"metaflow.pathspec": "GRPOFlow/1/register/3", "config.sha256": "x", "dataset.digest": "d",
             "git.commit": "c"}
     out = register(cfg, run.info.run_id, str(tmp_path / "final"), report, tags)

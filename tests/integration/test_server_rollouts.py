@@ -1,7 +1,6 @@
 """Training against the real tiny vLLM server (``tiny_server``): TRL's mismatch correction and its metrics on every
 step, one verified weight version per push, and a server that keeps stale weights stopping the run."""
 
-import json
 import time
 from pathlib import Path
 
@@ -9,11 +8,10 @@ import psutil
 import pytest
 import requests
 
-from grpo_steps.config import REPO_ROOT, load_config, validate_config
-from grpo_steps.data import prepare
 from grpo_steps.servers.client import GenerationServerError, VLLMClient
 from grpo_steps.training.entry import run
-from grpo_steps.training.job import TrainJob
+from tests.integration.trainjob import history as _history
+from tests.integration.trainjob import job as _job
 
 pytestmark = pytest.mark.slow
 
@@ -22,23 +20,6 @@ SAMPLING_METRICS = ["sampling/sampling_logp_difference/mean", "sampling/sampling
                     "sampling/importance_sampling_ratio/max"]
 SYNC_METRICS = ["weight_sync/gather_seconds", "weight_sync/write_seconds", "weight_sync/reload_seconds",
                 "weight_sync/verify_seconds", "weight_sync/seconds", "weight_sync/version"]
-
-
-def _job(tmp_path, tiny_model_path, tiny_tokenizer, endpoint, **overrides) -> TrainJob:
-    base = load_config(REPO_ROOT / "configs" / "test.yaml").model_dump()
-    base["train"].update({"max_steps": 3, "save_steps": 100, **overrides.pop("train", {})})
-    base["generation"].update(sync_dir=str(tmp_path / "sync"), **overrides.pop("generation", {}))
-    base["resources"]["train"].update(overrides.pop("resources", {}).get("train", {}))
-    cfg = validate_config(base)
-    rows = prepare(cfg.data, tiny_tokenizer).train
-    train_file = tmp_path / "train.jsonl"
-    train_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return TrainJob(config=cfg, model_path=tiny_model_path, train_file=str(train_file),
-                    output_dir=str(tmp_path / "out"), endpoint=endpoint)
-
-
-def _history(tmp_path) -> list[dict]:
-    return [h for h in json.loads((tmp_path / "out" / "log_history.json").read_text()) if "reward" in h]
 
 
 def test_every_step_logs_the_mismatch_and_a_verified_version(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
@@ -65,6 +46,14 @@ def test_correction_off_logs_no_sampling_metrics(tmp_path, tiny_model_path, tiny
     (h,) = _history(tmp_path)
     assert not [name for name in SAMPLING_METRICS if name in h]
     assert h["weight_sync/version"] == 0
+    assert h["weight_sync/first_batch_logp_diff"] < 1e-3  # the first-batch check needs no correction: it scores itself
+
+
+def test_no_first_batch_limit_scores_the_push_probe(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
+    run(_job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint, train={"max_steps": 1},
+             generation={"sync_check": {"max_logp_diff": None}}))
+    (h,) = _history(tmp_path)
+    assert "weight_sync/first_batch_logp_diff" not in h
     assert h["weight_sync/probe_logp_diff"] < 1e-3  # no first-batch check: the push's probe compares with the policy
 
 
@@ -109,7 +98,7 @@ def test_a_reload_serves_the_written_weights_tied_head_included(tmp_path, tiny_m
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.data import encode_prompt, to_prompt
-    from grpo_steps.training.trainer import policy_logprobs
+    from grpo_steps.training.sampling import policy_logprobs
     from grpo_steps.weight_files import write_safetensors
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
@@ -139,7 +128,7 @@ def test_successive_pushes_serve_each_version_from_two_rewritten_directories(tmp
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.data import encode_prompt, to_prompt
-    from grpo_steps.training.trainer import policy_logprobs
+    from grpo_steps.training.sampling import policy_logprobs
     from grpo_steps.training.weight_sync import DiskWeightPush
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)

@@ -331,8 +331,8 @@ def test_mixture_rows_route_to_their_rewards_in_score(tiny_tokenizer):
     from grpo_steps.config import validate_config
     from grpo_steps.evaluate import score
 
-    cfg = validate_config({"data": _mixture_cfg().model_dump(), "eval": {"correctness_reward": "math_accuracy",
-                                                                          "format_reward": None},
+    cfg = validate_config({"data": _mixture_cfg().model_dump(), "model": {"max_model_len": 8192},
+                           "eval": {"correctness_reward": "math_accuracy", "format_reward": None},
                            "rewards": [{"name": "math_accuracy"}, {"name": "code_execution"},
                                        {"name": "tests.unit.test_data:has_tests"}]})
     rows = prepare(cfg.data, tiny_tokenizer).eval

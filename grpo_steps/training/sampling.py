@@ -1,0 +1,93 @@
+"""The policy's own token probabilities, for checking what the generation server samples from.
+
+The server runs with ``--logprobs-mode processed_logprobs``: the logprob it returns for each sampled token is that
+of the distribution it sampled from, after the repetition penalty, the temperature, ``min_p`` and ``top_k`` /
+``top_p`` (vLLM 0.32, ``vllm/v1/sample/sampler.py``: penalties in ``apply_logits_processors``, then
+``apply_temperature``, the argmax-invariant processors (min-p), then ``apply_top_k_top_p``, then ``log_softmax``).
+:func:`processed_logprobs` forms the same distribution from the policy's logits, so a completion the server sampled
+scores the same under both, up to kernel noise, when the server holds the policy's weights and applies the
+configured sampling settings; :func:`policy_logprobs` gives the raw (temperature 1) logprobs of a probe.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _logits(model, token_ids: list[int]) -> torch.Tensor:
+    """(T, V) float32 logits of one no-grad, dropout-free forward of ``token_ids`` (every rank calls under
+    ZeRO-3: the forward is a collective)."""
+    ids = torch.tensor([token_ids], device=next(model.parameters()).device)
+    training = model.training
+    model.eval()  # no dropout (LoRA's included): the server computes without it
+    try:
+        with torch.no_grad():
+            return model(input_ids=ids).logits.float()[0]
+    finally:
+        model.train(training)
+
+
+def policy_logprobs(model, token_ids: list[int]) -> list[float]:
+    """log pi(token_t | tokens_<t) of the policy for t = 1..T-1 (temperature 1), float64 list of T-1.
+
+    Runs one no-grad forward of shape (1, T) on ``model`` (wrapped or not); under ZeRO-3 every rank must call.
+    """
+    logps = torch.log_softmax(_logits(model, token_ids)[:-1], dim=-1)  # (T-1, V)
+    return logps.gather(-1, torch.tensor(token_ids[1:], device=logps.device)[:, None]).squeeze(-1).double().tolist()
+
+
+def filter_logits(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                  min_p: float = 0.0, repetition_penalty: float = 1.0,
+                  seen: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits of vLLM's sampling distribution, from raw logits of shape (N, V): repetition penalty on the tokens
+    ``seen`` marks ((N, V) bool: in the prompt or the completion so far), temperature, ``min_p``, ``top_k`` and
+    ``top_p`` (masked tokens -inf), in vLLM's order. ``log_softmax`` of the result is vLLM's processed logprobs.
+
+    >>> logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    >>> filter_logits(logits, temperature=1.0, top_k=2)
+    tensor([[2., 1., -inf, -inf]])
+    >>> filter_logits(logits, temperature=0.5, repetition_penalty=2.0, seen=torch.tensor([[True, False, False, True]]))
+    tensor([[ 2.,  2.,  0., -4.]])
+    """
+    logits = logits.clone()
+    if repetition_penalty != 1.0 and seen is not None:
+        # a seen token's positive logit is divided by the penalty, a negative one multiplied (vLLM, transformers)
+        penalized = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    logits = logits / temperature
+    if min_p > 0:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * min_p, float("-inf"))
+    if top_k > 0 or top_p < 1.0:
+        logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+        if top_k > 0:  # keep the tokens at or above the k-th largest logit (ties kept, as vLLM)
+            kth = logits_sort[:, max(logits_sort.size(1) - top_k, 0)].unsqueeze(1)
+            logits_sort = logits_sort.masked_fill(logits_sort < kth, float("-inf"))
+        if top_p < 1.0:  # drop the least probable tokens whose mass stays within 1 - top_p; keep at least one
+            cumulative = logits_sort.softmax(dim=-1).cumsum(dim=-1)
+            mask = cumulative <= 1 - top_p
+            mask[:, -1] = False
+            logits_sort = logits_sort.masked_fill(mask, float("-inf"))
+        logits = logits.scatter(-1, logits_idx, logits_sort)
+    return logits
+
+
+def processed_logprobs(model, prompt_ids: list[int], completion_ids: list[int], gen) -> list[float]:
+    """The policy's logprob of each completion token under the distribution the server samples from with the
+    ``generation`` settings ``gen`` (:func:`filter_logits`); one float per completion token (-inf where the policy's
+    own filters would have excluded the token). One no-grad forward of shape (1, P + C); ZeRO-3: every rank calls.
+    """
+    tokens = prompt_ids + completion_ids
+    logits = _logits(model, tokens)[len(prompt_ids) - 1 : len(tokens) - 1]  # (C, V): each completion token's
+    seen = None
+    if gen.repetition_penalty != 1.0:
+        vocab = logits.size(-1)
+        seen = torch.zeros(len(completion_ids), vocab, dtype=torch.bool, device=logits.device)
+        seen[:, torch.tensor(sorted(set(prompt_ids)), dtype=torch.long)] = True
+        for t in range(1, len(completion_ids)):  # row t has seen the completion's tokens before t
+            seen[t:, completion_ids[t - 1]] = True
+    filtered = filter_logits(logits, temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p,
+                             min_p=gen.min_p, repetition_penalty=gen.repetition_penalty, seen=seen)
+    logps = torch.log_softmax(filtered, dim=-1)
+    index = torch.tensor(completion_ids, device=logps.device)[:, None]
+    return logps.gather(-1, index).squeeze(-1).double().tolist()

@@ -1,0 +1,171 @@
+"""The generation settings do what they say on the server path, against the session's real tiny vLLM server
+(``tiny_server``): sampling filters with the first-batch check on, a server sampling other settings caught, stop
+strings, structured outputs, chat-template arguments, async rewards in training and evaluation, the completions
+tables in MLflow, and an external server that returns raw logprobs refused."""
+
+import json
+import re
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from grpo_steps.config import GenerationConfig, validate_config
+from grpo_steps.data import encode_prompt, to_prompt
+from grpo_steps.servers.client import GenerationServerError
+from grpo_steps.training.entry import run
+from grpo_steps.training.rollouts import VLLMRollout
+from tests.integration.trainjob import history, job
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["Calculate 2 + 3.", "Calculate 4 + 1.", "Calculate 7 + 2."]
+
+
+def _rollout(server, tokenizer, group: int = 4, **generation) -> tuple[dict, VLLMRollout]:
+    """One rollout call of ``group`` completions for each of QUESTIONS, sampled with ``generation``."""
+    rollout = VLLMRollout(server.client(), tokenizer, GenerationConfig(max_completion_tokens=12, **generation))
+    trainer = SimpleNamespace(num_generations=group, num_generations_eval=1, model=SimpleNamespace(training=True))
+    prompts = [p for q in QUESTIONS for p in [to_prompt(q, "Solve the problem.")] * group]
+    return rollout(prompts, trainer), rollout
+
+
+def test_temperature_and_top_k_train_with_the_first_batch_check_on(tmp_path, tiny_model_path, tiny_tokenizer,
+                                                                   tiny_server):
+    """Axolotl's quick start samples at 0.7; with a top-k filter too the server's logprobs are those of the filtered
+    distribution (processed logprobs), and the policy scores the batch under the same filter: they agree."""
+    run(job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint, train={"max_steps": 2},
+            generation={"temperature": 0.7, "top_k": 5, "repetition_penalty": 1.1}))
+    steps = history(tmp_path)
+    assert [h["step"] for h in steps] == [1, 2]
+    for h in steps:
+        assert h["weight_sync/first_batch_logp_diff"] < 1e-3  # float32 kernel noise, as at temperature 1
+
+
+def test_a_server_sampling_other_settings_is_caught(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server,
+                                                    monkeypatch):
+    """The config asks for top-k 3; the requests (patched) leave it out, so the server samples the full
+    distribution: the first-batch check sees the policy's filtered distribution disagree and stops the run."""
+    request = GenerationConfig.sampling_request
+    monkeypatch.setattr(GenerationConfig, "sampling_request",
+                        lambda self, filters=True: {**request(self, filters), **({"top_k": 0} if filters else {})})
+    with pytest.raises(GenerationServerError, match="under the configured sampling settings"):
+        run(job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint, train={"max_steps": 1},
+                generation={"top_k": 3}))
+
+
+def test_a_stop_string_ends_completions(tiny_server, tiny_tokenizer):
+    """The tiny model writes spaces: with stop " " a completion ends with the token that wrote the first one (its
+    ids keep that token, vLLM's text leaves the string out), nothing is sampled after it."""
+    gen = GenerationConfig(stop=[" "])
+    prompts = [encode_prompt(tiny_tokenizer, to_prompt(q, "Solve the problem.")) for q in QUESTIONS]
+    groups = tiny_server.client().complete(prompts, 4, max_tokens=12, temperature=1.0, request=gen.sampling_request())
+    samples = [s for group in groups for s in group]
+    stopped = [s for s in samples if s["finish_reason"] == "stop"]
+    assert len(stopped) >= len(samples) // 2, [s["text"] for s in samples]
+    for s in stopped:
+        assert " " not in s["text"]
+        assert " " in tiny_tokenizer.decode(s["completion_ids"])  # the token that wrote it closes the completion
+        assert " " not in tiny_tokenizer.decode(s["completion_ids"][:-1])
+
+
+def test_a_regex_constrains_every_completion(tiny_server, tiny_tokenizer):
+    pattern = "[0-9]{1,2} (apples|pears)"
+    out, _ = _rollout(tiny_server, tiny_tokenizer, structured_outputs={"regex": pattern})
+    texts = [tiny_tokenizer.decode(ids, skip_special_tokens=True) for ids in out["completion_ids"]]
+    assert all(re.fullmatch(pattern, text) for text in texts), texts
+
+
+def test_training_with_structured_outputs_checks_the_push_by_its_probe(tmp_path, tiny_model_path, tiny_tokenizer,
+                                                                      tiny_server):
+    """The grammar renormalises what the server samples over the tokens it allows, which the policy cannot know:
+    the batch is not compared, the push's probe is scored by the policy instead (and agrees)."""
+    run(job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint, train={"max_steps": 1},
+            generation={"structured_outputs": {"choice": ["Answer: 5", "Answer: 6", "5", "6"]}}))
+    (h,) = history(tmp_path)
+    assert "weight_sync/first_batch_logp_diff" not in h
+    assert h["weight_sync/probe_logp_diff"] < 1e-3
+
+
+def test_a_chat_template_argument_appears_in_the_rendered_prompt(tiny_server, tiny_tokenizer):
+    tokenizer = type(tiny_tokenizer).from_pretrained(tiny_tokenizer.name_or_path)
+    tokenizer.chat_template = ("{% if mood %}<|im_start|>system\nmood {{ mood }}<|im_end|>\n{% endif %}"
+                               + tiny_tokenizer.chat_template)
+    out, _ = _rollout(tiny_server, tokenizer, group=2, chat_template_kwargs={"mood": "7 + 7"})
+    assert all("mood 7 + 7" in tokenizer.decode(ids) for ids in out["prompt_ids"])
+    plain, _ = _rollout(tiny_server, tokenizer, group=2)
+    assert not any("mood" in tokenizer.decode(ids) for ids in plain["prompt_ids"])
+
+
+ASYNC_REWARDS = '''
+import asyncio
+
+
+async def judge(completions, **kwargs):
+    await asyncio.sleep(0.01)  # an LLM judge would await its client here
+    return [1.0 if "Answer" in c[0]["content"] else 0.0 for c in completions]
+'''
+
+
+def test_an_async_reward_runs_in_training_and_evaluation(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server,
+                                                         monkeypatch):
+    from grpo_steps.evaluate import evaluate_policy
+
+    (tmp_path / "my_async_rewards.py").write_text(ASYNC_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = "my_async_rewards:judge"
+    train_job = job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint, train={"max_steps": 1},
+                    rewards=[{"name": name}, {"name": "answer_accuracy"}],
+                    eval={"correctness_reward": "answer_accuracy", "format_reward": name, "num_samples": 2, "k": [1]})
+    run(train_job)
+    (h,) = history(tmp_path)
+    assert 0.0 <= h[f"rewards/{name}/mean"] <= 1.0  # a float per completion, not a coroutine
+    rows = [json.loads(line) for line in open(train_job.train_file)][:4]
+    metrics = evaluate_policy(train_job.config, tiny_server.client(), tiny_tokenizer, rows)["metrics"]
+    assert 0.0 <= metrics[f"reward/{name}"] <= 1.0 and metrics[f"reward/{name}/errors"] == 0
+    assert "my_async_rewards" in sys.modules
+
+
+def test_completions_tables_reach_mlflow_at_their_steps(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(client.create_experiment("tables")).info.run_id
+    run(job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint, mlflow_run_id=run_id,
+            train={"max_steps": 4, "log_completions_steps": 2}, tracking={"tracking_uri": uri}))
+    files = sorted(a.path for a in client.list_artifacts(run_id, "completions"))
+    assert files == ["completions/step_000002.json", "completions/step_000004.json"]
+    for step, path in ((2, files[0]), (4, files[1])):
+        table = json.loads(open(client.download_artifacts(run_id, path, str(tmp_path))).read())
+        columns, rows = table["columns"], table["data"]
+        assert columns == ["prompt", "completion", "answer_accuracy", "answer_format", "advantage", "weight_version"]
+        assert len(rows) == 8  # the step's generation batch: 2 prompts x 4 completions
+        assert {row[-1] for row in rows} == {step - 1}  # sampled by the weights pushed before the step
+        assert all(row[0].startswith("Calculate") for row in rows)
+
+
+def test_an_external_server_returning_raw_logprobs_is_refused(tmp_path, tiny_model_path, tiny_tokenizer):
+    """A server you run without --logprobs-mode processed_logprobs returns the model's logprobs before temperature
+    and filters: refused for rollouts (naming the flag), accepted when it only serves evaluation (backend hf)."""
+    import os
+
+    from grpo_steps.config import ServerConfig
+    from grpo_steps.processes import ProcessRef
+    from grpo_steps.servers.base import ServerStartError
+    from grpo_steps.servers.external import ExternalServer
+    from grpo_steps.servers.local import start_local
+
+    server = start_local(tiny_model_path, ServerConfig(kv_cache_gib=1, startup_timeout_s=300,
+                                                       extra_args=["--logprobs-mode", "raw_logprobs"]),  # last wins
+                         max_model_len=256, dtype="float32", owner=ProcessRef.of(os.getpid()), log_dir=tmp_path)
+    try:
+        external = {"provider": "external", "server": {"endpoint": server.endpoint}}
+        with pytest.raises(ServerStartError, match="restart it with --logprobs-mode processed_logprobs"):
+            ExternalServer.start(validate_config({"generation": external}))
+        assert ExternalServer.start(validate_config({"generation": {**external, "backend": "hf"}})).endpoint == \
+            server.endpoint
+        ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
+        assert server.client().prompt_logprobs(ids)  # it serves
+    finally:
+        server.stop()
