@@ -1,9 +1,9 @@
 """GRPO training entry point: ``python -m grpo_steps.training JOB.json`` (under ``accelerate launch``).
 
 Runs TRL's ``GRPOTrainer`` on the prepared train split of a :class:`grpo_steps.training.job.TrainJob`. With the
-``vllm`` backend, rollouts come from the provisioned server through
-:class:`grpo_steps.training.rollouts.VLLMRollout` (``rollout_func``) with ``disk`` weight sync, verified pushes
-and TRL's mismatch correction (:mod:`grpo_steps.training.trainer`); with ``hf``, TRL generates with transformers
+``vllm`` backend, rollouts come from the provisioned server through TRL's own generation path onto
+:class:`grpo_steps.training.generation.ServerGeneration`, with ``disk`` weight sync, verified pushes and TRL's
+mismatch correction (:mod:`grpo_steps.training.trainer`); with ``hf``, TRL generates with transformers
 in-process; with ``replay``, fixed completions come from a file
 (:class:`grpo_steps.training.rollouts.ReplayRollout`). Metrics go to the MLflow run named by
 ``job.mlflow_run_id`` (each step once, across resumes); checkpoints are written every ``save_steps`` and, inside
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from grpo_steps.config import PipelineConfig
 from grpo_steps.training.job import TrainJob, grpo_args
-from grpo_steps.training.rollouts import ReplayRollout, VLLMRollout
+from grpo_steps.training.rollouts import ReplayRollout
 
 
 def reward_functions(cfg: PipelineConfig) -> list:
@@ -71,15 +71,17 @@ def run(job: TrainJob) -> str:
         colocate_environment(cfg)
     elif cfg.generation.backend == "vllm" and cfg.generation.weight_sync == "disk":
         from grpo_steps.servers.client import VLLMClient
-        from grpo_steps.training.trainer import ServerGRPOTrainer, disk_sync
+        from grpo_steps.training.generation import server_generation
+        from grpo_steps.training.trainer import ServerGRPOTrainer
 
         client = VLLMClient(job.endpoint, model=job.served_model)
-        rollout = VLLMRollout(client, tokenizer, cfg.generation)
         trainer_class = ServerGRPOTrainer
         probe_tolerance, max_logp_diff = cfg.generation.sync_check.thresholds(cfg.model.dtype)
         lora_push = cfg.train.peft.push if cfg.train.peft else None
-        server_kwargs = dict(sync=disk_sync(client, tokenizer, rows[0]["prompt"], job.output_dir, probe_tolerance,
-                                            cfg.generation.sync_dir, lora=lora_push),
+        server_kwargs = dict(sync=server_generation(client, tokenizer, rows[0]["prompt"], job.output_dir,
+                                                    probe_tolerance, gen=cfg.generation,
+                                                    max_model_len=cfg.model.max_model_len,
+                                                    sync_dir=cfg.generation.sync_dir, lora=lora_push),
                              max_logp_diff=max_logp_diff)
     elif cfg.generation.backend == "replay":
         rollout = ReplayRollout(cfg.generation.replay_file, tokenizer, cfg.generation)
