@@ -42,8 +42,9 @@ def run(job: TrainJob) -> str:
     """
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    from grpo_steps.models import load_tokenizer
     from grpo_steps.training.trainer import PipelineGRPOTrainer
 
     started = time.monotonic()
@@ -54,7 +55,7 @@ def run(job: TrainJob) -> str:
 
         deepspeed.comm.init_distributed(dist_backend="gloo")
     args = grpo_args(job)
-    tokenizer = AutoTokenizer.from_pretrained(job.model_path)
+    tokenizer = load_tokenizer(job.model_path, cfg.model.chat_template)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     dtype = getattr(torch, cfg.model.dtype) if torch.cuda.is_available() else torch.float32
@@ -100,6 +101,8 @@ def run(job: TrainJob) -> str:
     if in_metaflow_task():
         callbacks.append(DatastoreCheckpointCallback(job.node_index, keep=cfg.train.save_total_limit,
                                                      log_metrics=mlflow_cb.log if mlflow_cb else None))
+    from grpo_steps.tools import environment_factories, tool_functions, trl_environment_factory
+
     trainer = trainer_class(
         model=model,
         reward_funcs=reward_functions(cfg),
@@ -109,6 +112,10 @@ def run(job: TrainJob) -> str:
         rollout_func=rollout,
         callbacks=callbacks,
         peft_config=cfg.train.peft.lora_config() if cfg.train.peft else None,  # LoRA: TRL wraps the policy
+        # multi-turn rollouts: TRL's own tool loop (grpo_steps.training.trainer), each call under tool_timeout_s
+        tools=tool_functions(cfg.tools, cfg.generation.tool_timeout_s) or None,
+        environment_factory=trl_environment_factory(environment_factories(cfg.environment,
+                                                                          cfg.generation.tool_timeout_s)),
         **server_kwargs,
     )
     if cfg.eval.every_steps:

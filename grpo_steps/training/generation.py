@@ -172,11 +172,18 @@ class ServerGeneration:
                              "in a row: each process's generation batch (train.per_device_train_batch_size x "
                              "steps_per_generation) must be a multiple of train.num_generations")
         unique = prompts[::group]
-        # a follow-up turn's prompt holds the conversation so far: cap the new tokens so it fits the server's context
-        room = self.max_model_len - max(len(p) for p in unique)
-        with profiler if profiler is not None else contextlib.nullcontext():
-            samples = self.client.complete(unique, group, max_tokens=max(1, min(self.gen.max_completion_tokens, room)),
-                                           temperature=self.gen.temperature, request=self.gen.sampling_request())
+        # a follow-up turn's prompt holds the conversation so far: the new tokens are capped so that the longest
+        # prompt still fits the server's context, and a prompt that fills it gets an empty turn
+        fits = [i for i, p in enumerate(unique) if len(p) < self.max_model_len]
+        samples: list[list[dict]] = [[{"completion_ids": [], "logprobs": []}] * group for _ in unique]
+        if fits:
+            room = self.max_model_len - max(len(unique[i]) for i in fits)
+            with profiler if profiler is not None else contextlib.nullcontext():
+                sampled = self.client.complete([unique[i] for i in fits], group,
+                                               max_tokens=min(self.gen.max_completion_tokens, room),
+                                               temperature=self.gen.temperature, request=self.gen.sampling_request())
+            for i, group_samples in zip(fits, sampled, strict=True):
+                samples[i] = group_samples
         completion_ids = [s["completion_ids"] for group_samples in samples for s in group_samples]
         logprobs = [s["logprobs"] for group_samples in samples for s in group_samples]
         if self.first_batch is None:  # the first turn after a push: what the first-batch check scores

@@ -45,6 +45,11 @@ class PipelineGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         self.sampled_version = self._sampled_version()
+        if self.tools:  # TRL logs calls and failures per episode; the assistant turns too (as evaluation does)
+            episodes = [c for c in self._logs["completion"] if isinstance(c, list)]
+            turns = [sum(m.get("role") == "assistant" for m in c) for c in episodes]
+            if turns:
+                self._metrics["train"]["tools/turns_per_episode"].append(sum(turns) / len(turns))
         return output
 
 
