@@ -260,10 +260,22 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
 def gain_metrics(baseline: dict[str, list[float]], trained: dict[str, list[float]]) -> dict[str, float]:
     """Trained minus baseline on the same prompts, per metric of ``per_prompt`` (see
     :func:`evaluate_policy`): ``<metric>`` (mean gain) and ``<metric>_ci95`` (half-width of
-    its paired 95 % interval, :func:`grpo_steps.evaluate.paired_gain`)."""
+    its paired 95 % interval, :func:`grpo_steps.evaluate.paired_gain`). With tools (a ``tool_call`` entry):
+    ``accuracy_from_tool_calls``, the part of the accuracy gain made on prompts whose trained greedy episode called
+    a tool (the rest of ``accuracy`` was made without a call).
+
+    >>> gain = gain_metrics({"accuracy": [0, 0, 1], "tool_call": [0, 0, 0]},
+    ...                     {"accuracy": [1, 1, 1], "tool_call": [1, 0, 1]})
+    >>> gain["accuracy"], gain["accuracy_from_tool_calls"]
+    (0.6666666666666666, 0.3333333333333333)
+    """
     out = {}
     for name in baseline:
         out[name], out[f"{name}_ci95"] = paired_gain(baseline[name], trained[name])
+    if "tool_call" in trained and "accuracy" in trained:
+        deltas = [(t - b) * call for b, t, call in zip(baseline["accuracy"], trained["accuracy"],
+                                                       trained["tool_call"], strict=True)]
+        out["accuracy_from_tool_calls"] = sum(deltas) / max(len(deltas), 1)
     return out
 
 

@@ -208,8 +208,13 @@ def chat_template_text(spec: str) -> str:
     shipped = trl_templates() / f"{spec}.jinja"
     if shipped.is_file():
         return shipped.read_text()
-    names = sorted(p.stem for p in trl_templates().glob("*.jinja") if not p.stem.endswith("_training"))
-    raise ToolError(f"model.chat_template {spec!r} is neither a file nor a template TRL ships ({', '.join(names)})")
+    raise ToolError(f"model.chat_template {spec!r} is neither a file nor a template TRL ships "
+                    f"({', '.join(shipped_template_names())})")
+
+
+def shipped_template_names() -> list[str]:
+    """The names ``model.chat_template`` takes for TRL's templates (its ``*_training`` variants left out)."""
+    return sorted(p.stem for p in trl_templates().glob("*.jinja") if not p.stem.endswith("_training"))
 
 
 def check_tool_calling(tokenizer, tools: list[Callable], spec: str | None) -> None:
@@ -226,6 +231,18 @@ def check_tool_calling(tokenizer, tools: list[Callable], spec: str | None) -> No
         raise ToolError(f"{where} cannot render a tool-calling exchange (user -> assistant with tool_calls -> "
                           "tool), which tools and environments need: set model.chat_template to one that can, e.g. "
                           "qwen2_5 (ChatML with <tool_call>, SmolLM2's turn tokens) or a Jinja file")
+    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        import copy
+
+        from trl.chat_template_utils import add_response_schema
+
+        try:  # what GRPOTrainer does with tools: it parses tool calls with the schema of a template it knows
+            add_response_schema(copy.copy(tokenizer))
+        except ValueError:
+            raise ToolError(f"{where} renders tool calls, but TRL cannot parse them back from completions: it knows "
+                            "the response format of the templates it ships only (model.chat_template: one of "
+                            f"{', '.join(shipped_template_names())}), or of a tokenizer that ships a response_schema"
+                            ) from None
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=tools or None, tokenize=False,
                                              add_generation_prompt=True)
     missing = [fn.__name__ for fn in tools if fn.__name__ not in rendered]
@@ -273,19 +290,22 @@ def calculator(expression: str) -> str:
 
     Args:
         expression: The arithmetic expression, for example "123 * 45" or "(7 + 5) / 4".
-
-    The expression is parsed, never executed: numbers, + - * / // % ** and parentheses only (a tool of the shipped
-    ``configs/tools.yaml`` task; the policy writes the argument).
-
-    >>> calculator("964 * 59"), calculator("(7 + 5) / 4"), calculator("2 ** 10")
-    ('56876', '3.0', '1024')
-    >>> calculator("__import__('os')")
-    Traceback (most recent call last):
-    ...
-    ValueError: not arithmetic: Call
     """
+    # The docstring is what the model reads (transformers' get_json_schema puts everything after ``Args:`` into the
+    # argument's description): examples live in __test__ below. The expression is parsed, never executed: numbers,
+    # + - * / // % ** and parentheses only (the tool of the shipped configs/tools.yaml task; the policy writes it).
     import ast
 
     if len(expression) > 200:
         raise ValueError("expression longer than 200 characters")
     return str(_arithmetic(ast.parse(expression.strip(), mode="eval")))
+
+
+__test__ = {"calculator": """
+>>> calculator("964 * 59"), calculator("(7 + 5) / 4"), calculator("2 ** 10")
+('56876', '3.0', '1024')
+>>> calculator("__import__('os')")
+Traceback (most recent call last):
+...
+ValueError: not arithmetic: Call
+"""}

@@ -55,14 +55,16 @@ def answer_reward(completions, **_):
     return [1.0 if "Answer: 6" in c[-1]["content"] else 0.0 for c in completions]
 
 
-def _trainer(tiny_model_path, tmp_path, turns: list[str], tool: str = "calculator", iterations: int = 3):
-    """A ServerGRPOTrainer with tools whose generation returns ``turns`` in order (every rollout the same turn),
-    token by token with logprob SAMPLER_LOGP; the push is a no-op."""
+def _trainer(tiny_model_path, tmp_path, turns: list[str], tool: str | None = "calculator", iterations: int = 3,
+             environment=None):
+    """A ServerGRPOTrainer with tool ``tool`` (and/or an ``environment`` factory) whose generation returns ``turns``
+    in order (every rollout the same turn), token by token with logprob SAMPLER_LOGP; the push is a no-op. The
+    prompts of each generation call are recorded with it."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.models import load_tokenizer
-    from grpo_steps.tools import with_timeout
+    from grpo_steps.tools import environment_factories, trl_environment_factory, with_timeout
 
     tokenizer = load_tokenizer(tiny_model_path, "qwen2_5")
     # the tiny tokenizer spells the tool markup nearly byte by byte: room for a call, an answer and a reply
@@ -73,11 +75,12 @@ def _trainer(tiny_model_path, tmp_path, turns: list[str], tool: str = "calculato
     args = grpo_args(TrainJob(config=cfg, model_path=tiny_model_path, train_file="unused", output_dir=str(tmp_path)))
     sync = ServerGeneration(trainer=None, client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation,
                             max_model_len=1024, push=None, probe_ids=[1, 2], probe_tolerance=0.05)
-    calls = []
+    calls, seen = [], []
 
     def generate(prompts, images=None, num_generations=1, profiler=None):
         text = turns[min(len(calls), len(turns) - 1)]
         calls.append((len(prompts), num_generations))
+        seen.append([tokenizer.decode(p) for p in prompts])
         ids = tokenizer(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
         return (prompts, [list(ids) for _ in prompts], [[[SAMPLER_LOGP]] * len(ids) for _ in prompts],
                 [[[t] for t in ids] for _ in prompts])
@@ -88,14 +91,17 @@ def _trainer(tiny_model_path, tmp_path, turns: list[str], tool: str = "calculato
                                 reward_funcs=[answer_reward], args=args,
                                 train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "x"}]}] * 2),
                                 processing_class=tokenizer, sync=sync, max_logp_diff=None,
-                                tools=[with_timeout(tools[tool], cfg.generation.tool_timeout_s)])
+                                tools=[with_timeout(tools[tool], cfg.generation.tool_timeout_s)] if tool else [],
+                                environment_factory=trl_environment_factory(environment_factories(
+                                    environment, cfg.generation.tool_timeout_s)))
     trainer._last_loaded_step = trainer.state.global_step
     trainer.model.train()
+    trainer.seen_prompts = seen
     return trainer, tokenizer, calls
 
 
-def _episode(trainer):
-    inputs = [{"prompt": [{"role": "user", "content": "Calculate 2 * 3."}]}] * GROUP
+def _episode(trainer, **row):
+    inputs = [{"prompt": [{"role": "user", "content": "Calculate 2 * 3."}], **row}] * GROUP
     out = trainer._generate_and_score_completions(inputs)
     return out, list(trainer._logs["completion"])[-GROUP:]
 
@@ -143,3 +149,48 @@ def test_the_iteration_bound_ends_the_episode(tiny_model_path, tmp_path):
     _, completions = _episode(trainer)
     assert calls == [(GROUP, GROUP), (GROUP, 1), (GROUP, 1)]
     assert [m["role"] for m in completions[0]] == ["assistant", "tool", "assistant", "tool", "assistant"]
+
+
+class Abacus:
+    """A stateful environment in TRL's contract: ``reset`` sees the row, its public method is the tool, and
+    ``get_reward`` scores what happened during the episode."""
+
+    instances: list = []
+
+    def __init__(self):
+        self.row, self.calls = None, []
+        Abacus.instances.append(self)
+
+    def reset(self, **row) -> str:
+        self.row, self.calls = row, []
+        return f"Use the abacus; the target is {row['target']}."
+
+    def abacus(self, expression: str) -> str:
+        """Evaluate an arithmetic expression on the abacus.
+
+        Args:
+            expression: The expression, e.g. "2 * 3".
+        """
+        from grpo_steps.tools import calculator as shipped
+
+        self.calls.append(expression)
+        return shipped(expression)
+
+    def get_reward(self) -> float:
+        return 2.0 if self.calls and self.row["target"] == "6" else 0.0
+
+
+def test_an_environment_is_reset_with_its_row_and_its_reward_scores_the_episode(tiny_model_path, tmp_path):
+    """One environment per rollout: ``reset(**row)`` gets the row (its string joins the question the model sees), the
+    call goes to that rollout's instance, and ``get_reward`` is an extra reward of weight 1 (TRL's contract)."""
+    Abacus.instances.clear()
+    trainer, _, calls = _trainer(tiny_model_path, tmp_path, [CALL % "abacus", "Answer: 6"], tool=None,
+                                 environment=f"{__name__}:Abacus")
+    out, completions = _episode(trainer, target="6")
+    assert "Use the abacus; the target is 6." in trainer.seen_prompts[0][0]
+    assert '"name": "abacus"' in trainer.seen_prompts[0][0]  # its method is rendered as a tool
+    assert completions[0][1] == {"role": "tool", "name": "abacus", "content": "6"}
+    used = [env for env in Abacus.instances if env.calls]
+    assert len(used) == GROUP and all(env.calls == ["2 * 3"] and env.row["target"] == "6" for env in used)
+    assert trainer._metrics["train"]["rewards/Abacus/mean"][-1] == 2.0
+    assert trainer._metrics["train"]["reward"][-1] == 2.0 + 1.0  # answer_reward 1 + the environment's 2
