@@ -47,29 +47,45 @@ def load_rows(src: SourceConfig, size: int, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-def to_prompt(question: str, system_prompt: str | None, few_shot=()) -> list[dict[str, str]]:
-    """Conversational prompt: optional system message, the ``few_shot`` examples (objects with ``question``
-    and ``completion``) as user/assistant turns, then the question as the user message."""
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+def to_prompt(question: str, system_prompt: str | None, few_shot=()) -> list[dict]:
+    """Conversational prompt: optional system message, the ``few_shot`` examples (objects with ``question``,
+    ``completion`` and optionally ``tool_call``) as user/assistant turns -- with a tool call, the assistant's call and
+    the tool's answer (TRL's message format) come before its reply -- then the question as the user message.
+
+    >>> from grpo_steps.config import FewShotExample
+    >>> demo = FewShotExample(question="Calculate 2 * 3.", completion="Answer: 6",
+    ...                       tool_call={"name": "calculator", "arguments": {"expression": "2 * 3"}, "result": "6"})
+    >>> [m["role"] for m in to_prompt("Calculate 4 * 5.", None, [demo])]
+    ['user', 'assistant', 'tool', 'assistant', 'user']
+    """
+    messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
     for example in few_shot:
-        messages += [{"role": "user", "content": example.question},
-                     {"role": "assistant", "content": example.completion}]
+        messages.append({"role": "user", "content": example.question})
+        call = getattr(example, "tool_call", None)
+        if call is not None:
+            messages += [{"role": "assistant", "content": "", "tool_calls": [
+                             {"type": "function", "function": {"name": call.name, "arguments": dict(call.arguments)}}]},
+                         {"role": "tool", "name": call.name, "content": call.result}]
+        messages.append({"role": "assistant", "content": example.completion})
     return messages + [{"role": "user", "content": question}]
 
 
-def encode_prompt(tokenizer, prompt: str | list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | list[dict], chat_template_kwargs: dict | None = None,
+                  tools: list | None = None) -> list[int]:
     """Token ids of a prompt as the policy sees it: chat template + generation prompt for a
     conversational prompt (``chat_template_kwargs``: the template's keyword arguments,
-    ``generation.chat_template_kwargs``), plain tokens for a standard one."""
+    ``generation.chat_template_kwargs``; ``tools``: the functions whose schemas it renders), plain tokens for a
+    standard one."""
     if isinstance(prompt, str):
         return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+    ids = tokenizer.apply_chat_template(prompt, tools=tools or None, add_generation_prompt=True, tokenize=True,
                                         **(chat_template_kwargs or {}))
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # BatchEncoding in transformers 5
 
 
 def _prepare_source(src: SourceConfig, cfg: DataConfig, num_train: int, num_eval: int, tokenizer,
-                    seen: set[str], chat_template_kwargs: dict | None) -> tuple[list[dict], list[dict], dict[str, int]]:
+                    seen: set[str], chat_template_kwargs: dict | None,
+                    tools: list | None) -> tuple[list[dict], list[dict], dict[str, int]]:
     """(train, eval, stats) of one source; ``seen`` holds the questions taken by earlier sources."""
     rows = load_rows(src, size=2 * (num_train + num_eval), seed=cfg.seed)  # head-room for duplicates, budget
     kept_map = kept_columns(src)
@@ -88,7 +104,7 @@ def _prepare_source(src: SourceConfig, cfg: DataConfig, num_train: int, num_eval
     kept, too_long = [], 0
     for row in unique:
         prompt = to_prompt(row.pop("question"), src.system_prompt, src.few_shot)
-        if len(encode_prompt(tokenizer, prompt, chat_template_kwargs)) > cfg.max_prompt_tokens:
+        if len(encode_prompt(tokenizer, prompt, chat_template_kwargs, tools)) > cfg.max_prompt_tokens:
             too_long += 1
             continue
         kept.append({"prompt": prompt, **row})
@@ -112,12 +128,14 @@ def _prepare_source(src: SourceConfig, cfg: DataConfig, num_train: int, num_eval
     return kept[num_eval:], kept[:num_eval], stats
 
 
-def prepare(cfg: DataConfig, tokenizer, chat_template_kwargs: dict | None = None) -> PreparedData:
+def prepare(cfg: DataConfig, tokenizer, chat_template_kwargs: dict | None = None,
+            tools: list | None = None) -> PreparedData:
     """Prepared train and eval splits of the configured source or mixture.
 
     Per source: deduplicates on the question text, shuffles with ``cfg.seed``, drops prompts longer
     than ``cfg.max_prompt_tokens`` (with the chat template applied by ``tokenizer``, with
-    ``chat_template_kwargs``: ``generation.chat_template_kwargs``), then takes its
+    ``chat_template_kwargs``: ``generation.chat_template_kwargs``; ``tools``: the schemas rendered with it), then
+    takes its
     eval rows and up to its train rows (a mixture splits ``num_train``/``num_eval`` by weight, see
     :func:`grpo_steps.config.split_counts`). No prompt is in both splits, nor in two sources.
 
@@ -132,7 +150,7 @@ def prepare(cfg: DataConfig, tokenizer, chat_template_kwargs: dict | None = None
     for src, n_train, n_eval in zip(sources, split_counts(cfg.num_train, weights),
                                     split_counts(cfg.num_eval, weights), strict=True):
         src_train, src_eval, src_stats = _prepare_source(src, cfg, n_train, n_eval, tokenizer, seen,
-                                                         chat_template_kwargs)
+                                                         chat_template_kwargs, tools)
         if cfg.mixture:
             for row in src_train + src_eval:
                 row["task"] = src.name

@@ -9,6 +9,7 @@ evaluation during training.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import statistics
 from contextlib import contextmanager
@@ -74,14 +75,15 @@ def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
     return mean, 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5
 
 
-def score(cfg: PipelineConfig, rows: list[dict], completions: list[list[str]],
+def score(cfg: PipelineConfig, rows: list[dict], completions: list[list[str | list[dict]]],
           completion_ids: list[list[list[int]]] | None = None) -> dict[str, list[list[float | None]]]:
     """Reward of each completion under each configured reward function (the training code path:
     :func:`rewards.build_reward`, options and guard included).
 
     Args:
         rows: P eval rows (``prompt``, ``answer``, ...).
-        completions: P lists of completion texts.
+        completions: P lists of completions: texts, or the messages of a multi-turn episode (what TRL passes the
+            rewards in training).
         completion_ids: P lists of completion token ids, shaped like ``completions``, for rewards that
             need lengths in tokens; None: such rewards score None.
 
@@ -90,7 +92,8 @@ def score(cfg: PipelineConfig, rows: list[dict], completions: list[list[str]],
     """
     from rewards import build_reward
 
-    flat_completions = [[{"role": "assistant", "content": text}] for texts in completions for text in texts]
+    flat_completions = [[{"role": "assistant", "content": c}] if isinstance(c, str) else c
+                        for group in completions for c in group]
     columns: dict[str, list] = {}
     for key in rows[0]:
         if key != "prompt":
@@ -112,8 +115,9 @@ def _mean(values) -> float:
 
 
 def _metrics(cfg: PipelineConfig, n: int, scores: dict, greedy_scores: dict, lengths: list[list[int]],
-             keep: list[int]) -> dict[str, float]:
-    """The metrics of :func:`evaluate_policy` over the prompts whose indices are in ``keep``."""
+             keep: list[int], weights: dict[str, float]) -> dict[str, float]:
+    """The metrics of :func:`evaluate_policy` over the prompts whose indices are in ``keep`` (``weights``: reward
+    name -> weight in the summed ``reward``)."""
     correctness = cfg.eval.correctness_reward
     correct = [[(s or 0.0) >= CORRECTNESS_THRESHOLD for s in scores[correctness][i]] for i in keep]
     metrics: dict[str, float] = {
@@ -134,12 +138,34 @@ def _metrics(cfg: PipelineConfig, n: int, scores: dict, greedy_scores: dict, len
             float((c or 0.0) >= CORRECTNESS_THRESHOLD)
             for i in keep for c, f in zip(scores[correctness][i], scores[fmt][i], strict=True) if f == 1.0)
     total = [0.0] * sum(len(scores[correctness][i]) for i in keep)
-    for spec in cfg.rewards:
-        flat = [s for i in keep for s in scores[spec.name][i]]
-        metrics[f"reward/{spec.name}"] = _mean(flat)
-        total = [t + spec.weight * (s or 0.0) for t, s in zip(total, flat, strict=True)]
+    for name, weight in weights.items():
+        flat = [s for i in keep for s in scores[name][i]]
+        metrics[f"reward/{name}"] = _mean(flat)
+        total = [t + weight * (s or 0.0) for t, s in zip(total, flat, strict=True)]
     metrics["reward"] = _mean(total)
     return metrics
+
+
+def environment_rewards(groups: list[list]) -> list[str]:
+    """The names (class names, as TRL logs them) of the environments among ``groups`` of episodes that own a reward
+    (``get_reward``)."""
+    return sorted({type(e.environment).__name__ for group in groups for e in group
+                   if e.environment is not None and callable(getattr(e.environment, "get_reward", None))})
+
+
+def _environment_reward(episode, name: str) -> float | None:
+    env = episode.environment
+    if env is None or type(env).__name__ != name:
+        return None
+    value = env.get_reward()
+    if inspect.isawaitable(value):
+        import asyncio
+
+        async def _value():
+            return await value
+
+        value = asyncio.run(_value())
+    return None if value is None else float(value)
 
 
 def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], label: str = "eval") -> dict:
@@ -162,34 +188,48 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
     None, 0..1); with a ``task`` column (data mixtures), each metric above also per task as
     ``task/<task>/<metric>``.
     """
-    from grpo_steps.data import encode_prompt
+    from grpo_steps.episodes import Rollouts, conversation, episode_metrics
     from grpo_steps.monitor import Progress
     from rewards import guard
 
-    n, gen = cfg.eval.num_samples, cfg.generation
-    prompt_ids = [encode_prompt(tokenizer, row["prompt"], gen.chat_template_kwargs) for row in rows]
+    n = cfg.eval.num_samples
+    rollouts = Rollouts(cfg, client, tokenizer)
     progress = Progress(f"eval {label}", len(rows), "prompts")
     batch = max(8, -(-len(rows) // 10))  # about ten progress lines
     sampled, greedy = [], []
     for i in range(0, len(rows), batch):
-        chunk = prompt_ids[i : i + batch]
-        sampled += client.complete(chunk, n, max_tokens=gen.max_completion_tokens, temperature=cfg.eval.temperature,
-                                   request=gen.sampling_request())
-        greedy += client.complete(chunk, 1, max_tokens=gen.max_completion_tokens, temperature=0.0,
-                                  request=gen.sampling_request(filters=False))
+        chunk = rows[i : i + batch]
+        sampled += rollouts.sample(chunk, n, temperature=cfg.eval.temperature)
+        greedy += rollouts.sample(chunk, 1, temperature=0.0, filters=False)
         progress.update(len(chunk))
-    texts = [[s["text"] for s in group] for group in sampled]
-    counts_before, scored_before = guard.counters(), guard.scored()
-    scores = score(cfg, rows, texts, [[s["completion_ids"] for s in group] for group in sampled])
-    greedy_scores = score(cfg, rows, [[g[0]["text"]] for g in greedy], [[g[0]["completion_ids"]] for g in greedy])
-    lengths = [[len(s["completion_ids"]) for s in group] for group in sampled]
 
-    metrics = _metrics(cfg, n, scores, greedy_scores, lengths, list(range(len(rows))))
+    def completions_of(groups: list[list]) -> list[list]:  # a single turn's text, or an episode's messages
+        return [[e.messages if rollouts.multi_turn else e.text for e in group] for group in groups]
+
+    counts_before, scored_before = guard.counters(), guard.scored()
+    scores = score(cfg, rows, completions_of(sampled), [[e.completion_ids for e in group] for group in sampled])
+    greedy_scores = score(cfg, rows, completions_of(greedy), [[e.completion_ids for e in group] for group in greedy])
+    lengths = [[e.model_tokens for e in group] for group in sampled]
+    weights = {spec.name: spec.weight for spec in cfg.rewards}
+    for env_reward in environment_rewards(sampled + greedy):  # an environment's get_reward: weight 1, as in TRL
+        weights[env_reward] = 1.0
+        scores[env_reward] = [[_environment_reward(e, env_reward) for e in group] for group in sampled]
+        greedy_scores[env_reward] = [[_environment_reward(e, env_reward) for e in group] for group in greedy]
+    texts = [[e.text for e in group] for group in sampled]
+
+    metrics = _metrics(cfg, n, scores, greedy_scores, lengths, list(range(len(rows))), weights)
+    if rollouts.multi_turn:
+        metrics.update(episode_metrics([e for group in sampled for e in group]))
+        metrics.update({f"greedy_{k.replace('/', '_')}": v for k, v in
+                        episode_metrics([group[0] for group in greedy]).items() if "episodes_with_call" in k})
+
     correctness = cfg.eval.correctness_reward
     per_prompt = {  # for paired intervals between two policies on the same prompts (see paired_gain)
         "accuracy": [float((g[0] or 0.0) >= CORRECTNESS_THRESHOLD) for g in greedy_scores[correctness]],
         "pass@1": [_mean(float((s or 0.0) >= CORRECTNESS_THRESHOLD) for s in group) for group in scores[correctness]],
     }
+    if rollouts.multi_turn:  # whether the greedy episode called a tool: splits an accuracy gain by tool use
+        per_prompt["tool_call"] = [float(group[0].tool_calls > 0) for group in greedy]
     counts, scored = guard.counters(), guard.scored()
     for spec in cfg.rewards:
         for kind in guard.KINDS:
@@ -202,28 +242,40 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
     for task in tasks:
         keep = [i for i, row in enumerate(rows) if row.get("task") == task]
         metrics.update({f"task/{task}/{k}": v for k, v in
-                        _metrics(cfg, n, scores, greedy_scores, lengths, keep).items()})
+                        _metrics(cfg, n, scores, greedy_scores, lengths, keep, weights).items()})
 
     samples = []
     for i, row in enumerate(rows[: cfg.eval.num_table_rows]):
         samples.append({
             "question": row["prompt"][-1]["content"],
             "answer": row.get("answer"),
-            "completion": texts[i][0],
+            "completion": texts[i][0] if not rollouts.multi_turn else conversation(sampled[i][0].messages),
             **{name: scores[name][i][0] for name in scores},
         })
     # Fingerprint of the weights the server holds: greedy logprobs of the first prompt's completion.
-    return {"metrics": metrics, "samples": samples, "probe_logprobs": greedy[0][0]["logprobs"],
+    return {"metrics": metrics, "samples": samples, "probe_logprobs": greedy[0][0].first_logprobs,
             "per_prompt": per_prompt, "prompt_keys": [prompt_key(row["prompt"]) for row in rows]}
 
 
 def gain_metrics(baseline: dict[str, list[float]], trained: dict[str, list[float]]) -> dict[str, float]:
     """Trained minus baseline on the same prompts, per metric of ``per_prompt`` (see
     :func:`evaluate_policy`): ``<metric>`` (mean gain) and ``<metric>_ci95`` (half-width of
-    its paired 95 % interval, :func:`grpo_steps.evaluate.paired_gain`)."""
+    its paired 95 % interval, :func:`grpo_steps.evaluate.paired_gain`). With tools (a ``tool_call`` entry):
+    ``accuracy_from_tool_calls``, the part of the accuracy gain made on prompts whose trained greedy episode called
+    a tool (the rest of ``accuracy`` was made without a call).
+
+    >>> gain = gain_metrics({"accuracy": [0, 0, 1], "tool_call": [0, 0, 0]},
+    ...                     {"accuracy": [1, 1, 1], "tool_call": [1, 0, 1]})
+    >>> gain["accuracy"], gain["accuracy_from_tool_calls"]
+    (0.6666666666666666, 0.3333333333333333)
+    """
     out = {}
     for name in baseline:
         out[name], out[f"{name}_ci95"] = paired_gain(baseline[name], trained[name])
+    if "tool_call" in trained and "accuracy" in trained:
+        deltas = [(t - b) * call for b, t, call in zip(baseline["accuracy"], trained["accuracy"],
+                                                       trained["tool_call"], strict=True)]
+        out["accuracy_from_tool_calls"] = sum(deltas) / max(len(deltas), 1)
     return out
 
 
@@ -236,13 +288,13 @@ def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: d
 
     Returns ``{"baseline": evaluate_policy(...), "trained": ..., "gain": gain_metrics(...)}``.
     """
-    from transformers import AutoTokenizer
 
     from grpo_steps import servers, tracking
+    from grpo_steps.models import load_tokenizer
 
     generation_server = servers.from_dict(server)
     client = generation_server.client()
-    tokenizer = AutoTokenizer.from_pretrained(base_model)
+    tokenizer = load_tokenizer(base_model, cfg.model.chat_template)
     report = {}
     for label, weights in (("baseline", base_model), ("trained", trained_model)):
         with served_policy(cfg, generation_server, client, weights, label):

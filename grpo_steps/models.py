@@ -82,6 +82,24 @@ def _prepare_embedded(name: str, target: Path) -> Path:
         return save_model_dir(model, tokenizer, target)
 
 
+def load_tokenizer(model_path: str, chat_template: str | None = None):
+    """The policy's tokenizer from ``model_path``, rendering with ``chat_template`` (``model.chat_template``: the name
+    of a template TRL ships or a Jinja file; None: the model's own) -- the one tokenizer data preparation, training
+    and evaluation render prompts with.
+
+    Raises:
+        ToolError: ``chat_template`` names no file and no template TRL ships.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if chat_template:
+        from grpo_steps.tools import chat_template_text
+
+        tokenizer.chat_template = chat_template_text(chat_template)
+    return tokenizer
+
+
 def resolve_model(name_or_path: str) -> str:
     """A path or hub id that ``from_pretrained`` and ``vllm serve`` accept, for ``model.name_or_path``.
 

@@ -35,12 +35,16 @@ def start(cfg: PipelineConfig, pathspec: str) -> str:
         CheckpointNotFound: ``train.resume_from`` names no usable checkpoint.
         SandboxUnavailable: ``code_execution`` is configured where only the weak sandbox mode works, without
             its ``allow_weak_isolation`` option.
+        ToolError: ``model.chat_template`` names nothing, or cannot render a tool-calling exchange with tools or an
+            environment configured; an environment without ``reset`` or with a tool that has no schema.
     """
     from grpo_steps.training.job import check_grpo_keys
 
     tracking.check_reachable(cfg.tracking.tracking_uri)
     check_grpo_keys(cfg)
     check_sandbox(cfg)
+    if cfg.tools or cfg.environment or cfg.model.chat_template:
+        check_tools(cfg)
     if cfg.train.peft is not None:
         check_lora_targets(cfg)
     if cfg.train.resume_from:
@@ -62,6 +66,19 @@ def check_sandbox(cfg: PipelineConfig) -> None:
             print(f"[sandbox] code_execution isolation: {mode}", flush=True)
 
 
+def check_tools(cfg: PipelineConfig) -> None:
+    """``model.chat_template`` loads; with tools or an environment, the environment's instances have ``reset`` and
+    describable tools and the chat template renders a tool-calling exchange with the tools' schemas (the model is
+    resolved: the embedded one is converted once). Raises ToolError."""
+    from grpo_steps.models import load_tokenizer, resolve_model
+    from grpo_steps.tools import check_tool_calling, prompt_tools
+
+    tokenizer = load_tokenizer(resolve_model(cfg.model.name_or_path), cfg.model.chat_template)
+    if cfg.tools or cfg.environment:
+        tools = prompt_tools(cfg.tools, cfg.environment, cfg.generation.tool_timeout_s)
+        check_tool_calling(tokenizer, tools, cfg.model.chat_template)
+
+
 def check_lora_targets(cfg: PipelineConfig) -> None:
     """``train.peft.target_modules`` against the policy's architecture (a local or embedded model; a hub id is
     checked by PEFT when training starts). Raises ConfigError."""
@@ -80,14 +97,14 @@ def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
 
     Returns ``(model_path, PreparedData)``.
     """
-    from transformers import AutoTokenizer
-
     from grpo_steps.data import mlflow_datasets, prepare
-    from grpo_steps.models import resolve_model
+    from grpo_steps.models import load_tokenizer, resolve_model
+    from grpo_steps.tools import prompt_tools
 
     model_path = resolve_model(cfg.model.name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    data = prepare(cfg.data, tokenizer, cfg.generation.chat_template_kwargs)
+    tokenizer = load_tokenizer(model_path, cfg.model.chat_template)
+    tools = prompt_tools(cfg.tools, cfg.environment, cfg.generation.tool_timeout_s)
+    data = prepare(cfg.data, tokenizer, cfg.generation.chat_template_kwargs, tools)
     if cfg.generation.backend == "replay":  # every train prompt needs its completions: fail before training
         from grpo_steps.data import ReplayFile
 

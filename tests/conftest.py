@@ -31,7 +31,7 @@ def tiny_server(tiny_model_path, tmp_path_factory):
     from grpo_steps.processes import ProcessRef
     from grpo_steps.servers.local import start_local
 
-    server = start_local(tiny_model_path, ServerConfig(kv_cache_gib=1, startup_timeout_s=300), max_model_len=512,
+    server = start_local(tiny_model_path, ServerConfig(kv_cache_gib=1, startup_timeout_s=300), max_model_len=1024,
                          dtype="float32", owner=ProcessRef.of(os.getpid()),
                          log_dir=tmp_path_factory.mktemp("tiny-server-logs"))
     yield server

@@ -21,13 +21,27 @@ RESERVED_COLUMNS = ("prompt", "answer", "task")
 DEFAULT_SYSTEM_PROMPT = "Solve the problem. End your reply with a final line of the form 'Answer: <number>'."
 
 
+class FewShotToolCall(_Section):
+    """A tool call a worked example makes before its reply (``few_shot[].tool_call``)."""
+
+    name: str = Field(min_length=1)
+    """The tool's name (one of ``tools`` or the environment's methods)."""
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    """The call's arguments, by parameter name."""
+    result: str
+    """What the tool returned, shown to the policy as the tool's message."""
+
+
 class FewShotExample(_Section):
-    """One worked example shown to the policy before the question (a user turn and the assistant's reply)."""
+    """One worked example shown to the policy before the question (a user turn and the assistant's reply; with
+    ``tool_call``, the assistant's call, the tool's answer, then the reply)."""
 
     question: str = Field(min_length=1)
     """The example's user message, written like the task's questions."""
     completion: str = Field(min_length=1)
     """The reply the policy should imitate, in the format the rewards check (e.g. ``Answer: 42``)."""
+    tool_call: FewShotToolCall | None = None
+    """A tool call the example makes first (a tool-use demonstration); null: none."""
 
 
 class SourceConfig(_Section):

@@ -240,6 +240,11 @@ class GenerationConfig(_Section):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the tokenizer's chat template when a prompt is rendered, in training, evaluation and
     data preparation alike (e.g. ``{enable_thinking: false}`` for templates that read it)."""
+    max_tool_calling_iterations: int = Field(3, ge=1)
+    """With ``tools`` or an ``environment``: tool-calling rounds per rollout at most (each round runs the calls of
+    one assistant turn and samples the next turn); TRL's ``max_tool_calling_iterations``."""
+    tool_timeout_s: float = Field(10.0, gt=0)
+    """Seconds one tool call may take; past it the call is an error the model sees as the tool's answer."""
     server: ServerConfig = ServerConfig()
     """The generation server: provider settings (endpoint, port, KV cache, start-up timeout, extra arguments)."""
     mode: Literal["server", "colocate"] = "server"

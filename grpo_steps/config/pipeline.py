@@ -38,6 +38,16 @@ class PipelineConfig(_Section):
         default_factory=lambda: [RewardSpec(name="answer_accuracy"), RewardSpec(name="answer_format", weight=0.5)]
     )
     """The reward functions, in TRL's signature, with weights; training and evaluation call the same ones."""
+    tools: list[str] = Field(default_factory=list)
+    """Python functions the policy may call during a rollout, as dotted paths ``package.module:function`` (type hints
+    and a Google-style docstring with ``Args:``: TRL's tool contract). Their schemas are rendered into the prompt by
+    ``model.chat_template``; each call runs in the training process (and the evaluation's), its result or error
+    goes back to the model, and tool tokens are masked out of the loss."""
+    environment: str | dict[str, str] | None = None
+    """A stateful environment per rollout (TRL's ``environment_factory``): the dotted path of a factory whose
+    instances have ``reset(**row) -> str | None``, public methods as tools and optionally ``get_reward() -> float``
+    (an extra reward, weight 1); or ``{name: factory}``, each row naming its environment in an ``environment``
+    column (kept with ``data.columns``). Null: none."""
     generation: GenerationConfig = GenerationConfig()
     """Rollouts: backend, server provider, weight sync, sampling."""
     train: TrainConfig = TrainConfig()
@@ -219,6 +229,49 @@ class PipelineConfig(_Section):
             raise ValueError(f"train.loss_type 'vespo' weights sequences itself and takes only token-level mismatch "
                              f"ratios (TRL raises otherwise): set generation.importance_sampling.mode to "
                              f"'token_truncate' or 'token_mask' (or 'off'), not {mode!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _tools_describable(self) -> PipelineConfig:
+        """Each tool imports and has a schema (the environment's factory is probed in ``start``)."""
+        if self.tools:
+            from grpo_steps.tools import tool_functions
+
+            tool_functions(self.tools, self.generation.tool_timeout_s)  # raises ConfigError naming the tool
+        if self.environment is not None:
+            from grpo_steps.tools import resolve_callable
+
+            named = {"": self.environment} if isinstance(self.environment, str) else self.environment
+            for name, path in named.items():
+                resolve_callable(path, f"environment.{name}" if name else "environment")
+        return self
+
+    @model_validator(mode="after")
+    def _tools_need_sampling(self) -> PipelineConfig:
+        if (self.tools or self.environment) and self.generation.backend == "replay":
+            raise ValueError("tools and environment need sampled rollouts (the policy's tool calls run between its "
+                             "turns); backend 'replay' samples nothing: use backend 'vllm'")
+        return self
+
+    @model_validator(mode="after")
+    def _routed_environments_have_their_column(self) -> PipelineConfig:
+        if isinstance(self.environment, dict):
+            columns = {name for src in self.data.sources() for name in kept_columns(src)}
+            if "environment" not in columns:
+                raise ValueError("environment maps names to factories, so every row names its environment in an "
+                                 "'environment' column: keep it with data.columns: [environment] (or use one factory)")
+        return self
+
+    @model_validator(mode="after")
+    def _few_shot_calls_known_tools(self) -> PipelineConfig:
+        if self.environment is not None:  # an environment's tools are its methods, known once it is probed
+            return self
+        names = {path.replace(":", ".").rsplit(".", 1)[-1] for path in self.tools}
+        for src in self.data.sources():
+            for example in src.few_shot:
+                if example.tool_call is not None and example.tool_call.name not in names:
+                    raise ValueError(f"data.few_shot shows a call of tool {example.tool_call.name!r}, which is not "
+                                     f"one of the tools ({sorted(names) or 'none'}): add it to tools or fix the name")
         return self
 
     @model_validator(mode="after")

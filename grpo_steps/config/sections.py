@@ -18,6 +18,11 @@ class ModelConfig(_Section):
     """Training dtype of the policy. float32 on CPU."""
     max_model_len: int = Field(1024, gt=0)
     """Longest prompt + completion the generation server accepts, in tokens."""
+    chat_template: str | None = None
+    """The chat template prompts are rendered with, in training, evaluation and data preparation, and saved with the
+    trained policy: the name of one TRL ships (``trl/chat_templates``, e.g. ``qwen2_5``: ChatML with tool calls in
+    ``<tool_call>``) or the path of a Jinja file; null: the model's own. Tools and environments need one that renders
+    a tool-calling exchange (checked in ``start``)."""
 
 
 class RewardSpec(_Section):

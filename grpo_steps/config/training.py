@@ -43,6 +43,7 @@ GRPO_ARGS_SET_BY: dict[str, str] = {
     "generation_kwargs": "generation.stop, generation.stop_token_ids and generation.structured_outputs",
     "vllm_structured_outputs_regex": "generation.structured_outputs",
     "chat_template_kwargs": "generation.chat_template_kwargs",
+    "max_tool_calling_iterations": "generation.max_tool_calling_iterations",
     "reward_weights": "rewards[].weight",
     "save_strategy": "the pipeline (a checkpoint every train.save_steps)",
     "save_steps": "train.save_steps",

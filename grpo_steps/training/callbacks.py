@@ -117,20 +117,24 @@ COMPLETIONS_DIR = "completions"
 
 def completions_table(trainer, version: int) -> dict[str, list]:
     """The latest generation batch as a table (column -> values): ``prompt`` (the last message of a conversational
-    prompt), ``completion`` (its text), one column per reward function (None where it did not apply), ``advantage``
-    and ``weight_version`` (the policy version that sampled it). Read from TRL's ``GRPOTrainer._logs``, which holds
-    the batch gathered from every process (main process only; pinned by tests/unit/test_trl_contract.py)."""
+    prompt), ``completion`` (its text; a multi-turn one whole: tool calls and answers), one column per reward
+    function (None where it did not apply), ``advantage`` and ``weight_version`` (the policy version that sampled it).
+    Read from TRL's ``GRPOTrainer._logs``, which holds the batch gathered from every process (main process only;
+    pinned by tests/unit/test_trl_contract.py)."""
     import math
 
     logs = trainer._logs
 
-    def text(value) -> str:
+    from grpo_steps.episodes import conversation
+
+    def text(value, whole: bool) -> str:
         if isinstance(value, list) and value and isinstance(value[-1], dict):
-            return str(value[-1].get("content", ""))
+            # a multi-turn completion is shown whole (tool calls and answers), a prompt by its question
+            return conversation(value) if whole and len(value) > 1 else str(value[-1].get("content", ""))
         return str(value)
 
-    table: dict[str, list] = {"prompt": [text(p) for p in logs["prompt"]],
-                              "completion": [text(c) for c in logs["completion"]]}
+    table: dict[str, list] = {"prompt": [text(p, False) for p in logs["prompt"]],
+                              "completion": [text(c, True) for c in logs["completion"]]}
     for name, values in logs["rewards"].items():
         table[name] = [None if v is None or math.isnan(v) else float(v) for v in values]
     table["advantage"] = [float(a) for a in logs["advantages"]]

@@ -1,9 +1,9 @@
 """GRPO training entry point: ``python -m grpo_steps.training JOB.json`` (under ``accelerate launch``).
 
 Runs TRL's ``GRPOTrainer`` on the prepared train split of a :class:`grpo_steps.training.job.TrainJob`. With the
-``vllm`` backend, rollouts come from the provisioned server through
-:class:`grpo_steps.training.rollouts.VLLMRollout` (``rollout_func``) with ``disk`` weight sync, verified pushes
-and TRL's mismatch correction (:mod:`grpo_steps.training.trainer`); with ``hf``, TRL generates with transformers
+``vllm`` backend, rollouts come from the provisioned server through TRL's own generation path onto
+:class:`grpo_steps.training.generation.ServerGeneration`, with ``disk`` weight sync, verified pushes and TRL's
+mismatch correction (:mod:`grpo_steps.training.trainer`); with ``hf``, TRL generates with transformers
 in-process; with ``replay``, fixed completions come from a file
 (:class:`grpo_steps.training.rollouts.ReplayRollout`). Metrics go to the MLflow run named by
 ``job.mlflow_run_id`` (each step once, across resumes); checkpoints are written every ``save_steps`` and, inside
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from grpo_steps.config import PipelineConfig
 from grpo_steps.training.job import TrainJob, grpo_args
-from grpo_steps.training.rollouts import ReplayRollout, VLLMRollout
+from grpo_steps.training.rollouts import ReplayRollout
 
 
 def reward_functions(cfg: PipelineConfig) -> list:
@@ -42,8 +42,9 @@ def run(job: TrainJob) -> str:
     """
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    from grpo_steps.models import load_tokenizer
     from grpo_steps.training.trainer import PipelineGRPOTrainer
 
     started = time.monotonic()
@@ -54,7 +55,7 @@ def run(job: TrainJob) -> str:
 
         deepspeed.comm.init_distributed(dist_backend="gloo")
     args = grpo_args(job)
-    tokenizer = AutoTokenizer.from_pretrained(job.model_path)
+    tokenizer = load_tokenizer(job.model_path, cfg.model.chat_template)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     dtype = getattr(torch, cfg.model.dtype) if torch.cuda.is_available() else torch.float32
@@ -71,15 +72,17 @@ def run(job: TrainJob) -> str:
         colocate_environment(cfg)
     elif cfg.generation.backend == "vllm" and cfg.generation.weight_sync == "disk":
         from grpo_steps.servers.client import VLLMClient
-        from grpo_steps.training.trainer import ServerGRPOTrainer, disk_sync
+        from grpo_steps.training.generation import server_generation
+        from grpo_steps.training.trainer import ServerGRPOTrainer
 
         client = VLLMClient(job.endpoint, model=job.served_model)
-        rollout = VLLMRollout(client, tokenizer, cfg.generation)
         trainer_class = ServerGRPOTrainer
         probe_tolerance, max_logp_diff = cfg.generation.sync_check.thresholds(cfg.model.dtype)
         lora_push = cfg.train.peft.push if cfg.train.peft else None
-        server_kwargs = dict(sync=disk_sync(client, tokenizer, rows[0]["prompt"], job.output_dir, probe_tolerance,
-                                            cfg.generation.sync_dir, lora=lora_push),
+        server_kwargs = dict(sync=server_generation(client, tokenizer, rows[0]["prompt"], job.output_dir,
+                                                    probe_tolerance, gen=cfg.generation,
+                                                    max_model_len=cfg.model.max_model_len,
+                                                    sync_dir=cfg.generation.sync_dir, lora=lora_push),
                              max_logp_diff=max_logp_diff)
     elif cfg.generation.backend == "replay":
         rollout = ReplayRollout(cfg.generation.replay_file, tokenizer, cfg.generation)
@@ -98,6 +101,8 @@ def run(job: TrainJob) -> str:
     if in_metaflow_task():
         callbacks.append(DatastoreCheckpointCallback(job.node_index, keep=cfg.train.save_total_limit,
                                                      log_metrics=mlflow_cb.log if mlflow_cb else None))
+    from grpo_steps.tools import environment_factories, tool_functions, trl_environment_factory
+
     trainer = trainer_class(
         model=model,
         reward_funcs=reward_functions(cfg),
@@ -107,6 +112,10 @@ def run(job: TrainJob) -> str:
         rollout_func=rollout,
         callbacks=callbacks,
         peft_config=cfg.train.peft.lora_config() if cfg.train.peft else None,  # LoRA: TRL wraps the policy
+        # multi-turn rollouts: TRL's own tool loop (grpo_steps.training.trainer), each call under tool_timeout_s
+        tools=tool_functions(cfg.tools, cfg.generation.tool_timeout_s) or None,
+        environment_factory=trl_environment_factory(environment_factories(cfg.environment,
+                                                                          cfg.generation.tool_timeout_s)),
         **server_kwargs,
     )
     if cfg.eval.every_steps:

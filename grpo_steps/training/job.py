@@ -71,6 +71,7 @@ def config_grpo_kwargs(job: TrainJob, on_cpu: bool) -> dict[str, Any]:
         generation_kwargs=gen.sampling_request(filters=False) or None,
         vllm_structured_outputs_regex=None,  # in generation_kwargs["structured_outputs"], with json and choice
         chat_template_kwargs=dict(gen.chat_template_kwargs) or None,
+        max_tool_calling_iterations=gen.max_tool_calling_iterations,
         reward_weights=[r.weight for r in cfg.rewards],
         save_strategy="steps",
         save_steps=train.save_steps,

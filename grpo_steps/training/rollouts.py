@@ -1,8 +1,8 @@
-"""Rollout functions (TRL's ``rollout_func``): completions from the generation server, or replayed from a file.
+"""The rollout function of backend ``replay`` (TRL's ``rollout_func``): completions replayed from a file, not sampled.
 
 TRL hands each training process whole prompt groups (every prompt ``num_generations`` times in a row,
-:func:`prompt_groups`); a rollout function returns one completion per entry as token ids, with the sampler's
-logprobs when there is a sampler.
+:func:`prompt_groups`); the rollout function returns one completion per entry as token ids. (Rollouts from the
+generation server go through TRL's own generation path: :mod:`grpo_steps.training.generation`.)
 """
 
 from __future__ import annotations
@@ -11,39 +11,6 @@ import itertools
 from pathlib import Path
 
 from grpo_steps.data import ReplayFile, encode_prompt
-
-
-class VLLMRollout:
-    """TRL ``rollout_func``: completions from a vLLM server.
-
-    Called by ``GRPOTrainer`` with this process's prompts, each repeated ``num_generations`` times
-    in a row; returns one completion per prompt entry: ``prompt_ids`` (list of B lists of token
-    ids), ``completion_ids`` (B lists) and ``logprobs`` (B lists, natural log, one per completion
-    token, of the distribution the server sampled from: the server runs with ``--logprobs-mode
-    processed_logprobs``). Sampling follows the ``generation`` config (temperature, filters, stop strings and ids,
-    structured outputs; prompts rendered with ``generation.chat_template_kwargs``). The weights reach the server
-    before (``grpo_steps.training.trainer.ServerGRPOTrainer``: pushed and verified after every optimizer step and
-    before the first generation). ``last_batch`` keeps the last call's ``(prompt_ids, completion_ids, logprobs)``
-    triples for the trainer's first-batch check.
-    """
-
-    def __init__(self, client, tokenizer, gen_cfg) -> None:
-        self.client, self.tokenizer, self.gen = client, tokenizer, gen_cfg
-        self.last_batch: list[tuple[list[int], list[int], list[float]]] = []
-
-    def __call__(self, prompts: list, trainer) -> dict[str, list]:
-        unique, group = prompt_groups(prompts, trainer)
-        prompt_ids = [encode_prompt(self.tokenizer, p, self.gen.chat_template_kwargs) for p in unique]
-        samples = self.client.complete(prompt_ids, group, max_tokens=self.gen.max_completion_tokens,
-                                       temperature=self.gen.temperature, request=self.gen.sampling_request())
-        out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
-        for ids, group_samples in zip(prompt_ids, samples, strict=True):
-            for sample in group_samples:
-                out["prompt_ids"].append(ids)
-                out["completion_ids"].append(sample["completion_ids"])
-                out["logprobs"].append(sample["logprobs"])
-        self.last_batch = list(zip(out["prompt_ids"], out["completion_ids"], out["logprobs"], strict=True))
-        return out
 
 
 def prompt_groups(prompts: list, trainer) -> tuple[list, int]:

@@ -6,7 +6,6 @@ tables in MLflow, and an external server that returns raw logprobs refused."""
 import json
 import re
 import sys
-from types import SimpleNamespace
 
 import pytest
 
@@ -14,7 +13,7 @@ from grpo_steps.config import GenerationConfig, validate_config
 from grpo_steps.data import encode_prompt, to_prompt
 from grpo_steps.servers.client import GenerationServerError
 from grpo_steps.training.entry import run
-from grpo_steps.training.rollouts import VLLMRollout
+from grpo_steps.training.generation import ServerGeneration
 from tests.integration.trainjob import history, job
 
 pytestmark = pytest.mark.slow
@@ -22,12 +21,17 @@ pytestmark = pytest.mark.slow
 QUESTIONS = ["Calculate 2 + 3.", "Calculate 4 + 1.", "Calculate 7 + 2."]
 
 
-def _rollout(server, tokenizer, group: int = 4, **generation) -> tuple[dict, VLLMRollout]:
-    """One rollout call of ``group`` completions for each of QUESTIONS, sampled with ``generation``."""
-    rollout = VLLMRollout(server.client(), tokenizer, GenerationConfig(max_completion_tokens=12, **generation))
-    trainer = SimpleNamespace(num_generations=group, num_generations_eval=1, model=SimpleNamespace(training=True))
-    prompts = [p for q in QUESTIONS for p in [to_prompt(q, "Solve the problem.")] * group]
-    return rollout(prompts, trainer), rollout
+def _rollout(server, tokenizer, group: int = 4, **generation) -> dict:
+    """One first turn of ``group`` completions for each of QUESTIONS, sampled with ``generation`` by the training
+    process's generation stand-in, as TRL's generation path calls it."""
+    gen = GenerationConfig(max_completion_tokens=12, **generation)
+    sampler = ServerGeneration(trainer=None, client=server.client(), gen=gen, max_model_len=256, push=None,
+                               probe_ids=[], probe_tolerance=1.0)
+    prompts = [encode_prompt(tokenizer, to_prompt(q, "Solve the problem."), gen.chat_template_kwargs)
+               for q in QUESTIONS for _ in range(group)]
+    prompt_ids, completion_ids, logprobs, _ = sampler.generate(prompts, num_generations=group)
+    assert prompt_ids == prompts and all(len(lp) == len(ids) for lp, ids in zip(logprobs, completion_ids, strict=True))
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids}
 
 
 def test_temperature_and_top_k_train_with_the_first_batch_check_on(tmp_path, tiny_model_path, tiny_tokenizer,
@@ -71,7 +75,7 @@ def test_a_stop_string_ends_completions(tiny_server, tiny_tokenizer):
 
 def test_a_regex_constrains_every_completion(tiny_server, tiny_tokenizer):
     pattern = "[0-9]{1,2} (apples|pears)"
-    out, _ = _rollout(tiny_server, tiny_tokenizer, structured_outputs={"regex": pattern})
+    out = _rollout(tiny_server, tiny_tokenizer, structured_outputs={"regex": pattern})
     texts = [tiny_tokenizer.decode(ids, skip_special_tokens=True) for ids in out["completion_ids"]]
     assert all(re.fullmatch(pattern, text) for text in texts), texts
 
@@ -91,9 +95,9 @@ def test_a_chat_template_argument_appears_in_the_rendered_prompt(tiny_server, ti
     tokenizer = type(tiny_tokenizer).from_pretrained(tiny_tokenizer.name_or_path)
     tokenizer.chat_template = ("{% if mood %}<|im_start|>system\nmood {{ mood }}<|im_end|>\n{% endif %}"
                                + tiny_tokenizer.chat_template)
-    out, _ = _rollout(tiny_server, tokenizer, group=2, chat_template_kwargs={"mood": "7 + 7"})
+    out = _rollout(tiny_server, tokenizer, group=2, chat_template_kwargs={"mood": "7 + 7"})
     assert all("mood 7 + 7" in tokenizer.decode(ids) for ids in out["prompt_ids"])
-    plain, _ = _rollout(tiny_server, tokenizer, group=2)
+    plain = _rollout(tiny_server, tokenizer, group=2)
     assert not any("mood" in tokenizer.decode(ids) for ids in plain["prompt_ids"])
 
 

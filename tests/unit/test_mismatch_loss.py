@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from grpo_steps.config import validate_config
+from grpo_steps.servers.client import VLLMClient
+from grpo_steps.training.generation import ServerGeneration
 from grpo_steps.training.job import TrainJob, grpo_args
-from grpo_steps.training.trainer import DiskSync, ServerGRPOTrainer
+from grpo_steps.training.trainer import ServerGRPOTrainer
 
 LENGTHS = [3, 5]  # completion tokens of the two sequences
 ADVANTAGES = [1.0, -0.5]
@@ -32,7 +34,8 @@ def trainers(tiny_model_path, tmp_path_factory):
         reward = lambda completions, **_: [0.0] * len(completions)  # noqa: E731  (never called here)
         common = dict(model=model, reward_funcs=[reward, reward], args=args,
                       train_dataset=dataset, processing_class=tokenizer)
-        sync = DiskSync(trainer=None, push=None, probe_ids=[1, 2], probe_tolerance=0.05)
+        sync = ServerGeneration(trainer=None, client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation,
+                                max_model_len=256, push=None, probe_ids=[1, 2], probe_tolerance=0.05)  # never called
         out[name] = ServerGRPOTrainer(**common, sync=sync, max_logp_diff=None)
         if name == "off":
             out["plain"] = GRPOTrainer(**common)
@@ -79,3 +82,30 @@ def test_correction_off_is_trls_plain_trainer(trainers):
     off = trainers["off"].compute_loss(trainers["off"].model, _batch(None)).item()
     assert off == pytest.approx(plain, abs=1e-7)
     assert trainers["on"].use_vllm and not trainers["plain"].use_vllm
+
+
+def test_trls_prompt_rendering_is_the_pipelines(tiny_model_path, tmp_path):
+    """On the server path TRL renders the prompts (``_tokenize_prompts``: chat template, tool schemas, the template
+    arguments of ``generation.chat_template_kwargs``); data preparation and evaluation render them with
+    ``encode_prompt``: the same token ids."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_steps.data import encode_prompt, to_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    tokenizer.chat_template = "{% if mood %}<|im_start|>system\nmood {{ mood }}<|im_end|>\n{% endif %}" + \
+        tokenizer.chat_template
+    cfg = validate_config({"generation": {"chat_template_kwargs": {"mood": "7 + 7"}},
+                           "train": {"per_device_train_batch_size": 2, "num_generations": 2}})
+    args = grpo_args(TrainJob(config=cfg, model_path=tiny_model_path, train_file="unused", output_dir=str(tmp_path)))
+    sync = ServerGeneration(trainer=None, client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation,
+                            max_model_len=256, push=None, probe_ids=[1, 2], probe_tolerance=0.05)  # never called
+    trainer = ServerGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_path),
+                                reward_funcs=[lambda completions, **_: [0.0] * len(completions)] * 2, args=args,
+                                train_dataset=Dataset.from_list([{"prompt": "x"}] * 2), processing_class=tokenizer,
+                                sync=sync, max_logp_diff=None)
+    prompt = to_prompt("Calculate 2 + 3.", "Solve the problem.")
+    (trl_ids,), _, _ = trainer._tokenize_prompts([prompt])
+    assert list(trl_ids) == encode_prompt(tokenizer, prompt, cfg.generation.chat_template_kwargs)
+    assert "mood 7 + 7" in tokenizer.decode(trl_ids)

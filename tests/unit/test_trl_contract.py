@@ -67,3 +67,21 @@ def test_a_config_becomes_the_grpo_config_it_names(tmp_path):
     off = validate_config({"generation": {"importance_sampling": {"mode": "off"}}})
     assert grpo_args(TrainJob(config=off, model_path="m", train_file="t", output_dir=str(tmp_path))) \
         .vllm_importance_sampling_correction is False
+
+
+def test_trls_tool_loop_samples_every_turn_through_the_generation_stand_in():
+    """Tools on the server path rely on TRL's tool loop calling ``self.vllm_generation.generate`` for the first turn
+    and each follow-up (our ServerGeneration answers it), masking tool tokens with ``tool_mask`` in the loss; and
+    evaluation's episodes call ``_get_tool_suffix_ids`` unbound with ``(self, tool_messages)``."""
+    single = inspect.getsource(trl.GRPOTrainer._generate_single_turn)
+    assert "self.vllm_generation.generate(" in single and "num_generations=num_generations" in single
+    loop = inspect.getsource(trl.GRPOTrainer._tool_call_loop)
+    assert "self._generate_single_turn(" in loop and "self._get_tool_suffix_ids(" in loop
+    assert "tool_mask[idx_with_tool] += [0] * tool_length + [1] * post_tool_length" in loop
+    score = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
+    assert "completion_mask * tool_mask" in score
+    assert list(inspect.signature(trl.GRPOTrainer._get_tool_suffix_ids).parameters) == ["self", "tool_messages"]
+    suffix = inspect.getsource(trl.GRPOTrainer._get_tool_suffix_ids)
+    # the attributes episodes.py's stand-in for the trainer provides, and no other
+    assert set(re.findall(r"self\.(\w+)", suffix)) <= {"processing_class", "_tokenizer", "chat_template",
+                                                       "chat_template_kwargs", "_is_vlm"}

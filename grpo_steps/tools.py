@@ -1,0 +1,311 @@
+"""Tools and environments the policy calls during a rollout (``tools:``, ``environment:``), in TRL's contract.
+
+A tool is a Python function with type hints and a Google-style docstring (``Args:``), from which
+``transformers.utils.get_json_schema`` builds the schema the chat template renders into the prompt. An environment
+is a factory (a class, usually) whose instances have ``reset(**row) -> str | None`` (the string is appended to the
+last user message), public methods that are its tools, and optionally ``get_reward() -> float``; TRL's
+``GRPOTrainer`` keeps one instance per rollout (``environment_factory``). Every tool call runs under
+``generation.tool_timeout_s``: a call that raises or times out goes back to the model as an ``{"error": ...}`` tool
+message (TRL's tool loop and :mod:`grpo_steps.episodes` alike), the step goes on.
+
+The model's chat template must render a tool-calling exchange: ``model.chat_template`` names one (a template TRL
+ships, e.g. ``qwen2_5``: ChatML with ``<tool_call>``, the turn tokens SmolLM2 uses too) or a Jinja file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import importlib.util
+import inspect
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+class ToolError(ValueError):
+    """A tool, environment or chat template that cannot be used; the message names the config key and the fix."""
+
+
+def resolve_callable(path: str, key: str) -> Callable:
+    """The callable a ``module:name`` (or ``module.name``) path names.
+
+    Raises:
+        ToolError: not importable, or not callable; names ``key``.
+    """
+    module_name, sep, attr = path.replace(":", ".").rpartition(".")
+    if not sep or not module_name:
+        raise ToolError(f"{key} {path!r} is not a dotted path 'package.module:function'")
+    try:
+        value = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ToolError(f"{key} {path!r} does not import ({err}); give 'package.module:function' on the "
+                          "Python path of the flow") from None
+    if not callable(value):
+        raise ToolError(f"{key} {path!r} is not callable")
+    return value
+
+
+def check_tool(fn: Callable, key: str) -> dict:
+    """The JSON schema of tool ``fn`` (what the chat template renders).
+
+    Raises:
+        ToolError: ``fn`` has no schema (type hints on every argument and a Google-style docstring with an
+            ``Args:`` entry for each, transformers' rule); names ``key``.
+    """
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as err:  # transformers raises several types (TypeHintParsingException, DocstringParsingException)
+        raise ToolError(f"{key}: {getattr(fn, '__name__', fn)!r} cannot be described to the model as a tool "
+                          f"({err}); give every argument a type hint and the function a Google-style docstring "
+                          "with an Args: entry per argument") from None
+
+
+def with_timeout(fn: Callable, seconds: float) -> Callable:
+    """``fn`` limited to ``seconds`` of wall clock per call; same name, signature, docstring and (a)sync kind, so it
+    is described to the model as ``fn`` is.
+
+    A sync call runs in a daemon thread (it cannot be killed: a tool that hangs forever keeps one thread); an async
+    one under ``asyncio.wait_for``. Raises ``TimeoutError`` past the limit, whatever ``fn`` raises otherwise.
+
+    >>> import time
+    >>> def slow(x: int) -> int:
+    ...     '''Sleep.
+    ...
+    ...     Args:
+    ...         x: seconds.
+    ...     '''
+    ...     time.sleep(x)
+    ...     return x
+    >>> with_timeout(slow, 0.05)(0)
+    0
+    >>> with_timeout(slow, 0.05)(1)
+    Traceback (most recent call last):
+    ...
+    TimeoutError: tool 'slow' took longer than 0.05 s (generation.tool_timeout_s)
+    """
+    message = f"tool {getattr(fn, '__name__', 'tool')!r} took longer than {seconds:g} s (generation.tool_timeout_s)"
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def timed_async(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await asyncio.wait_for(fn(*args, **kwargs), timeout=seconds)
+            except TimeoutError:
+                raise TimeoutError(message) from None
+
+        return timed_async
+
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["value"] = fn(*args, **kwargs)
+            except BaseException as err:  # noqa: BLE001 - re-raised in the caller below
+                box["error"] = err
+
+        thread = threading.Thread(target=target, name=f"tool-{getattr(fn, '__name__', 'tool')}", daemon=True)
+        thread.start()
+        thread.join(seconds)
+        if thread.is_alive():
+            raise TimeoutError(message)
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    return timed
+
+
+def tool_functions(paths: list[str], timeout_s: float) -> list[Callable]:
+    """The configured tools (``tools:``), resolved and limited to ``timeout_s`` seconds per call.
+
+    Raises:
+        ToolError: as :func:`resolve_callable` and :func:`check_tool`.
+    """
+    tools = []
+    for i, path in enumerate(paths):
+        fn = resolve_callable(path, f"tools[{i}]")
+        check_tool(fn, f"tools[{i}] {path!r}")
+        tools.append(with_timeout(fn, timeout_s))
+    return tools
+
+
+def environment_methods(instance: Any) -> list[str]:
+    """The names of an environment's tools: its class's public functions but ``reset`` and ``get_reward``
+    (TRL's rule, ``GRPOTrainer.__init__``)."""
+    return [name for name, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)
+            if name not in ("reset", "get_reward") and not name.startswith("_")]
+
+
+def timed_factory(factory: Callable, timeout_s: float) -> Callable:
+    """A factory whose instances' tools (:func:`environment_methods`) are limited to ``timeout_s`` seconds per call
+    (set on the instance, which is where TRL and :mod:`grpo_steps.episodes` look them up)."""
+
+    @functools.wraps(factory)
+    def make() -> Any:
+        instance = factory()
+        for name in environment_methods(instance):
+            setattr(instance, name, with_timeout(getattr(instance, name), timeout_s))
+        return instance
+
+    return make
+
+
+def environment_factories(spec: str | dict[str, str] | None, timeout_s: float) -> dict[str | None, Callable] | None:
+    """The configured environment (``environment:``) as ``{name: factory}`` (``None`` the one name of a single
+    factory), each instance's tools limited to ``timeout_s``; None without one.
+
+    Raises:
+        ToolError: a factory that does not import, or whose instance has no ``reset`` or a tool without a
+            schema.
+    """
+    if spec is None:
+        return None
+    named = {None: spec} if isinstance(spec, str) else dict(spec)
+    factories = {}
+    for name, path in named.items():
+        key = "environment" if name is None else f"environment.{name}"
+        factory = resolve_callable(path, key)
+        probe = factory()
+        if not callable(getattr(probe, "reset", None)):
+            raise ToolError(f"{key} {path!r}: its instances need a reset(**row) method (TRL's environment "
+                              "contract), returning a string appended to the question or None")
+        for method in environment_methods(probe):
+            check_tool(getattr(probe, method), f"{key} {path!r}, tool {method!r}")
+        factories[name] = timed_factory(factory, timeout_s)
+    return factories
+
+
+def trl_environment_factory(factories: dict[str | None, Callable] | None):
+    """What ``GRPOTrainer(environment_factory=...)`` takes: the one factory, or the ``{name: factory}`` mapping."""
+    if factories is None:
+        return None
+    return factories[None] if None in factories else factories
+
+
+def trl_templates() -> Path:
+    """The folder of the chat templates TRL ships (``trl/chat_templates/*.jinja``; named by file name without
+    ``.jinja``)."""
+    spec = importlib.util.find_spec("trl")  # locates without importing trl
+    return Path(spec.submodule_search_locations[0]) / "chat_templates"
+
+
+def chat_template_text(spec: str) -> str:
+    """The Jinja text of ``model.chat_template``: a file path, or the name of a template TRL ships.
+
+    Raises:
+        ToolError: neither; lists the names TRL ships.
+    """
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path.read_text()
+    shipped = trl_templates() / f"{spec}.jinja"
+    if shipped.is_file():
+        return shipped.read_text()
+    raise ToolError(f"model.chat_template {spec!r} is neither a file nor a template TRL ships "
+                    f"({', '.join(shipped_template_names())})")
+
+
+def shipped_template_names() -> list[str]:
+    """The names ``model.chat_template`` takes for TRL's templates (its ``*_training`` variants left out)."""
+    return sorted(p.stem for p in trl_templates().glob("*.jinja") if not p.stem.endswith("_training"))
+
+
+def check_tool_calling(tokenizer, tools: list[Callable], spec: str | None) -> None:
+    """The tokenizer's chat template must render a tool-calling exchange (user -> assistant with tool_calls -> tool),
+    TRL's requirement for its tool loop, and must render the tools' schemas.
+
+    Raises:
+        ToolError: naming ``model.chat_template`` and a template that can.
+    """
+    from trl.chat_template_utils import supports_tool_calling
+
+    where = f"model.chat_template {spec!r}" if spec else "the model's own chat template (model.chat_template: null)"
+    if not supports_tool_calling(tokenizer):
+        raise ToolError(f"{where} cannot render a tool-calling exchange (user -> assistant with tool_calls -> "
+                          "tool), which tools and environments need: set model.chat_template to one that can, e.g. "
+                          "qwen2_5 (ChatML with <tool_call>, SmolLM2's turn tokens) or a Jinja file")
+    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        import copy
+
+        from trl.chat_template_utils import add_response_schema
+
+        try:  # what GRPOTrainer does with tools: it parses tool calls with the schema of a template it knows
+            add_response_schema(copy.copy(tokenizer))
+        except ValueError:
+            raise ToolError(f"{where} renders tool calls, but TRL cannot parse them back from completions: it knows "
+                            "the response format of the templates it ships only (model.chat_template: one of "
+                            f"{', '.join(shipped_template_names())}), or of a tokenizer that ships a response_schema"
+                            ) from None
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=tools or None, tokenize=False,
+                                             add_generation_prompt=True)
+    missing = [fn.__name__ for fn in tools if fn.__name__ not in rendered]
+    if missing:
+        raise ToolError(f"{where} does not render the tools {missing} into the prompt: set model.chat_template to "
+                          "one that renders tools (e.g. qwen2_5)")
+
+
+def prompt_tools(paths: list[str], environment: str | dict[str, str] | None, timeout_s: float) -> list[Callable]:
+    """Every tool a prompt may render: the configured tools and the methods of the environment(s), probed (with
+    several environments, all of their tools: an upper bound of a prompt's length). For the token budget of data
+    preparation and for evaluation's prompts."""
+    tools = tool_functions(paths, timeout_s)
+    for factory in (environment_factories(environment, timeout_s) or {}).values():
+        instance = factory()
+        tools += [getattr(instance, name) for name in environment_methods(instance)]
+    return tools
+
+
+_OPERATORS = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mult": lambda a, b: a * b,
+              "Div": lambda a, b: a / b, "FloorDiv": lambda a, b: a // b, "Mod": lambda a, b: a % b,
+              "Pow": lambda a, b: a**b}
+
+
+def _arithmetic(node) -> int | float:
+    import ast
+
+    if isinstance(node, ast.Expression):
+        return _arithmetic(node.body)
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        value = _arithmetic(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and type(node.op).__name__ in _OPERATORS:
+        left, right = _arithmetic(node.left), _arithmetic(node.right)
+        if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 10**6):
+            raise ValueError("exponent too large")
+        return _OPERATORS[type(node.op).__name__](left, right)
+    raise ValueError(f"not arithmetic: {type(node).__name__}")
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression and return its value.
+
+    Args:
+        expression: The arithmetic expression, for example "123 * 45" or "(7 + 5) / 4".
+    """
+    # The docstring is what the model reads (transformers' get_json_schema puts everything after ``Args:`` into the
+    # argument's description): examples live in __test__ below. The expression is parsed, never executed: numbers,
+    # + - * / // % ** and parentheses only (the tool of the shipped configs/tools.yaml task; the policy writes it).
+    import ast
+
+    if len(expression) > 200:
+        raise ValueError("expression longer than 200 characters")
+    return str(_arithmetic(ast.parse(expression.strip(), mode="eval")))
+
+
+__test__ = {"calculator": """
+>>> calculator("964 * 59"), calculator("(7 + 5) / 4"), calculator("2 ** 10")
+('56876', '3.0', '1024')
+>>> calculator("__import__('os')")
+Traceback (most recent call last):
+...
+ValueError: not arithmetic: Call
+"""}

@@ -1,0 +1,223 @@
+"""Rollouts from our vLLM server with ``disk`` weight sync, as TRL's ``GRPOTrainer`` asks for them: the stand-in
+for TRL's ``VLLMGeneration`` (:class:`ServerGeneration`: ``sync_weights`` pushes and verifies the policy, ``generate``
+samples every turn, the follow-up turns of TRL's tool loop included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import time
+from dataclasses import dataclass, field
+
+from grpo_steps.config import GenerationConfig
+from grpo_steps.servers.client import GenerationServerError, VLLMClient
+from grpo_steps.training.sampling import policy_logprobs
+from grpo_steps.training.weight_sync import (
+    AdapterPush,
+    DiskWeightPush,
+    ProbeRecord,
+    check_served_version,
+    mean_abs_diff,
+    sync_root,
+    weights_fingerprint,
+)
+
+PROBE_TOKENS = 16
+"""Longest probe sequence, tokens: the policy scores it with one extra forward per push (0.1-0.5 s for
+SmolLM2-135M on the 2 shared CPU cores), enough tokens to see any weight change in its logprobs."""
+HISTORY = 4
+"""Verified pushes remembered to name the version a stale server serves."""
+
+
+@dataclass
+class ServerGeneration:
+    """Stands in for TRL's ``VLLMGeneration`` when rollouts come from our server with ``disk`` sync: TRL's
+    ``GRPOTrainer`` calls ``sync_weights()`` whenever the optimizer step changed and ``generate()`` for every turn it
+    samples (``_generate_single_turn``: the first turn of each group, and the follow-up turns of its tool loop).
+
+    ``generate(prompts, num_generations)`` (every rank, its own share): token-id prompts to the server's
+    ``/v1/completions`` with this run's sampling settings (``gen``); a first turn holds each prompt ``num_generations``
+    times in a row (whole groups: one request with ``n``), a follow-up turn one prompt per rollout.
+
+    ``sync_weights()`` (every rank, collective under ZeRO-3): gathers the policy's state dict, rank 0
+    fingerprints (:func:`grpo_steps.training.weight_sync.weights_fingerprint`), writes and reloads it through ``push``
+    (version = the optimizer step that produced it); with ``probe_policy`` every rank scores the probe with the
+    policy; rank 0 asks the server for its label and its probe logprobs and checks them
+    (:func:`grpo_steps.training.weight_sync.check_served_version`); the verdict is broadcast so that every rank
+    raises together. Metrics (seconds, into the step's log): ``weight_sync/gather_seconds``,
+    ``write_seconds``, ``reload_seconds``, ``verify_seconds``, ``seconds`` (total); ``weight_sync/version``;
+    with ``probe_policy``, ``weight_sync/probe_logp_diff`` (mean |server - policy| on the probe, nats per token).
+
+    Raises:
+        GenerationServerError: the server failed a request or serves other weights than pushed.
+    """
+
+    trainer: object
+    client: VLLMClient
+    """This rank's client of the server; its ``model`` names the pushed LoRA adapter with ``train.peft.push: adapter``
+    (rank 0's push points it there, the other ranks after each verified push)."""
+    gen: GenerationConfig
+    """The ``generation`` settings sampled with."""
+    max_model_len: int
+    """The server's context (``model.max_model_len``): a turn's new tokens are capped so prompt + completion fit."""
+    push: DiskWeightPush | AdapterPush | None  # rank 0 only
+    probe_ids: list[int]
+    probe_tolerance: float
+    history: list[ProbeRecord] = field(default_factory=list)
+    probe_policy: bool = True
+    """Score the probe with the policy too (set by :class:`ServerGRPOTrainer`: only when the first-batch check
+    does not compare the server with the policy)."""
+    pushed_version: int | None = None
+    first_batch_pending: bool = False
+    first_batch: list[tuple[list[int], list[int], list[float]]] | None = None
+    """``(prompt_ids, completion_ids, logprobs)`` of the first turn sampled after the last push (the first-batch
+    check's data)."""
+    serves_adapter: bool = False
+    """LoRA pushed as an adapter (``train.peft.push: adapter``): ``client.model`` follows each push."""
+    merge_lora: bool = False
+    """LoRA with ``train.peft.push: merged``: push base + adapter merged
+    (:func:`grpo_steps.training.weight_sync.merged_state_dict`) as full weights."""
+
+    def _log(self, name: str, value: float) -> None:
+        # Always the training logs: a push serves the training's rollouts (the pipeline runs no TRL eval loop), and
+        # the push made for the evaluation at step 0 (grpo_steps.eval_during) comes before Trainer puts the freshly
+        # loaded model (eval mode) into train mode; TRL would drop eval-mode metrics of a training step.
+        self.trainer._metrics["train"][f"weight_sync/{name}"].append(value)
+
+    def sync_weights(self) -> None:
+        from accelerate.utils import broadcast_object_list
+
+        trainer, accelerator = self.trainer, self.trainer.accelerator
+        version = trainer.state.global_step
+        start = time.perf_counter()
+        policy_model = accelerator.unwrap_model(trainer.model)
+        if self.merge_lora:  # full weights under the base model's names (no ZeRO-3: config-checked)
+            from grpo_steps.training.weight_sync import merged_state_dict
+
+            state_dict = merged_state_dict(policy_model) if accelerator.is_main_process else {}
+            policy_model = policy_model.get_base_model()
+        else:  # as Trainer.save_model: under DeepSpeed the engine gathers (ZeRO-3: a collective, the dict on rank 0)
+            source = trainer.model_wrapped if trainer.is_deepspeed_enabled else trainer.model
+            state_dict = accelerator.get_state_dict(source)
+        gathered = time.perf_counter()
+        parts = {"write_seconds": 0.0, "reload_seconds": 0.0}
+        error: BaseException | None = None  # rank 0's failure, re-raised on every rank after the broadcast
+        weights: tuple[float, ...] = ()
+        if accelerator.is_main_process:
+            try:
+                weights = weights_fingerprint(state_dict)
+                parts = self.push.push(state_dict, version, model=policy_model)
+            except Exception as err:  # noqa: BLE001  (not swallowed: raised on every rank below)
+                error = err
+        del state_dict
+        pushed = time.perf_counter()
+        # every rank: a collective forward under ZeRO-3
+        policy = policy_logprobs(trainer.model, self.probe_ids) if self.probe_policy else None
+        gap = None
+        if accelerator.is_main_process and error is None:
+            try:
+                gap = self._verify(version, weights, policy)
+            except Exception as err:  # noqa: BLE001  (not swallowed: raised on every rank below)
+                error = err
+        message = broadcast_object_list([None if error is None else f"{type(error).__name__}: {error}"])[0]
+        if error is not None:
+            raise error
+        if message is not None:
+            raise GenerationServerError(f"rank 0 failed the weight push of step {version}: {message}")
+        done = time.perf_counter()
+        self.pushed_version, self.first_batch_pending, self.first_batch = version, True, None
+        if self.serves_adapter:
+            from grpo_steps.lora import adapter_name
+
+            self.client.model = adapter_name(self.client.base_model, version)
+        self._log("gather_seconds", gathered - start)
+        self._log("write_seconds", parts["write_seconds"])
+        self._log("reload_seconds", parts["reload_seconds"])
+        self._log("verify_seconds", done - pushed)
+        self._log("seconds", done - start)
+        self._log("version", float(version))
+        if gap is not None:
+            self._log("probe_logp_diff", gap)
+
+    def _verify(self, version: int, weights: tuple[float, ...], policy: list[float] | None) -> float | None:
+        """Rank 0: check the server's label and probe (see :func:`check_served_version`); returns the probe's
+        mean |server - policy| logp (None without a policy probe). Raises GenerationServerError."""
+        record = ProbeRecord(version, weights, self.push.client.prompt_logprobs(self.probe_ids), policy)
+        check_served_version(record, self.history, self.push.served_label(), self.probe_tolerance, step=version + 1)
+        self.history = (self.history + [record])[-HISTORY:]
+        return None if policy is None else mean_abs_diff(record.served, policy)
+
+    def generate(self, prompts: list[list[int]], images=None, num_generations: int = 1, profiler=None):
+        """Sample ``num_generations`` completions per distinct prompt (TRL's ``VLLMGeneration.generate`` contract).
+
+        Args:
+            prompts: B token-id prompts; with ``num_generations`` G > 1 every prompt G times in a row.
+            images: must be None (text only).
+
+        Returns:
+            ``(prompt_ids, completion_ids, logprobs, logprob_token_ids)``: B entries each; ``logprobs[i][t]`` is
+            ``[logprob]`` of completion token t under the distribution the server sampled from (processed logprobs),
+            ``logprob_token_ids[i][t]`` is ``[token id]``.
+
+        Raises:
+            ValueError: images, or prompts that are not whole groups of G.
+            GenerationServerError: the server failed the request.
+        """
+        if images is not None and any(images):
+            raise ValueError("the generation server path is text-only: no images")
+        group = max(num_generations, 1)
+        if len(prompts) % group or any(p != prompts[i - i % group] for i, p in enumerate(prompts)):
+            raise ValueError(f"generate got {len(prompts)} prompts that are not whole groups of {group} equal prompts "
+                             "in a row: each process's generation batch (train.per_device_train_batch_size x "
+                             "steps_per_generation) must be a multiple of train.num_generations")
+        unique = prompts[::group]
+        # a follow-up turn's prompt holds the conversation so far: the new tokens are capped so that the longest
+        # prompt still fits the server's context, and a prompt that fills it gets an empty turn
+        fits = [i for i, p in enumerate(unique) if len(p) < self.max_model_len]
+        samples: list[list[dict]] = [[{"completion_ids": [], "logprobs": []}] * group for _ in unique]
+        if fits:
+            room = self.max_model_len - max(len(unique[i]) for i in fits)
+            with profiler if profiler is not None else contextlib.nullcontext():
+                sampled = self.client.complete([unique[i] for i in fits], group,
+                                               max_tokens=min(self.gen.max_completion_tokens, room),
+                                               temperature=self.gen.temperature, request=self.gen.sampling_request())
+            for i, group_samples in zip(fits, sampled, strict=True):
+                samples[i] = group_samples
+        completion_ids = [s["completion_ids"] for group_samples in samples for s in group_samples]
+        logprobs = [s["logprobs"] for group_samples in samples for s in group_samples]
+        if self.first_batch is None:  # the first turn after a push: what the first-batch check scores
+            self.first_batch = list(zip(prompts, completion_ids, logprobs, strict=True))
+        return (prompts, completion_ids, [[[lp] for lp in seq] for seq in logprobs],
+                [[[token] for token in seq] for seq in completion_ids])
+
+    def close(self) -> None:
+        """Remove this run's sync directory (rank 0; the server keeps the weights in memory)."""
+        if self.push is not None:
+            self.push.close()
+            shutil.rmtree(self.push.root, ignore_errors=True)
+
+
+def server_generation(client, tokenizer, probe_prompt, output_dir: str, probe_tolerance: float, *,
+                      gen: GenerationConfig, max_model_len: int, sync_dir: str | None = None,
+                      lora: str | None = None) -> ServerGeneration:
+    """The :class:`ServerGeneration` of a training process: it samples through ``client`` with ``gen`` (the
+    ``generation`` config) within ``max_model_len`` tokens; rank 0 pushes into a fresh :func:`sync_root`; the probe is
+    ``probe_prompt`` (a dataset prompt, chat template applied) cut to ``PROBE_TOKENS`` tokens; ``probe_tolerance``
+    in nats per token (``SyncCheckConfig.thresholds``). ``lora`` (``train.peft.push``): ``adapter``, push the
+    adapter only (:class:`grpo_steps.training.weight_sync.AdapterPush`) and point ``client`` (the rollout client,
+    ``client.base_model`` the served base model name) at it after each push; ``merged``, push base + adapter
+    merged as full weights; None: full fine-tuning."""
+    from accelerate.state import PartialState
+
+    from grpo_steps.data import encode_prompt
+
+    push = None
+    if PartialState().is_main_process:
+        root = sync_root(sync_dir, output_dir)
+        push = (AdapterPush(client, root, base_model=client.base_model) if lora == "adapter"
+                else DiskWeightPush(client, root))
+    probe_ids = encode_prompt(tokenizer, probe_prompt)[:PROBE_TOKENS]
+    return ServerGeneration(trainer=None, client=client, gen=gen, max_model_len=max_model_len, push=push,
+                            probe_ids=probe_ids, probe_tolerance=probe_tolerance, serves_adapter=lora == "adapter",
+                            merge_lora=lora == "merged")

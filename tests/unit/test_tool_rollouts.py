@@ -1,0 +1,196 @@
+"""Multi-turn rollouts on the server path, without a server: TRL's own tool loop runs over
+:class:`ServerGeneration` whose ``generate`` returns a constructed episode (a tool call, then an answer after the
+tool's result), on the tiny policy with TRL's Qwen2.5 chat template. What is checked is TRL's code as this pipeline
+drives it: the tool runs in the training process, its answer's tokens join the completion and are masked out of the
+loss and of the mismatch metrics, a raising or hanging tool becomes an error message and the step goes on, and the
+iteration bound holds."""
+
+import time
+
+import pytest
+import torch
+
+from grpo_steps.config import validate_config
+from grpo_steps.servers.client import VLLMClient
+from grpo_steps.training.generation import ServerGeneration
+from grpo_steps.training.job import TrainJob, grpo_args
+from grpo_steps.training.trainer import ServerGRPOTrainer
+
+CALL = '<tool_call>\n{"name": "%s", "arguments": {"expression": "2 * 3"}}\n</tool_call>'
+GROUP = 2
+SAMPLER_LOGP = -0.5  # the constructed sampler logprob of every model token
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: The expression, e.g. "2 * 3".
+    """
+    from grpo_steps.tools import calculator as shipped
+
+    return shipped(expression)
+
+
+def broken(expression: str) -> str:
+    """Always fails.
+
+    Args:
+        expression: Ignored.
+    """
+    raise RuntimeError("the tool broke")
+
+
+def hangs(expression: str) -> str:
+    """Never answers in time.
+
+    Args:
+        expression: Ignored.
+    """
+    time.sleep(30)
+    return "late"
+
+
+def answer_reward(completions, **_):
+    return [1.0 if "Answer: 6" in c[-1]["content"] else 0.0 for c in completions]
+
+
+def _trainer(tiny_model_path, tmp_path, turns: list[str], tool: str | None = "calculator", iterations: int = 3,
+             environment=None):
+    """A ServerGRPOTrainer with tool ``tool`` (and/or an ``environment`` factory) whose generation returns ``turns``
+    in order (every rollout the same turn), token by token with logprob SAMPLER_LOGP; the push is a no-op. The
+    prompts of each generation call are recorded with it."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from grpo_steps.models import load_tokenizer
+    from grpo_steps.tools import environment_factories, trl_environment_factory, with_timeout
+
+    tokenizer = load_tokenizer(tiny_model_path, "qwen2_5")
+    # the tiny tokenizer spells the tool markup nearly byte by byte: room for a call, an answer and a reply
+    cfg = validate_config({"generation": {"max_completion_tokens": 400, "max_tool_calling_iterations": iterations,
+                                          "tool_timeout_s": 1},
+                           "rewards": [{"name": "answer_accuracy"}], "eval": {"format_reward": None},
+                           "train": {"per_device_train_batch_size": GROUP, "num_generations": GROUP}})
+    args = grpo_args(TrainJob(config=cfg, model_path=tiny_model_path, train_file="unused", output_dir=str(tmp_path)))
+    sync = ServerGeneration(trainer=None, client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation,
+                            max_model_len=1024, push=None, probe_ids=[1, 2], probe_tolerance=0.05)
+    calls, seen = [], []
+
+    def generate(prompts, images=None, num_generations=1, profiler=None):
+        text = turns[min(len(calls), len(turns) - 1)]
+        calls.append((len(prompts), num_generations))
+        seen.append([tokenizer.decode(p) for p in prompts])
+        ids = tokenizer(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        return (prompts, [list(ids) for _ in prompts], [[[SAMPLER_LOGP]] * len(ids) for _ in prompts],
+                [[[t] for t in ids] for _ in prompts])
+
+    sync.generate, sync.sync_weights = generate, lambda: None
+    tools = {"calculator": calculator, "broken": broken, "hangs": hangs}
+    trainer = ServerGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_path),
+                                reward_funcs=[answer_reward], args=args,
+                                train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "x"}]}] * 2),
+                                processing_class=tokenizer, sync=sync, max_logp_diff=None,
+                                tools=[with_timeout(tools[tool], cfg.generation.tool_timeout_s)] if tool else [],
+                                environment_factory=trl_environment_factory(environment_factories(
+                                    environment, cfg.generation.tool_timeout_s)))
+    trainer._last_loaded_step = trainer.state.global_step
+    trainer.model.train()
+    trainer.seen_prompts = seen
+    return trainer, tokenizer, calls
+
+
+def _episode(trainer, **row):
+    inputs = [{"prompt": [{"role": "user", "content": "Calculate 2 * 3."}], **row}] * GROUP
+    out = trainer._generate_and_score_completions(inputs)
+    return out, list(trainer._logs["completion"])[-GROUP:]
+
+
+def test_a_tool_call_runs_and_its_answer_is_masked(tiny_model_path, tmp_path):
+    trainer, tokenizer, calls = _trainer(tiny_model_path, tmp_path, [CALL % "calculator", "Answer: 6"])
+    out, completions = _episode(trainer)
+    assert calls == [(GROUP, GROUP), (GROUP, 1)]  # the first turn of the group, then one follow-up per rollout
+    messages = completions[0]
+    assert [m["role"] for m in messages] == ["assistant", "tool", "assistant"]
+    assert messages[0]["tool_calls"][0]["function"] == {"name": "calculator", "arguments": {"expression": "2 * 3"}}
+    assert messages[1]["content"] == "6" and messages[2]["content"] == "Answer: 6"
+    assert out["advantages"].abs().sum() == 0  # both rollouts equal: same reward
+    first = tokenizer(CALL % "calculator" + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    last = tokenizer("Answer: 6<|im_end|>", add_special_tokens=False)["input_ids"]
+    mask, ids = out["tool_mask"][0].tolist(), out["completion_ids"][0].tolist()
+    suffix = len(ids) - len(first) - len(last) - (len(ids) - int(out["completion_mask"][0].sum()))
+    assert mask[: len(first)] == [1] * len(first)  # the model's call: trained on
+    assert mask[len(first) : len(first) + suffix] == [0] * suffix and suffix > 0  # the tool's answer: masked
+    assert "6" in tokenizer.decode(ids[len(first) : len(first) + suffix])
+    assert mask[len(first) + suffix : len(first) + suffix + len(last)] == [1] * len(last)
+    # the mismatch metrics count the model's tokens only: the tool tokens' "sampler logprob" (0) is left out
+    sampling = out["sampling_per_token_logps"][0]
+    model_tokens = (out["completion_mask"][0] * out["tool_mask"][0]).bool()
+    assert torch.allclose(sampling[model_tokens], torch.full((int(model_tokens.sum()),), SAMPLER_LOGP))
+    assert trainer._metrics["train"]["tools/call_frequency"][-1] == 1.0
+    assert trainer._metrics["train"]["tools/turns_per_episode"][-1] == 2.0
+
+
+@pytest.mark.parametrize("tool, error", [("broken", "the tool broke"), ("hangs", "took longer than 1 s")])
+def test_a_failing_tool_answers_with_its_error_and_the_step_goes_on(tiny_model_path, tmp_path, tool, error):
+    trainer, _, calls = _trainer(tiny_model_path, tmp_path, [CALL % tool, "Answer: 6"], tool=tool)
+    started = time.monotonic()
+    out, completions = _episode(trainer)
+    assert time.monotonic() - started < 20  # the hanging tool was cut at tool_timeout_s
+    assert error in completions[0][1]["content"] and completions[0][1]["role"] == "tool"
+    assert completions[0][-1]["content"] == "Answer: 6"  # the model's next turn came
+    assert trainer._metrics["train"]["tools/failure_frequency"][-1] == 1.0
+    assert out["completion_ids"].shape[0] == GROUP
+
+
+def test_the_iteration_bound_ends_the_episode(tiny_model_path, tmp_path):
+    """A model that calls the tool every turn stops after max_tool_calling_iterations rounds."""
+    trainer, _, calls = _trainer(tiny_model_path, tmp_path, [CALL % "calculator"], iterations=2)
+    _, completions = _episode(trainer)
+    assert calls == [(GROUP, GROUP), (GROUP, 1), (GROUP, 1)]
+    assert [m["role"] for m in completions[0]] == ["assistant", "tool", "assistant", "tool", "assistant"]
+
+
+class Abacus:
+    """A stateful environment in TRL's contract: ``reset`` sees the row, its public method is the tool, and
+    ``get_reward`` scores what happened during the episode."""
+
+    instances: list = []
+
+    def __init__(self):
+        self.row, self.calls = None, []
+        Abacus.instances.append(self)
+
+    def reset(self, **row) -> str:
+        self.row, self.calls = row, []
+        return f"Use the abacus; the target is {row['target']}."
+
+    def abacus(self, expression: str) -> str:
+        """Evaluate an arithmetic expression on the abacus.
+
+        Args:
+            expression: The expression, e.g. "2 * 3".
+        """
+        from grpo_steps.tools import calculator as shipped
+
+        self.calls.append(expression)
+        return shipped(expression)
+
+    def get_reward(self) -> float:
+        return 2.0 if self.calls and self.row["target"] == "6" else 0.0
+
+
+def test_an_environment_is_reset_with_its_row_and_its_reward_scores_the_episode(tiny_model_path, tmp_path):
+    """One environment per rollout: ``reset(**row)`` gets the row (its string joins the question the model sees), the
+    call goes to that rollout's instance, and ``get_reward`` is an extra reward of weight 1 (TRL's contract)."""
+    Abacus.instances.clear()
+    trainer, _, calls = _trainer(tiny_model_path, tmp_path, [CALL % "abacus", "Answer: 6"], tool=None,
+                                 environment=f"{__name__}:Abacus")
+    out, completions = _episode(trainer, target="6")
+    assert "Use the abacus; the target is 6." in trainer.seen_prompts[0][0]
+    assert '"name": "abacus"' in trainer.seen_prompts[0][0]  # its method is rendered as a tool
+    assert completions[0][1] == {"role": "tool", "name": "abacus", "content": "6"}
+    used = [env for env in Abacus.instances if env.calls]
+    assert len(used) == GROUP and all(env.calls == ["2 * 3"] and env.row["target"] == "6" for env in used)
+    assert trainer._metrics["train"]["rewards/Abacus/mean"][-1] == 2.0
+    assert trainer._metrics["train"]["reward"][-1] == 2.0 + 1.0  # answer_reward 1 + the environment's 2
