@@ -16,7 +16,7 @@ from tests.integration.flowrun import STEPS, completed_run, config_file, on_serv
 
 pytestmark = pytest.mark.slow
 CONFIG = REPO_ROOT / "configs" / "test-tools.yaml"
-CALL = re.compile(r'\{"name": "calculator", "arguments": \{"expression": "([1-9] \* [1-9])"\}\}')
+CALL = re.compile(r'assistant: calculator\(\{"expression": "([1-9] \* [1-9])"\}\)')
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +30,12 @@ def tool_run(tmp_path_factory, tiny_server):
 
 
 def _episode_is_call_result_call(text: str) -> None:
-    """A conversation as the tables show it: the model's call, the tool's answer (the calculator's value of the
-    expression the model wrote), the model's second call."""
+    """A conversation as the tables show it (``assistant: calculator({...})``, ``tool calculator: <answer>``): the
+    model's call, the tool's answer (the calculator's value of the expression the model wrote), the model's second
+    call."""
     calls = CALL.findall(text)
     assert len(calls) == 2, text
-    assert calculator(calls[0]) in text[text.index(calls[0]) + len(calls[0]) : text.rindex(calls[1])], text
+    assert f"\ntool calculator: {calculator(calls[0])}\nassistant: " in text, text
 
 
 def test_training_and_evaluation_run_the_tool_loop(tool_run):
@@ -82,5 +83,6 @@ def test_the_registered_model_renders_with_the_configured_chat_template(tool_run
     (version,) = mlflow.MlflowClient().search_model_versions("name = 'grpo-test-tools'")
     local = mlflow.artifacts.download_artifacts(f"models:/grpo-test-tools/{version.version}",
                                                 dst_path=str(workdir / "registered"))
-    (config,) = Path(local).rglob("tokenizer_config.json")
-    assert AutoTokenizer.from_pretrained(config.parent).chat_template == chat_template_text("qwen2_5")
+    configs = list(Path(local).rglob("tokenizer_config.json"))  # the model's and MLflow's pipeline components
+    assert configs and all(AutoTokenizer.from_pretrained(c.parent).chat_template == chat_template_text("qwen2_5")
+                           for c in configs)
