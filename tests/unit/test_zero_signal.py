@@ -51,7 +51,7 @@ def _trainer(tiny_model_path, tmp_path, mode: str, dataset: list[str], rounds: i
     sync.generate, sync.sync_weights = generate, lambda: None
     trainer = ServerGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_path),
                                 reward_funcs=[live_reward], args=args,
-                                train_dataset=__import__("datasets").Dataset.from_list(_rows(dataset)),
+                                train_dataset=Dataset.from_list(_rows(dataset)),
                                 processing_class=tokenizer, sync=sync, max_logp_diff=None,
                                 zero_signal_groups=mode, max_resample_rounds=rounds)
     trainer._last_loaded_step = trainer.state.global_step
