@@ -247,6 +247,14 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _resampling_samples(self) -> PipelineConfig:
+        if self.train.zero_signal_groups == "resample" and self.generation.backend == "replay":
+            raise ValueError("train.zero_signal_groups 'resample' generates more groups, and backend 'replay' "
+                             "samples nothing (it trains fixed completions, to compare layouts on the same batches): "
+                             "use zero_signal_groups keep or skip with replay")
+        return self
+
+    @model_validator(mode="after")
     def _tools_need_sampling(self) -> PipelineConfig:
         if (self.tools or self.environment) and self.generation.backend == "replay":
             raise ValueError("tools and environment need sampled rollouts (the policy's tool calls run between its "

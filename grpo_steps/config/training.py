@@ -256,6 +256,18 @@ class TrainConfig(_Section):
     log_completions_steps: int = Field(10, ge=0)
     """Every this many optimizer steps, the step's generation batch goes to the MLflow run as a table
     (``completions/step_NNNNNN.json``: prompt, completion, each reward, advantage, weight version); 0: never."""
+    zero_signal_groups: Literal["keep", "skip", "resample"] = "keep"
+    """Groups whose rewards are all equal (zero advantages, no learning signal; TRL logs their share as
+    ``frac_reward_zero_std``): ``keep`` trains on them (TRL's behaviour); ``skip`` runs no forward/backward for a
+    micro-batch whose advantages are all zero, on every process together (needs ``beta: 0``, without which the KL
+    term still trains on them, and no ``train.deepspeed``, whose engine counts micro-batches in backward; a step
+    whose micro-batches are all skipped leaves the weights unchanged); ``resample`` is DAPO's dynamic sampling: more
+    groups from other training prompts until the generation batch holds only groups with signal, at most
+    ``max_resample_rounds`` generation rounds, the batch filled with the first round's other groups when short
+    (needs ``per_device_train_batch_size`` a multiple of ``num_generations``, so each process holds whole groups).
+    Metrics ``zero_signal/*`` (see :class:`grpo_steps.training.trainer.PipelineGRPOTrainer`)."""
+    max_resample_rounds: int = Field(4, ge=2)
+    """``zero_signal_groups: resample``: generation rounds per generation batch at most, the first one included."""
     seed: int = 42
     """Seed of the trainer (initialisation, data order, sampling inside the trainer)."""
     grpo: dict[str, Any] = Field(default_factory=dict)
@@ -319,6 +331,26 @@ class TrainConfig(_Section):
             raise ValueError("train.peft.push 'merged' merges the adapter from one process's full weights, which "
                              "ZeRO-3 (train.deepspeed) partitions: set train.peft.push: adapter, or train.deepspeed: "
                              "false")
+        return self
+
+    @model_validator(mode="after")
+    def _skipping_is_exact(self) -> TrainConfig:
+        if self.zero_signal_groups == "skip" and self.beta != 0:
+            raise ValueError(f"train.zero_signal_groups 'skip' drops micro-batches whose advantages are all zero, "
+                             f"but with train.beta {self.beta:g} their KL term still trains the policy: set "
+                             "train.beta: 0, or zero_signal_groups: keep or resample")
+        if self.zero_signal_groups == "skip" and self.deepspeed:
+            raise ValueError("train.zero_signal_groups 'skip' is not available with train.deepspeed: the DeepSpeed "
+                             "engine counts micro-batches in its backward pass and ZeRO-3's forward is collective; "
+                             "use zero_signal_groups: resample or keep")
+        return self
+
+    @model_validator(mode="after")
+    def _resampled_groups_are_whole(self) -> TrainConfig:
+        if self.zero_signal_groups == "resample" and self.per_device_train_batch_size % self.num_generations:
+            raise ValueError(f"train.zero_signal_groups 'resample' replaces whole groups in each process's batch: "
+                             f"train.per_device_train_batch_size ({self.per_device_train_batch_size}) must be a "
+                             f"multiple of train.num_generations ({self.num_generations})")
         return self
 
     @model_validator(mode="after")

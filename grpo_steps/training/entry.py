@@ -116,6 +116,8 @@ def run(job: TrainJob) -> str:
         tools=tool_functions(cfg.tools, cfg.generation.tool_timeout_s) or None,
         environment_factory=trl_environment_factory(environment_factories(cfg.environment,
                                                                           cfg.generation.tool_timeout_s)),
+        zero_signal_groups=cfg.train.zero_signal_groups,
+        max_resample_rounds=cfg.train.max_resample_rounds,
         **server_kwargs,
     )
     if cfg.eval.every_steps:

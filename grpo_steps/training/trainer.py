@@ -36,22 +36,114 @@ of configs/tools.yaml on 2 CPU cores)."""
 class PipelineGRPOTrainer(GRPOTrainer):
     """TRL's ``GRPOTrainer`` as every backend runs it here; it records which policy version sampled the latest
     generation batch (``sampled_version``: the optimizer step whose weights generated it), for the completions
-    tables. TRL generates from the current policy (``hf``, colocate) or syncs it first (``nccl``)."""
+    tables. TRL generates from the current policy (``hf``, colocate) or syncs it first (``nccl``).
+
+    Groups whose rewards are all equal (:mod:`grpo_steps.training.zero_signal`): ``zero_signal_groups`` ``keep``
+    (TRL's behaviour), ``skip`` (no forward/backward for a micro-batch without a non-zero advantage, decided by all
+    processes together) or ``resample`` (DAPO's dynamic sampling, at most ``max_resample_rounds`` generation rounds
+    per generation batch; the extra prompts are drawn from the training set by a generator seeded with the seed, the
+    step, the round and the process, so a resumed run draws the same ones). Metrics: ``zero_signal/frac_before`` and
+    ``zero_signal/frac_after`` (share of groups without signal in the first round and in the batch trained on),
+    ``zero_signal/groups_generated`` and ``zero_signal/rounds`` per generation batch (all processes),
+    ``zero_signal/skipped_share`` (share of micro-batches skipped).
+    """
 
     sampled_version: int = -1
+
+    def __init__(self, *args, zero_signal_groups: str = "keep", max_resample_rounds: int = 4, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.zero_signal_groups = zero_signal_groups
+        self.max_resample_rounds = max_resample_rounds
 
     def _sampled_version(self) -> int:
         return self.state.global_step
 
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+        if self.zero_signal_groups == "resample" and self.model.training:
+            output = self._resample(inputs)
+        else:
+            output = self._generate_round(inputs)
         self.sampled_version = self._sampled_version()
+        return output
+
+    def _generate_round(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
         if self.tools:  # TRL logs calls and failures per episode; the assistant turns too (as evaluation does)
             episodes = [c for c in self._logs["completion"] if isinstance(c, list)]
             turns = [sum(m.get("role") == "assistant" for m in c) for c in episodes]
             if turns:
                 self._metrics["train"]["tools/turns_per_episode"].append(sum(turns) / len(turns))
         return output
+
+    def _all(self, value: float, reduce: str) -> float:
+        """``value`` reduced over the processes (``max`` or ``sum``); every process calls."""
+        gathered = self.accelerator.gather(torch.tensor([float(value)], device=self.accelerator.device))
+        return float(gathered.max() if reduce == "max" else gathered.sum())
+
+    def _extra_rows(self, groups: int, round_index: int) -> list[dict]:
+        """``groups`` other prompts of the training set, each repeated ``num_generations`` times (TRL's order)."""
+        seed = ((self.args.seed * 1_000_003 + self.state.global_step) * 101 + round_index) * 1009 \
+            + self.accelerator.process_index
+        generator = torch.Generator().manual_seed(seed)
+        picks = torch.randperm(len(self.train_dataset), generator=generator)[:groups].tolist()
+        picks += [picks[i % len(picks)] for i in range(groups - len(picks))]  # a training set smaller than a batch
+        return [self.train_dataset[i] for i in picks for _ in range(self.num_generations)]
+
+    def _resample(self, inputs):
+        from grpo_steps.training.zero_signal import plan_resample, select_groups, signal_groups
+
+        g = self.num_generations
+        batches = [self._generate_round(inputs)]
+        signal = [signal_groups(batches[0]["advantages"], g)]
+        places = len(signal[0])
+        while len(batches) < self.max_resample_rounds:
+            short = sum(int(s.sum()) for s in signal) < places
+            if not self._all(short, "max"):  # every process agrees: rounds are collective (gathers, ZeRO-3)
+                break
+            batches.append(self._generate_round(self._extra_rows(places, len(batches))))
+            signal.append(signal_groups(batches[-1]["advantages"], g))
+        picks, used = plan_resample(signal, places)
+        output = batches[0]
+        if len(batches) > 1:  # TRL's num_items_in_batch counts the loss's tokens of all processes
+            output = select_groups(batches, picks, g)
+            output["num_items_in_batch"] = torch.tensor(self._all(output["num_items_in_batch"], "sum"),
+                                                        device=output["num_items_in_batch"].device)
+        metrics = self._metrics["train"]
+        total = self._all(places, "sum")
+        metrics["zero_signal/frac_before"].append(1 - self._all(int(signal[0].sum()), "sum") / total)
+        metrics["zero_signal/frac_after"].append(1 - self._all(used, "sum") / total)
+        metrics["zero_signal/groups_generated"].append(self._all(places * len(batches), "sum"))
+        metrics["zero_signal/rounds"].append(float(len(batches)))
+        return output
+
+    _prepared: dict | None = None
+
+    def _prepare_inputs(self, generation_batch):
+        if self._prepared is not None:  # prepared by training_step (zero_signal_groups: skip)
+            prepared, self._prepared = self._prepared, None
+            return prepared
+        return super()._prepare_inputs(generation_batch)
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        """TRL's training step; with ``zero_signal_groups: skip`` the micro-batch is prepared first (TRL generates
+        when due and slices its buffer) and skipped when no process has a non-zero advantage in its part."""
+        if self.zero_signal_groups != "skip":
+            return super().training_step(model, inputs, num_items_in_batch)
+        from grpo_steps.training.zero_signal import has_signal
+
+        prepared = super()._prepare_inputs(inputs)
+        signal = self._all(has_signal(prepared), "max")  # all processes skip together (DDP syncs in backward)
+        self._metrics["train"]["zero_signal/skipped_share"].append(1.0 - signal)
+        if signal:
+            self._prepared = prepared
+            return super().training_step(model, inputs, num_items_in_batch)
+        # zero advantages and beta 0: the loss and its gradient are zero; count the micro-batch as TRL's
+        # training_step does, so that the next one is the right slice of the buffer
+        self._step += 1
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            self._metrics["train"]["step_time"].append(self._current_train_step_time)
+            self._current_train_step_time = 0.0
+        return torch.zeros((), device=self.args.device)
 
 
 class ServerGRPOTrainer(PipelineGRPOTrainer):

@@ -85,3 +85,19 @@ def test_trls_tool_loop_samples_every_turn_through_the_generation_stand_in():
     # the attributes episodes.py's stand-in for the trainer provides, and no other
     assert set(re.findall(r"self\.(\w+)", suffix)) <= {"processing_class", "_tokenizer", "chat_template",
                                                        "chat_template_kwargs", "_is_vlm"}
+
+
+def test_the_training_step_that_zero_signal_skip_wraps():
+    """``zero_signal_groups: skip`` prepares the micro-batch itself (TRL's ``_prepare_inputs``, which the Trainer's
+    training_step calls first) and, when it skips, counts it as TRL's training_step does."""
+    import transformers
+
+    trainer_step = inspect.getsource(transformers.Trainer.training_step)
+    assert "inputs = self._prepare_inputs(inputs)" in trainer_step
+    grpo_step = inspect.getsource(trl.GRPOTrainer.training_step)
+    assert "self._step += 1" in grpo_step and "self._current_train_step_time" in grpo_step
+    assert "self._step % self.current_gradient_accumulation_steps == 0" in grpo_step
+    prepare = inspect.getsource(trl.GRPOTrainer._prepare_inputs)
+    assert "self._buffered_inputs[self._step % self.args.steps_per_generation]" in prepare
+    score = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
+    assert "advantages = rewards - mean_grouped_rewards" in score  # zero exactly when a group's rewards are equal
