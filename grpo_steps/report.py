@@ -15,9 +15,15 @@ HEADLINE = ("pass@1", "accuracy", "format_rate", "reward")
 
 def headline_metrics(cfg: PipelineConfig) -> list[str]:
     """The report's metric names in order: pass@1, every other configured pass@k, accuracy, format rate and
-    accuracy among formatted answers (when a format reward is configured), mean reward."""
+    accuracy among formatted answers (when a format reward is configured), mean reward; with tools or an environment,
+    then the tool use of the sampled episodes (calls per episode, failed share of calls, assistant turns per
+    episode) and the share of greedy episodes with a call."""
     names = ["pass@1"] + [f"pass@{k}" for k in cfg.eval.k if k != 1] + ["accuracy"]
-    return names + (["format_rate", "accuracy_formatted"] if cfg.eval.format_reward else []) + ["reward"]
+    names += (["format_rate", "accuracy_formatted"] if cfg.eval.format_reward else []) + ["reward"]
+    if cfg.tools or cfg.environment:
+        names += ["tools/call_frequency", "tools/failure_frequency", "tools/turns_per_episode",
+                  "greedy_tools_episodes_with_call"]
+    return names
 
 
 def _cell(value: float | None) -> str:

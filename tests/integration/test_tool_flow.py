@@ -74,13 +74,17 @@ def test_training_and_evaluation_run_the_tool_loop(tool_run):
 
 def test_the_registered_model_renders_with_the_configured_chat_template(tool_run):
     """The tokenizer saved with the registered model renders TRL's Qwen2.5 template (model.chat_template), the one
-    training and evaluation used: a user of the model gets the tool-calling format it was trained in."""
+    training and evaluation used: a user of the model gets the tool-calling format it was trained in; the version's
+    description shows tool use beside accuracy."""
     import mlflow
     from transformers import AutoTokenizer
 
     workdir, _ = tool_run
     mlflow.set_tracking_uri(f"sqlite:///{workdir}/mlflow.db")
     (version,) = mlflow.MlflowClient().search_model_versions("name = 'grpo-test-tools'")
+    # its description compares tool use too (baseline and trained both call every turn: 1 call, 2 turns)
+    assert "| tools/call_frequency | 1.000 | 1.000 | +0.000 |" in version.description
+    assert "| tools/turns_per_episode | 2.000 | 2.000 | +0.000 |" in version.description
     local = mlflow.artifacts.download_artifacts(f"models:/grpo-test-tools/{version.version}",
                                                 dst_path=str(workdir / "registered"))
     configs = list(Path(local).rglob("tokenizer_config.json"))  # the model's and MLflow's pipeline components
