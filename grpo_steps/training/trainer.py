@@ -131,6 +131,9 @@ class PipelineGRPOTrainer(GRPOTrainer):
             return super().training_step(model, inputs, num_items_in_batch)
         from grpo_steps.training.zero_signal import has_signal
 
+        model.train()  # as Trainer.training_step does before preparing: TRL buffers and logs "train" only then
+        if callable(getattr(self.optimizer, "train", None)):
+            self.optimizer.train()
         prepared = super()._prepare_inputs(inputs)
         signal = self._all(has_signal(prepared), "max")  # all processes skip together (DDP syncs in backward)
         self._metrics["train"]["zero_signal/skipped_share"].append(1.0 - signal)

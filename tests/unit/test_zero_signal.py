@@ -109,6 +109,7 @@ def test_skip_runs_no_forward_for_a_micro_batch_without_signal(tiny_model_path, 
     only flat groups runs no training forward and leaves no gradient; one with a live group trains."""
     trainer, calls = _trainer(tiny_model_path, tmp_path, "skip", dataset=names)
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop
+    trainer.model.eval()  # as from_pretrained leaves it: the step must train it before TRL prepares the batch
     forwards = []  # forwards with gradients (the scoring of old logprobs runs without)
     trainer.model.register_forward_hook(lambda *_: forwards.append(torch.is_grad_enabled()))
     loss = trainer.training_step(trainer.model, _batch(names), None)
