@@ -69,8 +69,13 @@ def test_a_server_that_keeps_stale_weights_stops_the_run(tmp_path, tiny_model_pa
         return reload(self, weights_dir if len(pushed) == 1 else tiny_model_path, direct)
 
     monkeypatch.setattr(VLLMClient, "reload_weights", reload_stale)
-    job = _job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint,
-               train={"learning_rate": 1e-3})  # a step that visibly moves the tiny policy
+    # a step that visibly moves the tiny policy: a high learning rate and a reward that varies within every group
+    # (the completion's length, DAPO's soft overlong punishment over nearly the whole budget); with the test config's
+    # accuracy and format rewards the random policy's groups are sometimes all equal at step 1, the update is then
+    # zero, the second push serves the first one's weights rightly, and the stale server is caught one step later
+    length = {"name": "soft_overlong_punishment", "options": {"max_completion_len": 12, "soft_punish_cache": 10}}
+    job = _job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint, train={"learning_rate": 1e-3},
+               rewards=[length], eval={"correctness_reward": "soft_overlong_punishment", "format_reward": None})
     with pytest.raises(GenerationServerError) as err:
         run(job)
     message = str(err.value)
