@@ -31,16 +31,19 @@ from grpo_steps.config.generation import (  # noqa: F401
     CONSTRAINTS,
     MISMATCH_MODES,
     SAMPLING_FILTERS,
+    AsyncConfig,
     GenerationConfig,
     ImportanceSamplingConfig,
     MismatchMode,
     ServerConfig,
     StructuredOutputsConfig,
     SyncCheckConfig,
+    prefetch_depth,
 )
 from grpo_steps.config.pipeline import (  # noqa: F401
     PipelineConfig,
     load_config,
+    optimizer_steps_per_generation,
     parse_config,
     validate_config,
 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, get_args
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from grpo_steps.config.base import _Section
 from grpo_steps.redaction import inline_secret, is_secret_flag, redact
@@ -32,6 +32,19 @@ class ServerConfig(_Section):
     """The server stops itself this many seconds after the flow process that owns it is gone."""
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs one vLLM replica shards the model over (``--tensor-parallel-size``); 1 on CPU."""
+    cpu_cores: list[int] | None = None
+    """Provider ``local`` on CPU: the cores the server's vLLM CPU backend binds its threads to
+    (``VLLM_CPU_OMP_THREADS_BIND``), e.g. ``[0]``; null: every core of the flow's process. With
+    ``generation.async``, give the server and the trainer (``train.cpu_cores``) cores of their own, as disaggregated
+    GPUs are: see docs/benchmarks.md "Asynchronous GRPO" for the layouts measured."""
+
+    @field_validator("cpu_cores")
+    @classmethod
+    def _cores_distinct(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or any(c < 0 for c in value) or len(set(value)) != len(value)):
+            raise ValueError(f"generation.server.cpu_cores {value} must list distinct core numbers (>= 0), or be "
+                             "null for every core")
+        return value
 
     @field_validator("endpoint")
     @classmethod
@@ -195,11 +208,31 @@ SAMPLING_FILTERS = ("top_p", "top_k", "min_p", "repetition_penalty")
 its sampler; the sampler's processed logprobs include them)."""
 
 
+class AsyncConfig(_Section):
+    max_staleness: int = Field(1, ge=1)
+    """Largest lag, in optimizer steps, between the policy that trains on a generation batch and the weights that
+    sampled it; the producer samples that many batches ahead (fewer when ``weight_sync_every`` > 1 or a batch spans
+    several optimizer steps), and a batch found older is dropped (``async/dropped``) and sampled again."""
+
+
+def prefetch_depth(max_staleness: int, steps_per_batch: float, weight_sync_every: int) -> int:
+    """Generation batches the producer may sample ahead without any of them exceeding ``max_staleness`` optimizer
+    steps: a batch queued ``d`` batches ahead is taken ``d x steps_per_batch`` optimizer steps later and may have
+    been sampled by weights up to ``weight_sync_every - 1`` steps older than the last push. 0: not even one.
+
+    >>> prefetch_depth(1, 1, 1), prefetch_depth(2, 1, 1), prefetch_depth(2, 1, 2), prefetch_depth(1, 2, 1)
+    (1, 2, 1, 0)
+    """
+    return int((max_staleness - (weight_sync_every - 1)) // steps_per_batch)
+
+
 CONSTRAINTS = ("stop", "stop_token_ids", "structured_outputs")
 """The ``generation`` keys that end or constrain completions."""
 
 
 class GenerationConfig(_Section):
+    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+
     backend: Literal["vllm", "hf", "replay"] = "vllm"
     """``vllm``: rollouts from the provisioned server; ``hf``: transformers generate in the trainer;
     ``replay``: fixed completions read from ``replay_file`` (no sampling: for comparing layouts or
@@ -262,6 +295,40 @@ class GenerationConfig(_Section):
     """Trainer–inference mismatch correction (backend ``vllm``); on by default, as in TRL."""
     sync_check: SyncCheckConfig = SyncCheckConfig()
     """Verification of each ``disk`` weight push."""
+    async_: AsyncConfig | None = Field(None, alias="async")
+    """Asynchronous GRPO (key ``async``; ``true`` or ``{max_staleness: N}``): a background producer samples the next
+    generation batches from the server while the trainer trains on the current one, each batch tagged with the
+    weight version that sampled it (:mod:`grpo_steps.training.async_rollouts`); TRL's mismatch correction weighs
+    the lag. Backend ``vllm``, mode ``server``, ``disk`` sync; not with tools or environments. Null/false:
+    generation and training alternate."""
+    weight_sync_every: int = Field(1, ge=1)
+    """Push the policy to the server every this many optimizer steps (Axolotl's ``vllm_sync_interval``, TRL's async
+    ``weight_sync_steps``); in between, rollouts come from the last pushed weights and the mismatch correction
+    weighs the lag. Backend ``vllm``, mode ``server``, ``disk`` sync (TRL's own paths push every step)."""
+
+    @field_validator("async_", mode="before")
+    @classmethod
+    def _async_true_is_defaults(cls, value: Any) -> Any:
+        if value is True:
+            return {}
+        return None if value is False else value
+
+    @model_validator(mode="after")
+    def _async_on_the_server_path(self) -> GenerationConfig:
+        ours = self.backend == "vllm" and self.mode == "server" and self.weight_sync == "disk"
+        for key, on in (("async", self.async_ is not None), ("weight_sync_every", self.weight_sync_every > 1)):
+            if on and not ours:
+                raise ValueError(f"generation.{key} applies to the server rollouts with disk pushes (backend 'vllm', "
+                                 f"mode 'server', weight_sync 'disk'), not to backend {self.backend!r} with mode "
+                                 f"{self.mode!r} and weight_sync {self.weight_sync!r}: remove it or use that path")
+        return self
+
+    @model_validator(mode="after")
+    def _async_keeps_the_correction(self) -> GenerationConfig:
+        if self.async_ is not None and not self.importance_sampling.enabled:
+            raise ValueError("generation.async trains on batches sampled by earlier weights, which TRL's mismatch "
+                             "correction weighs: keep generation.importance_sampling on (mode other than 'off')")
+        return self
 
     @field_validator("stop")
     @classmethod

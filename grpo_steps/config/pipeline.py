@@ -13,7 +13,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from grpo_steps.config.base import COLOCATE_NEEDS_GPU, ConfigError, _Section
 from grpo_steps.config.data import DataConfig, kept_columns
-from grpo_steps.config.generation import GenerationConfig
+from grpo_steps.config.generation import GenerationConfig, prefetch_depth
 from grpo_steps.config.sections import (
     EvalConfig,
     ModelConfig,
@@ -255,6 +255,28 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _async_rollouts_are_single_turn(self) -> PipelineConfig:
+        if self.generation.async_ is not None and (self.tools or self.environment):
+            raise ValueError("generation.async prefetches whole first turns; with tools or an environment the "
+                             "trainer samples each follow-up turn after running the calls (and resets environments "
+                             "per batch), which a producer cannot do ahead: remove generation.async for tool use")
+        return self
+
+    @model_validator(mode="after")
+    def _async_prefetches_a_batch(self) -> PipelineConfig:
+        gen = self.generation
+        if gen.async_ is None:
+            return self
+        steps = optimizer_steps_per_generation(self.train)
+        if prefetch_depth(gen.async_.max_staleness, steps, gen.weight_sync_every) < 1:
+            raise ValueError(f"generation.async.max_staleness {gen.async_.max_staleness} leaves no batch to sample "
+                             f"ahead: a generation batch spans {steps:g} optimizer step(s) and pushes come every "
+                             f"{gen.weight_sync_every} (generation.weight_sync_every), so a batch sampled one "
+                             f"ahead is up to {steps + gen.weight_sync_every - 1:g} steps old when it trains: set "
+                             f"max_staleness to at least that")
+        return self
+
+    @model_validator(mode="after")
     def _tools_need_sampling(self) -> PipelineConfig:
         if (self.tools or self.environment) and self.generation.backend == "replay":
             raise ValueError("tools and environment need sampled rollouts (the policy's tool calls run between its "
@@ -335,6 +357,22 @@ class PipelineConfig(_Section):
 
         walk("", redact_value(self.model_dump(mode="json")))  # defence in depth: the validators refuse secrets
         return out
+
+
+def optimizer_steps_per_generation(train) -> float:
+    """Optimizer steps one generation batch trains (TRL: ``steps_per_generation x num_iterations`` micro-batches,
+    ``steps_per_generation`` defaulting to ``gradient_accumulation_steps``, over ``gradient_accumulation_steps``
+    micro-batches per step).
+
+    >>> from grpo_steps.config import TrainConfig
+    >>> optimizer_steps_per_generation(TrainConfig())
+    1.0
+    >>> optimizer_steps_per_generation(TrainConfig(grpo={"num_iterations": 2}))
+    2.0
+    """
+    accumulation = train.gradient_accumulation_steps
+    per_generation = train.grpo.get("steps_per_generation") or accumulation
+    return per_generation * train.grpo.get("num_iterations", 1) / accumulation
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

@@ -278,6 +278,18 @@ class TrainConfig(_Section):
     main_process_port: int = Field(0, ge=0, le=65535)
     """Rendezvous port of ``accelerate launch`` on node 0; 0: a free port picked by node 0 (local
     runtime, where simulated nodes share one machine) or 29500 on a cluster."""
+    cpu_cores: list[int] | None = None
+    """CPU training: the cores each training process runs on (its affinity) and as many torch threads, e.g.
+    ``[1]`` beside ``generation.server.cpu_cores: [0]`` (the layout of ``generation.async`` on a 2-core machine);
+    null: every core, torch's default threads."""
+
+    @field_validator("cpu_cores")
+    @classmethod
+    def _cores_distinct(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or any(c < 0 for c in value) or len(set(value)) != len(value)):
+            raise ValueError(f"train.cpu_cores {value} must list distinct core numbers (>= 0), or be null for "
+                             "every core")
+        return value
 
     @property
     def world_size(self) -> int:

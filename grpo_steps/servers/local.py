@@ -120,10 +120,13 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
     token = os.environ.get(auth.TOKEN_ENV) or os.environ.get("VLLM_API_KEY") or auth.new_token()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(server_cfg.kv_cache_gib))
     env[auth.TOKEN_ENV] = token
-    # CPU backend: use every core of this process (training and generation alternate, they do not overlap).
     if max_lora_rank is not None:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    # CPU backend: the configured cores (generation.server.cpu_cores: a layout where the server and an asynchronous
+    # trainer each have their own), else every core of this process (training and generation alternate)
+    if server_cfg.cpu_cores is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in server_cfg.cpu_cores)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in sorted(os.sched_getaffinity(0))))
     cmd = vllm_command(model_path, server_cfg.host, port, max_model_len=max_model_len, dtype=dtype,
                        enforce_eager=server_cfg.enforce_eager, extra_args=server_cfg.extra_args,

@@ -49,6 +49,7 @@ def run(job: TrainJob) -> str:
 
     started = time.monotonic()
     cfg = job.config
+    pin_cpu_cores(cfg.train.cpu_cores)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     if cfg.train.deepspeed and not torch.cuda.is_available():
         import deepspeed  # ZeRO-3 on CPU: gloo must be up before GRPOConfig picks the backend
@@ -83,7 +84,9 @@ def run(job: TrainJob) -> str:
                                                     probe_tolerance, gen=cfg.generation,
                                                     max_model_len=cfg.model.max_model_len,
                                                     sync_dir=cfg.generation.sync_dir, lora=lora_push),
-                             max_logp_diff=max_logp_diff)
+                             max_logp_diff=max_logp_diff,
+                             max_staleness=cfg.generation.async_.max_staleness if cfg.generation.async_ else None)
+        server_kwargs["sync"].sync_every = cfg.generation.weight_sync_every
     elif cfg.generation.backend == "replay":
         rollout = ReplayRollout(cfg.generation.replay_file, tokenizer, cfg.generation)
     from grpo_steps.checkpoints import in_metaflow_task
@@ -166,6 +169,27 @@ def eval_during_callback(job: TrainJob, trainer, tokenizer):
 
     return EvalDuringTraining(job.config, trainer, trainer.vllm_generation.push.client if evaluator else None,
                               tokenizer, rows, log=log, logged_steps=logged, evaluator=evaluator)
+
+
+def pin_cpu_cores(cores: list[int] | None) -> None:
+    """``train.cpu_cores``: run this process on those cores with as many torch threads (None: unchanged).
+
+    Raises:
+        ConfigError: a core this machine does not give the process.
+    """
+    if cores is None:
+        return
+    import torch
+
+    from grpo_steps.config import ConfigError
+
+    available = os.sched_getaffinity(0)
+    missing = sorted(set(cores) - available)
+    if missing:
+        raise ConfigError(f"train.cpu_cores {cores}: cores {missing} are not available to the training process "
+                          f"(it may use {sorted(available)}); pick among those, or null for all")
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
 
 
 def colocate_environment(cfg: PipelineConfig) -> None:

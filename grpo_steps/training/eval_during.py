@@ -76,7 +76,7 @@ class EvalDuringTraining(TrainerCallback):
         only, unless already logged); returns the metrics logged, or None on the other ranks."""
         trainer = self.trainer
         if trainer._last_loaded_step != step:  # the push TRL makes before the next generation, made now
-            trainer.vllm_generation.sync_weights()
+            trainer.vllm_generation.sync_weights(force=True)  # also between generation.weight_sync_every pushes
             trainer._last_loaded_step = step
         if not self.evaluator or step in self.logged_steps:
             return None

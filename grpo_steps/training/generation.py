@@ -6,12 +6,15 @@ samples every turn, the follow-up turns of TRL's tool loop included).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from grpo_steps.config import GenerationConfig
 from grpo_steps.servers.client import GenerationServerError, VLLMClient
+from grpo_steps.training.async_rollouts import RolloutPrefetcher
 from grpo_steps.training.sampling import policy_logprobs
 from grpo_steps.training.weight_sync import (
     AdapterPush,
@@ -78,6 +81,17 @@ class ServerGeneration:
     merge_lora: bool = False
     """LoRA with ``train.peft.push: merged``: push base + adapter merged
     (:func:`grpo_steps.training.weight_sync.merged_state_dict`) as full weights."""
+    sync_every: int = 1
+    """``generation.weight_sync_every``: push at optimizer steps that are multiples of it (or when forced)."""
+    prefetcher: RolloutPrefetcher | None = None
+    """``generation.async``: the producer sampling the next generation batches (see :meth:`start_async`)."""
+    upcoming: Callable[[int], list[tuple[int, list[list[int]]]]] | None = None
+    """``generation.async``: ``upcoming(key)`` gives the ``(key, prompt ids)`` of the generation batches after the one
+    at ``key`` (the trainer's micro-step), as many as the producer may sample ahead."""
+    sampled_version: int = -1
+    """The weight version that sampled the latest first turn (the pushed version, or a prefetched batch's)."""
+    _served_key: int = -1
+    _producer_client: VLLMClient | None = None
 
     def _log(self, name: str, value: float) -> None:
         # Always the training logs: a push serves the training's rollouts (the pipeline runs no TRL eval loop), and
@@ -85,7 +99,15 @@ class ServerGeneration:
         # loaded model (eval mode) into train mode; TRL would drop eval-mode metrics of a training step.
         self.trainer._metrics["train"][f"weight_sync/{name}"].append(value)
 
-    def sync_weights(self) -> None:
+    def sync_weights(self, force: bool = False) -> None:
+        """Push the policy (every ``sync_every`` optimizer steps unless ``force``); with a producer, none of its
+        requests is in flight meanwhile."""
+        if not force and self.pushed_version is not None and self.trainer.state.global_step % self.sync_every:
+            return
+        with self.prefetcher.paused() if self.prefetcher is not None else contextlib.nullcontext():
+            self._push()
+
+    def _push(self) -> None:
         from accelerate.utils import broadcast_object_list
 
         trainer, accelerator = self.trainer, self.trainer.accelerator
@@ -131,6 +153,8 @@ class ServerGeneration:
             from grpo_steps.lora import adapter_name
 
             self.client.model = adapter_name(self.client.base_model, version)
+            if self._producer_client is not None:
+                self._producer_client.model = self.client.model
         self._log("gather_seconds", gathered - start)
         self._log("write_seconds", parts["write_seconds"])
         self._log("reload_seconds", parts["reload_seconds"])
@@ -171,28 +195,76 @@ class ServerGeneration:
             raise ValueError(f"generate got {len(prompts)} prompts that are not whole groups of {group} equal prompts "
                              "in a row: each process's generation batch (train.per_device_train_batch_size x "
                              "steps_per_generation) must be a multiple of train.num_generations")
-        unique = prompts[::group]
-        # a follow-up turn's prompt holds the conversation so far: the new tokens are capped so that the longest
-        # prompt still fits the server's context, and a prompt that fills it gets an empty turn
-        fits = [i for i, p in enumerate(unique) if len(p) < self.max_model_len]
-        samples: list[list[dict]] = [[{"completion_ids": [], "logprobs": []}] * group for _ in unique]
-        if fits:
-            room = self.max_model_len - max(len(unique[i]) for i in fits)
+        samples, version = None, self.pushed_version
+        key = self.trainer._step if self.trainer is not None else -1
+        if self.prefetcher is not None and group > 1 and self.trainer.model.training and key != self._served_key:
+            self._served_key = key  # the first turn of this generation batch (other calls: resample's extra rounds)
+            samples, version = self._take(key, prompts, group)
+        if samples is None:
             with profiler if profiler is not None else contextlib.nullcontext():
-                sampled = self.client.complete([unique[i] for i in fits], group,
-                                               max_tokens=min(self.gen.max_completion_tokens, room),
-                                               temperature=self.gen.temperature, request=self.gen.sampling_request())
-            for i, group_samples in zip(fits, sampled, strict=True):
-                samples[i] = group_samples
+                samples = self._sample(self.client, prompts, group)
+        if group > 1:
+            self.sampled_version = version
         completion_ids = [s["completion_ids"] for group_samples in samples for s in group_samples]
         logprobs = [s["logprobs"] for group_samples in samples for s in group_samples]
-        if self.first_batch is None:  # the first turn after a push: what the first-batch check scores
+        # the first turn after a push, sampled by the policy of now: what the first-batch check scores
+        if self.first_batch is None and version == (self.trainer.state.global_step if self.trainer else version):
             self.first_batch = list(zip(prompts, completion_ids, logprobs, strict=True))
         return (prompts, completion_ids, [[[lp] for lp in seq] for seq in logprobs],
                 [[[token] for token in seq] for seq in completion_ids])
 
+    def _sample(self, client: VLLMClient, prompts: list[list[int]], group: int) -> list[list[dict]]:
+        """One request for ``prompts`` (whole groups of ``group``): per distinct prompt, ``group`` samples
+        ``{"completion_ids", "logprobs"}``. A follow-up turn's prompt holds the conversation so far: the new tokens
+        are capped so that the longest prompt still fits the server's context, and a prompt that fills it gets an
+        empty turn."""
+        unique = prompts[::group]
+        fits = [i for i, p in enumerate(unique) if len(p) < self.max_model_len]
+        samples: list[list[dict]] = [[{"completion_ids": [], "logprobs": []}] * group for _ in unique]
+        if fits:
+            room = self.max_model_len - max(len(unique[i]) for i in fits)
+            sampled = client.complete([unique[i] for i in fits], group,
+                                      max_tokens=min(self.gen.max_completion_tokens, room),
+                                      temperature=self.gen.temperature, request=self.gen.sampling_request())
+            for i, group_samples in zip(fits, sampled, strict=True):
+                samples[i] = group_samples
+        return samples
+
+    def start_async(self, max_staleness: int, depth: int,
+                    upcoming: Callable[[int], list[tuple[int, list[list[int]]]]]) -> None:
+        """``generation.async``: start the producer thread (its own client of the server), which samples up to
+        ``depth`` generation batches ahead; a batch staler than ``max_staleness`` optimizer steps is dropped."""
+        self._producer_client = dataclasses.replace(self.client)
+        self._producer_client.model, self._producer_client.base_model = self.client.model, self.client.base_model
+        self.upcoming = upcoming
+        self.prefetcher = RolloutPrefetcher(lambda prompts, group: self._sample(self._producer_client, prompts, group),
+                                            lambda: self.pushed_version, max_staleness=max_staleness, depth=depth)
+
+    def _take(self, key: int, prompts: list[list[int]], group: int) -> tuple[list[list[dict]] | None, int | None]:
+        """The prefetched samples of the generation batch at ``key`` and the version that sampled them, the next
+        batches queued; ``(None, pushed_version)`` when it was not prefetched or is too stale (then sampled now)."""
+        prefetcher = self.prefetcher
+        step = self.trainer.state.global_step
+        prefetcher.fill([(key, prompts)], group, current_key=key - 1)
+        prefetcher.fill(self.upcoming(key), group, current_key=key)
+        batch = prefetcher.take(key, prompts, current_version=step)
+        stats = prefetcher.drain_stats()
+        for name, value in (("staleness", step - batch.version if batch else 0.0),
+                            ("trainer_wait_seconds", stats.trainer_wait_s),
+                            ("producer_idle_seconds", stats.producer_idle_s),
+                            ("dropped", stats.dropped), ("missed", stats.missed),
+                            ("ready_ahead", stats.ready_ahead[-1] if stats.ready_ahead else 0),
+                            ("queue_depth", prefetcher.queued())):
+            self.trainer._metrics["train"][f"async/{name}"].append(float(value))
+        if batch is None:
+            return None, self.pushed_version
+        return batch.result, batch.version
+
     def close(self) -> None:
-        """Remove this run's sync directory (rank 0; the server keeps the weights in memory)."""
+        """Stop the producer (waiting for its request in flight), remove this run's sync directory (rank 0; the
+        server keeps the weights in memory)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         if self.push is not None:
             self.push.close()
             shutil.rmtree(self.push.root, ignore_errors=True)

@@ -166,7 +166,8 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
             probe is compared with the policy instead).
     """
 
-    def __init__(self, *args, sync: ServerGeneration, max_logp_diff: float | None, **kwargs):
+    def __init__(self, *args, sync: ServerGeneration, max_logp_diff: float | None, max_staleness: int | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         if self.args.use_vllm:
             raise ValueError("ServerGRPOTrainer brings its own generation: build it with GRPOConfig(use_vllm=False)")
@@ -178,8 +179,13 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         sync.trainer = self
         self.max_logp_diff = max_logp_diff
         self.vllm_generation = sync
-        sync.probe_policy = not self._checks_first_batch()
+        self.max_staleness = max_staleness
+        # asynchronous: the batches trained were mostly sampled by earlier weights, which the policy no longer is;
+        # every push is then checked with the policy's probe, the first-batch check only runs on a batch sampled by
+        # the policy of the moment (the first one)
+        sync.probe_policy = max_staleness is not None or not self._checks_first_batch()
         self._last_loaded_step = -1  # push before the first generation (the server may hold stale weights)
+        self._prompt_stream: PromptStream | None = None
 
     def _checks_first_batch(self) -> bool:
         # structured outputs renormalise over the tokens a grammar allows, which the policy cannot know: then the
@@ -187,15 +193,29 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         return self.max_logp_diff is not None and self.vllm_generation.gen.structured_outputs is None
 
     def _sampled_version(self) -> int:
-        return self.vllm_generation.pushed_version  # the push verified before this batch was sampled
+        return self.vllm_generation.sampled_version  # a verified push; with async, the one that sampled the batch
 
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
         sync: ServerGeneration = self.vllm_generation
-        if sync.first_batch_pending:
+        if self.max_staleness is not None and sync.prefetcher is None and self.model.training:
+            self._start_async()
+        output = super()._generate_and_score_completions(inputs)
+        if sync.first_batch_pending and sync.first_batch is not None:
             sync.first_batch_pending = False
             self._check_first_batch(sync.pushed_version)
         return output
+
+    def _start_async(self) -> None:
+        """Start the producer of ``generation.async`` at the first generation of this attempt: it samples ahead the
+        prompts of the batches TRL's dataloader will yield next (:class:`PromptStream`, a second dataloader in the
+        same order, from where a resumed run starts)."""
+        from grpo_steps.config import prefetch_depth
+
+        accumulation = self.args.gradient_accumulation_steps
+        every = self.args.steps_per_generation * self.num_iterations  # micro-steps per generation batch
+        depth = prefetch_depth(self.max_staleness, every / accumulation, self.vllm_generation.sync_every)
+        self._prompt_stream = PromptStream(self, every, depth)
+        self.vllm_generation.start_async(self.max_staleness, depth, self._prompt_stream.after)
 
     def _check_first_batch(self, version: int) -> None:
         """Score the first completions of the batch just sampled with the policy, under the distribution the server
@@ -219,3 +239,52 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
                 f"{self.max_logp_diff:g}: the server does not sample from the policy (stale or other weights, other "
                 "sampling settings, or a server started without --logprobs-mode processed_logprobs)"
             )
+
+
+class PromptStream:
+    """The token-id prompts of the generation batches TRL will ask for next, read from a second training dataloader
+    (the same sampler, seed and sharding as the trainer's) from where this attempt starts: a resumed run skips the
+    micro-batches its checkpoint trained, as ``Trainer`` does. Each generation batch is keyed by the micro-step at
+    which TRL generates it (``GRPOTrainer._step``, 0 when the attempt starts; one batch every ``every`` micro-steps).
+    Read in the training thread (the dataloader may synchronise RNG states across processes). A stream that
+    disagrees with TRL's costs speed, never correctness: the producer's batch then holds other prompts and is not
+    used (``async/missed``)."""
+
+    def __init__(self, trainer: PipelineGRPOTrainer, every: int, depth: int) -> None:
+        self.trainer, self.every, self.depth = trainer, every, depth
+        self.ahead: dict[int, list[list[int]]] = {}
+        self.next_index = 0
+        self.batches = self._micro_batches()
+
+    def _micro_batches(self):
+        trainer = self.trainer
+        loader = trainer.get_train_dataloader()
+        accumulation = trainer.args.gradient_accumulation_steps
+        per_epoch = max(len(loader) // accumulation + int(len(loader) % accumulation > 0), 1)
+        epoch = trainer.state.global_step // per_epoch
+        skip = (trainer.state.global_step % per_epoch) * accumulation
+        while True:
+            if hasattr(loader, "set_epoch"):
+                loader.set_epoch(epoch)
+            for index, rows in enumerate(loader):
+                if index >= skip:
+                    yield rows
+            skip, epoch = 0, epoch + 1
+
+    def _prompt_ids(self, rows: list[dict]) -> list[list[int]]:
+        import copy
+
+        prompt_ids, _, _ = self.trainer._tokenize_prompts(copy.deepcopy([row["prompt"] for row in rows]))
+        return prompt_ids
+
+    def after(self, key: int) -> list[tuple[int, list[list[int]]]]:
+        """``(key, prompt ids)`` of the next ``depth`` generation batches after the one at micro-step ``key``."""
+        wanted = [key + self.every * j for j in range(1, self.depth + 1)]
+        for index in wanted:
+            while self.next_index <= index:
+                rows = next(self.batches)
+                if self.next_index % self.every == 0 and self.next_index > key:
+                    self.ahead[self.next_index] = self._prompt_ids(rows)
+                self.next_index += 1
+        self.ahead = {k: v for k, v in self.ahead.items() if k > key}
+        return [(k, self.ahead[k]) for k in wanted]

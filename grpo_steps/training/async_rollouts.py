@@ -1,0 +1,226 @@
+"""Asynchronous generation (``generation.async``): a background producer samples the next generation batches from the
+server while the trainer trains on the current one, each batch tagged with the weight version that sampled it.
+
+The design is TRL's ``AsyncGRPOTrainer`` (experimental ``async_grpo``: a rollout worker thread, a bounded queue,
+``max_staleness``) and the one-step-off pipelines of verl and AReaL, ported onto this pipeline's trainer: the
+producer only sends prompts to the server (HTTP; no model, no collective); the prompts, the rewards, the advantages,
+the logprobs and the pushes stay in the training thread. A push (:meth:`RolloutPrefetcher.paused`) waits for the
+request in flight to end and starts no new one until the server holds the new weights, so every batch is sampled by
+exactly one version (a drain, not vLLM's pause/resume: the requests are whole generation batches of a few seconds).
+
+Staleness of a batch = the trainer's optimizer step when it takes the batch - the version (the optimizer step whose
+weights sampled it). A batch with staleness above ``max_staleness`` is dropped (counted) and sampled again from the
+current weights; TRL's mismatch correction (importance sampling against the sampler's logprobs) absorbs the lag of
+the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+STOP_TIMEOUT_S = 600.0
+"""Longest wait, seconds, for the request in flight when the producer stops (the client's own timeout bounds it)."""
+
+
+@dataclass
+class PrefetchedBatch:
+    """One generation batch of the producer: ``prompts`` (B token-id lists, as ``ServerGeneration.generate`` gets
+    them), the sampler's ``result`` once done (or the exception it raised), and ``version`` (the weight version the
+    server held while sampling it; -1 until it started)."""
+
+    key: int
+    """Where the trainer asks for it (its micro-step counter when it generates)."""
+    prompts: list[list[int]]
+    num_generations: int
+    version: int = -1
+    result: Any = None
+    error: BaseException | None = None
+    started: bool = False
+    done: bool = False
+
+
+@dataclass
+class PrefetchStats:
+    """Counters since the last :meth:`RolloutPrefetcher.drain_stats`: seconds the producer had nothing to sample
+    (``producer_idle_s``), seconds the trainer waited for a batch or for the request in flight before a push
+    (``trainer_wait_s``), batches dropped as too stale (``dropped``), batches the trainer asked for that were not
+    prefetched (``missed``: sampled directly), and per taken batch its staleness and the number of batches already
+    sampled ahead of it (``staleness``, ``ready_ahead``)."""
+
+    producer_idle_s: float = 0.0
+    trainer_wait_s: float = 0.0
+    dropped: int = 0
+    missed: int = 0
+    staleness: list[int] = field(default_factory=list)
+    ready_ahead: list[int] = field(default_factory=list)
+
+
+class RolloutPrefetcher:
+    """A background thread that samples queued generation batches, one at a time, in order.
+
+    Args:
+        sample: ``sample(prompts, num_generations) -> result``: one request to the server (called in the producer
+            thread; it must not touch the model or any collective).
+        version: ``version() -> int``: the weight version the server holds now (read when a request starts).
+        max_staleness: the largest staleness (optimizer steps) of a batch the trainer takes.
+        depth: batches kept queued or sampled ahead of the trainer (:meth:`fill` tops the queue up to it).
+
+    Raises:
+        ValueError: ``max_staleness`` < 0 or ``depth`` < 1.
+
+    >>> served = {"version": 0}
+    >>> p = RolloutPrefetcher(lambda prompts, n: [len(x) for x in prompts], lambda: served["version"],
+    ...                       max_staleness=1, depth=1)
+    >>> p.fill([(0, [[1, 2], [1, 2]]), (1, [[3], [3]])], num_generations=2, current_key=-1)
+    1
+    >>> batch = p.take(0, [[1, 2], [1, 2]], current_version=1)
+    >>> batch.result, batch.version
+    ([2, 2], 0)
+    >>> p.take(1, [[3], [3]], current_version=1) is None  # never queued (depth 1): the caller samples it directly
+    True
+    >>> p.close(), p.alive
+    (True, False)
+    """
+
+    def __init__(self, sample: Callable[[list[list[int]], int], Any], version: Callable[[], int], *,
+                 max_staleness: int, depth: int) -> None:
+        if max_staleness < 0 or depth < 1:
+            raise ValueError(f"max_staleness must be >= 0 and depth >= 1, got {max_staleness} and {depth}")
+        self.sample, self.version, self.max_staleness, self.depth = sample, version, max_staleness, depth
+        self.queue: list[PrefetchedBatch] = []
+        self.stats = PrefetchStats()
+        self._cond = threading.Condition()
+        self._paused = 0
+        self._in_flight = False
+        self._stopping = False
+        self._last_key = -1
+        self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+        self._thread.start()
+
+    # ---- producer thread ----
+    def _next_job(self) -> PrefetchedBatch | None:
+        """Wait (idle) until a queued batch may start; None when stopping. Called with the condition held."""
+        idle_from = time.perf_counter()
+        while not self._stopping:
+            job = next((b for b in self.queue if not b.started), None)
+            if job is not None and not self._paused:
+                self.stats.producer_idle_s += time.perf_counter() - idle_from
+                job.started, self._in_flight = True, True
+                job.version = self.version()
+                return job
+            self._cond.wait()
+        return None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                job = self._next_job()
+            if job is None:
+                return
+            try:
+                job.result = self.sample(job.prompts, job.num_generations)
+            except BaseException as err:  # noqa: BLE001  (handed to the trainer, which raises it)
+                job.error = err
+            with self._cond:
+                job.done, self._in_flight = True, False
+                self._cond.notify_all()
+
+    # ---- training thread ----
+    def fill(self, upcoming: list[tuple[int, list[list[int]]]], num_generations: int, current_key: int) -> int:
+        """Queue the batches of ``upcoming`` (``(key, prompts)``, keys increasing, in the order the trainer will ask
+        for them) not queued before, until :attr:`depth` batches with a key above ``current_key`` (the batch the
+        trainer is at) are queued or sampled; returns how many were queued."""
+        added = 0
+        with self._cond:
+            for key, prompts in upcoming:
+                if key <= self._last_key:
+                    continue
+                if sum(b.key > current_key for b in self.queue) >= self.depth:
+                    break
+                self.queue.append(PrefetchedBatch(key, prompts, num_generations))
+                self._last_key = key
+                added += 1
+            self._cond.notify_all()
+        return added
+
+    def queued(self) -> int:
+        """Batches queued, in flight or sampled and not yet taken."""
+        with self._cond:
+            return len(self.queue)
+
+    def take(self, key: int, prompts: list[list[int]], current_version: int) -> PrefetchedBatch | None:
+        """The prefetched batch ``key``, waiting for it if it is still being sampled; batches queued before it are
+        discarded (the trainer moved past them). None (the caller samples directly, from the current weights) when
+        it was never queued or holds other prompts than ``prompts`` (``missed``), or when its staleness
+        ``current_version - version`` exceeds ``max_staleness`` (``dropped``: it never trains).
+
+        Raises:
+            what the producer's request raised for this batch (e.g. ``GenerationServerError``).
+        """
+        with self._cond:
+            index = next((i for i, b in enumerate(self.queue) if b.key == key), None)
+            batch = None if index is None else self.queue[index]
+            if batch is None or batch.prompts != prompts:
+                self.stats.missed += 1
+                self.queue = [b for b in self.queue if b.key > key]
+                return None
+            self.queue = [b for b in self.queue if b.key >= key]
+            waited_from = time.perf_counter()
+            while not batch.done:  # the producer takes the queue's first batch not started: this one, or the one
+                self._cond.wait()  # in flight before it
+            self.queue = [b for b in self.queue if b.key > key]
+            self.stats.trainer_wait_s += time.perf_counter() - waited_from
+            self.stats.ready_ahead.append(sum(b.done for b in self.queue))
+            self._cond.notify_all()
+        if batch.error is not None:
+            raise batch.error
+        staleness = current_version - batch.version
+        if staleness > self.max_staleness:
+            self.stats.dropped += 1
+            return None
+        self.stats.staleness.append(staleness)
+        return batch
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No request in flight while inside (a weight push): waits for the one in flight to end (counted as
+        trainer wait), starts none until the block is left."""
+        with self._cond:
+            self._paused += 1
+            waited_from = time.perf_counter()
+            while self._in_flight:
+                self._cond.wait()
+            self.stats.trainer_wait_s += time.perf_counter() - waited_from
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._paused -= 1
+                self._cond.notify_all()
+
+    def drain_stats(self) -> PrefetchStats:
+        """The counters since the last call, reset."""
+        with self._cond:
+            stats, self.stats = self.stats, PrefetchStats()
+            return stats
+
+    def close(self, timeout_s: float = STOP_TIMEOUT_S) -> bool:
+        """Stop: nothing new starts, the queue is discarded, the request in flight (if any) is waited for up to
+        ``timeout_s`` seconds. Returns whether the thread has ended (a request still hanging after that leaves a
+        daemon thread that dies with the process)."""
+        with self._cond:
+            self._stopping = True
+            self.queue.clear()
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the producer thread is running."""
+        return self._thread.is_alive()
