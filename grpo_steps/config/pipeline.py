@@ -277,6 +277,18 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _replay_is_importance_weighted(self) -> PipelineConfig:
+        gen = self.generation
+        mode = gen.importance_sampling.mode
+        if self.train.zero_signal_groups == "replay" and (gen.backend != "vllm" or mode == "off"):
+            raise ValueError(f"train.zero_signal_groups 'replay' trains groups an older policy sampled, which only the "
+                             f"mismatch correction reweights (pi_policy / pi_sampler, from the sampler's logprobs); "
+                             f"generation.backend {gen.backend!r} with generation.importance_sampling.mode {mode!r} "
+                             "has none: use backend 'vllm' with an importance_sampling.mode other than 'off', or "
+                             "zero_signal_groups: resample or keep")
+        return self
+
+    @model_validator(mode="after")
     def _tools_need_sampling(self) -> PipelineConfig:
         if (self.tools or self.environment) and self.generation.backend == "replay":
             raise ValueError("tools and environment need sampled rollouts (the policy's tool calls run between its "

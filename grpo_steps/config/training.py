@@ -256,7 +256,7 @@ class TrainConfig(_Section):
     log_completions_steps: int = Field(10, ge=0)
     """Every this many optimizer steps, the step's generation batch goes to the MLflow run as a table
     (``completions/step_NNNNNN.json``: prompt, completion, each reward, advantage, weight version); 0: never."""
-    zero_signal_groups: Literal["keep", "skip", "resample"] = "keep"
+    zero_signal_groups: Literal["keep", "skip", "resample", "replay"] = "keep"
     """Groups whose rewards are all equal (zero advantages, no learning signal; TRL logs their share as
     ``frac_reward_zero_std``): ``keep`` trains on them (TRL's behaviour); ``skip`` runs no forward/backward for a
     micro-batch whose advantages are all zero, on every process together (needs ``beta: 0``, without which the KL
@@ -264,10 +264,25 @@ class TrainConfig(_Section):
     whose micro-batches are all skipped leaves the weights unchanged); ``resample`` is DAPO's dynamic sampling: more
     groups from other training prompts until the generation batch holds only groups with signal, at most
     ``max_resample_rounds`` generation rounds, the batch filled with the first round's other groups when short
-    (needs ``per_device_train_batch_size`` a multiple of ``num_generations``, so each process holds whole groups).
+    (needs ``per_device_train_batch_size`` a multiple of ``num_generations``, so each process holds whole groups);
+    ``replay`` is Axolotl's replay buffer: one generation round, whose groups without signal are replaced by groups
+    with signal of earlier rounds (``replay_buffer_size``, ``replay_max_age``), newest first, each at most once per
+    batch, with the advantages they were generated with and their logprobs and importance weights recomputed under
+    the current policy (needs whole groups per process as ``resample``, backend ``vllm`` with the mismatch
+    correction on, which weighs the older sampler's completions, no ``train.deepspeed`` and no
+    ``train.grpo.sync_ref_model``; the buffer is in memory only: a resumed run starts with it empty).
     Metrics ``zero_signal/*`` (see :class:`grpo_steps.training.trainer.PipelineGRPOTrainer`)."""
     max_resample_rounds: int = Field(4, ge=2)
     """``zero_signal_groups: resample``: generation rounds per generation batch at most, the first one included."""
+    replay_buffer_size: int = Field(64, ge=1)
+    """``zero_signal_groups: replay``: groups with signal each training process keeps for replay (its own groups;
+    the oldest leave first). 64 holds the last 8 generation batches at 8 groups per process; each group is a few
+    kilobytes to a few megabytes of CPU memory (token ids and per-token logprobs of ``num_generations``
+    completions)."""
+    replay_max_age: int | None = Field(None, ge=1)
+    """``zero_signal_groups: replay``: a buffered group generated more than this many optimizer steps ago is no
+    longer replayed (its sampler is too far from the policy; the mismatch correction would mask or clip most of its
+    weight anyway); null: no limit but ``replay_buffer_size``."""
     seed: int = 42
     """Seed of the trainer (initialisation, data order, sampling inside the trainer)."""
     grpo: dict[str, Any] = Field(default_factory=dict)
@@ -359,10 +374,28 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _resampled_groups_are_whole(self) -> TrainConfig:
-        if self.zero_signal_groups == "resample" and self.per_device_train_batch_size % self.num_generations:
-            raise ValueError(f"train.zero_signal_groups 'resample' replaces whole groups in each process's batch: "
+        mode = self.zero_signal_groups
+        if mode in ("resample", "replay") and self.per_device_train_batch_size % self.num_generations:
+            raise ValueError(f"train.zero_signal_groups {mode!r} replaces whole groups in each process's batch: "
                              f"train.per_device_train_batch_size ({self.per_device_train_batch_size}) must be a "
                              f"multiple of train.num_generations ({self.num_generations})")
+        return self
+
+    @model_validator(mode="after")
+    def _replay_rescoring_is_local(self) -> TrainConfig:
+        if self.zero_signal_groups == "replay" and self.deepspeed:
+            raise ValueError("train.zero_signal_groups 'replay' rescores the replayed groups with the policy, a "
+                             "forward pass that ZeRO-3 (train.deepspeed) makes collective while each process replays "
+                             "its own number of groups: use zero_signal_groups: resample or keep, or "
+                             "train.deepspeed: false")
+        return self
+
+    @model_validator(mode="after")
+    def _replayed_reference_is_fixed(self) -> TrainConfig:
+        if self.zero_signal_groups == "replay" and self.beta != 0 and self.grpo.get("sync_ref_model"):
+            raise ValueError("train.zero_signal_groups 'replay' keeps each group's reference logprobs from when it was "
+                             "generated, which train.grpo.sync_ref_model makes stale (it moves the reference "
+                             "model): remove sync_ref_model, set train.beta: 0, or use zero_signal_groups: resample")
         return self
 
     @model_validator(mode="after")

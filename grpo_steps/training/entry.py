@@ -121,6 +121,8 @@ def run(job: TrainJob) -> str:
                                                                           cfg.generation.tool_timeout_s)),
         zero_signal_groups=cfg.train.zero_signal_groups,
         max_resample_rounds=cfg.train.max_resample_rounds,
+        replay_buffer_size=cfg.train.replay_buffer_size,
+        replay_max_age=cfg.train.replay_max_age,
         **server_kwargs,
     )
     if cfg.eval.every_steps:

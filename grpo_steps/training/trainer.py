@@ -42,18 +42,30 @@ class PipelineGRPOTrainer(GRPOTrainer):
     (TRL's behaviour), ``skip`` (no forward/backward for a micro-batch without a non-zero advantage, decided by all
     processes together) or ``resample`` (DAPO's dynamic sampling, at most ``max_resample_rounds`` generation rounds
     per generation batch; the extra prompts are drawn from the training set by a generator seeded with the seed, the
-    step, the round and the process, so a resumed run draws the same ones). Metrics: ``zero_signal/frac_before`` and
-    ``zero_signal/frac_after`` (share of groups without signal in the first round and in the batch trained on),
-    ``zero_signal/groups_generated`` and ``zero_signal/rounds`` per generation batch (all processes),
-    ``zero_signal/skipped_share`` (share of micro-batches skipped).
+    step, the round and the process, so a resumed run draws the same ones) or ``replay`` (Axolotl's replay buffer,
+    :meth:`_replay`: each process keeps its own :class:`grpo_steps.training.zero_signal.ReplayBuffer` of its own
+    groups with signal, at most ``replay_buffer_size`` groups none older than ``replay_max_age`` optimizer steps, and
+    puts them in the places of its groups without signal; empty again after a resume). Metrics:
+    ``zero_signal/frac_before`` and ``zero_signal/frac_after`` (share of groups without signal in the first round and
+    in the batch trained on), ``zero_signal/groups_generated`` and ``zero_signal/rounds`` per generation batch (all
+    processes), ``zero_signal/skipped_share`` (share of micro-batches skipped), ``zero_signal/replayed`` (groups
+    replayed per generation batch, all processes), ``zero_signal/buffer_size`` (groups in the buffers of all
+    processes after the batch), and when some group was replayed ``zero_signal/replay_age`` (their mean age, optimizer
+    steps) and ``zero_signal/replay_is_weight`` (mean importance weight of their loss tokens, or completions with the
+    ``sequence_*`` modes; 0 where the correction masks them).
     """
 
     sampled_version: int = -1
 
-    def __init__(self, *args, zero_signal_groups: str = "keep", max_resample_rounds: int = 4, **kwargs):
+    def __init__(self, *args, zero_signal_groups: str = "keep", max_resample_rounds: int = 4,
+                 replay_buffer_size: int = 64, replay_max_age: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.zero_signal_groups = zero_signal_groups
         self.max_resample_rounds = max_resample_rounds
+        if zero_signal_groups == "replay":
+            from grpo_steps.training.zero_signal import ReplayBuffer
+
+            self.replay_buffer = ReplayBuffer(replay_buffer_size, replay_max_age)
 
     def _sampled_version(self) -> int:
         return self.state.global_step
@@ -61,6 +73,8 @@ class PipelineGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         if self.zero_signal_groups == "resample" and self.model.training:
             output = self._resample(inputs)
+        elif self.zero_signal_groups == "replay" and self.model.training:
+            output = self._replay(inputs)
         else:
             output = self._generate_round(inputs)
         self.sampled_version = self._sampled_version()
@@ -115,6 +129,74 @@ class PipelineGRPOTrainer(GRPOTrainer):
         metrics["zero_signal/groups_generated"].append(self._all(places * len(batches), "sum"))
         metrics["zero_signal/rounds"].append(float(len(batches)))
         return output
+
+    def _replay(self, inputs):
+        """One generation round whose groups without signal are replaced by buffered groups with signal of earlier
+        rounds (newest first, each once per batch; :func:`grpo_steps.training.zero_signal.plan_replay`); then this
+        round's groups with signal join the buffer. Replayed groups keep the advantages they were generated with (as
+        Axolotl's buffer does); what TRL computed with the policy of their time is recomputed by
+        :meth:`_rescore_replayed`. Local to each process but for the collective token count and metrics."""
+        from grpo_steps.training.zero_signal import fill_from_buffer, plan_replay, replayed_rows, signal_groups
+
+        g, step = self.num_generations, self.state.global_step
+        fresh = self._generate_round(inputs)
+        signal = signal_groups(fresh["advantages"], g)
+        recent = self.replay_buffer.newest_first(step)
+        sources = plan_replay(signal, len(recent))
+        used = [recent[k] for k in sources if k >= 0]
+        output, weight = fresh, (0.0, 0)
+        if used:
+            output = fill_from_buffer(fresh, sources, [group.batch for group in recent], g)
+            weight = self._rescore_replayed(output, replayed_rows(sources, g).to(output["advantages"].device))
+        self.replay_buffer.add(fresh, signal, g, step)  # after planning: a batch never replays its own groups
+        # TRL's num_items_in_batch counts the loss's tokens of all processes; every process calls (collective)
+        local = output["completion_mask"] * output.get("tool_mask", 1)
+        output["num_items_in_batch"] = torch.tensor(self._all(local.sum(), "sum"), device=local.device)
+        metrics = self._metrics["train"]
+        total, replayed = self._all(len(signal), "sum"), self._all(len(used), "sum")
+        with_signal = self._all(int(signal.sum()), "sum")
+        metrics["zero_signal/frac_before"].append(1 - with_signal / total)
+        metrics["zero_signal/frac_after"].append(1 - (with_signal + replayed) / total)
+        metrics["zero_signal/replayed"].append(replayed)
+        metrics["zero_signal/buffer_size"].append(self._all(len(self.replay_buffer), "sum"))
+        age = self._all(sum(step - group.step for group in used), "sum")
+        weight_sum, weight_count = self._all(weight[0], "sum"), self._all(weight[1], "sum")
+        if replayed:  # every process agrees (reduced values): no metric point when nothing was replayed
+            metrics["zero_signal/replay_age"].append(age / replayed)
+            if weight_count:
+                metrics["zero_signal/replay_is_weight"].append(weight_sum / weight_count)
+        return output
+
+    def _rescore_replayed(self, output: dict, rows: torch.Tensor) -> tuple[float, int]:
+        """Recompute in ``output``, for ``rows`` ((R,) long), what TRL's ``_generate_and_score_completions`` computed
+        with the policy at generation time: ``old_per_token_logps`` (the current policy's, no grad, as TRL scores
+        them) and ``importance_sampling_ratio`` (:func:`grpo_steps.training.zero_signal.importance_weights` of the
+        current policy against the buffered sampler's logprobs: the older policy that generated the group). The
+        reference model does not change (``train.grpo.sync_ref_model`` is refused with replay), so buffered
+        ``ref_per_token_logps`` stay right. Returns (sum, count) of the new weights over loss tokens (per completion
+        with the ``sequence_*`` modes), for the metric."""
+        from trl.models.utils import disable_gradient_checkpointing
+
+        from grpo_steps.training.zero_signal import importance_weights
+
+        completion_ids, completion_mask = output["completion_ids"][rows], output["completion_mask"][rows]
+        ids = torch.cat([output["prompt_ids"][rows], completion_ids], dim=1)  # (R, P+C)
+        attention_mask = torch.cat([output["prompt_mask"][rows], completion_mask], dim=1)
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                self.model, ids, attention_mask, completion_ids.size(1),
+                batch_size=self.args.per_device_train_batch_size)  # (R, C)
+        if "old_per_token_logps" in output:
+            output["old_per_token_logps"][rows] = logps
+        if "importance_sampling_ratio" not in output:
+            return 0.0, 0
+        mask = completion_mask * output["tool_mask"][rows] if "tool_mask" in output else completion_mask
+        ratio = importance_weights(logps, output["sampling_per_token_logps"][rows], mask,
+                                   self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
+                                   self.vllm_importance_sampling_clip_max)
+        output["importance_sampling_ratio"][rows] = ratio
+        weights = ratio if self.vllm_importance_sampling_mode.startswith("sequence") else ratio[mask.bool()]
+        return float(weights.sum()), weights.numel()
 
     _prepared: dict | None = None
 

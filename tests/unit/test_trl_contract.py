@@ -103,3 +103,28 @@ def test_the_training_step_that_zero_signal_skip_wraps():
     assert "self._buffered_inputs[self._step % self.args.steps_per_generation]" in prepare
     score = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
     assert "advantages = rewards - mean_grouped_rewards" in score  # zero exactly when a group's rewards are equal
+
+
+def test_what_zero_signal_replay_recomputes_for_a_replayed_group():
+    """``zero_signal_groups: replay`` rescores replayed groups as TRL scores a fresh batch: the policy's logprobs
+    through ``_get_per_token_logps_and_entropies`` without gradient checkpointing, and the mismatch weight of
+    :func:`grpo_steps.training.zero_signal.importance_weights`, which repeats these lines; everything else of a
+    batch that depends on the policy (``old_per_token_logps``, ``importance_sampling_ratio``) is listed here."""
+    from trl.models.utils import disable_gradient_checkpointing
+
+    assert list(inspect.signature(disable_gradient_checkpointing).parameters)[:2] == \
+        ["model", "gradient_checkpointing_kwargs"]
+    params = list(inspect.signature(trl.GRPOTrainer._get_per_token_logps_and_entropies).parameters)
+    assert params[:6] == ["self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size"]
+    score = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
+    for line in ("per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask",
+                 "per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)",
+                 'sequence_level_is = self.vllm_importance_sampling_mode in ["sequence_mask", "sequence_truncate"]',
+                 "per_sequence_logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)",
+                 "vllm_importance_sampling_ratio = torch.exp(logps_diff)",
+                 'if self.vllm_importance_sampling_mode in ["sequence_truncate", "token_truncate"]:',
+                 "invalid_mis_mask, value=0.0"):
+        assert line in score, line
+    # the policy-dependent entries of the batch: the two recomputed, the reference's (fixed) and the sampler's (kept)
+    assert set(re.findall(r'output\["(\w*per_token_logps|\w*ratio)"\] =', score)) == {
+        "old_per_token_logps", "importance_sampling_ratio", "sampling_per_token_logps", "ref_per_token_logps"}

@@ -1,8 +1,9 @@
 """Groups whose rewards are all equal (``train.zero_signal_groups``), on TRL's own generation batches: the tiny
 policy behind a ServerGRPOTrainer whose generation returns constructed completions (the first of each group
 "Answer: 6", the second "Answer: 7", longer in later rounds), scored by a reward that is constant on "flat" prompts
-and right/wrong on the others. Checked: which groups are kept, regenerated or skipped, batch sizes, advantages,
-padding, the token count of the loss, the cap on rounds, the metrics."""
+and right/wrong on the others. Checked: which groups are kept, regenerated, skipped or replayed, batch sizes,
+advantages, padding, the token count of the loss, the cap on rounds, the replay buffer's capacity and age limit, the
+logprobs and importance weights of replayed groups, the metrics."""
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from grpo_steps.servers.client import VLLMClient
 from grpo_steps.training.generation import ServerGeneration
 from grpo_steps.training.job import TrainJob, grpo_args
 from grpo_steps.training.trainer import ServerGRPOTrainer
+from grpo_steps.training.zero_signal import ReplayBuffer, importance_weights, plan_replay
 
 GROUP = 2  # num_generations
 BATCH = 4  # per_device_train_batch_size: two groups
@@ -27,15 +29,16 @@ def _rows(names: list[str]) -> list[dict]:
     return [{"prompt": [{"role": "user", "content": f"{name}: calculate 2 * 3."}]} for name in names]
 
 
-def _trainer(tiny_model_path, tmp_path, mode: str, dataset: list[str], rounds: int = 3):
+def _trainer(tiny_model_path, tmp_path, mode: str, dataset: list[str], rounds: int = 3, train: dict | None = None,
+             generation: dict | None = None):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    cfg = validate_config({"generation": {"max_completion_tokens": 32},
+    cfg = validate_config({"generation": {"max_completion_tokens": 32, **(generation or {})},
                            "rewards": [{"name": "answer_accuracy"}], "eval": {"format_reward": None},
                            "train": {"per_device_train_batch_size": BATCH, "num_generations": GROUP,
-                                     "zero_signal_groups": mode, "max_resample_rounds": rounds}})
+                                     "zero_signal_groups": mode, "max_resample_rounds": rounds, **(train or {})}})
     args = grpo_args(TrainJob(config=cfg, model_path=tiny_model_path, train_file="unused", output_dir=str(tmp_path)))
     sync = ServerGeneration(trainer=None, client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation,
                             max_model_len=1024, push=None, probe_ids=[1, 2], probe_tolerance=0.05)
@@ -53,7 +56,9 @@ def _trainer(tiny_model_path, tmp_path, mode: str, dataset: list[str], rounds: i
                                 reward_funcs=[live_reward], args=args,
                                 train_dataset=Dataset.from_list(_rows(dataset)),
                                 processing_class=tokenizer, sync=sync, max_logp_diff=None,
-                                zero_signal_groups=mode, max_resample_rounds=rounds)
+                                zero_signal_groups=mode, max_resample_rounds=rounds,
+                                replay_buffer_size=cfg.train.replay_buffer_size,
+                                replay_max_age=cfg.train.replay_max_age)
     trainer._last_loaded_step = trainer.state.global_step
     trainer.model.train()
     return trainer, calls
@@ -130,10 +135,144 @@ def test_skip_runs_no_forward_for_a_micro_batch_without_signal(tiny_model_path, 
     ({"train": {"zero_signal_groups": "resample"}, "generation": {"backend": "replay", "replay_file": "f"}},
      "backend 'replay' samples nothing"),
     ({"train": {"zero_signal_groups": "resample", "max_resample_rounds": 1}}, "greater than or equal to 2"),
-    ({"train": {"zero_signal_groups": "replay"}}, "'keep', 'skip' or 'resample'"),
+    ({"train": {"zero_signal_groups": "sometimes"}}, "'keep', 'skip', 'resample' or 'replay'"),
+    ({"train": {"zero_signal_groups": "replay", "per_device_train_batch_size": 6, "num_generations": 4}},
+     "'replay' replaces whole groups"),
+    ({"train": {"zero_signal_groups": "replay", "deepspeed": True}}, "ZeRO-3"),
+    ({"train": {"zero_signal_groups": "replay", "beta": 0.04, "grpo": {"sync_ref_model": True}}},
+     "sync_ref_model makes stale"),
+    ({"train": {"zero_signal_groups": "replay"}, "generation": {"importance_sampling": {"mode": "off"}}},
+     "importance_sampling.mode 'off' has none"),
+    ({"train": {"zero_signal_groups": "replay"}, "generation": {"backend": "hf"}}, "backend 'hf'"),
+    ({"train": {"zero_signal_groups": "replay", "replay_buffer_size": 0}}, "greater than or equal to 1"),
+    ({"train": {"zero_signal_groups": "replay", "replay_max_age": 0}}, "greater than or equal to 1"),
 ])
 def test_refused_by_the_config(data, named):
     from grpo_steps.config import ConfigError
 
     with pytest.raises(ConfigError, match=named):
         validate_config(data)
+
+
+def _prompt(trainer, out, row: int) -> str:
+    return trainer.processing_class.decode(out["prompt_ids"][row][out["prompt_mask"][row].bool()])
+
+
+def test_replay_puts_buffered_groups_with_signal_in_the_places_without(tiny_model_path, tmp_path):
+    trainer, calls = _trainer(tiny_model_path, tmp_path, "replay", dataset=["unused"])
+    first = trainer._generate_and_score_completions(_batch(["flat 0", "live 0"]))
+    assert first["completion_ids"].shape[0] == BATCH  # nothing buffered yet: the batch as generated
+    assert _metric(trainer, "zero_signal/replayed") == 0 and _metric(trainer, "zero_signal/buffer_size") == 1
+    assert _metric(trainer, "zero_signal/frac_before") == _metric(trainer, "zero_signal/frac_after") == 0.5
+    assert not trainer._metrics["train"]["zero_signal/replay_age"]  # no point without a replayed group
+    buffered = trainer.replay_buffer.groups[0].batch  # "live 0", as TRL scored it at step 0
+
+    trainer.state.global_step = 2
+    out = trainer._generate_and_score_completions(_batch(["live 1", "flat 1"]))
+    assert len(calls) == 2 and out["completion_ids"].shape[0] == BATCH  # one round; the batch keeps its size
+    assert ["live 1" in _prompt(trainer, out, i) for i in range(BATCH)] == [True, True, False, False]
+    assert all("live 0" in _prompt(trainer, out, i) for i in (2, 3))  # the flat group's place, not appended
+    assert torch.equal(out["advantages"][2:], buffered["advantages"])  # advantages as generated (Axolotl)
+    # re-padded: the replayed completions (round 1) are shorter than this round's; the loss counts their tokens
+    lengths = out["completion_mask"].sum(dim=1).tolist()
+    assert lengths[2] < lengths[0] and out["completion_ids"].shape[1] == max(lengths)
+    assert int(out["num_items_in_batch"]) == sum(lengths)
+    # the policy did not change: its logprobs and TRL's importance weights come out as TRL computed them at step 0
+    width = buffered["completion_ids"].shape[1]
+    mask = out["completion_mask"][2:, :width].bool()
+    assert torch.allclose(out["old_per_token_logps"][2:, :width][mask], buffered["old_per_token_logps"][mask],
+                          atol=1e-5)
+    assert torch.allclose(out["importance_sampling_ratio"][2:], buffered["importance_sampling_ratio"], atol=1e-4)
+    assert torch.equal(out["sampling_per_token_logps"][2:, :width], buffered["sampling_per_token_logps"])
+    assert _metric(trainer, "zero_signal/frac_before") == 0.5 and _metric(trainer, "zero_signal/frac_after") == 0.0
+    assert _metric(trainer, "zero_signal/replayed") == 1 and _metric(trainer, "zero_signal/replay_age") == 2
+    assert _metric(trainer, "zero_signal/buffer_size") == 2  # live 0 stays (replayed, not consumed); live 1 joins
+
+    trainer.state.global_step = 3
+    out = trainer._generate_and_score_completions(_batch(["flat 2", "flat 3"]))
+    # newest first, each at most once: live 1 (step 2) in the first place, live 0 (step 0) in the second
+    assert "live 1" in _prompt(trainer, out, 0) and "live 0" in _prompt(trainer, out, 2)
+    assert _metric(trainer, "zero_signal/replayed") == 2 and _metric(trainer, "zero_signal/replay_age") == 2.0
+    assert _metric(trainer, "zero_signal/frac_before") == 1.0 and _metric(trainer, "zero_signal/frac_after") == 0.0
+
+
+def test_replayed_groups_are_rescored_by_the_current_policy(tiny_model_path, tmp_path):
+    trainer, _ = _trainer(tiny_model_path, tmp_path, "replay", dataset=["unused"],
+                          generation={"importance_sampling": {"mode": "token_truncate", "clip_max": 3.0}})
+    trainer._generate_and_score_completions(_batch(["live 0", "flat 0"]))
+    buffered = trainer.replay_buffer.groups[0].batch
+    with torch.no_grad():  # an optimizer step's worth of change
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    trainer.state.global_step = 1
+    out = trainer._generate_and_score_completions(_batch(["flat 1", "live 1"]))
+    rows = slice(0, GROUP)  # the replayed group took the first place
+    ids = torch.cat([out["prompt_ids"][rows], out["completion_ids"][rows]], dim=1)
+    attention = torch.cat([out["prompt_mask"][rows], out["completion_mask"][rows]], dim=1)
+    with torch.no_grad():
+        policy, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attention,
+                                                                  out["completion_ids"].shape[1])
+    mask = out["completion_mask"][rows]
+    width = buffered["completion_ids"].shape[1]
+    assert torch.allclose(out["old_per_token_logps"][rows] * mask, policy * mask, atol=1e-5)
+    assert not torch.allclose(out["old_per_token_logps"][rows, :width] * mask[:, :width],
+                              buffered["old_per_token_logps"] * mask[:, :width], atol=1e-3)
+    # the weight against the sampler's logprobs (-0.5 a token, from the older policy), clipped at 3 as TRL does
+    expected = torch.clamp(torch.exp((policy - out["sampling_per_token_logps"][rows]) * mask), max=3.0)
+    assert torch.allclose(out["importance_sampling_ratio"][rows], expected, atol=1e-5)
+    assert torch.equal(out["advantages"][rows], buffered["advantages"])
+    assert _metric(trainer, "zero_signal/replay_is_weight") == pytest.approx(float(expected[mask.bool()].mean()),
+                                                                           rel=1e-4)
+
+
+@pytest.mark.parametrize("train, step, replayed", [
+    ({"replay_buffer_size": 1}, 1, 1),  # capacity 1: only the newer of the two live groups is left
+    ({"replay_max_age": 1}, 1, 2),  # one step old: both replayed
+    ({"replay_max_age": 1}, 2, 0),  # two steps old: evicted, nothing replayed
+])
+def test_replay_buffer_capacity_and_age(tiny_model_path, tmp_path, train, step, replayed):
+    trainer, _ = _trainer(tiny_model_path, tmp_path, "replay", dataset=["unused"], train=train)
+    trainer._generate_and_score_completions(_batch(["live 0", "live 1"]))
+    trainer.state.global_step = step
+    out = trainer._generate_and_score_completions(_batch(["flat 0", "flat 1"]))
+    assert out["completion_ids"].shape[0] == BATCH and _metric(trainer, "zero_signal/replayed") == replayed
+    assert _metric(trainer, "zero_signal/frac_after") == 1 - replayed / 2
+    if replayed:
+        assert "live 1" in _prompt(trainer, out, 0)  # the newest first
+    # what is left in the buffer is what could be replayed
+    assert _metric(trainer, "zero_signal/buffer_size") == len(trainer.replay_buffer) == replayed
+
+
+@pytest.mark.parametrize("signal, buffered, sources", [
+    ([False, True, False], 5, [0, -1, 1]),  # places without signal in order, newest buffered group first
+    ([False, False, False], 2, [0, 1, -1]),  # buffer runs out: the last place keeps its own group
+    ([True, True], 3, [-1, -1]),  # every group has signal: nothing replayed
+    ([False], 0, [-1]),  # empty buffer
+])
+def test_plan_replay(signal, buffered, sources):
+    assert plan_replay(torch.tensor(signal), buffered) == sources
+
+
+def test_replay_buffer_keeps_detached_single_groups():
+    advantages = torch.tensor([1.0, -1.0, 0.0, 0.0, 0.5, -0.5], requires_grad=True) * 1
+    batch = {"prompt_ids": torch.arange(6).view(6, 1), "prompt_mask": torch.ones(6, 1, dtype=torch.long),
+             "completion_ids": torch.arange(12).view(6, 2), "completion_mask": torch.ones(6, 2, dtype=torch.long),
+             "advantages": advantages, "num_items_in_batch": torch.tensor(12)}
+    buffer = ReplayBuffer(capacity=4)
+    buffer.add(batch, torch.tensor([True, False, True]), 2, step=7)
+    groups = buffer.newest_first(step=7)
+    assert [g.batch["prompt_ids"].flatten().tolist() for g in groups] == [[4, 5], [0, 1]]
+    assert [int(g.batch["num_items_in_batch"]) for g in groups] == [4, 4] and {g.step for g in groups} == {7}
+    assert not any(g.batch["advantages"].requires_grad for g in groups)
+
+
+@pytest.mark.parametrize("mode, clip_min, clip_max, expected", [
+    ("token_truncate", 0.5, 2.0, [[2.0, 0.5, 1.0]]),  # exp(+1) and exp(-1) clipped; the masked token: exp(0)
+    ("token_mask", 0.5, 2.0, [[0.0, 0.0, 1.0]]),  # outside the bounds: 0
+    ("sequence_truncate", None, 3.0, [[1.0]]),  # exp(1 - 1): the product over the completion's tokens
+    ("sequence_mask", 1.5, None, [[0.0]]),  # below clip_min: masked
+])
+def test_importance_weights_follow_trls_modes(mode, clip_min, clip_max, expected):
+    policy, sampling = torch.tensor([[-1.0, -2.0, -9.0]]), torch.tensor([[-2.0, -1.0, -1.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    assert torch.allclose(importance_weights(policy, sampling, mask, mode, clip_min, clip_max), torch.tensor(expected))
