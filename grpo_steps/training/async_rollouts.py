@@ -133,12 +133,12 @@ class RolloutPrefetcher:
     # ---- training thread ----
     def fill(self, upcoming: list[tuple[int, list[list[int]]]], num_generations: int, current_key: int) -> int:
         """Queue the batches of ``upcoming`` (``(key, prompts)``, keys increasing, in the order the trainer will ask
-        for them) not queued before, until :attr:`depth` batches with a key above ``current_key`` (the batch the
-        trainer is at) are queued or sampled; returns how many were queued."""
+        for them) after ``current_key`` (the batch the trainer is at) and not queued before, until :attr:`depth`
+        batches after ``current_key`` are queued or sampled; returns how many were queued."""
         added = 0
         with self._cond:
             for key, prompts in upcoming:
-                if key <= self._last_key:
+                if key <= max(self._last_key, current_key):
                     continue
                 if sum(b.key > current_key for b in self.queue) >= self.depth:
                     break

@@ -104,7 +104,12 @@ class ServerGeneration:
         requests is in flight meanwhile."""
         if not force and self.pushed_version is not None and self.trainer.state.global_step % self.sync_every:
             return
-        with self.prefetcher.paused() if self.prefetcher is not None else contextlib.nullcontext():
+        if self.prefetcher is None:
+            self._push()
+            return
+        waited = time.perf_counter()
+        with self.prefetcher.paused():
+            self._log("drain_seconds", time.perf_counter() - waited)  # the producer's request in flight, waited for
             self._push()
 
     def _push(self) -> None:
@@ -195,7 +200,7 @@ class ServerGeneration:
             raise ValueError(f"generate got {len(prompts)} prompts that are not whole groups of {group} equal prompts "
                              "in a row: each process's generation batch (train.per_device_train_batch_size x "
                              "steps_per_generation) must be a multiple of train.num_generations")
-        samples, version = None, self.pushed_version
+        samples, version, waited = None, self.pushed_version, time.perf_counter()
         key = self.trainer._step if self.trainer is not None else -1
         if self.prefetcher is not None and group > 1 and self.trainer.model.training and key != self._served_key:
             self._served_key = key  # the first turn of this generation batch (other calls: resample's extra rounds)
@@ -203,8 +208,10 @@ class ServerGeneration:
         if samples is None:
             with profiler if profiler is not None else contextlib.nullcontext():
                 samples = self._sample(self.client, prompts, group)
-        if group > 1:
+        if group > 1:  # a first turn: the generation batch's samples, sampled now or prefetched
             self.sampled_version = version
+            if self.trainer is not None:
+                self.trainer._metrics["train"]["generation/wait_seconds"].append(time.perf_counter() - waited)
         completion_ids = [s["completion_ids"] for group_samples in samples for s in group_samples]
         logprobs = [s["logprobs"] for group_samples in samples for s in group_samples]
         # the first turn after a push, sampled by the policy of now: what the first-batch check scores

@@ -147,6 +147,14 @@ class S3Outage:
 
 
 @pytest.mark.slow
+def _metric_values(workdir, metric: str) -> list[tuple[int, float]]:
+    from mlflow import MlflowClient
+
+    (run,) = mlflow_runs(workdir)
+    history = MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db").get_metric_history(run.info.run_id, metric)
+    return sorted((m.step, m.value) for m in history)
+
+
 @pytest.mark.s3
 def test_kill_then_resume_on_the_s3_datastore_across_an_s3_outage(tmp_path, tiny_server):
     from grpo_steps.dev import local_s3
@@ -154,6 +162,7 @@ def test_kill_then_resume_on_the_s3_datastore_across_an_s3_outage(tmp_path, tiny
     outage = S3Outage(tmp_path / "s3")
     env = flow_env(**outage.server.env())
     config = on_server(_config(artifact_location=f"s3://{outage.server.bucket}/mlflow"), tiny_server)
+    config["generation"]["async"] = {"max_staleness": 1}  # the flow with asynchronous generation, killed and resumed
     try:
         origin, out = _kill_and_resume(tmp_path, env, config, on_line=outage)
         outage.events["restart"].join()
@@ -161,6 +170,13 @@ def test_kill_then_resume_on_the_s3_datastore_across_an_s3_outage(tmp_path, tiny
         # the newest KEEP checkpoints of the killed run are in the bucket, among them step 4, whose upload
         # waited out the outage (asserted by _assert_resumed); nothing was lost
         _assert_resumed(tmp_path, env, origin, out, server_replaced=False)
+        # the prefetched batches died with the killed process; the resumed attempt's producer started at its
+        # checkpoint and sampled the very batches TRL asked for (none missed), one version behind after its first
+        staleness = _metric_values(tmp_path, "async/staleness")
+        assert [step for step, _ in staleness] == list(range(1, MAX_STEPS + 1))
+        assert [value for step, value in staleness if step in (1, KILL_AFTER + 1)] == [0, 0]
+        assert {value for step, value in staleness if step not in (1, KILL_AFTER + 1)} == {1}
+        assert {value for _, value in _metric_values(tmp_path, "async/missed")} == {0}
         keys = s3_keys(outage.server)
     finally:
         local_s3.stop(outage.server)

@@ -57,10 +57,12 @@ def test_no_first_batch_limit_scores_the_push_probe(tmp_path, tiny_model_path, t
     assert h["weight_sync/probe_logp_diff"] < 1e-3  # no first-batch check: the push's probe compares with the policy
 
 
+@pytest.mark.parametrize("generation", [{}, {"async": True}], ids=["sync", "async"])
 def test_a_server_that_keeps_stale_weights_stops_the_run(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server,
-                                                         monkeypatch):
+                                                         monkeypatch, generation):
     """From the second push on the real server reloads the base weights (the first push's) instead of the new
-    ones: the step that would sample from them fails, naming the step and both versions."""
+    ones: the step that would sample from them fails, naming the step and both versions (with asynchronous
+    generation too, where the push's policy probe catches it)."""
     reload = VLLMClient.reload_weights
     pushed = []
 
@@ -75,7 +77,8 @@ def test_a_server_that_keeps_stale_weights_stops_the_run(tmp_path, tiny_model_pa
     # zero, the second push serves the first one's weights rightly, and the stale server is caught one step later
     length = {"name": "soft_overlong_punishment", "options": {"max_completion_len": 12, "soft_punish_cache": 10}}
     job = _job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint, train={"learning_rate": 1e-3},
-               rewards=[length], eval={"correctness_reward": "soft_overlong_punishment", "format_reward": None})
+               rewards=[length], eval={"correctness_reward": "soft_overlong_punishment", "format_reward": None},
+               generation=generation)
     with pytest.raises(GenerationServerError) as err:
         run(job)
     message = str(err.value)
