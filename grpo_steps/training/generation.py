@@ -48,7 +48,13 @@ class ServerGeneration:
     (version = the optimizer step that produced it); with ``probe_policy`` every rank scores the probe with the
     policy; rank 0 asks the server for its label and its probe logprobs and checks them
     (:func:`grpo_steps.training.weight_sync.check_served_version`); the verdict is broadcast so that every rank
-    raises together. Metrics (seconds, into the step's log): ``weight_sync/gather_seconds``,
+    raises together; it pushes every ``sync_every`` optimizer steps (``generation.weight_sync_every``), and with a
+    producer (``generation.async``, :meth:`start_async`) waits for its request in flight first
+    (``weight_sync/drain_seconds``) and lets none start until the push is verified. With a producer, the first turn
+    of each generation batch comes from the batches it sampled ahead (:mod:`grpo_steps.training.async_rollouts`:
+    ``async/*`` metrics), the version that sampled it in ``sampled_version``. Metrics (seconds, into the step's
+    log): ``generation/wait_seconds`` (the trainer's wait for a generation batch's first turn),
+    ``weight_sync/gather_seconds``,
     ``write_seconds``, ``reload_seconds``, ``verify_seconds``, ``seconds`` (total); ``weight_sync/version``;
     with ``probe_policy``, ``weight_sync/probe_logp_diff`` (mean |server - policy| on the probe, nats per token).
 

@@ -15,7 +15,10 @@ builds no vLLM client of its own), and (2) sets ``vllm_generation`` to
 the correction, its metrics and the loss stay TRL's code. It also checks the first batch after each push
 (``generation.sync_check.max_logp_diff``); only when that check cannot run (no limit, or structured outputs) does
 the push's verification score a probe with the policy as well (one extra forward, ~0.1 s for SmolLM2-135M on 2
-CPU cores).
+CPU cores). With ``generation.async`` (``max_staleness``), the first turns come from a producer that samples the
+next generation batches while this one trains (:mod:`grpo_steps.training.async_rollouts`; the prompts from
+:class:`PromptStream`); every push is then verified with the policy's probe, and the first-batch check runs only on
+a batch sampled by the policy of the moment.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Training against the real tiny vLLM server (``tiny_server``): TRL's mismatch correction and its metrics on every
 step, one verified weight version per push, and a server that keeps stale weights stopping the run."""
 
+import threading
 import time
 from pathlib import Path
 
@@ -86,6 +87,7 @@ def test_a_server_that_keeps_stale_weights_stops_the_run(tmp_path, tiny_model_pa
     assert "expected version 1 (step-1)" in message
     assert "served version 0 (step-0)" in message
     assert len(pushed) == 2
+    assert not [t for t in threading.enumerate() if t.name == "rollout-producer"]  # a failed run leaves no producer
 
 
 def test_first_batch_above_the_limit_stops_the_run(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
