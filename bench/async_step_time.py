@@ -15,8 +15,9 @@ scoring, forward and backward of a step), wall time of the steps after the first
 ``weight_sync/drain_seconds``, async, the producer's request in flight before a push, and the push itself), mean
 staleness, and the step-time ratio of each arm to ``sync``.
 
-On a GPU machine the same script runs unchanged with ``--config`` a GPU config (``resources.train.gpu``), the
-server on its own GPU (``CUDA_VISIBLE_DEVICES`` of the server process) instead of cores.
+GPU version: the same script with ``--config`` a GPU config, ``--arms sync,async-shared`` (the core layouts are
+CPU-only) and ``--endpoint`` the URL of a vLLM server you started on a GPU of its own (it must read this machine's
+``generation.sync_dir``): trainer and generator on separate GPUs, with the same ``disk`` pushes.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--arms", default="sync,async-split,async-shared", help=f"comma-separated, of {list(ARMS)}")
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--system-prompt", default=WORKED_STEPS)
+    parser.add_argument("--endpoint", help="a vLLM server you started (GPU): no local server, no core layout")
     args = parser.parse_args()
     base = load_config(args.config)
     model_path = resolve_model(base.model.name_or_path)
@@ -86,14 +88,16 @@ def main() -> None:
         train = {**base.train.model_dump(), "max_steps": args.steps, "save_steps": 10_000, "cpu_cores": trainer_cores}
         cfg = base.model_validate({**base.model_dump(), "generation": gen, "train": train,
                                    "eval": {**base.eval.model_dump(), "every_steps": 0}})
-        server = start_local(model_path, cfg.generation.server, max_model_len=cfg.model.max_model_len,
-                             dtype=cfg.model.dtype, owner=ProcessRef.of(os.getpid()))
+        server = None if args.endpoint else start_local(
+            model_path, cfg.generation.server, max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype,
+            owner=ProcessRef.of(os.getpid()))
         try:
             started = time.perf_counter()
-            history, runtime = _train(cfg, model_path, rows, server.endpoint)
+            history, runtime = _train(cfg, model_path, rows, args.endpoint or server.endpoint)
             results[arm] = (history, runtime, time.perf_counter() - started)
         finally:
-            server.stop()
+            if server is not None:
+                server.stop()
     print(f"\n{time.strftime('%Y-%m-%d')}, {platform.node()}, {os.cpu_count()} cores, config {args.config}, "
           f"{args.steps} steps (first left out), max {args.completion_tokens} completion tokens, "
           f"max_staleness {args.max_staleness}\n")
