@@ -28,5 +28,12 @@ COLOCATE_NEEDS_GPU = (
     "start-up weights); use generation.mode 'server' (the default: verified disk pushes) on CPU")
 
 
+def distinct_cores(value: list[int] | None, key: str) -> list[int] | None:
+    """A ``cpu_cores`` value: null, or distinct core numbers (>= 0). Raises ValueError naming ``key``."""
+    if value is not None and (not value or any(c < 0 for c in value) or len(set(value)) != len(value)):
+        raise ValueError(f"{key} {value} must list distinct core numbers (>= 0), or be null for every core")
+    return value
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)

@@ -8,7 +8,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from grpo_steps.config.base import _Section
+from grpo_steps.config.base import _Section, distinct_cores
 from grpo_steps.redaction import inline_secret, is_secret_flag, redact
 
 
@@ -41,10 +41,7 @@ class ServerConfig(_Section):
     @field_validator("cpu_cores")
     @classmethod
     def _cores_distinct(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and (not value or any(c < 0 for c in value) or len(set(value)) != len(value)):
-            raise ValueError(f"generation.server.cpu_cores {value} must list distinct core numbers (>= 0), or be "
-                             "null for every core")
-        return value
+        return distinct_cores(value, "generation.server.cpu_cores")
 
     @field_validator("endpoint")
     @classmethod

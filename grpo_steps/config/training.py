@@ -7,7 +7,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
-from grpo_steps.config.base import _Section
+from grpo_steps.config.base import _Section, distinct_cores
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 
@@ -301,10 +301,7 @@ class TrainConfig(_Section):
     @field_validator("cpu_cores")
     @classmethod
     def _cores_distinct(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and (not value or any(c < 0 for c in value) or len(set(value)) != len(value)):
-            raise ValueError(f"train.cpu_cores {value} must list distinct core numbers (>= 0), or be null for "
-                             "every core")
-        return value
+        return distinct_cores(value, "train.cpu_cores")
 
     @property
     def world_size(self) -> int:
