@@ -133,5 +133,8 @@ def settle_champion(client, name: str, since_version: str | None) -> str | None:
             current = None
         if best is None or best == current:
             return current
-        client.set_registered_model_alias(name, "champion", best)
+        try:
+            client.set_registered_model_alias(name, "champion", best)
+        except MlflowException:  # another registrar created the alias first (a unique-key clash): read again
+            continue
     return current

@@ -3,6 +3,7 @@ compare-and-set: two registrations at once against one real MLflow store end wit
 
 import multiprocessing
 import time
+import traceback
 
 import pytest
 
@@ -48,6 +49,34 @@ def test_min_improvement_is_bounded_to_0_1(margin):
         validate_config({"registry": {"min_improvement": margin}})
 
 
+def test_settle_reads_again_when_another_registrar_created_the_alias_first(tmp_path):
+    """On SQLite two first writes of ``champion`` race on its unique key: the loser's write raises. It must read
+    the alias and the contenders again, not fail the registration."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from grpo_steps.gate import PASSED_TAG, SCORE_TAG, settle_champion
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client.create_registered_model("policy")
+    run = client.create_run("0")
+    for score in ("0.5", "0.8"):  # versions 1 and 2: 2 is the better contender
+        client.create_model_version("policy", f"runs:/{run.info.run_id}/model", run.info.run_id,
+                                    tags={PASSED_TAG: "true", SCORE_TAG: score})
+    original, calls = client.set_registered_model_alias, []
+
+    def loses_the_first_insert(name, alias, version):
+        calls.append(version)
+        if len(calls) == 1:  # the other registrar inserts its (weaker) choice between our read and our write
+            original(name, alias, "1")
+            raise MlflowException("UNIQUE constraint failed: registered_model_aliases.alias")
+        original(name, alias, version)
+
+    client.set_registered_model_alias = loses_the_first_insert
+    assert settle_champion(client, "policy", None) == "2"
+    assert calls == ["2", "2"] and str(client.get_model_version_by_alias("policy", "champion").version) == "2"
+
+
 def _register(db: str, label: str, scores: list[float], barrier, write_delay_s: float, out) -> None:
     """One registrar in its own process: a run with per-prompt scores, a version, then the gate and the move of
     champion (``grpo_steps.register._decide``); ``write_delay_s`` delays its alias writes (a slow registrar)."""
@@ -75,7 +104,10 @@ def _register(db: str, label: str, scores: list[float], barrier, write_delay_s: 
 
         client.set_registered_model_alias = slow
     barrier.wait(timeout=120)
-    out.put((label, version.version, _decide(cfg, client, "policy", str(version.version), report)))
+    try:
+        out.put((label, version.version, _decide(cfg, client, "policy", str(version.version), report)))
+    except Exception:  # noqa: BLE001 - the parent reports it at once instead of waiting for a result
+        out.put((label, version.version, traceback.format_exc()))
 
 
 @pytest.mark.slow  # two processes importing MLflow, ~15 s a case
@@ -100,6 +132,8 @@ def test_two_concurrent_registrations_end_with_the_better_as_champion(tmp_path, 
         assert proc.exitcode == 0
     champion = client.get_model_version_by_alias("policy", "champion")
     assert champion.tags["label"] == "better"
+    failed = {label: decision for label, (_, decision) in results.items() if isinstance(decision, str)}
+    assert not failed, failed
     for version, (passed, reason, _) in results.values():
         tags = client.get_model_version("policy", version).tags
         assert tags["gate.passed"] == str(passed).lower() and tags["gate.reason"] == reason  # recorded
