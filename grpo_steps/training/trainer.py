@@ -147,10 +147,12 @@ class PipelineGRPOTrainer(GRPOTrainer):
         recent = self.replay_buffer.newest_first(step)
         sources = plan_replay(signal, len(recent))
         used = [recent[k] for k in sources if k >= 0]
-        output, weight = fresh, (0.0, 0)
-        if used:
-            output = fill_from_buffer(fresh, sources, [group.batch for group in recent], g)
-            weight = self._rescore_replayed(output, replayed_rows(sources, g).to(output["advantages"].device))
+        output = fill_from_buffer(fresh, sources, [group.batch for group in recent], g) if used else fresh
+        rows = replayed_rows(sources, g).to(output["advantages"].device)
+        # the policy's forward is collective under ZeRO-3 (parameters gathered layer by layer): every process scores
+        # as many rows as the process with the most, or none when no process replays
+        most = int(self._all(len(rows), "max"))
+        weight = self._rescore_replayed(output, rows, most) if most else (0.0, 0)
         self.replay_buffer.add(fresh, signal, g, step)  # after planning: a batch never replays its own groups
         # TRL's num_items_in_batch counts the loss's tokens of all processes; every process calls (collective)
         local = output["completion_mask"] * output.get("tool_mask", 1)
@@ -170,25 +172,31 @@ class PipelineGRPOTrainer(GRPOTrainer):
                 metrics["zero_signal/replay_is_weight"].append(weight_sum / weight_count)
         return output
 
-    def _rescore_replayed(self, output: dict, rows: torch.Tensor) -> tuple[float, int]:
+    def _rescore_replayed(self, output: dict, rows: torch.Tensor, scored: int) -> tuple[float, int]:
         """Recompute in ``output``, for ``rows`` ((R,) long), what TRL's ``_generate_and_score_completions`` computed
         with the policy at generation time: ``old_per_token_logps`` (the current policy's, no grad, as TRL scores
         them) and ``importance_sampling_ratio`` (:func:`grpo_steps.training.zero_signal.importance_weights` of the
         current policy against the buffered sampler's logprobs: the older policy that generated the group). The
         reference model does not change (``train.grpo.sync_ref_model`` is refused with replay), so buffered
         ``ref_per_token_logps`` stay right. Returns (sum, count) of the new weights over loss tokens (per completion
-        with the ``sequence_*`` modes), for the metric."""
+        with the ``sequence_*`` modes), for the metric. ``scored`` (>= R, the same on every process) rows go through
+        the policy: ``rows`` padded with row 0 of the batch, whose logprobs are dropped, so that every process makes
+        the same forward calls (ZeRO-3 gathers parameters collectively in each one)."""
         from trl.models.utils import disable_gradient_checkpointing
 
         from grpo_steps.training.zero_signal import importance_weights
 
-        completion_ids, completion_mask = output["completion_ids"][rows], output["completion_mask"][rows]
-        ids = torch.cat([output["prompt_ids"][rows], completion_ids], dim=1)  # (R, P+C)
-        attention_mask = torch.cat([output["prompt_mask"][rows], completion_mask], dim=1)
+        padded = torch.cat([rows, rows.new_zeros(scored - len(rows))])  # (scored,)
+        completion_ids = output["completion_ids"][padded]
+        ids = torch.cat([output["prompt_ids"][padded], completion_ids], dim=1)  # (scored, P+C)
+        attention_mask = torch.cat([output["prompt_mask"][padded], output["completion_mask"][padded]], dim=1)
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 self.model, ids, attention_mask, completion_ids.size(1),
-                batch_size=self.args.per_device_train_batch_size)  # (R, C)
+                batch_size=self.args.per_device_train_batch_size)
+        if not len(rows):
+            return 0.0, 0
+        logps, completion_mask = logps[:len(rows)], output["completion_mask"][rows]  # (R, C)
         if "old_per_token_logps" in output:
             output["old_per_token_logps"][rows] = logps
         if "importance_sampling_ratio" not in output:

@@ -225,6 +225,37 @@ def test_replayed_groups_are_rescored_by_the_current_policy(tiny_model_path, tmp
                                                                            rel=1e-4)
 
 
+@pytest.mark.parametrize("names, own", [(["flat 1", "live 1"], 1), (["live 1", "live 2"], 0)],
+                         ids=["fewer-than-another", "none"])
+def test_replay_scores_as_many_rows_as_the_process_that_replays_most(tiny_model_path, tmp_path, names, own):
+    """Under ZeRO-3 every forward of the policy is collective: a process that replays fewer groups than another
+    process (here one, or none, against three) still runs the policy on as many rows, in as many calls, and only
+    its own replayed rows take the new logprobs."""
+    trainer, _ = _trainer(tiny_model_path, tmp_path, "replay", dataset=["unused"])
+    trainer._generate_and_score_completions(_batch(["live 0", "flat 0"]))
+    peer_rows, reduce_locally = 3 * GROUP, trainer._all
+    trainer._all = lambda value, reduce: max(value, peer_rows) if reduce == "max" else reduce_locally(value, reduce)
+    scored, score = [], trainer._get_per_token_logps_and_entropies
+
+    def recording(model, ids, *args, **kwargs):
+        scored.append((ids.shape[0], kwargs.get("batch_size")))
+        return score(model, ids, *args, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = recording
+    trainer.state.global_step = 1
+    out = trainer._generate_and_score_completions(_batch(names))
+    assert scored[-1] == (peer_rows, BATCH)  # the rescoring pass, padded to the other process's rows
+    assert _metric(trainer, "zero_signal/replayed") == own
+    assert ["live 0" in _prompt(trainer, out, i) for i in range(BATCH)] == [own > 0] * GROUP + [False] * GROUP
+    if own:  # the replayed rows hold the current policy's logprobs, not the padding's
+        ids = torch.cat([out["prompt_ids"][:GROUP], out["completion_ids"][:GROUP]], dim=1)
+        attention = torch.cat([out["prompt_mask"][:GROUP], out["completion_mask"][:GROUP]], dim=1)
+        with torch.no_grad():
+            policy, _, _ = score(trainer.model, ids, attention, out["completion_ids"].shape[1])
+        mask = out["completion_mask"][:GROUP]
+        assert torch.allclose(out["old_per_token_logps"][:GROUP] * mask, policy * mask, atol=1e-5)
+
+
 @pytest.mark.parametrize("train, step, replayed", [
     ({"replay_buffer_size": 1}, 1, 1),  # capacity 1: only the newer of the two live groups is left
     ({"replay_max_age": 1}, 1, 2),  # one step old: both replayed
