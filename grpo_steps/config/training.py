@@ -379,15 +379,6 @@ class TrainConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _replay_rescoring_is_local(self) -> TrainConfig:
-        if self.zero_signal_groups == "replay" and self.deepspeed:
-            raise ValueError("train.zero_signal_groups 'replay' rescores the replayed groups with the policy, a "
-                             "forward pass that ZeRO-3 (train.deepspeed) makes collective while each process replays "
-                             "its own number of groups: use zero_signal_groups: resample or keep, or "
-                             "train.deepspeed: false")
-        return self
-
-    @model_validator(mode="after")
     def _replayed_reference_is_fixed(self) -> TrainConfig:
         if self.zero_signal_groups == "replay" and self.beta != 0 and self.grpo.get("sync_ref_model"):
             raise ValueError("train.zero_signal_groups 'replay' keeps each group's reference logprobs from when it was "

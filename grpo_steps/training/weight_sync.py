@@ -237,19 +237,23 @@ def mean_abs_diff(a: list[float], b: list[float]) -> float:
 
 def served_version(record: ProbeRecord, history: list[ProbeRecord], tolerance: float) -> int | None:
     """Which version's weights the server serves, judged by the probe: an earlier version's when the server's answer
-    is that version's own answer bit for bit (within 1e-6) although the pushed weights differ from it (the newest
-    such); else ``record.version`` when the probe matches the policy's within ``tolerance`` (mean |delta logp|, nats
+    is that version's own answer bit for bit (within 1e-6) although the pushed weights differ from it and, where
+    both pushes have a policy probe, the policy's own answer moved by more than that (the newest such); else ``record.version`` when the probe matches the policy's within ``tolerance`` (mean |delta logp|, nats
     per token), or when there is no policy probe; else the newest earlier version whose policy probe it matches;
     else None.
 
     The server's forward pass is deterministic for one request, so serving an earlier push's weights shows as that
     push's answer exactly, even when an optimizer step moved the logprobs by less than ``tolerance``; a push of
-    unchanged weights (a step without gradient) is not taken for stale.
+    unchanged weights (a step without gradient), or of weights that moved too little to change the policy's own
+    answer (a gradient of round-off size, e.g. a group whose completions are identical but scored differently), is
+    not taken for stale.
     """
     exact = 1e-6
     newest_first = sorted(history, key=lambda r: -r.version)
     for earlier in newest_first:
-        if earlier.weights != record.weights and mean_abs_diff(record.served, earlier.served) <= exact:
+        policy_moved = record.policy is None or earlier.policy is None or \
+            mean_abs_diff(record.policy, earlier.policy) > exact
+        if earlier.weights != record.weights and policy_moved and mean_abs_diff(record.served, earlier.served) <= exact:
             return earlier.version
     if record.policy is None or mean_abs_diff(record.served, record.policy) <= tolerance:
         return record.version

@@ -165,18 +165,50 @@ def test_successive_pushes_serve_each_version_from_two_rewritten_directories(tmp
         client.reload_weights(tiny_model_path)
 
 
-def test_zero3_two_processes_push_verify_and_correct(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
+def test_zero3_two_processes_push_verify_correct_and_replay_on_one_process(tmp_path, tiny_model_path, tiny_tokenizer,
+                                                                          tiny_server):
     """DeepSpeed ZeRO-3 over 2 CPU processes (gloo): the push gathers on every rank, rank 0 writes, every rank
-    scores the probe and learns the verdict; TRL's correction runs on each rank's share of the batch."""
+    scores the probe and learns the verdict; TRL's correction runs on each rank's share of the batch. With
+    ``zero_signal_groups: replay`` and groups to replay on process 0 only (``signal_on_process_0``): the policy's
+    forward is collective, so process 1 scores as many rows; the run ends (it hung before), and the counts are
+    summed over the processes."""
     from grpo_steps.launch import launch
 
+    reward = "tests.integration.trainjob:signal_on_process_0"
     job = _job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint,
-               train={"max_steps": 2, "deepspeed": True, "processes_per_node": 2, "per_device_train_batch_size": 4})
-    launch(job)
+               train={"max_steps": 3, "deepspeed": True, "processes_per_node": 2, "per_device_train_batch_size": 4,
+                      "num_generations": 2, "zero_signal_groups": "replay"},
+               rewards=[{"name": reward}], eval={"correctness_reward": reward, "format_reward": None},
+               # the push is checked by the policy's probe: the tiny policy may write a group's two completions
+               # alike, and then the step's gradient is round-off and the policy's answer does not move
+               generation={"sync_check": {"max_logp_diff": None}})
+    before, failed = {child.pid for child in psutil.Process().children(recursive=True)}, []
+
+    def train():
+        try:
+            launch(job)
+        except Exception as error:  # noqa: BLE001 - reported below, in the test's thread
+            failed.append(error)
+
+    training = threading.Thread(target=train, daemon=True)
+    training.start()
+    training.join(timeout=360)
+    if training.is_alive():  # hung in a collective: stop the training processes this test started, by PID
+        for child in psutil.Process().children(recursive=True):
+            if child.pid not in before:
+                child.kill()
+        pytest.fail("the two training processes did not finish within 360 s")
+    assert not failed, failed
     history = _history(tmp_path)
-    assert [h["weight_sync/version"] for h in history] == [0, 1]
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert [h["weight_sync/version"] for h in history] == [0, 1, 2]
     for h in history:
-        assert h["sampling/sampling_logp_difference/mean"] < 1e-3
+        assert h["sampling/sampling_logp_difference/mean"] < 1e-3 and h["weight_sync/probe_logp_diff"] < 1e-3
+    # 4 groups a step, one with signal (process 0's first); from step 2 process 0 replays one group, process 1 none
+    assert [h["zero_signal/frac_before"] for h in history] == [0.75, 0.75, 0.75]
+    assert [h["zero_signal/frac_after"] for h in history] == [0.75, 0.5, 0.5]
+    assert [h["zero_signal/replayed"] for h in history] == [0, 1, 1]
+    assert [h["zero_signal/buffer_size"] for h in history] == [1, 2, 3]
 
 
 def test_colocate_mode_refuses_to_train_without_a_gpu(tmp_path, tiny_model_path, tiny_tokenizer):

@@ -27,3 +27,12 @@ def job(tmp_path, tiny_model_path, tiny_tokenizer, endpoint, mlflow_run_id=None,
 def history(tmp_path) -> list[dict]:
     """The trainer's per-step logs of the job's run (the entries with a reward)."""
     return [h for h in json.loads((tmp_path / "out" / "log_history.json").read_text()) if "reward" in h]
+
+
+def signal_on_process_0(completions, **_) -> list[float]:
+    """A reward by rank: 1 for the first completion of process 0's share of the batch, 0 everywhere else, so that
+    process 0's first group has signal and every other group has none (replay on one process only)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return [float(rank == 0 and i == 0) for i in range(len(completions))]

@@ -38,6 +38,14 @@ def test_unchanged_weights_and_unchanged_server_is_not_stale():
     assert served_version(ProbeRecord(1, W0, V0.served), [V0], TOL) == 1
 
 
+def test_weights_that_moved_too_little_to_change_the_policys_answer_are_not_stale():
+    # a gradient of round-off size (identical completions scored differently): the weights differ in the last
+    # digits, the policy's own answer does not, so the server's unchanged answer is the new version's
+    tiny = ProbeRecord(1, (1.0000001, 2.0), served=list(V0.served), policy=[-1.0000002, -2.0000002])
+    assert served_version(tiny, [V0], TOL) == 1
+    assert served_version(ProbeRecord(1, tiny.weights, list(V0.served)), [V0], TOL) == 0  # no policy probe: stale
+
+
 def test_without_a_policy_probe_an_earlier_answer_still_names_the_served_version():
     """The first-batch check compares the server with the policy; the probe still catches a server that serves an
     earlier push (the previous one, or one before it) and names it."""
