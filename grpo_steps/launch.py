@@ -24,9 +24,14 @@ class TrainingFailed(RuntimeError):
 
 
 def accelerate_command(job_file: str | Path, *, num_nodes: int, processes_per_node: int, node_index: int,
-                       main_ip: str, main_port: int, use_cpu: bool, deepspeed_config: str | None) -> list[str]:
+                       main_ip: str, main_port: int, deepspeed_config: str | None) -> list[str]:
     """The command line of one node's training: ``accelerate launch`` for several processes or DeepSpeed,
-    the training module itself for one plain process."""
+    the training module itself for one plain process.
+
+    Several plain (DDP) processes go through ``--multi_gpu``, accelerate's ``torch.distributed.run`` launcher, on
+    CPU machines too (the processes then join over gloo): its ``--cpu`` starts a single process per node (its
+    multi-CPU mode needs MPI), and without a flag a node with one GPU would also run one process by itself, so
+    the gang's nodes would each train alone."""
     if num_nodes * processes_per_node == 1 and not deepspeed_config:
         return [sys.executable, "-m", TRAINING_MODULE, str(job_file)]
     cmd = [sys.executable, "-m", "accelerate.commands.launch",
@@ -37,8 +42,8 @@ def accelerate_command(job_file: str | Path, *, num_nodes: int, processes_per_no
     if deepspeed_config:  # accelerate refuses --cpu with it; the trainer sets use_cpu (grpo_steps.training.job)
         cmd += ["--use_deepspeed", "--deepspeed_config_file", deepspeed_config,
                 "--deepspeed_multinode_launcher", "standard"]  # one launcher per node, no pdsh/ssh
-    elif use_cpu:
-        cmd.append("--cpu")
+    else:
+        cmd.append("--multi_gpu")
     return cmd + ["--module", TRAINING_MODULE, str(job_file)]
 
 
@@ -66,8 +71,6 @@ def launch(job: TrainJob, *, node_index: int = 0, main_ip: str = "127.0.0.1", ma
     Raises:
         TrainingFailed: the process exited non-zero (its output went to this process's stdout).
     """
-    import torch
-
     train = job.config.train
     out = Path(job.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -77,7 +80,7 @@ def launch(job: TrainJob, *, node_index: int = 0, main_ip: str = "127.0.0.1", ma
     deepspeed_config = str(INFRA_DIR / "deepspeed_zero3.json") if train.deepspeed else None
     cmd = accelerate_command(job_file, num_nodes=train.num_nodes, processes_per_node=train.processes_per_node,
                              node_index=node_index, main_ip=main_ip, main_port=main_port,
-                             use_cpu=not torch.cuda.is_available(), deepspeed_config=deepspeed_config)
+                             deepspeed_config=deepspeed_config)
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     code = subprocess.run(cmd, env=full_env, check=False).returncode
     if code != 0:

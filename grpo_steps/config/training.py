@@ -261,16 +261,18 @@ class TrainConfig(_Section):
     ``frac_reward_zero_std``): ``keep`` trains on them (TRL's behaviour); ``skip`` runs no forward/backward for a
     micro-batch whose advantages are all zero, on every process together (needs ``beta: 0``, without which the KL
     term still trains on them, and no ``train.deepspeed``, whose engine counts micro-batches in backward; a step
-    whose micro-batches are all skipped leaves the weights unchanged); ``resample`` is DAPO's dynamic sampling: more
-    groups from other training prompts until the generation batch holds only groups with signal, at most
-    ``max_resample_rounds`` generation rounds, the batch filled with the first round's other groups when short
+    whose micro-batches are all skipped leaves the weights unchanged; with ``gradient_accumulation_steps`` > 1 the
+    generation batch's rows are cut into micro-batches with the rows with signal first, where that leaves the
+    optimizer step unchanged, so that the others fill micro-batches of their own); ``resample`` is DAPO's dynamic
+    sampling: more groups from other training prompts until the generation batch holds only groups with signal, at
+    most ``max_resample_rounds`` generation rounds, the batch filled with the first round's other groups when short
     (needs ``per_device_train_batch_size`` a multiple of ``num_generations``, so each process holds whole groups);
     ``replay`` is Axolotl's replay buffer: one generation round, whose groups without signal are replaced by groups
     with signal of earlier rounds (``replay_buffer_size``, ``replay_max_age``), newest first, each at most once per
     batch, with the advantages they were generated with and their logprobs and importance weights recomputed under
     the current policy (needs whole groups per process as ``resample``, backend ``vllm`` with the mismatch
-    correction on, which weighs the older sampler's completions, no ``train.deepspeed`` and no
-    ``train.grpo.sync_ref_model``; the buffer is in memory only: a resumed run starts with it empty).
+    correction on, which weighs the older sampler's completions, and no ``train.grpo.sync_ref_model``; the buffer
+    is in memory only: a resumed run starts with it empty).
     Metrics ``zero_signal/*`` (see :class:`grpo_steps.training.trainer.PipelineGRPOTrainer`)."""
     max_resample_rounds: int = Field(4, ge=2)
     """``zero_signal_groups: resample``: generation rounds per generation batch at most, the first one included."""

@@ -135,6 +135,7 @@ def run(job: TrainJob) -> str:
     finally:
         if "sync" in server_kwargs:
             server_kwargs["sync"].close()
+    trainer.check_replicas_agree()
     final = Path(job.output_dir) / "final"
     trainer.save_model(str(final))
     if trainer.accelerator.is_main_process:

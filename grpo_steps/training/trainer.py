@@ -222,12 +222,16 @@ class PipelineGRPOTrainer(GRPOTrainer):
         when due and slices its buffer) and skipped when no process has a non-zero advantage in its part."""
         if self.zero_signal_groups != "skip":
             return super().training_step(model, inputs, num_items_in_batch)
-        from grpo_steps.training.zero_signal import has_signal
+        from grpo_steps.training.zero_signal import has_signal, signal_first
 
         model.train()  # as Trainer.training_step does before preparing: TRL buffers and logs "train" only then
         if callable(getattr(self.optimizer, "train", None)):
             self.optimizer.train()
+        buffered = self._buffered_inputs
         prepared = super()._prepare_inputs(inputs)
+        if self._buffered_inputs is not buffered and self._recut_signal_first:  # a new generation batch
+            self._buffered_inputs = signal_first(self._buffered_inputs)
+            prepared = self._buffered_inputs[self._step % self.args.steps_per_generation]
         signal = self._all(has_signal(prepared), "max")  # all processes skip together (DDP syncs in backward)
         self._metrics["train"]["zero_signal/skipped_share"].append(1.0 - signal)
         if signal:
@@ -235,11 +239,55 @@ class PipelineGRPOTrainer(GRPOTrainer):
             return super().training_step(model, inputs, num_items_in_batch)
         # zero advantages and beta 0: the loss and its gradient are zero; count the micro-batch as TRL's
         # training_step does, so that the next one is the right slice of the buffer
+        self._average_accumulated_gradients(model)
         self._step += 1
         if self._step % self.current_gradient_accumulation_steps == 0:
             self._metrics["train"]["step_time"].append(self._current_train_step_time)
             self._current_train_step_time = 0.0
         return torch.zeros((), device=self.args.device)
+
+
+    @property
+    def _recut_signal_first(self) -> bool:
+        """Whether ``skip`` may cut a generation batch's micro-batches with the rows with signal first
+        (:func:`grpo_steps.training.zero_signal.signal_first`) without changing the optimizer step: the generation
+        batch is one accumulation window, and neither the loss's normalization (``bnpo``: by the micro-batch's
+        tokens) nor an entropy mask (``top_entropy_quantile`` < 1: a quantile per micro-batch) depends on the cut."""
+        return (self.args.steps_per_generation == self.args.gradient_accumulation_steps > 1
+                and self.loss_type != "bnpo" and self.top_entropy_quantile == 1.0)
+
+    def _average_accumulated_gradients(self, model) -> None:
+        """On the micro-batch that ends a gradient-accumulation window, DDP averages the window's gradients over the
+        processes in its backward pass (the others run under ``no_sync``); when ``skip`` drops that micro-batch on
+        every process, average them here instead, or each process would step with its own gradients and the
+        replicas would drift apart. Nothing to do for one process, or inside the window."""
+        if self.accelerator.num_processes == 1 or not self.accelerator.sync_gradients:
+            return
+        grads = [p.grad for p in model.parameters() if p.grad is not None]  # the same parameters on every process
+        for grad in grads:  # (the same micro-batches ran everywhere: the skip decisions are shared)
+            torch.distributed.all_reduce(grad)
+            grad.div_(self.accelerator.num_processes)
+
+    def check_replicas_agree(self) -> None:
+        """Raise unless every training process holds the same policy weights (a digest per tensor,
+        :func:`grpo_steps.training.weight_sync.weights_fingerprint`, gathered). Data parallelism keeps full
+        replicas that must stay equal; ZeRO-3 (a partition per process) and a single process have nothing to check.
+
+        Raises:
+            RuntimeError: the replicas differ (names the processes' digests' largest gap).
+        """
+        if self.accelerator.num_processes == 1 or self.is_deepspeed_enabled:
+            return
+        from grpo_steps.training.weight_sync import weights_fingerprint
+
+        digest = torch.tensor(weights_fingerprint(self.accelerator.unwrap_model(self.model).state_dict()),
+                              dtype=torch.float64, device=self.accelerator.device)
+        gathered = self.accelerator.gather(digest.unsqueeze(0))  # (processes, tensors)
+        gap = float((gathered - gathered[0]).abs().max())
+        if gap > 1e-9 * max(1.0, float(gathered.abs().max())):  # equal replicas are equal bit for bit
+            raise RuntimeError(f"the {self.accelerator.num_processes} training processes ended with different "
+                               f"policy weights (largest digest gap {gap:.3g}): their gradients were not averaged "
+                               "alike; the model saved would be process 0's alone")
 
 
 class ServerGRPOTrainer(PipelineGRPOTrainer):

@@ -238,9 +238,9 @@ def mean_abs_diff(a: list[float], b: list[float]) -> float:
 def served_version(record: ProbeRecord, history: list[ProbeRecord], tolerance: float) -> int | None:
     """Which version's weights the server serves, judged by the probe: an earlier version's when the server's answer
     is that version's own answer bit for bit (within 1e-6) although the pushed weights differ from it and, where
-    both pushes have a policy probe, the policy's own answer moved by more than that (the newest such); else ``record.version`` when the probe matches the policy's within ``tolerance`` (mean |delta logp|, nats
-    per token), or when there is no policy probe; else the newest earlier version whose policy probe it matches;
-    else None.
+    both pushes have a policy probe, the policy's own answer moved by more than that (the newest such); else
+    ``record.version`` when the probe matches the policy's within ``tolerance`` (mean |delta logp|, nats per token),
+    or when there is no policy probe; else the newest earlier version whose policy probe it matches; else None.
 
     The server's forward pass is deterministic for one request, so serving an earlier push's weights shows as that
     push's answer exactly, even when an optimizer step moved the logprobs by less than ``tolerance``; a push of

@@ -1,6 +1,7 @@
 """Groups whose rewards are all equal (``train.zero_signal_groups``): their advantages are zero, so with ``beta: 0``
 they add nothing to the gradient. ``keep`` trains on them (TRL's behaviour); ``skip`` runs no forward/backward for a
-micro-batch whose advantages are all zero (exact: its loss and gradient are zero); ``resample`` is DAPO's dynamic
+micro-batch whose advantages are all zero (exact: its loss and gradient are zero), after cutting the generation
+batch's micro-batches with the rows with signal first (:func:`signal_first`); ``resample`` is DAPO's dynamic
 sampling (Yu et al. 2025, arXiv 2503.14476, section 3.2): more groups are generated from other prompts until the
 generation batch holds as many groups with non-zero reward variance as it has places, or until
 ``train.max_resample_rounds`` rounds; the batch keeps its size; ``replay`` is Axolotl's replay buffer (Axolotl GRPO
@@ -48,6 +49,40 @@ def has_signal(inputs: dict) -> bool:
     (False, True)
     """
     return bool(inputs["advantages"].abs().max() > 0)
+
+
+def signal_first(micro_batches: list[dict]) -> list[dict]:
+    """The micro-batches of one generation batch cut again, same count and size, with the rows that have a non-zero
+    advantage first (each part in its given order): TRL shuffles a generation batch's rows before cutting it, which
+    spreads the rows without signal over every micro-batch, so ``skip`` would find few micro-batches to drop; cut
+    this way, all but at most one of the micro-batches holding rows without signal hold nothing else.
+
+    Exact when the micro-batches of a generation batch make one optimizer step and the loss does not depend on how
+    its rows are cut (the caller checks: every TRL loss type but ``bnpo``, no entropy mask). Tensors of 0 dims are
+    shared by every micro-batch, as TRL's ``split_tensor_dict`` leaves them; lists are cut like tensors.
+
+    >>> parts = [{"advantages": torch.tensor([0.0, 1.0]), "n": torch.tensor(7)},
+    ...          {"advantages": torch.tensor([0.0, -1.0]), "n": torch.tensor(7)}]
+    >>> [(p["advantages"].tolist(), int(p["n"])) for p in signal_first(parts)]
+    [([1.0, -1.0], 7), ([0.0, 0.0], 7)]
+    """
+    from trl.trainer.utils import split_tensor_dict
+
+    whole = {}
+    for key, first in micro_batches[0].items():
+        values = [batch[key] for batch in micro_batches]
+        if first is None or (isinstance(first, torch.Tensor) and first.ndim == 0):
+            whole[key] = first
+        elif isinstance(first, torch.Tensor):
+            whole[key] = torch.cat(values)
+        else:
+            whole[key] = [item for value in values for item in value]
+    signal = whole["advantages"] != 0  # (B,)
+    order = torch.cat([torch.nonzero(signal).flatten(), torch.nonzero(~signal).flatten()])
+    whole = {key: value if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0)
+             else value[order] if isinstance(value, torch.Tensor) else [value[i] for i in order.tolist()]
+             for key, value in whole.items()}
+    return split_tensor_dict(whole, len(micro_batches))
 
 
 def _pad(tensor: torch.Tensor, width: int, left: bool, value: float | int = 0) -> torch.Tensor:

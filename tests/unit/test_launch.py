@@ -5,17 +5,17 @@ import pytest
 from grpo_steps.launch import accelerate_command, rendezvous_port
 
 COMMANDS = [
-    # (deepspeed config, use_cpu, flags that must be there, flags that must not)
-    (None, True, ["--cpu"], ["--use_deepspeed"]),  # plain DDP on CPU
-    ("ds.json", True, ["--use_deepspeed", "--deepspeed_multinode_launcher"], ["--cpu"]),  # accelerate refuses both
-    (None, False, [], ["--cpu", "--use_deepspeed"]),  # GPUs, DDP
+    # (deepspeed config, flags that must be there, flags that must not)
+    # plain DDP, on GPUs or CPU: torch.distributed.run (accelerate's --cpu would start one process per node)
+    (None, ["--multi_gpu"], ["--use_deepspeed", "--cpu"]),
+    ("ds.json", ["--use_deepspeed", "--deepspeed_multinode_launcher"], ["--cpu", "--multi_gpu"]),
 ]
 
 
-@pytest.mark.parametrize(("ds", "use_cpu", "present", "absent"), COMMANDS)
-def test_accelerate_command_flags(ds, use_cpu, present, absent):
+@pytest.mark.parametrize(("ds", "present", "absent"), COMMANDS)
+def test_accelerate_command_flags(ds, present, absent):
     cmd = accelerate_command("job.json", num_nodes=2, processes_per_node=4, node_index=1, main_ip="10.0.0.5",
-                             main_port=29999, use_cpu=use_cpu, deepspeed_config=ds)
+                             main_port=29999, deepspeed_config=ds)
     flags = dict(zip(cmd, cmd[1:], strict=False))
     assert (flags["--num_machines"], flags["--machine_rank"], flags["--num_processes"]) == ("2", "1", "8")
     assert (flags["--main_process_ip"], flags["--main_process_port"]) == ("10.0.0.5", "29999")
@@ -23,14 +23,12 @@ def test_accelerate_command_flags(ds, use_cpu, present, absent):
     assert cmd[-3:] == ["--module", "grpo_steps.training", "job.json"]
 
 
-@pytest.mark.parametrize("use_cpu", [True, False])
-def test_one_plain_process_runs_the_training_module_without_a_launcher(use_cpu):
+def test_one_plain_process_runs_the_training_module_without_a_launcher():
     cmd = accelerate_command("job.json", num_nodes=1, processes_per_node=1, node_index=0, main_ip="127.0.0.1",
-                             main_port=29500, use_cpu=use_cpu, deepspeed_config=None)
+                             main_port=29500, deepspeed_config=None)
     assert cmd[1:] == ["-m", "grpo_steps.training", "job.json"]
     with_deepspeed = accelerate_command("job.json", num_nodes=1, processes_per_node=1, node_index=0,
-                                        main_ip="127.0.0.1", main_port=29500, use_cpu=use_cpu,
-                                        deepspeed_config="ds.json")
+                                        main_ip="127.0.0.1", main_port=29500, deepspeed_config="ds.json")
     assert "accelerate.commands.launch" in with_deepspeed and "--use_deepspeed" in with_deepspeed
 
 

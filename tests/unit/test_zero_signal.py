@@ -127,6 +127,37 @@ def test_skip_runs_no_forward_for_a_micro_batch_without_signal(tiny_model_path, 
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trainer.model.parameters())
 
 
+def test_skip_cuts_the_micro_batches_signal_first_and_the_step_equals_keeps(tiny_model_path, tmp_path, monkeypatch):
+    """Two micro-batches of one group's size per generation batch (one flat group, one live): TRL shuffles the rows
+    before cutting (here pinned to the shuffle that puts a live row in each micro-batch), so no micro-batch could be
+    skipped; ``skip`` cuts them again with the live rows first, trains the first, skips the second, and the
+    accumulated gradient is the one ``keep`` accumulates over TRL's cut (``dapo``: normalized over the batch)."""
+    import trl.trainer.grpo_trainer as grpo_trainer
+
+    def interleave(batch):  # rows 0, 1 (flat group), 2, 3 (live group) -> 0, 2 | 1, 3
+        order = [0, 2, 1, 3]
+        return {k: v if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0)
+                else v[order] if isinstance(v, torch.Tensor) else [v[i] for i in order] for k, v in batch.items()}
+
+    monkeypatch.setattr(grpo_trainer, "shuffle_sequence_dict", interleave)
+    grads = {}
+    for mode in ("keep", "skip"):
+        trainer, calls = _trainer(tiny_model_path, tmp_path / mode, mode, dataset=["unused"],
+                                  train={"per_device_train_batch_size": GROUP, "gradient_accumulation_steps": 2,
+                                         "loss_type": "dapo"})
+        trainer.current_gradient_accumulation_steps = 2  # set by Trainer's training loop
+        for _ in range(2):  # the Trainer's two micro-steps of one optimizer step: TRL generates at the first
+            trainer.training_step(trainer.model, _batch(["flat 0", "live 0"]), None)
+        assert len(calls) == 1
+        grads[mode] = {name: p.grad for name, p in trainer.model.named_parameters() if p.grad is not None}
+    assert trainer._metrics["train"]["zero_signal/skipped_share"] == [0.0, 1.0]
+    assert [all("live 0" in _prompt(trainer, part, i) for i in range(GROUP)) for part in trainer._buffered_inputs] \
+        == [True, False]
+    assert grads["skip"].keys() == grads["keep"].keys() and grads["keep"]
+    for name, grad in grads["keep"].items():
+        assert torch.allclose(grads["skip"][name], grad, rtol=1e-4, atol=1e-7), name
+
+
 @pytest.mark.parametrize("data, named", [
     ({"train": {"zero_signal_groups": "skip", "beta": 0.04}}, "their KL term still trains"),
     ({"train": {"zero_signal_groups": "skip", "deepspeed": True}}, "not available with train.deepspeed"),
