@@ -59,7 +59,8 @@ def signal_first(micro_batches: list[dict]) -> list[dict]:
 
     Exact when the micro-batches of a generation batch make one optimizer step and the loss does not depend on how
     its rows are cut (the caller checks: every TRL loss type but ``bnpo``, no entropy mask). Tensors of 0 dims are
-    shared by every micro-batch, as TRL's ``split_tensor_dict`` leaves them; lists are cut like tensors.
+    shared by every micro-batch, as TRL's ``split_tensor_dict`` leaves them; lists are cut like tensors; a batch
+    with any other value that is not one per row (image patches) is returned as it is.
 
     >>> parts = [{"advantages": torch.tensor([0.0, 1.0]), "n": torch.tensor(7)},
     ...          {"advantages": torch.tensor([0.0, -1.0]), "n": torch.tensor(7)}]
@@ -78,6 +79,9 @@ def signal_first(micro_batches: list[dict]) -> list[dict]:
         else:
             whole[key] = [item for value in values for item in value]
     signal = whole["advantages"] != 0  # (B,)
+    if any(value is not None and len(value) != len(signal) for value in whole.values()
+           if not (isinstance(value, torch.Tensor) and value.ndim == 0)):
+        return micro_batches  # a value not one per row (e.g. image patches): TRL's cut stays
     order = torch.cat([torch.nonzero(signal).flatten(), torch.nonzero(~signal).flatten()])
     whole = {key: value if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0)
              else value[order] if isinstance(value, torch.Tensor) else [value[i] for i in order.tolist()]
