@@ -23,6 +23,8 @@ a batch sampled by the policy of the moment.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from trl import GRPOTrainer
 
@@ -227,13 +229,14 @@ class PipelineGRPOTrainer(GRPOTrainer):
         model.train()  # as Trainer.training_step does before preparing: TRL buffers and logs "train" only then
         if callable(getattr(self.optimizer, "train", None)):
             self.optimizer.train()
-        buffered = self._buffered_inputs
+        started, buffered = time.perf_counter(), self._buffered_inputs
         prepared = super()._prepare_inputs(inputs)
         if self._buffered_inputs is not buffered and self._recut_signal_first:  # a new generation batch
             self._buffered_inputs = signal_first(self._buffered_inputs)
             prepared = self._buffered_inputs[self._step % self.args.steps_per_generation]
         signal = self._all(has_signal(prepared), "max")  # all processes skip together (DDP syncs in backward)
         self._metrics["train"]["zero_signal/skipped_share"].append(1.0 - signal)
+        self._current_train_step_time += time.perf_counter() - started  # TRL's step_time counts the generation too
         if signal:
             self._prepared = prepared
             return super().training_step(model, inputs, num_items_in_batch)
@@ -245,7 +248,6 @@ class PipelineGRPOTrainer(GRPOTrainer):
             self._metrics["train"]["step_time"].append(self._current_train_step_time)
             self._current_train_step_time = 0.0
         return torch.zeros((), device=self.args.device)
-
 
     @property
     def _recut_signal_first(self) -> bool:

@@ -5,6 +5,8 @@ and right/wrong on the others. Checked: which groups are kept, regenerated, skip
 advantages, padding, the token count of the loss, the cap on rounds, the replay buffer's capacity and age limit, the
 logprobs and importance weights of replayed groups, the metrics."""
 
+import time
+
 import pytest
 import torch
 
@@ -117,8 +119,16 @@ def test_skip_runs_no_forward_for_a_micro_batch_without_signal(tiny_model_path, 
     trainer.model.eval()  # as from_pretrained leaves it: the step must train it before TRL prepares the batch
     forwards = []  # forwards with gradients (the scoring of old logprobs runs without)
     trainer.model.register_forward_hook(lambda *_: forwards.append(torch.is_grad_enabled()))
+    generate = trainer.vllm_generation.generate
+
+    def slow_generate(*args, **kwargs):  # a generation of 0.3 s: TRL's step_time counts it, skipped or not
+        time.sleep(0.3)
+        return generate(*args, **kwargs)
+
+    trainer.vllm_generation.generate = slow_generate
     loss = trainer.training_step(trainer.model, _batch(names), None)
     assert len(calls) == 1 and trainer._step == 1  # generated once; TRL's micro-batch counter moved on either way
+    assert _metric(trainer, "step_time") >= 0.3
     assert any(forwards) is not skipped
     assert _metric(trainer, "zero_signal/skipped_share") == float(skipped)
     if skipped:
