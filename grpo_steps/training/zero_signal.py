@@ -69,23 +69,18 @@ def signal_first(micro_batches: list[dict]) -> list[dict]:
     """
     from trl.trainer.utils import split_tensor_dict
 
+    signal = torch.cat([batch["advantages"] for batch in micro_batches]) != 0  # (B,)
+    order = torch.cat([torch.nonzero(signal).flatten(), torch.nonzero(~signal).flatten()]).tolist()
     whole = {}
     for key, first in micro_batches[0].items():
-        values = [batch[key] for batch in micro_batches]
         if first is None or (isinstance(first, torch.Tensor) and first.ndim == 0):
-            whole[key] = first
-        elif isinstance(first, torch.Tensor):
-            whole[key] = torch.cat(values)
-        else:
-            whole[key] = [item for value in values for item in value]
-    signal = whole["advantages"] != 0  # (B,)
-    if any(value is not None and len(value) != len(signal) for value in whole.values()
-           if not (isinstance(value, torch.Tensor) and value.ndim == 0)):
-        return micro_batches  # a value not one per row (e.g. image patches): TRL's cut stays
-    order = torch.cat([torch.nonzero(signal).flatten(), torch.nonzero(~signal).flatten()])
-    whole = {key: value if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0)
-             else value[order] if isinstance(value, torch.Tensor) else [value[i] for i in order.tolist()]
-             for key, value in whole.items()}
+            whole[key] = first  # shared by every micro-batch
+            continue
+        tensor = isinstance(first, torch.Tensor)
+        rows = torch.cat([b[key] for b in micro_batches]) if tensor else [x for b in micro_batches for x in b[key]]
+        if len(rows) != len(order):
+            return micro_batches  # not one value per row (image patches): TRL's cut stays
+        whole[key] = rows[order] if tensor else [rows[i] for i in order]
     return split_tensor_dict(whole, len(micro_batches))
 
 
