@@ -97,7 +97,44 @@ class Rollouts:
     def sample(self, rows: list[dict], n: int, temperature: float, filters: bool = True) -> list[list[Episode]]:
         """``n`` episodes per row (greedy: ``temperature`` 0 and ``n`` 1), sampled with the ``generation`` settings
         (the filters only when ``filters``). Returns P lists of n :class:`Episode`."""
-        request = self.gen.sampling_request(filters=filters)
+        return self.sample_together([(rows, n, temperature, filters)])[0]
+
+    def sample_together(self, batches: list[tuple[list[dict], int, float, bool]]) -> list[list[list[Episode]]]:
+        """:meth:`sample` for several ``(rows, n, temperature, filters)`` at once: their first turns are requested
+        concurrently (each on its own HTTP session), so that the server batches them together, e.g. an evaluation's
+        sampled and greedy completions of the same prompts. Prompts are rendered and turns parsed in the calling
+        thread (the tokenizer is not shared between threads). Returns one :meth:`sample` result per batch.
+
+        Raises:
+            GenerationServerError: the server failed a request.
+        """
+        prepared = [self._prepare(rows, n) for rows, n, _, _ in batches]
+        requests = [(self.gen.sampling_request(filters=filters), temperature) for _, _, temperature, filters in batches]
+        if len(batches) == 1:
+            firsts = [self._first_turn(self.client, prepared[0][2], batches[0][1], *requests[0])]
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+
+            clients = [self.client] + [self._other_client() for _ in batches[1:]]
+            with ThreadPoolExecutor(len(batches), thread_name_prefix="eval-request") as pool:
+                futures = [pool.submit(self._first_turn, client, prompt_ids, n, request, temperature)
+                           for client, (_, _, prompt_ids), (_, n, _, _), (request, temperature)
+                           in zip(clients, prepared, batches, requests, strict=True)]
+                firsts = [future.result() for future in futures]
+        return [self._finish(episodes, prompt_ids, tools, first, temperature, request)
+                for (episodes, tools, prompt_ids), first, (request, temperature)
+                in zip(prepared, firsts, requests, strict=True)]
+
+    def _other_client(self):
+        """A client of the same server and model with its own HTTP session (for a concurrent request)."""
+        import dataclasses
+
+        client = dataclasses.replace(self.client)
+        client.model, client.base_model = self.client.model, self.client.base_model
+        return client
+
+    def _prepare(self, rows: list[dict], n: int) -> tuple[list[list[Episode]], list[list[list]], list[list[list[int]]]]:
+        """Episodes (an environment each, when configured), their tools and rendered prompt ids, P x n each."""
         environments = [[None] * n for _ in rows]
         prompts = [[row["prompt"]] * n for row in rows]
         if self.factories is not None:  # one environment per episode; reset(**row) may extend the question
@@ -112,14 +149,21 @@ class Rollouts:
         episodes = [[Episode(environment=environments[i][j]) for j in range(n)] for i in range(len(rows))]
         tools = [[self._episode_tools(environments[i][j]) for j in range(n)] for i in range(len(rows))]
         prompt_ids = [[self._render(prompts[i][j], tools[i][j]) for j in range(n)] for i in range(len(rows))]
+        return episodes, tools, prompt_ids
+
+    def _first_turn(self, client, prompt_ids: list[list[list[int]]], n: int, request: dict,
+                    temperature: float) -> list[list[dict]]:
+        """The first turn's samples, P x n (HTTP only: safe in a worker thread with a client of its own)."""
         if self.factories is None:  # the n episodes of a row share their prompt: one request with n
-            first = self.client.complete([ids[0] for ids in prompt_ids], n, max_tokens=self.gen.max_completion_tokens,
-                                         temperature=temperature, request=request)
-        else:
-            flat = self.client.complete([ids for row_ids in prompt_ids for ids in row_ids], 1,
-                                        max_tokens=self.gen.max_completion_tokens, temperature=temperature,
-                                        request=request)
-            first = [[flat[i * n + j][0] for j in range(n)] for i in range(len(rows))]
+            return client.complete([ids[0] for ids in prompt_ids], n, max_tokens=self.gen.max_completion_tokens,
+                                   temperature=temperature, request=request)
+        flat = client.complete([ids for row_ids in prompt_ids for ids in row_ids], 1,
+                               max_tokens=self.gen.max_completion_tokens, temperature=temperature, request=request)
+        return [[flat[i * n + j][0] for j in range(n)] for i in range(len(prompt_ids))]
+
+    def _finish(self, episodes: list[list[Episode]], prompt_ids: list[list[list[int]]], tools: list[list[list]],
+                first: list[list[dict]], temperature: float, request: dict) -> list[list[Episode]]:
+        """Take the first turns, then run the tool rounds of the episodes that called tools."""
         open_episodes = []
         for i, group in enumerate(first):
             for j, sample in enumerate(group):

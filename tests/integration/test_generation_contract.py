@@ -173,3 +173,32 @@ def test_an_external_server_returning_raw_logprobs_is_refused(tmp_path, tiny_mod
         assert server.client().prompt_logprobs(ids)  # it serves
     finally:
         server.stop()
+
+
+def test_evaluation_requests_its_sampled_and_greedy_completions_at_once(tiny_server, tiny_tokenizer, monkeypatch):
+    """``Rollouts.sample_together`` has both first-turn requests at the server at the same time (each waits at a
+    barrier for the other before it is sent: one after the other, the first would wait in vain), and returns what
+    :meth:`~grpo_steps.episodes.Rollouts.sample` returns for each (greedy: the same completions)."""
+    import threading
+
+    from grpo_steps.config import REPO_ROOT, load_config
+    from grpo_steps.episodes import Rollouts
+    from grpo_steps.servers.client import VLLMClient
+
+    cfg = load_config(REPO_ROOT / "configs" / "test.yaml")
+    rows = [{"prompt": to_prompt(q, "Solve the problem.")} for q in QUESTIONS]
+    rollouts = Rollouts(cfg, tiny_server.client(), tiny_tokenizer)
+    alone = rollouts.sample(rows, 1, temperature=0.0, filters=False)
+    both_sent = threading.Barrier(2, timeout=60)
+    complete = VLLMClient.complete
+
+    def complete_when_both_are_sent(self, *args, **kwargs):
+        both_sent.wait()  # raises BrokenBarrierError when the other request does not come meanwhile
+        return complete(self, *args, **kwargs)
+
+    monkeypatch.setattr(VLLMClient, "complete", complete_when_both_are_sent)
+    sampled, greedy = rollouts.sample_together([(rows, 3, 1.0, True), (rows, 1, 0.0, False)])
+    assert [len(group) for group in sampled] == [3] * len(rows) and [len(group) for group in greedy] == [1] * len(rows)
+    assert all(len(e.first_logprobs) == e.model_tokens > 0 for group in sampled for e in group)
+    assert [[e.completion_ids for e in group] for group in greedy] == [[e.completion_ids for e in group]
+                                                                      for group in alone]
