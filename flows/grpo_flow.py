@@ -90,6 +90,7 @@ class GRPOFlow(FlowSpec):
                                     output_dir=workdir, eval_rows=self.eval_rows)
             if current.parallel.node_index == 0:
                 self.policy = current.model.save(final_dir, label="policy", metadata={"run_id": self.mlflow_run_id})
+                self.training_baseline = steps.training_baseline(workdir)  # step 0 measured the base weights
         self.next(self.evaluate)
 
     @card(type="blank", id="eval")
@@ -102,7 +103,7 @@ class GRPOFlow(FlowSpec):
         self.server = steps.ensure_server(cfg, self.server, self.model_path)
         self.eval_report = steps.evaluate(cfg, run_id=self.mlflow_run_id, server=self.server,
                                           base_model=self.model_path, trained_model=current.model.load(self.policy),
-                                          eval_rows=self.eval_rows)
+                                          eval_rows=self.eval_rows, baseline=self.training_baseline)
         current.card["eval"].extend(steps.card_components(cfg, self.mlflow_run_id, self.eval_report))
         self.next(self.register)
 

@@ -168,11 +168,13 @@ def _environment_reward(episode, name: str) -> float | None:
     return None if value is None else float(value)
 
 
-def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], label: str = "eval") -> dict:
+def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], label: str = "eval",
+                    head: int | None = None) -> dict:
     """Metrics of the weights the server holds now, on ``rows``.
 
     Samples ``eval.num_samples`` completions per prompt at ``eval.temperature`` plus one greedy
-    completion, in batches of prompts with a progress line (``[eval <label>] done/total prompts rate eta``)
+    completion (both requested at once, :meth:`grpo_steps.episodes.Rollouts.sample_together`), in batches of prompts
+    with a progress line (``[eval <label>] done/total prompts rate eta``)
     after each. Returns ``{"metrics": {name: float}, "samples": [row dicts], "probe_logprobs": [float],
     "per_prompt": {"accuracy", "pass@1": [float per prompt]}, "prompt_keys": [str per prompt]}``
     (``probe_logprobs``: greedy logprobs of the first prompt, a fingerprint of the served weights;
@@ -186,7 +188,9 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
     (mean tokens per sample); the reward guard's counts of this evaluation, ``reward/<name>/timeouts``
     and ``reward/<name>/errors`` (calls) and ``reward/<name>/none_share`` (share of completions scored
     None, 0..1); with a ``task`` column (data mixtures), each metric above also per task as
-    ``task/<task>/<metric>``.
+    ``task/<task>/<metric>``. With ``head``, also ``"head_metrics"``: the same metrics over the first ``head``
+    prompts alone (from the same completions; the guard's counts stay those of the whole evaluation), so one
+    evaluation serves a curve on a subset and a full baseline (:mod:`grpo_steps.training.eval_during` at step 0).
     """
     from grpo_steps.episodes import Rollouts, conversation, episode_metrics
     from grpo_steps.monitor import Progress
@@ -199,8 +203,12 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
     sampled, greedy = [], []
     for i in range(0, len(rows), batch):
         chunk = rows[i : i + batch]
-        sampled += rollouts.sample(chunk, n, temperature=cfg.eval.temperature)
-        greedy += rollouts.sample(chunk, 1, temperature=0.0, filters=False)
+        # both requests at once: the server batches the greedy completions with the sampled ones (one after the
+        # other, the greedy request took 28 % of the evaluation's time for a fifth of its sequences: py-spy, make run)
+        chunk_sampled, chunk_greedy = rollouts.sample_together([(chunk, n, cfg.eval.temperature, True),
+                                                                (chunk, 1, 0.0, False)])
+        sampled += chunk_sampled
+        greedy += chunk_greedy
         progress.update(len(chunk))
 
     def completions_of(groups: list[list]) -> list[list]:  # a single turn's text, or an episode's messages
@@ -217,11 +225,28 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
         greedy_scores[env_reward] = [[_environment_reward(e, env_reward) for e in group] for group in greedy]
     texts = [[e.text for e in group] for group in sampled]
 
-    metrics = _metrics(cfg, n, scores, greedy_scores, lengths, list(range(len(rows))), weights)
-    if rollouts.multi_turn:
-        metrics.update(episode_metrics([e for group in sampled for e in group]))
-        metrics.update({f"greedy_{k.replace('/', '_')}": v for k, v in
-                        episode_metrics([group[0] for group in greedy]).items() if "episodes_with_call" in k})
+    counts, scored = guard.counters(), guard.scored()
+    guard_metrics = {}  # the reward guard's counts of this evaluation (all its prompts)
+    for spec in cfg.rewards:
+        for kind in guard.KINDS:
+            key = guard.counter_key(spec.name, kind)
+            guard_metrics[f"reward/{spec.name}/{kind}"] = float(counts.get(key, 0) - counts_before.get(key, 0))
+        total = scored[spec.name][0] - scored_before.get(spec.name, (0, 0))[0]
+        nones = scored[spec.name][1] - scored_before.get(spec.name, (0, 0))[1]
+        guard_metrics[f"reward/{spec.name}/none_share"] = nones / total if total else float("nan")
+
+    def summary(keep: list[int]) -> dict[str, float]:  # the metrics over the prompts of ``keep``
+        metrics = _metrics(cfg, n, scores, greedy_scores, lengths, keep, weights)
+        if rollouts.multi_turn:
+            metrics.update(episode_metrics([e for i in keep for e in sampled[i]]))
+            metrics.update({f"greedy_{k.replace('/', '_')}": v for k, v in
+                            episode_metrics([greedy[i][0] for i in keep]).items() if "episodes_with_call" in k})
+        metrics.update(guard_metrics)
+        for task in sorted({rows[i]["task"] for i in keep if rows[i].get("task") is not None}):
+            task_keep = [i for i in keep if rows[i].get("task") == task]
+            metrics.update({f"task/{task}/{k}": v for k, v in
+                            _metrics(cfg, n, scores, greedy_scores, lengths, task_keep, weights).items()})
+        return metrics
 
     correctness = cfg.eval.correctness_reward
     per_prompt = {  # for paired intervals between two policies on the same prompts (see paired_gain)
@@ -230,19 +255,6 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
     }
     if rollouts.multi_turn:  # whether the greedy episode called a tool: splits an accuracy gain by tool use
         per_prompt["tool_call"] = [float(group[0].tool_calls > 0) for group in greedy]
-    counts, scored = guard.counters(), guard.scored()
-    for spec in cfg.rewards:
-        for kind in guard.KINDS:
-            key = guard.counter_key(spec.name, kind)
-            metrics[f"reward/{spec.name}/{kind}"] = float(counts.get(key, 0) - counts_before.get(key, 0))
-        total = scored[spec.name][0] - scored_before.get(spec.name, (0, 0))[0]
-        nones = scored[spec.name][1] - scored_before.get(spec.name, (0, 0))[1]
-        metrics[f"reward/{spec.name}/none_share"] = nones / total if total else float("nan")
-    tasks = sorted({row["task"] for row in rows if row.get("task") is not None})
-    for task in tasks:
-        keep = [i for i, row in enumerate(rows) if row.get("task") == task]
-        metrics.update({f"task/{task}/{k}": v for k, v in
-                        _metrics(cfg, n, scores, greedy_scores, lengths, keep, weights).items()})
 
     samples = []
     for i, row in enumerate(rows[: cfg.eval.num_table_rows]):
@@ -253,8 +265,12 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
             **{name: scores[name][i][0] for name in scores},
         })
     # Fingerprint of the weights the server holds: greedy logprobs of the first prompt's completion.
-    return {"metrics": metrics, "samples": samples, "probe_logprobs": greedy[0][0].first_logprobs,
-            "per_prompt": per_prompt, "prompt_keys": [prompt_key(row["prompt"]) for row in rows]}
+    result = {"metrics": summary(list(range(len(rows)))), "samples": samples,
+              "probe_logprobs": greedy[0][0].first_logprobs, "per_prompt": per_prompt,
+              "prompt_keys": [prompt_key(row["prompt"]) for row in rows]}
+    if head is not None:
+        result["head_metrics"] = summary(list(range(min(head, len(rows)))))
+    return result
 
 
 def gain_metrics(baseline: dict[str, list[float]], trained: dict[str, list[float]]) -> dict[str, float]:
@@ -280,13 +296,18 @@ def gain_metrics(baseline: dict[str, list[float]], trained: dict[str, list[float
 
 
 def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
-                                  trained_model: str, eval_rows: list[dict]) -> dict:
+                                  trained_model: str, eval_rows: list[dict], baseline: dict | None = None) -> dict:
     """Baseline (``base_model``) and trained policy (``trained_model``: full weights or a LoRA adapter) on
     ``eval_rows`` through the same generation server (``server``: a handle of :mod:`grpo_steps.servers`), one after
     the other (:func:`served_policy`); metrics (``eval/<label>/...``, ``eval/gain/...``) and sample tables
     (``eval/<label>_samples.json``) to the MLflow run ``run_id``.
 
-    Returns ``{"baseline": evaluate_policy(...), "trained": ..., "gain": gain_metrics(...)}``.
+    ``baseline``: the base weights' evaluation already made on ``eval_rows`` during training (step 0 of
+    :mod:`grpo_steps.training.eval_during`), taken as the baseline when the base weights, reloaded from disk, give its
+    probe again (:func:`same_weights_as`); else (or None) the baseline is measured here.
+
+    Returns ``{"baseline": evaluate_policy(...), "trained": ..., "gain": gain_metrics(...)}``; the baseline's
+    ``"measured"`` says where it was measured (``"training step 0"`` or ``"evaluate"``).
     """
 
     from grpo_steps import servers, tracking
@@ -298,7 +319,11 @@ def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: d
     report = {}
     for label, weights in (("baseline", base_model), ("trained", trained_model)):
         with served_policy(cfg, generation_server, client, weights, label):
-            report[label] = evaluate_policy(cfg, client, tokenizer, eval_rows, label=label)
+            if label == "baseline" and same_weights_as(cfg, client, tokenizer, eval_rows, baseline):
+                report[label] = {**baseline, "measured": "training step 0"}
+            else:
+                report[label] = {**evaluate_policy(cfg, client, tokenizer, eval_rows, label=label),
+                                 "measured": "evaluate"}
         tracking.log_metrics(cfg, run_id, {f"eval/{label}/{k}": v for k, v in report[label]["metrics"].items()})
     report["gain"] = gain_metrics(report["baseline"]["per_prompt"], report["trained"]["per_prompt"])
     tracking.log_metrics(cfg, run_id, {f"eval/gain/{k}": v for k, v in report["gain"].items()})
@@ -310,6 +335,31 @@ def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: d
             table = {key: [s[key] for s in samples] for key in samples[0]}
             mlflow_client.log_table(run_id, data=table, artifact_file=path)
     return report
+
+
+def same_weights_as(cfg: PipelineConfig, client, tokenizer, rows: list[dict], earlier: dict | None) -> bool:
+    """Whether ``earlier`` (an :func:`evaluate_policy` result, or None) evaluated ``rows`` with the weights the server
+    holds now: the same prompts, and the greedy completion of the first one (its probe) sampled again as long and
+    with logprobs within ``generation.sync_check``'s probe tolerance (mean |difference|, nats per token).
+    Prints which it is (``[eval baseline] ...``)."""
+    from grpo_steps.episodes import Rollouts
+
+    if earlier is None:
+        return False
+    if earlier.get("prompt_keys") != [prompt_key(row["prompt"]) for row in rows]:
+        print("[eval baseline] the evaluation at training step 0 has other prompts: measuring the baseline", flush=True)
+        return False
+    probe = Rollouts(cfg, client, tokenizer).sample(rows[:1], 1, temperature=0.0, filters=False)[0][0]
+    tolerance, _ = cfg.generation.sync_check.thresholds(cfg.model.dtype)
+    before = earlier["probe_logprobs"]
+    gap = (sum(abs(a - b) for a, b in zip(probe.first_logprobs, before, strict=True)) / max(len(before), 1)
+           if len(probe.first_logprobs) == len(before) else float("inf"))
+    same = gap <= tolerance
+    print(f"[eval baseline] {'taken from' if same else 'not taken from'} the evaluation at training step 0 "
+          f"({len(rows)} prompts): the base weights reloaded from disk give its probe "
+          f"{'again' if same else 'no longer'} (mean |logp difference| {gap:.2g} nats/token, tolerance {tolerance:g})",
+          flush=True)
+    return same
 
 
 @contextmanager

@@ -191,25 +191,73 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
     output_dir = Path(output_dir)
     train_file = output_dir / "train.jsonl"
     train_file.write_text("".join(json.dumps(row) + "\n" for row in train_rows))
-    eval_file = None
+    eval_file = baseline_file = None
     if cfg.eval.every_steps and node_index == 0:
-        eval_file = output_dir / "eval_during.jsonl"
+        eval_file, baseline_file = output_dir / "eval_during.jsonl", output_dir / "eval_split.jsonl"
         eval_file.write_text("".join(json.dumps(row) + "\n" for row in (eval_rows or [])[
             : cfg.eval.during_training_prompts]))
+        baseline_file.write_text("".join(json.dumps(row) + "\n" for row in eval_rows or []))
     job = TrainJob(config=cfg, model_path=model_path, train_file=str(train_file), output_dir=str(output_dir),
                    endpoint=server["endpoint"] if cfg.generation.backend == "vllm" else None,
                    served_model=server["served_model"],
                    resume_from=resume_checkpoint(node_index, cfg.train.resume_from), mlflow_run_id=run_id,
-                   node_index=node_index, eval_file=str(eval_file) if eval_file else None)
+                   node_index=node_index, eval_file=str(eval_file) if eval_file else None,
+                   baseline_file=str(baseline_file) if baseline_file else None)
+    warm_up = _warm_up_server(server) if node_index == 0 else None
     with system_metrics(run_id, cfg.tracking.tracking_uri, node_id=f"node{node_index}" if node_index else None):
         launch(job, node_index=node_index, main_ip=main_ip)
+    if warm_up is not None:
+        warm_up.join()
     return str(output_dir / "final")
 
 
+def training_baseline(output_dir: str) -> dict | None:
+    """The base weights' evaluation of the whole eval split made at training step 0 in ``output_dir`` (node 0's,
+    with ``eval.every_steps``), or None when this attempt made none (no evaluation during training, or a resumed
+    attempt that began after step 0): the ``evaluate`` step then measures its baseline itself."""
+    from grpo_steps.training.job import BASELINE_RESULT
+
+    path = Path(output_dir) / BASELINE_RESULT
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+WARM_UP_IDS = list(range(100, 116))
+"""Token ids of the warm-up requests (any ids of the vocabulary: what is computed is not used)."""
+
+
+def _warm_up_server(server: dict):
+    """Ask the generation server, in a background thread while the training process starts (imports and model load,
+    ~30 s on 2 cores), what the first weight push asks first, and return the thread: its config (vLLM builds the
+    answer's system part once, ``collect_env``: 5.5 s in make run on 2 cores, then cached by the server;
+    :meth:`grpo_steps.servers.client.VLLMClient.has_worker_extension`), one prompt-logprobs request (the push's
+    probe) and one short completion, the server's first requests of each kind being its slowest. A failure is printed,
+    not raised: the training process asks again and fails there with the server's error."""
+    import threading
+
+    from grpo_steps import servers
+    from grpo_steps.servers.client import GenerationServerError
+
+    def ask() -> None:
+        client = servers.from_dict(server).client()
+        try:
+            client.server_config()
+            client.prompt_logprobs(WARM_UP_IDS)
+            client.complete([WARM_UP_IDS], 2, max_tokens=8, temperature=1.0)
+        except GenerationServerError as err:
+            print(f"[vllm] warm-up request failed: {err}", flush=True)
+
+    thread = threading.Thread(target=ask, name="server-warm-up", daemon=True)
+    thread.start()
+    return thread
+
+
 def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str, trained_model: str,
-             eval_rows: list[dict]) -> dict:
+             eval_rows: list[dict], baseline: dict | None = None) -> dict:
     """Baseline and trained policy on the eval split through the same server; metrics, samples, system
     metrics (while it runs) and the charts (``charts/*.png``) to MLflow.
+
+    ``baseline``: the base weights' evaluation made at training step 0 (:func:`training_baseline`), used when it
+    still matches (see :func:`grpo_steps.evaluate.evaluate_baseline_and_trained`).
 
     Returns ``{"baseline": {"metrics", "samples", "per_prompt", ...}, "trained": {...}, "gain": {...}}``
     (``gain``: trained minus baseline with paired 95 % intervals, :func:`grpo_steps.evaluate.gain_metrics`; MLflow
@@ -222,7 +270,7 @@ def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
     with system_metrics(run_id, cfg.tracking.tracking_uri):
         report = evaluate_baseline_and_trained(cfg, run_id=run_id, server=server, base_model=base_model,
-                                               trained_model=trained_model, eval_rows=eval_rows)
+                                               trained_model=trained_model, eval_rows=eval_rows, baseline=baseline)
     log_charts(cfg, run_id, report)
     return report
 

@@ -60,7 +60,8 @@ class EvalConfig(_Section):
     """Held-out evaluation during training (:mod:`grpo_steps.training.eval_during`): node 0 evaluates the policy at
     step 0 and every this many optimizer steps, through the generation server right after it received that
     step's weights, on the first ``during_training_prompts`` eval prompts; logged as ``eval_during/<metric>``
-    at the optimizer step. 0: off. Needs generation.backend 'vllm' in mode 'server' with weight_sync 'disk'."""
+    at the optimizer step. Step 0 evaluates the whole eval split, which the ``evaluate`` step then takes as its
+    baseline (measured once). 0: off. Needs generation.backend 'vllm' in mode 'server' with weight_sync 'disk'."""
     during_training_prompts: int = Field(64, ge=1)
     """Held-out prompts evaluated during training: the first this many of the eval split (a fixed subset);
     at most ``data.num_eval``."""

@@ -167,7 +167,8 @@ class CompletionsTableCallback(TrainerCallback):
 
 
 class ProgressCallback(TrainerCallback):
-    """Prints ``[train] step N/M t=T s rate=R s/step eta=E s`` after each optimizer step (rank 0): ``t``
+    """Prints ``[train] started at step N/M t=T s`` when training begins and ``[train] step N/M t=T s rate=R s/step
+    eta=E s`` after each optimizer step (rank 0): ``t``
     since the training process started (the first step's is the time to first step of a fresh or resumed
     run), ``rate`` the mean seconds per step of the steps this process ran, ``eta`` the rest at that rate.
     """
@@ -175,6 +176,12 @@ class ProgressCallback(TrainerCallback):
     def __init__(self, started: float) -> None:
         self.started = started  # time.monotonic() at process start
         self.first: tuple[int, float] | None = None  # (global step, time) when this process's first step ended
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:  # the first step's line comes after a push and maybe an evaluation
+            print(f"[train] started at step {state.global_step}/{state.max_steps} "
+                  f"t={time.monotonic() - self.started:.1f}s (imports, model and data loaded)", flush=True)
+        return control
 
     def on_step_end(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from grpo_steps.config import PipelineConfig
-from grpo_steps.training.job import TrainJob, grpo_args
+from grpo_steps.training.job import BASELINE_RESULT, TrainJob, grpo_args
 from grpo_steps.training.rollouts import ReplayRollout
 
 
@@ -170,8 +170,11 @@ def eval_during_callback(job: TrainJob, trainer, tokenizer):
         def log(metrics, step):
             log_metrics_with(mlflow_client, job.mlflow_run_id, metrics, step)
 
+    baseline_rows = [json.loads(line) for line in Path(job.baseline_file).read_text().splitlines() if line.strip()] \
+        if evaluator and job.baseline_file else None  # step 0 also measures the evaluate step's baseline
     return EvalDuringTraining(job.config, trainer, trainer.vllm_generation.push.client if evaluator else None,
-                              tokenizer, rows, log=log, logged_steps=logged, evaluator=evaluator)
+                              tokenizer, rows, log=log, logged_steps=logged, evaluator=evaluator,
+                              baseline_rows=baseline_rows, baseline_file=str(Path(job.output_dir) / BASELINE_RESULT))
 
 
 def pin_cpu_cores(cores: list[int] | None) -> None:

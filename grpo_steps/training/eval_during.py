@@ -14,12 +14,16 @@ beginning of step N+1 (``on_step_begin``, before its generation) and marks it do
 this is the push of the base weights TRL makes before the first generation; only the last step, when it
 is a multiple of ``every_steps``, costs a push that training alone would not make (in ``on_train_end``).
 The server's weight label at evaluation is logged as ``eval_during/weight_version`` (the step number),
-so a curve point says which weights it measured.
+so a curve point says which weights it measured. At step 0 the server holds the base weights that the ``evaluate``
+step's baseline measures: given the whole eval split, step 0 evaluates it once for both (the curve's point is its
+first ``eval.during_training_prompts`` prompts).
 """
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 from transformers import TrainerCallback
 
@@ -47,6 +51,10 @@ class EvalDuringTraining(TrainerCallback):
         log: ``log(metrics, step)`` into the run's MLflow run (evaluator only; None: not logged).
         logged_steps: steps whose ``eval_during`` metrics the run already holds.
         evaluator: whether this process evaluates (global rank 0).
+        baseline_rows: the whole eval split, whose first ``len(rows)`` prompts are ``rows``: evaluated at step 0
+            instead of ``rows`` alone (the curve's point is the same metrics over ``rows``), the result written as
+            JSON to ``baseline_file``: the ``evaluate`` step's baseline, measured once
+            (:func:`grpo_steps.evaluate.evaluate_baseline_and_trained`). None: step 0 evaluates ``rows``.
 
     Per evaluation it also logs ``eval_during/seconds`` (wall time of the evaluation, push excluded) and
     ``eval_during/probe_logprob`` (sum of the greedy logprobs of the first prompt's completion, nats: the
@@ -56,10 +64,16 @@ class EvalDuringTraining(TrainerCallback):
     """
 
     def __init__(self, cfg: PipelineConfig, trainer, client, tokenizer, rows: list[dict], *, log=None,
-                 logged_steps: set[int] = frozenset(), evaluator: bool) -> None:
+                 logged_steps: set[int] = frozenset(), evaluator: bool, baseline_rows: list[dict] | None = None,
+                 baseline_file: str | None = None) -> None:
         self.cfg, self.trainer, self.client, self.tokenizer, self.rows = cfg, trainer, client, tokenizer, rows
         self.log, self.logged_steps, self.evaluator = log, set(logged_steps), evaluator
         self.every = cfg.eval.every_steps
+        # step 0 evaluates the whole eval split once, for the curve (its first len(rows) prompts) and as the evaluate
+        # step's baseline (the same base weights); only when the curve's prompts are its first ones
+        same_head = baseline_rows is not None and [r["prompt"] for r in baseline_rows[:len(rows)]] == \
+            [r["prompt"] for r in rows]
+        self.baseline_rows, self.baseline_file = (baseline_rows, baseline_file) if same_head else (None, None)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step % self.every == 0:
@@ -76,15 +90,24 @@ class EvalDuringTraining(TrainerCallback):
         only, unless already logged); returns the metrics logged, or None on the other ranks."""
         trainer = self.trainer
         if trainer._last_loaded_step != step:  # the push TRL makes before the next generation, made now
+            pushed = time.perf_counter()
             trainer.vllm_generation.sync_weights(force=True)  # also between generation.weight_sync_every pushes
             trainer._last_loaded_step = step
+            if self.evaluator:  # the first push also waits for the server's first answers (seconds on 2 cores)
+                print(f"[{PREFIX}] step {step}: weights pushed in {time.perf_counter() - pushed:.1f}s", flush=True)
         if not self.evaluator or step in self.logged_steps:
             return None
         from grpo_steps.evaluate import evaluate_policy
 
         started = time.perf_counter()
         version = self.client.weight_version()
-        result = evaluate_policy(self.cfg, self.client, self.tokenizer, self.rows, label=f"{PREFIX} step {step}")
+        if step == 0 and self.baseline_rows is not None and self.baseline_file:
+            result = evaluate_policy(self.cfg, self.client, self.tokenizer, self.baseline_rows,
+                                     label=f"{PREFIX} step 0 + baseline", head=len(self.rows))
+            Path(self.baseline_file).write_text(json.dumps({k: v for k, v in result.items() if k != "head_metrics"}))
+            result = {**result, "metrics": result["head_metrics"]}
+        else:
+            result = evaluate_policy(self.cfg, self.client, self.tokenizer, self.rows, label=f"{PREFIX} step {step}")
         metrics = {f"{PREFIX}/{name}": value for name, value in result["metrics"].items()}
         metrics[f"{PREFIX}/weight_version"] = float(version.removeprefix("step-")) if version.startswith("step-") \
             else float("nan")

@@ -193,6 +193,26 @@ def test_each_point_measured_the_weights_of_its_step(flow_run):
     assert probes[first] != pytest.approx(probes[last], abs=1e-3)  # training changed the served weights
 
 
+def test_the_baseline_is_measured_once_at_step_0(flow_run):
+    """Step 0 evaluates the whole eval split (here the curve's 8 prompts are all of it) with the base weights; the
+    evaluate step takes that evaluation as its baseline after the base weights, reloaded from disk, gave its probe
+    again: the same numbers in both places, and no second baseline evaluation."""
+    workdir, run = flow_run
+    client = _client(workdir)
+    report = run["evaluate"].task.data.eval_report
+    assert report["baseline"]["measured"] == "training step 0"
+    assert report["trained"]["measured"] == "evaluate"
+    for name in ("accuracy", "pass@1", "format_rate", "reward"):
+        (at_0,) = [value for step, value in _history(client, run, f"eval_during/{name.replace('@', '_at_')}")
+                   if step == 0]
+        assert at_0 == pytest.approx(report["baseline"]["metrics"][name]), name
+    evaluate_log = run["evaluate"].task.stdout
+    assert "[eval baseline] taken from the evaluation at training step 0 (8 prompts)" in evaluate_log
+    assert "[eval baseline] 8/8 prompts" not in evaluate_log  # not evaluated again
+    assert "[eval trained] 8/8 prompts" in evaluate_log
+    assert "[eval eval_during step 0 + baseline] 8/8 prompts" in run["train"].task.stdout
+
+
 def test_no_extra_reload_during_training(flow_run):
     """The evaluations reuse the trainer's pushes: each step's log still holds the one push made before its
     generation, of the previous step's weights (version = step - 1), as without evaluation; the progress

@@ -55,3 +55,29 @@ def test_paired_gain_one_prompt_has_no_width_and_mismatched_lists_fail():
         paired_gain([0.0, 1.0], [1.0])
     with pytest.raises(ValueError, match="non-empty"):
         paired_gain([], [])
+
+
+def test_an_earlier_evaluation_of_other_prompts_is_not_taken_as_the_baseline(capsys):
+    """The step-0 evaluation is the baseline only for the same prompts, in the same order; nothing is asked of the
+    server (client None) before that is known."""
+    from grpo_steps.config import REPO_ROOT, load_config
+    from grpo_steps.evaluate import prompt_key, same_weights_as
+
+    cfg = load_config(REPO_ROOT / "configs" / "test.yaml")
+    rows = [{"prompt": [{"role": "user", "content": f"{i} + 1?"}]} for i in range(3)]
+    earlier = {"prompt_keys": [prompt_key(row["prompt"]) for row in reversed(rows)], "probe_logprobs": [-0.1]}
+    assert not same_weights_as(cfg, None, None, rows, None)
+    assert not same_weights_as(cfg, None, None, rows, earlier)
+    assert not same_weights_as(cfg, None, None, rows[:2], {**earlier, "prompt_keys": earlier["prompt_keys"][1:]})
+    assert "has other prompts: measuring the baseline" in capsys.readouterr().out
+
+
+def test_training_baseline_is_none_without_a_step_0_evaluation(tmp_path):
+    import json
+
+    from grpo_steps.steps import training_baseline
+    from grpo_steps.training.job import BASELINE_RESULT
+
+    assert training_baseline(str(tmp_path)) is None  # a resumed attempt, or no evaluation during training
+    (tmp_path / BASELINE_RESULT).write_text(json.dumps({"metrics": {"accuracy": 0.5}, "prompt_keys": ["k"]}))
+    assert training_baseline(str(tmp_path)) == {"metrics": {"accuracy": 0.5}, "prompt_keys": ["k"]}
