@@ -16,7 +16,8 @@ goes"):
   optimizer step nor the callbacks), ``generation/wait_seconds`` (the rollout request), ``weight_sync/seconds``
   (the push, inside ``step_time``), the held-out evaluation made at the step's beginning (``eval_during/seconds``),
   a checkpoint save (``checkpoint/save_seconds``), what is left (``other``: optimizer step, logging, callbacks) and
-  the completions' mean length (tokens).
+  the completions' mean and longest length (tokens: TRL pads the batch to the longest, which sets the step's
+  compute; ``bench/padded_step.py``).
 
 The wall times come from the training log's ``[train]`` lines (``t`` since the training process started); step 1's
 counts from ``[train] started`` (imports and model load done) where the log has that line. The push made for the
@@ -36,7 +37,8 @@ COLUMNS = {  # MLflow metric -> column
     "weight_sync/seconds": "push",
     "eval_during/seconds": "eval at step begin",
     "checkpoint/save_seconds": "checkpoint save",
-    "completions/mean_length": "tokens",
+    "completions/mean_length": "mean tokens",
+    "completions/max_length": "longest",
 }
 
 
@@ -93,7 +95,8 @@ def markdown(run, phases, steps) -> str:
         cells = [f"{row['step']}", f"{row['wall']:.1f}", *(f"{row[k]:.1f}" for k in COLUMNS), f"{row['other']:.1f}"]
         out.append("| " + " | ".join(cells) + " |")
     total = {k: sum(r[k] for r in steps if r[k] == r[k]) for k in ("wall", *COLUMNS, "other")}
-    out.append("| sum | " + " | ".join(f"{total[k]:.0f}" for k in ("wall", *COLUMNS)) + f" | {total['other']:.0f} |")
+    out.append("| sum | " + " | ".join("" if k.startswith("completions/") else f"{total[k]:.0f}"
+                                       for k in ("wall", *COLUMNS)) + f" | {total['other']:.0f} |")
     return "\n".join(out)
 
 
