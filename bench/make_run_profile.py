@@ -17,7 +17,7 @@ goes"):
   (the push, inside ``step_time``), the held-out evaluation made at the step's beginning (``eval_during/seconds``),
   a checkpoint save (``checkpoint/save_seconds``), what is left (``other``: optimizer step, logging, callbacks) and
   the completions' mean and longest length (tokens: TRL pads the batch to the longest, which sets the step's
-  compute; ``bench/padded_step.py``).
+  compute).
 
 The wall times come from the training log's ``[train]`` lines (``t`` since the training process started); step 1's
 counts from ``[train] started`` (imports and model load done) where the log has that line. The push made for the
