@@ -148,9 +148,11 @@ def test_progress_lines_with_rate_and_eta(flow_run):
     _, run = flow_run
     train_log = run["train"].task.stdout
     assert re.search(r"\[train\] step 2/4 t=[\d.]+s rate=[\d.]+s/step eta=\d+s", train_log), train_log[-3000:]
-    eval_log = run["evaluate"].task.stdout
-    for label in ("baseline", "trained"):
-        assert re.search(rf"\[eval {label}\] 8/8 prompts t=[\d.]+s rate=[\d.]+ prompts/s eta=0s", eval_log)
+    # the baseline is measured at step 0 of training (test_the_baseline_is_measured_once_at_step_0), the trained
+    # policy in the evaluate step: each with its progress lines
+    for log, label in ((train_log, "eval_during step 0 \\+ baseline"), (run["evaluate"].task.stdout, "trained")):
+        assert re.search(rf"\[eval {label}\] 8/8 prompts t=[\d.]+s rate=[\d.]+ prompts/s eta=0s", log), label
+    assert re.search(r"\[train\] started at step 0/4 t=[\d.]+s", train_log)
 
 
 # Held-out evaluation during training (eval.every_steps) in the same run
