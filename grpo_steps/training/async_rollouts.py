@@ -224,3 +224,47 @@ class RolloutPrefetcher:
     def alive(self) -> bool:
         """Whether the producer thread is running."""
         return self._thread.is_alive()
+
+
+class PromptStream:
+    """The token-id prompts of the generation batches TRL will ask for next, read from a second training dataloader
+    (``loader``: the trainer's ``get_train_dataloader()``, the same sampler, seed and sharding) from where this attempt
+    starts: a resumed run skips the micro-batches its checkpoint trained (``start_step`` optimizer steps of
+    ``accumulation`` micro-batches each), as ``Trainer`` does. Each generation batch is keyed by the micro-step at
+    which TRL generates it (0 when the attempt starts; one batch every ``every`` micro-steps); ``tokenize`` gives a
+    batch's prompt ids as TRL encodes them. Read in the training thread (the dataloader may synchronise RNG states
+    across processes). A stream that disagrees with TRL's costs speed, never correctness: the producer's batch then
+    holds other prompts and is not used (``async/missed``)."""
+
+    def __init__(self, loader, start_step: int, accumulation: int, tokenize: Callable[[list], list[list[int]]],
+                 every: int, depth: int) -> None:
+        self.every, self.depth, self.tokenize = every, depth, tokenize
+        self.ahead: dict[int, list[list[int]]] = {}
+        self.next_index = 0
+        self.batches = self._micro_batches(loader, start_step, accumulation)
+
+    @staticmethod
+    def _micro_batches(loader, start_step: int, accumulation: int) -> Iterator[list[dict]]:
+        per_epoch = max(len(loader) // accumulation + int(len(loader) % accumulation > 0), 1)  # optimizer steps
+        epoch, skip = start_step // per_epoch, (start_step % per_epoch) * accumulation
+        while True:
+            if hasattr(loader, "set_epoch"):
+                loader.set_epoch(epoch)
+            for index, rows in enumerate(loader):
+                if index >= skip:
+                    yield rows
+            skip, epoch = 0, epoch + 1
+
+    def after(self, key: int) -> list[tuple[int, list[list[int]]]]:
+        """``(key, prompt ids)`` of the next ``depth`` generation batches after the one at micro-step ``key``."""
+        import copy
+
+        wanted = [key + self.every * j for j in range(1, self.depth + 1)]
+        for index in wanted:
+            while self.next_index <= index:
+                rows = next(self.batches)
+                if self.next_index % self.every == 0 and self.next_index > key:
+                    self.ahead[self.next_index] = self.tokenize(copy.deepcopy([row["prompt"] for row in rows]))
+                self.next_index += 1
+        self.ahead = {k: v for k, v in self.ahead.items() if k > key}
+        return [(k, self.ahead[k]) for k in wanted]

@@ -15,6 +15,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from grpo_steps.checkpoints import checkpoint_name, mark_latest_zero_tag
+from grpo_steps.training import trl_hooks
 from rewards import guard
 
 
@@ -119,11 +120,11 @@ def completions_table(trainer, version: int) -> dict[str, list]:
     """The latest generation batch as a table (column -> values): ``prompt`` (the last message of a conversational
     prompt), ``completion`` (its text; a multi-turn one whole: tool calls and answers), one column per reward
     function (None where it did not apply), ``advantage`` and ``weight_version`` (the policy version that sampled it).
-    Read from TRL's ``GRPOTrainer._logs``, which holds the batch gathered from every process (main process only;
-    pinned by tests/unit/test_trl_contract.py)."""
+    Read from TRL's log of the batch (:func:`grpo_steps.training.trl_hooks.logged_batch`: gathered from every
+    process; main process only)."""
     import math
 
-    logs = trainer._logs
+    logs = trl_hooks.logged_batch(trainer)
 
     from grpo_steps.episodes import conversation
 
@@ -154,7 +155,8 @@ class CompletionsTableCallback(TrainerCallback):
         self.logged: set[str] | None = None  # artifact paths the run holds, read once
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or state.global_step % self.every or not self.trainer._logs["prompt"]:
+        if not state.is_world_process_zero or state.global_step % self.every \
+                or not trl_hooks.logged_batch(self.trainer)["prompt"]:
             return control
         if self.logged is None:
             self.logged = {a.path for a in self.client.list_artifacts(self.run_id, COMPLETIONS_DIR)}

@@ -12,7 +12,7 @@ import torch
 
 from grpo_steps.config import validate_config
 from grpo_steps.servers.client import VLLMClient
-from grpo_steps.training.generation import ServerGeneration
+from grpo_steps.training.generation import ServerSettings
 from grpo_steps.training.job import TrainJob, grpo_args
 from grpo_steps.training.trainer import ServerGRPOTrainer
 
@@ -73,7 +73,7 @@ def _trainer(tiny_model_path, tmp_path, turns: list[str], tool: str | None = "ca
                            "rewards": [{"name": "answer_accuracy"}], "eval": {"format_reward": None},
                            "train": {"per_device_train_batch_size": GROUP, "num_generations": GROUP}})
     args = grpo_args(TrainJob(config=cfg, model_path=tiny_model_path, train_file="unused", output_dir=str(tmp_path)))
-    sync = ServerGeneration(trainer=None, client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation,
+    server = ServerSettings(client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation,
                             max_model_len=1024, push=None, probe_ids=[1, 2], probe_tolerance=0.05)
     calls, seen = [], []
 
@@ -85,15 +85,15 @@ def _trainer(tiny_model_path, tmp_path, turns: list[str], tool: str | None = "ca
         return (prompts, [list(ids) for _ in prompts], [[[SAMPLER_LOGP]] * len(ids) for _ in prompts],
                 [[[t] for t in ids] for _ in prompts])
 
-    sync.generate, sync.sync_weights = generate, lambda: None
     tools = {"calculator": calculator, "broken": broken, "hangs": hangs}
     trainer = ServerGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_path),
                                 reward_funcs=[answer_reward], args=args,
                                 train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "x"}]}] * 2),
-                                processing_class=tokenizer, sync=sync, max_logp_diff=None,
+                                processing_class=tokenizer, server=server,
                                 tools=[with_timeout(tools[tool], cfg.generation.tool_timeout_s)] if tool else [],
                                 environment_factory=trl_environment_factory(environment_factories(
                                     environment, cfg.generation.tool_timeout_s)))
+    trainer.vllm_generation.generate, trainer.vllm_generation.sync_weights = generate, lambda: None
     trainer._last_loaded_step = trainer.state.global_step
     trainer.model.train()
     trainer.seen_prompts = seen
