@@ -30,6 +30,8 @@ def start(cfg: PipelineConfig, pathspec: str) -> str:
 
     Raises:
         TrackingUnreachable: an ``http(s)`` tracking URI that does not answer (within seconds).
+        FileNotFoundError: ``model.name_or_path`` is a local path that does not exist or holds no model (names what
+            is missing: config, tokenizer files, weights).
         ConfigError: ``train.grpo`` keys the installed TRL does not have; ``train.peft.target_modules`` naming no
             linear layer of the model.
         CheckpointNotFound: ``train.resume_from`` names no usable checkpoint.
@@ -41,6 +43,7 @@ def start(cfg: PipelineConfig, pathspec: str) -> str:
     from grpo_steps.training.job import check_grpo_keys
 
     tracking.check_reachable(cfg.tracking.tracking_uri)
+    check_model(cfg.model.name_or_path)
     check_grpo_keys(cfg)
     check_sandbox(cfg)
     if cfg.tools or cfg.environment or cfg.model.chat_template:
@@ -53,6 +56,16 @@ def start(cfg: PipelineConfig, pathspec: str) -> str:
         print(f"[checkpoint] train.resume_from: {check_reference(cfg.train.resume_from, cfg.train.num_nodes)}",
               flush=True)
     return tracking.open_run(cfg, pathspec)
+
+
+def check_model(name_or_path: str) -> None:
+    """A local ``model.name_or_path`` exists and holds a model (:func:`grpo_steps.models.check_model_dir`); an
+    embedded model (converted later, in ``prepare_data``) and a hub id are not checked here. Raises
+    FileNotFoundError."""
+    from grpo_steps.models import EMBEDDED_PREFIX, resolve_model
+
+    if not name_or_path.startswith(EMBEDDED_PREFIX):
+        resolve_model(name_or_path)
 
 
 def check_sandbox(cfg: PipelineConfig) -> None:

@@ -189,8 +189,16 @@ class PipelineConfig(_Section):
     def _eval_during_prompts_in_the_eval_split(self) -> PipelineConfig:
         ev = self.eval
         if ev.every_steps and ev.during_training_prompts > self.data.num_eval:
+            if "during_training_prompts" not in ev.model_fields_set:  # the default fits the split it is given
+                return self._with_eval(during_training_prompts=self.data.num_eval)
             raise ValueError(f"eval.during_training_prompts ({ev.during_training_prompts}) is a subset of the eval "
                              f"split: lower it to at most data.num_eval ({self.data.num_eval})")
+        return self
+
+    def _with_eval(self, **defaults: Any) -> PipelineConfig:
+        """Resolve ``eval`` defaults that depend on other sections, while the config is being validated (it is never
+        changed after): the values are then those of a config that set them."""
+        object.__setattr__(self, "eval", self.eval.model_copy(update=defaults))  # frozen: set once, here
         return self
 
     @model_validator(mode="after")
@@ -341,10 +349,16 @@ class PipelineConfig(_Section):
 
     @model_validator(mode="after")
     def _eval_rewards_configured(self) -> PipelineConfig:
-        names = {spec.name for spec in self.rewards}
+        names = [spec.name for spec in self.rewards]
+        # defaults left unset follow the rewards: answer_accuracy / answer_format when configured, else the first
+        # reward / no format rate
+        fallback = {"correctness_reward": names[0], "format_reward": None}
         for key in ("correctness_reward", "format_reward"):
             value = getattr(self.eval, key)
             if value is not None and value not in names:
+                if key not in self.eval.model_fields_set:
+                    self._with_eval(**{key: fallback[key]})
+                    continue
                 raise ValueError(f"eval.{key} {value!r} is not one of the configured rewards {sorted(names)}")
         return self
 

@@ -53,9 +53,11 @@ class EvalConfig(_Section):
     num_table_rows: int = Field(20, ge=0)
     """Sample completions logged to the MLflow table."""
     correctness_reward: str = "answer_accuracy"
-    """The reward (one of ``rewards``) that defines a correct completion (score 1) for accuracy and pass@k."""
+    """The reward (one of ``rewards``) that defines a correct completion (score 1) for accuracy and pass@k. Left
+    unset: ``answer_accuracy`` when it is configured, else the first of ``rewards``."""
     format_reward: str | None = "answer_format"
-    """The reward (one of ``rewards``) whose score 1 counts toward ``format_rate``; null for none."""
+    """The reward (one of ``rewards``) whose score 1 counts toward ``format_rate``; null for none. Left unset:
+    ``answer_format`` when it is configured, else none."""
     every_steps: int = Field(0, ge=0)
     """Held-out evaluation during training (:mod:`grpo_steps.training.eval_during`): node 0 evaluates the policy at
     step 0 and every this many optimizer steps, through the generation server right after it received that
@@ -63,7 +65,7 @@ class EvalConfig(_Section):
     at the optimizer step. 0: off. Needs generation.backend 'vllm' in mode 'server' with weight_sync 'disk'."""
     during_training_prompts: int = Field(64, ge=1)
     """Held-out prompts evaluated during training: the first this many of the eval split (a fixed subset);
-    at most ``data.num_eval``."""
+    at most ``data.num_eval`` (left unset: 64, or ``data.num_eval`` when the split is smaller)."""
 
     @model_validator(mode="after")
     def _greedy_samples_one(self) -> EvalConfig:

@@ -21,7 +21,8 @@ EVERY = 2
 def flow_run(tmp_path_factory, tiny_server):
     """Run the flow once in a fresh working directory on the external server; yields (workdir, metaflow Run)."""
     workdir = tmp_path_factory.mktemp("flow")
-    config = on_server(flow_config(eval={"every_steps": EVERY, "during_training_prompts": 8}), tiny_server)
+    # eval.during_training_prompts left unset: its default (64) follows the 8-prompt eval split
+    config = on_server(flow_config(eval={"every_steps": EVERY}), tiny_server)
     with completed_run(workdir, config_file(workdir, config)) as (run, out):
         assert f"[vllm] serving {tiny_server.endpoint} (external)" in out
         (workdir / "flow-output.txt").write_text(out)
