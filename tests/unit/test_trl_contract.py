@@ -109,7 +109,7 @@ def test_the_training_step_that_zero_signal_skip_wraps():
 def test_what_zero_signal_replay_recomputes_for_a_replayed_group():
     """``zero_signal_groups: replay`` rescores replayed groups as TRL scores a fresh batch: the policy's logprobs
     through ``_get_per_token_logps_and_entropies`` without gradient checkpointing, and the mismatch weight of
-    :func:`grpo_steps.training.zero_signal.importance_weights`, which repeats these lines; everything else of a
+    :func:`grpo_steps.training.zero_signal.plan.importance_weights`, which repeats these lines; everything else of a
     batch that depends on the policy (``old_per_token_logps``, ``importance_sampling_ratio``) is listed here."""
     from trl.models.utils import disable_gradient_checkpointing
 
