@@ -138,18 +138,19 @@ class ServerGeneration:
         self.settings, self.policy = settings, policy
         self.client, self.gen, self.push = settings.client, settings.gen, settings.push
         self.history: list[ProbeRecord] = []  # the last HISTORY verified pushes
-        self.pushed_version: int | None = None
+        self.pushed_version: int | None = None  # None until the first push, which sync_every does not space
         self.first_batch: list[tuple[list[int], list[int], list[float]]] | None = None
         """``(prompt_ids, completion_ids, logprobs)`` of the first turn sampled after the last push by the policy
         of the moment (the first-batch check's data); None until then."""
-        self.first_batch_pending = False
+        self.first_batch_pending = False  # set by every push, cleared when check_first_batch has looked
         self.sampled_version = -1
         """The weight version that sampled the latest first turn (the pushed version, or a prefetched batch's)."""
         self.prefetcher: RolloutPrefetcher | None = None
         """``generation.async``: the producer sampling the next generation batches (see :meth:`start_async`)."""
         self._upcoming: Callable[[int], list[tuple[int, list[list[int]]]]] | None = None
-        self._served_key = -1
-        self._producer_client: VLLMClient | None = None
+        self._served_key = -1  # the generation batch last served from the producer (resample's extra rounds
+        # at the same micro-step sample now)
+        self._producer_client: VLLMClient | None = None  # the producer thread's own client (its own session)
 
     def _log(self, name: str, value: float) -> None:
         # Always the training logs: a push serves the training's rollouts (the pipeline runs no TRL eval loop), and
