@@ -123,9 +123,10 @@ class ServerGeneration:
     scored by the policy (see :meth:`check_first_batch`).
 
     Metrics (seconds, into the step's log): ``generation/wait_seconds`` (the trainer's wait for a generation batch's
-    first turn), ``weight_sync/gather_seconds``, ``write_seconds``, ``reload_seconds``, ``verify_seconds``,
-    ``seconds`` (total); ``weight_sync/version``; with ``probe_policy``, ``weight_sync/probe_logp_diff`` (mean
-    |server - policy| on the probe, nats per token); ``weight_sync/first_batch_logp_diff``.
+    first turn), ``weight_sync/gather_seconds``, ``write_seconds`` (fingerprint and files), ``reload_seconds``,
+    ``verify_seconds``, ``seconds`` (total: the four parts); ``weight_sync/version``; with ``probe_policy``,
+    ``weight_sync/probe_logp_diff`` (mean |server - policy| on the probe, nats per token);
+    ``weight_sync/first_batch_logp_diff``.
 
     ``policy`` None: sampling only (no push, no metrics; tests and benches).
 
@@ -219,7 +220,8 @@ class ServerGeneration:
             if self._producer_client is not None:
                 self._producer_client.model = self.client.model
         self._log("gather_seconds", gathered - start)
-        self._log("write_seconds", parts["write_seconds"])
+        # the fingerprint and the push's bookkeeping count as writing: the parts add up to the total
+        self._log("write_seconds", (pushed - gathered) - parts["reload_seconds"])
         self._log("reload_seconds", parts["reload_seconds"])
         self._log("verify_seconds", done - pushed)
         self._log("seconds", done - start)
