@@ -64,5 +64,5 @@ def test_run_from_flows_as_root_without_a_user_name_reaches_start_and_names_a_mo
     assert "could not determine your user name" not in out
     assert "Step start" in out or "start" in out.split("Workflow starting")[-1]  # the run began: a user was found
     assert f"model.name_or_path {str(model)!r} holds no usable model: missing config.json; tokenizer files" in out
-    assert "weights (*.safetensors or pytorch_model*.bin)" in out
+    assert "weights (" in out and "safetensors or pytorch_model" in out  # Metaflow's log drops the asterisks
     assert "prepare_data" not in out  # refused in start, before any data or server
