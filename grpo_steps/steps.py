@@ -93,7 +93,8 @@ def check_lora_targets(cfg: PipelineConfig) -> None:
 
 
 def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
-    """Resolve the policy weights and prepare the splits; log the dataset and its stats to MLflow.
+    """Resolve the policy weights and prepare the splits; log the dataset and its stats to MLflow (rows dropped per
+    reason as metrics ``data/dropped/<reason>``, where the first ones are as tags of the same names).
 
     Returns ``(model_path, PreparedData)``.
     """
@@ -113,6 +114,7 @@ def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
             replay.completions_for(row["prompt"], cfg.train.num_generations)
     tracking.log_datasets(cfg, run_id, mlflow_datasets(cfg.data, data))
     tracking.log_metrics(cfg, run_id, {f"data/{k}": v for k, v in data.stats.items()})
+    tracking.set_tags(cfg, run_id, {f"data/{k}": where for k, where in data.dropped.items()})  # the first lines
     return model_path, data
 
 

@@ -167,6 +167,16 @@ def log_metrics(cfg: PipelineConfig, run_id: str, metrics: dict[str, float], ste
     log_metrics_with(client(cfg), run_id, metrics, step)
 
 
+def set_tags(cfg: PipelineConfig, run_id: str, tags: dict[str, str]) -> None:
+    """Set ``tags`` (name -> text) on the flow's run, in MLflow's batch size."""
+    from mlflow.entities import RunTag
+
+    batch = [RunTag(k, v) for k, v in tags.items()]
+    mlflow_client = client(cfg) if batch else None
+    for i in range(0, len(batch), 100):
+        mlflow_client.log_batch(run_id, tags=batch[i : i + 100])
+
+
 def close_run(cfg: PipelineConfig, run_id: str, status: str = "FINISHED") -> None:
     """End the flow's run with ``status`` (``FINISHED``, ``FAILED``, ``KILLED``)."""
     client(cfg).set_terminated(run_id, status)
