@@ -47,12 +47,55 @@ def start(cfg: PipelineConfig, pathspec: str) -> str:
         check_tools(cfg)
     if cfg.train.peft is not None:
         check_lora_targets(cfg)
+    warning = shm_shortfall(cfg)
+    if warning:
+        print(f"[start] warning: {warning}", flush=True)
     if cfg.train.resume_from:
         from grpo_steps.checkpoints import check_reference
 
         print(f"[checkpoint] train.resume_from: {check_reference(cfg.train.resume_from, cfg.train.num_nodes)}",
               flush=True)
     return tracking.open_run(cfg, pathspec)
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def shm_shortfall(cfg: PipelineConfig) -> str | None:
+    """Why ``/dev/shm`` may be too small for this run, or None: it holds the train step's checkpoints before they
+    reach the datastore and, unless ``generation.sync_dir`` moves them, the ``disk`` weight pushes; a run needs room
+    for two of each (the push the server loads and the one rewritten next; the newest checkpoint and the one being
+    saved). Sizes from the model's parameter count (its safetensors headers; a hub id not on disk is not checked):
+    a push is the weights in ``model.dtype``, a checkpoint the weights plus AdamW's two float32 moments (LoRA: the
+    adapter, neglected). Compared with ``resources.train.shared_memory_mib`` when the steps run on Kubernetes
+    (``resources.train.image``; 64 MiB when null), else with this machine's ``/dev/shm``."""
+    import shutil
+
+    from grpo_steps.models import resolve_model
+    from grpo_steps.weight_files import safetensors_params
+
+    params = safetensors_params(resolve_model(cfg.model.name_or_path))
+    if not params:
+        return None
+    gen, full = cfg.generation, cfg.train.peft is None or cfg.train.peft.push == "merged"
+    weights = params * DTYPE_BYTES[cfg.model.dtype]
+    pushes = weights if full and gen.backend == "vllm" and gen.weight_sync == "disk" and not gen.sync_dir else 0
+    checkpoint = weights + 2 * 4 * params if cfg.train.peft is None else 0
+    needed = 2 * pushes + 2 * checkpoint
+    if cfg.resources.train.image:
+        size, where = (cfg.resources.train.shared_memory_mib or 64) * 2**20, "resources.train.shared_memory_mib"
+    elif Path("/dev/shm").is_dir():
+        size, where = shutil.disk_usage("/dev/shm").total, "/dev/shm on this machine"
+    else:
+        return None
+    if size >= needed:
+        return None
+    mib = 2**20
+    return (f"/dev/shm ({where}) is {size / mib:.0f} MiB, less than the {needed / mib:.0f} MiB two weight pushes "
+            f"(2 x {pushes / mib:.0f} MiB) and two checkpoints (2 x {checkpoint / mib:.0f} MiB) of "
+            f"{cfg.model.name_or_path} take: a push or a checkpoint save may stop on a full disk. Enlarge /dev/shm "
+            "(docker --shm-size, resources.train.shared_memory_mib on Kubernetes) or set generation.sync_dir to a "
+            "directory the server can read")
 
 
 def check_sandbox(cfg: PipelineConfig) -> None:

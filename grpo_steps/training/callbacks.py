@@ -14,13 +14,17 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from grpo_steps.checkpoints import checkpoint_name, mark_latest_zero_tag
+from grpo_steps.checkpoints import checkpoint_bytes, checkpoint_name, mark_latest_zero_tag
+from grpo_steps.weight_files import require_space
 from rewards import guard
 
 
 class DatastoreCheckpointCallback(TrainerCallback):
     """After each trainer save (rank 0 of each node), copy the new ``checkpoint-N`` to the datastore,
-    then delete this node's older datastore checkpoints beyond the newest ``keep``.
+    then delete this node's older datastore checkpoints beyond the newest ``keep``. Before each save, the output
+    directory must have room for it (:func:`grpo_steps.checkpoints.checkpoint_bytes`), else ``NoSpaceError``: the
+    attempt fails before writing, and ``@retry`` continues from the last checkpoint in the datastore (a save the
+    disk cut short is never uploaded: the upload follows a complete save).
 
     Args:
         node_index: the node of the gang (checkpoints are saved and found per node).
@@ -32,6 +36,15 @@ class DatastoreCheckpointCallback(TrainerCallback):
     def __init__(self, node_index: int = 0, keep: int | None = None, log_metrics=None) -> None:
         self.node_index, self.keep, self.log_metrics = node_index, keep, log_metrics
         self.checkpointer = None  # one Checkpoint for the whole process: its version counter names each save
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        # the trainer saves right after this hook when should_save is set: refuse a save that cannot fit first
+        if control.should_save and state.is_local_process_zero and model is not None:
+            require_space(f"checkpoint-{state.global_step}", args.output_dir, checkpoint_bytes(args.output_dir, model),
+                          f"train.save_total_limit (local copies kept: {args.save_total_limit}), or free space in "
+                          "the train step's scratch (/dev/shm when it exists; resources.train.shared_memory_mib on "
+                          "Kubernetes)")
+        return control
 
     def on_save(self, args, state, control, **kwargs):
         if not state.is_local_process_zero:
