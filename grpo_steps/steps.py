@@ -232,6 +232,7 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
     from grpo_steps.monitor import system_metrics
     from grpo_steps.training.job import TrainJob
 
+    tracking.wait_reachable(cfg, "train")  # a tracking outage: wait a bounded time, then fail saying `resume`
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
     output_dir = Path(output_dir)
     train_file = output_dir / "train.jsonl"
@@ -264,6 +265,7 @@ def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
     from grpo_steps.monitor import system_metrics
     from grpo_steps.report import log_charts
 
+    tracking.wait_reachable(cfg, "evaluate")  # a tracking outage: wait a bounded time, then fail saying `resume`
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
     with system_metrics(run_id, cfg.tracking.tracking_uri):
         report = evaluate_baseline_and_trained(cfg, run_id=run_id, server=server, base_model=base_model,
@@ -277,6 +279,7 @@ def register(cfg: PipelineConfig, *, run_id: str, model_dir: str, report: dict, 
     """Register the trained policy (see :func:`grpo_steps.register.register`)."""
     from grpo_steps.register import register as register_version
 
+    tracking.wait_reachable(cfg, "register")  # a tracking outage: wait a bounded time, then fail saying `resume`
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
     tags = {"metaflow.pathspec": pathspec, "config.sha256": cfg.sha256(), "dataset.digest": dataset_digest,
             "git.commit": tracking.git_commit()}
@@ -289,6 +292,7 @@ def finish(cfg: PipelineConfig, run_id: str, server: dict | None) -> None:
 
     if server:
         servers.from_dict(server).stop()
+    tracking.wait_reachable(cfg, "end")  # the run must not stay RUNNING: wait for the server, or fail for `resume`
     tracking.close_run(cfg, run_id)
 
 

@@ -94,15 +94,20 @@ class MLflowMetricsCallback(TrainerCallback):
     Steps the run already holds (an earlier attempt logged them before it died) are not logged
     again, so a run resumed from an older checkpoint keeps one continuous history: every step once,
     none missing. The watermark is the newest step of the ``WATERMARK`` metric, read at train start.
+    Points go through a :class:`grpo_steps.tracking.MetricQueue`: a tracking server that goes away mid-training
+    delays them; at train end the queue is drained within ``outage_wait_s`` seconds (``tracking.outage_wait_s``).
     """
 
     WATERMARK = "trainer/global_step"
 
-    def __init__(self, run_id: str, tracking_uri: str) -> None:
+    def __init__(self, run_id: str, tracking_uri: str, outage_wait_s: float = 600.0) -> None:
         from mlflow import MlflowClient
 
+        from grpo_steps.tracking import MetricQueue
+
         self.run_id, self.client = run_id, MlflowClient(tracking_uri=tracking_uri)
-        self.logged_up_to = 0
+        self.logged_up_to, self.outage_wait_s = 0, outage_wait_s
+        self.queue = MetricQueue(self.client, run_id)  # a tracking outage neither stalls nor fails training
 
     def on_train_begin(self, args, state, control, **kwargs):
         history = self.client.get_metric_history(self.run_id, self.WATERMARK)
@@ -110,11 +115,13 @@ class MLflowMetricsCallback(TrainerCallback):
         return control
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """Log ``metrics`` at ``step`` unless an earlier attempt already logged that step."""
-        from grpo_steps.tracking import log_metrics_with
-
+        """Queue ``metrics`` at ``step`` for the run unless an earlier attempt already logged that step."""
         if step > self.logged_up_to:
-            log_metrics_with(self.client, self.run_id, metrics, step)
+            self.queue.log(metrics, step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.queue.close(self.outage_wait_s)  # every step in the run, or TrackingBacklog after outage_wait_s
+        return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:

@@ -98,7 +98,8 @@ def run(job: TrainJob) -> str:
         ProgressCallback,
     )
 
-    mlflow_cb = MLflowMetricsCallback(job.mlflow_run_id, cfg.tracking.tracking_uri) if job.mlflow_run_id else None
+    mlflow_cb = MLflowMetricsCallback(job.mlflow_run_id, cfg.tracking.tracking_uri,
+                                      cfg.tracking.outage_wait_s) if job.mlflow_run_id else None
     callbacks = [ProgressCallback(started), AllNoneStop(cfg.train.max_all_none_steps)]
     callbacks += [mlflow_cb] if mlflow_cb else []
     if in_metaflow_task():

@@ -63,11 +63,13 @@ def test_metrics_of_steps_an_earlier_attempt_logged_are_not_logged_again(tmp_pat
     first.on_train_begin(None, None, None)
     for step in (1, 2, 3):
         first.log({"reward": float(step), first.WATERMARK: step}, step)
+    first.queue.flush(timeout_s=30)  # queued points are sent in the background; these reached the store
     second = MLflowMetricsCallback(run_id, uri)  # a resumed attempt that restarts from step 2's checkpoint
     second.on_train_begin(None, None, None)
     assert second.logged_up_to == 3
     for step in (3, 4):
         second.log({"reward": 10.0 * step, second.WATERMARK: step}, step)
+    second.on_train_end(None, None, None)  # drains the queue
     history = {m.step: m.value for m in client.get_metric_history(run_id, "reward")}
     assert history == {1: 1.0, 2: 2.0, 3: 3.0, 4: 40.0}  # step 3 kept once, from the first attempt
 
