@@ -211,6 +211,16 @@ def set_tags(cfg: PipelineConfig, run_id: str, tags: dict[str, str]) -> None:
         mlflow_client.log_batch(run_id, tags=batch[i : i + 100])
 
 
+def log_metrics_once(cfg: PipelineConfig, run_id: str, metrics: dict[str, float], step: int = 0) -> dict[str, float]:
+    """Log the ``metrics`` (name -> value) the run does not hold yet, at ``step``; returns those logged. A step that
+    runs again (``resume`` after the flow was killed mid-step) then leaves one point per metric, not two."""
+    mlflow_client = client(cfg)
+    held = mlflow_client.get_run(run_id).data.metrics
+    new = {k: v for k, v in metrics.items() if mlflow_name(k) not in held}
+    log_metrics_with(mlflow_client, run_id, new, step)
+    return new
+
+
 def close_run(cfg: PipelineConfig, run_id: str, status: str = "FINISHED") -> None:
     """End the flow's run with ``status`` (``FINISHED``, ``FAILED``, ``KILLED``)."""
     client(cfg).set_terminated(run_id, status)

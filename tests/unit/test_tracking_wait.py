@@ -64,3 +64,14 @@ def test_a_server_that_comes_back_within_the_wait_is_waited_for(capsys):
 def test_a_local_store_is_not_waited_for():
     tracking.wait_reachable(validate_config({"tracking": {"tracking_uri": "sqlite:///x.db", "outage_wait_s": 1}}),
                             "end")
+
+
+def test_metrics_of_a_step_run_again_are_logged_once(tmp_path):
+    """``evaluate`` run again by ``resume`` (the flow killed mid-evaluation) logs each eval metric once."""
+    cfg = validate_config({"tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}})
+    run_id = tracking.open_run(cfg, "GRPOFlow/1/start/1")
+    assert tracking.log_metrics_once(cfg, run_id, {"eval/baseline/pass@1": 0.25}) == {"eval/baseline/pass@1": 0.25}
+    again = {"eval/baseline/pass@1": 0.25, "eval/trained/pass@1": 0.5}  # the second attempt got further
+    assert tracking.log_metrics_once(cfg, run_id, again) == {"eval/trained/pass@1": 0.5}
+    history = tracking.client(cfg).get_metric_history(run_id, "eval/baseline/pass_at_1")
+    assert [(m.step, m.value) for m in history] == [(0, 0.25)]
