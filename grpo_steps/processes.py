@@ -131,7 +131,8 @@ def run_watching_memory(cmd: list[str], env: dict[str, str] | None = None,
     """Run ``cmd`` to its end (output inherited) while sampling the resident memory of its whole process tree every
     ``interval_s`` seconds. Returns ``(exit code, peak bytes)``: the code as ``subprocess`` reports it (``-N``: killed
     by signal N); the peak is the largest sum of RSS over the process and its descendants seen by a sample (a spike
-    shorter than ``interval_s`` can be missed)."""
+    shorter than ``interval_s`` can be missed). Interrupted while waiting, it kills the child first (as
+    ``subprocess.run`` does)."""
     import subprocess
     import threading
 
@@ -158,6 +159,10 @@ def run_watching_memory(cmd: list[str], env: dict[str, str] | None = None,
     sampler.start()
     try:
         code = proc.wait()
+    except BaseException:  # interrupted (Ctrl+C, the task stopped): take the child along, as subprocess.run does
+        proc.kill()
+        proc.wait()
+        raise
     finally:
         done.set()
         sampler.join()
