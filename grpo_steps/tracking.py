@@ -309,15 +309,21 @@ class MetricQueue:
         self.thread.start()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """Queue ``metrics`` (name -> value) at ``step``, timestamped now; returns at once."""
+        """Queue ``metrics`` (name -> value) at ``step``, timestamped now; returns at once (after :meth:`close`:
+        sends them before returning)."""
         import time
 
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
+        points = [Metric(mlflow_name(k), float(v), now, step) for k, v in metrics.items()]
         with self.cond:
-            self.pending += [Metric(mlflow_name(k), float(v), now, step) for k, v in metrics.items()]
-            self.cond.notify_all()
+            if not self.closed:
+                self.pending += points
+                self.cond.notify_all()
+                return
+        for i in range(0, len(points), self.BATCH):  # after close (a late callback): sent at once, not dropped
+            self.client.log_batch(self.run_id, metrics=points[i : i + self.BATCH])
 
     def _send_forever(self) -> None:
         import time
