@@ -299,9 +299,10 @@ def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: d
     for label, weights in (("baseline", base_model), ("trained", trained_model)):
         with served_policy(cfg, generation_server, client, weights, label):
             report[label] = evaluate_policy(cfg, client, tokenizer, eval_rows, label=label)
-        tracking.log_metrics(cfg, run_id, {f"eval/{label}/{k}": v for k, v in report[label]["metrics"].items()})
+        # once: after `resume` of a flow killed mid-evaluation the baseline's metrics are in the run already
+        tracking.log_metrics_once(cfg, run_id, {f"eval/{label}/{k}": v for k, v in report[label]["metrics"].items()})
     report["gain"] = gain_metrics(report["baseline"]["per_prompt"], report["trained"]["per_prompt"])
-    tracking.log_metrics(cfg, run_id, {f"eval/gain/{k}": v for k, v in report["gain"].items()})
+    tracking.log_metrics_once(cfg, run_id, {f"eval/gain/{k}": v for k, v in report["gain"].items()})
     mlflow_client = tracking.client(cfg)
     logged = {a.path for a in mlflow_client.list_artifacts(run_id, "eval")}
     for label in ("baseline", "trained"):

@@ -124,3 +124,46 @@ def log_tail(path: str | Path | None, lines: int = 40) -> str:
     if not path or not Path(path).exists():
         return ""
     return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+
+
+def run_watching_memory(cmd: list[str], env: dict[str, str] | None = None,
+                        interval_s: float = 0.5) -> tuple[int, int]:
+    """Run ``cmd`` to its end (output inherited) while sampling the resident memory of its whole process tree every
+    ``interval_s`` seconds. Returns ``(exit code, peak bytes)``: the code as ``subprocess`` reports it (``-N``: killed
+    by signal N); the peak is the largest sum of RSS over the process and its descendants seen by a sample (a spike
+    shorter than ``interval_s`` can be missed). Interrupted while waiting, it kills the child first (as
+    ``subprocess.run`` does)."""
+    import subprocess
+    import threading
+
+    proc = subprocess.Popen(cmd, env=env)
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:
+        root = psutil.Process(proc.pid)
+        while not done.is_set():
+            try:
+                tree = [root, *root.children(recursive=True)]
+            except psutil.Error:  # the process has exited
+                return
+            rss = 0
+            for member in tree:
+                try:
+                    rss += member.memory_info().rss
+                except psutil.Error:  # a child exited between the listing and the read
+                    continue
+            peak[0] = max(peak[0], rss)
+            done.wait(interval_s)
+
+    sampler = threading.Thread(target=sample, name="memory-sampler", daemon=True)
+    sampler.start()
+    try:
+        code = proc.wait()
+    except BaseException:  # interrupted (Ctrl+C, the task stopped): take the child along, as subprocess.run does
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        done.set()
+        sampler.join()
+    return code, peak[0]

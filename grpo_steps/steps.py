@@ -50,6 +50,9 @@ def start(cfg: PipelineConfig, pathspec: str) -> str:
         check_tools(cfg)
     if cfg.train.peft is not None:
         check_lora_targets(cfg)
+    warning = shm_shortfall(cfg)
+    if warning:
+        print(f"[start] warning: {warning}", flush=True)
     if cfg.train.resume_from:
         from grpo_steps.checkpoints import check_reference
 
@@ -66,6 +69,46 @@ def check_model(name_or_path: str) -> None:
 
     if not name_or_path.startswith(EMBEDDED_PREFIX):
         resolve_model(name_or_path)
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def shm_shortfall(cfg: PipelineConfig) -> str | None:
+    """Why ``/dev/shm`` may be too small for this run, or None: it holds the train step's checkpoints before they
+    reach the datastore and, unless ``generation.sync_dir`` moves them, the ``disk`` weight pushes; a run needs room
+    for two of each (the push the server loads and the one rewritten next; the newest checkpoint and the one being
+    saved). Sizes from the model's parameter count (its safetensors headers; a hub id not on disk is not checked):
+    a push is the weights in ``model.dtype``, a checkpoint the weights plus AdamW's two float32 moments (LoRA: the
+    adapter, neglected). Compared with ``resources.train.shared_memory_mib`` when the steps run on Kubernetes
+    (``resources.train.image``; 64 MiB when null), else with this machine's ``/dev/shm``."""
+    import shutil
+
+    from grpo_steps.models import resolve_model
+    from grpo_steps.weight_files import safetensors_params
+
+    params = safetensors_params(resolve_model(cfg.model.name_or_path))
+    if not params:
+        return None
+    gen, full = cfg.generation, cfg.train.peft is None or cfg.train.peft.push == "merged"
+    weights = params * DTYPE_BYTES[cfg.model.dtype]
+    pushes = weights if full and gen.backend == "vllm" and gen.weight_sync == "disk" and not gen.sync_dir else 0
+    checkpoint = weights + 2 * 4 * params if cfg.train.peft is None else 0
+    needed = 2 * pushes + 2 * checkpoint
+    if cfg.resources.train.image:
+        size, where = (cfg.resources.train.shared_memory_mib or 64) * 2**20, "resources.train.shared_memory_mib"
+    elif Path("/dev/shm").is_dir():
+        size, where = shutil.disk_usage("/dev/shm").total, "/dev/shm on this machine"
+    else:
+        return None
+    if size >= needed:
+        return None
+    mib = 2**20
+    return (f"/dev/shm ({where}) is {size / mib:.0f} MiB, less than the {needed / mib:.0f} MiB two weight pushes "
+            f"(2 x {pushes / mib:.0f} MiB) and two checkpoints (2 x {checkpoint / mib:.0f} MiB) of "
+            f"{cfg.model.name_or_path} take: a push or a checkpoint save may stop on a full disk. Enlarge /dev/shm "
+            "(docker --shm-size, resources.train.shared_memory_mib on Kubernetes) or set generation.sync_dir to a "
+            "directory the server can read")
 
 
 def check_sandbox(cfg: PipelineConfig) -> None:
@@ -106,7 +149,8 @@ def check_lora_targets(cfg: PipelineConfig) -> None:
 
 
 def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
-    """Resolve the policy weights and prepare the splits; log the dataset and its stats to MLflow.
+    """Resolve the policy weights and prepare the splits; log the dataset and its stats to MLflow (rows dropped per
+    reason as metrics ``data/dropped/<reason>``, where the first ones are as tags of the same names).
 
     Returns ``(model_path, PreparedData)``.
     """
@@ -126,6 +170,7 @@ def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
             replay.completions_for(row["prompt"], cfg.train.num_generations)
     tracking.log_datasets(cfg, run_id, mlflow_datasets(cfg.data, data))
     tracking.log_metrics(cfg, run_id, {f"data/{k}": v for k, v in data.stats.items()})
+    tracking.set_tags(cfg, run_id, {f"data/{k}": where for k, where in data.dropped.items()})  # the first lines
     return model_path, data
 
 
@@ -200,6 +245,7 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
     from grpo_steps.monitor import system_metrics
     from grpo_steps.training.job import TrainJob
 
+    tracking.wait_reachable(cfg, "train")  # a tracking outage: wait a bounded time, then fail saying `resume`
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
     output_dir = Path(output_dir)
     train_file = output_dir / "train.jsonl"
@@ -232,6 +278,7 @@ def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
     from grpo_steps.monitor import system_metrics
     from grpo_steps.report import log_charts
 
+    tracking.wait_reachable(cfg, "evaluate")  # a tracking outage: wait a bounded time, then fail saying `resume`
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
     with system_metrics(run_id, cfg.tracking.tracking_uri):
         report = evaluate_baseline_and_trained(cfg, run_id=run_id, server=server, base_model=base_model,
@@ -245,6 +292,7 @@ def register(cfg: PipelineConfig, *, run_id: str, model_dir: str, report: dict, 
     """Register the trained policy (see :func:`grpo_steps.register.register`)."""
     from grpo_steps.register import register as register_version
 
+    tracking.wait_reachable(cfg, "register")  # a tracking outage: wait a bounded time, then fail saying `resume`
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
     tags = {"metaflow.pathspec": pathspec, "config.sha256": cfg.sha256(), "dataset.digest": dataset_digest,
             "git.commit": tracking.git_commit()}
@@ -257,6 +305,7 @@ def finish(cfg: PipelineConfig, run_id: str, server: dict | None) -> None:
 
     if server:
         servers.from_dict(server).stop()
+    tracking.wait_reachable(cfg, "end")  # the run must not stay RUNNING: wait for the server, or fail for `resume`
     tracking.close_run(cfg, run_id)
 
 

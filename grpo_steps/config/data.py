@@ -161,6 +161,11 @@ class DataConfig(SourceConfig):
     """Held-out prompts, all tasks together; they share no prompt with the training split."""
     max_prompt_tokens: int = Field(256, gt=0)
     """Prompts longer than this (chat template applied), in tokens, are dropped."""
+    max_unusable_share: float = Field(0.1, ge=0, le=1)
+    """Largest share (0..1) of a source's distinct rows that may be unusable -- an empty prompt, no answer where
+    ``answer_column`` is set, a prompt over ``max_prompt_tokens`` -- before ``prepare_data`` refuses the source
+    (a sign of a wrong column or a broken export). Within it such rows are dropped, counted per reason
+    (MLflow ``data/dropped/<reason>``) and their first line numbers logged. 1: never refuse."""
     allow_smaller_split: bool = False
     """False: fewer usable prompts (after deduplication and the token budget) than ``num_train + num_eval``
     is an error. True: train on the rows there are (the eval split stays ``num_eval``)."""

@@ -126,6 +126,10 @@ class TrackingConfig(_Section):
     artifact_location: str | None = None
     """Where the experiment keeps artifacts (models, tables), e.g. ``s3://bucket/mlflow``; used when
     the experiment is created. None: MLflow's default next to the tracking store."""
+    outage_wait_s: float = Field(600.0, gt=0)
+    """Seconds the training process waits at its end for the step metrics it queued while the tracking server was
+    away (it trains on meanwhile; :class:`grpo_steps.tracking.MetricQueue`); past it the attempt fails naming the
+    backlog, and ``resume`` continues from the newest checkpoint."""
 
     @field_validator("tracking_uri", "artifact_location")
     @classmethod

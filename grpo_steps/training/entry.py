@@ -161,7 +161,8 @@ def callbacks(job: TrainJob, tokenizer, started: float) -> tuple[list, list]:
     )
 
     cfg = job.config
-    mlflow_cb = MLflowMetricsCallback(job.mlflow_run_id, cfg.tracking.tracking_uri) if job.mlflow_run_id else None
+    mlflow_cb = MLflowMetricsCallback(job.mlflow_run_id, cfg.tracking.tracking_uri,
+                                      cfg.tracking.outage_wait_s) if job.mlflow_run_id else None
     first = [ProgressCallback(started), AllNoneStop(cfg.train.max_all_none_steps)] + ([mlflow_cb] if mlflow_cb else [])
     if in_metaflow_task():
         first.append(DatastoreCheckpointCallback(job.node_index, keep=cfg.train.save_total_limit,
