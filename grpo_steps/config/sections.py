@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from grpo_steps.config.base import _Section
-from grpo_steps.redaction import inline_secret, redact
+from grpo_steps.redaction import credential_in, redact
 
 
 class ModelConfig(_Section):
@@ -128,9 +128,9 @@ class TrackingConfig(_Section):
     @field_validator("tracking_uri", "artifact_location")
     @classmethod
     def _no_inline_credentials(cls, value: str | None, info: Any) -> str | None:
-        if value is not None and inline_secret(value):
+        if value is not None and credential_in(value):
             raise ValueError(
-                f"tracking.{info.field_name} {redact(value)!r} holds credentials ({inline_secret(value)}): remove them "
+                f"tracking.{info.field_name} {redact(value)!r} holds credentials ({credential_in(value)}): remove them "
                 "and set them in the environment: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
                 "MLFLOW_TRACKING_TOKEN) for an MLflow server, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY for S3; a "
                 "database store's password belongs to the MLflow server (mlflow server --backend-store-uri)")
