@@ -76,6 +76,14 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _gate_has_enough_prompts(self) -> PipelineConfig:
+        if self.data.num_eval < self.registry.min_eval_prompts:
+            raise ValueError(f"data.num_eval ({self.data.num_eval}) is below registry.min_eval_prompts "
+                             f"({self.registry.min_eval_prompts}), the fewest held-out prompts the quality gate "
+                             "decides on: raise data.num_eval, or lower registry.min_eval_prompts (at least 2)")
+        return self
+
+    @model_validator(mode="after")
     def _one_process_per_gpu(self) -> PipelineConfig:
         train, res = self.train, self.resources
         if res.train.gpu and train.processes_per_node != res.train.gpu:

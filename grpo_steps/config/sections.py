@@ -96,6 +96,20 @@ class RegistryConfig(_Section):
             raise ValueError(f"registry.model_name {value!r}: MLflow's registered model names are not empty and hold "
                              "no '/' or ':'")
         return value
+
+    @field_validator("model_name")
+    @classmethod
+    def _name_fits_the_registry_filters(cls, value: str) -> str:
+        # the registry is searched with MLflow filter strings (name = '...'), which have no escape for quotes
+        bad = sorted({c for c in value if c in "'\"\\`" or not c.isprintable()})
+        if bad:
+            raise ValueError(f"registry.model_name {value!r} holds {bad}, which break MLflow's registry search "
+                             "filters: use letters, digits, '-', '_' and '.'")
+        return value
+    min_eval_prompts: int = Field(8, ge=2)
+    """Quality gate: the fewest held-out prompts (``data.num_eval``) the gate decides on; ``start`` refuses a
+    smaller eval split, and the gate holds ``champion`` when fewer prompts were scored (a paired interval over a
+    handful of prompts says little, however narrow)."""
     min_improvement: float = 0.0
     """Quality gate: ``champion`` moves only when the lower bound of the paired 95 % interval of the pass@1 gain
     (per held-out prompt) exceeds this margin, against the baseline and against the current champion on the
