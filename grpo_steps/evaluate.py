@@ -327,7 +327,7 @@ def served_policy(cfg: PipelineConfig, generation_server, client, weights: str, 
     that name, then unloaded. A server without runtime LoRA (``runtime_lora``: ``kubernetes``), or a run that pushes
     merged weights (``train.peft.push: merged``), gets base + adapter merged."""
     from grpo_steps.lora import adapter_name, is_adapter_dir, merge_adapter
-    from grpo_steps.weight_files import scratch_dir
+    from grpo_steps.processes import scratch_dir
 
     client.model = client.base_model
     if not is_adapter_dir(weights):
