@@ -413,7 +413,7 @@ def _format_errors(err: ValidationError, source: str) -> str:
         if e["type"] == "extra_forbidden":
             lines.append(f"  - {where}: unknown key; remove it or check its spelling (see grpo_steps/config/)")
         elif e["type"] == "value_error":  # a validator's own message names the keys and the fix
-            lines.append(f"  - {where}: {e['msg'].removeprefix('Value error, ')}")
+            lines.append(f"  - {where}: {redact(e['msg'].removeprefix('Value error, '))}")  # a message may quote input
         else:
             lines.append(f"  - {where}: {e['msg']} (got {redact(repr(redact_value(e.get('input'))))})")
     return "\n".join(lines)
