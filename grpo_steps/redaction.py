@@ -49,7 +49,8 @@ _FLAG_EQ = re.compile(r"(?P<flag>--?[A-Za-z][\w-]*)=(?P<value>\S+)")
 _FLAG_SPACE = re.compile(r"(?P<flag>--?[A-Za-z][\w-]*)(?P<sep>\s+|[\"'],\s*[\"'])(?P<value>(?!-)[^\s\"']+)")
 _PAIR = re.compile(r"(?P<key>\b[A-Za-z][\w.-]*)(?P<sep>[\"']?\s*[=:]\s*)"
                    r"(?:(?P<quote>[\"'])(?P<quoted>[^\"'\n]*)(?P=quote)|(?P<value>[^\s&,;\"'}\])]+))")
-_BEARER = re.compile(r"\b(?P<scheme>Bearer|Basic|Token)\s+[A-Za-z0-9._~+/=-]+", re.IGNORECASE)
+# HTTP credentials as written in headers and logs; case-sensitive and 8+ characters: not "token ids", "basic task"
+_BEARER = re.compile(r"\b(?P<scheme>Bearer|bearer|Basic|Token)\s+[A-Za-z0-9._~+/=-]{8,}")
 _SCHEMES = ("bearer", "basic", "token")
 
 
