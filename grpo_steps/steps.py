@@ -15,9 +15,9 @@ from typing import Any
 
 from grpo_steps import tracking
 from grpo_steps.config import PipelineConfig, validate_config
+from grpo_steps.processes import scratch_dir  # noqa: F401  (the train step's working directory)
 from grpo_steps.redaction import redact
 from grpo_steps.report import card_components  # noqa: F401  (the evaluate step's card)
-from grpo_steps.weight_files import scratch_dir  # noqa: F401  (the train step's working directory)
 
 
 def config_of(config_value: Any) -> PipelineConfig:

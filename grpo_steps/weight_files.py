@@ -13,8 +13,6 @@ import errno
 import json
 import os
 import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -182,10 +180,3 @@ def save_model_dir(model, tokenizer, target: Path) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
     return target
-
-
-@contextmanager
-def scratch_dir():
-    """A RAM-backed (``/dev/shm`` when present) temporary directory, removed on exit."""
-    with tempfile.TemporaryDirectory(prefix="grpo-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as d:
-        yield d

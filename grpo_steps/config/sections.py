@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from grpo_steps.config.base import _Section
-from grpo_steps.redaction import inline_secret, redact
+from grpo_steps.redaction import credential_in, redact
 
 
 class ModelConfig(_Section):
@@ -98,6 +98,20 @@ class RegistryConfig(_Section):
             raise ValueError(f"registry.model_name {value!r}: MLflow's registered model names are not empty and hold "
                              "no '/' or ':'")
         return value
+
+    @field_validator("model_name")
+    @classmethod
+    def _name_fits_the_registry_filters(cls, value: str) -> str:
+        # the registry is searched with MLflow filter strings (name = '...'), which have no escape for quotes
+        bad = sorted({c for c in value if c in "'\"\\`" or not c.isprintable()})
+        if bad:
+            raise ValueError(f"registry.model_name {value!r} holds {bad}, which break MLflow's registry search "
+                             "filters: use letters, digits, '-', '_' and '.'")
+        return value
+    min_eval_prompts: int = Field(8, ge=2)
+    """Quality gate: the fewest held-out prompts (``data.num_eval``) the gate decides on; ``start`` refuses a
+    smaller eval split, and the gate holds ``champion`` when fewer prompts were scored (a paired interval over a
+    handful of prompts says little, however narrow)."""
     min_improvement: float = 0.0
     """Quality gate: ``champion`` moves only when the lower bound of the paired 95 % interval of the pass@1 gain
     (per held-out prompt) exceeds this margin, against the baseline and against the current champion on the
@@ -134,9 +148,9 @@ class TrackingConfig(_Section):
     @field_validator("tracking_uri", "artifact_location")
     @classmethod
     def _no_inline_credentials(cls, value: str | None, info: Any) -> str | None:
-        if value is not None and inline_secret(value):
+        if value is not None and credential_in(value):
             raise ValueError(
-                f"tracking.{info.field_name} {redact(value)!r} holds credentials ({inline_secret(value)}): remove them "
+                f"tracking.{info.field_name} {redact(value)!r} holds credentials ({credential_in(value)}): remove them "
                 "and set them in the environment: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
                 "MLFLOW_TRACKING_TOKEN) for an MLflow server, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY for S3; a "
                 "database store's password belongs to the MLflow server (mlflow server --backend-store-uri)")

@@ -15,6 +15,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from grpo_steps.checkpoints import checkpoint_bytes, checkpoint_name, mark_latest_zero_tag
+from grpo_steps.redaction import redact_value
 from grpo_steps.training import trl_hooks
 from grpo_steps.weight_files import require_space
 from rewards import guard
@@ -183,7 +184,7 @@ class CompletionsTableCallback(TrainerCallback):
         path = f"{COMPLETIONS_DIR}/step_{state.global_step:06d}.json"
         if path not in self.logged:
             table = completions_table(self.trainer, getattr(self.trainer, "sampled_version", state.global_step - 1))
-            self.client.log_table(self.run_id, data=table, artifact_file=path)
+            self.client.log_table(self.run_id, data=redact_value(table), artifact_file=path)  # model text
             self.logged.add(path)
         return control
 

@@ -12,8 +12,6 @@ changed, vLLM RFC #48312).
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import sys
 import tempfile
@@ -22,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo_steps.lora import adapter_name
-from grpo_steps.processes import ProcessRef
+from grpo_steps.processes import OWNER_FILE, ProcessRef, claim_dir, remove_orphan_dirs  # noqa: F401 (re-exported)
 from grpo_steps.servers.client import GenerationServerError, VLLMClient, version_label
 from grpo_steps.weight_files import (
     is_no_space,
@@ -336,10 +334,6 @@ def check_served_version(record: ProbeRecord, history: list[ProbeRecord], label:
 SYNC_PREFIX = "grpo-sync-"
 
 
-OWNER_FILE = "owner.json"
-"""In each sync directory: ``{"pid": int, "started": float}`` of the training process that pushes into it."""
-
-
 def sync_root(sync_dir: str | None, output_dir: str) -> Path:
     """A new directory for this run's pushes, owned by this process (:data:`OWNER_FILE`): under ``sync_dir``
     (``generation.sync_dir``) if set, else under ``/dev/shm`` (RAM-backed) when it exists, else under
@@ -355,26 +349,14 @@ def sync_root(sync_dir: str | None, output_dir: str) -> Path:
     for orphan in remove_orphan_sync_dirs(parent):
         print(f"[weight-sync] removed {orphan}: left by a training process that no longer runs", file=sys.stderr)
     root = Path(tempfile.mkdtemp(prefix=SYNC_PREFIX, dir=parent))
-    owner = ProcessRef.of(os.getpid())
-    (root / OWNER_FILE).write_text(json.dumps({"pid": owner.pid, "started": owner.started}))
+    claim_dir(root)
     return root
 
 
 def remove_orphan_sync_dirs(parent: Path) -> list[Path]:
-    """Remove the sync directories under ``parent`` whose owning training process has exited: a run killed with
-    ``kill -9`` cannot clean up and leaves up to two copies of the weights in RAM-backed ``/dev/shm`` (1.1 GB for
-    SmolLM2-135M). Directories whose owner still runs, or without a readable owner record (another run's directory
-    a moment before it writes one), are kept. Returns the removed directories."""
-    removed = []
-    for directory in sorted(parent.glob(f"{SYNC_PREFIX}*")):
-        try:
-            owner = json.loads((directory / OWNER_FILE).read_text())
-            ref = ProcessRef(int(owner["pid"]), float(owner["started"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if not ref.is_running():
-            shutil.rmtree(directory, ignore_errors=True)
-            removed.append(directory)
-    return removed
+    """Remove the sync directories under ``parent`` whose owning training process has exited (a run killed with
+    ``kill -9`` leaves up to two copies of the weights in ``/dev/shm``; see
+    :func:`grpo_steps.processes.remove_orphan_dirs`). Returns the removed directories."""
+    return remove_orphan_dirs(parent, SYNC_PREFIX)
 
 

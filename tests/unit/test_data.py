@@ -433,6 +433,7 @@ def test_mixture_rows_route_to_their_rewards_in_score(tiny_tokenizer):
     from grpo_steps.evaluate import score
 
     cfg = validate_config({"data": _mixture_cfg().model_dump(), "model": {"max_model_len": 8192},
+                           "registry": {"min_eval_prompts": 6},  # the 6 eval prompts of the mixture
                            "eval": {"correctness_reward": "math_accuracy", "format_reward": None},
                            "rewards": [{"name": "math_accuracy"}, {"name": "code_execution"},
                                        {"name": "tests.unit.test_data:has_tests"}]})
