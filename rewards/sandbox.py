@@ -58,7 +58,7 @@ WEAK_MODES = ("audit",)
 """Modes that cannot contain the program's file and environment access."""
 
 _HERE = Path(__file__).resolve().parent
-_WIRE_IMPORT = "from rewards.sandbox_wire import decode, encode"
+_WIRE_IMPORT = "from rewards.sandbox_wire import "
 
 
 def _source(name: str) -> str:
@@ -229,9 +229,14 @@ def _verdict(out: bytes, returncode: int | None, judge_tail: str) -> dict:
 
 
 def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Limits(),
-              mode: Isolation | None = None) -> RunResult:
+              mode: Isolation | None = None, prelude: str | None = None) -> RunResult:
     """Run ``code`` (the candidate's program) contained, and ``test`` (trusted; defines ``check(candidate)``)
     in the judge against its ``entry_point`` function (None: no tests, the program only has to load).
+
+    ``prelude``: the row's own code (HumanEval's prompt: imports and helpers such as ``poly``), run before the
+    program in the candidate and, separately, in the judge, where the tests see it, their own names and the
+    entry point, nothing else of the program's (a program redefining ``range``, ``abs`` or ``poly`` changes
+    nothing the tests call).
 
     ``mode``: the candidate's isolation (None: :func:`isolation`). Returns a :class:`RunResult`.
 
@@ -252,7 +257,8 @@ def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Li
                 _candidate_command(mode, workdir), cwd=workdir, env={"PATH": MINIMAL_PATH}, stdin=to_candidate[0],
                 stdout=from_candidate[1], stderr=cand_err, start_new_session=True,
                 preexec_fn=functools.partial(_set_limits, limits))
-            job = {"code": code, "test": test, "entry_point": entry_point, "to_candidate": to_candidate[1],
+            job = {"code": code, "prelude": prelude, "test": test, "entry_point": entry_point,
+                   "nproc": limits.nproc, "to_candidate": to_candidate[1],
                    "from_candidate": from_candidate[0], "max_reply_bytes": MAX_REPLY_BYTES,
                    "violation_exit": VIOLATION_EXIT, "memory_exit": MEMORY_EXIT}
             judge = subprocess.Popen(
@@ -312,14 +318,19 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def run_many(jobs: list[tuple[str, str, str | None]], limits: Limits = Limits(), workers: int | None = None,
-             mode: Isolation | None = None) -> list[RunResult]:
-    """:func:`run_tests` over ``jobs`` (``(code, test, entry_point)`` each) with ``workers`` runs at a time
-    (threads launching processes). Returns one :class:`RunResult` per job, in order."""
+def run_many(jobs: list[tuple[str, str, str | None, str | None]], limits: Limits = Limits(),
+             workers: int | None = None, mode: Isolation | None = None) -> list[RunResult]:
+    """:func:`run_tests` over ``jobs`` (``(code, test, entry_point, prelude)`` each) with ``workers`` runs at a
+    time (threads launching processes). Returns one :class:`RunResult` per job, in order."""
     if not jobs:
         return []
     workers = workers or default_workers()
+
+    def one(job):
+        code, test, entry_point, prelude = job
+        return run_tests(code, test, entry_point, limits, mode, prelude)
+
     if workers == 1:
-        return [run_tests(*job, limits, mode) for job in jobs]
+        return [one(job) for job in jobs]
     with ThreadPoolExecutor(max_workers=min(workers, len(jobs)), thread_name_prefix="sandbox") as pool:
-        return list(pool.map(lambda job: run_tests(*job, limits, mode), jobs))
+        return list(pool.map(one, jobs))
