@@ -43,6 +43,7 @@ def code_execution(
     memory_mib: int = 1024,
     workers: int | None = None,
     allow_weak_isolation: bool = False,
+    trust_test_code: bool = False,
     **_columns,
 ) -> list[float | None]:
     """1.0 when the completion's code passes all of the row's unit tests, else 0.0; None for rows without tests.
@@ -59,6 +60,10 @@ def code_execution(
         workers: sandboxes run at once (None: the CPU count, at most 8).
         allow_weak_isolation: run even where only the ``audit`` isolation mode is available (an in-process hook
             that cannot contain file and environment access); set it in the reward's ``options``.
+        trust_test_code: the rows' test code is trusted: declared in the reward's ``options`` for sources other
+            than ``humaneval`` where the judge cannot be walled off from the host's files (any isolation but
+            ``bwrap+audit``); the pipeline's ``start`` refuses such a run without it. The judge runs in the
+            program's isolation mode (a sandbox of its own) either way.
 
     Raises:
         SandboxUnavailable: only a weak isolation mode is available and ``allow_weak_isolation`` is false.

