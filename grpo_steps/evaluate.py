@@ -308,7 +308,7 @@ def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: d
         samples, path = report[label]["samples"], f"eval/{label}_samples.json"
         if samples and path not in logged:  # MLflow appends to an existing table: a retried step logs it once
             table = {key: [s[key] for s in samples] for key in samples[0]}
-            mlflow_client.log_table(run_id, data=table, artifact_file=path)
+            tracking.log_table(mlflow_client, run_id, table, path)  # text cells redacted
     return report
 
 

@@ -161,7 +161,9 @@ class CompletionsTableCallback(TrainerCallback):
         path = f"{COMPLETIONS_DIR}/step_{state.global_step:06d}.json"
         if path not in self.logged:
             table = completions_table(self.trainer, getattr(self.trainer, "sampled_version", state.global_step - 1))
-            self.client.log_table(self.run_id, data=table, artifact_file=path)
+            from grpo_steps.tracking import log_table
+
+            log_table(self.client, self.run_id, table, path)  # text cells redacted
             self.logged.add(path)
         return control
 

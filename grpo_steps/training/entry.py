@@ -116,9 +116,10 @@ def run(job: TrainJob) -> str:
         callbacks=callbacks,
         peft_config=cfg.train.peft.lora_config() if cfg.train.peft else None,  # LoRA: TRL wraps the policy
         # multi-turn rollouts: TRL's own tool loop (grpo_steps.training.trainer), each call under tool_timeout_s
-        tools=tool_functions(cfg.tools, cfg.generation.tool_timeout_s) or None,
-        environment_factory=trl_environment_factory(environment_factories(cfg.environment,
-                                                                          cfg.generation.tool_timeout_s)),
+        tools=tool_functions(cfg.tools, cfg.generation.tool_timeout_s,
+                             cfg.generation.max_tool_response_length) or None,
+        environment_factory=trl_environment_factory(environment_factories(
+            cfg.environment, cfg.generation.tool_timeout_s, cfg.generation.max_tool_response_length)),
         zero_signal_groups=cfg.train.zero_signal_groups,
         max_resample_rounds=cfg.train.max_resample_rounds,
         replay_buffer_size=cfg.train.replay_buffer_size,
