@@ -222,7 +222,7 @@ def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Li
             shutil.rmtree(workdir, ignore_errors=True)
         seconds, tail = time.perf_counter() - start, _tail(cand_err)
         judge_tail = _tail(judge_err)
-    returncode = exit_code(mode, returncode)
+    returncode = exit_code(returncode)
     verdict = _verdict(out, judge.returncode, judge_tail)
     status: Status
     if returncode in (VIOLATION_EXIT, MEMORY_EXIT):  # the candidate's own report of why it ended comes first

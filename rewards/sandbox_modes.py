@@ -42,6 +42,8 @@ SANDBOX_DIR = "/sandbox"
 """The work directory inside ``bwrap+audit``."""
 WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 """Directories nobody could write on a Debian host: each gets its own sized tmpfs in ``netns+nobody+audit``."""
+REAPER_SOURCE = (Path(__file__).resolve().parent / "sandbox_reaper.py").read_text()
+"""The ``audit`` mode's launcher, run as ``python -I -S -B -c`` (:mod:`rewards.sandbox_reaper`)."""
 _STAGE = "/mnt"
 """Where a private mount namespace stages the interpreter for a ``nobody`` bubblewrap (its own tmpfs there)."""
 
@@ -100,13 +102,14 @@ def command(mode: str, source: str, tmpfs_bytes: int) -> list[str]:
         return ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation",
                 "private", "sh", "-c", _NETNS, "sandbox", str(tmpfs_bytes), python_home(), *_setpriv(), python, "-I",
                 "-S", "-B", "-c", source]
-    return [sys.executable, "-I", "-B", "-c", source]
+    # audit: no namespace; a child subreaper parent clears what the program leaves (rewards/sandbox_reaper.py)
+    return [sys.executable, "-I", "-S", "-B", "-c", REAPER_SOURCE, sys.executable, "-I", "-B", "-c", source]
 
 
-def exit_code(mode: str, returncode: int | None) -> int | None:
-    """The contained process's exit code as :mod:`subprocess` reports one (a signal as its negative number): both
-    namespace modes report a child's signal as ``128 + signo``."""
-    if mode in NAMESPACE_MODES and returncode is not None and returncode > 128:
+def exit_code(returncode: int | None) -> int | None:
+    """The contained process's exit code as :mod:`subprocess` reports one (a signal as its negative number): every
+    mode's launcher reports a child's signal as ``128 + signo``."""
+    if returncode is not None and returncode > 128:
         return -(returncode - 128)
     return returncode
 
@@ -172,8 +175,15 @@ def _ended(pid: int) -> bool:
 def kill_run(proc: subprocess.Popen, wait_s: float = 10.0) -> None:
     """SIGKILL a sandbox's launcher ``proc`` and its process group, and wait until its PID namespace (if any) is
     gone: an init's exit is complete only after the kernel has killed and reaped every process of its namespace,
-    so no process of the run is left when this returns. ``wait_s``: the most seconds to wait for that."""
+    so no process of the run is left when this returns. The ``audit`` mode's launcher (a subreaper) gets SIGTERM
+    first, and ``wait_s`` to clear what it holds. ``wait_s``: the most seconds to wait for either."""
     init = _namespace_init(proc.pid)
+    if init is None and proc.poll() is None:
+        proc.terminate()  # the reaper (or a namespace launcher that already lost its init) clears its children
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            pass  # killed below
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # the whole group: the launcher and what stayed in its group
     except ProcessLookupError:
