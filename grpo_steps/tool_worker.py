@@ -5,9 +5,12 @@ cannot stop the trainer or leave a thread or process behind; whatever it raises 
 ``KeyboardInterrupt`` included) comes back as the call's error; its answer is cut to a size before it leaves the
 worker (:func:`cut_response`), so a huge answer is never sent, tokenized or logged whole.
 
-Protocol: one JSON line per call on the worker's stdin (``{"args": [...], "kwargs": {...}}``) and one per answer on
-its stdout (``{"value": v}`` or ``{"error": "Type: message"}``); the tool's own prints go to stderr. Arguments and
-answers are JSON (the model writes the arguments as JSON; an answer that is not JSON is sent as its ``str``).
+Protocol: ``{"ready": true}`` on the worker's stdout once the tool is imported, then one JSON line per call on
+its stdin (``{"args": [...], "kwargs": {...}}``) and one per answer on its stdout (``{"value": v}`` or
+``{"error": "Type: message"}``); the tool's own prints go to stderr. A worker's start (an interpreter and the
+tool's module) is not counted in a call's time limit, but a tool whose module imports slowly pays it again after
+every timeout. Arguments and answers are JSON (the model writes the arguments as JSON; an answer that is not JSON
+is sent as its ``str``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ def cut_response(value: Any, max_chars: int) -> Any:
     return value if len(text) <= max_chars else text[:max_chars] + TRUNCATED
 
 
+START_TIMEOUT_S = 120.0
+"""Seconds a worker may take to start and import its tool (not counted in ``generation.tool_timeout_s``)."""
 _WORKERS: weakref.WeakSet = weakref.WeakSet()
 """Every :class:`ToolProcess` alive, closed at interpreter exit (no orphan worker)."""
 
@@ -95,13 +100,27 @@ class ToolProcess:
         line, self._buffer = self._buffer.split(b"\n", 1)
         return line
 
+    def _started(self) -> subprocess.Popen:
+        """The running worker, or a new one that has imported its tool (its start is not the call's time).
+
+        Raises:
+            RuntimeError: the worker ended or did not report ready within :data:`START_TIMEOUT_S`.
+        """
+        if self.proc is not None:
+            return self.proc
+        self.proc = proc = self._start()
+        ready = self._read_line(proc, time.monotonic() + START_TIMEOUT_S)
+        if ready != b'{"ready": true}':
+            self.close()
+            raise RuntimeError(f"tool {self.name!r}: its worker process did not start within {START_TIMEOUT_S:g} s "
+                               f"(exit code {proc.returncode}; the tool's import error is on the trainer's stderr)")
+        return proc
+
     def call(self, *args: Any, **kwargs: Any) -> Any:
         """Run the tool on ``args``/``kwargs`` in the worker; see the class docstring for what it raises."""
         with self.lock:
+            proc = self._started()
             deadline = time.monotonic() + self.timeout_s
-            if self.proc is None:
-                self.proc = self._start()
-            proc = self.proc
             try:
                 proc.stdin.write((json.dumps({"args": list(args), "kwargs": kwargs}, default=str) + "\n").encode())
                 proc.stdin.flush()
@@ -156,6 +175,8 @@ def _serve(path: str, max_chars: int) -> None:
     os.dup2(2, 1)  # the tool's prints go to stderr, never into the protocol
     module, _, name = path.replace(":", ".").rpartition(".")  # checked by the config (grpo_steps.tools)
     fn = getattr(importlib.import_module(module), name)
+    replies.write('{"ready": true}\n')  # the parent's clock for a call starts after this
+    replies.flush()
     for line in sys.stdin:
         request = json.loads(line)
         try:
