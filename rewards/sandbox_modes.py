@@ -44,21 +44,27 @@ WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 """Directories nobody could write on a Debian host: each gets its own sized tmpfs in ``netns+nobody+audit``."""
 REAPER_SOURCE = (Path(__file__).resolve().parent / "sandbox_reaper.py").read_text()
 """The ``audit`` mode's launcher, run as ``python -I -S -B -c`` (:mod:`rewards.sandbox_reaper`)."""
-_STAGE = "/mnt"
-"""Where a private mount namespace stages the interpreter for a ``nobody`` bubblewrap (its own tmpfs there)."""
+_STAGES = ("/mnt", "/media", "/srv", "/opt")
+"""Directories one of which a private mount namespace covers with its own tmpfs to stage the interpreter in."""
+
+
+def _stage(home: str) -> str:
+    """The first of :data:`_STAGES` that exists and does not hold the interpreter's ``home``."""
+    return next((d for d in _STAGES if os.path.isdir(d) and not (home + "/").startswith(d + "/")), _STAGES[0])
 
 _STAGE_PYTHON = ('set -e; mount -t tmpfs -o size=1m,mode=0755 tmpfs "$1"; mkdir "$1/python"; '
                  'mount --bind -o ro "$0" "$1/python"; shift; exec "$@"')
 """Root's shell before a ``nobody`` bubblewrap: the interpreter's home ($0) bound where nobody can reach it."""
 
-_NETNS = ('set -e; size=$1; home=$2; shift 2; mount -t tmpfs -o size=1m,mode=0755 tmpfs /mnt; mkdir /mnt/python; '
-          'mount --bind "$home" /mnt/python; '
+_NETNS = ('set -e; size=$1; home=$2; stage=$3; shift 3; mount -t tmpfs -o size=1m,mode=0755 tmpfs "$stage"; '
+          'mkdir "$stage/python"; mount --bind "$home" "$stage/python"; '
           f'for d in {" ".join(WORLD_WRITABLE)}; do if [ -d "$d" ]; then '
           'mount -t tmpfs -o "size=$size,mode=1777" tmpfs "$d"; fi; done; '
-          'mkdir -p "$home"; mount --bind /mnt/python "$home"; '  # an interpreter under /tmp stays visible
+          'mkdir -p "$home"; mount --bind "$stage/python" "$home"; '  # an interpreter under /tmp stays visible
           f'mkdir -m 0700 /tmp/sandbox; chown {NOBODY}:{NOBODY} /tmp/sandbox; cd /tmp/sandbox; set +e; '
           'env -u PWD -u OLDPWD "$@"; exit $?')  # not exec: this root shell stays PID 1; its end ends the namespace
-"""Root's shell as PID 1 of ``netns+nobody+audit``'s namespaces; $1 the tmpfs size, $2 the interpreter's home."""
+"""Root's shell as PID 1 of ``netns+nobody+audit``'s namespaces; $1 the tmpfs size, $2 the interpreter's home, $3
+where to stage it (:func:`_stage`)."""
 
 
 def python_home() -> str:
@@ -73,7 +79,8 @@ def _setpriv() -> list[str]:
 def _bwrap(program: list[str], tmpfs_bytes: int) -> list[str]:
     home = python_home()
     root = os.geteuid() == 0
-    prefix = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _STAGE_PYTHON, home, _STAGE,
+    stage = _stage(home)
+    prefix = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _STAGE_PYTHON, home, stage,
               *_setpriv()] if root else []
     size = ["--size", str(tmpfs_bytes)]
     cmd = [*prefix, "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--setenv",
@@ -84,7 +91,7 @@ def _bwrap(program: list[str], tmpfs_bytes: int) -> list[str]:
             cmd += ["--symlink", os.readlink(target), f"/{top}"]
     cmd += [*size, "--tmpfs", "/tmp"]  # before the interpreter's bind: an interpreter under /tmp stays visible
     if not home.startswith("/usr/"):
-        cmd += ["--ro-bind", f"{_STAGE}/python" if root else home, home]
+        cmd += ["--ro-bind", f"{stage}/python" if root else home, home]
         site = Path(home) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
         if site.is_dir():
             cmd += ["--tmpfs", str(site)]  # the standard library only: no installed packages or their data
@@ -100,8 +107,8 @@ def command(mode: str, source: str, tmpfs_bytes: int) -> list[str]:
         return _bwrap([python, "-I", "-S", "-B", "-c", source], tmpfs_bytes)
     if mode == "netns+nobody+audit":
         return ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation",
-                "private", "sh", "-c", _NETNS, "sandbox", str(tmpfs_bytes), python_home(), *_setpriv(), python, "-I",
-                "-S", "-B", "-c", source]
+                "private", "sh", "-c", _NETNS, "sandbox", str(tmpfs_bytes), python_home(), _stage(python_home()),
+                *_setpriv(), python, "-I", "-S", "-B", "-c", source]
     # audit: no namespace; a child subreaper parent clears what the program leaves (rewards/sandbox_reaper.py)
     return [sys.executable, "-I", "-S", "-B", "-c", REAPER_SOURCE, sys.executable, "-I", "-B", "-c", source]
 
