@@ -69,8 +69,9 @@ class Rollouts:
         from grpo_steps.tools import environment_factories, tool_functions
 
         self.cfg, self.client, self.tokenizer, self.gen = cfg, client, tokenizer, cfg.generation
-        self.tools = tool_functions(cfg.tools, self.gen.tool_timeout_s)
-        self.factories = environment_factories(cfg.environment, self.gen.tool_timeout_s)
+        self.tools = tool_functions(cfg.tools, self.gen.tool_timeout_s, self.gen.max_tool_response_length)
+        self.factories = environment_factories(cfg.environment, self.gen.tool_timeout_s,
+                                               self.gen.max_tool_response_length)
         self.multi_turn = bool(self.tools or self.factories)
         self.template = rendering_template(tokenizer, self.multi_turn)
         if self.multi_turn:

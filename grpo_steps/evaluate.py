@@ -17,7 +17,6 @@ from math import comb
 from pathlib import Path
 
 from grpo_steps.config import PipelineConfig
-from grpo_steps.redaction import redact_value
 
 CORRECTNESS_THRESHOLD = 1.0  # a completion is correct when the correctness reward reaches this
 
@@ -317,7 +316,7 @@ def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: d
         samples, path = report[label]["samples"], f"eval/{label}_samples.json"
         if samples and path not in logged:  # MLflow appends to an existing table: a retried step logs it once
             table = {key: [s[key] for s in samples] for key in samples[0]}
-            mlflow_client.log_table(run_id, data=redact_value(table), artifact_file=path)  # cells hold model text
+            tracking.log_table(mlflow_client, run_id, table, path)  # text cells redacted
     return report
 
 

@@ -111,15 +111,28 @@ def shm_shortfall(cfg: PipelineConfig) -> str | None:
             "directory the server can read")
 
 
+SHIPPED_TEST_SOURCES = ("humaneval",)
+"""Sources whose test code ships with an installed package (trusted without a declaration)."""
+
+
 def check_sandbox(cfg: PipelineConfig) -> None:
     """The code reward's sandbox can contain programs here, or the config accepts the weak mode explicitly
-    (:func:`rewards.sandbox.require_isolation`). Raises SandboxUnavailable."""
+    (:func:`rewards.sandbox.require_isolation`); where the judge cannot be walled off from the host's files
+    (any mode but ``bwrap+audit``), test code from sources other than the shipped ones runs only when the
+    reward's options declare it trusted (``trust_test_code: true``). Raises SandboxUnavailable."""
     for spec in cfg.rewards:
         if spec.name == "code_execution":
-            from rewards.sandbox import require_isolation
+            from rewards.sandbox import SandboxUnavailable, require_isolation
 
             mode = require_isolation(bool(spec.options.get("allow_weak_isolation", False)))
             print(f"[sandbox] code_execution isolation: {mode}", flush=True)
+            sources = sorted({src.source for src in (cfg.data.mixture or [cfg.data])} - set(SHIPPED_TEST_SOURCES))
+            if mode != "bwrap+audit" and sources and not spec.options.get("trust_test_code", False):
+                raise SandboxUnavailable(
+                    f"code_execution runs the dataset's test code (data.source {', '.join(sources)}) in the judge, "
+                    f"which isolation {mode!r} cannot keep from reading the host's files: install bubblewrap "
+                    "(`apt-get install bubblewrap`, where user namespaces are allowed), or, for test code you "
+                    "trust, set `trust_test_code: true` in the code_execution reward's options")
 
 
 def check_tools(cfg: PipelineConfig) -> None:

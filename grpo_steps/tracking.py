@@ -196,6 +196,13 @@ def log_metrics_with(mlflow_client, run_id: str, metrics: dict[str, float], step
         mlflow_client.log_batch(run_id, metrics=batch[i : i + 500])
 
 
+def log_table(mlflow_client, run_id: str, table: dict[str, list], artifact_file: str) -> None:
+    """Log ``table`` (column -> values) to the run as ``artifact_file``, every text cell redacted
+    (:func:`grpo_steps.redaction.redact`: completions and tool answers can hold what a tool read)."""
+    cells = {name: [redact(v) if isinstance(v, str) else v for v in values] for name, values in table.items()}
+    mlflow_client.log_table(run_id, data=cells, artifact_file=artifact_file)
+
+
 def log_metrics(cfg: PipelineConfig, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
     """Log ``metrics`` (name -> value) at ``step`` to the flow's run."""
     log_metrics_with(client(cfg), run_id, metrics, step)

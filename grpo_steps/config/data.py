@@ -74,7 +74,7 @@ class SourceConfig(_Section):
     columns: dict[str, str] = Field(default_factory=dict)
     """More columns kept for the reward functions, ``{name in the prepared row: source column}`` (a
     list of names keeps them under their own name), e.g. ``{test: test, entry_point: entry_point}``.
-    Sources add their own: ``humaneval`` keeps ``test``, ``entry_point``, ``task_id``."""
+    Sources add their own: ``humaneval`` keeps ``test``, ``entry_point``, ``task_id``, ``code_prompt``."""
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
     """System message of the conversational prompt; null for no system message."""
     few_shot: list[FewShotExample] = Field(default_factory=list)
@@ -103,9 +103,10 @@ class SourceConfig(_Section):
         return self
 
 
-NATIVE_COLUMNS: dict[str, tuple[str, ...]] = {"humaneval": ("test", "entry_point", "task_id")}
+NATIVE_COLUMNS: dict[str, tuple[str, ...]] = {"humaneval": ("test", "entry_point", "task_id", "code_prompt")}
 """Columns a source keeps for the rewards without being asked (``data.columns`` adds more; ``humaneval``
-also offers ``code_prompt``, the signature + docstring, and ``canonical_solution``, the reference body)."""
+keeps ``code_prompt``, the prompt's code: imports, helpers and the signature + docstring, which the code reward
+runs on the judge's side; it also offers ``canonical_solution``, the reference body)."""
 
 
 def kept_columns(src: SourceConfig) -> dict[str, str]:

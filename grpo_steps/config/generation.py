@@ -275,7 +275,11 @@ class GenerationConfig(_Section):
     """With ``tools`` or an ``environment``: tool-calling rounds per rollout at most (each round runs the calls of
     one assistant turn and samples the next turn); TRL's ``max_tool_calling_iterations``."""
     tool_timeout_s: float = Field(10.0, gt=0)
-    """Seconds one tool call may take; past it the call is an error the model sees as the tool's answer."""
+    """Seconds one tool call may take; past it the call is an error the model sees as the tool's answer (a
+    ``tools:`` function's worker process is killed; :mod:`grpo_steps.tool_worker`)."""
+    max_tool_response_length: int = Field(4096, gt=0)
+    """Characters of a tool's answer the model sees (verl's ``multi_turn.max_tool_response_length``): a longer
+    answer is cut to this many, followed by ``...(truncated)``, before it is tokenized or logged."""
     server: ServerConfig = ServerConfig()
     """The generation server: provider settings (endpoint, port, KV cache, start-up timeout, extra arguments)."""
     mode: Literal["server", "colocate"] = "server"

@@ -15,7 +15,6 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from grpo_steps.checkpoints import checkpoint_bytes, checkpoint_name, mark_latest_zero_tag
-from grpo_steps.redaction import redact_value
 from grpo_steps.training import trl_hooks
 from grpo_steps.weight_files import require_space
 from rewards import guard
@@ -184,7 +183,9 @@ class CompletionsTableCallback(TrainerCallback):
         path = f"{COMPLETIONS_DIR}/step_{state.global_step:06d}.json"
         if path not in self.logged:
             table = completions_table(self.trainer, getattr(self.trainer, "sampled_version", state.global_step - 1))
-            self.client.log_table(self.run_id, data=redact_value(table), artifact_file=path)  # model text
+            from grpo_steps.tracking import log_table
+
+            log_table(self.client, self.run_id, table, path)  # text cells redacted
             self.logged.add(path)
         return control
 

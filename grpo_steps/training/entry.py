@@ -100,9 +100,10 @@ def build_trainer(job: TrainJob, args, model, tokenizer, started: float):
         callbacks=first,
         peft_config=cfg.train.peft.lora_config() if cfg.train.peft else None,  # LoRA: TRL wraps the policy
         # multi-turn rollouts: TRL's own tool loop (grpo_steps.training.trainer), each call under tool_timeout_s
-        tools=tool_functions(cfg.tools, cfg.generation.tool_timeout_s) or None,
-        environment_factory=trl_environment_factory(environment_factories(cfg.environment,
-                                                                          cfg.generation.tool_timeout_s)),
+        tools=tool_functions(cfg.tools, cfg.generation.tool_timeout_s,
+                             cfg.generation.max_tool_response_length) or None,
+        environment_factory=trl_environment_factory(environment_factories(
+            cfg.environment, cfg.generation.tool_timeout_s, cfg.generation.max_tool_response_length)),
         zero_signal=mode_for(cfg.train),
         **backend_kwargs,
     )

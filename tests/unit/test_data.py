@@ -281,7 +281,7 @@ def test_humaneval_source_keeps_tests_and_entry_point(tiny_tokenizer):
     data = prepare(_cfg(source="humaneval", num_train=20, num_eval=10, max_prompt_tokens=4000), tiny_tokenizer)
     assert data.stats["rows"] == 164
     for row in data.train + data.eval:
-        assert set(row) == {"prompt", "answer", "test", "entry_point", "task_id"}
+        assert set(row) == {"prompt", "answer", "test", "entry_point", "task_id", "code_prompt"}
         assert row["answer"] is None
         assert "def check(candidate)" in row["test"]
         question = row["prompt"][-1]["content"]
@@ -369,7 +369,7 @@ def _mixture_cfg(**kw):
 
 def test_mixture_rows_carry_task_and_every_column(tiny_tokenizer):
     data = prepare(_mixture_cfg(), tiny_tokenizer)
-    keys = {"prompt", "answer", "task", "test", "entry_point", "task_id"}
+    keys = {"prompt", "answer", "task", "test", "entry_point", "task_id", "code_prompt"}
     assert all(set(row) == keys for row in data.train + data.eval)  # one schema for the trainer's table
     assert [r["task"] for r in data.train].count("math") == 8 and len(data.train) == 12  # weights 2:1
     assert [r["task"] for r in data.eval].count("code") == 2 and len(data.eval) == 6
@@ -385,7 +385,7 @@ def test_mixture_rows_carry_task_and_every_column(tiny_tokenizer):
 
 def test_mixture_table_for_mlflow_has_every_column(tiny_tokenizer):
     columns = table(prepare(_mixture_cfg(), tiny_tokenizer).eval)
-    assert set(columns) == {"question", "answer", "task", "test", "entry_point", "task_id"}
+    assert set(columns) == {"question", "answer", "task", "test", "entry_point", "task_id", "code_prompt"}
     assert all(len(values) == 6 for values in columns.values())
 
 
