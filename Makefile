@@ -7,8 +7,6 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 CONFIG ?= configs/local.yaml
 # Metaflow's local @parallel starts the gang's other nodes with `python` from PATH: the venv's.
 export PATH := $(abspath $(BIN)):$(PATH)
-# Metaflow needs a user name that is not root.
-export METAFLOW_USER ?= $(if $(filter-out root,$(USER)),$(USER),grpo)
 
 .PHONY: install sandbox model run test test-fast ui s3 lint bench bench-gpu screenshots clean
 

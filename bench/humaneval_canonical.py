@@ -22,11 +22,11 @@ from rewards.code import extract_code
 from rewards.sandbox import MODES, Limits, isolation, run_many
 
 
-def canonical_batch() -> tuple[list[str], list[str], list[str], list[str]]:
-    """``(task_ids, completions, tests, entry_points)`` of the 164 problems, in file order."""
+def canonical_batch() -> tuple[list[str], list[str], list[str], list[str], list[str]]:
+    """``(task_ids, completions, tests, entry_points, code_prompts)`` of the 164 problems, in file order."""
     problems = list(read_problems().values())
     return ([p["task_id"] for p in problems], [p["prompt"] + p["canonical_solution"] for p in problems],
-            [p["test"] for p in problems], [p["entry_point"] for p in problems])
+            [p["test"] for p in problems], [p["entry_point"] for p in problems], [p["prompt"] for p in problems])
 
 
 def main() -> None:
@@ -34,9 +34,9 @@ def main() -> None:
     parser.add_argument("--mode", choices=MODES, default=None, help="isolation mode (default: the strongest here)")
     parser.add_argument("--workers", type=int, default=None, help="sandboxes at once (default: the CPU count, <= 8)")
     args = parser.parse_args()
-    ids, completions, tests, entries = canonical_batch()
+    ids, completions, tests, entries, prompts = canonical_batch()
     start = time.perf_counter()
-    jobs = [(extract_code(c), t, e) for c, t, e in zip(completions, tests, entries, strict=True)]
+    jobs = [(extract_code(c), t, e, p) for c, t, e, p in zip(completions, tests, entries, prompts, strict=True)]
     results = run_many(jobs, Limits(timeout_s=20, cpu_s=20), args.workers, args.mode)
     seconds = time.perf_counter() - start
     failed = [f"{task} ({r.status}: {r.detail[:80]})" for task, r in zip(ids, results, strict=True)

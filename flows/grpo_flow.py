@@ -10,6 +10,13 @@ Each step body only moves artifacts; the work is in ``grpo_steps``. Decorators r
 only); ``resources.train.image`` set puts every step on Kubernetes (``grpo_steps.deploy``).
 """
 
+import os
+
+# Metaflow needs a user name other than root; a container runs as root with no other: then "grpo" (or set
+# METAFLOW_USER), read by Metaflow when it is imported below and by every step process it starts.
+if all(os.environ.get(name) in (None, "", "root") for name in ("METAFLOW_USER", "SUDO_USER", "USERNAME", "USER")):
+    os.environ["METAFLOW_USER"] = "grpo"
+
 from metaflow import (
     Config,
     FlowSpec,
@@ -45,7 +52,7 @@ def teardown_server(run=None):
 @project(name=config_expr("config.project"))
 class GRPOFlow(FlowSpec):
     config = Config("config", default=str(DEFAULT_CONFIG), parser="grpo_steps.config.parse_config",
-                    help="run config YAML (see configs/ and grpo_steps/config.py)")
+                    help="run config YAML (see configs/ and grpo_steps/config/)")
 
     @step
     def start(self):

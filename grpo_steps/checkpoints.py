@@ -54,6 +54,23 @@ def trainer_checkpoint_in(directory: str | os.PathLike | None) -> str | None:
     return str(candidates[-1]) if candidates else None
 
 
+def checkpoint_bytes(output_dir: str | os.PathLike, model) -> int:
+    """Bytes the next trainer checkpoint in ``output_dir`` will take: the newest ``checkpoint-*`` there, measured;
+    before the first, the weights plus AdamW's two float32 moments per trainable parameter (SmolLM2-135M in float32:
+    513 MiB + 2 x 513 MiB, as measured in docs/benchmarks.md; a PEFT model's trainable parameters only). ``model``:
+    the unwrapped policy (ZeRO-3 parameters count their full ``ds_numel``)."""
+    newest = trainer_checkpoint_in(output_dir)
+    if newest is not None:
+        return sum(f.stat().st_size for f in Path(newest).rglob("*") if f.is_file())
+    adapter_only = hasattr(model, "peft_config")  # a PEFT checkpoint holds the adapter, not the frozen base
+    total = 0
+    for p in model.parameters():
+        numel = getattr(p, "ds_numel", None) or p.numel()
+        if p.requires_grad or not adapter_only:
+            total += numel * p.element_size() + (2 * 4 * numel if p.requires_grad else 0)
+    return total
+
+
 class CheckpointNotFound(ValueError):
     """A checkpoint reference (``train.resume_from``) that names nothing usable; the message says why."""
 

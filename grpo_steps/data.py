@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_steps.config import DataConfig, SourceConfig, kept_columns, split_counts
-from grpo_steps.sources import DataError, answer_of, check_columns, load_source
+from grpo_steps.sources import DataError, answer_of, check_columns, load_source, row_positions
 
 __all__ = ["DataError", "PreparedData", "ReplayFile", "encode_prompt", "load_rows", "prepare", "to_prompt"]
 
@@ -29,6 +29,9 @@ class PreparedData:
     train: list[dict[str, Any]]
     eval: list[dict[str, Any]]
     stats: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
+    """``dropped/<reason>`` (``<task>/dropped/<reason>`` in a mixture) -> where the first dropped rows are,
+    e.g. ``lines 2, 7`` (see :data:`DROP_REASONS`); only reasons that dropped rows."""
 
     def digest(self) -> str:
         """sha256 (first 16 hex chars) of both splits' canonical JSON: identifies the exact data."""
@@ -83,33 +86,98 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat_template_kwargs: dic
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # BatchEncoding in transformers 5
 
 
+DROP_REASONS = ("empty_prompt", "missing_answer", "too_long")
+"""Why a source row is unusable: no question text; no reference answer where ``data.answer_column`` is set; a
+prompt over ``data.max_prompt_tokens``. Counted as ``dropped/<reason>`` in the stats (MLflow ``data/dropped/...``)."""
+
+SHOWN_POSITIONS = 5
+"""Line (or row) numbers of dropped rows shown per reason in the log, the error and the MLflow tag."""
+
+
+def _text(value: Any) -> str:
+    """A cell as stripped text; '' for None, NaN (a parquet/csv gap) and blanks."""
+    if value is None or (isinstance(value, float) and value != value):  # NaN != NaN
+        return ""
+    return str(value).strip()
+
+
+def where(unit: str, positions: list[int]) -> str:
+    """The first :data:`SHOWN_POSITIONS` of ``positions`` (sorted), as a user looks them up.
+
+    >>> where("line", [9, 2, 4, 7, 3, 12, 30])
+    'lines 2, 3, 4, 7, 9 and 2 more'
+    >>> where("row", [5])
+    'row 5'
+    """
+    shown = sorted(positions)[:SHOWN_POSITIONS]
+    more = f" and {len(positions) - len(shown)} more" if len(positions) > len(shown) else ""
+    return f"{unit}{'s' if len(positions) > 1 else ''} {', '.join(map(str, shown))}{more}"
+
+
+def _origin(src: SourceConfig) -> str:
+    """What a source reads, for messages: its file or dataset id, reasoning-gym task, or packaged data set."""
+    return src.path or (f"reasoning-gym task {src.task}" if src.source == "reasoning_gym" else src.source)
+
+
+def _dropped_report(src: SourceConfig, cfg: DataConfig, unit: str, dropped: dict[str, list[int]]) -> dict[str, str]:
+    """``reason -> where`` of the reasons that dropped rows, each also printed as one ``[data]`` log line."""
+    why = {"empty_prompt": f"an empty prompt (data.prompt_column {src.prompt_column!r})",
+           "missing_answer": f"no answer (data.answer_column {src.answer_column!r} null or empty)",
+           "too_long": f"a prompt over data.max_prompt_tokens={cfg.max_prompt_tokens}"}
+    report = {}
+    for reason, positions in dropped.items():
+        if positions:
+            report[reason] = where(unit, positions)
+            print(f"[data] {src.name}: dropped {len(positions)} rows with {why[reason]}: {report[reason]} of "
+                  f"{_origin(src)}", flush=True)
+    return report
+
+
 def _prepare_source(src: SourceConfig, cfg: DataConfig, num_train: int, num_eval: int, tokenizer,
                     seen: set[str], chat_template_kwargs: dict | None,
-                    tools: list | None) -> tuple[list[dict], list[dict], dict[str, int]]:
-    """(train, eval, stats) of one source; ``seen`` holds the questions taken by earlier sources."""
+                    tools: list | None) -> tuple[list[dict], list[dict], dict[str, int], dict[str, str]]:
+    """(train, eval, stats, dropped: reason -> where) of one source; ``seen`` holds the questions taken by earlier
+    sources."""
     rows = load_rows(src, size=2 * (num_train + num_eval), seed=cfg.seed)  # head-room for duplicates, budget
+    unit, positions = row_positions(src, len(rows))
     kept_map = kept_columns(src)
+    dropped: dict[str, list[int]] = {reason: [] for reason in DROP_REASONS}
+    needs_answer = src.answer_column is not None and src.source != "humaneval"  # HumanEval's tests are its answers
     unique, duplicates = [], 0
     seen |= {example.question.strip() for example in src.few_shot}  # an example is never a test item
-    for row in rows:
-        question = str(row[src.prompt_column]).strip()
-        if not question or question in seen:
+    for position, row in zip(positions, rows, strict=True):
+        question = _text(row.get(src.prompt_column))
+        if not question:
+            dropped["empty_prompt"].append(position)
+        elif needs_answer and not _text(row.get(src.answer_column)):
+            dropped["missing_answer"].append(position)  # before dedup: a later copy with an answer is kept
+        elif question in seen:
             duplicates += 1
-            continue
-        seen.add(question)
-        unique.append({"question": question, "answer": answer_of(src, row),
-                       **{name: row.get(column) for name, column in kept_map.items()}})
+        else:
+            seen.add(question)
+            unique.append((position, {"question": question, "answer": answer_of(src, row),
+                                      **{name: row.get(column) for name, column in kept_map.items()}}))
     random.Random(cfg.seed).shuffle(unique)
 
-    kept, too_long = [], 0
-    for row in unique:
+    kept = []
+    for position, row in unique:  # every row is measured, not only the ones kept: the unusable share is exact
         prompt = to_prompt(row.pop("question"), src.system_prompt, src.few_shot)
         if len(encode_prompt(tokenizer, prompt, chat_template_kwargs, tools)) > cfg.max_prompt_tokens:
-            too_long += 1
-            continue
-        kept.append({"prompt": prompt, **row})
-        if len(kept) == num_eval + num_train:
-            break
+            dropped["too_long"].append(position)
+        else:
+            kept.append({"prompt": prompt, **row})
+    kept = kept[: num_eval + num_train]
+    report = _dropped_report(src, cfg, unit, dropped)
+    unusable, distinct = sum(map(len, dropped.values())), len(rows) - duplicates
+    too_long = len(dropped["too_long"])
+    if unusable > cfg.max_unusable_share * distinct:
+        raise DataError(
+            f"data source {src.name!r} ({_origin(src)}): {unusable} of its {distinct} distinct rows are "
+            f"unusable ({unusable / distinct:.0%} > data.max_unusable_share={cfg.max_unusable_share}): "
+            + "; ".join(f"{reason} at {text}" for reason, text in report.items())
+            + ". Fix those rows or the column names (data.prompt_column, data.answer_column), raise "
+            "data.max_prompt_tokens, or raise data.max_unusable_share to train on the rest."
+        )
     if len(kept) <= num_eval:
         raise DataError(
             f"only {len(kept)} usable prompts from {src.source} {src.path or src.task!r} ({len(rows)} rows, "
@@ -123,34 +191,38 @@ def _prepare_source(src: SourceConfig, cfg: DataConfig, num_train: int, num_eval
             f"{num_train} + {num_eval}. Lower data.num_train, raise data.max_prompt_tokens, add data, or set "
             f"data.allow_smaller_split: true to train on the {len(kept) - num_eval} there are."
         )
-    stats = {"rows": len(rows), "duplicates": duplicates, "too_long": too_long, "train": len(kept) - num_eval,
-             "eval": num_eval}
-    return kept[num_eval:], kept[:num_eval], stats
+    stats = {"rows": len(rows), "duplicates": duplicates, "train": len(kept) - num_eval, "eval": num_eval,
+             **{f"dropped/{reason}": len(positions) for reason, positions in dropped.items()}}
+    return kept[num_eval:], kept[:num_eval], stats, report
 
 
 def prepare(cfg: DataConfig, tokenizer, chat_template_kwargs: dict | None = None,
             tools: list | None = None) -> PreparedData:
     """Prepared train and eval splits of the configured source or mixture.
 
-    Per source: deduplicates on the question text, shuffles with ``cfg.seed``, drops prompts longer
-    than ``cfg.max_prompt_tokens`` (with the chat template applied by ``tokenizer``, with
-    ``chat_template_kwargs``: ``generation.chat_template_kwargs``; ``tools``: the schemas rendered with it), then
-    takes its
-    eval rows and up to its train rows (a mixture splits ``num_train``/``num_eval`` by weight, see
-    :func:`grpo_steps.config.split_counts`). No prompt is in both splits, nor in two sources.
+    Per source: drops rows with an empty prompt or (with ``answer_column`` set) no answer, deduplicates on the
+    question text, shuffles with ``cfg.seed``, drops prompts longer than ``cfg.max_prompt_tokens`` (with the chat
+    template applied by ``tokenizer``, with ``chat_template_kwargs``: ``generation.chat_template_kwargs``;
+    ``tools``: the schemas rendered with it), then takes its eval rows and up to its train rows (a mixture splits
+    ``num_train``/``num_eval`` by weight, see :func:`grpo_steps.config.split_counts`). No prompt is in both splits,
+    nor in two sources. Each reason that dropped rows prints one ``[data]`` line with the first line numbers.
 
     Raises:
-        DataError: as :func:`load_rows`; fewer usable rows in a source than its train + eval counts (unless
-            ``cfg.allow_smaller_split``: then fewer than its eval split plus one train row).
+        DataError: as :func:`load_rows`; more than ``cfg.max_unusable_share`` of a source's distinct rows dropped
+            (:data:`DROP_REASONS`; the message names the reasons and the first lines); fewer usable rows in a source
+            than its train + eval counts (unless ``cfg.allow_smaller_split``: then fewer than its eval split plus
+            one train row).
     """
     sources = cfg.sources()
     weights = [s.weight for s in sources]
     seen: set[str] = set()
-    train, evals, stats = [], [], {}
+    train, evals, stats, dropped = [], [], {}, {}
     for src, n_train, n_eval in zip(sources, split_counts(cfg.num_train, weights),
                                     split_counts(cfg.num_eval, weights), strict=True):
-        src_train, src_eval, src_stats = _prepare_source(src, cfg, n_train, n_eval, tokenizer, seen,
-                                                         chat_template_kwargs, tools)
+        src_train, src_eval, src_stats, src_dropped = _prepare_source(src, cfg, n_train, n_eval, tokenizer, seen,
+                                                                      chat_template_kwargs, tools)
+        prefix = f"{src.name}/" if cfg.mixture else ""
+        dropped.update({f"{prefix}dropped/{reason}": text for reason, text in src_dropped.items()})
         if cfg.mixture:
             for row in src_train + src_eval:
                 row["task"] = src.name
@@ -162,7 +234,7 @@ def prepare(cfg: DataConfig, tokenizer, chat_template_kwargs: dict | None = None
     if cfg.mixture:
         train, evals = _same_columns(train), _same_columns(evals)
         random.Random(cfg.seed).shuffle(train)  # interleave the tasks within each batch
-    return PreparedData(train=train, eval=evals, stats=stats)
+    return PreparedData(train=train, eval=evals, stats=stats, dropped=dropped)
 
 
 def _same_columns(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

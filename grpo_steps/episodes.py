@@ -15,7 +15,6 @@ from __future__ import annotations
 import inspect
 import json
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 from grpo_steps.config import PipelineConfig
@@ -70,8 +69,9 @@ class Rollouts:
         from grpo_steps.tools import environment_factories, tool_functions
 
         self.cfg, self.client, self.tokenizer, self.gen = cfg, client, tokenizer, cfg.generation
-        self.tools = tool_functions(cfg.tools, self.gen.tool_timeout_s)
-        self.factories = environment_factories(cfg.environment, self.gen.tool_timeout_s)
+        self.tools = tool_functions(cfg.tools, self.gen.tool_timeout_s, self.gen.max_tool_response_length)
+        self.factories = environment_factories(cfg.environment, self.gen.tool_timeout_s,
+                                               self.gen.max_tool_response_length)
         self.multi_turn = bool(self.tools or self.factories)
         self.template = rendering_template(tokenizer, self.multi_turn)
         if self.multi_turn:
@@ -195,14 +195,13 @@ class Rollouts:
     def _tool_round(self, open_episodes: list, temperature: float, request: dict) -> list:
         """Run the tool calls of each episode's last turn, append their answers, sample the next turn; returns the
         episodes whose new turn calls tools again."""
-        from trl import GRPOTrainer
+        from grpo_steps.training.trl_hooks import tool_suffix_ids
 
-        suffix_of = SimpleNamespace(processing_class=self.tokenizer, chat_template=self.template, _is_vlm=False,
-                                    chat_template_kwargs=self.gen.chat_template_kwargs, _tokenizer=self.tokenizer)
         follow_ups = []
         for episode, prompt_ids, tools in open_episodes:
             answers = [self._call(episode, call, tools) for call in episode.messages[-1]["tool_calls"]]
-            suffix = GRPOTrainer._get_tool_suffix_ids(suffix_of, answers)  # TRL's own token ids of tool answers
+            # TRL's own token ids of tool answers, as its tool loop appends them
+            suffix = tool_suffix_ids(self.tokenizer, self.template, self.gen.chat_template_kwargs, answers)
             if len(episode.completion_ids) + len(suffix) > self.gen.max_completion_tokens:
                 continue  # the answers would not fit the completion budget: the episode ends here (TRL drops them)
             episode.messages += answers

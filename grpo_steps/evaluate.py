@@ -55,24 +55,31 @@ def prompt_key(prompt) -> str:
 
 
 def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
-    """Mean gain ``after - before`` over prompts scored by both policies, and the half-width of its 95 %
-    normal-approximation interval: ``1.96 * sd(d) / sqrt(P)`` for the P per-prompt differences ``d`` (a paired
-    interval: each prompt is its own control; the standard error of a mean as lm-evaluation-harness's
-    ``mean_stderr``). The half-width is NaN with fewer than 2 prompts.
+    """Mean gain ``after - before`` over prompts scored by both policies, and the half-width of its 95 % interval:
+    ``t(0.975, P-1) * sd(d) / sqrt(P)`` for the P per-prompt differences ``d`` (a paired interval: each prompt is
+    its own control; Student's t rather than the normal 1.96, which is too narrow on a few prompts). When every
+    difference is equal, ``sd(d)`` is 0 but the sample, not the policy, is degenerate (two prompts that both
+    gained): the sd is then taken over ``d`` plus one prompt without a gain, so the interval never has width 0.
+    The half-width is NaN with fewer than 2 prompts.
 
     Raises:
         ValueError: the lists differ in length or are empty.
 
     >>> paired_gain([0.0, 0.0, 1.0, 0.0], [1.0, 0.0, 1.0, 1.0])
-    (0.5, 0.565...)
+    (0.5, 0.918...)
+    >>> paired_gain([0.0, 0.0], [1.0, 1.0])  # +1 on both prompts: wide, not +1 +- 0
+    (1.0, 5.18...)
     """
+    from scipy.stats import t as student_t
+
     if len(before) != len(after) or not before:
         raise ValueError(f"paired_gain needs two equally long, non-empty lists, got {len(before)} and {len(after)}")
     diffs = [b - a for a, b in zip(before, after, strict=True)]
     mean = statistics.fmean(diffs)
     if len(diffs) < 2:
         return mean, float("nan")
-    return mean, 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5
+    sd = statistics.stdev(diffs) or statistics.stdev([*diffs, 0.0])  # degenerate sample: one more, no-gain prompt
+    return mean, float(student_t.ppf(0.975, len(diffs) - 1)) * sd / len(diffs) ** 0.5
 
 
 def score(cfg: PipelineConfig, rows: list[dict], completions: list[list[str | list[dict]]],
@@ -324,16 +331,17 @@ def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: d
             else:
                 report[label] = {**evaluate_policy(cfg, client, tokenizer, eval_rows, label=label),
                                  "measured": "evaluate"}
-        tracking.log_metrics(cfg, run_id, {f"eval/{label}/{k}": v for k, v in report[label]["metrics"].items()})
+        # once: after `resume` of a flow killed mid-evaluation the baseline's metrics are in the run already
+        tracking.log_metrics_once(cfg, run_id, {f"eval/{label}/{k}": v for k, v in report[label]["metrics"].items()})
     report["gain"] = gain_metrics(report["baseline"]["per_prompt"], report["trained"]["per_prompt"])
-    tracking.log_metrics(cfg, run_id, {f"eval/gain/{k}": v for k, v in report["gain"].items()})
+    tracking.log_metrics_once(cfg, run_id, {f"eval/gain/{k}": v for k, v in report["gain"].items()})
     mlflow_client = tracking.client(cfg)
     logged = {a.path for a in mlflow_client.list_artifacts(run_id, "eval")}
     for label in ("baseline", "trained"):
         samples, path = report[label]["samples"], f"eval/{label}_samples.json"
         if samples and path not in logged:  # MLflow appends to an existing table: a retried step logs it once
             table = {key: [s[key] for s in samples] for key in samples[0]}
-            mlflow_client.log_table(run_id, data=table, artifact_file=path)
+            tracking.log_table(mlflow_client, run_id, table, path)  # text cells redacted
     return report
 
 
@@ -369,7 +377,7 @@ def served_policy(cfg: PipelineConfig, generation_server, client, weights: str, 
     that name, then unloaded. A server without runtime LoRA (``runtime_lora``: ``kubernetes``), or a run that pushes
     merged weights (``train.peft.push: merged``), gets base + adapter merged."""
     from grpo_steps.lora import adapter_name, is_adapter_dir, merge_adapter
-    from grpo_steps.weight_files import scratch_dir
+    from grpo_steps.processes import scratch_dir
 
     client.model = client.base_model
     if not is_adapter_dir(weights):

@@ -8,11 +8,18 @@ with the champion prompt by prompt; a champion scored on other prompts (another 
 on that basis: the gate says so and holds.
 
 MLflow has no atomic compare-and-set for aliases, so :func:`settle_champion` converges instead: every version
-that passed its gate is tagged ``gate.passed=true`` before any alias moves; each registrar then sets
-``champion`` to the best of those contenders (:func:`best_contender`: highest pass@1, the earlier version on a
-tie), re-reads the alias and the contenders, and repeats until what it reads is what it would set. Whoever
-writes last has read every contender tagged before its read, so two concurrent registrations end with the
-better version as champion, whatever the interleaving.
+that passed its gate is tagged ``gate.passed=true`` (and ``gate.compared_champion``, the champion its gate compared
+with) before any alias moves; each registrar then sets ``champion`` to the best of its contenders
+(:func:`contenders`, :func:`best_contender`: highest pass@1, the earlier version on a tie), re-reads the alias and
+the contenders, and repeats until what it reads is what it would set; then it tags its version
+``gate.settled=true``. Whoever writes last has read every contender tagged before its read, so two concurrent
+registrations end with the better version as champion, whatever the interleaving.
+
+The contenders are only what this gate judged: this version, the champion it was compared with, and concurrent
+registrations that compared with the same champion and have not settled (or settled as the champion). So a version
+that lost ``champion`` (a manual rollback v2 -> v1) is never restored by a later registration, a version tagged
+``gate.revoked=true`` never takes part, without a champion the new version is judged on its own comparison (not
+the all-time best), and a champion moved meanwhile to a version this gate never compared with is left alone.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ GATE_METRIC = "pass@1"
 PER_PROMPT_ARTIFACT = "eval/per_prompt.json"
 """Run artifact of a registered version: ``{"prompt_keys": [...], "pass@1": [...]}`` of its trained policy."""
 PASSED_TAG, REASON_TAG, SCORE_TAG = "gate.passed", "gate.reason", "eval.pass_at_1"
+COMPARED_TAG, SETTLED_TAG, REVOKED_TAG = "gate.compared_champion", "gate.settled", "gate.revoked"
+"""The champion a version's gate compared with (empty: none); its registration has settled; set by hand: never
+champion again."""
 SETTLE_ROUNDS = 10
 
 
@@ -39,7 +49,7 @@ def _beats(name: str, after: list[float], before: list[float], margin: float) ->
 
 
 def gate(trained: list[float], baseline: list[float], champion: list[float] | None, margin: float,
-         champion_note: str = "") -> tuple[bool, str]:
+         champion_note: str = "", min_prompts: int = 2) -> tuple[bool, str]:
     """Whether a trained policy may become ``champion``, and why (one sentence per comparison).
 
     Args:
@@ -47,6 +57,7 @@ def gate(trained: list[float], baseline: list[float], champion: list[float] | No
         champion: the current champion's per-prompt pass@1 on the same prompts; None when there is no champion,
             or when its scores are not comparable (``champion_note`` then says why, and the gate holds).
         margin: ``registry.min_improvement`` (0..1): the interval's lower bound must exceed it.
+        min_prompts: ``registry.min_eval_prompts``: with fewer prompts the gate holds.
 
     >>> gate([1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], None, 0.0)[0]
     True
@@ -55,6 +66,10 @@ def gate(trained: list[float], baseline: list[float], champion: list[float] | No
     """
     passed, reason = _beats("baseline", trained, baseline, margin)
     reasons = [reason]
+    if passed and len(trained) < min_prompts:
+        passed = False
+        reasons.append(f"{len(trained)} held-out prompts are fewer than registry.min_eval_prompts ({min_prompts}): "
+                       "champion not moved")
     if passed and champion_note:
         passed = False
         reasons.append(champion_note)
@@ -116,25 +131,42 @@ def best_contender(versions) -> str | None:
     return str(max(passed, key=lambda v: (float(v.tags[SCORE_TAG]), -int(v.version))).version)
 
 
-def settle_champion(client, name: str, since_version: str | None) -> str | None:
-    """Move ``champion`` of ``name`` to the best contender registered since ``since_version`` (the champion this
-    registrar's gate compared with, included; None: all versions), re-read, and repeat until stable (at most
-    :data:`SETTLE_ROUNDS` times). Returns the champion's version as last read."""
+def contenders(versions, version: str, compared: str | None, current: str | None) -> list:
+    """The model versions a registrar of ``version`` may make champion (see the module docstring): not revoked,
+    and ``version`` itself, ``compared`` (the champion its gate compared with; None: there was none), or a
+    concurrent registration (tagged with the same ``gate.compared_champion``) that has not settled or is
+    ``current``, the champion as just read."""
+    def concurrent(v) -> bool:
+        return v.tags.get(COMPARED_TAG) == (compared or "") and (v.tags.get(SETTLED_TAG) != "true"
+                                                                 or str(v.version) == current)
+
+    return [v for v in versions if v.tags.get(REVOKED_TAG) != "true"
+            and (str(v.version) in (version, compared) or concurrent(v))]
+
+
+def settle_champion(client, name: str, version: str, compared: str | None) -> str | None:
+    """Move ``champion`` of ``name`` to the best of :func:`contenders` of ``version`` (whose gate compared with
+    ``compared``), re-read, and repeat until stable (at most :data:`SETTLE_ROUNDS` times); a champion that is no
+    contender and not revoked was chosen elsewhere (by hand, or by a registrar that compared with another
+    champion) and is left as it is. Tags ``version`` settled. Returns the champion's version as last read."""
     from mlflow.exceptions import MlflowException
 
-    floor = int(since_version) if since_version else 0
-    current = None
+    version, compared, current = str(version), str(compared) if compared is not None else None, None
     for _ in range(SETTLE_ROUNDS):
-        contenders = [v for v in client.search_model_versions(f"name = '{name}'") if int(v.version) >= floor]
-        best = best_contender(contenders)
+        versions = client.search_model_versions(f"name = '{name}'")
         try:
             current = str(client.get_model_version_by_alias(name, "champion").version)
         except MlflowException:
             current = None
-        if best is None or best == current:
-            return current
+        allowed = contenders(versions, version, compared, current)
+        revoked = {str(v.version) for v in versions if v.tags.get(REVOKED_TAG) == "true"}
+        best = best_contender(allowed)
+        if best is None or best == current or (
+                current is not None and current not in revoked and current not in {str(v.version) for v in allowed}):
+            break
         try:
             client.set_registered_model_alias(name, "champion", best)
         except MlflowException:  # another registrar created the alias first (a unique-key clash): read again
             continue
+    client.set_model_version_tag(name, version, SETTLED_TAG, "true")
     return current

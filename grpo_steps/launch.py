@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 from grpo_steps.config import INFRA_DIR
+from grpo_steps.processes import run_watching_memory
 from grpo_steps.training.job import TRAINING_MODULE, TrainJob
 
 
 class TrainingFailed(RuntimeError):
-    """The training process exited with a non-zero code."""
+    """The training process exited with a non-zero code or was killed (:func:`failure_message` says which)."""
 
 
 def accelerate_command(job_file: str | Path, *, num_nodes: int, processes_per_node: int, node_index: int,
@@ -69,7 +69,8 @@ def launch(job: TrainJob, *, node_index: int = 0, main_ip: str = "127.0.0.1", ma
     ``main_port`` defaults to :func:`rendezvous_port` of the config and the MLflow run id (shared by the gang).
 
     Raises:
-        TrainingFailed: the process exited non-zero (its output went to this process's stdout).
+        TrainingFailed: the process exited non-zero or was killed (its output went to this process's stdout); the
+            message gives the signal and the peak resident memory of its process tree (:func:`failure_message`).
     """
     train = job.config.train
     out = Path(job.output_dir)
@@ -82,6 +83,35 @@ def launch(job: TrainJob, *, node_index: int = 0, main_ip: str = "127.0.0.1", ma
                              node_index=node_index, main_ip=main_ip, main_port=main_port,
                              deepspeed_config=deepspeed_config)
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
-    code = subprocess.run(cmd, env=full_env, check=False).returncode
+    code, peak = run_watching_memory(cmd, env=full_env)
     if code != 0:
-        raise TrainingFailed(f"training process on node {node_index} exited with code {code}; see the log above")
+        raise TrainingFailed(failure_message(node_index, code, peak))
+
+
+def failure_message(node_index: int, code: int, peak_bytes: int) -> str:
+    """Why the training process of ``node_index`` ended with exit ``code`` (``-N``: signal N; 137 = 128 + 9, as a
+    shell or container reports a SIGKILL), with the peak resident memory its process tree reached.
+
+    A SIGKILL that the pipeline did not send is almost always the kernel's OOM killer (or a container's memory
+    limit): said so, with the machine's memory and the keys that lower the training process's peak.
+
+    >>> failure_message(0, 1, 2**30)
+    'training process on node 0 exited with code 1 (peak resident memory 1.00 GiB); see the log above'
+    """
+    import signal
+
+    import psutil
+
+    peak = f"peak resident memory {peak_bytes / 2**30:.2f} GiB"
+    number = -code if code < 0 else code - 128 if code in (128 + signal.SIGKILL,) else None
+    if number == signal.SIGKILL:
+        memory = psutil.virtual_memory()
+        return (f"training process on node {node_index} was killed (signal 9), likely out of memory: {peak} "
+                f"(its process tree, sampled every 0.5 s), this machine {memory.total / 2**30:.1f} GiB with "
+                f"{memory.available / 2**30:.1f} GiB available now. Lower train.per_device_train_batch_size or "
+                "generation.max_completion_tokens, set train.grpo.gradient_checkpointing: true, or raise "
+                "resources.train.memory_mib; @retry and `resume` continue from the newest complete checkpoint")
+    if number is not None:
+        return (f"training process on node {node_index} was killed by signal {number} "
+                f"({signal.Signals(number).name}) ({peak}); see the log above")
+    return f"training process on node {node_index} exited with code {code} ({peak}); see the log above"

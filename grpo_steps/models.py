@@ -110,10 +110,39 @@ def resolve_model(name_or_path: str) -> str:
         return str(prepare_embedded(name_or_path[len(EMBEDDED_PREFIX) :]))
     path = Path(name_or_path).expanduser()
     if path.exists():
+        check_model_dir(path)
         return str(path.resolve())
     if name_or_path.startswith((".", "/", "~")):
         raise FileNotFoundError(f"model.name_or_path {name_or_path!r} does not exist")
     return name_or_path  # a hub id
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+"""Files of which a tokenizer needs one (beside ``tokenizer_config.json``): fast, sentencepiece, BPE or WordPiece."""
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+"""Weights a ``from_pretrained`` directory holds (single files or shards with their index)."""
+
+
+def check_model_dir(path: Path) -> None:
+    """A local ``model.name_or_path`` holds what training, serving and registration load: ``config.json``, a tokenizer
+    (``tokenizer_config.json`` and one of :data:`TOKENIZER_FILES`) and weights (:data:`WEIGHT_PATTERNS`), as
+    ``save_pretrained`` writes them.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory, or lacks some of these (all of them named).
+    """
+    if not path.is_dir():
+        raise FileNotFoundError(f"model.name_or_path {str(path)!r} is a file: point it at the directory that "
+                                "save_pretrained wrote (config.json, tokenizer files, weights), or a hub id")
+    missing = [] if (path / "config.json").exists() else ["config.json"]
+    if not (path / "tokenizer_config.json").exists() or not any((path / f).exists() for f in TOKENIZER_FILES):
+        missing.append(f"tokenizer files (tokenizer_config.json and one of {', '.join(TOKENIZER_FILES)})")
+    if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        missing.append(f"weights ({' or '.join(WEIGHT_PATTERNS)})")
+    if missing:
+        raise FileNotFoundError(f"model.name_or_path {str(path)!r} holds no usable model: missing "
+                                f"{'; '.join(missing)}. Point it at a directory written by save_pretrained (model "
+                                "and tokenizer), or at a hub id")
 
 
 def main(argv: list[str] | None = None) -> None:

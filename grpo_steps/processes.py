@@ -1,15 +1,20 @@
 """Processes the pipeline starts on this machine (the local vLLM server's supervisor, the development
 S3 server): each is known by PID *and* create time (psutil), so a recycled PID is never signalled,
-and one polling helper, :func:`wait_until`, serves every wait.
+and one polling helper, :func:`wait_until`, serves every wait. Scratch directories a process owns carry an owner
+record (:func:`claim_dir`), so the next run removes those a killed process left (:func:`remove_orphan_dirs`).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,3 +129,92 @@ def log_tail(path: str | Path | None, lines: int = 40) -> str:
     if not path or not Path(path).exists():
         return ""
     return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+
+
+def run_watching_memory(cmd: list[str], env: dict[str, str] | None = None,
+                        interval_s: float = 0.5) -> tuple[int, int]:
+    """Run ``cmd`` to its end (output inherited) while sampling the resident memory of its whole process tree every
+    ``interval_s`` seconds. Returns ``(exit code, peak bytes)``: the code as ``subprocess`` reports it (``-N``: killed
+    by signal N); the peak is the largest sum of RSS over the process and its descendants seen by a sample (a spike
+    shorter than ``interval_s`` can be missed). Interrupted while waiting, it kills the child first (as
+    ``subprocess.run`` does)."""
+    import subprocess
+    import threading
+
+    proc = subprocess.Popen(cmd, env=env)
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:
+        root = psutil.Process(proc.pid)
+        while not done.is_set():
+            try:
+                tree = [root, *root.children(recursive=True)]
+            except psutil.Error:  # the process has exited
+                return
+            rss = 0
+            for member in tree:
+                try:
+                    rss += member.memory_info().rss
+                except psutil.Error:  # a child exited between the listing and the read
+                    continue
+            peak[0] = max(peak[0], rss)
+            done.wait(interval_s)
+
+    sampler = threading.Thread(target=sample, name="memory-sampler", daemon=True)
+    sampler.start()
+    try:
+        code = proc.wait()
+    except BaseException:  # interrupted (Ctrl+C, the task stopped): take the child along, as subprocess.run does
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        done.set()
+        sampler.join()
+    return code, peak[0]
+
+
+OWNER_FILE = "owner.json"
+"""In a directory a process owns: ``{"pid": int, "started": float}`` of that process."""
+
+
+def claim_dir(directory: str | Path, pid: int | None = None) -> None:
+    """Record process ``pid`` (default: this one) as the owner of ``directory`` (:data:`OWNER_FILE`)."""
+    owner = ProcessRef.of(pid or os.getpid())
+    (Path(directory) / OWNER_FILE).write_text(json.dumps({"pid": owner.pid, "started": owner.started}))
+
+
+def remove_orphan_dirs(parent: Path, prefix: str) -> list[Path]:
+    """Remove the directories ``parent/prefix*`` whose owning process has exited: a process killed with ``kill -9``
+    cannot clean up, and RAM-backed ``/dev/shm`` keeps what it left (weights: 1.1-1.6 GB for SmolLM2-135M).
+    Directories whose owner still runs, or without a readable owner record (another run's directory a moment
+    before it writes one), are kept. Returns the removed directories."""
+    removed = []
+    for directory in sorted(Path(parent).glob(f"{prefix}*")):
+        try:
+            owner = json.loads((directory / OWNER_FILE).read_text())
+            ref = ProcessRef(int(owner["pid"]), float(owner["started"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not ref.is_running():
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+    return removed
+
+
+SCRATCH_PREFIX = "grpo-scratch-"
+
+
+@contextmanager
+def scratch_dir(parent: str | Path | None = None):
+    """A temporary directory owned by this process (:func:`claim_dir`) in ``parent`` (default: RAM-backed
+    ``/dev/shm`` when present, else the temporary directory), removed on exit. First removes the scratch directories
+    there whose owner has exited (a step killed with ``kill -9`` leaves its checkpoints behind:
+    :func:`remove_orphan_dirs`)."""
+    if parent is None:
+        parent = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    for orphan in remove_orphan_dirs(parent, SCRATCH_PREFIX):
+        print(f"[scratch] removed {orphan}: left by a process that no longer runs", flush=True)
+    with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX, dir=parent) as d:
+        claim_dir(d)
+        yield d

@@ -1,39 +1,87 @@
-"""One redaction for everything that leaves the process: MLflow params and tags, Metaflow artifacts, job files,
-log lines, the card and the registered version's description.
+"""One redaction for everything that leaves the process: MLflow params, tags and tables, Metaflow artifacts, job
+files, log lines, error messages, the card and the registered version's description.
 
 Credentials belong in the environment (``MLFLOW_TRACKING_USERNAME``/``MLFLOW_TRACKING_PASSWORD``, ``VLLM_API_KEY``,
-``GRPO_SERVER_TOKEN``, ``AWS_*``, ``HF_TOKEN``); the config refuses them inline (:func:`inline_secret`, used by
-``grpo_steps.config``), and :func:`redact` replaces any that still reach a string with ``***``: the userinfo of a
-URL (``https://user:pw@host`` -> ``https://***@host``), the value after a key-like command-line flag
-(``--api-key KEY``, ``--hf-token=T``), ``key=value`` pairs with a secret-like key, ``Bearer`` tokens and a few
-well-known token shapes (Hugging Face ``hf_...``, OpenAI-style ``sk-...``, AWS access key ids).
+``GRPO_SERVER_TOKEN``, ``AWS_*``, ``HF_TOKEN``); the config refuses them anywhere in its tree
+(:func:`credential_in`, :func:`secret_name`, used by ``grpo_steps.config``), and :func:`redact` replaces any that
+still reach a string with ``***``. It parses rather than guesses where it can:
+
+- URLs go through :func:`urllib.parse.urlsplit`: the userinfo (``https://user:pw@host`` -> ``https://***@host``)
+  and the value of every secret-named query or fragment key (``?token=``, ``?api_key=``, ``X-Amz-Signature``,
+  ``X-Amz-Credential``, Azure SAS ``sig``, ``#access_token=``);
+- names in any case style (``secretAccessKey``, ``SECRET_ACCESS_KEY``, ``secret-access-key``) are split into words
+  (:func:`secret_name`): the value after a secret flag (``--api-key KEY``, ``--hf-token=T``) and after a secret
+  key (``password=x``, ``"apiKey": "x"``, ``{'hub_token': 123}``) is masked, whatever its type in a dict
+  (:func:`redact_value`);
+- ``Bearer``/``Basic`` credentials and the well-known token shapes (:data:`TOKEN_SHAPES`) are masked anywhere.
 """
 
 from __future__ import annotations
 
 import re
+import urllib.parse
 from typing import Any
 
 MASK = "***"
-SECRET_WORDS = frozenset(("key", "apikey", "token", "secret", "password", "passwd", "pwd", "credential",
-                          "credentials", "auth", "authorization"))
-"""A flag or key one of whose ``-``/``_``/``.``-separated words is one of these holds a secret (``--api-key``,
-``hf_token``, ``db.password``; not ``max_tokens`` or ``--tokenizer``)."""
-_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/\s@]+)@")
+SECRET_WORDS = frozenset((
+    "token", "secret", "password", "passwd", "pwd", "passphrase", "credential", "credentials", "auth",
+    "authorization", "apikey", "signature", "sig", "cookie", "privatekey", "accesskey", "secretkey", "accesstoken"))
+"""A name one of whose words (see :func:`secret_name`) is one of these names a secret."""
+KEY_QUALIFIERS = frozenset(("api", "access", "secret", "private", "client", "account", "master", "signing",
+                            "encryption", "auth", "subscription", "x"))
+"""``key`` names a secret alone or after one of these words (``api_key``, ``x-api-key``, ``AccountKey``), not in
+``answer_key`` or ``sort_key``."""
+NOT_SECRET_TAILS = frozenset(("id", "ids", "count", "counts", "len", "length", "limit", "env", "file", "path", "dir",
+                              "column", "columns", "name", "type", "mode", "url", "uri", "endpoint"))
+"""A name ending in one of these words names something about a secret, not one (``stop_token_ids``,
+``hub_token_env``, ``token_url``)."""
+TOKEN_SHAPES = re.compile(
+    r"\b(?:(?:AKIA|ASIA)[0-9A-Z]{16}"  # AWS access key ids (long-term, temporary)
+    r"|gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{22,}"  # GitHub tokens
+    r"|xox[abposr]-[A-Za-z0-9-]{10,}"  # Slack tokens
+    r"|hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|glpat-[A-Za-z0-9_-]{20,}|AIza[0-9A-Za-z_-]{35}"
+    r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*)")  # a JWT: base64url '{"' header and payload
+"""Well-known credential shapes, masked wherever they stand."""
+_SCHEME = r"[a-zA-Z][a-zA-Z0-9+.-]*://"
+_URL = re.compile(rf"\b{_SCHEME}(?:(?!{_SCHEME})[^\s'\"<>`])+")  # ends where another URL starts: [u](u), ?next=u
 _FLAG_EQ = re.compile(r"(?P<flag>--?[A-Za-z][\w-]*)=(?P<value>\S+)")
-_FLAG_SPACE = re.compile(r"(?P<flag>--?[A-Za-z][\w-]*)(?P<sep>\s+)(?P<value>(?!-)\S+)")
-_PAIR = re.compile(r"(?P<key>\b[A-Za-z][\w.-]*)(?P<sep>\s*[=:]\s*)(?P<value>[^\s&,;\"']+)")
-_BEARER = re.compile(r"\b(?P<scheme>Bearer|Basic|Token)\s+[A-Za-z0-9._~+/=-]+", re.IGNORECASE)
-_TOKEN_SHAPES = re.compile(r"\b(?:hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16})\b")
+# the value after a space, or after '", "' in a printed list of arguments (["--api-key", "K"])
+_FLAG_SPACE = re.compile(r"(?P<flag>--?[A-Za-z][\w-]*)(?P<sep>\s+|[\"'],\s*[\"'])(?P<value>(?!-)[^\s\"']+)")
+_PAIR = re.compile(r"(?P<key>\b[A-Za-z][\w.-]*)(?P<sep>[\"']?\s*[=:]\s*)"
+                   r"(?:(?P<quote>[\"'])(?P<quoted>[^\"'\n]*)(?P=quote)|(?P<value>[^\s&,;\"'}\])]+))")
+# HTTP credentials as written in headers and logs; case-sensitive and 8+ characters: not "token ids", "basic task"
+_BEARER = re.compile(r"\b(?P<scheme>Bearer|bearer|Basic|Token)\s+[A-Za-z0-9._~+/=-]{8,}")
+_SCHEMES = ("bearer", "basic", "token")
+
+
+def name_words(name: str) -> list[str]:
+    """The lower-case words of a name in any case style.
+
+    >>> name_words("secretAccessKey"), name_words("X-Amz-Signature"), name_words("HF_TOKEN")
+    (['secret', 'access', 'key'], ['x', 'amz', 'signature'], ['hf', 'token'])
+    """
+    name = re.sub(r"([a-z0-9])([A-Z])", r"\1 \2", name)  # camelCase -> camel Case
+    name = re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1 \2", name)  # HTTPHeader -> HTTP Header
+    return [word for word in re.split(r"[^a-z0-9]+", name.lower()) if word]
 
 
 def secret_name(name: str) -> bool:
-    """Whether a flag or key name names a secret (see :data:`SECRET_WORDS`).
+    """Whether a flag, key or parameter name names a secret: one of its words (:func:`name_words`) is in
+    :data:`SECRET_WORDS`, or is ``key`` alone or after a :data:`KEY_QUALIFIERS` word; not when it ends in a
+    :data:`NOT_SECRET_TAILS` word.
 
-    >>> secret_name("--api-key"), secret_name("HF_TOKEN"), secret_name("max_completion_tokens")
-    (True, True, False)
+    >>> [secret_name(n) for n in ("--api-key", "HF_TOKEN", "secretAccessKey", "sig", "X-Amz-Credential", "key")]
+    [True, True, True, True, True, True]
+    >>> [secret_name(n) for n in ("max_completion_tokens", "stop_token_ids", "--tokenizer", "answer_key")]
+    [False, False, False, False]
     """
-    return any(word in SECRET_WORDS for word in re.split(r"[-_.\s]+", name.lower()) if word)
+    words = name_words(name)
+    if not words or words[-1] in NOT_SECRET_TAILS:
+        return False
+    if any(word in SECRET_WORDS for word in words):
+        return True
+    return any(word == "key" and (len(words) == 1 or (i and words[i - 1] in KEY_QUALIFIERS))
+               for i, word in enumerate(words))
 
 
 def is_secret_flag(arg: str) -> bool:
@@ -46,6 +94,44 @@ def is_secret_flag(arg: str) -> bool:
     return name.startswith("-") and secret_name(name)
 
 
+def _redact_query(query: str) -> str:
+    """A query string or fragment (``a=1&token=x``) with the value of every secret-named key masked."""
+    pieces = []
+    for piece in re.split(r"([&;])", query):  # the separators are kept, so the string is rebuilt exactly
+        key, eq, value = piece.partition("=")
+        pieces.append(f"{key}={MASK}" if eq and value and secret_name(urllib.parse.unquote_plus(key)) else piece)
+    return "".join(pieces)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its userinfo and the values of its secret-named query and fragment keys masked (parsed by
+    :func:`urllib.parse.urlsplit`; a URL it cannot parse is masked whole).
+
+    >>> redact_url("https://u:pw@s3.example.com/b/k?X-Amz-Credential=AK%2F1&X-Amz-Signature=ab12&x=1#access_token=t")
+    'https://***@s3.example.com/b/k?X-Amz-Credential=***&X-Amz-Signature=***&x=1#access_token=***'
+    >>> redact_url("sqlite:///mlflow.db")
+    'sqlite:///mlflow.db'
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # e.g. a malformed IPv6 host: nothing of it can be shown safely
+        return MASK
+    netloc = f"{MASK}@{parts.netloc.rpartition('@')[2]}" if "@" in parts.netloc else parts.netloc
+    query, fragment = _redact_query(parts.query), _redact_query(parts.fragment)
+    if (netloc, query, fragment) == (parts.netloc, parts.query, parts.fragment):
+        return url  # unchanged, byte for byte (urlunsplit would normalise e.g. sqlite:/// to sqlite:/)
+    return (f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if "?" in url else "")
+            + (f"#{fragment}" if "#" in url else ""))
+
+
+def _pair(match: re.Match) -> str:
+    value = match["quoted"] if match["quote"] else match["value"]
+    if not secret_name(match["key"]) or not value or value == MASK or value.lower() in _SCHEMES:
+        return match[0]
+    quote = match["quote"] or ""
+    return f"{match['key']}{match['sep']}{quote}{MASK}{quote}"
+
+
 def redact(text: str) -> str:
     """``text`` with every credential in it replaced by ``***`` (see the module docstring).
 
@@ -53,14 +139,15 @@ def redact(text: str) -> str:
     '[vllm] serving https://***@gpu.example.com:8000 --api-key *** --port 8000'
     >>> redact("sqlite:///mlflow.db token=abc&x=1 Authorization: Bearer eyJhbGciOi")
     'sqlite:///mlflow.db token=***&x=1 Authorization: Bearer ***'
+    >>> print(redact("{'secretAccessKey': 'a b', 'hub_token': 123}"))
+    {'secretAccessKey': '***', 'hub_token': ***}
     """
-    text = _USERINFO.sub(lambda m: f"{m['scheme']}{MASK}@", text)
+    text = _URL.sub(lambda m: redact_url(m[0]), text)
     text = _FLAG_EQ.sub(lambda m: f"{m['flag']}={MASK}" if secret_name(m["flag"]) else m[0], text)
     text = _FLAG_SPACE.sub(lambda m: f"{m['flag']}{m['sep']}{MASK}" if secret_name(m["flag"]) else m[0], text)
     text = _BEARER.sub(lambda m: f"{m['scheme']} {MASK}", text)
-    text = _PAIR.sub(lambda m: f"{m['key']}{m['sep']}{MASK}" if secret_name(m["key"]) and m["value"] != MASK
-                     and m["value"].lower() not in ("bearer", "basic", "token") else m[0], text)
-    return _TOKEN_SHAPES.sub(MASK, text)
+    text = _PAIR.sub(_pair, text)
+    return TOKEN_SHAPES.sub(MASK, text)
 
 
 def redact_args(args: list[str]) -> list[str]:
@@ -78,13 +165,23 @@ def redact_args(args: list[str]) -> list[str]:
     return out
 
 
+def holds_a_value(value: Any) -> bool:
+    """Whether a value under a secret name is one (not an unset ``None``/``""`` or a ``True``/``False`` switch)."""
+    return value is not None and value != "" and not isinstance(value, bool)
+
+
 def redact_value(value: Any) -> Any:
-    """``value`` (a config dump, an artifact, a handle) with every string redacted, lists of command-line
-    arguments by :func:`redact_args` and dict entries under a secret-like key replaced whole."""
+    """``value`` (a config dump, an artifact, a table, a handle) with every string redacted, lists of command-line
+    arguments by :func:`redact_args`, and every entry under a secret name (:func:`secret_name`) replaced whole,
+    whatever its type (a string, a number, a list, a mapping).
+
+    >>> redact_value({"options": {"apiKey": 12345, "n": 3}, "args": ["--hf-token", "t"], "use_auth": True})
+    {'options': {'apiKey': '***', 'n': 3}, 'args': ['--hf-token', '***'], 'use_auth': True}
+    """
     if isinstance(value, str):
         return redact(value)
     if isinstance(value, dict):
-        return {k: MASK if isinstance(k, str) and secret_name(k) and isinstance(v, str) and v else redact_value(v)
+        return {k: MASK if isinstance(k, str) and secret_name(k) and holds_a_value(v) else redact_value(v)
                 for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         items = redact_args(list(value)) if all(isinstance(v, str) for v in value) else [redact_value(v)
@@ -93,16 +190,28 @@ def redact_value(value: Any) -> Any:
     return value
 
 
-def inline_secret(text: str) -> str | None:
-    """What credential ``text`` holds inline, or None: ``"URL userinfo"``, ``"a secret flag"``, ``"a token"``.
+def credential_in(text: str) -> str | None:
+    """What credential ``text`` holds inline, or None: ``"URL userinfo"``, ``"a secret URL parameter (NAME)"``,
+    ``"a secret flag"``, ``"a token"`` (a ``Bearer`` credential or a :data:`TOKEN_SHAPES` shape). Free text such
+    as ``answer key: B`` is not a credential; use :func:`redact` on text that leaves the process.
 
-    >>> inline_secret("http://u:p@host"), inline_secret("--api-key=K"), inline_secret("http://host:8000")
+    >>> credential_in("http://u:p@host"), credential_in("--api-key=K"), credential_in("http://host:8000")
     ('URL userinfo', 'a secret flag', None)
+    >>> credential_in("https://acct.blob.core.windows.net/c?sv=2022&sig=abc")
+    'a secret URL parameter (sig)'
     """
-    if _USERINFO.search(text):
-        return "URL userinfo"
+    for match in _URL.finditer(text):
+        try:
+            parts = urllib.parse.urlsplit(match[0])
+        except ValueError:
+            return "a URL that does not parse"
+        if "@" in parts.netloc:
+            return "URL userinfo"
+        for key, value in urllib.parse.parse_qsl(f"{parts.query}&{parts.fragment}", keep_blank_values=True):
+            if value and secret_name(key):
+                return f"a secret URL parameter ({key})"
     if any(secret_name(m["flag"]) for m in _FLAG_EQ.finditer(text)) or is_secret_flag(text):
         return "a secret flag"
-    if _BEARER.search(text) or _TOKEN_SHAPES.search(text):
+    if _BEARER.search(text) or TOKEN_SHAPES.search(text):
         return "a token"
     return None

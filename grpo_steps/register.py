@@ -14,6 +14,7 @@ from pathlib import Path
 from grpo_steps import tracking
 from grpo_steps.config import PipelineConfig
 from grpo_steps.gate import (
+    COMPARED_TAG,
     GATE_METRIC,
     PASSED_TAG,
     REASON_TAG,
@@ -113,7 +114,8 @@ def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tag
     passed, reason, champion = _decide(cfg, client, name, version_id, report)
     if passed:
         reason += (f"; champion moved to version {champion}" if champion == version_id else
-                   f"; champion is version {champion}, a better version registered at the same time")
+                   f"; champion is version {champion} (a better version registered at the same time, or one "
+                   "chosen by hand meanwhile)")
     else:
         reason += f"; champion {'stays version ' + champion if champion else 'not set'}"
     description = version_description(cfg, report, run_url=tracking.run_url(cfg, run_id),
@@ -133,7 +135,7 @@ def _decide(cfg: PipelineConfig, client, name: str, version_id: str, report: dic
     tags = client.get_model_version(name, version_id).tags
     if PASSED_TAG in tags:  # decided by an earlier attempt of this step
         passed, reason = tags[PASSED_TAG] == "true", tags.get(REASON_TAG, "")
-        compared = tags.get("gate.compared_champion") or None
+        compared = tags.get(COMPARED_TAG) or None
     else:
         keys = report["trained"].get("prompt_keys") or []
         compared, scores, note = champion_scores(client, name, keys)
@@ -141,12 +143,12 @@ def _decide(cfg: PipelineConfig, client, name: str, version_id: str, report: dic
             compared, scores, note = None, None, ""
         passed, reason = gate(report["trained"]["per_prompt"][GATE_METRIC],
                               report["baseline"]["per_prompt"][GATE_METRIC], scores, cfg.registry.min_improvement,
-                              note)
-        for key, value in ((REASON_TAG, reason[:5000]), ("gate.compared_champion", compared or ""),
+                              note, cfg.registry.min_eval_prompts)
+        for key, value in ((REASON_TAG, reason[:5000]), (COMPARED_TAG, compared or ""),
                            (PASSED_TAG, "true" if passed else "false")):  # passed last: it makes a contender
             client.set_model_version_tag(name, version_id, key, value)
     if passed:
-        return passed, reason, settle_champion(client, name, compared)
+        return passed, reason, settle_champion(client, name, version_id, compared)
     try:
         champion = str(client.get_model_version_by_alias(name, CHAMPION).version)
     except MlflowException:

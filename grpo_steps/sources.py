@@ -143,6 +143,30 @@ def malformed_line(path: Path, kind: str) -> tuple[int, str] | None:
     return None
 
 
+def row_positions(src: SourceConfig, count: int) -> tuple[str, list[int]]:
+    """Where each of ``count`` loaded rows stands in its source, as a user finds it: ``("line", numbers)`` for a
+    ``jsonl`` file (its non-blank lines) or a ``csv`` file (the line each record starts on, header and blank lines
+    skipped, as the loader skips them), 1-based as an editor counts; ``("row", 1..count)`` for every other source
+    (and for a file whose records do not line up with ``count``, which the loader would have refused).
+    """
+    rows = ("row", list(range(1, count + 1)))
+    if src.source not in ("jsonl", "csv") or not src.path:
+        return rows
+    numbers = []
+    with open(Path(src.path).expanduser(), newline="", encoding="utf-8", errors="replace") as fh:
+        if src.source == "jsonl":
+            numbers = [number for number, line in enumerate(fh, 1) if line.strip()]
+        else:
+            reader = csv.reader(fh)
+            next(reader, None)  # the header
+            start = reader.line_num + 1
+            for record in reader:
+                if record:  # an empty line yields [] (pandas skips it); ",," is a record of empty fields
+                    numbers.append(start)
+                start = reader.line_num + 1
+    return ("line", numbers) if len(numbers) == count else rows
+
+
 def load_source(src: SourceConfig, size: int, seed: int) -> list[dict[str, Any]]:
     """Rows of one source, in the source's own columns.
 

@@ -15,9 +15,9 @@ from typing import Any
 
 from grpo_steps import tracking
 from grpo_steps.config import PipelineConfig, validate_config
+from grpo_steps.processes import scratch_dir  # noqa: F401  (the train step's working directory)
 from grpo_steps.redaction import redact
 from grpo_steps.report import card_components  # noqa: F401  (the evaluate step's card)
-from grpo_steps.weight_files import scratch_dir  # noqa: F401  (the train step's working directory)
 
 
 def config_of(config_value: Any) -> PipelineConfig:
@@ -30,6 +30,8 @@ def start(cfg: PipelineConfig, pathspec: str) -> str:
 
     Raises:
         TrackingUnreachable: an ``http(s)`` tracking URI that does not answer (within seconds).
+        FileNotFoundError: ``model.name_or_path`` is a local path that does not exist or holds no model (names what
+            is missing: config, tokenizer files, weights).
         ConfigError: ``train.grpo`` keys the installed TRL does not have; ``train.peft.target_modules`` naming no
             linear layer of the model.
         CheckpointNotFound: ``train.resume_from`` names no usable checkpoint.
@@ -41,12 +43,16 @@ def start(cfg: PipelineConfig, pathspec: str) -> str:
     from grpo_steps.training.job import check_grpo_keys
 
     tracking.check_reachable(cfg.tracking.tracking_uri)
+    check_model(cfg.model.name_or_path)
     check_grpo_keys(cfg)
     check_sandbox(cfg)
     if cfg.tools or cfg.environment or cfg.model.chat_template:
         check_tools(cfg)
     if cfg.train.peft is not None:
         check_lora_targets(cfg)
+    warning = shm_shortfall(cfg)
+    if warning:
+        print(f"[start] warning: {warning}", flush=True)
     if cfg.train.resume_from:
         from grpo_steps.checkpoints import check_reference
 
@@ -55,15 +61,78 @@ def start(cfg: PipelineConfig, pathspec: str) -> str:
     return tracking.open_run(cfg, pathspec)
 
 
+def check_model(name_or_path: str) -> None:
+    """A local ``model.name_or_path`` exists and holds a model (:func:`grpo_steps.models.check_model_dir`); an
+    embedded model (converted later, in ``prepare_data``) and a hub id are not checked here. Raises
+    FileNotFoundError."""
+    from grpo_steps.models import EMBEDDED_PREFIX, resolve_model
+
+    if not name_or_path.startswith(EMBEDDED_PREFIX):
+        resolve_model(name_or_path)
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def shm_shortfall(cfg: PipelineConfig) -> str | None:
+    """Why ``/dev/shm`` may be too small for this run, or None: it holds the train step's checkpoints before they
+    reach the datastore and, unless ``generation.sync_dir`` moves them, the ``disk`` weight pushes; a run needs room
+    for two of each (the push the server loads and the one rewritten next; the newest checkpoint and the one being
+    saved). Sizes from the model's parameter count (its safetensors headers; a hub id not on disk is not checked):
+    a push is the weights in ``model.dtype``, a checkpoint the weights plus AdamW's two float32 moments (LoRA: the
+    adapter, neglected). Compared with ``resources.train.shared_memory_mib`` when the steps run on Kubernetes
+    (``resources.train.image``; 64 MiB when null), else with this machine's ``/dev/shm``."""
+    import shutil
+
+    from grpo_steps.models import resolve_model
+    from grpo_steps.weight_files import safetensors_params
+
+    params = safetensors_params(resolve_model(cfg.model.name_or_path))
+    if not params:
+        return None
+    gen, full = cfg.generation, cfg.train.peft is None or cfg.train.peft.push == "merged"
+    weights = params * DTYPE_BYTES[cfg.model.dtype]
+    pushes = weights if full and gen.backend == "vllm" and gen.weight_sync == "disk" and not gen.sync_dir else 0
+    checkpoint = weights + 2 * 4 * params if cfg.train.peft is None else 0
+    needed = 2 * pushes + 2 * checkpoint
+    if cfg.resources.train.image:
+        size, where = (cfg.resources.train.shared_memory_mib or 64) * 2**20, "resources.train.shared_memory_mib"
+    elif Path("/dev/shm").is_dir():
+        size, where = shutil.disk_usage("/dev/shm").total, "/dev/shm on this machine"
+    else:
+        return None
+    if size >= needed:
+        return None
+    mib = 2**20
+    return (f"/dev/shm ({where}) is {size / mib:.0f} MiB, less than the {needed / mib:.0f} MiB two weight pushes "
+            f"(2 x {pushes / mib:.0f} MiB) and two checkpoints (2 x {checkpoint / mib:.0f} MiB) of "
+            f"{cfg.model.name_or_path} take: a push or a checkpoint save may stop on a full disk. Enlarge /dev/shm "
+            "(docker --shm-size, resources.train.shared_memory_mib on Kubernetes) or set generation.sync_dir to a "
+            "directory the server can read")
+
+
+SHIPPED_TEST_SOURCES = ("humaneval",)
+"""Sources whose test code ships with an installed package (trusted without a declaration)."""
+
+
 def check_sandbox(cfg: PipelineConfig) -> None:
     """The code reward's sandbox can contain programs here, or the config accepts the weak mode explicitly
-    (:func:`rewards.sandbox.require_isolation`). Raises SandboxUnavailable."""
+    (:func:`rewards.sandbox.require_isolation`); where the judge cannot be walled off from the host's files
+    (any mode but ``bwrap+audit``), test code from sources other than the shipped ones runs only when the
+    reward's options declare it trusted (``trust_test_code: true``). Raises SandboxUnavailable."""
     for spec in cfg.rewards:
         if spec.name == "code_execution":
-            from rewards.sandbox import require_isolation
+            from rewards.sandbox import SandboxUnavailable, require_isolation
 
             mode = require_isolation(bool(spec.options.get("allow_weak_isolation", False)))
             print(f"[sandbox] code_execution isolation: {mode}", flush=True)
+            sources = sorted({src.source for src in (cfg.data.mixture or [cfg.data])} - set(SHIPPED_TEST_SOURCES))
+            if mode != "bwrap+audit" and sources and not spec.options.get("trust_test_code", False):
+                raise SandboxUnavailable(
+                    f"code_execution runs the dataset's test code (data.source {', '.join(sources)}) in the judge, "
+                    f"which isolation {mode!r} cannot keep from reading the host's files: install bubblewrap "
+                    "(`apt-get install bubblewrap`, where user namespaces are allowed), or, for test code you "
+                    "trust, set `trust_test_code: true` in the code_execution reward's options")
 
 
 def check_tools(cfg: PipelineConfig) -> None:
@@ -93,7 +162,8 @@ def check_lora_targets(cfg: PipelineConfig) -> None:
 
 
 def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
-    """Resolve the policy weights and prepare the splits; log the dataset and its stats to MLflow.
+    """Resolve the policy weights and prepare the splits; log the dataset and its stats to MLflow (rows dropped per
+    reason as metrics ``data/dropped/<reason>``, where the first ones are as tags of the same names).
 
     Returns ``(model_path, PreparedData)``.
     """
@@ -113,6 +183,7 @@ def prepare_data(cfg: PipelineConfig, run_id: str) -> tuple[str, Any]:
             replay.completions_for(row["prompt"], cfg.train.num_generations)
     tracking.log_datasets(cfg, run_id, mlflow_datasets(cfg.data, data))
     tracking.log_metrics(cfg, run_id, {f"data/{k}": v for k, v in data.stats.items()})
+    tracking.set_tags(cfg, run_id, {f"data/{k}": where for k, where in data.dropped.items()})  # the first lines
     return model_path, data
 
 
@@ -187,6 +258,7 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
     from grpo_steps.monitor import system_metrics
     from grpo_steps.training.job import TrainJob
 
+    tracking.wait_reachable(cfg, "train")  # a tracking outage: wait a bounded time, then fail saying `resume`
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
     output_dir = Path(output_dir)
     train_file = output_dir / "train.jsonl"
@@ -267,6 +339,7 @@ def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
     from grpo_steps.monitor import system_metrics
     from grpo_steps.report import log_charts
 
+    tracking.wait_reachable(cfg, "evaluate")  # a tracking outage: wait a bounded time, then fail saying `resume`
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
     with system_metrics(run_id, cfg.tracking.tracking_uri):
         report = evaluate_baseline_and_trained(cfg, run_id=run_id, server=server, base_model=base_model,
@@ -280,6 +353,7 @@ def register(cfg: PipelineConfig, *, run_id: str, model_dir: str, report: dict, 
     """Register the trained policy (see :func:`grpo_steps.register.register`)."""
     from grpo_steps.register import register as register_version
 
+    tracking.wait_reachable(cfg, "register")  # a tracking outage: wait a bounded time, then fail saying `resume`
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
     tags = {"metaflow.pathspec": pathspec, "config.sha256": cfg.sha256(), "dataset.digest": dataset_digest,
             "git.commit": tracking.git_commit()}
@@ -292,6 +366,7 @@ def finish(cfg: PipelineConfig, run_id: str, server: dict | None) -> None:
 
     if server:
         servers.from_dict(server).stop()
+    tracking.wait_reachable(cfg, "end")  # the run must not stay RUNNING: wait for the server, or fail for `resume`
     tracking.close_run(cfg, run_id)
 
 

@@ -5,8 +5,13 @@ A tool is a Python function with type hints and a Google-style docstring (``Args
 is a factory (a class, usually) whose instances have ``reset(**row) -> str | None`` (the string is appended to the
 last user message), public methods that are its tools, and optionally ``get_reward() -> float``; TRL's
 ``GRPOTrainer`` keeps one instance per rollout (``environment_factory``). Every tool call runs under
-``generation.tool_timeout_s``: a call that raises or times out goes back to the model as an ``{"error": ...}`` tool
-message (TRL's tool loop and :mod:`grpo_steps.episodes` alike), the step goes on.
+``generation.tool_timeout_s``: a call that raises (``SystemExit`` included) or times out goes back to the model as
+an ``{"error": ...}`` tool message (TRL's tool loop and :mod:`grpo_steps.episodes` alike), the step goes on; an
+answer longer than ``generation.max_tool_response_length`` characters is cut before it is tokenized.
+
+A ``tools:`` function runs in a worker process of its own (:mod:`grpo_steps.tool_worker`), killed at the time
+limit. An environment's methods share their instance's state, which lives in the training process: they run in a
+thread there (:func:`with_timeout`), which a tool that never returns keeps.
 
 The model's chat template must render a tool-calling exchange: ``model.chat_template`` names one (a template TRL
 ships, e.g. ``qwen2_5``: ChatML with ``<tool_call>``, the turn tokens SmolLM2 uses too) or a Jinja file.
@@ -23,6 +28,11 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from grpo_steps.tool_worker import cut_response, process_tool
+
+DEFAULT_MAX_TOOL_RESPONSE = 4096
+"""Characters of a tool's answer kept by default (``generation.max_tool_response_length``)."""
 
 
 class ToolError(ValueError):
@@ -65,12 +75,15 @@ def check_tool(fn: Callable, key: str) -> dict:
                           "with an Args: entry per argument") from None
 
 
-def with_timeout(fn: Callable, seconds: float) -> Callable:
-    """``fn`` limited to ``seconds`` of wall clock per call; same name, signature, docstring and (a)sync kind, so it
-    is described to the model as ``fn`` is.
+def with_timeout(fn: Callable, seconds: float, max_chars: int = DEFAULT_MAX_TOOL_RESPONSE) -> Callable:
+    """``fn`` limited to ``seconds`` of wall clock per call, its answer cut to ``max_chars`` characters
+    (:func:`grpo_steps.tool_worker.cut_response`); same name, signature, docstring and (a)sync kind, so it is
+    described to the model as ``fn`` is. In-process: for an environment's methods (tools of ``tools:`` run in a
+    worker process, :func:`tool_functions`).
 
     A sync call runs in a daemon thread (it cannot be killed: a tool that hangs forever keeps one thread); an async
-    one under ``asyncio.wait_for``. Raises ``TimeoutError`` past the limit, whatever ``fn`` raises otherwise.
+    one under ``asyncio.wait_for``. Raises ``TimeoutError`` past the limit, ``RuntimeError`` for a ``SystemExit`` or
+    ``KeyboardInterrupt`` of the tool (an error of the call, not of the trainer), whatever ``fn`` raises otherwise.
 
     >>> import time
     >>> def slow(x: int) -> int:
@@ -94,9 +107,11 @@ def with_timeout(fn: Callable, seconds: float) -> Callable:
         @functools.wraps(fn)
         async def timed_async(*args: Any, **kwargs: Any) -> Any:
             try:
-                return await asyncio.wait_for(fn(*args, **kwargs), timeout=seconds)
+                return cut_response(await asyncio.wait_for(fn(*args, **kwargs), timeout=seconds), max_chars)
             except TimeoutError:
                 raise TimeoutError(message) from None
+            except (SystemExit, KeyboardInterrupt) as err:
+                raise RuntimeError(f"tool {fn.__name__!r} raised {type(err).__name__}: {err}") from None
 
         return timed_async
 
@@ -115,15 +130,20 @@ def with_timeout(fn: Callable, seconds: float) -> Callable:
         thread.join(seconds)
         if thread.is_alive():
             raise TimeoutError(message)
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+        error = box.get("error")
+        if isinstance(error, SystemExit | KeyboardInterrupt):  # the tool's, not a reason to stop the trainer
+            raise RuntimeError(f"tool {getattr(fn, '__name__', 'tool')!r} raised {type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        return cut_response(box["value"], max_chars)
 
     return timed
 
 
-def tool_functions(paths: list[str], timeout_s: float) -> list[Callable]:
-    """The configured tools (``tools:``), resolved and limited to ``timeout_s`` seconds per call.
+def tool_functions(paths: list[str], timeout_s: float, max_chars: int = DEFAULT_MAX_TOOL_RESPONSE) -> list[Callable]:
+    """The configured tools (``tools:``), resolved; each call runs in the tool's worker process, killed past
+    ``timeout_s`` seconds (:func:`grpo_steps.tool_worker.process_tool`; started at the first call), its answer cut
+    to ``max_chars`` characters. An ``async`` tool's call waits for its worker in a thread that ends with the call.
 
     Raises:
         ToolError: as :func:`resolve_callable` and :func:`check_tool`.
@@ -132,7 +152,7 @@ def tool_functions(paths: list[str], timeout_s: float) -> list[Callable]:
     for i, path in enumerate(paths):
         fn = resolve_callable(path, f"tools[{i}]")
         check_tool(fn, f"tools[{i}] {path!r}")
-        tools.append(with_timeout(fn, timeout_s))
+        tools.append(process_tool(fn, path, timeout_s, max_chars))
     return tools
 
 
@@ -143,23 +163,26 @@ def environment_methods(instance: Any) -> list[str]:
             if name not in ("reset", "get_reward") and not name.startswith("_")]
 
 
-def timed_factory(factory: Callable, timeout_s: float) -> Callable:
-    """A factory whose instances' tools (:func:`environment_methods`) are limited to ``timeout_s`` seconds per call
-    (set on the instance, which is where TRL and :mod:`grpo_steps.episodes` look them up)."""
+def timed_factory(factory: Callable, timeout_s: float, max_chars: int = DEFAULT_MAX_TOOL_RESPONSE) -> Callable:
+    """A factory whose instances' tools (:func:`environment_methods`) are limited to ``timeout_s`` seconds and
+    ``max_chars`` characters of answer per call (:func:`with_timeout`; set on the instance, which is where TRL and
+    :mod:`grpo_steps.episodes` look them up)."""
 
     @functools.wraps(factory)
     def make() -> Any:
         instance = factory()
         for name in environment_methods(instance):
-            setattr(instance, name, with_timeout(getattr(instance, name), timeout_s))
+            setattr(instance, name, with_timeout(getattr(instance, name), timeout_s, max_chars))
         return instance
 
     return make
 
 
-def environment_factories(spec: str | dict[str, str] | None, timeout_s: float) -> dict[str | None, Callable] | None:
+def environment_factories(spec: str | dict[str, str] | None, timeout_s: float,
+                          max_chars: int = DEFAULT_MAX_TOOL_RESPONSE) -> dict[str | None, Callable] | None:
     """The configured environment (``environment:``) as ``{name: factory}`` (``None`` the one name of a single
-    factory), each instance's tools limited to ``timeout_s``; None without one.
+    factory), each instance's tools limited to ``timeout_s`` and ``max_chars`` (:func:`timed_factory`); None
+    without one.
 
     Raises:
         ToolError: a factory that does not import, or whose instance has no ``reset`` or a tool without a
@@ -178,7 +201,7 @@ def environment_factories(spec: str | dict[str, str] | None, timeout_s: float) -
                               "contract), returning a string appended to the question or None")
         for method in environment_methods(probe):
             check_tool(getattr(probe, method), f"{key} {path!r}, tool {method!r}")
-        factories[name] = timed_factory(factory, timeout_s)
+        factories[name] = timed_factory(factory, timeout_s, max_chars)
     return factories
 
 

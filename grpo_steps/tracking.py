@@ -52,6 +52,40 @@ def check_reachable(uri: str, timeout_s: float = REACHABLE_TIMEOUT_S) -> None:
         ) from None
 
 
+def wait_reachable(cfg: PipelineConfig, step: str, interval_s: float = 5.0) -> None:
+    """For an ``http(s)`` tracking URI: wait until the server answers ``GET /health``, at most
+    ``tracking.outage_wait_s`` seconds (a server restarting, a deployment rolling over); other URIs return at once.
+    Called before a step's first MLflow request, so that a tracking outage fails the step with a message instead of
+    MLflow's minutes of retries and a traceback.
+
+    Raises:
+        TrackingUnreachable: no answer within the wait; names the URI, the step and how to continue (``resume``).
+    """
+    from grpo_steps.processes import wait_until
+
+    uri = cfg.tracking.tracking_uri
+    if urllib.parse.urlsplit(uri).scheme not in ("http", "https"):
+        return
+    seen: list[TrackingUnreachable] = []
+
+    def answers() -> bool:
+        try:
+            check_reachable(uri, timeout_s=min(REACHABLE_TIMEOUT_S, cfg.tracking.outage_wait_s))
+        except TrackingUnreachable as err:
+            if not seen:
+                print(f"[mlflow] {err}; waiting up to {cfg.tracking.outage_wait_s:g} s (tracking.outage_wait_s)",
+                      flush=True)
+            seen.append(err)
+            return False
+        return True
+
+    if not wait_until(answers, cfg.tracking.outage_wait_s, interval_s=interval_s):
+        raise TrackingUnreachable(
+            f"MLflow tracking server {redact(uri)} did not answer for {cfg.tracking.outage_wait_s:g} s "
+            f"(tracking.outage_wait_s) before {step}: start it again, then `python flows/grpo_flow.py resume` "
+            f"continues from {step} (what earlier steps logged and saved is kept)")
+
+
 def client(cfg: PipelineConfig):
     """An ``MlflowClient`` on the configured tracking URI (the experiment is created on first use)."""
     import mlflow
@@ -162,9 +196,36 @@ def log_metrics_with(mlflow_client, run_id: str, metrics: dict[str, float], step
         mlflow_client.log_batch(run_id, metrics=batch[i : i + 500])
 
 
+def log_table(mlflow_client, run_id: str, table: dict[str, list], artifact_file: str) -> None:
+    """Log ``table`` (column -> values) to the run as ``artifact_file``, every text cell redacted
+    (:func:`grpo_steps.redaction.redact`: completions and tool answers can hold what a tool read)."""
+    cells = {name: [redact(v) if isinstance(v, str) else v for v in values] for name, values in table.items()}
+    mlflow_client.log_table(run_id, data=cells, artifact_file=artifact_file)
+
+
 def log_metrics(cfg: PipelineConfig, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
     """Log ``metrics`` (name -> value) at ``step`` to the flow's run."""
     log_metrics_with(client(cfg), run_id, metrics, step)
+
+
+def set_tags(cfg: PipelineConfig, run_id: str, tags: dict[str, str]) -> None:
+    """Set ``tags`` (name -> text) on the flow's run, in MLflow's batch size."""
+    from mlflow.entities import RunTag
+
+    batch = [RunTag(k, v) for k, v in tags.items()]
+    mlflow_client = client(cfg) if batch else None
+    for i in range(0, len(batch), 100):
+        mlflow_client.log_batch(run_id, tags=batch[i : i + 100])
+
+
+def log_metrics_once(cfg: PipelineConfig, run_id: str, metrics: dict[str, float], step: int = 0) -> dict[str, float]:
+    """Log the ``metrics`` (name -> value) the run does not hold yet, at ``step``; returns those logged. A step that
+    runs again (``resume`` after the flow was killed mid-step) then leaves one point per metric, not two."""
+    mlflow_client = client(cfg)
+    held = mlflow_client.get_run(run_id).data.metrics
+    new = {k: v for k, v in metrics.items() if mlflow_name(k) not in held}
+    log_metrics_with(mlflow_client, run_id, new, step)
+    return new
 
 
 def close_run(cfg: PipelineConfig, run_id: str, status: str = "FINISHED") -> None:
@@ -178,7 +239,7 @@ def reopen_run(cfg: PipelineConfig, run_id: str) -> None:
     from mlflow.entities import RunStatus
 
     mlflow_client = client(cfg)
-    if mlflow_client.get_run(run_id).info.status != "RUNNING":
+    if mlflow_client.get_run(run_id).info.status != "RUNNING":  # the step's first request: wait_reachable first
         mlflow_client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
         print(f"[mlflow] run {run_id} is RUNNING again", flush=True)
 
@@ -219,3 +280,107 @@ def on_flow_error(run=None) -> None:
     close_run(cfg, start["mlflow_run_id"].data, status)
     print(f"[mlflow] run {start['mlflow_run_id'].data} ended {status}"
           f"{' (failed: ' + ', '.join(failed) + ')' if failed else ''}")
+
+
+class TrackingBacklog(RuntimeError):
+    """Metrics still queued when the tracking server stayed away past ``tracking.outage_wait_s``."""
+
+
+class MetricQueue:
+    """Metrics logged without waiting for the tracking server: :meth:`log` queues them in memory and returns; a
+    daemon thread sends them in MLflow's batch size, oldest first, and keeps a batch that fails (the server down
+    past its client's own HTTP retries, a restart) to send again every ``retry_s`` seconds, so a server that goes
+    away for minutes and comes back ends up with every step. Each point keeps the timestamp it was logged with, so a
+    batch sent twice (the server stored it but the answer was lost) adds nothing: MLflow's stores skip a point
+    equal to one they hold.
+
+    Chosen over MLflow's own ``log_batch(synchronous=False)``: that queue hands a batch to the client once and
+    reports its failure in a future, the batch lost. Points live in this process only: when the training process
+    dies, the ``@retry`` attempt re-trains from the newest checkpoint and logs those steps again.
+
+    Args:
+        mlflow_client: an ``MlflowClient``; run_id: the run to log into; retry_s: seconds between tries of a batch.
+    """
+
+    BATCH = 500  # MLflow's log_batch limit of metrics per request
+
+    def __init__(self, mlflow_client, run_id: str, retry_s: float = 5.0) -> None:
+        import threading
+
+        self.client, self.run_id, self.retry_s = mlflow_client, run_id, retry_s
+        self.pending: list = []  # mlflow.entities.Metric, oldest first
+        self.failing_since: float | None = None  # monotonic time of the first failure of the current outage
+        self.closed = False
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._send_forever, name="mlflow-metrics", daemon=True)
+        self.thread.start()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Queue ``metrics`` (name -> value) at ``step``, timestamped now; returns at once (after :meth:`close`:
+        sends them before returning)."""
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        points = [Metric(mlflow_name(k), float(v), now, step) for k, v in metrics.items()]
+        with self.cond:
+            if not self.closed:
+                self.pending += points
+                self.cond.notify_all()
+                return
+        for i in range(0, len(points), self.BATCH):  # after close (a late callback): sent at once, not dropped
+            self.client.log_batch(self.run_id, metrics=points[i : i + self.BATCH])
+
+    def _send_forever(self) -> None:
+        import time
+
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.pending or self.closed)
+                if not self.pending:
+                    return
+                batch = self.pending[: self.BATCH]
+            try:
+                self.client.log_batch(self.run_id, metrics=batch)
+            except Exception as err:  # any failure of the server or the network: the batch stays queued
+                with self.cond:
+                    if self.closed:  # close() gave up on the backlog (flush raised): stop here
+                        return
+                    if self.failing_since is None:
+                        self.failing_since = time.monotonic()
+                        print(f"[mlflow] tracking server not taking metrics ({type(err).__name__}: "
+                              f"{redact(str(err))[:200]}); {len(self.pending)} points queued, retrying every "
+                              f"{self.retry_s:g} s", flush=True)
+                    self.cond.wait(self.retry_s)
+                continue
+            with self.cond:
+                del self.pending[: len(batch)]
+                if self.failing_since is not None:
+                    print(f"[mlflow] tracking server back after {time.monotonic() - self.failing_since:.0f} s; "
+                          f"{len(self.pending)} points still queued", flush=True)
+                    self.failing_since = None
+                self.cond.notify_all()
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` seconds until every queued point is sent.
+
+        Raises:
+            TrackingBacklog: points still queued at the deadline; the message says how many and what to do.
+        """
+        with self.cond:
+            if not self.cond.wait_for(lambda: not self.pending, timeout=timeout_s):
+                raise TrackingBacklog(
+                    f"{len(self.pending)} metric points (steps {self.pending[0].step}..{self.pending[-1].step}) did "
+                    f"not reach the MLflow tracking server within tracking.outage_wait_s={timeout_s:g} s: start it "
+                    "again (the run's checkpoints are safe) and `resume`, or raise tracking.outage_wait_s")
+
+    def close(self, timeout_s: float) -> None:
+        """:meth:`flush`, then stop the sender thread (also when the flush raised)."""
+        try:
+            self.flush(timeout_s)
+        finally:
+            with self.cond:
+                self.closed = True
+                self.cond.notify_all()
+            self.thread.join(timeout=1.0)  # a send blocked in MLflow's HTTP retries ends with the process

@@ -9,12 +9,57 @@ stale weights), or rewrites an older push's file in place under a new directory 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
+
+
+class NoSpaceError(OSError):
+    """A directory has no room for weights about to be written (``errno.ENOSPC``); the message names the directory,
+    the bytes needed and free, and the config key that moves or enlarges it."""
+
+
+def _mib(n: int) -> str:
+    return f"{n} bytes ({n / 2**20:.0f} MiB)"
+
+
+def no_space(what: str, directory: str | Path, needed: int, key: str) -> NoSpaceError:
+    """The :class:`NoSpaceError` for ``what`` needing ``needed`` bytes in ``directory`` (the free space now)."""
+    free = shutil.disk_usage(_existing(Path(directory))).free
+    return NoSpaceError(errno.ENOSPC, f"{what} needs {_mib(needed)} in {directory}, which has {_mib(free)} free: "
+                                      f"free space there or change {key}")
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing parent (what ``disk_usage`` can measure before a directory is made)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def require_space(what: str, directory: str | Path, needed: int, key: str, reclaimed: int = 0) -> None:
+    """Raise :class:`NoSpaceError` unless the file system of ``directory`` has ``needed`` bytes free, counting
+    ``reclaimed`` bytes the write itself frees or reuses (an older file rewritten in place). ``key``: the config key
+    the message tells the user to change. One ``statvfs`` call (``shutil.disk_usage``)."""
+    if shutil.disk_usage(_existing(Path(directory))).free + reclaimed < needed:
+        raise no_space(what, directory, needed - reclaimed, key)
+
+
+def is_no_space(err: BaseException) -> bool:
+    """Whether ``err`` is a full disk: an ``OSError`` with ``ENOSPC`` (or ``EDQUOT``, a quota), or safetensors'
+    ``SafetensorError``, which carries the OS error only in its text (``... (os error 28)``)."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return f"(os error {errno.ENOSPC})" in str(err) or f"(os error {errno.EDQUOT})" in str(err)
+
+
+def safetensors_bytes(state_dict: dict) -> int:
+    """Upper bound of the size of ``state_dict`` written as one safetensors file, in bytes: every tensor's bytes once
+    (tied weights share memory and are written once), plus the JSON header (< 256 bytes per tensor)."""
+    tensors = {(t.data_ptr(), t.numel(), t.element_size()): t for t in state_dict.values()}
+    return sum(t.numel() * t.element_size() for t in tensors.values()) + 256 * len(state_dict) + 8
 
 
 def checkpoint_state_dict(state_dict: dict, model=None) -> dict:
@@ -61,6 +106,16 @@ def _safetensors_layout(path: Path) -> tuple[int, dict]:
         header = json.loads(f.read(length))
     header.pop("__metadata__", None)
     return 8 + length, header
+
+
+def safetensors_params(model_dir: str | Path) -> int | None:
+    """Parameters stored in the ``*.safetensors`` files of ``model_dir``, counted from their headers (nothing is
+    loaded); None when it is not a directory holding any (a hub id not downloaded)."""
+    import math
+
+    files = sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
+    counts = [math.prod(entry["shape"]) for file in files for entry in _safetensors_layout(file)[1].values()]
+    return sum(counts) if files else None
 
 
 def overwrite_safetensors(state_dict: dict, old: str | Path, directory: str | Path, model=None) -> Path | None:
@@ -125,10 +180,3 @@ def save_model_dir(model, tokenizer, target: Path) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
     return target
-
-
-@contextmanager
-def scratch_dir():
-    """A RAM-backed (``/dev/shm`` when present) temporary directory, removed on exit."""
-    with tempfile.TemporaryDirectory(prefix="grpo-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as d:
-        yield d

@@ -20,6 +20,7 @@ import contextvars
 import functools
 import inspect
 import logging
+import math
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -32,6 +33,7 @@ KINDS = ("timeouts", "errors")
 _COUNTS: Counter[str] = Counter()
 _SCORED: Counter[str] = Counter()  # reward name -> completions scored
 _NONES: Counter[str] = Counter()  # reward name -> completions that scored None
+_WARNED_NON_FINITE: set[str] = set()  # reward names already warned about NaN/inf scores
 _LOCK = threading.Lock()
 # Name and per-call tally of the reward running in this thread (set by the guard; read by record()).
 _CURRENT: contextvars.ContextVar[tuple[str, Counter[str]] | None] = contextvars.ContextVar("reward", default=None)
@@ -122,6 +124,17 @@ def check_scores(name: str, result: Any, n: int) -> list[float | None]:
     return [None if v is None else float(v) for v in result]
 
 
+def _warn_non_finite(name: str, values: list[float], n: int) -> None:
+    """Warn once per reward name and process that it returned NaN/inf (later calls only count)."""
+    with _LOCK:
+        if name in _WARNED_NON_FINITE:
+            return
+        _WARNED_NON_FINITE.add(name)
+    log.warning("reward %s returned %d non-finite scores (%s) of %d; scoring them None and counting them as "
+                "rewards/%s/errors (warned once per process)", name, len(values), ", ".join(map(str, values[:3])),
+                n, name)
+
+
 def guarded(fn: Callable[..., list], name: str, timeout_s: float = 60.0) -> Callable[..., list[float | None]]:
     """``fn`` wrapped with a per-call wall-clock limit; the wrapper's ``__name__`` is ``name``.
 
@@ -133,7 +146,9 @@ def guarded(fn: Callable[..., list], name: str, timeout_s: float = 60.0) -> Call
             abandoned (a daemon thread: it cannot be killed, so a reward that hangs forever keeps one
             thread; rewards that run untrusted work use processes and their own limits).
 
-    A call that raises or times out scores None for every completion and counts one error or timeout.
+    A call that raises or times out scores None for every completion and counts one error or timeout. A NaN or
+    inf score becomes None and counts one error per such completion (warned once per reward name), so a reward
+    that returns only NaN leaves every completion unscored and the all-None stop applies.
     A call that returns anything but one float or None per completion is a bug in the reward: it raises
     :class:`RewardReturnError` (see :func:`check_scores`).
 
@@ -184,6 +199,12 @@ def guarded(fn: Callable[..., list], name: str, timeout_s: float = 60.0) -> Call
             result = _nones(completions)
         else:
             result = check_scores(name, box["result"], len(completions))
+            non_finite = [v for v in result if v is not None and not math.isfinite(v)]
+            if non_finite:  # NaN would be averaged away by TRL's nanmean, inf would swamp the advantages
+                _warn_non_finite(name, non_finite, len(result))
+                record("errors", len(non_finite), name=name)
+                call_counts[counter_key(name, "errors")] += len(non_finite)
+                result = [v if v is None or math.isfinite(v) else None for v in result]
         with _LOCK:
             _SCORED[name] += len(result)
             _NONES[name] += sum(v is None for v in result)

@@ -8,22 +8,17 @@ Two processes per run (:func:`run_tests`):
   compares in its own process and writes the verdict to a pipe only this process reads. Nothing in the
   program's reach (a pass token, the harness's globals, its audit hook, its exit code) decides the verdict.
 
-Containment of the candidate, strongest available first (:func:`isolation`; the mode is an argument for tests):
+Containment, strongest available first (:func:`isolation`; the mode is an argument for tests), the same for
+the candidate and for the judge, each in a sandbox of its own (the judge runs the dataset's test code): see
+:mod:`rewards.sandbox_modes`. ``bwrap+audit`` (bubblewrap: user, PID, network, mount namespaces, a filesystem of
+``/usr`` and the standard library, sized tmpfs work directory, ``/tmp`` and ``/dev/shm``, uid ``nobody`` on the
+host too) and ``netns+nobody+audit`` (root without bubblewrap: no network, own PID namespace, user ``nobody``,
+sized tmpfs on every world-writable directory; world-readable host files stay readable) hold for root, and no
+process of a run outlives its verdict. ``audit``: a Python audit hook (PEP 578) alone, in-process and defeatable
+by the program: :func:`require_isolation` refuses it unless the caller allows it explicitly.
 
-- ``bwrap+audit``: bubblewrap (Debian ``bubblewrap``) with new user, PID, network, IPC and UTS namespaces, uid
-  ``nobody``, a filesystem of ``/usr`` and the interpreter's standard library read-only plus its own work
-  directory, a private ``/tmp`` and ``/proc``, no environment: the program sees no other process (the judge and
-  the trainer included), no network, no project files, data or credentials.
-- ``netns+nobody+audit`` (root without bubblewrap, or where it cannot create namespaces): ``unshare --net --mount``
-  with empty private ``/tmp``, ``/var/tmp`` and ``/dev/shm``, and ``setpriv`` to ``nobody``: no network, no access
-  to other users' processes or root-owned files, nowhere to write but its work directory; the rest of the
-  filesystem stays readable (world-readable files: installed packages, their data).
-- ``audit``: a Python audit hook (PEP 578) alone, in-process and defeatable by the program: it cannot contain
-  file or environment access. :func:`require_isolation` refuses it unless the caller allows it explicitly.
-
-Always: ``python -I`` in a new session killed whole at the wall-clock limit, in a fresh work directory removed
-afterwards, an environment of ``PATH`` only, and resource limits (``RLIMIT_CPU``, ``RLIMIT_AS``,
-``RLIMIT_FSIZE``, ``RLIMIT_NPROC``, no core files) set before the exec.
+Always: ``python -I`` in a new session killed whole at the wall-clock limit, an environment of ``PATH`` only, and
+resource limits (``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NPROC``, no core files).
 """
 
 from __future__ import annotations
@@ -35,30 +30,29 @@ import resource
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-import typing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from rewards.sandbox_modes import MINIMAL_PATH, MODES, NAMESPACE_MODES, Isolation, command, exit_code, kill_run, works
+
+__all__ = ["MODES", "WEAK_MODES", "Isolation", "Limits", "RunResult", "SandboxUnavailable", "default_workers",
+           "isolation", "require_isolation", "run_many", "run_python", "run_tests"]
+
 VIOLATION_EXIT = 86  # the audit hook stopped a forbidden operation
 MEMORY_EXIT = 87  # MemoryError escaped the program (RLIMIT_AS reached)
-MINIMAL_PATH = "/usr/bin:/bin"
-NOBODY = 65534
 MAX_REPLY_BYTES = 16 * 1024 * 1024
 """Longest reply line of the candidate the judge reads (a larger return value fails the test)."""
 
 Status = Literal["passed", "failed", "timeout", "error"]
-Isolation = Literal["bwrap+audit", "netns+nobody+audit", "audit"]
-MODES: tuple[str, ...] = typing.get_args(Isolation)
 WEAK_MODES = ("audit",)
 """Modes that cannot contain the program's file and environment access."""
 
 _HERE = Path(__file__).resolve().parent
-_WIRE_IMPORT = "from rewards.sandbox_wire import decode, encode"
+_WIRE_IMPORT = "from rewards.sandbox_wire import "
 
 
 def _source(name: str) -> str:
@@ -89,7 +83,11 @@ class Limits:
     file_mib: int = 16
     """Largest file the program may write (``RLIMIT_FSIZE``), MiB."""
     nproc: int = 64
-    """Processes of the sandbox user (``RLIMIT_NPROC``)."""
+    """Processes of the run (``RLIMIT_NPROC``; counted per run under bubblewrap, per host user ``nobody`` in
+    ``netns+nobody+audit``)."""
+    tmpfs_mib: int = 32
+    """Size of each private tmpfs of a namespace mode (the work directory, ``/tmp``, ``/dev/shm``), MiB: what a
+    program can write at all."""
 
 
 @dataclass(frozen=True)
@@ -106,62 +104,6 @@ class RunResult:
     detail: str = ""
 
 
-def _python_home() -> str:
-    """The installation prefix of the interpreter (its standard library lives under it)."""
-    return sys.base_prefix
-
-
-def _bwrap_command(workdir: str) -> list[str]:
-    python = os.path.realpath(sys.executable)
-    home = _python_home()
-    cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH",
-           MINIMAL_PATH, "--uid", str(NOBODY), "--gid", str(NOBODY), "--ro-bind", "/usr", "/usr"]
-    for top in ("bin", "lib", "lib64", "sbin"):  # merged-/usr systems: symlinks into /usr
-        target = Path("/") / top
-        if target.is_symlink():
-            cmd += ["--symlink", os.readlink(target), f"/{top}"]
-    if not home.startswith("/usr/"):
-        cmd += ["--ro-bind", home, home]
-        site = Path(home) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
-        if site.is_dir():
-            cmd += ["--tmpfs", str(site)]  # the standard library only: no installed packages or their data
-    return cmd + ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", workdir, "/sandbox",
-                  "--chdir", "/sandbox", python, "-I", "-S", "-B", "-c", CANDIDATE_SOURCE]
-
-
-_PRIVATE_TMP = ('for d in /tmp /var/tmp /dev/shm; do [ -d "$d" ] && mount -t tmpfs -o size=16m,mode=1777 tmpfs "$d"; '
-                'done; exec env -u PWD "$@"')
-"""Shell run in the new mount namespace of ``netns+nobody+audit``; the work directory stays the process's cwd."""
-
-
-def _candidate_command(mode: str, workdir: str) -> list[str]:
-    if mode == "bwrap+audit":
-        return _bwrap_command(workdir)
-    python = [sys.executable, "-I", "-B", "-c", CANDIDATE_SOURCE]
-    if mode == "netns+nobody+audit":  # private, empty /tmp, /var/tmp, /dev/shm: nobody's writable places elsewhere
-        return ["unshare", "--net", "--mount", "--propagation", "private", "sh", "-c", _PRIVATE_TMP, "sandbox",
-                "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *python]
-    return python
-
-
-def _works(mode: str) -> bool:
-    """Whether ``mode`` can start a process on this machine (a probe run of ``true``-like Python)."""
-    if mode == "audit":
-        return True
-    if mode == "netns+nobody+audit" and (os.geteuid() != 0 or not (shutil.which("unshare") and
-                                                                     shutil.which("setpriv"))):
-        return False
-    if mode == "bwrap+audit" and not shutil.which("bwrap"):
-        return False
-    with tempfile.TemporaryDirectory(prefix="grpo-sandbox-probe-") as workdir:
-        os.chmod(workdir, 0o777)
-        cmd = _candidate_command(mode, workdir)[:-1] + ["import sys; sys.exit(0)"]
-        try:
-            return subprocess.run(cmd, capture_output=True, timeout=20, cwd=workdir).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            return False
-
-
 @functools.cache
 def isolation() -> Isolation:
     """The strongest isolation mode that works here (see the module docstring), probed once per process.
@@ -169,7 +111,7 @@ def isolation() -> Isolation:
     >>> isolation() in MODES
     True
     """
-    return next(mode for mode in MODES if _works(mode))  # "audit" always works
+    return next(mode for mode in MODES if works(mode))  # "audit" always works
 
 
 def require_isolation(allow_weak: bool = False) -> Isolation:
@@ -202,14 +144,6 @@ def _set_limits(limits: Limits, nproc: bool = True) -> None:
         resource.setrlimit(which, (value, value + 1) if which == resource.RLIMIT_CPU else (value, value))
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the whole group: children the program managed to start
-    except ProcessLookupError:
-        pass  # already gone with all its group
-    proc.wait()
-
-
 def _tail(file) -> str:
     file.seek(0)
     return file.read()[-2000:].decode(errors="replace")
@@ -229,9 +163,14 @@ def _verdict(out: bytes, returncode: int | None, judge_tail: str) -> dict:
 
 
 def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Limits(),
-              mode: Isolation | None = None) -> RunResult:
+              mode: Isolation | None = None, prelude: str | None = None) -> RunResult:
     """Run ``code`` (the candidate's program) contained, and ``test`` (trusted; defines ``check(candidate)``)
     in the judge against its ``entry_point`` function (None: no tests, the program only has to load).
+
+    ``prelude``: the row's own code (HumanEval's prompt: imports and helpers such as ``poly``), run before the
+    program in the candidate and, separately, in the judge, where the tests see it, their own names and the
+    entry point, nothing else of the program's (a program redefining ``range``, ``abs`` or ``poly`` changes
+    nothing the tests call).
 
     ``mode``: the candidate's isolation (None: :func:`isolation`). Returns a :class:`RunResult`.
 
@@ -241,25 +180,30 @@ def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Li
     'failed'
     """
     mode = mode or isolation()
-    workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")
+    contained = mode in NAMESPACE_MODES
+    # the namespace modes write into their own sized tmpfs; only the audit mode needs a directory of the host
+    workdir = "/" if contained else tempfile.mkdtemp(prefix="grpo-sandbox-")
+    tmpfs = limits.tmpfs_mib * 1024 * 1024
+    # bubblewrap counts RLIMIT_NPROC per run: the harness sets it inside (a limit set here would count every
+    # process of the host user nobody); the other modes set it before the exec
+    limited = functools.partial(_set_limits, limits, mode != "bwrap+audit")
     start = time.perf_counter()
     to_candidate, from_candidate = os.pipe(), os.pipe()  # (read, write) each
     with tempfile.TemporaryFile() as cand_err, tempfile.TemporaryFile() as judge_err:
         try:
-            if mode == "netns+nobody+audit":
-                os.chown(workdir, NOBODY, NOBODY)  # (bwrap maps its nobody to this user: the directory is its own)
             candidate = subprocess.Popen(
-                _candidate_command(mode, workdir), cwd=workdir, env={"PATH": MINIMAL_PATH}, stdin=to_candidate[0],
-                stdout=from_candidate[1], stderr=cand_err, start_new_session=True,
-                preexec_fn=functools.partial(_set_limits, limits))
-            job = {"code": code, "test": test, "entry_point": entry_point, "to_candidate": to_candidate[1],
+                command(mode, CANDIDATE_SOURCE, tmpfs), cwd=workdir, env={"PATH": MINIMAL_PATH},
+                stdin=to_candidate[0], stdout=from_candidate[1], stderr=cand_err, start_new_session=True,
+                preexec_fn=limited)
+            job = {"code": code, "prelude": prelude, "test": test, "entry_point": entry_point,
+                   "nproc": limits.nproc, "to_candidate": to_candidate[1],
                    "from_candidate": from_candidate[0], "max_reply_bytes": MAX_REPLY_BYTES,
                    "violation_exit": VIOLATION_EXIT, "memory_exit": MEMORY_EXIT}
+            # the judge runs the row's tests (a dataset's code) in a sandbox of its own, apart from the program's
             judge = subprocess.Popen(
-                [sys.executable, "-I", "-B", "-c", JUDGE_SOURCE], env={"PATH": MINIMAL_PATH}, cwd=workdir,
+                command(mode, JUDGE_SOURCE, tmpfs), env={"PATH": MINIMAL_PATH}, cwd=workdir,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=judge_err, start_new_session=True,
-                pass_fds=(to_candidate[1], from_candidate[0]),
-                preexec_fn=functools.partial(_set_limits, limits, False))
+                pass_fds=(to_candidate[1], from_candidate[0]), preexec_fn=limited)
         finally:
             for fd in (*to_candidate, *from_candidate):
                 os.close(fd)  # the two processes hold their ends; an end left here would hide an exit
@@ -272,20 +216,22 @@ def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Li
             returncode = candidate.wait(timeout=1.0)  # after a verdict it ends by itself; after a crash it has
         except subprocess.TimeoutExpired:
             returncode = None
-        _kill_group(judge)
-        _kill_group(candidate)
-        shutil.rmtree(workdir, ignore_errors=True)
+        kill_run(judge)
+        kill_run(candidate)
+        if not contained:
+            shutil.rmtree(workdir, ignore_errors=True)
         seconds, tail = time.perf_counter() - start, _tail(cand_err)
         judge_tail = _tail(judge_err)
-    if mode == "bwrap+audit" and returncode is not None and returncode > 128:
-        returncode = -(returncode - 128)  # bwrap reports a child's signal as 128 + signo
+    returncode = exit_code(returncode)
     verdict = _verdict(out, judge.returncode, judge_tail)
     status: Status
-    if timed_out or returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
+    if returncode in (VIOLATION_EXIT, MEMORY_EXIT):  # the candidate's own report of why it ended comes first
+        status = "error"
+    elif timed_out or returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
         status = "timeout"
     elif verdict["status"] == "passed":
         status = "passed"
-    elif returncode in (VIOLATION_EXIT, MEMORY_EXIT) or (returncode is not None and returncode < 0):
+    elif returncode is not None and returncode < 0:
         status = "error"
     elif verdict["status"] == "crashed":
         status = "error"
@@ -312,14 +258,19 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def run_many(jobs: list[tuple[str, str, str | None]], limits: Limits = Limits(), workers: int | None = None,
-             mode: Isolation | None = None) -> list[RunResult]:
-    """:func:`run_tests` over ``jobs`` (``(code, test, entry_point)`` each) with ``workers`` runs at a time
-    (threads launching processes). Returns one :class:`RunResult` per job, in order."""
+def run_many(jobs: list[tuple[str, str, str | None, str | None]], limits: Limits = Limits(),
+             workers: int | None = None, mode: Isolation | None = None) -> list[RunResult]:
+    """:func:`run_tests` over ``jobs`` (``(code, test, entry_point, prelude)`` each) with ``workers`` runs at a
+    time (threads launching processes). Returns one :class:`RunResult` per job, in order."""
     if not jobs:
         return []
     workers = workers or default_workers()
+
+    def one(job):
+        code, test, entry_point, prelude = job
+        return run_tests(code, test, entry_point, limits, mode, prelude)
+
     if workers == 1:
-        return [run_tests(*job, limits, mode) for job in jobs]
+        return [one(job) for job in jobs]
     with ThreadPoolExecutor(max_workers=min(workers, len(jobs)), thread_name_prefix="sandbox") as pool:
-        return list(pool.map(lambda job: run_tests(*job, limits, mode), jobs))
+        return list(pool.map(one, jobs))

@@ -2,9 +2,10 @@
 judge's calls to its functions. Sent as source to ``python -I -S -B -c`` in the contained process, with
 :mod:`rewards.sandbox_wire` inlined in place of its import; never imported by the pipeline.
 
-Protocol (one JSON object per line): the judge sends ``{"code", "violation_exit", "memory_exit"}`` on stdin;
-this process runs the code and answers ``{"names": [top-level callables]}`` (or ``{"load_error": "..."}``),
-then for each ``{"op": "call", "name", "args", "kwargs"}`` ``{"value": wire}`` or ``{"error": type, "message"}``,
+Protocol (one JSON object per line): the judge sends ``{"code", "prelude", "violation_exit", "memory_exit",
+"nproc"}`` on stdin; this process runs the prelude (the prompt's code), then the code, and answers
+``{"names": [top-level callables]}`` (or ``{"load_error": "..."}``), then for each ``{"op": "call", "name",
+"args", "kwargs"}`` ``{"value": wire}`` or ``{"error": type, "message"}``,
 until ``{"op": "exit"}`` or end of input. Nothing this process writes decides a verdict: the judge compares.
 The program's own stdout goes to stderr; the protocol's pipes are private duplicates.
 """
@@ -13,7 +14,8 @@ import json
 import os
 import sys
 
-from rewards.sandbox_wire import decode, encode  # the sandbox inlines the module here (no project on sys.path)
+# the sandbox inlines the module in place of the next line (no project on sys.path)
+from rewards.sandbox_wire import cap_processes, decode, encode
 
 
 def main():
@@ -23,6 +25,7 @@ def main():
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the program reads nothing of the protocol
     os.dup2(2, 1)  # and its prints cannot mix into it
     _job = json.loads(_rx.readline())
+    cap_processes(_job["nproc"])
 
 
     def _send(message):
@@ -77,6 +80,8 @@ def main():
     del _make_hook
     _namespace = {"__name__": "__main__"}
     try:
+        # the prompt's code first (HumanEval's helpers and imports, as its own harness runs prompt + completion)
+        exec(compile(_job.pop("prelude") or "", "<prelude>", "exec"), _namespace)
         exec(compile(_job.pop("code"), "<solution>", "exec"), _namespace)
     except MemoryError:
         os._exit(_job["memory_exit"])

@@ -2,10 +2,12 @@
 functions, called through the candidate process, and writes the verdict. Run as ``python -I -B -c`` with
 :mod:`rewards.sandbox_wire` inlined in place of its import; never imported by the pipeline.
 
-Input on stdin: ``{"code", "test", "entry_point", "to_candidate", "from_candidate", "max_reply_bytes",
-"violation_exit", "memory_exit"}``. The candidate's top-level functions appear in the tests' namespace as
-proxies (so tests may use the program's helpers, as HumanEval's do); every call sends plain data and gets plain
-data back (:mod:`rewards.sandbox_wire`), and the tests compare in this process, which the program cannot reach.
+Input on stdin: ``{"code", "prelude", "test", "entry_point", "to_candidate", "from_candidate", "max_reply_bytes",
+"violation_exit", "memory_exit", "nproc"}``. The tests' namespace holds the row's ``prelude`` (the prompt's code:
+HumanEval's helpers such as ``poly`` or ``encode_cyclic``, run here), the test's own names and, of the program,
+the entry point alone, as a proxy: a program that defines ``range``, ``abs``, ``poly`` or ``check`` changes
+nothing the tests call. Every call sends plain data and gets plain data back (:mod:`rewards.sandbox_wire`), and
+the tests compare in this process, which the program cannot reach.
 Output: one JSON line ``{"status": "passed" | "failed" | "crashed", "detail"}`` on the stdout this process was
 started with (``crashed``: the candidate process ended or broke the protocol).
 """
@@ -15,7 +17,8 @@ import json
 import os
 import sys
 
-from rewards.sandbox_wire import decode, encode  # the sandbox inlines the module here
+# the sandbox inlines the module in place of the next line
+from rewards.sandbox_wire import cap_processes, decode, encode
 
 
 def main():
@@ -23,6 +26,7 @@ def main():
     _verdict = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # the tests' prints go to stderr
     _job = json.loads(sys.stdin.read())
+    cap_processes(_job["nproc"])
     _tx = os.fdopen(_job["to_candidate"], "w", encoding="utf-8")
     _rx = os.fdopen(_job["from_candidate"], "r", encoding="utf-8")
 
@@ -78,8 +82,8 @@ def main():
 
 
     try:
-        _tx.write(json.dumps({"code": _job["code"], "violation_exit": _job["violation_exit"],
-                              "memory_exit": _job["memory_exit"]}) + "\n")
+        _tx.write(json.dumps({key: _job[key] for key in ("code", "prelude", "violation_exit", "memory_exit",
+                                                          "nproc")}) + "\n")
         _tx.flush()
         _line = _rx.readline(_job["max_reply_bytes"])
         _hello = json.loads(_line) if _line.endswith("\n") else {"gone": True}
@@ -89,14 +93,22 @@ def main():
         _finish("failed", _hello["load_error"])
     if not isinstance(_hello.get("names"), list):
         _finish("crashed", "the candidate did not load")
-    _namespace = {"__name__": "__main__", **{str(n): Remote(str(n)) for n in _hello["names"]}}
+    _entry = _job["entry_point"]
+    if _entry is not None and _entry not in _hello["names"]:
+        _finish("failed", f"the program defines no function {_entry!r}")
+    _namespace = {"__name__": "__main__"}
     try:
-        exec(compile(_job["test"], "<test>", "exec"), _namespace)
-        _entry = _job["entry_point"]
+        # the row's own helpers, never the program's: a program's ``poly`` cannot stand in for the prompt's
+        exec(compile(_job["prelude"] or "", "<prelude>", "exec"), _namespace)
+    except BaseException as err:  # noqa: BLE001 - the row's code is broken: no verdict on the program
+        _finish("crashed", f"the row's prelude (prompt code) fails: {type(err).__name__}: {err}")
+    try:
         if _entry is not None:
-            if _entry not in _namespace:
-                _finish("failed", f"the program defines no function {_entry!r}")
-            _namespace["check"](_namespace[_entry])
+            _candidate = Remote(str(_entry))
+            _namespace[_entry] = _candidate  # the one name of the program the tests see (HumanEval/33 calls it)
+        exec(compile(_job["test"], "<test>", "exec"), _namespace)
+        if _entry is not None:
+            _namespace["check"](_candidate)
     except CandidateGone as err:
         _finish("crashed", err)
     except BaseException as err:  # noqa: BLE001 - a failing test, whatever it raised

@@ -5,7 +5,8 @@ themselves; tuples, dicts, sets, frozensets, bytes and complex numbers as tagged
 ``{"__t": kind, "v": ...}``; a reference to one of the candidate's top-level functions as
 ``{"__t": "ref", "v": name}``. :func:`decode` builds builtin objects only, so a value a hostile program
 returns cannot carry behaviour (no ``__eq__`` of its own) into the judge. This module is also sent, as
-source, to the candidate process, which cannot import the project: it imports nothing.
+source, to the candidate and judge processes, which cannot import the project: it imports nothing at module level
+(:func:`cap_processes`, the sandbox's process cap, lives here for the same reason).
 
 >>> import json
 >>> decode(json.loads(json.dumps(encode((1, [2.5, "x"], {3: None}, {4}, b"\\x00")))))
@@ -67,3 +68,13 @@ def decode(data, resolve=None):
     if tag == "ref" and resolve is not None:
         return resolve(str(items))
     raise ValueError(f"unknown sandbox wire tag {tag!r}")
+
+
+def cap_processes(nproc):
+    """``RLIMIT_NPROC`` of this process and its children: counted per user namespace under bubblewrap (this
+    sandbox's processes only), so the parent leaves it open and the sandbox closes it here."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+    cap = nproc if hard == resource.RLIM_INFINITY else min(nproc, hard)
+    resource.setrlimit(resource.RLIMIT_NPROC, (cap, cap))

@@ -38,6 +38,30 @@ def tiny_server(tiny_model_path, tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """``mount(size_bytes) -> Path``: a real size-capped file system (a tmpfs mounted under ``tmp_path``), unmounted
+    after the test. A full disk as the kernel reports it (ENOSPC), not a simulation. Needs root (CI runs as root);
+    skipped, and listed by ``-ra``, where mounting is not allowed."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size_bytes: int):
+        target = tmp_path / f"tmpfs-{len(mounted)}"
+        target.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(target)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+        mounted.append(target)
+        return target
+
+    yield mount
+    for target in mounted:
+        subprocess.run(["umount", str(target)], check=True)
+
+
 # The longest test files first (minutes each: kill-and-resume scenarios, the ZeRO-3 gang, the server fault), so
 # that `make test`'s two pytest-xdist workers (`--dist loadfile`) do not end on them one after the other.
 LONGEST_FIRST = ("test_resume.py", "test_multinode_local.py", "test_lora.py", "test_faults.py", "test_task_flows.py",

@@ -74,7 +74,7 @@ class SourceConfig(_Section):
     columns: dict[str, str] = Field(default_factory=dict)
     """More columns kept for the reward functions, ``{name in the prepared row: source column}`` (a
     list of names keeps them under their own name), e.g. ``{test: test, entry_point: entry_point}``.
-    Sources add their own: ``humaneval`` keeps ``test``, ``entry_point``, ``task_id``."""
+    Sources add their own: ``humaneval`` keeps ``test``, ``entry_point``, ``task_id``, ``code_prompt``."""
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
     """System message of the conversational prompt; null for no system message."""
     few_shot: list[FewShotExample] = Field(default_factory=list)
@@ -103,9 +103,10 @@ class SourceConfig(_Section):
         return self
 
 
-NATIVE_COLUMNS: dict[str, tuple[str, ...]] = {"humaneval": ("test", "entry_point", "task_id")}
+NATIVE_COLUMNS: dict[str, tuple[str, ...]] = {"humaneval": ("test", "entry_point", "task_id", "code_prompt")}
 """Columns a source keeps for the rewards without being asked (``data.columns`` adds more; ``humaneval``
-also offers ``code_prompt``, the signature + docstring, and ``canonical_solution``, the reference body)."""
+keeps ``code_prompt``, the prompt's code: imports, helpers and the signature + docstring, which the code reward
+runs on the judge's side; it also offers ``canonical_solution``, the reference body)."""
 
 
 def kept_columns(src: SourceConfig) -> dict[str, str]:
@@ -161,6 +162,11 @@ class DataConfig(SourceConfig):
     """Held-out prompts, all tasks together; they share no prompt with the training split."""
     max_prompt_tokens: int = Field(256, gt=0)
     """Prompts longer than this (chat template applied), in tokens, are dropped."""
+    max_unusable_share: float = Field(0.1, ge=0, le=1)
+    """Largest share (0..1) of a source's distinct rows that may be unusable -- an empty prompt, no answer where
+    ``answer_column`` is set, a prompt over ``max_prompt_tokens`` -- before ``prepare_data`` refuses the source
+    (a sign of a wrong column or a broken export). Within it such rows are dropped, counted per reason
+    (MLflow ``data/dropped/<reason>``) and their first line numbers logged. 1: never refuse."""
     allow_smaller_split: bool = False
     """False: fewer usable prompts (after deduplication and the token budget) than ``num_train + num_eval``
     is an error. True: train on the rows there are (the eval split stays ``num_eval``)."""

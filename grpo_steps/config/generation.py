@@ -9,7 +9,7 @@ from typing import Any, Literal, get_args
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from grpo_steps.config.base import _Section, distinct_cores
-from grpo_steps.redaction import inline_secret, is_secret_flag, redact
+from grpo_steps.redaction import credential_in, is_secret_flag, redact
 
 
 class ServerConfig(_Section):
@@ -46,9 +46,9 @@ class ServerConfig(_Section):
     @field_validator("endpoint")
     @classmethod
     def _endpoint_has_no_credentials(cls, value: str | None) -> str | None:
-        if value is not None and inline_secret(value):
+        if value is not None and credential_in(value):
             raise ValueError(f"generation.server.endpoint {redact(value)!r} holds credentials "
-                             f"({inline_secret(value)}): remove them; the pipeline presents the server's token "
+                             f"({credential_in(value)}): remove them; the pipeline presents the server's token "
                              "from the environment (GRPO_SERVER_TOKEN, or VLLM_API_KEY for a server started with "
                              "vLLM's --api-key)")
         return value
@@ -56,7 +56,8 @@ class ServerConfig(_Section):
     @field_validator("extra_args")
     @classmethod
     def _extra_args_hold_no_secret(cls, value: list[str]) -> list[str]:
-        secret = [arg.split("=", 1)[0] for arg in value if is_secret_flag(arg) or inline_secret(arg)]
+        secret = [arg.split("=", 1)[0] if is_secret_flag(arg) else f"argument {i} ({credential_in(arg)})"
+                  for i, arg in enumerate(value) if is_secret_flag(arg) or credential_in(arg)]  # never the value
         if secret:
             raise ValueError(f"generation.server.extra_args passes a secret inline ({', '.join(secret)}): "
                              "command lines reach logs and MLflow; give vLLM its key as VLLM_API_KEY in the "
@@ -274,7 +275,11 @@ class GenerationConfig(_Section):
     """With ``tools`` or an ``environment``: tool-calling rounds per rollout at most (each round runs the calls of
     one assistant turn and samples the next turn); TRL's ``max_tool_calling_iterations``."""
     tool_timeout_s: float = Field(10.0, gt=0)
-    """Seconds one tool call may take; past it the call is an error the model sees as the tool's answer."""
+    """Seconds one tool call may take; past it the call is an error the model sees as the tool's answer (a
+    ``tools:`` function's worker process is killed; :mod:`grpo_steps.tool_worker`)."""
+    max_tool_response_length: int = Field(4096, gt=0)
+    """Characters of a tool's answer the model sees (verl's ``multi_turn.max_tool_response_length``): a longer
+    answer is cut to this many, followed by ``...(truncated)``, before it is tokenized or logged."""
     server: ServerConfig = ServerConfig()
     """The generation server: provider settings (endpoint, port, KV cache, start-up timeout, extra arguments)."""
     mode: Literal["server", "colocate"] = "server"

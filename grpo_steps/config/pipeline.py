@@ -12,6 +12,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from grpo_steps.config.base import COLOCATE_NEEDS_GPU, ConfigError, _Section
+from grpo_steps.config.credentials import credentials_error, find_credentials
 from grpo_steps.config.data import DataConfig, kept_columns
 from grpo_steps.config.generation import GenerationConfig, prefetch_depth
 from grpo_steps.config.sections import (
@@ -24,7 +25,7 @@ from grpo_steps.config.sections import (
     TrackingConfig,
 )
 from grpo_steps.config.training import TRANSFORMERS_GENERATION_KEYS, TRL_VLLM_ONLY_KEYS, TrainConfig
-from grpo_steps.redaction import redact_value
+from grpo_steps.redaction import redact, redact_value
 
 
 class PipelineConfig(_Section):
@@ -65,6 +66,22 @@ class PipelineConfig(_Section):
     project: str = Field("grpo", pattern=r"^[a-z0-9_]+$")
     """Metaflow ``@project`` name: deployments are named ``{project}.{branch}.GRPOFlow`` per branch
     (``--branch``, ``--production``), so branches never overwrite each other."""
+
+    @model_validator(mode="after")
+    def _no_credentials_in_the_tree(self) -> PipelineConfig:
+        """Credentials anywhere in the tree are refused (:mod:`grpo_steps.config.credentials`)."""
+        found = find_credentials(self.model_dump(mode="json"))
+        if found:
+            raise ValueError(credentials_error(found))
+        return self
+
+    @model_validator(mode="after")
+    def _gate_has_enough_prompts(self) -> PipelineConfig:
+        if self.data.num_eval < self.registry.min_eval_prompts:
+            raise ValueError(f"data.num_eval ({self.data.num_eval}) is below registry.min_eval_prompts "
+                             f"({self.registry.min_eval_prompts}), the fewest held-out prompts the quality gate "
+                             "decides on: raise data.num_eval, or lower registry.min_eval_prompts (at least 2)")
+        return self
 
     @model_validator(mode="after")
     def _one_process_per_gpu(self) -> PipelineConfig:
@@ -189,8 +206,16 @@ class PipelineConfig(_Section):
     def _eval_during_prompts_in_the_eval_split(self) -> PipelineConfig:
         ev = self.eval
         if ev.every_steps and ev.during_training_prompts > self.data.num_eval:
+            if "during_training_prompts" not in ev.model_fields_set:  # the default fits the split it is given
+                return self._with_eval(during_training_prompts=self.data.num_eval)
             raise ValueError(f"eval.during_training_prompts ({ev.during_training_prompts}) is a subset of the eval "
                              f"split: lower it to at most data.num_eval ({self.data.num_eval})")
+        return self
+
+    def _with_eval(self, **defaults: Any) -> PipelineConfig:
+        """Resolve ``eval`` defaults that depend on other sections, while the config is being validated (it is never
+        changed after): the values are then those of a config that set them."""
+        object.__setattr__(self, "eval", self.eval.model_copy(update=defaults))  # frozen: set once, here
         return self
 
     @model_validator(mode="after")
@@ -341,16 +366,24 @@ class PipelineConfig(_Section):
 
     @model_validator(mode="after")
     def _eval_rewards_configured(self) -> PipelineConfig:
-        names = {spec.name for spec in self.rewards}
+        names = [spec.name for spec in self.rewards]
+        # defaults left unset follow the rewards: answer_accuracy / answer_format when configured, else the first
+        # reward / no format rate
+        fallback = {"correctness_reward": names[0], "format_reward": None}
         for key in ("correctness_reward", "format_reward"):
             value = getattr(self.eval, key)
             if value is not None and value not in names:
+                if key not in self.eval.model_fields_set:
+                    self._with_eval(**{key: fallback[key]})
+                    continue
                 raise ValueError(f"eval.{key} {value!r} is not one of the configured rewards {sorted(names)}")
         return self
 
     def sha256(self) -> str:
-        """Hex digest of the canonical JSON of the config (identifies a config across runs)."""
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+        """Hex digest of the canonical JSON of the redacted config (identifies a config across runs; a hash of a
+        secret is itself a way to test guesses of it, so it is computed after :func:`redact_value`)."""
+        canonical = json.dumps(redact_value(self.model_dump(mode="json")), sort_keys=True)
+        return hashlib.sha256(canonical.encode()).hexdigest()
 
     def flat_params(self) -> dict[str, str]:
         """The config as dotted ``section.key -> str`` pairs, for MLflow params (values cut at 500 chars; credentials
@@ -394,9 +427,9 @@ def _format_errors(err: ValidationError, source: str) -> str:
         if e["type"] == "extra_forbidden":
             lines.append(f"  - {where}: unknown key; remove it or check its spelling (see grpo_steps/config/)")
         elif e["type"] == "value_error":  # a validator's own message names the keys and the fix
-            lines.append(f"  - {where}: {e['msg'].removeprefix('Value error, ')}")
+            lines.append(f"  - {where}: {redact(e['msg'].removeprefix('Value error, '))}")  # a message may quote input
         else:
-            lines.append(f"  - {where}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"  - {where}: {e['msg']} (got {redact(repr(redact_value(e.get('input'))))})")
     return "\n".join(lines)
 
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from grpo_steps.config.base import _Section
-from grpo_steps.redaction import inline_secret, redact
+from grpo_steps.redaction import credential_in, redact
 
 
 class ModelConfig(_Section):
@@ -53,9 +53,11 @@ class EvalConfig(_Section):
     num_table_rows: int = Field(20, ge=0)
     """Sample completions logged to the MLflow table."""
     correctness_reward: str = "answer_accuracy"
-    """The reward (one of ``rewards``) that defines a correct completion (score 1) for accuracy and pass@k."""
+    """The reward (one of ``rewards``) that defines a correct completion (score 1) for accuracy and pass@k. Left
+    unset: ``answer_accuracy`` when it is configured, else the first of ``rewards``."""
     format_reward: str | None = "answer_format"
-    """The reward (one of ``rewards``) whose score 1 counts toward ``format_rate``; null for none."""
+    """The reward (one of ``rewards``) whose score 1 counts toward ``format_rate``; null for none. Left unset:
+    ``answer_format`` when it is configured, else none."""
     every_steps: int = Field(0, ge=0)
     """Held-out evaluation during training (:mod:`grpo_steps.training.eval_during`): node 0 evaluates the policy at
     step 0 and every this many optimizer steps, through the generation server right after it received that
@@ -64,7 +66,7 @@ class EvalConfig(_Section):
     baseline (measured once). 0: off. Needs generation.backend 'vllm' in mode 'server' with weight_sync 'disk'."""
     during_training_prompts: int = Field(64, ge=1)
     """Held-out prompts evaluated during training: the first this many of the eval split (a fixed subset);
-    at most ``data.num_eval``."""
+    at most ``data.num_eval`` (left unset: 64, or ``data.num_eval`` when the split is smaller)."""
 
     @model_validator(mode="after")
     def _greedy_samples_one(self) -> EvalConfig:
@@ -97,6 +99,20 @@ class RegistryConfig(_Section):
             raise ValueError(f"registry.model_name {value!r}: MLflow's registered model names are not empty and hold "
                              "no '/' or ':'")
         return value
+
+    @field_validator("model_name")
+    @classmethod
+    def _name_fits_the_registry_filters(cls, value: str) -> str:
+        # the registry is searched with MLflow filter strings (name = '...'), which have no escape for quotes
+        bad = sorted({c for c in value if c in "'\"\\`" or not c.isprintable()})
+        if bad:
+            raise ValueError(f"registry.model_name {value!r} holds {bad}, which break MLflow's registry search "
+                             "filters: use letters, digits, '-', '_' and '.'")
+        return value
+    min_eval_prompts: int = Field(8, ge=2)
+    """Quality gate: the fewest held-out prompts (``data.num_eval``) the gate decides on; ``start`` refuses a
+    smaller eval split, and the gate holds ``champion`` when fewer prompts were scored (a paired interval over a
+    handful of prompts says little, however narrow)."""
     min_improvement: float = 0.0
     """Quality gate: ``champion`` moves only when the lower bound of the paired 95 % interval of the pass@1 gain
     (per held-out prompt) exceeds this margin, against the baseline and against the current champion on the
@@ -125,13 +141,17 @@ class TrackingConfig(_Section):
     artifact_location: str | None = None
     """Where the experiment keeps artifacts (models, tables), e.g. ``s3://bucket/mlflow``; used when
     the experiment is created. None: MLflow's default next to the tracking store."""
+    outage_wait_s: float = Field(600.0, gt=0)
+    """Seconds the training process waits at its end for the step metrics it queued while the tracking server was
+    away (it trains on meanwhile; :class:`grpo_steps.tracking.MetricQueue`); past it the attempt fails naming the
+    backlog, and ``resume`` continues from the newest checkpoint."""
 
     @field_validator("tracking_uri", "artifact_location")
     @classmethod
     def _no_inline_credentials(cls, value: str | None, info: Any) -> str | None:
-        if value is not None and inline_secret(value):
+        if value is not None and credential_in(value):
             raise ValueError(
-                f"tracking.{info.field_name} {redact(value)!r} holds credentials ({inline_secret(value)}): remove them "
+                f"tracking.{info.field_name} {redact(value)!r} holds credentials ({credential_in(value)}): remove them "
                 "and set them in the environment: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
                 "MLFLOW_TRACKING_TOKEN) for an MLflow server, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY for S3; a "
                 "database store's password belongs to the MLflow server (mlflow server --backend-store-uri)")

@@ -273,7 +273,7 @@ class TrainConfig(_Section):
     the current policy (needs whole groups per process as ``resample``, backend ``vllm`` with the mismatch
     correction on, which weighs the older sampler's completions, and no ``train.grpo.sync_ref_model``; the buffer
     is in memory only: a resumed run starts with it empty).
-    Metrics ``zero_signal/*`` (see :class:`grpo_steps.training.trainer.PipelineGRPOTrainer`)."""
+    Metrics ``zero_signal/*`` (see :mod:`grpo_steps.training.zero_signal`)."""
     max_resample_rounds: int = Field(4, ge=2)
     """``zero_signal_groups: resample``: generation rounds per generation batch at most, the first one included."""
     replay_buffer_size: int = Field(64, ge=1)

@@ -1,7 +1,12 @@
 """The ``kubernetes`` provider of the generation server: a vLLM Deployment + Service per run.
 
 The manifests come from ``infra/k8s/vllm-server.yaml`` (rendered by :func:`render_manifests`, a
-pure function; a NetworkPolicy admits only the run's pods to the server, :func:`network_policy_peers`);
+pure function; a NetworkPolicy admits only the run's pods to the server, :func:`network_policy_peers`, but a cluster
+without an enforcing network plugin ignores it, so the server also loads the pipeline's token middleware:
+:func:`render_auth` renders the run's Secret, holding a fresh per-run token, and a ConfigMap with the middleware's
+module, which the server image lacks; the token reaches the server as ``GRPO_SERVER_TOKEN`` from the Secret, never in
+argv, and the flow's pods read the Secret through the API, :meth:`KubernetesServer.keep_token`, because Metaflow
+fixes a step pod's secrets when the flow is deployed, before the run's Secret exists);
 :meth:`KubernetesServer.start` creates them with the official ``kubernetes`` client,
 waits until the Deployment has a ready replica (its readiness probe is ``GET /health``) and returns a
 handle whose endpoint is the Service's cluster DNS name. On a timeout it raises with the pods' status
@@ -16,6 +21,7 @@ TRL 1.16, for vLLM >= 0.30): ``--enable-scale-out --weight-transfer-config '{"ba
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
@@ -28,6 +34,7 @@ import yaml
 
 from grpo_steps.config import INFRA_DIR, PipelineConfig
 from grpo_steps.processes import ProcessRef, wait_until
+from grpo_steps.servers import auth
 from grpo_steps.servers.base import GenerationServer, ServerStartError
 from grpo_steps.servers.client import LOGPROBS_MODE, SERVED_MODEL_NAME
 
@@ -36,6 +43,8 @@ MANAGED_BY = "grpo-pipeline"
 RUN_LABEL = "grpo-pipeline/run-id"
 PORT = 8000
 SHARED_MOUNT = "/shared"
+AUTH_MOUNT = "/opt/grpo-auth"
+"""Where the server pod mounts the ConfigMap with :mod:`grpo_steps.servers.auth` (on its ``PYTHONPATH``)."""
 
 
 def k8s_name(run_id: str, prefix: str = "vllm") -> str:
@@ -63,7 +72,30 @@ def server_args(cfg: PipelineConfig, model: str) -> list[str]:
                  "--max-logprobs", "-1"]
     if gen.server.enforce_eager:
         args.append("--enforce-eager")
+    args += ["--middleware", auth.MIDDLEWARE]  # every route but GET /health needs the run's token
     return args + list(gen.server.extra_args)
+
+
+def auth_names(run_id: str) -> tuple[str, str]:
+    """Names of a run's token Secret and middleware ConfigMap."""
+    name = k8s_name(run_id)[:57].rstrip("-")  # room for the suffixes within 63 characters
+    return f"{name}-token", f"{name}-auth"
+
+
+def render_auth(cfg: PipelineConfig, run_id: str, token: str) -> list[dict]:
+    """``[Secret, ConfigMap]`` of a run's server: the Secret holds ``token`` under ``GRPO_SERVER_TOKEN``; the
+    ConfigMap, the source of :mod:`grpo_steps.servers.auth` (stdlib only), mounted as that module by
+    :func:`render_manifests`. Both carry the run's labels, so :func:`stop_run` deletes them."""
+    secret_name, config_map_name = auth_names(run_id)
+    labels = {"app.kubernetes.io/name": "vllm-server", "app.kubernetes.io/managed-by": MANAGED_BY,
+              RUN_LABEL: label_value(run_id)}
+    meta = {"namespace": cfg.resources.namespace, "labels": labels}
+    return [
+        {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {"name": secret_name, **meta},
+         "stringData": {auth.TOKEN_ENV: token}},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": config_map_name, **meta},
+         "data": {"auth.py": Path(auth.__file__).read_text()}},
+    ]
 
 
 ARGO_WORKFLOW_LABEL = "workflows.argoproj.io/workflow"
@@ -104,6 +136,13 @@ def render_manifests(cfg: PipelineConfig, run_id: str, model: str, template: Pat
     if not res.gpu:
         for section in container["resources"].values():
             section.pop("nvidia.com/gpu")
+    secret_name, config_map_name = auth_names(run_id)
+    container["env"] += [
+        {"name": auth.TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": auth.TOKEN_ENV}}},
+        {"name": "PYTHONPATH", "value": AUTH_MOUNT}]  # grpo_steps.servers.auth as a namespace package
+    container["volumeMounts"].append({"name": "grpo-auth", "mountPath": AUTH_MOUNT, "readOnly": True})
+    pod["volumes"].append({"name": "grpo-auth", "configMap": {
+        "name": config_map_name, "items": [{"key": "auth.py", "path": "grpo_steps/servers/auth.py"}]}})
     claim = cfg.resources.shared_volume_claim
     if claim:
         pod["volumes"].append({"name": "shared", "persistentVolumeClaim": {"claimName": claim}})
@@ -140,19 +179,17 @@ def pod_status(core: Any, namespace: str, run_id: str) -> str:
 
 
 def stop_run(namespace: str, run_id: str, *, apps: Any = None, core: Any = None, networking: Any = None) -> int:
-    """Delete every Deployment, Service and NetworkPolicy labelled with this run; returns how many were deleted."""
+    """Delete every Deployment, Service, NetworkPolicy, Secret and ConfigMap labelled with this run; returns how many
+    were deleted."""
     apps, core, networking = _clients(apps, core, networking)
     selector = f"app.kubernetes.io/managed-by={MANAGED_BY},{RUN_LABEL}={label_value(run_id)}"
+    kinds = [(apps, "deployment"), (core, "service"), (networking, "network_policy"), (core, "secret"),
+             (core, "config_map")]
     deleted = 0
-    for obj in apps.list_namespaced_deployment(namespace, label_selector=selector).items:
-        apps.delete_namespaced_deployment(obj.metadata.name, namespace)
-        deleted += 1
-    for obj in core.list_namespaced_service(namespace, label_selector=selector).items:
-        core.delete_namespaced_service(obj.metadata.name, namespace)
-        deleted += 1
-    for obj in networking.list_namespaced_network_policy(namespace, label_selector=selector).items:
-        networking.delete_namespaced_network_policy(obj.metadata.name, namespace)
-        deleted += 1
+    for api, kind in kinds:  # the client's list_namespaced_<kind> / delete_namespaced_<kind> pairs
+        for obj in getattr(api, f"list_namespaced_{kind}")(namespace, label_selector=selector).items:
+            getattr(api, f"delete_namespaced_{kind}")(obj.metadata.name, namespace)
+            deleted += 1
     return deleted
 
 
@@ -191,7 +228,12 @@ class KubernetesServer(GenerationServer):
         server = cls(f"http://{name}.{namespace}.svc:{PORT}", model=model, namespace=namespace, name=name,
                      run_id=run_id)
         timeout_s = cfg.generation.server.startup_timeout_s
+        token = auth.new_token()
         try:
+            secret, config_map = render_auth(cfg, run_id, token)
+            core.create_namespaced_secret(namespace, secret)
+            core.create_namespaced_config_map(namespace, config_map)
+            auth.save_token(server.endpoint, token)  # this pod's clients (grpo_steps.servers.auth.token_for)
             networking.create_namespaced_network_policy(namespace, policy)  # before the server can answer
             apps.create_namespaced_deployment(namespace, deployment)
             core.create_namespaced_service(namespace, service)
@@ -203,11 +245,21 @@ class KubernetesServer(GenerationServer):
             )
         except BaseException:
             stop_run(namespace, run_id, apps=apps, core=core, networking=networking)
+            auth.forget_token(server.endpoint)
             raise
 
     def stop(self, *, apps: Any = None, core: Any = None, networking: Any = None) -> bool:
-        """Delete the run's Deployment, Service and NetworkPolicy; True when there was something to delete."""
+        """Delete the run's Deployment, Service, NetworkPolicy, Secret and ConfigMap; True when there was
+        something to delete."""
+        auth.forget_token(self.endpoint)
         return stop_run(self.namespace, self.run_id, apps=apps, core=core, networking=networking) > 0
+
+    def keep_token(self, *, core: Any = None) -> None:
+        """Read the run's token from its Secret and keep it for this pod's clients (a file only this user reads,
+        :func:`grpo_steps.servers.auth.save_token`): the train and evaluate steps run in pods of their own."""
+        core = core if core is not None else _clients()[1]
+        data = core.read_namespaced_secret(auth_names(self.run_id)[0], self.namespace).data
+        auth.save_token(self.endpoint, base64.b64decode(data[auth.TOKEN_ENV]).decode())
 
     def is_ready(self, *, apps: Any = None) -> bool:
         """True when the Deployment exists and has a ready replica."""
@@ -223,8 +275,12 @@ class KubernetesServer(GenerationServer):
         return (status.ready_replicas or 0) >= 1
 
     def serves(self, owner: ProcessRef) -> bool:
-        """Kept while its Deployment is ready, across ``@retry`` and ``resume`` (it belongs to the run)."""
-        return self.is_ready()
+        """Kept while its Deployment is ready, across ``@retry`` and ``resume`` (it belongs to the run); when it
+        is, this pod's clients get the run's token (:meth:`keep_token`)."""
+        if not self.is_ready():
+            return False
+        self.keep_token()
+        return True
 
     def stage_weights(self, weights_dir: str | Path, label: str, root: str = SHARED_MOUNT) -> str:
         """Copy ``weights_dir`` to ``{root}/grpo/{run_id}/{label}`` on the shared volume, where the

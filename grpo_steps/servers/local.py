@@ -4,12 +4,14 @@ The server runs under a small supervisor (``python -m grpo_steps.servers.supervi
 watches the process owning the run (the Metaflow runtime, known by PID and create time): when the
 owner is gone (a crash, a kill, Ctrl-C) the supervisor stops vLLM within ``orphan_grace_s`` seconds,
 so a failed run leaves no orphan server. ``end`` stops it earlier through the supervisor's recorded
-PID and create time.
+PID and create time. vLLM's IPC sockets go to a directory of the server's own (``VLLM_RPC_BASE_PATH``), removed at
+stop, or by the next start when the supervisor was killed; usage statistics are off (``VLLM_NO_USAGE_STATS``).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -17,7 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from grpo_steps.processes import PortInUseError, ProcessRef, log_tail, pick_port, wait_until
+from grpo_steps.processes import (
+    PortInUseError,
+    ProcessRef,
+    claim_dir,
+    log_tail,
+    pick_port,
+    remove_orphan_dirs,
+    wait_until,
+)
 from grpo_steps.servers import auth
 from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy
 from grpo_steps.servers.client import LOGPROBS_MODE, SERVED_MODEL_NAME, WORKER_EXTENSION
@@ -26,6 +36,8 @@ if TYPE_CHECKING:
     from grpo_steps.config import PipelineConfig, ServerConfig
 
 LOG_DIR = Path(tempfile.gettempdir()) / "grpo-vllm-logs"
+IPC_PREFIX = "grpo-vllm-ipc-"
+"""Directories (in the temporary directory) holding a server's ZeroMQ IPC sockets, owned by its supervisor."""
 
 
 MAX_LORAS = 2
@@ -62,6 +74,8 @@ class LocalServer(GenerationServer):
     owner_started: float | None = None
     """The process the server belongs to: it stops itself ``orphan_grace_s`` s after that one is gone."""
     log_path: str | None = None
+    ipc_dir: str | None = None
+    """Where vLLM puts its IPC socket files (``VLLM_RPC_BASE_PATH``); removed at stop."""
 
     provider = "local"
 
@@ -85,6 +99,8 @@ class LocalServer(GenerationServer):
         supervisor = self.supervisor
         stopped = supervisor.stop_group(timeout_s) if supervisor else False
         auth.forget_token(self.endpoint)
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)  # the sockets of a stopped server; nothing else is there
         return stopped
 
     def serves(self, owner: ProcessRef) -> bool:
@@ -118,7 +134,10 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
     # the run's token, in the environment only: the one the flow's clients would present (grpo_steps.servers.auth
     # token_for), else a new one; with VLLM_API_KEY set, vLLM's own check of /v1 paths takes the same value
     token = os.environ.get(auth.TOKEN_ENV) or os.environ.get("VLLM_API_KEY") or auth.new_token()
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(server_cfg.kv_cache_gib))
+    remove_orphan_dirs(Path(tempfile.gettempdir()), IPC_PREFIX)  # of servers whose supervisor was killed
+    ipc_dir = tempfile.mkdtemp(prefix=IPC_PREFIX)
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(server_cfg.kv_cache_gib),
+               VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1", VLLM_RPC_BASE_PATH=ipc_dir)
     env[auth.TOKEN_ENV] = token
     if max_lora_rank is not None:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
@@ -137,15 +156,17 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
         proc = subprocess.Popen(supervisor, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, cwd=Path(__file__).resolve().parents[2])
     ref = ProcessRef.of(proc.pid)
+    claim_dir(ipc_dir, ref.pid)
     server = LocalServer(f"http://{server_cfg.host}:{port}", model=model_path, supervisor_pid=ref.pid,
                          supervisor_started=ref.started, owner_pid=owner.pid, owner_started=owner.started,
-                         log_path=str(log_path))
+                         log_path=str(log_path), ipc_dir=ipc_dir)
     auth.save_token(server.endpoint, token)
     if wait_until(lambda: proc.poll() is not None or is_healthy(server.endpoint), server_cfg.startup_timeout_s,
                   interval_s=1.0) and proc.poll() is None:
         return server
     if proc.poll() is not None:
         auth.forget_token(server.endpoint)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
         raise ServerStartError(f"vLLM server exited with code {proc.returncode} before becoming healthy. "
                                f"Log {log_path}, last lines:\n{log_tail(log_path)}")
     server.stop()

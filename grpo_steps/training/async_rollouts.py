@@ -17,6 +17,7 @@ the others.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +26,15 @@ from typing import Any
 
 STOP_TIMEOUT_S = 600.0
 """Longest wait, seconds, for the request in flight when the producer stops (the client's own timeout bounds it)."""
+ERROR_STOP_TIMEOUT_S = 5.0
+"""The same wait when the producer is stopped while an error propagates (training failed): ``@retry`` should not
+wait for a request that may hang; the daemon thread dies with the process."""
+LIVENESS_POLL_S = 1.0
+"""Seconds between checks, while the trainer waits on the producer, that its thread is still alive."""
+
+
+class ProducerDiedError(RuntimeError):
+    """The producer thread ended while the trainer waited on it (the cause is chained)."""
 
 
 @dataclass
@@ -99,6 +109,7 @@ class RolloutPrefetcher:
         self._in_flight = False
         self._stopping = False
         self._last_key = -1
+        self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         self._thread.start()
 
@@ -117,18 +128,33 @@ class RolloutPrefetcher:
         return None
 
     def _run(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._cond:
+                    job = self._next_job()
+                if job is None:
+                    return
+                try:
+                    job.result = self.sample(job.prompts, job.num_generations)
+                except BaseException as err:  # noqa: BLE001  (handed to the trainer, which raises it)
+                    job.error = err
+                with self._cond:
+                    job.done, self._in_flight = True, False
+                    self._cond.notify_all()
+        except BaseException as err:  # noqa: BLE001  e.g. version() failed: the waiting trainer raises it (_wait_for)
+            self._failure = err
+        finally:
             with self._cond:
-                job = self._next_job()
-            if job is None:
-                return
-            try:
-                job.result = self.sample(job.prompts, job.num_generations)
-            except BaseException as err:  # noqa: BLE001  (handed to the trainer, which raises it)
-                job.error = err
-            with self._cond:
-                job.done, self._in_flight = True, False
                 self._cond.notify_all()
+
+    def _wait_for(self, ready: Callable[[], bool], what: str) -> None:
+        """Wait (condition held) until ``ready()``, checking every :data:`LIVENESS_POLL_S` seconds that the producer
+        thread lives. Raises :class:`ProducerDiedError` when it has ended and ``ready()`` cannot become true."""
+        while not ready():
+            if not self._thread.is_alive():
+                raise ProducerDiedError(f"the rollout producer thread ended while the trainer waited for {what} "
+                                        f"({self._failure!r}): training cannot go on") from self._failure
+            self._cond.wait(LIVENESS_POLL_S)
 
     # ---- training thread ----
     def fill(self, upcoming: list[tuple[int, list[list[int]]]], num_generations: int, current_key: int) -> int:
@@ -171,8 +197,8 @@ class RolloutPrefetcher:
                 return None
             self.queue = [b for b in self.queue if b.key >= key]
             waited_from = time.perf_counter()
-            while not batch.done:  # the producer takes the queue's first batch not started: this one, or the one
-                self._cond.wait()  # in flight before it
+            # the producer takes the queue's first batch not started: this one, or the one in flight before it
+            self._wait_for(lambda: batch.done, f"generation batch {key}")
             self.queue = [b for b in self.queue if b.key > key]
             self.stats.trainer_wait_s += time.perf_counter() - waited_from
             self.stats.ready_ahead.append(sum(b.done for b in self.queue))
@@ -193,8 +219,11 @@ class RolloutPrefetcher:
         with self._cond:
             self._paused += 1
             waited_from = time.perf_counter()
-            while self._in_flight:
-                self._cond.wait()
+            try:
+                self._wait_for(lambda: not self._in_flight, "the request in flight before a weight push")
+            except ProducerDiedError:
+                self._paused -= 1
+                raise
             self.stats.trainer_wait_s += time.perf_counter() - waited_from
         try:
             yield
@@ -209,10 +238,13 @@ class RolloutPrefetcher:
             stats, self.stats = self.stats, PrefetchStats()
             return stats
 
-    def close(self, timeout_s: float = STOP_TIMEOUT_S) -> bool:
+    def close(self, timeout_s: float | None = None) -> bool:
         """Stop: nothing new starts, the queue is discarded, the request in flight (if any) is waited for up to
-        ``timeout_s`` seconds. Returns whether the thread has ended (a request still hanging after that leaves a
-        daemon thread that dies with the process)."""
+        ``timeout_s`` seconds (default :data:`STOP_TIMEOUT_S`, or :data:`ERROR_STOP_TIMEOUT_S` when called while an
+        exception propagates, e.g. from a ``finally`` after a training error). Returns whether the thread has
+        ended (a request still hanging after that leaves a daemon thread that dies with the process)."""
+        if timeout_s is None:  # an exception on its way up (sys.exc_info sees it in a finally block too)
+            timeout_s = ERROR_STOP_TIMEOUT_S if sys.exc_info()[0] is not None else STOP_TIMEOUT_S
         with self._cond:
             self._stopping = True
             self.queue.clear()
@@ -224,3 +256,47 @@ class RolloutPrefetcher:
     def alive(self) -> bool:
         """Whether the producer thread is running."""
         return self._thread.is_alive()
+
+
+class PromptStream:
+    """The token-id prompts of the generation batches TRL will ask for next, read from a second training dataloader
+    (``loader``: the trainer's ``get_train_dataloader()``, the same sampler, seed and sharding) from where this attempt
+    starts: a resumed run skips the micro-batches its checkpoint trained (``start_step`` optimizer steps of
+    ``accumulation`` micro-batches each), as ``Trainer`` does. Each generation batch is keyed by the micro-step at
+    which TRL generates it (0 when the attempt starts; one batch every ``every`` micro-steps); ``tokenize`` gives a
+    batch's prompt ids as TRL encodes them. Read in the training thread (the dataloader may synchronise RNG states
+    across processes). A stream that disagrees with TRL's costs speed, never correctness: the producer's batch then
+    holds other prompts and is not used (``async/missed``)."""
+
+    def __init__(self, loader, start_step: int, accumulation: int, tokenize: Callable[[list], list[list[int]]],
+                 every: int, depth: int) -> None:
+        self.every, self.depth, self.tokenize = every, depth, tokenize
+        self.ahead: dict[int, list[list[int]]] = {}
+        self.next_index = 0
+        self.batches = self._micro_batches(loader, start_step, accumulation)
+
+    @staticmethod
+    def _micro_batches(loader, start_step: int, accumulation: int) -> Iterator[list[dict]]:
+        per_epoch = max(len(loader) // accumulation + int(len(loader) % accumulation > 0), 1)  # optimizer steps
+        epoch, skip = start_step // per_epoch, (start_step % per_epoch) * accumulation
+        while True:
+            if hasattr(loader, "set_epoch"):
+                loader.set_epoch(epoch)
+            for index, rows in enumerate(loader):
+                if index >= skip:
+                    yield rows
+            skip, epoch = 0, epoch + 1
+
+    def after(self, key: int) -> list[tuple[int, list[list[int]]]]:
+        """``(key, prompt ids)`` of the next ``depth`` generation batches after the one at micro-step ``key``."""
+        import copy
+
+        wanted = [key + self.every * j for j in range(1, self.depth + 1)]
+        for index in wanted:
+            while self.next_index <= index:
+                rows = next(self.batches)
+                if self.next_index % self.every == 0 and self.next_index > key:
+                    self.ahead[self.next_index] = self.tokenize(copy.deepcopy([row["prompt"] for row in rows]))
+                self.next_index += 1
+        self.ahead = {k: v for k, v in self.ahead.items() if k > key}
+        return [(k, self.ahead[k]) for k in wanted]

@@ -14,13 +14,18 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from grpo_steps.checkpoints import checkpoint_name, mark_latest_zero_tag
+from grpo_steps.checkpoints import checkpoint_bytes, checkpoint_name, mark_latest_zero_tag
+from grpo_steps.training import trl_hooks
+from grpo_steps.weight_files import require_space
 from rewards import guard
 
 
 class DatastoreCheckpointCallback(TrainerCallback):
     """After each trainer save (rank 0 of each node), copy the new ``checkpoint-N`` to the datastore,
-    then delete this node's older datastore checkpoints beyond the newest ``keep``.
+    then delete this node's older datastore checkpoints beyond the newest ``keep``. Before each save, the output
+    directory must have room for it (:func:`grpo_steps.checkpoints.checkpoint_bytes`), else ``NoSpaceError``: the
+    attempt fails before writing, and ``@retry`` continues from the last checkpoint in the datastore (a save the
+    disk cut short is never uploaded: the upload follows a complete save).
 
     Args:
         node_index: the node of the gang (checkpoints are saved and found per node).
@@ -32,6 +37,15 @@ class DatastoreCheckpointCallback(TrainerCallback):
     def __init__(self, node_index: int = 0, keep: int | None = None, log_metrics=None) -> None:
         self.node_index, self.keep, self.log_metrics = node_index, keep, log_metrics
         self.checkpointer = None  # one Checkpoint for the whole process: its version counter names each save
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        # the trainer saves right after this hook when should_save is set: refuse a save that cannot fit first
+        if control.should_save and state.is_local_process_zero and model is not None:
+            require_space(f"checkpoint-{state.global_step}", args.output_dir, checkpoint_bytes(args.output_dir, model),
+                          f"train.save_total_limit (local copies kept: {args.save_total_limit}), or free space in "
+                          "the train step's scratch (/dev/shm when it exists; resources.train.shared_memory_mib on "
+                          "Kubernetes)")
+        return control
 
     def on_save(self, args, state, control, **kwargs):
         if not state.is_local_process_zero:
@@ -81,15 +95,20 @@ class MLflowMetricsCallback(TrainerCallback):
     Steps the run already holds (an earlier attempt logged them before it died) are not logged
     again, so a run resumed from an older checkpoint keeps one continuous history: every step once,
     none missing. The watermark is the newest step of the ``WATERMARK`` metric, read at train start.
+    Points go through a :class:`grpo_steps.tracking.MetricQueue`: a tracking server that goes away mid-training
+    delays them; at train end the queue is drained within ``outage_wait_s`` seconds (``tracking.outage_wait_s``).
     """
 
     WATERMARK = "trainer/global_step"
 
-    def __init__(self, run_id: str, tracking_uri: str) -> None:
+    def __init__(self, run_id: str, tracking_uri: str, outage_wait_s: float = 600.0) -> None:
         from mlflow import MlflowClient
 
+        from grpo_steps.tracking import MetricQueue
+
         self.run_id, self.client = run_id, MlflowClient(tracking_uri=tracking_uri)
-        self.logged_up_to = 0
+        self.logged_up_to, self.outage_wait_s = 0, outage_wait_s
+        self.queue = MetricQueue(self.client, run_id)  # a tracking outage neither stalls nor fails training
 
     def on_train_begin(self, args, state, control, **kwargs):
         history = self.client.get_metric_history(self.run_id, self.WATERMARK)
@@ -97,11 +116,13 @@ class MLflowMetricsCallback(TrainerCallback):
         return control
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """Log ``metrics`` at ``step`` unless an earlier attempt already logged that step."""
-        from grpo_steps.tracking import log_metrics_with
-
+        """Queue ``metrics`` at ``step`` for the run unless an earlier attempt already logged that step."""
         if step > self.logged_up_to:
-            log_metrics_with(self.client, self.run_id, metrics, step)
+            self.queue.log(metrics, step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.queue.close(self.outage_wait_s)  # every step in the run, or TrackingBacklog after outage_wait_s
+        return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
@@ -119,11 +140,11 @@ def completions_table(trainer, version: int) -> dict[str, list]:
     """The latest generation batch as a table (column -> values): ``prompt`` (the last message of a conversational
     prompt), ``completion`` (its text; a multi-turn one whole: tool calls and answers), one column per reward
     function (None where it did not apply), ``advantage`` and ``weight_version`` (the policy version that sampled it).
-    Read from TRL's ``GRPOTrainer._logs``, which holds the batch gathered from every process (main process only;
-    pinned by tests/unit/test_trl_contract.py)."""
+    Read from TRL's log of the batch (:func:`grpo_steps.training.trl_hooks.logged_batch`: gathered from every
+    process; main process only)."""
     import math
 
-    logs = trainer._logs
+    logs = trl_hooks.logged_batch(trainer)
 
     from grpo_steps.episodes import conversation
 
@@ -154,14 +175,17 @@ class CompletionsTableCallback(TrainerCallback):
         self.logged: set[str] | None = None  # artifact paths the run holds, read once
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or state.global_step % self.every or not self.trainer._logs["prompt"]:
+        if not state.is_world_process_zero or state.global_step % self.every \
+                or not trl_hooks.logged_batch(self.trainer)["prompt"]:
             return control
         if self.logged is None:
             self.logged = {a.path for a in self.client.list_artifacts(self.run_id, COMPLETIONS_DIR)}
         path = f"{COMPLETIONS_DIR}/step_{state.global_step:06d}.json"
         if path not in self.logged:
             table = completions_table(self.trainer, getattr(self.trainer, "sampled_version", state.global_step - 1))
-            self.client.log_table(self.run_id, data=table, artifact_file=path)
+            from grpo_steps.tracking import log_table
+
+            log_table(self.client, self.run_id, table, path)  # text cells redacted
             self.logged.add(path)
         return control
 

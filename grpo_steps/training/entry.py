@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from grpo_steps.config import PipelineConfig
@@ -41,11 +42,11 @@ def run(job: TrainJob) -> str:
     Also writes the trainer's per-step log to ``{output_dir}/log_history.json``.
     """
     import torch
-    from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.models import load_tokenizer
-    from grpo_steps.training.trainer import PipelineGRPOTrainer
+    from grpo_steps.training.distributed import check_replicas_agree
+    from grpo_steps.training.generation import ServerGeneration
 
     started = time.monotonic()
     cfg = job.config
@@ -61,34 +62,96 @@ def run(job: TrainJob) -> str:
         tokenizer.pad_token = tokenizer.eos_token
     dtype = getattr(torch, cfg.model.dtype) if torch.cuda.is_available() else torch.float32
     model = AutoModelForCausalLM.from_pretrained(job.model_path, dtype=dtype)
-    rows = [json.loads(line) for line in Path(job.train_file).read_text().splitlines() if line.strip()]
-    dataset = Dataset.from_list(rows)
+    trainer = build_trainer(job, args, model, tokenizer, started)
+    try:
+        trainer.train(resume_from_checkpoint=job.resume_from)
+    finally:  # stop the async producer, remove the push directory, on success and on failure alike
+        if isinstance(getattr(trainer, "vllm_generation", None), ServerGeneration):  # set on TRL's vLLM paths only
+            trainer.vllm_generation.close()
+    check_replicas_agree(trainer.accelerator, trainer.model, trainer.is_deepspeed_enabled)
+    final = Path(job.output_dir) / "final"
+    trainer.save_model(str(final))
+    if trainer.accelerator.is_main_process:
+        tokenizer.save_pretrained(final)
+        (Path(job.output_dir) / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+    return str(final)
 
-    rollout, trainer_class, server_kwargs = None, PipelineGRPOTrainer, {}
-    if cfg.generation.backend == "vllm" and cfg.generation.mode == "colocate":
+
+def build_trainer(job: TrainJob, args, model, tokenizer, started: float):
+    """The trainer of ``job``: TRL's ``GRPOTrainer`` (:mod:`grpo_steps.training.trainer`) on the prepared train split,
+    with the configured rewards, LoRA, tools or environment, zero-signal mode, the generation backend
+    (:func:`backend`) and the pipeline's callbacks (:func:`callbacks`; ``started``: ``time.monotonic()`` at the
+    start of the process, for the progress lines)."""
+    from datasets import Dataset
+
+    from grpo_steps.tools import environment_factories, tool_functions, trl_environment_factory
+    from grpo_steps.training.zero_signal import mode_for
+
+    cfg = job.config
+    rows = [json.loads(line) for line in Path(job.train_file).read_text().splitlines() if line.strip()]
+    trainer_class, backend_kwargs = backend(job, tokenizer, rows)
+    first, of_trainer = callbacks(job, tokenizer, started)
+    trainer = trainer_class(
+        model=model,
+        reward_funcs=reward_functions(cfg),
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=first,
+        peft_config=cfg.train.peft.lora_config() if cfg.train.peft else None,  # LoRA: TRL wraps the policy
+        # multi-turn rollouts: TRL's own tool loop (grpo_steps.training.trainer), each call under tool_timeout_s
+        tools=tool_functions(cfg.tools, cfg.generation.tool_timeout_s,
+                             cfg.generation.max_tool_response_length) or None,
+        environment_factory=trl_environment_factory(environment_factories(
+            cfg.environment, cfg.generation.tool_timeout_s, cfg.generation.max_tool_response_length)),
+        zero_signal=mode_for(cfg.train),
+        **backend_kwargs,
+    )
+    for make in of_trainer:  # callbacks that read the trainer itself
+        trainer.add_callback(make(trainer))
+    return trainer
+
+
+def backend(job: TrainJob, tokenizer, rows: list[dict]) -> tuple[type, dict]:
+    """The trainer class and its backend arguments for ``generation``: our server with ``disk`` sync
+    (:class:`grpo_steps.training.trainer.ServerGRPOTrainer` with its
+    :func:`grpo_steps.training.generation.server_settings`; the probe is the first training prompt), TRL's own
+    colocated vLLM (GPU only), fixed completions from a file (``replay``:
+    :class:`grpo_steps.training.rollouts.ReplayRollout`), or TRL's own generation (``hf``, ``nccl``).
+
+    Raises:
+        ConfigError: colocate mode on a machine without CUDA.
+    """
+    from grpo_steps.training.trainer import PipelineGRPOTrainer
+
+    cfg = job.config
+    gen = cfg.generation
+    if gen.backend == "vllm" and gen.mode == "colocate":
+        import torch
+
         if not torch.cuda.is_available():  # a GPU config run on a CPU machine: see COLOCATE_NEEDS_GPU
             from grpo_steps.config import COLOCATE_NEEDS_GPU, ConfigError
 
             raise ConfigError(f"{COLOCATE_NEEDS_GPU} (this machine has no CUDA device)")
         colocate_environment(cfg)
-    elif cfg.generation.backend == "vllm" and cfg.generation.weight_sync == "disk":
+    elif gen.backend == "vllm" and gen.weight_sync == "disk":
         from grpo_steps.servers.client import VLLMClient
-        from grpo_steps.training.generation import server_generation
+        from grpo_steps.training.generation import server_settings
         from grpo_steps.training.trainer import ServerGRPOTrainer
 
         client = VLLMClient(job.endpoint, model=job.served_model)
-        trainer_class = ServerGRPOTrainer
-        probe_tolerance, max_logp_diff = cfg.generation.sync_check.thresholds(cfg.model.dtype)
-        lora_push = cfg.train.peft.push if cfg.train.peft else None
-        server_kwargs = dict(sync=server_generation(client, tokenizer, rows[0]["prompt"], job.output_dir,
-                                                    probe_tolerance, gen=cfg.generation,
-                                                    max_model_len=cfg.model.max_model_len,
-                                                    sync_dir=cfg.generation.sync_dir, lora=lora_push),
-                             max_logp_diff=max_logp_diff,
-                             max_staleness=cfg.generation.async_.max_staleness if cfg.generation.async_ else None)
-        server_kwargs["sync"].sync_every = cfg.generation.weight_sync_every
-    elif cfg.generation.backend == "replay":
-        rollout = ReplayRollout(cfg.generation.replay_file, tokenizer, cfg.generation)
+        return ServerGRPOTrainer, {"server": server_settings(cfg, client, tokenizer, rows[0]["prompt"],
+                                                             job.output_dir)}
+    elif gen.backend == "replay":
+        return PipelineGRPOTrainer, {"rollout_func": ReplayRollout(gen.replay_file, tokenizer, gen)}
+    return PipelineGRPOTrainer, {}
+
+
+def callbacks(job: TrainJob, tokenizer, started: float) -> tuple[list, list]:
+    """The pipeline's callbacks: those given to the trainer's constructor (progress lines, the all-None stop,
+    MLflow metrics with a tracked run, checkpoints to the Metaflow datastore inside a Metaflow task), and makers
+    ``fn(trainer) -> callback`` of those that read the trainer (evaluation during training, ``eval.every_steps``;
+    completions tables, ``train.log_completions_steps`` with a tracked run), added after it is built."""
     from grpo_steps.checkpoints import in_metaflow_task
     from grpo_steps.training.callbacks import (
         AllNoneStop,
@@ -98,50 +161,18 @@ def run(job: TrainJob) -> str:
         ProgressCallback,
     )
 
-    mlflow_cb = MLflowMetricsCallback(job.mlflow_run_id, cfg.tracking.tracking_uri) if job.mlflow_run_id else None
-    callbacks = [ProgressCallback(started), AllNoneStop(cfg.train.max_all_none_steps)]
-    callbacks += [mlflow_cb] if mlflow_cb else []
+    cfg = job.config
+    mlflow_cb = MLflowMetricsCallback(job.mlflow_run_id, cfg.tracking.tracking_uri,
+                                      cfg.tracking.outage_wait_s) if job.mlflow_run_id else None
+    first = [ProgressCallback(started), AllNoneStop(cfg.train.max_all_none_steps)] + ([mlflow_cb] if mlflow_cb else [])
     if in_metaflow_task():
-        callbacks.append(DatastoreCheckpointCallback(job.node_index, keep=cfg.train.save_total_limit,
-                                                     log_metrics=mlflow_cb.log if mlflow_cb else None))
-    from grpo_steps.tools import environment_factories, tool_functions, trl_environment_factory
-
-    trainer = trainer_class(
-        model=model,
-        reward_funcs=reward_functions(cfg),
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        rollout_func=rollout,
-        callbacks=callbacks,
-        peft_config=cfg.train.peft.lora_config() if cfg.train.peft else None,  # LoRA: TRL wraps the policy
-        # multi-turn rollouts: TRL's own tool loop (grpo_steps.training.trainer), each call under tool_timeout_s
-        tools=tool_functions(cfg.tools, cfg.generation.tool_timeout_s) or None,
-        environment_factory=trl_environment_factory(environment_factories(cfg.environment,
-                                                                          cfg.generation.tool_timeout_s)),
-        zero_signal_groups=cfg.train.zero_signal_groups,
-        max_resample_rounds=cfg.train.max_resample_rounds,
-        replay_buffer_size=cfg.train.replay_buffer_size,
-        replay_max_age=cfg.train.replay_max_age,
-        **server_kwargs,
-    )
-    if cfg.eval.every_steps:
-        trainer.add_callback(eval_during_callback(job, trainer, tokenizer))
+        first.append(DatastoreCheckpointCallback(job.node_index, keep=cfg.train.save_total_limit,
+                                                 log_metrics=mlflow_cb.log if mlflow_cb else None))
+    of_trainer = [partial(eval_during_callback, job, tokenizer=tokenizer)] if cfg.eval.every_steps else []
     if mlflow_cb and cfg.train.log_completions_steps:
-        trainer.add_callback(CompletionsTableCallback(trainer, mlflow_cb.client, job.mlflow_run_id,
-                                                      cfg.train.log_completions_steps))
-    try:
-        trainer.train(resume_from_checkpoint=job.resume_from)
-    finally:
-        if "sync" in server_kwargs:
-            server_kwargs["sync"].close()
-    trainer.check_replicas_agree()
-    final = Path(job.output_dir) / "final"
-    trainer.save_model(str(final))
-    if trainer.accelerator.is_main_process:
-        tokenizer.save_pretrained(final)
-        (Path(job.output_dir) / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
-    return str(final)
+        of_trainer.append(partial(CompletionsTableCallback, mlflow_client=mlflow_cb.client, run_id=job.mlflow_run_id,
+                                  every=cfg.train.log_completions_steps))
+    return first, of_trainer
 
 
 def eval_during_callback(job: TrainJob, trainer, tokenizer):
@@ -216,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     job = TrainJob.model_validate_json(Path(args.job).read_text())
     final = run(job)
+    from grpo_steps.training.distributed import shut_down_process_group
+
     distributed = shut_down_process_group()
     print(final, flush=True)
     if distributed:
@@ -225,20 +258,6 @@ def main(argv: list[str] | None = None) -> None:
         # in ~10 runs of the 2-process ZeRO-3 test on the loaded 2-core machine, after training had finished.
         sys.stderr.flush()
         os._exit(0)
-
-
-def shut_down_process_group() -> bool:
-    """Leave the distributed job together: a last barrier, then ``destroy_process_group``. Without it each
-    rank tears its process group down in interpreter shutdown, in any order (PyTorch warns that this can
-    hang), and a rank stuck there holds its node's torchelastic agent from the exit barrier. Returns whether
-    there was a process group."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-        return True
-    return False
 
 
 if __name__ == "__main__":

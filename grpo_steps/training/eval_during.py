@@ -10,9 +10,9 @@ The server holds the step's weights without an extra reload: after optimizer ste
 policy to the server before the first generation of step N+1 (``ServerGRPOTrainer``: ``ServerGeneration``
 writes, reloads and verifies version ``step-N``). :class:`EvalDuringTraining` makes that same push at the
 beginning of step N+1 (``on_step_begin``, before its generation) and marks it done for TRL
-(``_last_loaded_step``), then evaluates; step N+1's rollouts then sample from the same weights. At step 0
-this is the push of the base weights TRL makes before the first generation; only the last step, when it
-is a multiple of ``every_steps``, costs a push that training alone would not make (in ``on_train_end``).
+(:func:`grpo_steps.training.trl_hooks.mark_pushed`), then evaluates; step N+1's rollouts then sample from the same
+weights. At step 0 this is the push of the base weights TRL makes before the first generation; only the last
+step, when it is a multiple of ``every_steps``, costs a push that training alone would not make (in ``on_train_end``).
 The server's weight label at evaluation is logged as ``eval_during/weight_version`` (the step number),
 so a curve point says which weights it measured. At step 0 the server holds the base weights that the ``evaluate``
 step's baseline measures: given the whole eval split, step 0 evaluates it once for both (the curve's point is its
@@ -28,6 +28,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from grpo_steps.config import PipelineConfig
+from grpo_steps.training import trl_hooks
 
 PREFIX = "eval_during"
 """MLflow name prefix of the during-training metrics: ``eval_during/<metric>`` (``pass@k`` is logged as
@@ -89,10 +90,10 @@ class EvalDuringTraining(TrainerCallback):
         """Push step ``step``'s weights unless the server has them (every rank), then evaluate (evaluator
         only, unless already logged); returns the metrics logged, or None on the other ranks."""
         trainer = self.trainer
-        if trainer._last_loaded_step != step:  # the push TRL makes before the next generation, made now
+        if trl_hooks.pushed_step(trainer) != step:  # the push TRL makes before the next generation, made now
             pushed = time.perf_counter()
             trainer.vllm_generation.sync_weights(force=True)  # also between generation.weight_sync_every pushes
-            trainer._last_loaded_step = step
+            trl_hooks.mark_pushed(trainer, step)
             if self.evaluator:  # the first push also waits for the server's first answers (seconds on 2 cores)
                 print(f"[{PREFIX}] step {step}: weights pushed in {time.perf_counter() - pushed:.1f}s", flush=True)
         if not self.evaluator or step in self.logged_steps:

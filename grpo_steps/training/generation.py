@@ -1,6 +1,9 @@
 """Rollouts from our vLLM server with ``disk`` weight sync, as TRL's ``GRPOTrainer`` asks for them: the stand-in
 for TRL's ``VLLMGeneration`` (:class:`ServerGeneration`: ``sync_weights`` pushes and verifies the policy, ``generate``
-samples every turn, the follow-up turns of TRL's tool loop included).
+samples every turn, the follow-up turns of TRL's tool loop included, ``check_first_batch`` compares the first batch
+after a push with the policy). Like TRL's ``VLLMGeneration``, it is built whole from values (:class:`ServerSettings`,
+made by :func:`server_settings`) and from what it reads of the training process (:class:`PolicyView`: the model,
+the accelerator, the step counters, a metric sink), never from the trainer itself.
 """
 
 from __future__ import annotations
@@ -10,12 +13,12 @@ import dataclasses
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from grpo_steps.config import GenerationConfig
-from grpo_steps.servers.client import GenerationServerError, VLLMClient
+from grpo_steps.servers.client import GenerationServerError, VLLMClient, version_label
 from grpo_steps.training.async_rollouts import RolloutPrefetcher
-from grpo_steps.training.sampling import policy_logprobs
+from grpo_steps.training.sampling import policy_logprobs, processed_logprobs
 from grpo_steps.training.weight_sync import (
     AdapterPush,
     DiskWeightPush,
@@ -31,38 +34,16 @@ PROBE_TOKENS = 16
 SmolLM2-135M on the 2 shared CPU cores), enough tokens to see any weight change in its logprobs."""
 HISTORY = 4
 """Verified pushes remembered to name the version a stale server serves."""
+FIRST_BATCH_COMPLETIONS = 2
+"""Completions of the first batch after a push that the policy scores again for the first-batch check (a no-grad
+forward per completion, per push and process: ~0.1 s for SmolLM2-135M at 100 tokens, ~2 s with the 600-token prompts
+of configs/tools.yaml on 2 CPU cores)."""
 
 
-@dataclass
-class ServerGeneration:
-    """Stands in for TRL's ``VLLMGeneration`` when rollouts come from our server with ``disk`` sync: TRL's
-    ``GRPOTrainer`` calls ``sync_weights()`` whenever the optimizer step changed and ``generate()`` for every turn it
-    samples (``_generate_single_turn``: the first turn of each group, and the follow-up turns of its tool loop).
+@dataclass(frozen=True)
+class ServerSettings:
+    """What a training process knows of its generation server before its trainer exists (:func:`server_settings`)."""
 
-    ``generate(prompts, num_generations)`` (every rank, its own share): token-id prompts to the server's
-    ``/v1/completions`` with this run's sampling settings (``gen``); a first turn holds each prompt ``num_generations``
-    times in a row (whole groups: one request with ``n``), a follow-up turn one prompt per rollout.
-
-    ``sync_weights()`` (every rank, collective under ZeRO-3): gathers the policy's state dict, rank 0
-    fingerprints (:func:`grpo_steps.training.weight_sync.weights_fingerprint`), writes and reloads it through ``push``
-    (version = the optimizer step that produced it); with ``probe_policy`` every rank scores the probe with the
-    policy; rank 0 asks the server for its label and its probe logprobs and checks them
-    (:func:`grpo_steps.training.weight_sync.check_served_version`); the verdict is broadcast so that every rank
-    raises together; it pushes every ``sync_every`` optimizer steps (``generation.weight_sync_every``), and with a
-    producer (``generation.async``, :meth:`start_async`) waits for its request in flight first
-    (``weight_sync/drain_seconds``) and lets none start until the push is verified. With a producer, the first turn
-    of each generation batch comes from the batches it sampled ahead (:mod:`grpo_steps.training.async_rollouts`:
-    ``async/*`` metrics), the version that sampled it in ``sampled_version``. Metrics (seconds, into the step's
-    log): ``generation/wait_seconds`` (the trainer's wait for a generation batch's first turn),
-    ``weight_sync/gather_seconds``,
-    ``write_seconds``, ``reload_seconds``, ``verify_seconds``, ``seconds`` (total); ``weight_sync/version``;
-    with ``probe_policy``, ``weight_sync/probe_logp_diff`` (mean |server - policy| on the probe, nats per token).
-
-    Raises:
-        GenerationServerError: the server failed a request or serves other weights than pushed.
-    """
-
-    trainer: object
     client: VLLMClient
     """This rank's client of the server; its ``model`` names the pushed LoRA adapter with ``train.peft.push: adapter``
     (rank 0's push points it there, the other ranks after each verified push)."""
@@ -70,45 +51,119 @@ class ServerGeneration:
     """The ``generation`` settings sampled with."""
     max_model_len: int
     """The server's context (``model.max_model_len``): a turn's new tokens are capped so prompt + completion fit."""
-    push: DiskWeightPush | AdapterPush | None  # rank 0 only
+    push: DiskWeightPush | AdapterPush | None
+    """Rank 0's weight push (None on the other ranks, and where nothing is pushed)."""
     probe_ids: list[int]
+    """The probe sequence's token ids (at most ``PROBE_TOKENS``)."""
     probe_tolerance: float
-    history: list[ProbeRecord] = field(default_factory=list)
-    probe_policy: bool = True
-    """Score the probe with the policy too (set by :class:`ServerGRPOTrainer`: only when the first-batch check
-    does not compare the server with the policy)."""
-    pushed_version: int | None = None
-    first_batch_pending: bool = False
-    first_batch: list[tuple[list[int], list[int], list[float]]] | None = None
-    """``(prompt_ids, completion_ids, logprobs)`` of the first turn sampled after the last push (the first-batch
-    check's data)."""
-    serves_adapter: bool = False
-    """LoRA pushed as an adapter (``train.peft.push: adapter``): ``client.model`` follows each push."""
-    merge_lora: bool = False
-    """LoRA with ``train.peft.push: merged``: push base + adapter merged
-    (:func:`grpo_steps.training.weight_sync.merged_state_dict`) as full weights."""
+    """Nats per token (``SyncCheckConfig.thresholds``): probe answers closer than this are the same weights."""
+    max_logp_diff: float | None = None
+    """The first-batch limit (``SyncCheckConfig.thresholds``; nats per token; None: unchecked)."""
     sync_every: int = 1
     """``generation.weight_sync_every``: push at optimizer steps that are multiples of it (or when forced)."""
-    prefetcher: RolloutPrefetcher | None = None
-    """``generation.async``: the producer sampling the next generation batches (see :meth:`start_async`)."""
-    upcoming: Callable[[int], list[tuple[int, list[list[int]]]]] | None = None
-    """``generation.async``: ``upcoming(key)`` gives the ``(key, prompt ids)`` of the generation batches after the one
-    at ``key`` (the trainer's micro-step), as many as the producer may sample ahead."""
-    sampled_version: int = -1
-    """The weight version that sampled the latest first turn (the pushed version, or a prefetched batch's)."""
-    _served_key: int = -1
-    _producer_client: VLLMClient | None = None
+    lora: str | None = None
+    """``train.peft.push``: ``adapter`` (the adapter pushed, ``client.model`` follows each push), ``merged`` (base +
+    adapter merged, :func:`grpo_steps.training.weight_sync.merged_state_dict`, pushed as full weights) or None."""
+    max_staleness: int | None = None
+    """``generation.async``'s ``max_staleness`` (None: synchronous generation)."""
+
+    @property
+    def checks_first_batch(self) -> bool:
+        """Whether the first batch after a push is scored by the policy: only with a limit, and not with structured
+        outputs, which renormalise over the tokens a grammar allows (the policy cannot know them)."""
+        return self.max_logp_diff is not None and self.gen.structured_outputs is None
+
+    @property
+    def probe_policy(self) -> bool:
+        """Whether each push's probe is scored by the policy too: when the first-batch check cannot compare the
+        server with the policy, and with ``generation.async`` (the batches trained were mostly sampled by earlier
+        weights, so the first-batch check only runs on a batch sampled by the policy of the moment)."""
+        return self.max_staleness is not None or not self.checks_first_batch
+
+
+@dataclass(frozen=True)
+class PolicyView:
+    """What :class:`ServerGeneration` reads of the training process, as TRL's ``VLLMGeneration`` is given the model
+    and the accelerator: values and callables, each read when used."""
+
+    accelerator: object
+    model: Callable[[], object]
+    """The policy as the trainer holds it (wrapped by accelerate/DeepSpeed; forward passes go through it)."""
+    state_dict: Callable[[], dict]
+    """The policy's full state dict (collective under ZeRO-3: gathered on rank 0, as ``Trainer.save_model``)."""
+    step: Callable[[], int]
+    """The optimizer step: the version of the weights a push now sends."""
+    micro_step: Callable[[], int]
+    """Micro-steps of this attempt: keys the generation batches (one every ``steps_per_generation`` of them)."""
+    log: Callable[[str, float], None]
+    """Metric sink of the training step (``log(name, value)``)."""
+
+
+class ServerGeneration:
+    """Stands in for TRL's ``VLLMGeneration`` when rollouts come from our server with ``disk`` sync: TRL's
+    ``GRPOTrainer`` calls ``sync_weights()`` whenever the optimizer step changed and ``generate()`` for every turn it
+    samples (``_generate_single_turn``: the first turn of each group, and the follow-up turns of its tool loop).
+
+    ``generate(prompts, num_generations)`` (every rank, its own share): token-id prompts to the server's
+    ``/v1/completions`` with this run's sampling settings (``settings.gen``); a first turn holds each prompt
+    ``num_generations`` times in a row (whole groups: one request with ``n``), a follow-up turn one prompt per rollout.
+
+    ``sync_weights()`` (every rank, collective under ZeRO-3): gathers the policy's state dict, rank 0
+    fingerprints (:func:`grpo_steps.training.weight_sync.weights_fingerprint`), writes and reloads it through
+    ``settings.push`` (version = the optimizer step that produced it); with ``settings.probe_policy`` every rank
+    scores the probe with the policy; rank 0 asks the server for its label and its probe logprobs and checks them
+    (:func:`grpo_steps.training.weight_sync.check_served_version`); the verdict is broadcast so that every rank
+    raises together; it pushes every ``settings.sync_every`` optimizer steps, and with a producer
+    (``generation.async``, :meth:`start_async`) waits for its request in flight first (``weight_sync/drain_seconds``)
+    and lets none start until the push is verified. With a producer, the first turn of each generation batch comes
+    from the batches it sampled ahead (:mod:`grpo_steps.training.async_rollouts`: ``async/*`` metrics), the version
+    that sampled it in ``sampled_version``.
+
+    ``check_first_batch()`` (every rank, after a generation round): the first completions sampled after a push,
+    scored by the policy (see :meth:`check_first_batch`).
+
+    Metrics (seconds, into the step's log): ``generation/wait_seconds`` (the trainer's wait for a generation batch's
+    first turn), ``weight_sync/gather_seconds``, ``write_seconds`` (fingerprint and files), ``reload_seconds``,
+    ``verify_seconds``, ``seconds`` (total: the four parts); ``weight_sync/version``; with ``probe_policy``,
+    ``weight_sync/probe_logp_diff`` (mean |server - policy| on the probe, nats per token);
+    ``weight_sync/first_batch_logp_diff``.
+
+    ``policy`` None: sampling only (no push, no metrics; tests and benches).
+
+    Raises:
+        GenerationServerError: the server failed a request, serves other weights than pushed, or samples the first
+            batch after a push from another distribution than the policy's.
+    """
+
+    def __init__(self, settings: ServerSettings, policy: PolicyView | None = None) -> None:
+        self.settings, self.policy = settings, policy
+        self.client, self.gen, self.push = settings.client, settings.gen, settings.push
+        self.history: list[ProbeRecord] = []  # the last HISTORY verified pushes
+        self.pushed_version: int | None = None  # None until the first push, which sync_every does not space
+        self.first_batch: list[tuple[list[int], list[int], list[float]]] | None = None
+        """``(prompt_ids, completion_ids, logprobs)`` of the first turn sampled after the last push by the policy
+        of the moment (the first-batch check's data); None until then."""
+        self.first_batch_pending = False  # set by every push, cleared when check_first_batch has looked
+        self.sampled_version = -1
+        """The weight version that sampled the latest first turn (the pushed version, or a prefetched batch's)."""
+        self.prefetcher: RolloutPrefetcher | None = None
+        """``generation.async``: the producer sampling the next generation batches (see :meth:`start_async`)."""
+        self._upcoming: Callable[[int], list[tuple[int, list[list[int]]]]] | None = None
+        self._served_key = -1  # the generation batch last served from the producer (resample's extra rounds
+        # at the same micro-step sample now)
+        self._producer_client: VLLMClient | None = None  # the producer thread's own client (its own session)
 
     def _log(self, name: str, value: float) -> None:
         # Always the training logs: a push serves the training's rollouts (the pipeline runs no TRL eval loop), and
-        # the push made for the evaluation at step 0 (grpo_steps.eval_during) comes before Trainer puts the freshly
-        # loaded model (eval mode) into train mode; TRL would drop eval-mode metrics of a training step.
-        self.trainer._metrics["train"][f"weight_sync/{name}"].append(value)
+        # the push made for the evaluation at step 0 (grpo_steps.training.eval_during) comes before Trainer puts the
+        # freshly loaded model (eval mode) into train mode; TRL would drop eval-mode metrics of a training step.
+        if self.policy is not None:
+            self.policy.log(f"weight_sync/{name}", value)
 
     def sync_weights(self, force: bool = False) -> None:
         """Push the policy (every ``sync_every`` optimizer steps unless ``force``); with a producer, none of its
         requests is in flight meanwhile."""
-        if not force and self.pushed_version is not None and self.trainer.state.global_step % self.sync_every:
+        if not force and self.pushed_version is not None and self.policy.step() % self.settings.sync_every:
             return
         if self.prefetcher is None:
             self._push()
@@ -121,18 +176,16 @@ class ServerGeneration:
     def _push(self) -> None:
         from accelerate.utils import broadcast_object_list
 
-        trainer, accelerator = self.trainer, self.trainer.accelerator
-        version = trainer.state.global_step
+        accelerator, version = self.policy.accelerator, self.policy.step()
         start = time.perf_counter()
-        policy_model = accelerator.unwrap_model(trainer.model)
-        if self.merge_lora:  # full weights under the base model's names (no ZeRO-3: config-checked)
+        policy_model = accelerator.unwrap_model(self.policy.model())
+        if self.settings.lora == "merged":  # full weights under the base model's names (no ZeRO-3: config-checked)
             from grpo_steps.training.weight_sync import merged_state_dict
 
             state_dict = merged_state_dict(policy_model) if accelerator.is_main_process else {}
             policy_model = policy_model.get_base_model()
         else:  # as Trainer.save_model: under DeepSpeed the engine gathers (ZeRO-3: a collective, the dict on rank 0)
-            source = trainer.model_wrapped if trainer.is_deepspeed_enabled else trainer.model
-            state_dict = accelerator.get_state_dict(source)
+            state_dict = self.policy.state_dict()
         gathered = time.perf_counter()
         parts = {"write_seconds": 0.0, "reload_seconds": 0.0}
         error: BaseException | None = None  # rank 0's failure, re-raised on every rank after the broadcast
@@ -146,7 +199,7 @@ class ServerGeneration:
         del state_dict
         pushed = time.perf_counter()
         # every rank: a collective forward under ZeRO-3
-        policy = policy_logprobs(trainer.model, self.probe_ids) if self.probe_policy else None
+        policy = policy_logprobs(self.policy.model(), self.settings.probe_ids) if self.settings.probe_policy else None
         gap = None
         if accelerator.is_main_process and error is None:
             try:
@@ -160,14 +213,15 @@ class ServerGeneration:
             raise GenerationServerError(f"rank 0 failed the weight push of step {version}: {message}")
         done = time.perf_counter()
         self.pushed_version, self.first_batch_pending, self.first_batch = version, True, None
-        if self.serves_adapter:
+        if self.settings.lora == "adapter":
             from grpo_steps.lora import adapter_name
 
             self.client.model = adapter_name(self.client.base_model, version)
             if self._producer_client is not None:
                 self._producer_client.model = self.client.model
         self._log("gather_seconds", gathered - start)
-        self._log("write_seconds", parts["write_seconds"])
+        # the fingerprint and the push's bookkeeping count as writing: the parts add up to the total
+        self._log("write_seconds", (pushed - gathered) - parts["reload_seconds"])
         self._log("reload_seconds", parts["reload_seconds"])
         self._log("verify_seconds", done - pushed)
         self._log("seconds", done - start)
@@ -178,8 +232,9 @@ class ServerGeneration:
     def _verify(self, version: int, weights: tuple[float, ...], policy: list[float] | None) -> float | None:
         """Rank 0: check the server's label and probe (see :func:`check_served_version`); returns the probe's
         mean |server - policy| logp (None without a policy probe). Raises GenerationServerError."""
-        record = ProbeRecord(version, weights, self.push.client.prompt_logprobs(self.probe_ids), policy)
-        check_served_version(record, self.history, self.push.served_label(), self.probe_tolerance, step=version + 1)
+        record = ProbeRecord(version, weights, self.push.client.prompt_logprobs(self.settings.probe_ids), policy)
+        check_served_version(record, self.history, self.push.served_label(), self.settings.probe_tolerance,
+                             step=version + 1)
         self.history = (self.history + [record])[-HISTORY:]
         return None if policy is None else mean_abs_diff(record.served, policy)
 
@@ -207,8 +262,8 @@ class ServerGeneration:
                              "in a row: each process's generation batch (train.per_device_train_batch_size x "
                              "steps_per_generation) must be a multiple of train.num_generations")
         samples, version, waited = None, self.pushed_version, time.perf_counter()
-        key = self.trainer._step if self.trainer is not None else -1
-        if self.prefetcher is not None and group > 1 and self.trainer.model.training and key != self._served_key:
+        key = self.policy.micro_step() if self.policy is not None else -1
+        if self.prefetcher is not None and group > 1 and self.policy.model().training and key != self._served_key:
             self._served_key = key  # the first turn of this generation batch (other calls: resample's extra rounds)
             samples, version = self._take(key, prompts, group)
         if samples is None:
@@ -216,12 +271,12 @@ class ServerGeneration:
                 samples = self._sample(self.client, prompts, group)
         if group > 1:  # a first turn: the generation batch's samples, sampled now or prefetched
             self.sampled_version = version
-            if self.trainer is not None:
-                self.trainer._metrics["train"]["generation/wait_seconds"].append(time.perf_counter() - waited)
+            if self.policy is not None:
+                self.policy.log("generation/wait_seconds", time.perf_counter() - waited)
         completion_ids = [s["completion_ids"] for group_samples in samples for s in group_samples]
         logprobs = [s["logprobs"] for group_samples in samples for s in group_samples]
         # the first turn after a push, sampled by the policy of now: what the first-batch check scores
-        if self.first_batch is None and version == (self.trainer.state.global_step if self.trainer else version):
+        if self.first_batch is None and version == (self.policy.step() if self.policy else version):
             self.first_batch = list(zip(prompts, completion_ids, logprobs, strict=True))
         return (prompts, completion_ids, [[[lp] for lp in seq] for seq in logprobs],
                 [[[token] for token in seq] for seq in completion_ids])
@@ -232,10 +287,10 @@ class ServerGeneration:
         are capped so that the longest prompt still fits the server's context, and a prompt that fills it gets an
         empty turn."""
         unique = prompts[::group]
-        fits = [i for i, p in enumerate(unique) if len(p) < self.max_model_len]
+        fits = [i for i, p in enumerate(unique) if len(p) < self.settings.max_model_len]
         samples: list[list[dict]] = [[{"completion_ids": [], "logprobs": []}] * group for _ in unique]
         if fits:
-            room = self.max_model_len - max(len(unique[i]) for i in fits)
+            room = self.settings.max_model_len - max(len(unique[i]) for i in fits)
             sampled = client.complete([unique[i] for i in fits], group,
                                       max_tokens=min(self.gen.max_completion_tokens, room),
                                       temperature=self.gen.temperature, request=self.gen.sampling_request())
@@ -243,23 +298,25 @@ class ServerGeneration:
                 samples[i] = group_samples
         return samples
 
-    def start_async(self, max_staleness: int, depth: int,
-                    upcoming: Callable[[int], list[tuple[int, list[list[int]]]]]) -> None:
+    def start_async(self, depth: int, upcoming: Callable[[int], list[tuple[int, list[list[int]]]]]) -> None:
         """``generation.async``: start the producer thread (its own client of the server), which samples up to
-        ``depth`` generation batches ahead; a batch staler than ``max_staleness`` optimizer steps is dropped."""
+        ``depth`` generation batches ahead (``upcoming(key)``: the ``(key, prompt ids)`` of the generation batches
+        after the one at micro-step ``key``, :class:`grpo_steps.training.async_rollouts.PromptStream`); a batch staler
+        than ``settings.max_staleness`` optimizer steps is dropped."""
         self._producer_client = dataclasses.replace(self.client)
         self._producer_client.model, self._producer_client.base_model = self.client.model, self.client.base_model
-        self.upcoming = upcoming
+        self._upcoming = upcoming
         self.prefetcher = RolloutPrefetcher(lambda prompts, group: self._sample(self._producer_client, prompts, group),
-                                            lambda: self.pushed_version, max_staleness=max_staleness, depth=depth)
+                                            lambda: self.pushed_version, max_staleness=self.settings.max_staleness,
+                                            depth=depth)
 
     def _take(self, key: int, prompts: list[list[int]], group: int) -> tuple[list[list[dict]] | None, int | None]:
         """The prefetched samples of the generation batch at ``key`` and the version that sampled them, the next
         batches queued; ``(None, pushed_version)`` when it was not prefetched or is too stale (then sampled now)."""
         prefetcher = self.prefetcher
-        step = self.trainer.state.global_step
+        step = self.policy.step()
         prefetcher.fill([(key, prompts)], group, current_key=key - 1)
-        prefetcher.fill(self.upcoming(key), group, current_key=key)
+        prefetcher.fill(self._upcoming(key), group, current_key=key)
         batch = prefetcher.take(key, prompts, current_version=step)
         stats = prefetcher.drain_stats()
         for name, value in (("staleness", step - batch.version if batch else 0.0),
@@ -268,10 +325,46 @@ class ServerGeneration:
                             ("dropped", stats.dropped), ("missed", stats.missed),
                             ("ready_ahead", stats.ready_ahead[-1] if stats.ready_ahead else 0),
                             ("queue_depth", prefetcher.queued())):
-            self.trainer._metrics["train"][f"async/{name}"].append(float(value))
+            self.policy.log(f"async/{name}", float(value))
         if batch is None:
             return None, self.pushed_version
         return batch.result, batch.version
+
+    def check_first_batch(self) -> None:
+        """After a generation round (every rank): when this is the first batch sampled after a push by the policy of
+        the moment, score its first completions with the policy under the distribution the server samples from
+        (:func:`grpo_steps.training.sampling.processed_logprobs`) and compare with the sampler's logprobs; the
+        largest mean |difference| over the processes decides, so every rank raises together. Only with
+        ``settings.checks_first_batch``.
+
+        Raises:
+            GenerationServerError: the mean |sampling logp - policy logp| is above ``settings.max_logp_diff``.
+        """
+        if not (self.first_batch_pending and self.first_batch is not None):
+            return
+        self.first_batch_pending = False
+        if not self.settings.checks_first_batch:
+            return
+        import torch
+
+        diffs: list[float] = []
+        for prompt_ids, completion_ids, logprobs in self.first_batch[:FIRST_BATCH_COMPLETIONS]:
+            if completion_ids:
+                policy = processed_logprobs(self.policy.model(), prompt_ids, completion_ids, self.gen)
+                diffs += [abs(a - b) for a, b in zip(logprobs, policy, strict=True)]
+        gap = sum(diffs) / max(len(diffs), 1)  # inf when the policy excludes a token the server sampled
+        accelerator = self.policy.accelerator
+        value = float(accelerator.gather(torch.tensor([gap], device=accelerator.device)).max())
+        self.policy.log("weight_sync/first_batch_logp_diff", value)
+        if not value <= self.settings.max_logp_diff:
+            version = self.pushed_version
+            raise GenerationServerError(
+                f"step {self.policy.step() + 1}: the first batch sampled after pushing version {version} "
+                f"({version_label(version)}) has mean |sampling logp - policy logp| = {value:.3g} nats per token "
+                f"under the configured sampling settings, above generation.sync_check.max_logp_diff = "
+                f"{self.settings.max_logp_diff:g}: the server does not sample from the policy (stale or other "
+                "weights, other sampling settings, or a server started without --logprobs-mode processed_logprobs)"
+            )
 
     def close(self) -> None:
         """Stop the producer (waiting for its request in flight), remove this run's sync directory (rank 0; the
@@ -283,26 +376,28 @@ class ServerGeneration:
             shutil.rmtree(self.push.root, ignore_errors=True)
 
 
-def server_generation(client, tokenizer, probe_prompt, output_dir: str, probe_tolerance: float, *,
-                      gen: GenerationConfig, max_model_len: int, sync_dir: str | None = None,
-                      lora: str | None = None) -> ServerGeneration:
-    """The :class:`ServerGeneration` of a training process: it samples through ``client`` with ``gen`` (the
-    ``generation`` config) within ``max_model_len`` tokens; rank 0 pushes into a fresh :func:`sync_root`; the probe is
-    ``probe_prompt`` (a dataset prompt, chat template applied) cut to ``PROBE_TOKENS`` tokens; ``probe_tolerance``
-    in nats per token (``SyncCheckConfig.thresholds``). ``lora`` (``train.peft.push``): ``adapter``, push the
-    adapter only (:class:`grpo_steps.training.weight_sync.AdapterPush`) and point ``client`` (the rollout client,
-    ``client.base_model`` the served base model name) at it after each push; ``merged``, push base + adapter
-    merged as full weights; None: full fine-tuning."""
+def server_settings(cfg, client: VLLMClient, tokenizer, probe_prompt, output_dir: str) -> ServerSettings:
+    """The :class:`ServerSettings` of a training process for ``cfg`` (a :class:`grpo_steps.config.PipelineConfig`):
+    it samples through ``client`` (this rank's client of the server; ``client.base_model`` the served base model
+    name) with ``cfg.generation`` within ``cfg.model.max_model_len`` tokens; rank 0 pushes into a fresh
+    :func:`grpo_steps.training.weight_sync.sync_root` (``generation.sync_dir``, else under ``output_dir``): the
+    adapter alone with ``train.peft.push: adapter``
+    (:class:`grpo_steps.training.weight_sync.AdapterPush`), else full weights; the probe is ``probe_prompt`` (a
+    dataset prompt, chat template applied) cut to ``PROBE_TOKENS`` tokens; tolerances from
+    ``generation.sync_check``."""
     from accelerate.state import PartialState
 
     from grpo_steps.data import encode_prompt
 
+    gen, lora = cfg.generation, cfg.train.peft.push if cfg.train.peft else None
     push = None
     if PartialState().is_main_process:
-        root = sync_root(sync_dir, output_dir)
-        push = (AdapterPush(client, root, base_model=client.base_model) if lora == "adapter"
-                else DiskWeightPush(client, root))
-    probe_ids = encode_prompt(tokenizer, probe_prompt)[:PROBE_TOKENS]
-    return ServerGeneration(trainer=None, client=client, gen=gen, max_model_len=max_model_len, push=push,
-                            probe_ids=probe_ids, probe_tolerance=probe_tolerance, serves_adapter=lora == "adapter",
-                            merge_lora=lora == "merged")
+        root = sync_root(gen.sync_dir, output_dir)
+        push = AdapterPush(client, root, base_model=client.base_model) if lora == "adapter" \
+            else DiskWeightPush(client, root)
+    probe_tolerance, max_logp_diff = gen.sync_check.thresholds(cfg.model.dtype)
+    return ServerSettings(client=client, gen=gen, max_model_len=cfg.model.max_model_len, push=push,
+                          probe_ids=encode_prompt(tokenizer, probe_prompt)[:PROBE_TOKENS],
+                          probe_tolerance=probe_tolerance, max_logp_diff=max_logp_diff,
+                          sync_every=gen.weight_sync_every, lora=lora,
+                          max_staleness=gen.async_.max_staleness if gen.async_ else None)

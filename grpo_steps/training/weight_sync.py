@@ -12,8 +12,6 @@ changed, vLLM RFC #48312).
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import sys
 import tempfile
@@ -22,9 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo_steps.lora import adapter_name
-from grpo_steps.processes import ProcessRef
+from grpo_steps.processes import OWNER_FILE, ProcessRef, claim_dir, remove_orphan_dirs  # noqa: F401 (re-exported)
 from grpo_steps.servers.client import GenerationServerError, VLLMClient, version_label
-from grpo_steps.weight_files import overwrite_safetensors, write_safetensors
+from grpo_steps.weight_files import (
+    is_no_space,
+    no_space,
+    overwrite_safetensors,
+    require_space,
+    safetensors_bytes,
+    write_safetensors,
+)
 
 
 @dataclass
@@ -44,15 +49,29 @@ class WeightPush:
         """Write, load, retire. ``state_dict``: the policy's full state dict (on rank 0); ``model``: the unwrapped
         policy it came from. Returns ``{"write_seconds": s, "reload_seconds": s}``.
 
+        Nothing is loaded unless the whole push is written: the free space of ``root`` is checked first, and a write
+        that fails (a full disk included) removes the push's directory.
+
         Raises:
             GenerationServerError: the server failed a request.
+            NoSpaceError: ``root`` cannot hold the push (checked before writing, or the disk filled while writing);
+                names the directory, the bytes needed and ``generation.sync_dir``. The server was not asked to load.
         """
         start = time.perf_counter()
         directory = Path(self.root) / f"v{version}"
         if directory.exists():  # a retried push of the same step: never reload a reused directory
             shutil.rmtree(directory)
             self._forget(directory)
-        self._write(state_dict, directory, model)
+        what, needed = f"weight push v{version}", self._bytes_needed(state_dict)
+        require_space(what, self.root, needed, self.space_key(), reclaimed=self._reclaimable())
+        try:
+            self._write(state_dict, directory, model)
+        except BaseException as err:
+            shutil.rmtree(directory, ignore_errors=True)  # a half-written push is never loaded, nor left behind
+            self._forget(directory)
+            if is_no_space(err):
+                raise no_space(what, self.root, needed, self.space_key()) from err
+            raise
         written = time.perf_counter()
         self._load(directory, version)
         loaded = time.perf_counter()
@@ -65,6 +84,20 @@ class WeightPush:
         """``directory`` was removed: drop every reference to it."""
         if self.current == directory:
             self.current = None
+
+    def space_key(self) -> str:
+        """The config keys that give the pushes more room, for a full-disk error."""
+        shm = Path(self.root).resolve().is_relative_to("/dev/shm")
+        return ("generation.sync_dir (a directory the server can read; null: /dev/shm"
+                + (", sized by resources.train.shared_memory_mib on Kubernetes)" if shm else ")"))
+
+    def _bytes_needed(self, state_dict: dict) -> int:
+        """Bytes the push writes into ``root``."""
+        return safetensors_bytes(state_dict)
+
+    def _reclaimable(self) -> int:
+        """Bytes already in ``root`` that the push rewrites in place or frees before writing."""
+        return 0
 
     def _write(self, state_dict: dict, directory: Path, model) -> None:
         raise NotImplementedError
@@ -104,6 +137,10 @@ class DiskWeightPush(WeightPush):
         if self.spare == directory:
             self.spare = None
 
+    def _reclaimable(self) -> int:
+        file = self.spare / "model.safetensors" if self.spare is not None else None
+        return file.stat().st_size if file is not None and file.is_file() else 0
+
     def _write(self, state_dict: dict, directory: Path, model) -> None:
         spare, self.spare = self.spare, None
         if spare is None or overwrite_safetensors(state_dict, spare, directory, model=model) is None:
@@ -139,6 +176,9 @@ class AdapterPush(WeightPush):
     """The server's name of the base weights."""
     current_name: str | None = field(default=None, init=False)
     previous_name: str | None = field(default=None, init=False)
+
+    def _bytes_needed(self, state_dict: dict) -> int:
+        return safetensors_bytes({k: t for k, t in state_dict.items() if ".lora_" in k})  # what PEFT keeps
 
     def _write(self, state_dict: dict, directory: Path, model) -> None:
         # model: the unwrapped PeftModel; PEFT picks the adapter's entries of the full state dict
@@ -294,10 +334,6 @@ def check_served_version(record: ProbeRecord, history: list[ProbeRecord], label:
 SYNC_PREFIX = "grpo-sync-"
 
 
-OWNER_FILE = "owner.json"
-"""In each sync directory: ``{"pid": int, "started": float}`` of the training process that pushes into it."""
-
-
 def sync_root(sync_dir: str | None, output_dir: str) -> Path:
     """A new directory for this run's pushes, owned by this process (:data:`OWNER_FILE`): under ``sync_dir``
     (``generation.sync_dir``) if set, else under ``/dev/shm`` (RAM-backed) when it exists, else under
@@ -313,26 +349,14 @@ def sync_root(sync_dir: str | None, output_dir: str) -> Path:
     for orphan in remove_orphan_sync_dirs(parent):
         print(f"[weight-sync] removed {orphan}: left by a training process that no longer runs", file=sys.stderr)
     root = Path(tempfile.mkdtemp(prefix=SYNC_PREFIX, dir=parent))
-    owner = ProcessRef.of(os.getpid())
-    (root / OWNER_FILE).write_text(json.dumps({"pid": owner.pid, "started": owner.started}))
+    claim_dir(root)
     return root
 
 
 def remove_orphan_sync_dirs(parent: Path) -> list[Path]:
-    """Remove the sync directories under ``parent`` whose owning training process has exited: a run killed with
-    ``kill -9`` cannot clean up and leaves up to two copies of the weights in RAM-backed ``/dev/shm`` (1.1 GB for
-    SmolLM2-135M). Directories whose owner still runs, or without a readable owner record (another run's directory
-    a moment before it writes one), are kept. Returns the removed directories."""
-    removed = []
-    for directory in sorted(parent.glob(f"{SYNC_PREFIX}*")):
-        try:
-            owner = json.loads((directory / OWNER_FILE).read_text())
-            ref = ProcessRef(int(owner["pid"]), float(owner["started"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if not ref.is_running():
-            shutil.rmtree(directory, ignore_errors=True)
-            removed.append(directory)
-    return removed
+    """Remove the sync directories under ``parent`` whose owning training process has exited (a run killed with
+    ``kill -9`` leaves up to two copies of the weights in ``/dev/shm``; see
+    :func:`grpo_steps.processes.remove_orphan_dirs`). Returns the removed directories."""
+    return remove_orphan_dirs(parent, SYNC_PREFIX)
 
 

@@ -159,12 +159,12 @@ def flow_run_id(output: str) -> str:
 
 
 @contextmanager
-def completed_run(workdir, config_path):
-    """Run the flow on ``config_path`` in ``workdir`` (it must succeed); yields ``(Run, output)``, the
-    Metaflow ``Run`` read from ``workdir``'s local datastore."""
+def completed_run(workdir, config_path, **env: str):
+    """Run the flow on ``config_path`` in ``workdir`` (it must succeed), with ``env`` added to its environment;
+    yields ``(Run, output)``, the Metaflow ``Run`` read from ``workdir``'s local datastore."""
     from metaflow import Flow, metadata, namespace
 
-    code, out = run_flow(workdir, flow_env(), ["--config", "config", str(config_path), "run"])
+    code, out = run_flow(workdir, flow_env(**env), ["--config", "config", str(config_path), "run"])
     assert code == 0, f"flow failed:\n{out[-12000:]}"
     cwd = os.getcwd()
     os.chdir(workdir)
@@ -175,3 +175,21 @@ def completed_run(workdir, config_path):
         yield Flow("GRPOFlow")[flow_run_id(out)], out
     finally:
         os.chdir(cwd)
+
+
+def files_holding(root, values: list[str]) -> dict[str, list[str]]:
+    """``{path: [values found]}`` over every file under ``root``, read as a security team would grep them:
+    plain, and gzip members decompressed (Metaflow's local datastore stores artifacts gzipped)."""
+    import gzip
+
+    found = {}
+    for path in Path(root).rglob("*"):
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        if data[:2] == b"\x1f\x8b":
+            data = gzip.decompress(data)
+        hits = [value for value in values if value.encode() in data]
+        if hits:
+            found[str(path.relative_to(root))] = hits
+    return found

@@ -107,3 +107,31 @@ def test_a_failed_workflow_runs_the_server_teardown_hook_as_the_flows_service_ac
     assert spec["container"]["image"] == load_config(CONFIG).resources.train.image
     start = next(t for t in template["spec"]["templates"] if t["name"] == "start")
     assert start["serviceAccountName"] == "grpo-flow"  # infra/k8s/rbac.yaml lets it manage the server
+
+
+def _key_paths(value, prefix: str = "") -> set[str]:
+    """Every key path in a JSON value (``a.b[].c``) whose value is not null, lists folded."""
+    if isinstance(value, dict):
+        return set().union(set(), *({f"{prefix}.{k}"} | _key_paths(v, f"{prefix}.{k}")
+                                    for k, v in value.items() if v is not None))
+    if isinstance(value, list):
+        return set().union(set(), *(_key_paths(v, f"{prefix}[]") for v in value))
+    return set()
+
+
+def test_the_workflow_template_is_one_argo_accepts(rendered):
+    """The WorkflowTemplate validates against Argo Workflows' own spec (hera's generated models of Argo's OpenAPI
+    schema): every value has the type Argo declares, and no field is one Argo does not know (the models keep only
+    known fields, so a field lost between the template and its validated copy would be an unknown one)."""
+    from hera.workflows.models import WorkflowTemplate
+
+    template, _, _ = rendered
+    model = WorkflowTemplate.model_validate(template)
+    known = _key_paths(model.model_dump(by_alias=True, exclude_none=True, mode="json"))
+    assert _key_paths(template) - known == set()
+    assert model.kind == "WorkflowTemplate" and model.spec.templates
+    broken = json.loads(json.dumps(template))
+    broken["spec"]["templates"][0]["retryStrategyy"] = {"limit": 1}  # a misspelt field is caught
+    assert _key_paths(broken) - _key_paths(WorkflowTemplate.model_validate(broken).model_dump(
+        by_alias=True, exclude_none=True, mode="json")) == {".spec.templates[].retryStrategyy",
+                                                            ".spec.templates[].retryStrategyy.limit"}

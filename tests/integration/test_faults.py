@@ -10,6 +10,7 @@ import pytest
 from grpo_steps.processes import ProcessRef
 from tests.integration.flowrun import (
     SAVED,
+    SAVING,
     SERVING,
     flow_config,
     flow_env,
@@ -26,26 +27,40 @@ MODEL_NAME = "grpo-fault-test"
 def test_generation_server_killed_during_training_is_replaced_and_training_continues(tmp_path, tiny_model_path):
     """The ``local`` provider's whole lifecycle in a flow: ``provision_vllm`` starts a server; kill -9 of it
     after checkpoint 4 fails the train step, ``@retry`` runs it again on a new server from its newest
-    checkpoint, the run finishes, and ``end`` stops the replacement (no server left behind)."""
-    config = flow_config(train={"max_steps": 8, "save_steps": 2, "retries": 1}, registry={"model_name": MODEL_NAME})
-    servers, supervisors, killed = [], [], []
+    checkpoint; that attempt's training process is then SIGKILLed from outside while it saves checkpoint 6 (as the
+    OOM killer would): the attempt fails saying so, and the next ``@retry`` continues from the newest checkpoint
+    whose save completed (the rollouts come from a server whose sampler moved on, so its losses are not compared
+    here: ``test_multinode_local`` compares them on replayed completions). The run finishes, and ``end`` stops
+    the replacement server (no server left behind)."""
+    config = flow_config(train={"max_steps": 8, "save_steps": 2, "retries": 2}, registry={"model_name": MODEL_NAME})
+    servers, supervisors, killed, trainer_killed, saved = [], [], [], [], set()
 
-    def kill_server_after_checkpoint(line: str) -> None:
+    def faults(line: str) -> None:
         if match := SERVING.search(line):
             servers.append(int(match.group(2)))
             supervisors.append(ProcessRef.of(int(match.group(2))))  # alive now: record its create time
         match = SAVED.search(line)
+        if match:
+            saved.add((int(match.group(2)), int(match.group(1))))  # (training pid, step) of a completed save
         if match and int(match.group(1)) == 4 and not killed:
             child = vllm_child(servers[0])
             os.killpg(child, signal.SIGKILL)  # the vLLM server leads its own process group
             killed.append(child)
+        match = SAVING.search(line)
+        if match and int(match.group(1)) == 6 and killed and not trainer_killed:
+            os.kill(int(match.group(2)), signal.SIGKILL)  # the training process, mid-save of checkpoint 6
+            trainer_killed.append(int(match.group(2)))
 
-    code, out = run_config(tmp_path, flow_env(), config, kill_server_after_checkpoint)
-    assert killed, out[-5000:]
+    code, out = run_config(tmp_path, flow_env(), config, faults)
+    assert killed and trainer_killed, out[-5000:]
     assert code == 0, out[-8000:]
     assert "is not answering: starting a new one" in out
     assert len(servers) == 2, servers  # the first server, then its replacement
     assert "resuming from this task's step 4 (retry)" in out  # the newest checkpoint of node 0
+    assert "was killed (signal 9), likely out of memory: peak resident memory" in out
+    # the kill raced the upload of checkpoint 6: the third attempt starts from 6 if that save completed, else from 4
+    newest = 6 if (trainer_killed[0], 6) in saved else 4
+    assert out.rsplit("resuming from this task's step", 1)[1].startswith(f" {newest} (retry)"), out[-8000:]
     assert metric_steps(tmp_path, "reward") == list(range(1, 9))  # continuous: none repeated, none missing
     assert metric_steps(tmp_path, "train_runtime") == [8]
     assert len(model_versions(tmp_path, MODEL_NAME)) == 1

@@ -10,19 +10,23 @@ from pathlib import Path
 import pytest
 
 from grpo_steps.config import REPO_ROOT, load_config
-from tests.integration.flowrun import STEPS, completed_run, config_file, flow_config, on_server
+from tests.integration.flowrun import STEPS, completed_run, config_file, files_holding, flow_config, on_server
 
 pytestmark = pytest.mark.slow
 CONFIG = REPO_ROOT / "configs" / "test.yaml"
 EVERY = 2
+PLANTED_ENV = {"MLFLOW_TRACKING_PASSWORD": "mlflow-Plnt4Vq8Zx", "AWS_SECRET_ACCESS_KEY": "aws-Plnt4Vq8Zx/K9",
+               "HF_TOKEN": "hf_Plnt4Vq8ZxabcdefghijklmnopQ"}
+"""Credentials in the flow's environment (where they belong): none may reach anything the run writes."""
 
 
 @pytest.fixture(scope="module")
 def flow_run(tmp_path_factory, tiny_server):
     """Run the flow once in a fresh working directory on the external server; yields (workdir, metaflow Run)."""
     workdir = tmp_path_factory.mktemp("flow")
-    config = on_server(flow_config(eval={"every_steps": EVERY, "during_training_prompts": 8}), tiny_server)
-    with completed_run(workdir, config_file(workdir, config)) as (run, out):
+    # eval.during_training_prompts left unset: its default (64) follows the 8-prompt eval split
+    config = on_server(flow_config(eval={"every_steps": EVERY}), tiny_server)
+    with completed_run(workdir, config_file(workdir, config), **PLANTED_ENV) as (run, out):
         assert f"[vllm] serving {tiny_server.endpoint} (external)" in out
         (workdir / "flow-output.txt").write_text(out)
         yield workdir, run
@@ -32,6 +36,25 @@ def test_every_step_ran(flow_run):
     _, run = flow_run
     assert run.successful
     assert {step.id for step in run} == STEPS
+
+
+def test_no_credential_reaches_anything_the_run_wrote(flow_run, tiny_server):
+    """The environment's credentials and the server's per-run token, grepped in every file of the working
+    directory (MLflow store and artifacts, Metaflow datastore: config artifact, code package, logs, cards, the
+    saved policy) and in the run's output."""
+    from grpo_steps.servers.auth import token_for
+
+    workdir, run = flow_run
+    seen = files_holding(workdir, [run.data.mlflow_run_id])  # control: the grep reads the gzipped artifacts too
+    assert any(path.startswith(".metaflow") for path in seen) and "mlflow.db" in seen, seen
+    planted = [*PLANTED_ENV.values(), token_for(tiny_server.endpoint)]
+    assert planted[-1], "the tiny server runs with a token"
+    written = {p.name for p in workdir.rglob("*") if p.is_file()}
+    assert {"mlflow.db", "run.yaml"} <= written  # the greps below read these (the job file lives in the scratch
+    # directory the train step removes; it carries the validated config, which refuses credentials)
+    assert any(p.suffix == ".html" for p in workdir.rglob("*"))  # a card
+    assert files_holding(workdir, planted) == {}
+    assert not [value for value in planted if value in (workdir / "flow-output.txt").read_text()]
 
 
 def test_server_weights_changed_after_sync(flow_run):

@@ -41,3 +41,28 @@ def test_a_replay_file_without_a_train_question_stops_the_flow_before_the_server
     assert proc.returncode != 0
     assert "generation.replay_file has no completions for the question" in proc.stdout + proc.stderr
     assert "provision_vllm" not in proc.stdout + proc.stderr  # failed in prepare_data: no server was started
+
+
+@pytest.mark.slow
+def test_run_from_flows_as_root_without_a_user_name_reaches_start_and_names_a_model_without_weights(tmp_path):
+    """``python grpo_flow.py run`` from ``flows/``, as a container runs it: root, no METAFLOW_USER. Metaflow gets the
+    flow's default user name (it would stop with "could not determine your user name"), and ``start`` refuses a
+    model directory that holds no model, naming what is missing."""
+    model = tmp_path / "my-model"
+    model.mkdir()
+    (model / "README.md").write_text("weights come later\n")
+    config = yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text())
+    config["model"]["name_or_path"] = str(model)
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in os.environ.items() if k not in ("METAFLOW_USER", "SUDO_USER", "USERNAME")}
+    env["USER"] = "root"
+    proc = subprocess.run([sys.executable, "grpo_flow.py", "--config", "config", str(path), "run"],
+                          cwd=FLOW.parent, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "could not determine your user name" not in out
+    assert "Step start" in out or "start" in out.split("Workflow starting")[-1]  # the run began: a user was found
+    assert f"model.name_or_path {str(model)!r} holds no usable model: missing config.json; tokenizer files" in out
+    assert "weights (" in out and "safetensors or pytorch_model" in out  # Metaflow's log drops the asterisks
+    assert "prepare_data" not in out  # refused in start, before any data or server

@@ -29,11 +29,11 @@ def _manifest_command(db_dir) -> str:
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert "--app-name basic-auth" in container["args"][0] and env["MLFLOW_AUTH_CONFIG_PATH"]
     assert {"MLFLOW_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY", "POSTGRES_PASSWORD"} <= set(env)  # Secrets
-    command = container["args"][0].removeprefix("pip install --quiet psycopg2-binary boto3 'Flask-WTF<2' && ")
-    command = command.replace("postgresql://mlflow:$(POSTGRES_PASSWORD)@mlflow-postgres:5432/mlflow_auth",
+    command = re.sub(r"pip install [^&]+&& ", "", container["args"][0])  # the packages are installed here
+    command = command.replace("postgresql://mlflow:$POSTGRES_PASSWORD@mlflow-postgres:5432/mlflow_auth",
                               f"sqlite:///{db_dir}/auth.db")
-    command = command.replace("postgresql://mlflow:$(POSTGRES_PASSWORD)@mlflow-postgres:5432/mlflow",
-                              f"sqlite:///{db_dir}/mlflow.db")
+    command = command.replace("postgresql://mlflow:$POSTGRES_PASSWORD@mlflow-postgres:5432/mlflow",
+                              f"sqlite:///{db_dir}/mlflow.db")  # the store URI, from MLFLOW_BACKEND_STORE_URI
     command = command.replace("/tmp/basic_auth.ini", f"{db_dir}/basic_auth.ini")
     command = re.sub(r"--artifacts-destination \S+", f"--artifacts-destination {db_dir}/artifacts", command)
     return command.replace("--host 0.0.0.0", "--host 127.0.0.1")

@@ -56,6 +56,7 @@ def _kill_and_resume(workdir, env: dict, config: dict, on_line=None) -> tuple[st
     code, out = run_config(workdir, env, config, kill_after_checkpoint)
     assert killed, out[-5000:]
     assert code != 0, "the run should fail when its training process is killed"
+    assert "was killed (signal 9), likely out of memory: peak resident memory" in out  # as an OOM kill shows
     assert f"removed step={KILL_AFTER - KEEP * SAVE_STEPS}" in out  # retention: older checkpoints deleted
     (run,) = mlflow_runs(workdir)
     assert run.info.status == "FAILED"  # the exit hook ended it: train failed with its retries used up

@@ -313,3 +313,22 @@ def test_a_request_without_the_run_token_is_refused(tiny_server, method, path, b
     assert "--middleware" in cmdline
     assert token_for(tiny_server.endpoint) not in " ".join(cmdline)  # the token is in the environment only
     assert token_for(tiny_server.endpoint) not in Path(tiny_server.log_path).read_text(errors="replace")  # not logged
+
+
+def test_a_sync_dir_that_cannot_hold_a_push_fails_before_any_load(tmp_path, tiny_model_path, tiny_tokenizer,
+                                                                  tiny_server, small_tmpfs):
+    """``generation.sync_dir`` on a 512 KiB tmpfs, the tiny policy's push ~1.4 MB: the training run fails at its first
+    push with an error naming the directory, the bytes and the key; the server was never asked to load (its weight
+    label is unchanged) and no push directory is left half-written."""
+    from grpo_steps.weight_files import NoSpaceError
+
+    sync_dir, client = small_tmpfs(512 * 1024), VLLMClient(tiny_server.endpoint)
+    client.set_weight_version("before-the-full-disk")
+    job = _job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint, generation={"sync_dir": str(sync_dir)})
+    with pytest.raises(NoSpaceError) as err:
+        run(job)
+    message = str(err.value)
+    assert "weight push v0 needs" in message and f"in {sync_dir}/grpo-sync-" in message
+    assert "which has" in message and "change generation.sync_dir" in message
+    assert client.weight_version() == "before-the-full-disk"
+    assert [p for p in sync_dir.rglob("*") if p.name.startswith("v") or p.suffix == ".safetensors"] == []

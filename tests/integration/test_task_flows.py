@@ -44,6 +44,8 @@ def test_task_flow_end_to_end(task_run):
         metric = f"rewards/{spec.name}/mean"
         steps = [m.step for m in client.get_metric_history(mlflow_run.info.run_id, metric)]
         assert steps == list(range(1, cfg.train.max_steps + 1)), metric
+    if config.name == "test-humaneval.yaml":  # eval rewards left unset: they follow the configured rewards
+        assert (cfg.eval.correctness_reward, cfg.eval.format_reward) == ("code_execution", None)
     expected = ["accuracy", "pass_at_1", "pass_at_2", "reward", f"reward/{cfg.eval.correctness_reward}"]
     expected += ["format_rate"] if cfg.eval.format_reward else []
     for label in ("baseline", "trained"):

@@ -4,6 +4,7 @@
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,8 +105,10 @@ def test_a_server_without_the_worker_extension_gets_vllms_reload(tiny_model_path
         assert client.load_path.startswith("vllm: ")
         assert "was started without --worker-extension-cls" in capsys.readouterr().err
         assert client.prompt_logprobs(ids) != pytest.approx(before, abs=1e-3)  # alive, and on the new weights
+        assert any(p.is_socket() for p in Path(server.ipc_dir).iterdir())  # vLLM's IPC sockets live there
     finally:
         server.stop()
+    assert not Path(server.ipc_dir).exists()  # and are gone with the server
 
 
 def test_the_pipelines_server_has_the_worker_extension(tiny_server):

@@ -13,7 +13,7 @@ def job(tmp_path, tiny_model_path, tiny_tokenizer, endpoint, mlflow_run_id=None,
     ``resources`` update their section, any other key replaces its section (``rewards``, ``eval``, ...)."""
     base = load_config(REPO_ROOT / "configs" / "test.yaml").model_dump()
     base["train"].update({"max_steps": 3, "save_steps": 100, **overrides.pop("train", {})})
-    base["generation"].update(sync_dir=str(tmp_path / "sync"), **overrides.pop("generation", {}))
+    base["generation"].update({"sync_dir": str(tmp_path / "sync"), **overrides.pop("generation", {})})
     base["resources"]["train"].update(overrides.pop("resources", {}).get("train", {}))
     base.update(overrides)  # whole sections: rewards, eval, tracking
     cfg = validate_config(base)

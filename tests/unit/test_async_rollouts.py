@@ -2,6 +2,7 @@
 constructed versions, and the config rules of ``generation.async`` / ``weight_sync_every`` / CPU cores."""
 
 import threading
+import time
 
 import pytest
 
@@ -176,3 +177,54 @@ def test_async_config_forms():
     assert (cfg.generation.async_.max_staleness, cfg.generation.weight_sync_every) == (2, 2)
     assert validate_config(_config(**{"async": False})).generation.async_ is None
     assert cfg.model_dump()["generation"]["async"] == {"max_staleness": 2}  # written back under its key
+
+
+def _dies_at_its_first_request():
+    def version() -> int:
+        raise RuntimeError("weight version unreadable")  # in the producer thread, outside the sampled request
+
+    return RolloutPrefetcher(lambda prompts, n: prompts, version, max_staleness=1, depth=2)
+
+
+def test_a_dead_producer_raises_in_the_trainer_instead_of_blocking_it():
+    from grpo_steps.training.async_rollouts import ProducerDiedError
+
+    prefetcher = _dies_at_its_first_request()
+    prefetcher.fill([(0, [[1]]), (1, [[2]])], num_generations=1, current_key=-1)
+    prefetcher._thread.join(5)  # the thread has died
+    assert not prefetcher.alive
+    started = time.monotonic()
+    with pytest.raises(ProducerDiedError, match="weight version unreadable") as err:
+        prefetcher.take(0, [[1]], current_version=0)
+    assert time.monotonic() - started < 5  # within seconds (it waited forever before)
+    assert isinstance(err.value.__cause__, RuntimeError)
+
+
+def test_a_push_waiting_on_a_dead_producer_raises_too():
+    from grpo_steps.training.async_rollouts import ProducerDiedError
+
+    prefetcher = _dies_at_its_first_request()  # it dies with its request marked in flight
+    prefetcher.fill([(0, [[1]])], num_generations=1, current_key=-1)
+    prefetcher._thread.join(5)
+    with pytest.raises(ProducerDiedError), prefetcher.paused():
+        pass
+
+
+def test_closing_while_an_error_propagates_waits_briefly_for_a_hung_request(monkeypatch):
+    from grpo_steps.training import async_rollouts
+
+    monkeypatch.setattr(async_rollouts, "ERROR_STOP_TIMEOUT_S", 0.2)
+    release = threading.Event()
+    prefetcher = RolloutPrefetcher(lambda prompts, n: release.wait(60), lambda: 0, max_staleness=1, depth=1)
+    prefetcher.fill([(0, [[1]])], num_generations=1, current_key=-1)
+    while not prefetcher._in_flight:  # the request hangs in flight
+        time.sleep(0.01)
+    started, closed = time.monotonic(), None
+    with pytest.raises(ValueError):
+        try:
+            raise ValueError("a training step failed")
+        finally:
+            closed = prefetcher.close()  # as the training entry's finally does
+    assert closed is False and time.monotonic() - started < 5  # not STOP_TIMEOUT_S (600 s)
+    release.set()
+    assert prefetcher.close() is True  # a clean close waits for the request, which now ends

@@ -63,11 +63,13 @@ def test_metrics_of_steps_an_earlier_attempt_logged_are_not_logged_again(tmp_pat
     first.on_train_begin(None, None, None)
     for step in (1, 2, 3):
         first.log({"reward": float(step), first.WATERMARK: step}, step)
+    first.queue.flush(timeout_s=30)  # queued points are sent in the background; these reached the store
     second = MLflowMetricsCallback(run_id, uri)  # a resumed attempt that restarts from step 2's checkpoint
     second.on_train_begin(None, None, None)
     assert second.logged_up_to == 3
     for step in (3, 4):
         second.log({"reward": 10.0 * step, second.WATERMARK: step}, step)
+    second.on_train_end(None, None, None)  # drains the queue
     history = {m.step: m.value for m in client.get_metric_history(run_id, "reward")}
     assert history == {1: 1.0, 2: 2.0, 3: 3.0, 4: 40.0}  # step 3 kept once, from the first attempt
 
@@ -119,3 +121,32 @@ def test_the_trainer_reads_checkpoint_files_as_weights_only():
     source = inspect.getsource(Trainer)
     loads = re.findall(r"torch\.load\((.*?)\)\s*\n", source, flags=re.S)
     assert loads and all("weights_only=True" in call for call in loads), loads
+
+
+def test_a_checkpoint_save_that_cannot_fit_is_refused_before_the_trainer_writes(small_tmpfs):
+    """The callback's step-end check, on a real 256 KiB tmpfs as the output directory: a policy whose checkpoint
+    (weights + two AdamW moments) is ~1.2 MiB fails before the save with the directory, the bytes and the key;
+    on steps without a save, and for a checkpoint that fits, nothing is raised."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from grpo_steps.checkpoints import checkpoint_bytes
+    from grpo_steps.training.callbacks import DatastoreCheckpointCallback
+    from grpo_steps.weight_files import NoSpaceError
+
+    scratch = small_tmpfs(256 * 1024)
+    policy = torch.nn.Linear(320, 320, bias=False)  # 102,400 float32 parameters: 400 KiB of weights
+    assert checkpoint_bytes(scratch, policy) == 102_400 * (4 + 8)
+    callback, args = DatastoreCheckpointCallback(), SimpleNamespace(output_dir=str(scratch), save_total_limit=2)
+    state = SimpleNamespace(global_step=4, is_local_process_zero=True)
+    callback.on_step_end(args, state, SimpleNamespace(should_save=False), model=policy)  # no save this step
+    with pytest.raises(NoSpaceError) as err:
+        callback.on_step_end(args, state, SimpleNamespace(should_save=True), model=policy)
+    assert f"checkpoint-4 needs 1228800 bytes (1 MiB) in {scratch}, which has 262144 bytes" in str(err.value)
+    assert "change train.save_total_limit (local copies kept: 2)" in str(err.value)
+    small = torch.nn.Linear(32, 32, bias=False)
+    callback.on_step_end(args, state, SimpleNamespace(should_save=True), model=small)  # 12 KiB: fits
+    (scratch / "checkpoint-2").mkdir()
+    (scratch / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    assert checkpoint_bytes(scratch, policy) == 2  # measured from the newest checkpoint once there is one

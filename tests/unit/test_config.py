@@ -100,6 +100,23 @@ BAD_CONFIGS = [
 ]
 
 
+def test_defaults_that_depend_on_the_data_and_the_rewards_follow_them():
+    """A default the user never set adapts to the config it is in, instead of refusing it; a value the user set is
+    kept (and refused where it cannot work, see BAD_CONFIGS)."""
+    small = validate_config({"data": {"num_eval": 8}, "eval": {"every_steps": 5}})
+    assert small.eval.during_training_prompts == 8
+    assert validate_config({"eval": {"every_steps": 5}}).eval.during_training_prompts == 64  # 100 eval prompts
+    only_code = validate_config({"rewards": [{"name": "code_execution"}], "data": {"source": "humaneval"}})
+    assert (only_code.eval.correctness_reward, only_code.eval.format_reward) == ("code_execution", None)
+    no_format = validate_config({"rewards": [{"name": "answer_accuracy"}]})
+    assert (no_format.eval.correctness_reward, no_format.eval.format_reward) == ("answer_accuracy", None)
+    assert validate_config({}).eval.format_reward == "answer_format"  # configured: the default holds
+    # the resolved config validates to itself (what the flow stores and the training job reads back)
+    assert validate_config(small.model_dump(mode="json")).sha256() == small.sha256()
+    with pytest.raises(ConfigError, match="eval.format_reward 'answer_format' is not one of the configured"):
+        validate_config({"rewards": [{"name": "answer_accuracy"}], "eval": {"format_reward": "answer_format"}})
+
+
 def test_split_groups_are_fine_when_trl_generates():
     split = {"num_nodes": 2, "per_device_train_batch_size": 2, "num_generations": 4}  # a group over 2 nodes
     assert validate_config({"train": split, "generation": {"backend": "hf"}}).train.num_nodes == 2
@@ -204,3 +221,19 @@ def test_every_config_field_is_documented():
     undocumented = [f"{cls.__name__}.{name}" for cls in sections for name, field in cls.model_fields.items()
                     if not (field.description or "").strip()]
     assert undocumented == [], f"add a docstring under each of {undocumented} in grpo_steps/config/"
+
+
+def test_a_local_model_directory_is_checked_for_config_tokenizer_and_weights(tmp_path, tiny_model_path):
+    from grpo_steps.models import check_model_dir
+
+    check_model_dir(Path(tiny_model_path))  # what save_pretrained writes passes
+    (tmp_path / "README.md").write_text("later")
+    with pytest.raises(FileNotFoundError) as err:
+        check_model_dir(tmp_path)
+    assert "missing config.json; tokenizer files" in str(err.value) and "weights (*.safetensors" in str(err.value)
+    for name in ("config.json", "tokenizer_config.json", "tokenizer.json"):
+        (tmp_path / name).write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"missing weights \(\*\.safetensors or pytorch_model\*\.bin\)\. Point"):
+        check_model_dir(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    check_model_dir(tmp_path)

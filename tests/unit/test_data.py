@@ -85,8 +85,109 @@ def test_prompts_over_the_token_budget_are_dropped(tmp_path, tiny_tokenizer):
     rows += [{"question": "Calculate " + " + ".join(["1"] * 200) + ".", "answer": "200"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = prepare(_cfg(source="jsonl", path=str(path), max_prompt_tokens=60), tiny_tokenizer)
-    assert data.stats["too_long"] == 1
+    assert data.stats["dropped/too_long"] == 1 and data.dropped == {"dropped/too_long": "line 31"}
     assert all("1 + 1 + 1" not in q for q in _questions(data.train + data.eval))
+
+
+# --- bad rows: dropped with a count per reason and their lines; a source with too many is refused ------------
+
+def _bad_rows_file(tmp_path, good: int = 40):
+    """A jsonl file as a new user writes one: ``good`` usable rows, then one row of each bad kind (and a blank
+    line, which is not a row). Returns (path, line numbers of the bad rows by reason)."""
+    lines = [json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) for i in range(good)]
+    lines += [json.dumps({"question": "", "answer": "3"}),  # empty question
+              "",  # a blank line: skipped by the loader, not a row, but it counts as a line
+              json.dumps({"question": "   ", "answer": "4"}),  # only spaces
+              json.dumps({"question": None, "answer": "5"}),  # null question
+              json.dumps({"question": "What is 100 + 1?", "answer": None}),  # null answer
+              json.dumps({"question": "What is 200 + 1?", "answer": " "}),  # blank answer
+              json.dumps({"question": "Calculate " + " + ".join(["1"] * 200) + ".", "answer": "200"})]  # too long
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    first = good + 1
+    return path, {"empty_prompt": [first, first + 2, first + 3], "missing_answer": [first + 4, first + 5],
+                  "too_long": [first + 6]}
+
+
+def test_bad_rows_are_dropped_counted_per_reason_with_their_lines(tmp_path, tiny_tokenizer, capsys):
+    path, bad = _bad_rows_file(tmp_path)
+    data = prepare(_cfg(source="jsonl", path=str(path), max_prompt_tokens=100, max_unusable_share=0.2),
+                   tiny_tokenizer)
+    assert {k: v for k, v in data.stats.items() if k.startswith("dropped/")} == {
+        "dropped/empty_prompt": 3, "dropped/missing_answer": 2, "dropped/too_long": 1}
+    assert data.dropped == {"dropped/empty_prompt": "lines 41, 43, 44", "dropped/missing_answer": "lines 45, 46",
+                            "dropped/too_long": "line 47"}
+    assert bad["empty_prompt"] == [41, 43, 44]  # the file helper agrees with the lines asserted above
+    questions = _questions(data.train + data.eval)
+    assert len(data.train) == 20 and len(data.eval) == 10
+    assert not {"", "None", "What is 100 + 1?", "What is 200 + 1?"} & set(questions)  # none trained on
+    assert all(q.startswith("What is ") and int(q.split()[2]) < 40 for q in questions)
+    assert all(row["answer"] for row in data.train + data.eval)
+    log = capsys.readouterr().out
+    assert "[data] jsonl: dropped 3 rows with an empty prompt (data.prompt_column 'question'): lines 41, 43, 44" in log
+    assert "dropped 2 rows with no answer (data.answer_column 'answer' null or empty): lines 45, 46" in log
+    assert "dropped 1 rows with a prompt over data.max_prompt_tokens=100: line 47" in log
+
+
+def test_prepare_data_step_logs_dropped_counts_and_lines_to_mlflow(tmp_path, tiny_model_path, capsys):
+    """The step body the flow calls, on a real MLflow store: counts as metrics, first lines as tags."""
+    import yaml
+
+    from grpo_steps import steps, tracking
+    from grpo_steps.config import validate_config
+
+    path, _ = _bad_rows_file(tmp_path)
+    config = yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text())
+    config["data"] = {"source": "jsonl", "path": str(path), "num_train": 20, "num_eval": 10, "max_prompt_tokens": 100,
+                      "max_unusable_share": 0.2}
+    config["tracking"] = {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}
+    cfg = validate_config(config)
+    run_id = tracking.open_run(cfg, "GRPOFlow/1/start/1")
+    _, data = steps.prepare_data(cfg, run_id)
+    run = tracking.client(cfg).get_run(run_id)
+    assert {k: v for k, v in run.data.metrics.items() if k.startswith("data/dropped/")} == {
+        "data/dropped/empty_prompt": 3, "data/dropped/missing_answer": 2, "data/dropped/too_long": 1}
+    assert run.data.tags["data/dropped/missing_answer"] == "lines 45, 46"
+    assert run.data.tags["data/dropped/empty_prompt"] == "lines 41, 43, 44"
+    log = capsys.readouterr().out
+    assert "[data] jsonl: dropped 1 rows with a prompt over data.max_prompt_tokens=100: line 47" in log
+    assert len(data.train) == 20
+
+
+def test_a_source_with_more_unusable_rows_than_the_share_is_refused(tmp_path, tiny_tokenizer):
+    path, _ = _bad_rows_file(tmp_path)  # 6 of 46 distinct rows unusable: 13 %
+    with pytest.raises(DataError) as err:
+        prepare(_cfg(source="jsonl", path=str(path), max_prompt_tokens=100), tiny_tokenizer)  # default 0.1
+    message = str(err.value)
+    assert "6 of its 46 distinct rows are unusable (13% > data.max_unusable_share=0.1)" in message
+    assert "empty_prompt at lines 41, 43, 44; missing_answer at lines 45, 46; too_long at line 47" in message
+    assert "raise data.max_unusable_share" in message
+
+
+def test_duplicates_are_not_unusable_and_a_later_copy_with_an_answer_is_kept(tmp_path, tiny_tokenizer):
+    rows = [{"question": "What is 7 + 7?", "answer": None}]  # first without an answer, then with one
+    rows += [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(30)] * 3  # 60 duplicates
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows + [{"question": "What is 7 + 7?", "answer": "14"}]))
+    data = prepare(_cfg(source="jsonl", path=str(path), num_train=21), tiny_tokenizer)  # 1 of 32: 3 %
+    assert data.stats["duplicates"] == 60 and data.stats["dropped/missing_answer"] == 1
+    assert data.dropped == {"dropped/missing_answer": "line 1"}
+    answers = {r["prompt"][-1]["content"]: r["answer"] for r in data.train + data.eval}
+    assert answers["What is 7 + 7?"] == "14"
+
+
+def test_csv_and_parquet_positions_are_lines_and_rows(tmp_path, tiny_tokenizer):
+    csv_path = tmp_path / "rows.csv"
+    body = "".join(f"What is {i} + 1?,{i + 1}\n" for i in range(30))
+    # a quoted question over two lines (one record), a blank line, then a record without an answer on line 35
+    csv_path.write_text('question,answer\n"Two\nlines?",2\n\n' + body + "No answer here?,\n")
+    data = prepare(_cfg(source="csv", path=str(csv_path)), tiny_tokenizer)
+    assert data.dropped == {"dropped/missing_answer": "line 35"}
+    parquet = tmp_path / "rows.parquet"
+    pd.DataFrame({"question": [f"Calculate {i} + 2." for i in range(40)] + [None],
+                  "answer": [str(i + 2) for i in range(40)] + ["1"]}).to_parquet(parquet)
+    assert prepare(_cfg(source="parquet", path=str(parquet)), tiny_tokenizer).dropped == {
+        "dropped/empty_prompt": "row 41"}
 
 
 def test_missing_file_is_a_clear_error(tmp_path, tiny_tokenizer):
@@ -180,7 +281,7 @@ def test_humaneval_source_keeps_tests_and_entry_point(tiny_tokenizer):
     data = prepare(_cfg(source="humaneval", num_train=20, num_eval=10, max_prompt_tokens=4000), tiny_tokenizer)
     assert data.stats["rows"] == 164
     for row in data.train + data.eval:
-        assert set(row) == {"prompt", "answer", "test", "entry_point", "task_id"}
+        assert set(row) == {"prompt", "answer", "test", "entry_point", "task_id", "code_prompt"}
         assert row["answer"] is None
         assert "def check(candidate)" in row["test"]
         question = row["prompt"][-1]["content"]
@@ -268,7 +369,7 @@ def _mixture_cfg(**kw):
 
 def test_mixture_rows_carry_task_and_every_column(tiny_tokenizer):
     data = prepare(_mixture_cfg(), tiny_tokenizer)
-    keys = {"prompt", "answer", "task", "test", "entry_point", "task_id"}
+    keys = {"prompt", "answer", "task", "test", "entry_point", "task_id", "code_prompt"}
     assert all(set(row) == keys for row in data.train + data.eval)  # one schema for the trainer's table
     assert [r["task"] for r in data.train].count("math") == 8 and len(data.train) == 12  # weights 2:1
     assert [r["task"] for r in data.eval].count("code") == 2 and len(data.eval) == 6
@@ -284,7 +385,7 @@ def test_mixture_rows_carry_task_and_every_column(tiny_tokenizer):
 
 def test_mixture_table_for_mlflow_has_every_column(tiny_tokenizer):
     columns = table(prepare(_mixture_cfg(), tiny_tokenizer).eval)
-    assert set(columns) == {"question", "answer", "task", "test", "entry_point", "task_id"}
+    assert set(columns) == {"question", "answer", "task", "test", "entry_point", "task_id", "code_prompt"}
     assert all(len(values) == 6 for values in columns.values())
 
 
@@ -332,6 +433,7 @@ def test_mixture_rows_route_to_their_rewards_in_score(tiny_tokenizer):
     from grpo_steps.evaluate import score
 
     cfg = validate_config({"data": _mixture_cfg().model_dump(), "model": {"max_model_len": 8192},
+                           "registry": {"min_eval_prompts": 6},  # the 6 eval prompts of the mixture
                            "eval": {"correctness_reward": "math_accuracy", "format_reward": None},
                            "rewards": [{"name": "math_accuracy"}, {"name": "code_execution"},
                                        {"name": "tests.unit.test_data:has_tests"}]})

@@ -31,11 +31,14 @@ def test_pass_at_k_rejects_impossible_arguments(n, c, k):
         pass_at_k(n, c, k)
 
 
+T1, T3 = 12.7062047362, 3.18244630528  # Student's t(0.975) with 1 and 3 degrees of freedom
+
+
 @pytest.mark.parametrize(("before", "after", "gain", "half_width"), [
-    ([0.0] * 4, [1.0] * 4, 1.0, 0.0),                      # every prompt gains 1: no spread, zero width
+    ([0.0] * 4, [1.0] * 4, 1.0, T3 * math.sqrt(0.2) / 2),  # every prompt gains 1: sd of 1,1,1,1 plus a 0, never 0
     ([1.0, 0.0, 1.0, 0.0], [1.0, 0.0, 1.0, 0.0], 0.0, 0.0),  # the same answers: no gain
-    ([0.0, 0.0, 1.0, 0.0], [1.0, 0.0, 1.0, 1.0], 0.5, 1.96 * math.sqrt(1 / 3) / 2),  # d = 1,0,0,1: sd sqrt(1/3)
-    ([1.0, 1.0], [0.0, 0.0], -1.0, 0.0),                   # a loss is negative
+    ([0.0, 0.0, 1.0, 0.0], [1.0, 0.0, 1.0, 1.0], 0.5, T3 * math.sqrt(1 / 3) / 2),  # d = 1,0,0,1: sd sqrt(1/3)
+    ([1.0, 1.0], [0.0, 0.0], -1.0, T1 * math.sqrt(1 / 3) / math.sqrt(2)),  # a loss is negative; two prompts: wide
 ])
 def test_paired_gain(before, after, gain, half_width):
     assert paired_gain(before, after) == pytest.approx((gain, half_width))
@@ -44,7 +47,7 @@ def test_paired_gain(before, after, gain, half_width):
 def test_paired_gain_width_shrinks_with_more_prompts():
     # the same mix of per-prompt differences over 4x the prompts: sd sqrt(4/15), over sqrt(16)
     large = paired_gain([0.0, 0.0, 1.0, 0.0] * 4, [1.0, 0.0, 1.0, 1.0] * 4)[1]
-    assert large == pytest.approx(1.96 * math.sqrt(4 / 15) / 4)
+    assert large == pytest.approx(2.13144954556 * math.sqrt(4 / 15) / 4)  # t(0.975, 15)
     assert large < paired_gain([0.0, 0.0, 1.0, 0.0], [1.0, 0.0, 1.0, 1.0])[1] / 2
 
 

@@ -17,7 +17,9 @@ GATE_CASES = [
     ([0.5] + [0.0] * 19, Z20, None, 0.0, False),  # the user's run: +0.025 on 20 prompts, inside its interval
     ([1.0] * 10 + [0.0] * 10, Z20, None, 0.0, True),  # +0.5 on 20 prompts: lower bound well above 0
     ([1.0] * 10 + [0.0] * 10, Z20, None, 0.4, False),  # ... but not above a 0.4 margin (lower bound ~0.27)
-    ([1.0] * 20, Z20, None, 0.0, True),  # every prompt gains: zero width
+    ([1.0] * 20, Z20, None, 0.0, True),  # every prompt gains: narrow, never zero width
+    ([1.0] * 2, [0.0] * 2, None, 0.0, False),  # two prompts that both gained: no +1.000 +- 0.000 pass
+    ([1.0] * 4 + [0.9] * 4, [0.0] * 8, None, 0.5, True),  # eight prompts, all well above the margin
     (Z20, Z20, None, 0.0, False),  # no gain
     ([1.0] * 20, Z20, [1.0] * 20, 0.0, False),  # beats the baseline, ties the champion
     ([1.0] * 20, Z20, [1.0] * 10 + [0.0] * 10, 0.0, True),  # beats baseline and champion on the same prompts
@@ -34,7 +36,7 @@ def test_quality_gate(trained, baseline, champion, margin, passes):
 def test_the_gate_says_why():
     passed, reason = gate([0.5] + [0.0] * 19, Z20, None, 0.0)
     assert not passed
-    assert "gain over the baseline +0.025 ± 0.049" in reason
+    assert "gain over the baseline +0.025 ± 0.052" in reason  # t(0.975, 19) = 2.093, not 1.96
     assert "does not beat registry.min_improvement 0.000" in reason
 
 
@@ -55,14 +57,14 @@ def test_settle_reads_again_when_another_registrar_created_the_alias_first(tmp_p
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from grpo_steps.gate import PASSED_TAG, SCORE_TAG, settle_champion
+    from grpo_steps.gate import COMPARED_TAG, PASSED_TAG, SCORE_TAG, settle_champion
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     client.create_registered_model("policy")
     run = client.create_run("0")
     for score in ("0.5", "0.8"):  # versions 1 and 2: 2 is the better contender
         client.create_model_version("policy", f"runs:/{run.info.run_id}/model", run.info.run_id,
-                                    tags={PASSED_TAG: "true", SCORE_TAG: score})
+                                    tags={PASSED_TAG: "true", SCORE_TAG: score, COMPARED_TAG: ""})
     original, calls = client.set_registered_model_alias, []
 
     def loses_the_first_insert(name, alias, version):
@@ -73,7 +75,7 @@ def test_settle_reads_again_when_another_registrar_created_the_alias_first(tmp_p
         original(name, alias, version)
 
     client.set_registered_model_alias = loses_the_first_insert
-    assert settle_champion(client, "policy", None) == "2"
+    assert settle_champion(client, "policy", "2", None) == "2"
     assert calls == ["2", "2"] and str(client.get_model_version_by_alias("policy", "champion").version) == "2"
 
 
@@ -176,3 +178,69 @@ def test_two_runs_on_a_fresh_store_both_open_in_one_experiment(tmp_path):
     client = MlflowClient(db)
     experiment = client.get_experiment_by_name("race")
     assert {client.get_run(r).info.experiment_id for r in run_ids} == {experiment.experiment_id}
+
+
+def _registrar(tmp_path):
+    """Register versions one after the other on a real MLflow store, as the register step does
+    (``grpo_steps.register._decide``); returns ``register(scores) -> (version, passed, champion)`` and the client."""
+    from mlflow import MlflowClient
+
+    from grpo_steps.gate import save_per_prompt
+    from grpo_steps.register import _decide
+
+    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = validate_config({"tracking": {"tracking_uri": db}, "registry": {"model_name": "policy"}})
+    client = MlflowClient(db)
+    client.create_registered_model("policy")
+
+    def register(scores: list[float]) -> tuple[str, bool, str | None]:
+        run = client.create_run("0")
+        keys = [f"p{i}" for i in range(len(scores))]
+        save_per_prompt(client, run.info.run_id, keys, scores)
+        version = str(client.create_model_version(
+            "policy", f"runs:/{run.info.run_id}/model", run.info.run_id,
+            tags={"eval.pass_at_1": f"{sum(scores) / len(scores):.6g}"}).version)
+        report = {"trained": {"per_prompt": {"pass@1": scores}, "prompt_keys": keys},
+                  "baseline": {"per_prompt": {"pass@1": [0.0] * len(scores)}}}
+        passed, _, champion = _decide(cfg, client, "policy", version, report)
+        return version, passed, champion
+
+    return register, client
+
+
+def test_after_a_manual_rollback_the_next_registration_does_not_restore_the_rolled_back_version(tmp_path):
+    register, client = _registrar(tmp_path)
+    assert register([0.5] * 10 + [0.0] * 10) == ("1", True, "1")
+    assert register([1.0] * 20) == ("2", True, "2")  # v2 beats v1 on every prompt
+    client.set_registered_model_alias("policy", "champion", "1")  # the team rolls back v2 -> v1 by hand
+    assert register([1.0] * 16 + [0.5] * 4) == ("3", True, "3")  # v3 beats v1: champion v3, never v2 (better)
+    client.set_registered_model_alias("policy", "champion", "1")  # rolled back again, v3 revoked this time
+    client.set_model_version_tag("policy", "3", "gate.revoked", "true")
+    assert register([0.9] * 20) == ("4", True, "4")  # v4 beats v1; v3 (revoked) and v2 (rolled back) stay out
+    client.set_registered_model_alias("policy", "champion", "3")  # a revoked champion, still aliased by mistake
+    assert register([1.0] * 20) == ("5", True, "5")  # v5 beats it and replaces it
+
+
+def test_without_a_champion_the_new_version_is_judged_on_its_own_comparison_not_the_all_time_best(tmp_path):
+    register, client = _registrar(tmp_path)
+    assert register([1.0] * 20) == ("1", True, "1")  # the all-time best
+    client.delete_registered_model_alias("policy", "champion")  # the team clears the alias
+    assert register([0.5] * 20) == ("2", True, "2")  # v2 passed against the baseline: v2, not v1
+
+
+def test_a_gate_on_fewer_prompts_than_registry_min_eval_prompts_holds():
+    passed, reason = gate([1.0] * 6, [0.0] * 6, None, 0.0, min_prompts=8)
+    assert not passed and "registry.min_eval_prompts (8)" in reason
+    assert gate([1.0] * 8, [0.0] * 8, None, 0.0, min_prompts=8)[0]
+
+
+def test_an_eval_split_below_registry_min_eval_prompts_is_refused_in_start():
+    with pytest.raises(ConfigError, match=r"data.num_eval \(4\) is below registry.min_eval_prompts \(8\)"):
+        validate_config({"data": {"num_eval": 4}})
+    validate_config({"data": {"num_eval": 4}, "registry": {"min_eval_prompts": 4}})
+
+
+@pytest.mark.parametrize("name", ["o'brien-policy", 'say"cheese', "back\\slash", "tab\tname"])
+def test_registry_names_that_break_mlflow_filters_are_refused_in_start(name):
+    with pytest.raises(ConfigError, match="registry.model_name"):
+        validate_config({"registry": {"model_name": name}})

@@ -188,3 +188,42 @@ def test_a_required_column_the_data_keeps_is_accepted():
     name = "tests.unit.test_guard:takes_a_kept_column"
     validate_config({"data": {"answer_format": "gsm8k"}, "rewards": [{"name": name}],  # gsm8k keeps `solution`
                      "eval": {"format_reward": None, "correctness_reward": name}})
+
+
+# --- non-finite scores: counted as errors, warned once, and left unscored --------------------------------------
+
+def third_nan(completions, **_):
+    return [float("nan") if i % 3 == 0 else 1.0 for i in range(len(completions))]
+
+
+def all_inf(completions, **_):
+    return [float("inf")] * len(completions)
+
+
+def test_nan_scores_are_counted_as_errors_and_warned_once_with_the_name(caplog):
+    name = "guard_case_third_nan"
+    reward = guarded(third_nan, name, timeout_s=5)
+    logged = {}
+    with caplog.at_level("WARNING", logger="rewards.guard"):
+        scores = reward(completions=["a"] * 6, log_metric=logged.__setitem__)
+        reward(completions=["a"] * 6)
+    assert scores == [None, 1.0, 1.0, None, 1.0, 1.0]  # not averaged in as 1.0 by TRL's nanmean
+    assert counters()[f"rewards/{name}/errors"] == 4  # 2 per call, per completion
+    assert logged[f"rewards/{name}/errors"] == 2
+    assert guard.scored()[name] == (12, 4)
+    warnings = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert len(warnings) == 1 and "returned 2 non-finite scores (nan, nan) of 6" in warnings[0]
+
+
+def test_a_reward_returning_only_inf_trips_the_all_none_stop():
+    from types import SimpleNamespace
+
+    from grpo_steps.training.callbacks import AllNoneStop, AllRewardsNone
+
+    stop = AllNoneStop(limit=2)
+    reward = guarded(all_inf, "guard_case_all_inf", timeout_s=5)
+    assert reward(completions=["a", "b"]) == [None, None]
+    stop.on_step_end(None, SimpleNamespace(global_step=1), None)
+    reward(completions=["a", "b"])
+    with pytest.raises(AllRewardsNone, match=r"guard_case_all_inf.*'rewards/guard_case_all_inf/errors': 4"):
+        stop.on_step_end(None, SimpleNamespace(global_step=2), None)

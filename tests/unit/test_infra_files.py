@@ -63,3 +63,24 @@ def test_metaflow_config_points_at_s3_and_kubernetes():
     mf = json.loads((REPO_ROOT / "infra/metaflow/config-k8s-argo.json").read_text())
     assert mf["METAFLOW_DEFAULT_DATASTORE"] == "s3" and mf["METAFLOW_DATASTORE_SYSROOT_S3"].startswith("s3://")
     assert mf["METAFLOW_KUBERNETES_NAMESPACE"] == load_config(REPO_ROOT / "configs/multinode.yaml").resources.namespace
+
+
+def test_the_mlflow_server_gets_its_passwords_from_the_environment_and_installs_pinned_packages():
+    """Kubernetes writes a ``$(VAR)`` reference into the container's argv (visible in the pod spec and ``ps``):
+    the passwords are expanded by the shell at run time and reach mlflow through its environment; every package
+    installed at start has an exact version."""
+    import re
+
+    import yaml
+
+    docs = list(yaml.safe_load_all((REPO_ROOT / "infra" / "k8s" / "mlflow.yaml").read_text()))
+    (mlflow,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "mlflow"]
+    (container,) = mlflow["spec"]["template"]["spec"]["containers"]
+    script = " ".join(container["args"])
+    secret_env = {e["name"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    assert "POSTGRES_PASSWORD" in secret_env and "MLFLOW_ADMIN_PASSWORD" in secret_env
+    assert not [name for name in secret_env if f"$({name})" in script]  # no Kubernetes expansion into argv
+    assert "--backend-store-uri" not in script and "export MLFLOW_BACKEND_STORE_URI=" in script
+    (install,) = re.findall(r"pip install ([^&]+)&&", script)
+    packages = [word for word in install.split() if not word.startswith("-")]
+    assert packages and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.]*", p) for p in packages), packages

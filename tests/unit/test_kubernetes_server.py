@@ -2,7 +2,9 @@
 in-memory fake of the three client APIs it calls (no cluster is reachable here): rendered manifests,
 readiness wait, cleanup on failure, the handle."""
 
+import base64
 import json
+from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
@@ -12,6 +14,15 @@ from grpo_steps.config import validate_config
 from grpo_steps.servers import KubernetesServer, ServerStartError, kubernetes
 
 RUN_ID = "argo-grpoflow-x7k2p"
+
+
+@pytest.fixture(autouse=True)
+def token_dir(tmp_path, monkeypatch):
+    """The tokens this pod's clients keep, in a directory of the test's own."""
+    from grpo_steps.servers import auth
+
+    monkeypatch.setattr(auth, "TOKEN_DIR", tmp_path / "server-tokens")
+    return tmp_path / "server-tokens"
 
 
 def cluster_config(**generation):
@@ -32,17 +43,29 @@ def _matches(labels: dict, selector: str) -> bool:
 
 class FakeCluster:
     """The AppsV1Api + CoreV1Api + NetworkingV1Api methods the provider calls, over dicts; ready after
-    ``ready_after`` reads."""
+    ``ready_after`` reads. ``create_/list_/delete_namespaced_<kind>`` work on the store named in :data:`STORES`."""
+
+    STORES = {"deployment": "deployments", "service": "services", "network_policy": "policies",
+              "secret": "secrets", "config_map": "config_maps"}
 
     def __init__(self, ready_after: int | None = 0):
         self.deployments: dict[tuple, dict] = {}
         self.services: dict[tuple, dict] = {}
         self.policies: dict[tuple, dict] = {}
+        self.secrets: dict[tuple, dict] = {}
+        self.config_maps: dict[tuple, dict] = {}
         self.ready_after, self.reads = ready_after, 0
 
-    # AppsV1Api
-    def create_namespaced_deployment(self, namespace, body):
-        self.deployments[(namespace, body["metadata"]["name"])] = body
+    def __getattr__(self, name):
+        verb, _, kind = name.partition("_namespaced_")
+        if kind not in self.STORES or verb not in ("create", "list", "delete"):
+            raise AttributeError(name)
+        store = getattr(self, self.STORES[kind])
+        if verb == "create":
+            return lambda namespace, body: store.__setitem__((namespace, body["metadata"]["name"]), body)
+        if verb == "list":
+            return lambda namespace, label_selector: self._list(store, namespace, label_selector)
+        return lambda name, namespace: store.pop((namespace, name))
 
     def read_namespaced_deployment_status(self, name, namespace):
         assert (namespace, name) in self.deployments
@@ -50,31 +73,9 @@ class FakeCluster:
         ready = self.ready_after is not None and self.reads > self.ready_after
         return NS(status=NS(ready_replicas=1 if ready else None))
 
-    def list_namespaced_deployment(self, namespace, label_selector):
-        return self._list(self.deployments, namespace, label_selector)
-
-    def delete_namespaced_deployment(self, name, namespace):
-        del self.deployments[(namespace, name)]
-
-    # CoreV1Api
-    def create_namespaced_service(self, namespace, body):
-        self.services[(namespace, body["metadata"]["name"])] = body
-
-    def list_namespaced_service(self, namespace, label_selector):
-        return self._list(self.services, namespace, label_selector)
-
-    def delete_namespaced_service(self, name, namespace):
-        del self.services[(namespace, name)]
-
-    # NetworkingV1Api
-    def create_namespaced_network_policy(self, namespace, body):
-        self.policies[(namespace, body["metadata"]["name"])] = body
-
-    def list_namespaced_network_policy(self, namespace, label_selector):
-        return self._list(self.policies, namespace, label_selector)
-
-    def delete_namespaced_network_policy(self, name, namespace):
-        del self.policies[(namespace, name)]
+    def read_namespaced_secret(self, name, namespace):  # the API returns base64 data, never stringData
+        body = self.secrets[(namespace, name)]
+        return NS(data={k: base64.b64encode(v.encode()).decode() for k, v in body["stringData"].items()})
 
     def list_namespaced_pod(self, namespace, label_selector):
         waiting = NS(reason="ImagePullBackOff", message="pull access denied")
@@ -164,10 +165,11 @@ def test_start_waits_for_a_ready_replica_and_returns_the_service_endpoint():
     assert again.is_ready(apps=fake)
     assert again.stop(apps=fake, core=fake, networking=fake) is True
     assert not fake.deployments and not fake.services and not fake.policies
+    assert not fake.secrets and not fake.config_maps
     assert again.stop(apps=fake, core=fake, networking=fake) is False  # nothing left to delete
 
 
-def test_start_timeout_reports_pod_status_and_deletes_what_it_created():
+def test_start_timeout_reports_pod_status_and_deletes_what_it_created(token_dir):
     fake = FakeCluster(ready_after=None)
     with pytest.raises(ServerStartError) as err:
         KubernetesServer.start(cluster_config(), "m", run_id=RUN_ID, apps=fake, core=fake, networking=fake,
@@ -175,6 +177,7 @@ def test_start_timeout_reports_pod_status_and_deletes_what_it_created():
     assert "not ready after" in str(err.value)
     assert "ImagePullBackOff" in str(err.value)
     assert not fake.deployments and not fake.services and not fake.policies
+    assert not fake.secrets and not fake.config_maps and not list(token_dir.glob("*"))
 
 
 def test_stop_deletes_only_this_runs_objects():
@@ -204,3 +207,51 @@ def test_rendered_network_policy_admits_only_the_runs_pods_and_the_servers_own(r
     assert "ports" not in rule and "ipBlock" not in repr(rule) and "namespaceSelector" not in repr(rule)
     peers = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
     assert peers == [run_pods, deployment["spec"]["selector"]["matchLabels"]]
+
+
+def test_the_server_pod_takes_the_runs_token_from_its_secret_never_from_argv(token_dir):
+    """A NetworkPolicy is ignored by a cluster without an enforcing network plugin: the server checks the run's
+    token itself (the pipeline's middleware, mounted from a ConfigMap since the vLLM image lacks the package)."""
+    from grpo_steps.servers import auth
+
+    fake = FakeCluster()
+    cfg = cluster_config(server={"tensor_parallel_size": 2, "startup_timeout_s": 5})
+    server = KubernetesServer.start(cfg, "m", run_id=RUN_ID, apps=fake, core=fake, networking=fake, poll_s=0)
+    ((_, secret),) = fake.secrets.items()
+    token = secret["stringData"][auth.TOKEN_ENV]
+    assert len(token) >= 32 and secret["metadata"]["labels"]["grpo-pipeline/run-id"] == RUN_ID
+    (deployment,) = fake.deployments.values()
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert token not in json.dumps(deployment)  # not in argv, not in any env value
+    assert {"name": auth.TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret["metadata"]["name"],
+                                                                   "key": auth.TOKEN_ENV}}} in container["env"]
+    args = container["args"]
+    assert args[args.index("--middleware") + 1] == auth.MIDDLEWARE
+    ((_, config_map),) = fake.config_maps.items()
+    (volume,) = [v for v in pod["volumes"] if v.get("configMap")]
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    assert volume["configMap"]["items"] == [{"key": "auth.py", "path": "grpo_steps/servers/auth.py"}]
+    assert config_map["data"]["auth.py"] == Path(auth.__file__).read_text()
+    assert {"name": "PYTHONPATH", "value": kubernetes.AUTH_MOUNT} in container["env"]
+    # the clients of this pod present it; a pod of a later step reads it from the Secret
+    assert auth.token_for(server.endpoint) == token
+    auth.forget_token(server.endpoint)
+    assert servers.from_dict(server.to_dict()).keep_token(core=fake) is None
+    assert auth.token_for(server.endpoint) == token
+
+
+def test_the_middleware_loads_from_the_mounted_file_alone(tmp_path):
+    """The module the ConfigMap mounts imports with nothing of the pipeline on the path (a namespace package;
+    -S: no site-packages, where the editable install would find the repository)."""
+    import subprocess
+    import sys
+
+    from grpo_steps.servers import auth
+
+    (tmp_path / "grpo_steps" / "servers").mkdir(parents=True)
+    (tmp_path / "grpo_steps" / "servers" / "auth.py").write_text(Path(auth.__file__).read_text())
+    code = f"import grpo_steps.servers.auth as a; print(a.__file__, a.MIDDLEWARE == {auth.MIDDLEWARE!r})"
+    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(tmp_path)}, check=True).stdout
+    assert out.startswith(str(tmp_path)) and out.strip().endswith("True")

@@ -89,3 +89,51 @@ def test_port_in_use_is_a_clear_error(tmp_path):
 
 def test_port_zero_picks_a_free_port():
     assert pick_port("127.0.0.1", 0) > 0
+
+
+def test_the_server_runs_with_usage_stats_off_and_its_ipc_sockets_in_a_directory_removed_at_stop(tmp_path,
+                                                                                                monkeypatch):
+    """A stand-in for vLLM records the environment it got; the start times out (it never answers), and the
+    stop that follows removes the IPC directory the supervisor owned."""
+    import json
+
+    from grpo_steps.config import ServerConfig
+    from grpo_steps.processes import OWNER_FILE
+    from grpo_steps.servers import local
+
+    seen = tmp_path / "env.json"
+    record = ("import json, os, pathlib, time; d = os.environ['VLLM_RPC_BASE_PATH']; "
+              "pathlib.Path(d, 'engine.sock').touch(); "  # a socket file as vLLM's ZeroMQ would leave it
+              f"json.dump({{**dict(os.environ), 'owner': open(os.path.join(d, {OWNER_FILE!r})).read()}}, "
+              f"open({str(seen)!r}, 'w')); time.sleep(600)")
+    monkeypatch.setattr(local, "vllm_command", lambda *a, **k: [sys.executable, "-c", record])
+    with pytest.raises(ServerStartError, match="not healthy"):
+        start_local("model", ServerConfig(port=0, startup_timeout_s=3), max_model_len=64, dtype="float32",
+                    owner=ProcessRef.of(os.getpid()), log_dir=tmp_path)
+    env = json.loads(seen.read_text())
+    assert env["VLLM_NO_USAGE_STATS"] == "1" and env["VLLM_DO_NOT_TRACK"] == "1"
+    ipc_dir = env["VLLM_RPC_BASE_PATH"]
+    assert os.path.basename(ipc_dir).startswith(local.IPC_PREFIX)
+    assert json.loads(env["owner"])["pid"] != os.getpid()  # owned by the supervisor, swept once it is gone
+    assert not os.path.exists(ipc_dir)  # removed with the server
+
+
+def test_scratch_directories_of_killed_processes_are_swept_others_kept(tmp_path):
+    """A step killed with kill -9 leaves its scratch directory (checkpoints, GBs) in /dev/shm: the next
+    ``scratch_dir`` removes the ones whose recorded owner has exited and keeps a live one's and unowned ones."""
+    import json
+
+    from grpo_steps import processes
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead = ProcessRef.of(child.pid)
+    child.wait()
+    shm = tmp_path / "shm"
+    orphan, unowned = shm / "grpo-scratch-killed", shm / "grpo-scratch-starting"
+    (orphan / "checkpoint-2").mkdir(parents=True)
+    (orphan / processes.OWNER_FILE).write_text(json.dumps({"pid": dead.pid, "started": dead.started}))
+    unowned.mkdir()
+    with processes.scratch_dir(shm) as mine:
+        assert json.loads((shm / mine / processes.OWNER_FILE).read_text())["pid"] == os.getpid()
+        assert not orphan.exists() and unowned.exists()
+    assert not os.path.exists(mine)

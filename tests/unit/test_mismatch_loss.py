@@ -8,7 +8,7 @@ import torch
 
 from grpo_steps.config import validate_config
 from grpo_steps.servers.client import VLLMClient
-from grpo_steps.training.generation import ServerGeneration
+from grpo_steps.training.generation import ServerSettings
 from grpo_steps.training.job import TrainJob, grpo_args
 from grpo_steps.training.trainer import ServerGRPOTrainer
 
@@ -34,9 +34,9 @@ def trainers(tiny_model_path, tmp_path_factory):
         reward = lambda completions, **_: [0.0] * len(completions)  # noqa: E731  (never called here)
         common = dict(model=model, reward_funcs=[reward, reward], args=args,
                       train_dataset=dataset, processing_class=tokenizer)
-        sync = ServerGeneration(trainer=None, client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation,
+        server = ServerSettings(client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation,
                                 max_model_len=256, push=None, probe_ids=[1, 2], probe_tolerance=0.05)  # never called
-        out[name] = ServerGRPOTrainer(**common, sync=sync, max_logp_diff=None)
+        out[name] = ServerGRPOTrainer(**common, server=server)
         if name == "off":
             out["plain"] = GRPOTrainer(**common)
     for trainer in out.values():
@@ -99,12 +99,12 @@ def test_trls_prompt_rendering_is_the_pipelines(tiny_model_path, tmp_path):
     cfg = validate_config({"generation": {"chat_template_kwargs": {"mood": "7 + 7"}},
                            "train": {"per_device_train_batch_size": 2, "num_generations": 2}})
     args = grpo_args(TrainJob(config=cfg, model_path=tiny_model_path, train_file="unused", output_dir=str(tmp_path)))
-    sync = ServerGeneration(trainer=None, client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation,
+    server = ServerSettings(client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation,
                             max_model_len=256, push=None, probe_ids=[1, 2], probe_tolerance=0.05)  # never called
     trainer = ServerGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_path),
                                 reward_funcs=[lambda completions, **_: [0.0] * len(completions)] * 2, args=args,
                                 train_dataset=Dataset.from_list([{"prompt": "x"}] * 2), processing_class=tokenizer,
-                                sync=sync, max_logp_diff=None)
+                                server=server)
     prompt = to_prompt("Calculate 2 + 3.", "Solve the problem.")
     (trl_ids,), _, _ = trainer._tokenize_prompts([prompt])
     assert list(trl_ids) == encode_prompt(tokenizer, prompt, cfg.generation.chat_template_kwargs)

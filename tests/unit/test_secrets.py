@@ -14,7 +14,7 @@ from grpo_steps.config import (
     TrackingConfig,
     validate_config,
 )
-from grpo_steps.redaction import redact, redact_args, redact_value
+from grpo_steps.redaction import credential_in, redact, redact_args, redact_value
 
 SECRET = "hunter2-s3cr3t"
 
@@ -107,3 +107,98 @@ def test_version_description_is_redacted_and_its_card_command_takes_the_run_id()
                                gate_reason="held")
     assert SECRET not in text
     assert "card get 1234/evaluate --id eval" in text
+
+
+# The battery: credentials in every shape a user's config has been seen to hold them. Each is refused in `start`
+# (config validation) with a message that names where and which environment variable to use, never the value.
+PLANTED = "Plnt9xQ7vW3kZr8Ls2"  # the part of each secret below that must appear nowhere
+AKIA, ASIA = "AKIA" + "PLNT9XQ7VW3KZR8L", "ASIA" + "PLNT9XQ7VW3KZR8L"
+JWT = f"eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJ{PLANTED}.{PLANTED}"
+BATTERY = [
+    ({"tracking": {"tracking_uri": f"https://mlflow.example.com/?token={PLANTED}"}}, "tracking"),  # query token
+    ({"tracking": {"tracking_uri": f"https://mlflow.example.com/api?api_key={PLANTED}&x=1"}}, "tracking"),
+    ({"tracking": {"tracking_uri": f"https://mlflow.example.com/#access_token={PLANTED}"}}, "tracking"),  # fragment
+    ({"tracking": {"artifact_location": f"s3://b/p?X-Amz-Algorithm=AWS4&X-Amz-Credential={PLANTED}%2F2026"}},
+     "tracking"),  # a presigned URL's credential
+    ({"tracking": {"artifact_location": f"https://b.s3.amazonaws.com/k?X-Amz-Signature={PLANTED}"}}, "tracking"),
+    ({"tracking": {"artifact_location": f"https://a.blob.core.windows.net/c?sv=2022-11-02&sig={PLANTED}"}},
+     "tracking"),  # an Azure SAS signature
+    ({"tracking": {"tracking_uri": f"https://mlflow.example.com/?password={PLANTED}"}}, "tracking"),
+    ({"generation": {"provider": "external", "server": {"endpoint": f"http://127.0.0.1:8000/?key={PLANTED}"}}},
+     "GRPO_SERVER_TOKEN"),  # a key in the endpoint
+    ({"model": {"name_or_path": f"https://u:{PLANTED}@models.example.com/policy"}}, "model.name_or_path"),
+    ({"data": {"source": "jsonl", "path": f"https://u:{PLANTED}@data.example.com/rows.jsonl"}}, "data.path"),
+    ({"data": {"source": "jsonl", "path": f"https://data.example.com/rows.jsonl?sig={PLANTED}"}}, "data.path"),
+    ({"train": {"grpo": {"hub_token": f"hf_{PLANTED}abcdef"}}}, "HF_TOKEN"),  # a hub token passthrough
+    ({"train": {"grpo": {"hub_token": 1234567890}}}, "train.grpo.hub_token"),  # an int under a secret name
+    ({"rewards": [{"name": "answer_accuracy", "options": {"apiKey": PLANTED}}]}, "rewards[0].options.apiKey"),
+    ({"rewards": [{"name": "answer_accuracy", "options": {"secretAccessKey": PLANTED}}]}, "secretAccessKey"),
+    ({"rewards": [{"name": "answer_accuracy", "options": {"SECRET_ACCESS_KEY": PLANTED}}]}, "SECRET_ACCESS_KEY"),
+    ({"rewards": [{"name": "answer_accuracy", "options": {"secret-access-key": PLANTED}}]}, "secret-access-key"),
+    ({"rewards": [{"name": "answer_accuracy", "options": {"judge": {"auth": {"password": PLANTED}}}}]},
+     "options.judge.auth"),  # nested options
+    ({"rewards": [{"name": "answer_accuracy", "options": {"keys": [{"x-api-key": 42}]}}]}, "x-api-key"),
+    ({"data": {"task_options": {"access_token": PLANTED}}}, "data.task_options.access_token"),
+    ({"data": {"task_options": {"seed_url": f"https://x/{AKIA}"}}}, "data.task_options.seed_url"),  # AWS key id
+    ({"data": {"task_options": {"note": ASIA}}}, "data.task_options.note"),  # a temporary AWS key id
+    ({"data": {"task_options": {"note": "ghp_" + PLANTED * 2}}}, "data.task_options.note"),  # GitHub
+    ({"data": {"task_options": {"note": "github_pat_11" + PLANTED * 2}}}, "data.task_options.note"),
+    ({"data": {"task_options": {"note": "xoxb-1234-" + PLANTED}}}, "data.task_options.note"),  # Slack
+    ({"data": {"task_options": {"note": "sk-proj-" + PLANTED * 2}}}, "data.task_options.note"),  # OpenAI-style
+    ({"data": {"system_prompt": f"Answer. {JWT}"}}, "data.system_prompt"),  # a JWT in free text
+    ({"data": {"system_prompt": f"Bearer {PLANTED}"}}, "data.system_prompt"),  # a bearer credential
+    ({"generation": {"server": {"extra_args": [f"hf_{PLANTED}abcdef"]}}}, "generation.server.extra_args"),
+    ({"generation": {"server": {"extra_args": ["--hf-token", PLANTED]}}}, "generation.server.extra_args"),
+]
+
+
+@pytest.mark.parametrize(("config", "named"), BATTERY)
+def test_battery_every_credential_shape_is_refused_in_start_without_echoing_it(config, named):
+    with pytest.raises(ConfigError) as err:
+        validate_config(config)
+    message = str(err.value)
+    assert named in message and "environment" in message
+    assert PLANTED not in message and PLANTED.lower() not in message.lower()
+    assert AKIA not in message and ASIA not in message
+
+
+def test_battery_every_shape_is_redacted_from_text_and_values():
+    import json
+
+    for config, _ in BATTERY:
+        assert PLANTED not in redact(json.dumps(config)), config  # as a JSON line in a log
+        assert PLANTED not in redact(repr(config)), config  # as a Python repr in an error message
+        assert PLANTED not in repr(redact_value(config)), config  # as a value (params, tables, artifacts)
+        for text in _strings(config):  # a string that is a credential by its shape, without its key
+            if credential_in(text):
+                assert PLANTED not in redact(text) and AKIA not in redact(text), text
+
+
+def _strings(tree):
+    if isinstance(tree, dict):
+        return [s for v in tree.values() for s in _strings(v)]
+    if isinstance(tree, list):
+        return [s for v in tree for s in _strings(v)]
+    return [tree] if isinstance(tree, str) else []
+
+
+def test_ordinary_names_and_text_are_neither_refused_nor_redacted():
+    text = ("max_completion_tokens=128 stop_token_ids=[2] answer_key: B sqlite:///mlflow.db "
+            "https://mlflow.example.com:5000/#/experiments/1?x=2 Tokens: 12 tokenizer=/t")
+    assert redact(text) == text
+    validate_config({"data": {"system_prompt": "Think, then give the answer key: the final number."},
+                     "generation": {"stop_token_ids": [2]}})
+
+
+def test_unparsable_input_is_echoed_redacted_and_the_hash_covers_the_redacted_config():
+    with pytest.raises(ConfigError) as err:
+        validate_config({"train": {"max_steps": {"token": PLANTED}}})
+    assert PLANTED not in str(err.value) and "max_steps" in str(err.value)
+    cfg = _unvalidated_grpo({"hub_token": PLANTED})
+    assert cfg.sha256() == _unvalidated_grpo({"hub_token": "other"}).sha256()
+
+
+def _unvalidated_grpo(grpo: dict) -> PipelineConfig:
+    from grpo_steps.config import TrainConfig
+
+    return PipelineConfig.model_construct(train=TrainConfig.model_construct(**{**dict(TrainConfig()), "grpo": grpo}))

@@ -5,6 +5,7 @@ drives it: the tool runs in the training process, its answer's tokens join the c
 loss and of the mismatch metrics, a raising or hanging tool becomes an error message and the step goes on, and the
 iteration bound holds."""
 
+import inspect
 import time
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from grpo_steps.config import validate_config
 from grpo_steps.servers.client import VLLMClient
-from grpo_steps.training.generation import ServerGeneration
+from grpo_steps.training.generation import ServerSettings
 from grpo_steps.training.job import TrainJob, grpo_args
 from grpo_steps.training.trainer import ServerGRPOTrainer
 
@@ -56,7 +57,7 @@ def answer_reward(completions, **_):
 
 
 def _trainer(tiny_model_path, tmp_path, turns: list[str], tool: str | None = "calculator", iterations: int = 3,
-             environment=None):
+             environment=None, worker: bool = False):
     """A ServerGRPOTrainer with tool ``tool`` (and/or an ``environment`` factory) whose generation returns ``turns``
     in order (every rollout the same turn), token by token with logprob SAMPLER_LOGP; the push is a no-op. The
     prompts of each generation call are recorded with it."""
@@ -64,7 +65,7 @@ def _trainer(tiny_model_path, tmp_path, turns: list[str], tool: str | None = "ca
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.models import load_tokenizer
-    from grpo_steps.tools import environment_factories, trl_environment_factory, with_timeout
+    from grpo_steps.tools import environment_factories, tool_functions, trl_environment_factory, with_timeout
 
     tokenizer = load_tokenizer(tiny_model_path, "qwen2_5")
     # the tiny tokenizer spells the tool markup nearly byte by byte: room for a call, an answer and a reply
@@ -73,7 +74,7 @@ def _trainer(tiny_model_path, tmp_path, turns: list[str], tool: str | None = "ca
                            "rewards": [{"name": "answer_accuracy"}], "eval": {"format_reward": None},
                            "train": {"per_device_train_batch_size": GROUP, "num_generations": GROUP}})
     args = grpo_args(TrainJob(config=cfg, model_path=tiny_model_path, train_file="unused", output_dir=str(tmp_path)))
-    sync = ServerGeneration(trainer=None, client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation,
+    server = ServerSettings(client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation,
                             max_model_len=1024, push=None, probe_ids=[1, 2], probe_tolerance=0.05)
     calls, seen = [], []
 
@@ -85,15 +86,17 @@ def _trainer(tiny_model_path, tmp_path, turns: list[str], tool: str | None = "ca
         return (prompts, [list(ids) for _ in prompts], [[[SAMPLER_LOGP]] * len(ids) for _ in prompts],
                 [[[t] for t in ids] for _ in prompts])
 
-    sync.generate, sync.sync_weights = generate, lambda: None
     tools = {"calculator": calculator, "broken": broken, "hangs": hangs}
     trainer = ServerGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_path),
                                 reward_funcs=[answer_reward], args=args,
                                 train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "x"}]}] * 2),
-                                processing_class=tokenizer, sync=sync, max_logp_diff=None,
-                                tools=[with_timeout(tools[tool], cfg.generation.tool_timeout_s)] if tool else [],
+                                processing_class=tokenizer, server=server,
+                                tools=(tool_functions([f"rollout_tools:{tool}"], cfg.generation.tool_timeout_s)
+                                       if worker else [with_timeout(tools[tool], cfg.generation.tool_timeout_s)]
+                                       ) if tool else [],
                                 environment_factory=trl_environment_factory(environment_factories(
                                     environment, cfg.generation.tool_timeout_s)))
+    trainer.vllm_generation.generate, trainer.vllm_generation.sync_weights = generate, lambda: None
     trainer._last_loaded_step = trainer.state.global_step
     trainer.model.train()
     trainer.seen_prompts = seen
@@ -131,9 +134,16 @@ def test_a_tool_call_runs_and_its_answer_is_masked(tiny_model_path, tmp_path):
     assert trainer._metrics["train"]["tools/turns_per_episode"][-1] == 2.0
 
 
+@pytest.mark.parametrize("worker", [False, True], ids=["thread", "worker-process"])  # environments / tools
 @pytest.mark.parametrize("tool, error", [("broken", "the tool broke"), ("hangs", "took longer than 1 s")])
-def test_a_failing_tool_answers_with_its_error_and_the_step_goes_on(tiny_model_path, tmp_path, tool, error):
-    trainer, _, calls = _trainer(tiny_model_path, tmp_path, [CALL % tool, "Answer: 6"], tool=tool)
+def test_a_failing_tool_answers_with_its_error_and_the_step_goes_on(tiny_model_path, tmp_path, monkeypatch, tool,
+                                                                    error, worker):
+    if worker:  # the tools in a module of their own (this one imports torch: seconds per worker start)
+        (tmp_path / "rollout_tools.py").write_text("import time\n\n\n" + inspect.getsource(broken) + "\n\n"
+                                                   + inspect.getsource(hangs))
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    trainer, _, calls = _trainer(tiny_model_path, tmp_path, [CALL % tool, "Answer: 6"], tool=tool, worker=worker)
     started = time.monotonic()
     out, completions = _episode(trainer)
     assert time.monotonic() - started < 20  # the hanging tool was cut at tool_timeout_s

@@ -6,6 +6,7 @@ import inspect
 import re
 
 import pytest
+import torch
 
 from grpo_steps.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, MISMATCH_MODES, validate_config
 
@@ -108,7 +109,7 @@ def test_the_training_step_that_zero_signal_skip_wraps():
 def test_what_zero_signal_replay_recomputes_for_a_replayed_group():
     """``zero_signal_groups: replay`` rescores replayed groups as TRL scores a fresh batch: the policy's logprobs
     through ``_get_per_token_logps_and_entropies`` without gradient checkpointing, and the mismatch weight of
-    :func:`grpo_steps.training.zero_signal.importance_weights`, which repeats these lines; everything else of a
+    :func:`grpo_steps.training.zero_signal.plan.importance_weights`, which repeats these lines; everything else of a
     batch that depends on the policy (``old_per_token_logps``, ``importance_sampling_ratio``) is listed here."""
     from trl.models.utils import disable_gradient_checkpointing
 
@@ -128,3 +129,76 @@ def test_what_zero_signal_replay_recomputes_for_a_replayed_group():
     # the policy-dependent entries of the batch: the two recomputed, the reference's (fixed) and the sampler's (kept)
     assert set(re.findall(r'output\["(\w*per_token_logps|\w*ratio)"\] =', score)) == {
         "old_per_token_logps", "importance_sampling_ratio", "sampling_per_token_logps", "ref_per_token_logps"}
+
+
+def test_every_trl_hook_does_what_it_names_on_a_real_trainer(tiny_model_path, tmp_path):
+    """``grpo_steps/training/trl_hooks.py``, function by function, on a real ``GRPOTrainer``: each reads or writes
+    the private attribute TRL itself uses for that purpose (checked by TRL's own code where TRL reads it back)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_steps.training import trl_hooks
+    from grpo_steps.training.job import TrainJob, grpo_args
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    cfg = validate_config({"train": {"per_device_train_batch_size": 2, "num_generations": 2}})
+    args = grpo_args(TrainJob(config=cfg, model_path=tiny_model_path, train_file="unused", output_dir=str(tmp_path)))
+    trainer = trl.GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_path),
+                              reward_funcs=[lambda completions, **_: [0.0] * len(completions)] * 2, args=args,
+                              train_dataset=Dataset.from_list([{"prompt": "1 + 1"}] * 2), processing_class=tokenizer)
+
+    trl_hooks.log_metric(trainer, "probe/x", 2.0)
+    trl_hooks.log_metric(trainer, "probe/x", 4.0)
+    assert trl_hooks.last_metric(trainer, "probe/x") == 4.0
+    trainer.model.train()
+    trainer.log({})  # TRL averages its metric lists into the log: the hook wrote where TRL reads
+    assert trainer.state.log_history[-1]["probe/x"] == 3.0
+
+    assert set(trl_hooks.logged_batch(trainer)) >= {"prompt", "completion", "rewards", "advantages"}
+    assert trl_hooks.micro_step(trainer) == 0 and trl_hooks.count_micro_step(trainer) == 1
+    assert trl_hooks.micro_step(trainer) == 1
+
+    batches = [{"advantages": torch.zeros(2)}]
+    trl_hooks.set_buffered_batches(trainer, batches)
+    assert trl_hooks.buffered_batches(trainer) is batches
+    trl_hooks.add_step_time(trainer, 0.25)
+    trl_hooks.add_step_time(trainer, 0.5)
+    trl_hooks.end_step_time(trainer)
+    assert trl_hooks.last_metric(trainer, "step_time") == 0.75
+    trl_hooks.add_step_time(trainer, 0.1)  # the timer started again from zero
+    trl_hooks.end_step_time(trainer)
+    assert trl_hooks.last_metric(trainer, "step_time") == pytest.approx(0.1)
+
+    trl_hooks.mark_pushed(trainer, 7)
+    assert trl_hooks.pushed_step(trainer) == 7
+
+    (ids,) = trl_hooks.tokenize_prompts(trainer, ["1 + 1"])
+    assert list(ids) == tokenizer("1 + 1")["input_ids"]  # a plain-text prompt: TRL's ids are the tokenizer's
+
+    input_ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    logps = trl_hooks.policy_logps(trainer, trainer.model, input_ids, torch.ones_like(input_ids), 2, batch_size=2)
+    assert logps.shape == (2, 2) and bool((logps <= 0).all())
+    with torch.no_grad():
+        full = torch.log_softmax(trainer.model(input_ids).logits[:, :-1].float(), dim=-1)
+    expected = full.gather(-1, input_ids[:, 1:, None]).squeeze(-1)[:, -2:]
+    assert torch.allclose(logps, expected, atol=1e-5)
+
+
+def test_the_generation_round_and_micro_batch_the_hooks_reach_are_trls():
+    from grpo_steps.training import trl_hooks
+    from grpo_steps.training.trainer import PipelineGRPOTrainer
+
+    class Probe(PipelineGRPOTrainer):
+        def __init__(self):  # no TRL constructor: only which method the hook reaches is checked
+            pass
+
+    reached = []
+    originals = trl.GRPOTrainer._generate_and_score_completions, trl.GRPOTrainer._prepare_inputs
+    trl.GRPOTrainer._generate_and_score_completions = lambda self, inputs: reached.append("round") or {}
+    trl.GRPOTrainer._prepare_inputs = lambda self, batch: reached.append("prepare") or {}
+    try:
+        trl_hooks.generate_and_score(PipelineGRPOTrainer, Probe(), [])
+        trl_hooks.prepare_inputs(PipelineGRPOTrainer, Probe(), [])
+    finally:
+        trl.GRPOTrainer._generate_and_score_completions, trl.GRPOTrainer._prepare_inputs = originals
+    assert reached == ["round", "prepare"]  # TRL's own, past the pipeline's overrides

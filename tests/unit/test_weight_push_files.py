@@ -62,3 +62,87 @@ def test_sync_dirs_of_exited_training_processes_are_removed_others_kept(tmp_path
     other = sync_root(str(tmp_path), str(tmp_path / "out"))  # a second run beside the first
     assert not orphan.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, unowned.name])
+
+
+# --- a full push directory: a clear error before the server loads anything, nothing half-written ---------------
+
+class _Server:
+    """The server side of pushes, reduced to what these tests check: which loads it was asked for."""
+
+    def __init__(self) -> None:
+        self.loaded: list[str] = []
+
+    def reload_weights(self, directory, direct=True) -> float:
+        assert (directory / "model.safetensors").is_file(), "asked to load a push that is not fully written"
+        self.loaded.append(directory.name)
+        return 0.0
+
+    def set_weight_version(self, version: str) -> None:
+        pass
+
+
+def _weights(kib: int) -> dict:
+    return {"w": torch.zeros(kib * 256)}  # float32: 4 bytes each
+
+
+def test_a_directory_without_room_is_a_clear_error_naming_it_the_bytes_and_the_key(small_tmpfs):
+    import errno
+
+    from grpo_steps.training.weight_sync import DiskWeightPush
+    from grpo_steps.weight_files import NoSpaceError
+
+    root, server = small_tmpfs(256 * 1024), _Server()
+    with pytest.raises(NoSpaceError) as err:
+        DiskWeightPush(server, root).push(_weights(512), version=3)
+    assert err.value.errno == errno.ENOSPC
+    message = str(err.value)
+    assert f"weight push v3 needs 524552 bytes (1 MiB) in {root}, which has 262144 bytes (0 MiB) free" in message
+    assert "change generation.sync_dir" in message
+    assert server.loaded == [] and list(root.iterdir()) == []  # checked before writing: nothing written, nothing loaded
+
+
+def test_a_disk_that_fills_while_writing_removes_the_partial_push_and_loads_nothing(small_tmpfs, monkeypatch):
+    """Another process fills the disk between the check and the write: the kernel's ENOSPC (through safetensors)
+    becomes the same clear error, and the half-written directory is removed."""
+    from grpo_steps.training import weight_sync
+    from grpo_steps.weight_files import NoSpaceError
+
+    monkeypatch.setattr(weight_sync, "require_space", lambda *args, **kwargs: None)  # the check saw room
+    root, server = small_tmpfs(256 * 1024), _Server()
+    with pytest.raises(NoSpaceError, match=rf"weight push v1 needs .* in {root}, which has"):
+        weight_sync.DiskWeightPush(server, root).push(_weights(512), version=1)
+    assert server.loaded == [] and list(root.iterdir()) == []
+
+
+def test_a_push_rewriting_an_older_file_in_place_is_not_refused(small_tmpfs):
+    """Two pushes fill the directory; the third rewrites the first's file in place, so it needs no new room."""
+    from grpo_steps.training.weight_sync import DiskWeightPush
+
+    root, server = small_tmpfs(700 * 1024), _Server()
+    push = DiskWeightPush(server, root)
+    for version in range(4):
+        push.push(_weights(300), version)
+    assert server.loaded == ["v0", "v1", "v2", "v3"]
+    assert sorted(p.name for p in root.iterdir()) == ["v2", "v3"]
+
+
+def test_start_warns_when_dev_shm_cannot_hold_two_pushes_and_two_checkpoints():
+    """SmolLM2-135M in float32 (the embedded model, cached): pushes 2 x 513 MiB, checkpoints 2 x 1539 MiB; on
+    Kubernetes with the 64 MiB default that is a warning naming the sizes and the keys; with room, none."""
+    from grpo_steps.config import REPO_ROOT, load_config
+    from grpo_steps.steps import shm_shortfall
+
+    cfg = load_config(REPO_ROOT / "configs" / "local.yaml")
+
+    def on_cluster(shm_mib, **generation):
+        return cfg.model_copy(update={
+            "resources": cfg.resources.model_copy(update={"train": cfg.resources.train.model_copy(
+                update={"image": "registry.example/grpo:1", "shared_memory_mib": shm_mib})}),
+            "generation": cfg.generation.model_copy(update=generation)})
+
+    warning = shm_shortfall(on_cluster(None))
+    assert warning.startswith("/dev/shm (resources.train.shared_memory_mib) is 64 MiB, less than the 4105 MiB two "
+                              "weight pushes (2 x 513 MiB) and two checkpoints (2 x 1539 MiB)")
+    assert "generation.sync_dir" in warning
+    assert shm_shortfall(on_cluster(8192)) is None
+    assert "(2 x 0 MiB) and two checkpoints" in shm_shortfall(on_cluster(2048, sync_dir="/mnt/weights"))

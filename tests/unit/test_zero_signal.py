@@ -12,10 +12,10 @@ import torch
 
 from grpo_steps.config import validate_config
 from grpo_steps.servers.client import VLLMClient
-from grpo_steps.training.generation import ServerGeneration
+from grpo_steps.training.generation import ServerSettings
 from grpo_steps.training.job import TrainJob, grpo_args
 from grpo_steps.training.trainer import ServerGRPOTrainer
-from grpo_steps.training.zero_signal import ReplayBuffer, importance_weights, plan_replay
+from grpo_steps.training.zero_signal import ReplayBuffer, importance_weights, mode_for, plan_replay, replay
 
 GROUP = 2  # num_generations
 BATCH = 4  # per_device_train_batch_size: two groups
@@ -42,8 +42,8 @@ def _trainer(tiny_model_path, tmp_path, mode: str, dataset: list[str], rounds: i
                            "train": {"per_device_train_batch_size": BATCH, "num_generations": GROUP,
                                      "zero_signal_groups": mode, "max_resample_rounds": rounds, **(train or {})}})
     args = grpo_args(TrainJob(config=cfg, model_path=tiny_model_path, train_file="unused", output_dir=str(tmp_path)))
-    sync = ServerGeneration(trainer=None, client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation,
-                            max_model_len=1024, push=None, probe_ids=[1, 2], probe_tolerance=0.05)
+    server = ServerSettings(client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation, max_model_len=1024, push=None,
+                            probe_ids=[1, 2], probe_tolerance=0.05)
     calls = []
 
     def generate(prompts, images=None, num_generations=1, profiler=None):
@@ -53,14 +53,11 @@ def _trainer(tiny_model_path, tmp_path, mode: str, dataset: list[str], rounds: i
         ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
         return prompts, ids, [[[-0.5]] * len(i) for i in ids], [[[t] for t in i] for i in ids]
 
-    sync.generate, sync.sync_weights = generate, lambda: None
     trainer = ServerGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_path),
                                 reward_funcs=[live_reward], args=args,
                                 train_dataset=Dataset.from_list(_rows(dataset)),
-                                processing_class=tokenizer, sync=sync, max_logp_diff=None,
-                                zero_signal_groups=mode, max_resample_rounds=rounds,
-                                replay_buffer_size=cfg.train.replay_buffer_size,
-                                replay_max_age=cfg.train.replay_max_age)
+                                processing_class=tokenizer, server=server, zero_signal=mode_for(cfg.train))
+    trainer.vllm_generation.generate, trainer.vllm_generation.sync_weights = generate, lambda: None
     trainer._last_loaded_step = trainer.state.global_step
     trainer.model.train()
     return trainer, calls
@@ -205,7 +202,7 @@ def test_replay_puts_buffered_groups_with_signal_in_the_places_without(tiny_mode
     assert _metric(trainer, "zero_signal/replayed") == 0 and _metric(trainer, "zero_signal/buffer_size") == 1
     assert _metric(trainer, "zero_signal/frac_before") == _metric(trainer, "zero_signal/frac_after") == 0.5
     assert not trainer._metrics["train"]["zero_signal/replay_age"]  # no point without a replayed group
-    buffered = trainer.replay_buffer.groups[0].batch  # "live 0", as TRL scored it at step 0
+    buffered = trainer.zero_signal.buffer.groups[0].batch  # "live 0", as TRL scored it at step 0
 
     trainer.state.global_step = 2
     out = trainer._generate_and_score_completions(_batch(["live 1", "flat 1"]))
@@ -240,7 +237,7 @@ def test_replayed_groups_are_rescored_by_the_current_policy(tiny_model_path, tmp
     trainer, _ = _trainer(tiny_model_path, tmp_path, "replay", dataset=["unused"],
                           generation={"importance_sampling": {"mode": "token_truncate", "clip_max": 3.0}})
     trainer._generate_and_score_completions(_batch(["live 0", "flat 0"]))
-    buffered = trainer.replay_buffer.groups[0].batch
+    buffered = trainer.zero_signal.buffer.groups[0].batch
     with torch.no_grad():  # an optimizer step's worth of change
         for p in trainer.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -267,14 +264,16 @@ def test_replayed_groups_are_rescored_by_the_current_policy(tiny_model_path, tmp
 
 @pytest.mark.parametrize("names, own", [(["flat 1", "live 1"], 1), (["live 1", "live 2"], 0)],
                          ids=["fewer-than-another", "none"])
-def test_replay_scores_as_many_rows_as_the_process_that_replays_most(tiny_model_path, tmp_path, names, own):
+def test_replay_scores_as_many_rows_as_the_process_that_replays_most(tiny_model_path, tmp_path, names, own,
+                                                                      monkeypatch):
     """Under ZeRO-3 every forward of the policy is collective: a process that replays fewer groups than another
     process (here one, or none, against three) still runs the policy on as many rows, in as many calls, and only
     its own replayed rows take the new logprobs."""
     trainer, _ = _trainer(tiny_model_path, tmp_path, "replay", dataset=["unused"])
     trainer._generate_and_score_completions(_batch(["live 0", "flat 0"]))
-    peer_rows, reduce_locally = 3 * GROUP, trainer._all
-    trainer._all = lambda value, reduce: max(value, peer_rows) if reduce == "max" else reduce_locally(value, reduce)
+    peer_rows, reduce_locally = 3 * GROUP, replay.reduce_over_processes
+    monkeypatch.setattr(replay, "reduce_over_processes", lambda accelerator, value, reduce: max(value, peer_rows)
+                        if reduce == "max" else reduce_locally(accelerator, value, reduce))
     scored, score = [], trainer._get_per_token_logps_and_entropies
 
     def recording(model, ids, *args, **kwargs):
@@ -311,7 +310,7 @@ def test_replay_buffer_capacity_and_age(tiny_model_path, tmp_path, train, step, 
     if replayed:
         assert "live 1" in _prompt(trainer, out, 0)  # the newest first
     # what is left in the buffer is what could be replayed
-    assert _metric(trainer, "zero_signal/buffer_size") == len(trainer.replay_buffer) == replayed
+    assert _metric(trainer, "zero_signal/buffer_size") == len(trainer.zero_signal.buffer) == replayed
 
 
 @pytest.mark.parametrize("signal, buffered, sources", [

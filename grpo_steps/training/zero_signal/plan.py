@@ -1,15 +1,9 @@
-"""Groups whose rewards are all equal (``train.zero_signal_groups``): their advantages are zero, so with ``beta: 0``
-they add nothing to the gradient. ``keep`` trains on them (TRL's behaviour); ``skip`` runs no forward/backward for a
-micro-batch whose advantages are all zero (exact: its loss and gradient are zero), after cutting the generation
-batch's micro-batches with the rows with signal first (:func:`signal_first`); ``resample`` is DAPO's dynamic
-sampling (Yu et al. 2025, arXiv 2503.14476, section 3.2): more groups are generated from other prompts until the
-generation batch holds as many groups with non-zero reward variance as it has places, or until
-``train.max_resample_rounds`` rounds; the batch keeps its size; ``replay`` is Axolotl's replay buffer (Axolotl GRPO
-docs, "Replay buffer"): groups with signal of recent generation batches (:class:`ReplayBuffer`) take the places of
-the groups without signal (:func:`plan_replay`, :func:`fill_from_buffer`), and their importance weights against the
-current policy are recomputed (:func:`importance_weights`).
+"""The pure functions of the zero-signal modes (:mod:`grpo_steps.training.zero_signal`) and the replay buffer: which
+groups carry a learning signal, how ``skip`` cuts micro-batches (:func:`signal_first`), how ``resample`` picks groups
+over rounds (:func:`plan_resample`, :func:`select_groups`), how ``replay`` fills places from its buffer
+(:class:`ReplayBuffer`, :func:`plan_replay`, :func:`fill_from_buffer`) and reweights them (:func:`importance_weights`).
 
-The functions here act on TRL's generation batch: the dict ``GRPOTrainer._generate_and_score_completions`` returns
+They act on TRL's generation batch: the dict ``GRPOTrainer._generate_and_score_completions`` returns
 (``prompt_ids``/``prompt_mask`` left-padded, ``completion_ids``/``completion_mask`` and every per-token tensor
 right-padded, ``advantages`` one per completion, groups of ``num_generations`` consecutive rows).
 """

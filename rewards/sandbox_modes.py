@@ -1,0 +1,207 @@
+"""The code sandbox's isolation modes (:mod:`rewards.sandbox`): the command that starts a harness (candidate or
+judge) contained, and the probe that says whether a mode works on this machine.
+
+Every mode's bounds hold for root:
+
+- ``bwrap+audit``: bubblewrap with new user, PID, network, IPC, UTS and mount namespaces, uid ``nobody``, ``/usr``
+  and the interpreter's standard library read-only, sized tmpfs mounts on ``/sandbox`` (the work directory),
+  ``/tmp`` and ``/dev/shm``, nothing else of the host. Run by root, bubblewrap itself runs as ``nobody`` (root's
+  ``RLIMIT_NPROC`` is never enforced; nobody's is, counted per user namespace: this run's processes only). An
+  interpreter nobody cannot reach (under ``/root``) is bind-mounted first in a private mount namespace.
+- ``netns+nobody+audit`` (root without bubblewrap): ``unshare`` of the network, mount and PID namespaces, sized
+  tmpfs mounts on every world-writable directory (``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run/lock``; the work
+  directory lives in the private ``/tmp``), ``setpriv`` to ``nobody``. A root shell stays PID 1 of the namespace
+  (the program cannot signal it): its end, or the kill of ``unshare``, ends every process of the run. World-readable
+  files of the host stay readable.
+- ``audit``: no containment outside the process (a Python audit hook only).
+
+In the namespace modes a process ends with the namespace's PID 1: none outlives the verdict (``setsid``, a new
+process group or ``_posixsubprocess.fork_exec`` change nothing). Exit codes of a signalled process come back as
+``128 + signo`` (:func:`exit_code`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import typing
+from pathlib import Path
+from typing import Literal
+
+MINIMAL_PATH = "/usr/bin:/bin"
+NOBODY = 65534
+Isolation = Literal["bwrap+audit", "netns+nobody+audit", "audit"]
+MODES: tuple[str, ...] = typing.get_args(Isolation)
+NAMESPACE_MODES = ("bwrap+audit", "netns+nobody+audit")
+"""Modes whose run lives in its own PID namespace (and user ``nobody``)."""
+SANDBOX_DIR = "/sandbox"
+"""The work directory inside ``bwrap+audit``."""
+WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+"""Directories nobody could write on a Debian host: each gets its own sized tmpfs in ``netns+nobody+audit``."""
+REAPER_SOURCE = (Path(__file__).resolve().parent / "sandbox_reaper.py").read_text()
+"""The ``audit`` mode's launcher, run as ``python -I -S -B -c`` (:mod:`rewards.sandbox_reaper`)."""
+_STAGES = ("/mnt", "/media", "/srv", "/opt")
+"""Directories one of which a private mount namespace covers with its own tmpfs to stage the interpreter in."""
+
+
+def _stage(home: str) -> str:
+    """The first of :data:`_STAGES` that exists and does not hold the interpreter's ``home``."""
+    return next((d for d in _STAGES if os.path.isdir(d) and not (home + "/").startswith(d + "/")), _STAGES[0])
+
+_STAGE_PYTHON = ('set -e; mount -t tmpfs -o size=1m,mode=0755 tmpfs "$1"; mkdir "$1/python"; '
+                 'mount --bind -o ro "$0" "$1/python"; shift; exec "$@"')
+"""Root's shell before a ``nobody`` bubblewrap: the interpreter's home ($0) bound where nobody can reach it."""
+
+_NETNS = ('set -e; size=$1; home=$2; stage=$3; shift 3; mount -t tmpfs -o size=1m,mode=0755 tmpfs "$stage"; '
+          'mkdir "$stage/python"; mount --bind "$home" "$stage/python"; '
+          f'for d in {" ".join(WORLD_WRITABLE)}; do if [ -d "$d" ]; then '
+          'mount -t tmpfs -o "size=$size,mode=1777" tmpfs "$d"; fi; done; '
+          'mkdir -p "$home"; mount --bind "$stage/python" "$home"; '  # an interpreter under /tmp stays visible
+          f'mkdir -m 0700 /tmp/sandbox; chown {NOBODY}:{NOBODY} /tmp/sandbox; cd /tmp/sandbox; set +e; '
+          'env -u PWD -u OLDPWD "$@"; exit $?')  # not exec: this root shell stays PID 1; its end ends the namespace
+"""Root's shell as PID 1 of ``netns+nobody+audit``'s namespaces; $1 the tmpfs size, $2 the interpreter's home, $3
+where to stage it (:func:`_stage`)."""
+
+
+def python_home() -> str:
+    """The installation prefix of the interpreter (its standard library lives under it)."""
+    return sys.base_prefix
+
+
+def _setpriv() -> list[str]:
+    return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+
+
+def _bwrap(program: list[str], tmpfs_bytes: int) -> list[str]:
+    home = python_home()
+    root = os.geteuid() == 0
+    stage = _stage(home)
+    prefix = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _STAGE_PYTHON, home, stage,
+              *_setpriv()] if root else []
+    size = ["--size", str(tmpfs_bytes)]
+    cmd = [*prefix, "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--setenv",
+           "PATH", MINIMAL_PATH, "--uid", str(NOBODY), "--gid", str(NOBODY), "--ro-bind", "/usr", "/usr"]
+    for top in ("bin", "lib", "lib64", "sbin"):  # merged-/usr systems: symlinks into /usr
+        target = Path("/") / top
+        if target.is_symlink():
+            cmd += ["--symlink", os.readlink(target), f"/{top}"]
+    cmd += [*size, "--tmpfs", "/tmp"]  # before the interpreter's bind: an interpreter under /tmp stays visible
+    if not home.startswith("/usr/"):
+        cmd += ["--ro-bind", f"{stage}/python" if root else home, home]
+        site = Path(home) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+        if site.is_dir():
+            cmd += ["--tmpfs", str(site)]  # the standard library only: no installed packages or their data
+    return cmd + ["--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/dev/shm", *size, "--tmpfs",
+                  SANDBOX_DIR, "--remount-ro", "/", "--chdir", SANDBOX_DIR, *program]  # (the root: unsized)
+
+
+def command(mode: str, source: str, tmpfs_bytes: int) -> list[str]:
+    """The argv that runs Python ``source`` (``python -I -B -c source``) contained by ``mode``; each private
+    tmpfs holds ``tmpfs_bytes`` at most."""
+    python = os.path.realpath(sys.executable)
+    if mode == "bwrap+audit":
+        return _bwrap([python, "-I", "-S", "-B", "-c", source], tmpfs_bytes)
+    if mode == "netns+nobody+audit":
+        return ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation",
+                "private", "sh", "-c", _NETNS, "sandbox", str(tmpfs_bytes), python_home(), _stage(python_home()),
+                *_setpriv(), python, "-I", "-S", "-B", "-c", source]
+    # audit: no namespace; a child subreaper parent clears what the program leaves (rewards/sandbox_reaper.py)
+    return [sys.executable, "-I", "-S", "-B", "-c", REAPER_SOURCE, sys.executable, "-I", "-B", "-c", source]
+
+
+def exit_code(returncode: int | None) -> int | None:
+    """The contained process's exit code as :mod:`subprocess` reports one (a signal as its negative number): every
+    mode's launcher reports a child's signal as ``128 + signo``."""
+    if returncode is not None and returncode > 128:
+        return -(returncode - 128)
+    return returncode
+
+
+def why_not(mode: str) -> str | None:
+    """Why ``mode`` cannot start a process on this machine (a probe run), or None when it works."""
+    if mode == "audit":
+        return None
+    tools = {"bwrap+audit": ["bwrap"], "netns+nobody+audit": ["unshare", "setpriv"]}[mode]
+    if mode == "bwrap+audit" and os.geteuid() == 0:
+        tools += ["unshare", "setpriv"]
+    missing = [tool for tool in tools if not shutil.which(tool)]
+    if missing:
+        return f"{', '.join(missing)} not installed"
+    if mode == "netns+nobody+audit" and os.geteuid() != 0:
+        return "needs root"
+    try:
+        done = subprocess.run(command(mode, "import sys; sys.exit(0)", 1 << 20), capture_output=True, timeout=20,
+                              cwd="/", env={"PATH": MINIMAL_PATH})
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"the probe failed: {err}"
+    return None if done.returncode == 0 else f"the probe exited {done.returncode}: {done.stderr.decode()[-300:]}"
+
+
+def works(mode: str) -> bool:
+    """Whether ``mode`` can start a process on this machine (:func:`why_not` is None)."""
+    return why_not(mode) is None
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []  # gone (or a kernel without the children file: then there is nothing to wait for here)
+
+
+def _namespace_init(pid: int) -> int | None:
+    """The host PID of the PID-namespace init below a sandbox's launcher ``pid`` (the first descendant in another
+    PID namespace than this process), or None (the run already ended, or the mode has no PID namespace)."""
+    try:
+        ours = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    todo = [pid]
+    for _ in range(4):  # launcher -> (bubblewrap's monitor) -> init: a few levels at most
+        todo = [child for parent in todo for child in _children(parent)]
+        for child in todo:
+            try:
+                if os.readlink(f"/proc/{child}/ns/pid") != ours:
+                    return child
+            except OSError:
+                continue  # ended while looked at
+    return None
+
+
+def _ended(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def kill_run(proc: subprocess.Popen, wait_s: float = 10.0) -> None:
+    """SIGKILL a sandbox's launcher ``proc`` and its process group, and wait until its PID namespace (if any) is
+    gone: an init's exit is complete only after the kernel has killed and reaped every process of its namespace,
+    so no process of the run is left when this returns. The ``audit`` mode's launcher (a subreaper) gets SIGTERM
+    first, and ``wait_s`` to clear what it holds. ``wait_s``: the most seconds to wait for either."""
+    init = _namespace_init(proc.pid)
+    if init is None and proc.poll() is None:
+        proc.terminate()  # the reaper (or a namespace launcher that already lost its init) clears its children
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            pass  # killed below
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole group: the launcher and what stayed in its group
+    except ProcessLookupError:
+        pass  # already gone with all its group
+    proc.wait()
+    if init is None:
+        return
+    try:
+        os.kill(init, signal.SIGKILL)  # (the launcher's death sends it SIGKILL too; this does not wait for that)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + wait_s
+    while not _ended(init) and time.monotonic() < deadline:
+        time.sleep(0.01)

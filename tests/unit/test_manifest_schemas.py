@@ -1,0 +1,66 @@
+"""Every Kubernetes object the project ships or renders is one a cluster accepts: validated, strictly (no unknown
+field), against the Kubernetes API schemas of a recent release by kubernetes-validate, offline. The Argo
+WorkflowTemplate that ``argo-workflows create --only-json`` renders is checked against Argo's own models in
+tests/integration/test_argo_render.py."""
+
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from grpo_steps.config import REPO_ROOT, validate_config
+from grpo_steps.servers import kubernetes
+
+KUBERNETES_VERSION = "1.33.0"
+"""The API version validated against (a release every managed Kubernetes offers as of 2026-11)."""
+STATIC = [p for p in sorted((REPO_ROOT / "infra" / "k8s").glob("*.yaml")) if p.name != kubernetes.TEMPLATE.name]
+
+
+def _docs(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def _valid(doc: dict) -> None:
+    kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("path", STATIC, ids=lambda p: p.name)
+def test_every_shipped_manifest_validates(path):
+    docs = _docs(path)
+    assert docs
+    for doc in docs:
+        _valid(doc)
+
+
+def _cluster_config(**generation) -> dict:
+    return {"model": {"name_or_path": "Qwen/Qwen2.5-1.5B-Instruct", "dtype": "bfloat16"},
+            "generation": {"provider": "kubernetes", "weight_sync": "nccl", "server": {"tensor_parallel_size": 2},
+                           **generation},
+            "train": {"processes_per_node": 8, "per_device_train_batch_size": 1, "num_generations": 8},
+            "resources": {"train": {"gpu": 8, "image": "registry.example/grpo:1"},
+                          "vllm": {"gpu": 2, "image": "vllm/vllm-openai:v0.32.0"}, "namespace": "ml",
+                          "shared_volume_claim": "grpo-shared"}}
+
+
+@pytest.mark.parametrize("generation", [{}, {"server": {"tensor_parallel_size": 1, "extra_args": ["--enforce-eager"]}}],
+                         ids=["tp2", "tp1-extra-args"])
+def test_the_rendered_server_objects_validate(generation):
+    config = _cluster_config()
+    config["generation"].update(generation)
+    rendered = kubernetes.render_manifests(validate_config(config), "argo-grpoflow-abc12", "Qwen/Qwen2.5-1.5B-Instruct")
+    assert {doc["kind"] for doc in rendered} >= {"Deployment", "Service", "NetworkPolicy"}
+    for doc in rendered:
+        _valid(doc)
+
+
+def test_a_broken_object_is_refused():
+    """The validation is not blind: a field the API does not have, and a port that is not a number, fail it."""
+    (deployment, *_) = kubernetes.render_manifests(validate_config(_cluster_config()), "argo-grpoflow-abc12", "m")
+    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError, match="imagePullPolicyy"):
+        _valid(deployment)
+    (_, service, _) = kubernetes.render_manifests(validate_config(_cluster_config()), "argo-grpoflow-abc12", "m")
+    service["spec"]["ports"][0]["port"] = "${port}"
+    with pytest.raises(kubernetes_validate.ValidationError, match="is not of type 'integer'"):
+        _valid(service)

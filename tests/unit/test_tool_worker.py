@@ -1,0 +1,149 @@
+"""Tools that cannot hang or flood the trainer: each ``tools:`` call runs in the tool's worker process, killed at
+``generation.tool_timeout_s``. A hanging, a spinning, a GIL-holding and an exiting tool each end within their
+timeout with an error (an ``Exception``: TRL's tool loop turns it into the ``{"error": ...}`` tool message), and
+leave no thread or process behind; a huge answer is cut to ``generation.max_tool_response_length``; completion
+tables are redacted.
+"""
+
+import asyncio
+import os
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+
+from grpo_steps.tool_worker import TRUNCATED
+from grpo_steps.tools import tool_functions, with_timeout
+
+TIMEOUT_S = 1.0
+SLACK_S = 10.0  # start-up of the worker process on a loaded machine; the tools below would run for an hour
+
+BODIES = {  # tool name -> body; each becomes `def name(x: int)` with a docstring (a schema, as tools need)
+    "hang": "time.sleep(3600)",  # sleeps
+    "spin": "while True:\n    x += 1",  # keeps a core busy
+    "regex": "return int(bool(re.match(r'(a+)+$', 'a' * 64 + 'b')))",  # holds the GIL in C for a very long time
+    "spawn_and_hang": "subprocess.Popen(['sleep', '3599'])\ntime.sleep(3600)",  # a child, then hangs
+    "leave": "sys.exit(x)",
+    "interrupt": "raise KeyboardInterrupt('from the tool')",
+    "hard_exit": "os._exit(x)",
+    "huge": "return 'x' * 21_000_000",  # a 21 MB answer
+    "double": "return 2 * x",
+}
+TEMPLATE = ('{kind}def {name}(x: int) -> int:\n    """Tool {name}.\n\n    Args:\n        x: a number.\n    """\n'
+            '{body}\n\n\n')
+
+
+def _module_source() -> str:
+    tools = [("", name, body) for name, body in BODIES.items()] + [("async ", "double_async", "return 2 * x")]
+    return "import os, re, subprocess, sys, time\n\n\n" + "".join(
+        TEMPLATE.format(kind=kind, name=name, body=textwrap.indent(body, "    ")) for kind, name, body in tools)
+
+
+@pytest.fixture
+def tools(tmp_path, monkeypatch):
+    (tmp_path / "hostile_tools.py").write_text(_module_source())
+    monkeypatch.syspath_prepend(str(tmp_path))  # for the schema check here
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # for the worker processes
+    made = []
+
+    def make(name, max_chars=4096):
+        [fn] = tool_functions([f"hostile_tools:{name}"], TIMEOUT_S, max_chars)
+        made.append(fn)
+        return fn
+
+    yield make
+    for fn in made:
+        fn.worker.close()
+
+
+def _descendants() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _sleepers() -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "3599"]]
+
+
+@pytest.mark.parametrize(("name", "error", "message"), [
+    ("hang", TimeoutError, "took longer than 1 s"),  # sleeps
+    ("spin", TimeoutError, "took longer than 1 s"),  # keeps a core busy
+    ("regex", TimeoutError, "took longer than 1 s"),  # holds the GIL (in this process it would block every thread)
+    ("spawn_and_hang", TimeoutError, "took longer than 1 s"),  # its child goes with it
+    ("leave", RuntimeError, "raised SystemExit: 3"),  # SystemExit is the call's error, not the trainer's exit
+    ("interrupt", RuntimeError, "raised KeyboardInterrupt: from the tool"),
+    ("hard_exit", RuntimeError, r"ended its process \(exit code 3\)"),
+])
+def test_a_hostile_tool_ends_within_its_timeout_with_an_error_and_leaves_nothing(tools, name, error, message):
+    fn = tools(name)
+    threads, children = threading.active_count(), _descendants()
+    started = time.monotonic()
+    with pytest.raises(error, match=message) as raised:
+        fn(3)
+    assert time.monotonic() - started < TIMEOUT_S + SLACK_S
+    assert isinstance(raised.value, Exception)  # what TRL's tool loop catches (`except Exception`: an error turn)
+    fn.worker.close()  # the worker of a tool that raised is still up, for its next call
+    assert threading.active_count() == threads
+    assert _descendants() <= children
+    assert _sleepers() == []
+
+
+def test_the_worker_answers_again_after_a_kill(tools):
+    fn = tools("double")
+    assert fn(2) == 4
+    pid = fn.worker.proc.pid
+    assert fn(x=5) == 10 and fn.worker.proc.pid == pid  # one persistent process per tool
+    os.kill(pid, 9)  # killed from outside (as a timeout does)
+    with pytest.raises(RuntimeError, match="ended its process"):
+        fn(1)
+    assert fn(1) == 2  # started again
+
+
+def test_an_async_tool_runs_in_its_worker(tools):
+    fn = tools("double_async")
+    assert asyncio.iscoroutinefunction(fn)
+    assert asyncio.run(fn(3)) == 6
+
+
+def test_a_huge_answer_is_cut_before_it_leaves_the_worker(tools):
+    fn = tools("huge", max_chars=1000)
+    answer = fn(0)
+    assert answer == "x" * 1000 + TRUNCATED
+
+
+def test_an_environment_tool_in_process_is_cut_and_its_exit_is_an_error():
+    def leave(code: int) -> int:
+        """Exit.
+
+        Args:
+            code: exit code.
+        """
+        raise SystemExit(code)
+
+    def huge(n: int) -> str:
+        """Long answer.
+
+        Args:
+            n: characters.
+        """
+        return "y" * n
+
+    with pytest.raises(RuntimeError, match="raised SystemExit: 4"):
+        with_timeout(leave, TIMEOUT_S)(4)
+    assert with_timeout(huge, TIMEOUT_S, 10)(50) == "y" * 10 + TRUNCATED
+    assert with_timeout(huge, TIMEOUT_S, 10)(5) == "y" * 5
+
+
+def test_completion_tables_are_redacted(tmp_path):
+    import mlflow
+
+    from grpo_steps import tracking
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = client.create_run(client.create_experiment("t", artifact_location=str(tmp_path / "art"))).info.run_id
+    secret = "hf_" + "A" * 30
+    tracking.log_table(client, run_id, {"completion": [f"tool lookup: token={secret}", "fine"], "reward": [1.0, 0.0]},
+                       "completions/step_000001.json")
+    logged = (tmp_path / "art" / run_id / "artifacts" / "completions" / "step_000001.json").read_text()
+    assert secret not in logged and "fine" in logged
