@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import functools
 import importlib
 import inspect
@@ -84,7 +85,10 @@ class ToolProcess:
             pass  # ended by itself (a tool that exited)
         proc.wait()
         for pipe in (proc.stdin, proc.stdout):
-            pipe.close()
+            # a call's request may still sit in stdin's buffer: flushing it to the dead worker raises EPIPE, and
+            # close() closes the pipe all the same
+            with contextlib.suppress(BrokenPipeError):
+                pipe.close()
 
     def _read_line(self, proc: subprocess.Popen, deadline: float) -> bytes | None:
         """The worker's next line, or None past ``deadline`` (monotonic seconds); b"" when the worker ended."""

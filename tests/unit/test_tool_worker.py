@@ -100,6 +100,18 @@ def test_the_worker_answers_again_after_a_kill(tools):
     assert fn(1) == 2  # started again
 
 
+def test_the_worker_answers_again_after_it_died_before_the_call(tools):
+    """The worker is gone before the call writes its request (a broken pipe, not a silent end): the call fails
+    naming the ended process, and the next call starts a new worker."""
+    fn = tools("double")
+    assert fn(2) == 4
+    os.kill(fn.worker.proc.pid, 9)
+    fn.worker.proc.wait()  # dead for sure: the request's write meets a closed pipe
+    with pytest.raises(RuntimeError, match="ended its process"):
+        fn(1)
+    assert fn(1) == 2
+
+
 def test_an_async_tool_runs_in_its_worker(tools):
     fn = tools("double_async")
     assert asyncio.iscoroutinefunction(fn)
