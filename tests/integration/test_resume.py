@@ -147,7 +147,6 @@ class S3Outage:
         return True
 
 
-@pytest.mark.slow
 def _metric_values(workdir, metric: str) -> list[tuple[int, float]]:
     from mlflow import MlflowClient
 
@@ -156,6 +155,7 @@ def _metric_values(workdir, metric: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in history)
 
 
+@pytest.mark.slow
 @pytest.mark.s3
 def test_kill_then_resume_on_the_s3_datastore_across_an_s3_outage(tmp_path, tiny_server):
     from grpo_steps.dev import local_s3
