@@ -12,10 +12,62 @@ from grpo_steps.config.base import _Section, distinct_cores
 from grpo_steps.redaction import credential_in, is_secret_flag, redact
 
 
+RouterPolicy = Literal["consistent_hash", "round_robin", "power_of_two", "cache_aware"]
+
+
+class RouterConfig(_Section):
+    """The router in front of several generation replicas (``generation.server.replicas`` > 1): vLLM's own
+    ``vllm-router`` (PyPI), started next to the replicas by the provider, or yours (``endpoint``). Rollouts and
+    evaluation requests go through it; weight pushes go to every replica directly."""
+
+    policy: RouterPolicy | Literal["auto"] = "auto"
+    """``vllm-router --policy``: ``consistent_hash`` keeps every request of an episode (one ``X-Session-ID`` per group)
+    on one replica, so multi-turn rollouts reuse its prefix cache; ``round_robin`` spreads requests evenly;
+    ``power_of_two`` and ``cache_aware`` are the router's load- and cache-aware policies. ``auto``:
+    ``consistent_hash`` with tools or an environment (multi-turn), else ``round_robin``."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port of the router the pipeline starts (on ``generation.server.host``); 0 picks a free one."""
+    endpoint: str | None = None
+    """Provider ``external``: base URL of the router you run in front of ``generation.server.endpoints``; null: the
+    pipeline starts a ``vllm-router`` on 127.0.0.1 in front of them."""
+    health_check_interval_s: int = Field(5, ge=1)
+    """Seconds between the router's health checks of each replica (``--health-check-interval-secs``): a replica
+    that stops answering ``/health`` gets no new requests after a few failed checks."""
+
+    @field_validator("endpoint")
+    @classmethod
+    def _router_url(cls, value: str | None) -> str | None:
+        return _base_url(value, "generation.server.router.endpoint")
+
+
+def _base_url(value: str | None, key: str) -> str | None:
+    """A server's base URL without a trailing slash; raises ValueError naming ``key`` for credentials in the URL or
+    another scheme than http(s)."""
+    if value is None:
+        return None
+    if credential_in(value):
+        raise ValueError(f"{key} {redact(value)!r} holds credentials ({credential_in(value)}): remove them; the "
+                         "pipeline presents the server's token from the environment (GRPO_SERVER_TOKEN, or "
+                         "VLLM_API_KEY for a server started with vLLM's --api-key)")
+    if not value.startswith(("http://", "https://")):
+        raise ValueError(f"{key} {value!r} must be a base URL such as http://127.0.0.1:8000")
+    return value.rstrip("/")
+
+
 class ServerConfig(_Section):
     endpoint: str | None = None
     """Provider ``external``: base URL of the vLLM server you run, e.g. ``http://127.0.0.1:8000``
-    (started with ``VLLM_SERVER_DEV_MODE=1``; it must read the weight directories this machine writes)."""
+    (started with ``VLLM_SERVER_DEV_MODE=1``; it must read the weight directories this machine writes). With
+    several replicas use ``endpoints`` instead."""
+    replicas: int = Field(1, ge=1)
+    """Generation replicas (vLLM servers) behind a router (``router``): ``local`` starts this many processes,
+    ``kubernetes`` this many server pods; ``external`` takes them from ``endpoints``. Rollouts and evaluation spread
+    over them; every weight push goes to each replica and is verified on each. 1: one server, no router."""
+    endpoints: list[str] | None = None
+    """Provider ``external`` with several replicas: the base URL of each vLLM server you run (weight pushes reach
+    each directly; requests go through ``router.endpoint``, or a router the pipeline starts)."""
+    router: RouterConfig = RouterConfig()
+    """The router in front of the replicas (``replicas`` > 1 or ``endpoints``)."""
     host: str = "127.0.0.1"
     """Interface the local vLLM server binds to. Keep loopback unless the trainer runs elsewhere."""
     port: int = Field(0, ge=0, le=65535)
@@ -32,16 +84,86 @@ class ServerConfig(_Section):
     """The server stops itself this many seconds after the flow process that owns it is gone."""
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs one vLLM replica shards the model over (``--tensor-parallel-size``); 1 on CPU."""
-    cpu_cores: list[int] | None = None
+    cpu_cores: list[int] | list[list[int]] | None = None
     """Provider ``local`` on CPU: the cores the server's vLLM CPU backend binds its threads to
-    (``VLLM_CPU_OMP_THREADS_BIND``), e.g. ``[0]``; null: every core of the flow's process. With
+    (``VLLM_CPU_OMP_THREADS_BIND``), e.g. ``[0]``; with several replicas a list per replica (``[[0], [1]]``) or one
+    list split evenly among them; null: every core of the flow's process (split evenly among the replicas). With
     ``generation.async``, give the server and the trainer (``train.cpu_cores``) cores of their own, as disaggregated
     GPUs are: see docs/benchmarks.md "Asynchronous GRPO" for the layouts measured."""
 
     @field_validator("cpu_cores")
     @classmethod
-    def _cores_distinct(cls, value: list[int] | None) -> list[int] | None:
+    def _cores_distinct(cls, value: list[int] | list[list[int]] | None) -> list[int] | list[list[int]] | None:
+        if value and isinstance(value[0], list):
+            distinct_cores([c for cores in value for c in cores], "generation.server.cpu_cores")
+            if any(not cores for cores in value):
+                raise ValueError(f"generation.server.cpu_cores {value}: every replica needs at least one core")
+            return value
         return distinct_cores(value, "generation.server.cpu_cores")
+
+    @field_validator("endpoints")
+    @classmethod
+    def _endpoints_are_urls(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        urls = [_base_url(url, f"generation.server.endpoints[{i}]") for i, url in enumerate(value)]
+        if len(urls) < 2 or len(set(urls)) != len(urls):
+            raise ValueError(f"generation.server.endpoints {urls} must list two or more distinct servers (one "
+                             "server: generation.server.endpoint)")
+        return urls
+
+    @model_validator(mode="after")
+    def _replicas_agree(self) -> ServerConfig:
+        if self.endpoints is not None and self.replicas not in (1, len(self.endpoints)):
+            raise ValueError(f"generation.server.replicas ({self.replicas}) differs from the "
+                             f"{len(self.endpoints)} generation.server.endpoints: remove replicas (it is taken from "
+                             "the list) or list as many endpoints")
+        if self.endpoint is not None and self.endpoints is not None:
+            raise ValueError("generation.server.endpoint and generation.server.endpoints both set: one server takes "
+                             "endpoint; several take endpoints (and router.endpoint for a router you run)")
+        if isinstance(self.cpu_cores, list) and self.cpu_cores and isinstance(self.cpu_cores[0], list) \
+                and len(self.cpu_cores) != self.replica_count:
+            raise ValueError(f"generation.server.cpu_cores lists cores for {len(self.cpu_cores)} replicas, not "
+                             f"{self.replica_count} (generation.server.replicas): one list per replica, or one flat "
+                             "list split evenly")
+        return self
+
+    @property
+    def replica_count(self) -> int:
+        """How many generation replicas the run has (``endpoints`` when given, else ``replicas``)."""
+        return len(self.endpoints) if self.endpoints is not None else self.replicas
+
+    def replica_cores(self, available: list[int]) -> list[list[int] | None]:
+        """The cores of each replica: ``cpu_cores`` per replica, or that list (else ``available``, this process's
+        cores) split into ``replica_count`` contiguous, near-equal parts; ``[None]`` for one replica without
+        ``cpu_cores`` (every core of the flow's process).
+
+        >>> ServerConfig(replicas=2).replica_cores([0, 1, 2])
+        [[0, 1], [2]]
+        >>> ServerConfig(replicas=2, cpu_cores=[[1], [0]]).replica_cores([0, 1])
+        [[1], [0]]
+
+        Raises:
+            ValueError: fewer cores than replicas (names the numbers and the keys to change).
+        """
+        cores = self.cpu_cores
+        if cores and isinstance(cores[0], list):
+            return [list(c) for c in cores]
+        n = self.replica_count
+        if n == 1:
+            return [list(cores) if cores else None]
+        pool = list(cores) if cores else sorted(available)
+        if len(pool) < n:
+            where = "generation.server.cpu_cores" if cores else "this machine's cores available to the flow"
+            raise ValueError(f"generation.server.replicas {n} needs at least one core per replica, but {where} "
+                             f"give {len(pool)} ({pool}): lower generation.server.replicas or give more cores")
+        size, extra = divmod(len(pool), n)
+        out, start = [], 0
+        for i in range(n):
+            end = start + size + (1 if i < extra else 0)
+            out.append(pool[start:end])
+            start = end
+        return out
 
     @field_validator("endpoint")
     @classmethod
@@ -401,10 +523,34 @@ class GenerationConfig(_Section):
 
     @model_validator(mode="after")
     def _endpoint_with_external(self) -> GenerationConfig:
-        if (self.provider == "external") != (self.server.endpoint is not None):
+        given = self.server.endpoint is not None or self.server.endpoints is not None
+        if (self.provider == "external") != given:
             raise ValueError("generation.provider 'external' needs generation.server.endpoint (the URL of your "
-                             "vLLM server), and the endpoint is used by that provider only: set both or neither")
+                             "vLLM server; several: generation.server.endpoints), and they are used by that provider "
+                             "only: set both or neither")
+        if self.server.router.endpoint is not None and self.server.endpoints is None:
+            raise ValueError("generation.server.router.endpoint is the router you run in front of "
+                             "generation.server.endpoints (provider 'external'): list the replicas' endpoints too")
+        if self.provider == "external" and self.server.endpoint is not None and self.server.replicas > 1:
+            raise ValueError("generation.server.replicas > 1 with provider 'external': list each server in "
+                             "generation.server.endpoints (the pipeline cannot start replicas of a server you run)")
         return self
+
+    @model_validator(mode="after")
+    def _replicas_take_disk_pushes(self) -> GenerationConfig:
+        if self.server.replica_count > 1 and self.weight_sync == "nccl":
+            raise ValueError(f"generation.server.replicas {self.server.replica_count} with weight_sync 'nccl': TRL's "
+                             "NCCL weight transfer reaches one server; use weight_sync 'disk' (every replica loads "
+                             "each push and is verified) or one replica")
+        return self
+
+    def router_policy(self, multi_turn: bool) -> str:
+        """The router's policy: ``server.router.policy``, or for ``auto`` ``consistent_hash`` when rollouts are
+        multi-turn (tools, environments) else ``round_robin``."""
+        policy = self.server.router.policy
+        if policy != "auto":
+            return policy
+        return "consistent_hash" if multi_turn else "round_robin"
 
     @model_validator(mode="after")
     def _colocate_loads_in_memory(self) -> GenerationConfig:
