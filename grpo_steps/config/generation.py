@@ -11,7 +11,6 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from grpo_steps.config.base import _Section, distinct_cores
 from grpo_steps.redaction import credential_in, is_secret_flag, redact
 
-
 RouterPolicy = Literal["consistent_hash", "round_robin", "power_of_two", "cache_aware"]
 
 

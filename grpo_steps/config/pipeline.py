@@ -175,6 +175,11 @@ class PipelineConfig(_Section):
         return self
 
     @property
+    def multi_turn(self) -> bool:
+        """Rollouts of several turns (tools or an environment): an episode's turns should stay on one replica."""
+        return bool(self.tools or self.environment)
+
+    @property
     def serves_adapter(self) -> bool:
         """LoRA pushed as an adapter (``train.peft.push: adapter``): the server needs runtime LoRA loading."""
         return self.train.peft is not None and self.train.peft.push == "adapter"

@@ -25,21 +25,29 @@ from grpo_steps.servers.client import SERVED_MODEL_NAME
 from grpo_steps.servers.external import ExternalServer
 from grpo_steps.servers.kubernetes import KubernetesServer
 from grpo_steps.servers.local import LocalServer
+from grpo_steps.servers.replicas import ReplicaSet
+from grpo_steps.servers.router import ExternalRouter, LocalRouter
 
 __all__ = ["SERVED_MODEL_NAME", "ExternalServer", "GenerationServer", "KubernetesServer", "LocalServer",
-           "PROVIDERS", "ServerStartError", "from_dict", "is_healthy", "provision"]
+           "PROVIDERS", "ReplicaSet", "ServerStartError", "from_dict", "is_healthy", "provision"]
 
 PROVIDERS: dict[str, type[GenerationServer]] = {cls.provider: cls for cls in (LocalServer, KubernetesServer,
                                                                              ExternalServer)}
 """``generation.provider`` -> its class."""
+HANDLES: dict[str, type[GenerationServer]] = {**PROVIDERS, **{cls.provider: cls for cls in (ReplicaSet, LocalRouter,
+                                                                                           ExternalRouter)}}
+"""A handle's ``provider`` -> the class that reads it (:func:`from_dict`)."""
 
 
 def provision(cfg, model_path: str, *, owner: ProcessRef, run_id: str) -> GenerationServer:
-    """Start (or reach) the server of ``generation.provider``; see :meth:`GenerationServer.start`.
+    """Start (or reach) the server of ``generation.provider`` (see :meth:`GenerationServer.start`), or its replicas
+    behind a router with ``generation.server.replicas`` > 1 (:meth:`ReplicaSet.start`).
 
     Raises:
         ServerStartError: as the provider's ``start``.
     """
+    if cfg.generation.server.replica_count > 1:
+        return ReplicaSet.start(cfg, model_path, owner=owner, run_id=run_id)
     return PROVIDERS[cfg.generation.provider].start(cfg, model_path, owner=owner, run_id=run_id)
 
 
@@ -51,8 +59,8 @@ def from_dict(handle: dict[str, Any]) -> GenerationServer:
         ValueError: the handle names no known provider.
     """
     provider = handle.get("provider")
-    if provider not in PROVIDERS:
-        raise ValueError(f"server handle names provider {provider!r}; known: {sorted(PROVIDERS)}")
-    cls = PROVIDERS[provider]
+    if provider not in HANDLES:
+        raise ValueError(f"server handle names provider {provider!r}; known: {sorted(HANDLES)}")
+    cls = HANDLES[provider]
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in handle.items() if k in names})

@@ -64,6 +64,33 @@ class GenerationServer:
         """
         raise NotImplementedError
 
+    @classmethod
+    def start_replicas(cls, cfg: PipelineConfig, model_path: str, *, owner: ProcessRef,
+                       run_id: str) -> list[GenerationServer]:
+        """Start (or reach) the ``generation.server.replica_count`` replicas of a :class:`ReplicaSet
+        <grpo_steps.servers.replicas.ReplicaSet>`, each ready; arguments as :meth:`start`.
+
+        Raises:
+            ServerStartError: a replica did not start (those that did are stopped).
+        """
+        raise ServerStartError(f"generation.provider {cls.provider!r} does not run several replicas: set "
+                               "generation.server.replicas to 1")
+
+    @classmethod
+    def start_router(cls, cfg: PipelineConfig, replicas: list[GenerationServer], *, owner: ProcessRef,
+                     run_id: str) -> GenerationServer:
+        """The router in front of ``replicas``: by default a ``vllm-router`` process on this machine
+        (:func:`grpo_steps.servers.router.start_router`) whose clients present the replicas' token.
+
+        Raises:
+            ServerStartError: the router did not start.
+        """
+        from grpo_steps.servers.auth import token_for
+        from grpo_steps.servers.router import start_router
+
+        return start_router(cfg, [replica.endpoint for replica in replicas], owner=owner,
+                            token=token_for(replicas[0].endpoint))
+
     def stop(self) -> bool:
         """Stop the server if the pipeline started it; True when something was stopped."""
         return False

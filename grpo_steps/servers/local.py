@@ -84,11 +84,39 @@ class LocalServer(GenerationServer):
         return ProcessRef(self.supervisor_pid, self.supervisor_started) if self.supervisor_pid else None
 
     @classmethod
-    def start(cls, cfg: PipelineConfig, model_path: str, *, owner: ProcessRef, run_id: str = "") -> LocalServer:
-        """Start a server on ``generation.server.host`` for ``model_path``; see :func:`start_local`."""
-        return start_local(model_path, cfg.generation.server, max_model_len=cfg.model.max_model_len,
-                           dtype=cfg.model.dtype, owner=owner,
+    def start(cls, cfg: PipelineConfig, model_path: str, *, owner: ProcessRef, run_id: str = "",
+              server_cfg: ServerConfig | None = None, token: str | None = None) -> LocalServer:
+        """Start a server on ``generation.server.host`` for ``model_path``; see :func:`start_local`
+        (``server_cfg``: instead of ``generation.server``, e.g. one replica's cores and port)."""
+        return start_local(model_path, server_cfg or cfg.generation.server, max_model_len=cfg.model.max_model_len,
+                           dtype=cfg.model.dtype, owner=owner, token=token,
                            max_lora_rank=cfg.train.peft.max_lora_rank if cfg.serves_adapter else None)
+
+    @classmethod
+    def start_replicas(cls, cfg: PipelineConfig, model_path: str, *, owner: ProcessRef,
+                       run_id: str = "") -> list[GenerationServer]:
+        """``generation.server.replicas`` servers started in parallel, each on its share of the cores
+        (:meth:`grpo_steps.config.ServerConfig.replica_cores`) and its own port (``port + i`` for a fixed port) and
+        log, all with one token.
+
+        Raises:
+            ServerStartError: a replica did not start (the others are stopped), or fewer cores than replicas.
+        """
+        from grpo_steps.servers.replicas import start_all
+
+        server_cfg = cfg.generation.server
+        try:
+            cores = server_cfg.replica_cores(sorted(os.sched_getaffinity(0)))
+        except ValueError as err:
+            raise ServerStartError(str(err)) from None
+        token = os.environ.get(auth.TOKEN_ENV) or os.environ.get("VLLM_API_KEY") or auth.new_token()
+
+        def start_one(i: int) -> LocalServer:
+            port = server_cfg.port + i if server_cfg.port else 0
+            return cls.start(cfg, model_path, owner=owner, token=token,
+                             server_cfg=server_cfg.model_copy(update={"cpu_cores": cores[i], "port": port}))
+
+        return start_all(start_one, server_cfg.replica_count)
 
     def summary(self) -> str:
         return f"{self.endpoint} supervisor_pid={self.supervisor_pid} log={self.log_path} (local)"
@@ -110,7 +138,8 @@ class LocalServer(GenerationServer):
 
 
 def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int, dtype: str, owner: ProcessRef,
-                log_dir: str | Path = LOG_DIR, max_lora_rank: int | None = None) -> LocalServer:
+                log_dir: str | Path = LOG_DIR, max_lora_rank: int | None = None,
+                token: str | None = None) -> LocalServer:
     """Start a vLLM server on ``server_cfg.host`` and wait until it is healthy.
 
     Args:
@@ -120,6 +149,7 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
         log_dir: the server's log goes to ``{log_dir}/vllm-{port}.log``.
         max_lora_rank: serve LoRA adapters up to this rank, loaded at runtime (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``);
             None: no LoRA.
+        token: the run's token (replicas share one); None: as described below.
 
     Raises:
         ServerStartError: port in use, process exited early, or no health within
@@ -133,7 +163,7 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
     log_path.parent.mkdir(parents=True, exist_ok=True)
     # the run's token, in the environment only: the one the flow's clients would present (grpo_steps.servers.auth
     # token_for), else a new one; with VLLM_API_KEY set, vLLM's own check of /v1 paths takes the same value
-    token = os.environ.get(auth.TOKEN_ENV) or os.environ.get("VLLM_API_KEY") or auth.new_token()
+    token = token or os.environ.get(auth.TOKEN_ENV) or os.environ.get("VLLM_API_KEY") or auth.new_token()
     remove_orphan_dirs(Path(tempfile.gettempdir()), IPC_PREFIX)  # of servers whose supervisor was killed
     ipc_dir = tempfile.mkdtemp(prefix=IPC_PREFIX)
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(server_cfg.kv_cache_gib),
