@@ -269,9 +269,15 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
         eval_file.write_text("".join(json.dumps(row) + "\n" for row in (eval_rows or [])[
             : cfg.eval.during_training_prompts]))
         baseline_file.write_text("".join(json.dumps(row) + "\n" for row in eval_rows or []))
+    from grpo_steps import servers
+
+    generation_server = servers.from_dict(server)
+    client = generation_server.client()
     job = TrainJob(config=cfg, model_path=model_path, train_file=str(train_file), output_dir=str(output_dir),
                    endpoint=server["endpoint"] if cfg.generation.backend == "vllm" else None,
-                   served_model=server["served_model"],
+                   served_model=server["served_model"], replicas=list(client.replicas),
+                   replica_logs=list(client.replica_logs),
+                   router_metrics=getattr(generation_server, "metrics_endpoint", None),
                    resume_from=resume_checkpoint(node_index, cfg.train.resume_from), mlflow_run_id=run_id,
                    node_index=node_index, eval_file=str(eval_file) if eval_file else None,
                    baseline_file=str(baseline_file) if baseline_file else None)

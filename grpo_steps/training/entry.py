@@ -139,7 +139,8 @@ def backend(job: TrainJob, tokenizer, rows: list[dict]) -> tuple[type, dict]:
         from grpo_steps.training.generation import server_settings
         from grpo_steps.training.trainer import ServerGRPOTrainer
 
-        client = VLLMClient(job.endpoint, model=job.served_model)
+        client = VLLMClient(job.endpoint, model=job.served_model, replicas=tuple(job.replicas),
+                            replica_logs=tuple(job.replica_logs))
         return ServerGRPOTrainer, {"server": server_settings(cfg, client, tokenizer, rows[0]["prompt"],
                                                              job.output_dir)}
     elif gen.backend == "replay":

@@ -30,6 +30,9 @@ class TrainJob(BaseModel):
     output_dir: str  # trainer output: checkpoints and the final model (``final/``)
     endpoint: str | None = None  # vLLM server base URL (backend vllm)
     served_model: str = "policy"  # the model name the server serves the policy under
+    replicas: list[str] = []  # with several generation replicas: each one's base URL (``endpoint`` is the router's)
+    replica_logs: list[str | None] = []  # each replica's log file where the pipeline started it
+    router_metrics: str | None = None  # the router's Prometheus metrics URL, where the pipeline started the router
     resume_from: str | None = None  # a trainer checkpoint directory to continue from
     mlflow_run_id: str | None = None  # metrics go to this run
     node_index: int = 0  # machine rank in the gang
