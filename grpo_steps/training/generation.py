@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from grpo_steps.config import GenerationConfig
-from grpo_steps.servers.client import GenerationServerError, VLLMClient, version_label
+from grpo_steps.servers.client import GenerationServerError, VLLMClient, session_id, version_label
 from grpo_steps.training.async_rollouts import RolloutPrefetcher
 from grpo_steps.training.sampling import policy_logprobs, processed_logprobs
 from grpo_steps.training.weight_sync import (
@@ -138,7 +138,7 @@ class ServerGeneration:
     def __init__(self, settings: ServerSettings, policy: PolicyView | None = None) -> None:
         self.settings, self.policy = settings, policy
         self.client, self.gen, self.push = settings.client, settings.gen, settings.push
-        self.history: list[ProbeRecord] = []  # the last HISTORY verified pushes
+        self.history: dict[str, list[ProbeRecord]] = {}  # per replica (endpoint): the last HISTORY verified pushes
         self.pushed_version: int | None = None  # None until the first push, which sync_every does not space
         self.first_batch: list[tuple[list[int], list[int], list[float]]] | None = None
         """``(prompt_ids, completion_ids, logprobs)`` of the first turn sampled after the last push by the policy
@@ -152,6 +152,7 @@ class ServerGeneration:
         self._served_key = -1  # the generation batch last served from the producer (resample's extra rounds
         # at the same micro-step sample now)
         self._producer_client: VLLMClient | None = None  # the producer thread's own client (its own session)
+        self._episodes: list[list[int]] = []  # the first-turn prompts of the last generation round (their sessions)
 
     def _log(self, name: str, value: float) -> None:
         # Always the training logs: a push serves the training's rollouts (the pipeline runs no TRL eval loop), and
@@ -230,13 +231,27 @@ class ServerGeneration:
             self._log("probe_logp_diff", gap)
 
     def _verify(self, version: int, weights: tuple[float, ...], policy: list[float] | None) -> float | None:
-        """Rank 0: check the server's label and probe (see :func:`check_served_version`); returns the probe's
-        mean |server - policy| logp (None without a policy probe). Raises GenerationServerError."""
-        record = ProbeRecord(version, weights, self.push.client.prompt_logprobs(self.settings.probe_ids), policy)
-        check_served_version(record, self.history, self.push.served_label(), self.settings.probe_tolerance,
-                             step=version + 1)
-        self.history = (self.history + [record])[-HISTORY:]
-        return None if policy is None else mean_abs_diff(record.served, policy)
+        """Rank 0: check every replica's label and probe, in parallel (see :func:`check_served_version`; each replica
+        against its own earlier answers); returns the largest mean |server - policy| probe logp (None without a
+        policy probe). With several replicas, one line names each replica's label. Raises GenerationServerError
+        (naming the replica)."""
+        def check(client: VLLMClient) -> tuple[ProbeRecord, str]:
+            record = ProbeRecord(version, weights, client.prompt_logprobs(self.settings.probe_ids), policy)
+            label = self.push.served_label(client)
+            check_served_version(record, self.history.get(client.endpoint, []), label, self.settings.probe_tolerance,
+                                 step=version + 1)
+            return record, label
+
+        client = self.push.client
+        checked = client.each(check)
+        for replica, (record, _) in zip(client.replica_clients(), checked, strict=True):
+            self.history[replica.endpoint] = (self.history.get(replica.endpoint, []) + [record])[-HISTORY:]
+        if client.replicas:
+            self._log("replicas", float(len(checked)))
+            print(f"[weight-sync] version {version} verified on {len(checked)} replicas: "
+                  + ", ".join(f"{r.endpoint} {label}" for r, (_, label) in zip(client.replica_clients(), checked,
+                                                                                strict=True)), flush=True)
+        return None if policy is None else max(mean_abs_diff(record.served, policy) for record, _ in checked)
 
     def generate(self, prompts: list[list[int]], images=None, num_generations: int = 1, profiler=None):
         """Sample ``num_generations`` completions per distinct prompt (TRL's ``VLLMGeneration.generate`` contract).
@@ -289,14 +304,23 @@ class ServerGeneration:
         unique = prompts[::group]
         fits = [i for i, p in enumerate(unique) if len(p) < self.settings.max_model_len]
         samples: list[list[dict]] = [[{"completion_ids": [], "logprobs": []}] * group for _ in unique]
+        if group > 1:
+            self._episodes = unique  # the first turns: a follow-up turn's prompt starts with its episode's
         if fits:
             room = self.settings.max_model_len - max(len(unique[i]) for i in fits)
             sampled = client.complete([unique[i] for i in fits], group,
                                       max_tokens=min(self.gen.max_completion_tokens, room),
-                                      temperature=self.gen.temperature, request=self.gen.sampling_request())
+                                      temperature=self.gen.temperature, request=self.gen.sampling_request(),
+                                      sessions=[self._session(unique[i]) for i in fits] if client.replicas else None)
             for i, group_samples in zip(fits, sampled, strict=True):
                 samples[i] = group_samples
         return samples
+
+    def _session(self, prompt: list[int]) -> str:
+        """The router's session of ``prompt``: its episode's first turn (the longest first-turn prompt it starts
+        with), so every turn of an episode is served by one replica (prefix cache) under ``consistent_hash``."""
+        starts = [q for q in self._episodes if len(q) <= len(prompt) and prompt[:len(q)] == q]
+        return session_id(max(starts, key=len) if starts else prompt)
 
     def start_async(self, depth: int, upcoming: Callable[[int], list[tuple[int, list[list[int]]]]]) -> None:
         """``generation.async``: start the producer thread (its own client of the server), which samples up to

@@ -153,9 +153,10 @@ class DiskWeightPush(WeightPush):
     def _retire(self, previous: Path) -> None:
         self.spare = previous
 
-    def served_label(self) -> str:
-        """The server's weight label (``/weight_info``), ``step-N`` after a verified push of version N."""
-        return self.client.weight_version()
+    def served_label(self, client: VLLMClient | None = None) -> str:
+        """The weight label of the server of ``client`` (default: this push's; a replica's client with several),
+        ``step-N`` after a verified push of version N (``/weight_info``)."""
+        return (client or self.client).weight_version()
 
     def close(self) -> None:
         """Remove the pushes' directories (the server keeps its weights in memory)."""
@@ -198,10 +199,10 @@ class AdapterPush(WeightPush):
         self.previous_name = None
         super()._retire(previous)
 
-    def served_label(self) -> str:
-        """``step-N`` when the server serves the last pushed adapter from its directory, else a description of
-        what it serves (see :func:`check_served_version`)."""
-        served = self.client.served_adapters()
+    def served_label(self, client: VLLMClient | None = None) -> str:
+        """``step-N`` when the server of ``client`` (default: this push's) serves the last pushed adapter from its
+        directory, else a description of what it serves (see :func:`check_served_version`)."""
+        served = (client or self.client).served_adapters()
         if self.current_name is not None and served.get(self.current_name) == str(self.current):
             return version_label(int(self.current.name[1:]))
         return f"adapters {served}"
