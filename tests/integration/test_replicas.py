@@ -1,0 +1,137 @@
+"""Two generation replicas of the tiny model behind vLLM's router (``generation.server.replicas: 2``, the ``local``
+provider, one core each), as the flow's ``provision_vllm`` starts them: requests spread over both, an episode stays on
+one replica, training (asynchronous rollouts, and multi-turn tool rollouts) pushes every version to both and verifies
+each, evaluation spreads its prompts, and a replica killed mid-run fails the next push naming it, with nothing left
+running once the set is stopped. The whole flow on two replicas, with a replica killed mid-training and ``@retry``
+replacing the set, is tests/integration/test_faults.py."""
+
+import os
+import re
+import signal
+
+import psutil
+import pytest
+import requests
+import yaml
+
+from grpo_steps import servers
+from grpo_steps.config import REPO_ROOT, validate_config
+from grpo_steps.processes import ProcessRef
+from grpo_steps.servers.client import GenerationServerError, VLLMClient, session_id
+from grpo_steps.servers.router import requests_per_replica
+from grpo_steps.training.entry import run
+from tests.integration.flowrun import vllm_child
+from tests.integration.trainjob import history as _history
+from tests.integration.trainjob import job as _job
+
+pytestmark = pytest.mark.slow
+VERIFIED = re.compile(r"\[weight-sync\] version (\d+) verified on 2 replicas: (\S+) (\S+), (\S+) (\S+)")
+
+
+@pytest.fixture(scope="module")
+def replica_set(tiny_model_path):
+    """Two replicas + a ``consistent_hash`` router, started by ``servers.provision`` (the flow's path)."""
+    config = yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text())
+    config["model"]["max_model_len"] = 1024  # the tool run's prompts (configs/test-tools.yaml)
+    config["generation"]["server"].update(replicas=2, router={"policy": "consistent_hash"})
+    cfg = validate_config(config)
+    replica_set = servers.provision(cfg, tiny_model_path, owner=ProcessRef.of(os.getpid()), run_id="replicas-test")
+    yield replica_set
+    replica_set.stop()
+
+
+def _with_replicas(job, replica_set):
+    client = replica_set.client()
+    return job.model_copy(update={"endpoint": replica_set.endpoint, "replicas": list(client.replicas),
+                                  "replica_logs": list(client.replica_logs)})
+
+
+def _counts(replica_set) -> list[float]:
+    counts = requests_per_replica(replica_set.metrics_endpoint)
+    return [counts.get(member.endpoint, 0.0) for member in replica_set.members]
+
+
+def test_two_replicas_behind_the_router_each_on_its_own_core(replica_set):
+    assert isinstance(replica_set, servers.ReplicaSet) and len(replica_set.replicas) == 2
+    assert replica_set.policy == "consistent_hash"
+    cores = set()
+    for member in replica_set.members:
+        (child,) = psutil.Process(member.supervisor_pid).children()
+        cores.add(child.environ()["VLLM_CPU_OMP_THREADS_BIND"])
+    assert cores == {"0", "1"}
+    handle = servers.from_dict(replica_set.to_dict())
+    assert handle == replica_set and handle.serves(ProcessRef.of(os.getpid()))
+    # the router passes the run's token on; without it a replica refuses the request
+    assert requests.post(f"{replica_set.endpoint}/v1/completions", json={"model": "policy", "prompt": [[5, 6]],
+                                                                        "max_tokens": 2}, timeout=30).status_code == 401
+
+
+def test_requests_spread_over_both_and_an_episode_stays_on_one(replica_set):
+    client = replica_set.client()
+    before = _counts(replica_set)
+    client.complete([[100 + i, 7, 8] for i in range(16)], 2, max_tokens=4, temperature=1.0)
+    spread = [after - b for after, b in zip(_counts(replica_set), before, strict=True)]
+    assert sum(spread) == 16 and min(spread) > 0, spread  # one request per group; the router spread them
+    before = _counts(replica_set)
+    episode = [[300, 9, 9], [300, 9, 9, 41, 42], [300, 9, 9, 41, 42, 43, 44]]  # the turns of one episode
+    client.complete(episode, 1, max_tokens=2, temperature=1.0, sessions=[session_id(episode[0])] * 3)
+    turns = [after - b for after, b in zip(_counts(replica_set), before, strict=True)]
+    assert sorted(turns) == [0, 3], turns
+
+
+def test_training_with_async_rollouts_pushes_every_version_to_both_replicas(tmp_path, tiny_model_path, tiny_tokenizer,
+                                                                           replica_set, capfd):
+    before = _counts(replica_set)
+    run(_with_replicas(_job(tmp_path, tiny_model_path, tiny_tokenizer, replica_set.endpoint,
+                            generation={"async": True}), replica_set))
+    out = capfd.readouterr().out
+    verified = VERIFIED.findall(out)
+    assert [int(v[0]) for v in verified] == [0, 1, 2], out[-3000:]  # one push per optimizer step, before it samples
+    for version, first, first_label, second, second_label in verified:
+        assert {first, second} == {m.endpoint for m in replica_set.members}
+        assert first_label == second_label == f"step-{version}"  # two version labels per push
+    assert [h["weight_sync/replicas"] for h in _history(tmp_path)] == [2.0, 2.0, 2.0]
+    assert [h["async/staleness"] <= 1 for h in _history(tmp_path)] == [True] * 3
+    assert [VLLMClient(m.endpoint).weight_version() for m in replica_set.members] == ["step-2", "step-2"]
+    assert min(after - b for after, b in zip(_counts(replica_set), before, strict=True)) > 0  # both served rollouts
+
+
+def test_multi_turn_tool_rollouts_on_two_replicas(tmp_path, tiny_model_path, tiny_tokenizer, replica_set, capfd):
+    tools = yaml.safe_load((REPO_ROOT / "configs" / "test-tools.yaml").read_text())
+    job = _job(tmp_path, tiny_model_path, tiny_tokenizer, replica_set.endpoint, train={**tools["train"],
+               "max_steps": 1}, generation=tools["generation"] | {"server": {}}, model=tools["model"],
+               data=tools["data"], tools=tools["tools"])
+    run(_with_replicas(job, replica_set))
+    (h,) = _history(tmp_path)
+    assert h["tools/call_frequency"] == 1.0 and h["tools/turns_per_episode"] == 2.0
+    assert len(VERIFIED.findall(capfd.readouterr().out)) == 1
+
+
+def test_evaluation_spreads_its_prompts(replica_set, tiny_tokenizer):
+    from grpo_steps.data import prepare
+    from grpo_steps.evaluate import evaluate_policy
+
+    cfg = validate_config(yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text()))
+    rows = prepare(cfg.data, tiny_tokenizer, cfg.generation.chat_template_kwargs).eval
+    before = _counts(replica_set)
+    result = evaluate_policy(cfg, replica_set.client(), tiny_tokenizer, rows)
+    spread = [after - b for after, b in zip(_counts(replica_set), before, strict=True)]
+    assert len(result["prompt_keys"]) == len(rows)
+    assert min(spread) > 0, spread
+
+
+def test_a_killed_replica_fails_the_push_by_name_and_nothing_outlives_the_set(replica_set):
+    """Last in this module: it kills a replica of the shared set."""
+    client = replica_set.client()
+    dead = replica_set.members[1]
+    os.killpg(vllm_child(dead.supervisor_pid), signal.SIGKILL)  # the vLLM server leads its own process group
+    with pytest.raises(GenerationServerError) as raised:
+        client.set_weight_version("step-99")  # what every push does after loading the weights
+    message = str(raised.value)
+    assert f"generation replica 2/2 {dead.endpoint} failed" in message and dead.log_path in message
+    assert "generation replica 1/2" not in message
+    assert not replica_set.serves(ProcessRef.of(os.getpid()))  # a retried step replaces the set
+    supervisors = [ProcessRef(m.supervisor_pid, m.supervisor_started) for m in replica_set.members]
+    router = replica_set.router_server
+    replica_set.stop()
+    assert not any(s.is_running() for s in supervisors) and not router.supervisor.is_running()
