@@ -50,7 +50,7 @@ class LocalRouter(LocalServer):
     provider = "local-router"
 
     def summary(self) -> str:
-        return f"router {self.endpoint} supervisor_pid={self.supervisor_pid} log={self.log_path}"
+        return f"{self.endpoint} supervisor_pid={self.supervisor_pid} log={self.log_path} (router)"
 
     def __str__(self) -> str:
         return f"vllm-router {self.endpoint}"
