@@ -3,6 +3,7 @@ upload (tests/integration/test_resume.py, with the S3 datastore's kill and resum
 with nothing lost: one continuous training history up to max_steps."""
 
 import os
+import re
 import signal
 
 import pytest
@@ -25,25 +26,28 @@ MODEL_NAME = "grpo-fault-test"
 
 @pytest.mark.slow
 def test_generation_server_killed_during_training_is_replaced_and_training_continues(tmp_path, tiny_model_path):
-    """The ``local`` provider's whole lifecycle in a flow: ``provision_vllm`` starts a server; kill -9 of it
-    after checkpoint 4 fails the train step, ``@retry`` runs it again on a new server from its newest
-    checkpoint; that attempt's training process is then SIGKILLed from outside while it saves checkpoint 6 (as the
-    OOM killer would): the attempt fails saying so, and the next ``@retry`` continues from the newest checkpoint
-    whose save completed (the rollouts come from a server whose sampler moved on, so its losses are not compared
-    here: ``test_multinode_local`` compares them on replayed completions). The run finishes, and ``end`` stops
-    the replacement server (no server left behind)."""
-    config = flow_config(train={"max_steps": 8, "save_steps": 2, "retries": 2}, registry={"model_name": MODEL_NAME})
+    """The ``local`` provider's whole lifecycle in a flow, on two generation replicas behind vLLM's router:
+    ``provision_vllm`` starts both and the router; kill -9 of one replica after checkpoint 4 fails the train step
+    naming that replica (its push, or a rollout routed to it), ``@retry`` runs it again on a new set of replicas from
+    its newest checkpoint (every push verified on both); that attempt's training process is then SIGKILLed from
+    outside while it saves checkpoint 6 (as the OOM killer would): the attempt fails saying so, and the next ``@retry``
+    continues from the newest checkpoint whose save completed (the rollouts come from a server whose sampler moved on,
+    so its losses are not compared here: ``test_multinode_local`` compares them on replayed completions). The run
+    finishes and registers, and ``end`` stops the replacement set (no replica or router left behind)."""
+    config = flow_config(train={"max_steps": 8, "save_steps": 2, "retries": 2}, registry={"model_name": MODEL_NAME},
+                         generation={"server": {"kv_cache_gib": 1, "startup_timeout_s": 300, "replicas": 2}})
     servers, supervisors, killed, trainer_killed, saved = [], [], [], [], set()
 
     def faults(line: str) -> None:
-        if match := SERVING.search(line):
-            servers.append(int(match.group(2)))
-            supervisors.append(ProcessRef.of(int(match.group(2))))  # alive now: record its create time
+        if SERVING.search(line):  # the router's supervisor, then each replica's
+            pids = [int(pid) for pid in re.findall(r"supervisor_pid=(\d+)", line)]
+            servers.append(pids)
+            supervisors.extend(ProcessRef.of(pid) for pid in pids)  # alive now: record their create times
         match = SAVED.search(line)
         if match:
             saved.add((int(match.group(2)), int(match.group(1))))  # (training pid, step) of a completed save
         if match and int(match.group(1)) == 4 and not killed:
-            child = vllm_child(servers[0])
+            child = vllm_child(servers[0][2])  # the second replica
             os.killpg(child, signal.SIGKILL)  # the vLLM server leads its own process group
             killed.append(child)
         match = SAVING.search(line)
@@ -55,7 +59,10 @@ def test_generation_server_killed_during_training_is_replaced_and_training_conti
     assert killed and trainer_killed, out[-5000:]
     assert code == 0, out[-8000:]
     assert "is not answering: starting a new one" in out
-    assert len(servers) == 2, servers  # the first server, then its replacement
+    assert [len(pids) for pids in servers] == [3, 3], servers  # router + 2 replicas, then their replacement
+    assert "generation replica 2/2 http://127.0.0.1:" in out  # the failure names the killed replica
+    verified = re.findall(r"\[weight-sync\] version (\d+) verified on 2 replicas: \S+ (\S+), \S+ (\S+)", out)
+    assert verified and all(a == b == f"step-{v}" for v, a, b in verified)  # every push verified on both
     assert "resuming from this task's step 4 (retry)" in out  # the newest checkpoint of node 0
     assert "was killed (signal 9), likely out of memory: peak resident memory" in out
     # the kill raced the upload of checkpoint 6: the third attempt starts from 6 if that save completed, else from 4
