@@ -56,9 +56,9 @@ class ReplicaSet(GenerationServer):
 
         return from_dict(dict(self.router or {}))
 
-    @property
-    def replaceable(self) -> bool:  # type: ignore[override]
-        return all(member.replaceable for member in self.members)
+    replaceable = True
+    """A set that no longer serves is provisioned again: what the pipeline runs is started anew, the servers (and the
+    router) you run are reached again (failing, naming the one that does not answer)."""
 
     @property
     def runtime_lora(self) -> bool:  # type: ignore[override]
