@@ -187,9 +187,13 @@ class AdapterPush(WeightPush):
 
     def _load(self, directory: Path, version: int) -> None:
         name = adapter_name(self.base_model, version)
-        if name in self.client.served_adapters():  # left by an earlier attempt (a crash, a resume)
-            self.client.unload_lora_adapter(name)
-        self.client.load_lora_adapter(name, directory)
+
+        def load(client: VLLMClient) -> None:  # on each replica: one may hold it already and another not
+            if name in client.served_adapters():  # left by an earlier attempt (a crash, a resume)
+                client.unload_lora_adapter(name)
+            client.load_lora_adapter(name, directory)
+
+        self.client.each(load)
         self.client.model = name
         self.previous_name, self.current_name = self.current_name, name
 

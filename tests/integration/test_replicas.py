@@ -34,6 +34,7 @@ def replica_set(tiny_model_path):
     config = yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text())
     config["model"]["max_model_len"] = 1024  # the tool run's prompts (configs/test-tools.yaml)
     config["generation"]["server"].update(replicas=2, router={"policy": "consistent_hash"})
+    config["train"]["peft"] = {"r": 8, "alpha": 16}  # the replicas load LoRA adapters at run time (and full weights)
     cfg = validate_config(config)
     replica_set = servers.provision(cfg, tiny_model_path, owner=ProcessRef.of(os.getpid()), run_id="replicas-test")
     yield replica_set
@@ -94,6 +95,19 @@ def test_training_with_async_rollouts_pushes_every_version_to_both_replicas(tmp_
     assert [h["async/staleness"] <= 1 for h in _history(tmp_path)] == [True] * 3
     assert [VLLMClient(m.endpoint).weight_version() for m in replica_set.members] == ["step-2", "step-2"]
     assert min(after - b for after, b in zip(_counts(replica_set), before, strict=True)) > 0  # both served rollouts
+
+
+def test_lora_adapter_pushes_reach_both_replicas(tmp_path, tiny_model_path, tiny_tokenizer, replica_set, capfd):
+    from grpo_steps.lora import adapter_name
+
+    run(_with_replicas(_job(tmp_path, tiny_model_path, tiny_tokenizer, replica_set.endpoint,
+                            train={"max_steps": 2, "peft": {"r": 8, "alpha": 16}}), replica_set))
+    verified = VERIFIED.findall(capfd.readouterr().out)
+    assert [(v[0], v[2], v[4]) for v in verified] == [("0", "step-0", "step-0"), ("1", "step-1", "step-1")]
+    # the run's close unloads its last adapter from every replica
+    served = [VLLMClient(m.endpoint).served_adapters() for m in replica_set.members]
+    assert served == [{}, {}], served
+    assert adapter_name("policy", 1) not in replica_set.client().served_adapters()
 
 
 def test_multi_turn_tool_rollouts_on_two_replicas(tmp_path, tiny_model_path, tiny_tokenizer, replica_set, capfd):
