@@ -3,9 +3,10 @@
 - ``local`` (:mod:`.local`): a child process on this machine under a supervisor; started and stopped
   by the pipeline, and it stops itself when the flow's process is gone. Weights: ``disk``, paths on
   this machine.
-- ``kubernetes`` (:mod:`.kubernetes`): a Deployment + Service in the run's namespace; started and
-  stopped by the pipeline (on Argo also by the error exit hook). Weights: ``nccl`` in training,
-  evaluation weights staged on the shared volume.
+- ``kubernetes`` (:mod:`.kubernetes`): a Deployment + Service in the run's namespace (one per replica with
+  several); started and stopped by the pipeline (on Argo also by the error exit
+  hook). Weights: ``nccl`` in training, or ``disk`` pushes through the shared volume; evaluation weights staged on
+  the shared volume.
 - ``external`` (:mod:`.external`): a server you run at ``generation.server.endpoint``; never started
   or stopped by the pipeline, only health-checked. Weights: ``disk``, paths it can read (the same
   machine or the same mounts).

@@ -10,11 +10,12 @@ import pytest
 import yaml
 
 from grpo_steps.config import REPO_ROOT, validate_config
-from grpo_steps.servers import kubernetes
+from grpo_steps.servers import k8s_manifests
 
 KUBERNETES_VERSION = "1.33.0"
 """The API version validated against (a release every managed Kubernetes offers as of 2026-11)."""
-STATIC = [p for p in sorted((REPO_ROOT / "infra" / "k8s").glob("*.yaml")) if p.name != kubernetes.TEMPLATE.name]
+TEMPLATES = {k8s_manifests.TEMPLATE.name}
+STATIC = [p for p in sorted((REPO_ROOT / "infra" / "k8s").glob("*.yaml")) if p.name not in TEMPLATES]
 
 
 def _docs(path: Path) -> list[dict]:
@@ -48,7 +49,8 @@ def _cluster_config(**generation) -> dict:
 def test_the_rendered_server_objects_validate(generation):
     config = _cluster_config()
     config["generation"].update(generation)
-    rendered = kubernetes.render_manifests(validate_config(config), "argo-grpoflow-abc12", "Qwen/Qwen2.5-1.5B-Instruct")
+    rendered = k8s_manifests.render_manifests(validate_config(config), "argo-grpoflow-abc12",
+                                              "Qwen/Qwen2.5-1.5B-Instruct")
     assert {doc["kind"] for doc in rendered} >= {"Deployment", "Service", "NetworkPolicy"}
     for doc in rendered:
         _valid(doc)
@@ -56,11 +58,11 @@ def test_the_rendered_server_objects_validate(generation):
 
 def test_a_broken_object_is_refused():
     """The validation is not blind: a field the API does not have, and a port that is not a number, fail it."""
-    (deployment, *_) = kubernetes.render_manifests(validate_config(_cluster_config()), "argo-grpoflow-abc12", "m")
+    (deployment, *_) = k8s_manifests.render_manifests(validate_config(_cluster_config()), "argo-grpoflow-abc12", "m")
     deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
     with pytest.raises(kubernetes_validate.ValidationError, match="imagePullPolicyy"):
         _valid(deployment)
-    (_, service, _) = kubernetes.render_manifests(validate_config(_cluster_config()), "argo-grpoflow-abc12", "m")
+    (_, service, _) = k8s_manifests.render_manifests(validate_config(_cluster_config()), "argo-grpoflow-abc12", "m")
     service["spec"]["ports"][0]["port"] = "${port}"
     with pytest.raises(kubernetes_validate.ValidationError, match="is not of type 'integer'"):
         _valid(service)
