@@ -4,7 +4,9 @@ config (no API call), so every object can be checked offline (tests/unit/test_ma
 - the generation server: a Deployment + Service per server (:func:`render_manifests`, from
   ``infra/k8s/vllm-server.yaml``), ``-r0``, ``-r1``, ... per replica with ``generation.server.replicas`` > 1
   (:func:`replica_name`), and one NetworkPolicy over all of the run's server pods (:func:`network_policy_peers`);
-- the run's token Secret and the ConfigMap with the token middleware (:func:`render_auth`).
+- the run's token Secret and the ConfigMap with the token middleware (:func:`render_auth`);
+- the router in front of several replicas: a ``vllm-router`` Deployment + Service + NetworkPolicy in the flow's
+  image (:func:`render_router`, from ``infra/k8s/vllm-router.yaml``).
 
 Every object carries the labels ``app.kubernetes.io/managed-by=grpo-pipeline`` and ``grpo-pipeline/run-id``, by which
 :func:`grpo_steps.servers.kubernetes.stop_run` and the error exit hook find and delete a run's objects.
@@ -24,13 +26,16 @@ from grpo_steps.servers import auth
 from grpo_steps.servers.client import LOGPROBS_MODE, SERVED_MODEL_NAME
 
 TEMPLATE = INFRA_DIR / "k8s" / "vllm-server.yaml"
+ROUTER_TEMPLATE = INFRA_DIR / "k8s" / "vllm-router.yaml"
 MANAGED_BY = "grpo-pipeline"
 RUN_LABEL = "grpo-pipeline/run-id"
 REPLICA_LABEL = "grpo-pipeline/replica"
 """Label of a replica's pods (its index), which its Service selects: each replica is addressable for control calls."""
-SERVER_APP = "vllm-server"
-"""``app.kubernetes.io/name`` of the server pods."""
+SERVER_APP, ROUTER_APP = "vllm-server", "vllm-router"
+"""``app.kubernetes.io/name`` of the server pods and of the router pod."""
 PORT = 8000
+ROUTER_METRICS_PORT = 29000
+"""Port of the router's Prometheus metrics (``vllm-router --prometheus-port``), on its Service too."""
 SHARED_MOUNT = "/shared"
 AUTH_MOUNT = "/opt/grpo-auth"
 """Where the server pod mounts the ConfigMap with :mod:`grpo_steps.servers.auth` (on its ``PYTHONPATH``)."""
@@ -61,6 +66,11 @@ def replica_name(run_id: str, replica: int) -> str:
     'vllm-argo-grpoflow-x7k2p-r2'
     """
     return suffixed(run_id, f"-r{replica}")
+
+
+def router_name(run_id: str) -> str:
+    """Name of the router's Deployment, Service and NetworkPolicy."""
+    return suffixed(run_id, "-router")
 
 
 def run_selector(run_id: str) -> str:
@@ -133,15 +143,18 @@ def run_pods(run_id: str) -> dict:
                                             "app.kubernetes.io/part-of": "metaflow"}}}
 
 
-def network_policy_peers(run_id: str, name: str, run_label: str) -> list[dict]:
-    """The ``ingress[].from`` peers of a run's servers: the run's pods (:func:`run_pods`) and the servers' own pods
-    (tensor-parallel and scale-out peers).
+def network_policy_peers(run_id: str, name: str, run_label: str, *, router: bool = False) -> list[dict]:
+    """The ``ingress[].from`` peers of a run's servers: the run's pods (:func:`run_pods`), the servers' own pods
+    (tensor-parallel and scale-out peers) and, with ``router`` (several replicas), the run's router pod.
 
-    >>> network_policy_peers("argo-grpoflow-x7k2p", "vllm-x", "x")[1]
-    {'podSelector': {'matchLabels': {'app.kubernetes.io/name': 'vllm-server', 'grpo-pipeline/run-id': 'x'}}}
+    >>> network_policy_peers("argo-grpoflow-x7k2p", "vllm-x", "x", router=True)[2]
+    {'podSelector': {'matchLabels': {'app.kubernetes.io/name': 'vllm-router', 'grpo-pipeline/run-id': 'x'}}}
     """
     own = {"app.kubernetes.io/name": SERVER_APP, RUN_LABEL: run_label}
-    return [run_pods(run_id), {"podSelector": {"matchLabels": own}}]
+    peers = [run_pods(run_id), {"podSelector": {"matchLabels": own}}]
+    if router:
+        peers.append({"podSelector": {"matchLabels": {"app.kubernetes.io/name": ROUTER_APP, RUN_LABEL: run_label}}})
+    return peers
 
 
 def render_manifests(cfg: PipelineConfig, run_id: str, model: str, template: Path = TEMPLATE,
@@ -151,14 +164,16 @@ def render_manifests(cfg: PipelineConfig, run_id: str, model: str, template: Pat
     ``model`` is a Hugging Face id or a path under ``/shared``, where ``resources.shared_volume_claim`` is
     mounted. No GPU request is written when ``resources.vllm.gpu`` is 0. ``replica``: the Deployment and Service of
     that replica (:func:`replica_name`; its pods carry :data:`REPLICA_LABEL`, which its Service selects); the
-    NetworkPolicy is the run's one, over every server pod of the run.
+    NetworkPolicy is the run's one, over every server pod of the run, admitting the router when
+    ``generation.server.replicas`` > 1.
     """
     res = cfg.resources.vllm
     text = string.Template(template.read_text()).substitute(
         name=k8s_name(run_id), namespace=cfg.resources.namespace, run_id=label_value(run_id), image=res.image,
         port=PORT, cpu=res.cpu, memory_mib=res.memory_mib, gpu=res.gpu)
     deployment, service, policy = yaml.safe_load_all(text)
-    policy["spec"]["ingress"] = [{"from": network_policy_peers(run_id, k8s_name(run_id), label_value(run_id))}]
+    policy["spec"]["ingress"] = [{"from": network_policy_peers(run_id, k8s_name(run_id), label_value(run_id),
+                                                               router=cfg.generation.server.replica_count > 1)}]
     if replica is not None:
         _as_replica(deployment, service, replica_name(run_id, replica), str(replica))
     pod = deployment["spec"]["template"]["spec"]
@@ -190,3 +205,30 @@ def _as_replica(deployment: dict, service: dict, name: str, replica: str) -> Non
     deployment["spec"]["selector"]["matchLabels"][REPLICA_LABEL] = replica
     service["spec"]["selector"][REPLICA_LABEL] = replica
 
+
+def router_args(cfg: PipelineConfig, worker_urls: list[str]) -> list[str]:
+    """Arguments of ``python -m vllm_router.launch_router`` in the router pod: the flags of the router the pipeline
+    runs on a machine (:func:`grpo_steps.servers.router.router_command`), listening on every interface."""
+    from grpo_steps.servers.router import router_command
+
+    server = cfg.generation.server
+    args = router_command(worker_urls, "0.0.0.0", PORT, policy=cfg.generation.router_policy(cfg.multi_turn),
+                          health_check_interval_s=server.router.health_check_interval_s,
+                          metrics_port=ROUTER_METRICS_PORT)[3:]  # past `python -m vllm_router.launch_router`
+    args[args.index("--prometheus-host") + 1] = "0.0.0.0"  # the run's pods read the metrics through the Service
+    return args
+
+
+def render_router(cfg: PipelineConfig, run_id: str, worker_urls: list[str],
+                  template: Path = ROUTER_TEMPLATE) -> list[dict]:
+    """``[Deployment, Service, NetworkPolicy]`` of the ``vllm-router`` in front of a run's replicas (``worker_urls``:
+    each replica's Service URL), in the flow's image (``resources.train.image``, where vllm-router is installed);
+    only the run's pods reach it (its admin routes, ``/add_worker`` and ``/remove_worker``, take no token)."""
+    name = router_name(run_id)
+    text = string.Template(template.read_text()).substitute(
+        name=name, namespace=cfg.resources.namespace, run_id=label_value(run_id), image=cfg.resources.train.image,
+        port=PORT, metrics_port=ROUTER_METRICS_PORT)
+    deployment, service, policy = yaml.safe_load_all(text)
+    deployment["spec"]["template"]["spec"]["containers"][0]["args"] = router_args(cfg, worker_urls)
+    policy["spec"]["ingress"] = [{"from": [run_pods(run_id)]}]
+    return [deployment, service, policy]

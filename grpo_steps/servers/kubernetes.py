@@ -1,5 +1,5 @@
-"""The ``kubernetes`` provider of the generation server: a vLLM Deployment + Service per run, or per replica with
-``generation.server.replicas`` > 1.
+"""The ``kubernetes`` provider of the generation server: a vLLM Deployment + Service per run, or per replica behind a
+``vllm-router`` Deployment with ``generation.server.replicas`` > 1.
 
 The objects are rendered by :mod:`grpo_steps.servers.k8s_manifests` (pure functions): a NetworkPolicy admits only the
 run's pods to the servers, but a cluster without an enforcing network plugin ignores it, so each server also loads the
@@ -10,8 +10,9 @@ fixes a step pod's secrets when the flow is deployed, before the run's Secret ex
 :meth:`KubernetesServer.start` creates them with the official ``kubernetes`` client, waits until the Deployment has
 a ready pod (its readiness probe is ``GET /health``) and returns a handle whose endpoint is the Service's cluster DNS
 name; :meth:`KubernetesServer.start_replicas` does the same for each replica in parallel (one Secret, ConfigMap and
-NetworkPolicy for all). On a failure they raise with the pods' status and delete what they created;
-:meth:`KubernetesServer.stop` deletes a server's own objects and, once no Deployment of the run is
+NetworkPolicy for all), :meth:`KubernetesServer.start_router` puts the router in front of them
+(:class:`KubernetesRouter`). On a failure they raise with the pods' status and delete what they created;
+:meth:`KubernetesServer.stop` deletes a server's (or the router's) own objects and, once no Deployment of the run is
 left, the run's shared ones; :func:`stop_run` deletes every object of a run by its labels (the error exit hook). The
 methods take the client APIs as ``apps``, ``core`` and ``networking`` (default: the cluster's), so tests pass a fake.
 """
@@ -30,11 +31,15 @@ from grpo_steps.servers import auth
 from grpo_steps.servers.base import GenerationServer, ServerStartError
 from grpo_steps.servers.k8s_manifests import (
     PORT,
+    ROUTER_APP,
+    ROUTER_METRICS_PORT,
+    RUN_LABEL,
     SHARED_MOUNT,
     auth_names,
     label_value,
     render_auth,
     render_manifests,
+    render_router,
     run_selector,
 )
 
@@ -78,7 +83,7 @@ def _api(kind: str, apps: Any, core: Any, networking: Any) -> Any:
 
 def stop_run(namespace: str, run_id: str, *, apps: Any = None, core: Any = None, networking: Any = None) -> int:
     """Delete every Deployment, Service, NetworkPolicy, Secret and ConfigMap labelled with this run (its servers or
-    replicas, token); returns how many were deleted."""
+    replicas, router, token); returns how many were deleted."""
     apps, core, networking = _clients(apps, core, networking)
     deleted = 0
     for kind in KINDS:
@@ -189,8 +194,43 @@ class KubernetesServer(GenerationServer):
                 auth.forget_token(endpoint)
             raise
 
+    @classmethod
+    def start_router(cls, cfg: PipelineConfig, replicas: list[GenerationServer], *, owner: ProcessRef | None = None,
+                     run_id: str, apps: Any = None, core: Any = None, networking: Any = None,
+                     poll_s: float = 5.0) -> KubernetesRouter:
+        """A ``vllm-router`` Deployment + Service + NetworkPolicy in front of ``replicas`` (their Service URLs), in the
+        flow's image, waited for like a server; this pod's clients of its endpoint present the replicas' token.
+
+        Raises:
+            ServerStartError: not ready within ``generation.server.startup_timeout_s`` seconds (with its pods'
+                status); the router's objects are deleted first (the replicas are the caller's).
+        """
+        apps, core, networking = _clients(apps, core, networking)
+        deployment, service, policy = render_router(cfg, run_id, [replica.endpoint for replica in replicas])
+        namespace, name = cfg.resources.namespace, deployment["metadata"]["name"]
+        router = KubernetesRouter(f"http://{name}.{namespace}.svc:{PORT}", model="vllm-router", namespace=namespace,
+                                  name=name, run_id=run_id,
+                                  metrics_endpoint=f"http://{name}.{namespace}.svc:{ROUTER_METRICS_PORT}/metrics")
+        timeout_s = cfg.generation.server.startup_timeout_s
+        try:
+            token = auth.token_for(replicas[0].endpoint)
+            if token:
+                auth.save_token(router.endpoint, token)  # the router passes the header on to the replicas
+            networking.create_namespaced_network_policy(namespace, policy)
+            apps.create_namespaced_deployment(namespace, deployment)
+            core.create_namespaced_service(namespace, service)
+            if wait_until(lambda: router.is_ready(apps=apps), timeout_s, interval_s=poll_s):
+                return router
+            selector = f"app.kubernetes.io/name={ROUTER_APP},{RUN_LABEL}={label_value(run_id)}"
+            raise ServerStartError(
+                f"vllm-router Deployment {namespace}/{name} not ready after {timeout_s:.0f} s "
+                f"(generation.server.startup_timeout_s). Pods:\n{pod_status(core, namespace, selector)}")
+        except BaseException:
+            router.stop(apps=apps, core=core, networking=networking)
+            raise
+
     def stop(self, *, apps: Any = None, core: Any = None, networking: Any = None) -> bool:
-        """Delete this server's Deployment, Service and own NetworkPolicy, then, when no Deployment of
+        """Delete this server's (or router's) Deployment, Service and own NetworkPolicy, then, when no Deployment of
         the run is left, the run's remaining objects (the shared NetworkPolicy, Secret, ConfigMap: :func:`stop_run`);
         True when there was something to delete."""
         apps, core, networking = _clients(apps, core, networking)
@@ -238,3 +278,16 @@ class KubernetesServer(GenerationServer):
         shutil.copytree(weights_dir, dest)
         return str(dest)
 
+
+@dataclass(frozen=True)
+class KubernetesRouter(KubernetesServer):
+    """The ``vllm-router`` Deployment + Service in front of a run's replicas (:meth:`KubernetesServer.start_router`);
+    checked, kept and stopped like a server (the fields of :class:`KubernetesServer`)."""
+
+    metrics_endpoint: str | None = None
+    """Its Prometheus metrics, ``http://<service>.<namespace>.svc:29000/metrics``."""
+
+    provider = "kubernetes-router"
+
+    def __str__(self) -> str:
+        return f"vllm-router {self.endpoint}"

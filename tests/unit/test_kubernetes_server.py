@@ -265,8 +265,8 @@ def test_the_middleware_loads_from_the_mounted_file_alone(tmp_path):
     assert out.startswith(str(tmp_path)) and out.strip().endswith("True")
 
 
-# several replicas (generation.server.replicas > 1): a Deployment + Service per replica; start_all stops servers
-# without passing the client APIs, so the fake stands in for them
+# several replicas (generation.server.replicas > 1): a Deployment + Service per replica behind a vllm-router
+# Deployment; ReplicaSet and start_all stop servers without passing the client APIs, so the fake stands in for them
 
 def replica_config(replicas: int = 3, **generation):
     """Kubernetes with ``replicas`` server pods; rollouts with backend ``hf`` (the replicas serve evaluation)."""
@@ -330,3 +330,77 @@ def test_stopping_one_replica_keeps_the_objects_the_others_need(cluster):
         replica.stop()
     assert not cluster.deployments and not cluster.secrets and not cluster.config_maps and not cluster.policies
 
+
+def _flags(args: list[str]) -> dict[str, list[str]]:
+    """``--flag v1 v2 ...`` -> {"--flag": ["v1", "v2"]}."""
+    out: dict[str, list[str]] = {}
+    for arg in args:
+        if arg.startswith("--"):
+            key = arg
+            out[key] = []
+        else:
+            out[key].append(arg)
+    return out
+
+
+@pytest.mark.parametrize(("tools", "routing"), [([], "round_robin"), (["my_tools:search"], "consistent_hash")],
+                         ids=["single-turn", "multi-turn"])
+def test_the_router_fronts_each_replica_service_in_the_flows_image_and_only_the_run_reaches_it(cluster, tools,
+                                                                                               routing):
+    from grpo_steps.servers import auth
+
+    # multi-turn rollouts (tools) keep an episode on one replica (router policy auto); tools only switch that here
+    cfg = replica_config().model_copy(update={"tools": tools})
+    replicas = KubernetesServer.start_replicas(cfg, "m", run_id=RUN_ID)
+    router = KubernetesServer.start_router(cfg, replicas, run_id=RUN_ID)
+    name = f"vllm-{RUN_ID}-router"
+    assert (router.endpoint, router.metrics_endpoint) == (f"http://{name}.ml.svc:8000",
+                                                          f"http://{name}.ml.svc:29000/metrics")
+    deployment, service, policy = (store[("ml", name)] for store in (cluster.deployments, cluster.services,
+                                                                       cluster.policies))
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "registry.example/grpo:1"  # resources.train.image: vllm-router is installed there
+    assert container["command"] == ["python", "-m", "vllm_router.launch_router"]
+    flags = _flags(container["args"])
+    assert flags["--worker-urls"] == [r.endpoint for r in replicas]
+    assert flags["--policy"] == [routing]
+    assert flags["--health-check-interval-secs"] == ["5"]
+    assert (flags["--host"], flags["--port"]) == (["0.0.0.0"], ["8000"])
+    assert (flags["--prometheus-host"], flags["--prometheus-port"]) == (["0.0.0.0"], ["29000"])
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert {p["port"] for p in service["spec"]["ports"]} == {8000, 29000}
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    # the router: only the run's pods reach it (its admin routes take no token); the replicas admit the router
+    assert policy["spec"]["podSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert [peer["podSelector"]["matchLabels"] for peer in policy["spec"]["ingress"][0]["from"]] == [
+        {"workflows.argoproj.io/workflow": "grpoflow-x7k2p"}]
+    server_policy = cluster.policies[("ml", f"vllm-{RUN_ID}")]
+    peers = [peer["podSelector"]["matchLabels"] for peer in server_policy["spec"]["ingress"][0]["from"]]
+    assert deployment["spec"]["template"]["metadata"]["labels"].items() >= peers[-1].items()
+    assert auth.token_for(router.endpoint) == auth.token_for(replicas[0].endpoint)  # passed on to the replicas
+
+
+def test_a_replica_set_on_kubernetes_is_one_handle_the_flow_keeps_and_stop_deletes_all(cluster):
+    cfg = replica_config()
+    handle = servers.provision(cfg, "m", owner=None, run_id=RUN_ID)
+    assert isinstance(handle, servers.ReplicaSet)
+    again = servers.from_dict(handle.to_dict())  # as a later step reads the artifact
+    assert [type(m) for m in again.members] == [KubernetesServer] * 3
+    assert isinstance(again.router_server, kubernetes.KubernetesRouter)
+    assert again.endpoint == f"http://vllm-{RUN_ID}-router.ml.svc:8000"
+    assert again.metrics_endpoint == f"http://vllm-{RUN_ID}-router.ml.svc:29000/metrics"
+    assert again.client().replicas == tuple(f"http://vllm-{RUN_ID}-r{i}.ml.svc:8000" for i in range(3))
+    assert len(cluster.deployments) == len(cluster.services) == 4 and len(cluster.policies) == 2
+    assert again.is_ready()
+    assert again.stop() is True
+    assert not cluster.deployments and not cluster.services and not cluster.policies
+    assert not cluster.secrets and not cluster.config_maps
+    assert again.stop() is False
+
+
+def test_a_router_that_never_becomes_ready_is_named_and_nothing_of_the_run_is_left(cluster, token_dir):
+    cluster.never_ready = (f"vllm-{RUN_ID}-router",)
+    with pytest.raises(ServerStartError, match=f"vllm-router Deployment ml/vllm-{RUN_ID}-router not ready after"):
+        servers.provision(replica_config(), "m", owner=None, run_id=RUN_ID)
+    assert not cluster.deployments and not cluster.services and not cluster.policies
+    assert not cluster.secrets and not cluster.config_maps and not list(token_dir.glob("*"))

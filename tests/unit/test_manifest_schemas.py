@@ -14,7 +14,7 @@ from grpo_steps.servers import k8s_manifests
 
 KUBERNETES_VERSION = "1.33.0"
 """The API version validated against (a release every managed Kubernetes offers as of 2026-11)."""
-TEMPLATES = {k8s_manifests.TEMPLATE.name}
+TEMPLATES = {k8s_manifests.TEMPLATE.name, k8s_manifests.ROUTER_TEMPLATE.name}
 STATIC = [p for p in sorted((REPO_ROOT / "infra" / "k8s").glob("*.yaml")) if p.name not in TEMPLATES]
 
 
