@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from grpo_steps.config import INFRA_DIR, PipelineConfig
+from grpo_steps.config import INFRA_DIR, SHARED_MOUNT, PipelineConfig
 from grpo_steps.servers import auth
 from grpo_steps.servers.client import LOGPROBS_MODE, SERVED_MODEL_NAME
 
@@ -36,7 +36,6 @@ SERVER_APP, ROUTER_APP = "vllm-server", "vllm-router"
 PORT = 8000
 ROUTER_METRICS_PORT = 29000
 """Port of the router's Prometheus metrics (``vllm-router --prometheus-port``), on its Service too."""
-SHARED_MOUNT = "/shared"
 AUTH_MOUNT = "/opt/grpo-auth"
 """Where the server pod mounts the ConfigMap with :mod:`grpo_steps.servers.auth` (on its ``PYTHONPATH``)."""
 
