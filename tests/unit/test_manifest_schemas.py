@@ -66,3 +66,24 @@ def test_a_broken_object_is_refused():
     service["spec"]["ports"][0]["port"] = "${port}"
     with pytest.raises(kubernetes_validate.ValidationError, match="is not of type 'integer'"):
         _valid(service)
+
+
+def test_every_object_of_a_run_with_three_replicas_validates():
+    """``generation.server.replicas: 3`` (disk pushes through the shared volume): three server Deployments and
+    Services, the run's NetworkPolicy, token Secret and middleware ConfigMap, and the router's Deployment, Service and
+    NetworkPolicy, as the provider creates them (grpo_steps/servers/kubernetes.py)."""
+    config = _cluster_config(weight_sync="disk", sync_dir="/shared/grpo-sync")
+    config["generation"]["server"]["replicas"] = 3
+    config["train"]["gradient_accumulation_steps"] = 8  # disk-push rollouts sample whole groups of 8 per process
+    cfg, run_id = validate_config(config), "argo-grpoflow-abc12"
+    servers = [k8s_manifests.render_manifests(cfg, run_id, "/shared/m", replica=i)[:2] for i in range(3)]
+    rendered = [*k8s_manifests.render_auth(cfg, run_id, "t" * 43), k8s_manifests.render_manifests(cfg, run_id, "m")[2],
+                *(obj for pair in servers for obj in pair),
+                *k8s_manifests.render_router(cfg, run_id, [f"http://{d['metadata']['name']}.ml.svc:8000"
+                                                           for d, _ in servers])]
+    kinds = [doc["kind"] for doc in rendered]
+    assert (kinds.count("Deployment"), kinds.count("Service"), kinds.count("NetworkPolicy")) == (4, 4, 2)
+    assert {"Secret", "ConfigMap"} <= set(kinds)
+    assert len({(doc["kind"], doc["metadata"]["name"]) for doc in rendered}) == len(rendered)  # no name clash
+    for doc in rendered:
+        _valid(doc)
