@@ -160,7 +160,8 @@ def test_object_names_are_dns_1035(run_id, name):
 
 def test_start_waits_for_a_ready_replica_and_returns_the_service_endpoint():
     fake = FakeCluster(ready_after=2)
-    cfg = cluster_config(server={"tensor_parallel_size": 2, "startup_timeout_s": 5})
+    # ready at the third read; the first one imports the kubernetes client, seconds on a loaded machine
+    cfg = cluster_config(server={"tensor_parallel_size": 2, "startup_timeout_s": 120})
     server = KubernetesServer.start(cfg, "/cache/m", run_id=RUN_ID, apps=fake, core=fake, networking=fake, poll_s=0.001)
     assert fake.reads == 3
     assert server.endpoint == f"http://vllm-{RUN_ID}.ml.svc:8000"
