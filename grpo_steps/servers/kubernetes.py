@@ -156,7 +156,7 @@ class KubernetesServer(GenerationServer):
                 core: Any, networking: Any, poll_s: float) -> list[KubernetesServer]:
         """The run's Secret, ConfigMap and NetworkPolicy, then a server per entry of ``replicas`` (None: the run's
         only server), each waited for; on any failure every object of the run is deleted."""
-        from grpo_steps.servers.replicas import start_all
+        from grpo_steps.servers.base import start_all
 
         apps, core, networking = _clients(apps, core, networking)
         model = model_path if model_path.startswith(SHARED_MOUNT) else cfg.model.name_or_path
