@@ -1,5 +1,6 @@
-"""Engine metrics (``grpo_steps/servers/engine_metrics.py``): vLLM 0.32's ``/metrics`` text as the tiny server wrote
-it, deltas and sums over replicas, the router's counts, servers that do not answer."""
+"""Engine metrics (``grpo_steps/servers/engine_metrics.py``) and their callback: vLLM 0.32's ``/metrics`` text as the
+tiny server wrote it, deltas and sums over replicas, the router's counts, servers that do not answer, and the keys
+reaching MLflow at the trainer's step on rank 0."""
 
 import re
 import threading
@@ -163,3 +164,74 @@ def test_servers_that_do_not_answer_never_raise_and_warn_once(capsys):
     assert err.count("generation replica http://127.0.0.1:9 gave no /metrics") == 1
     assert err.count("generation replica http://127.0.0.1:7 gave no /metrics") == 1
     assert err.count("the router's metrics http://127.0.0.1:9/metrics gave no request counts") == 1
+
+
+def _job(endpoint: str, run_id: str | None = "run", **config):
+    from grpo_steps.config import validate_config
+    from grpo_steps.training.job import TrainJob
+
+    return TrainJob(config=validate_config(config), model_path="m", train_file="t.jsonl", output_dir="out",
+                    endpoint=endpoint, mlflow_run_id=run_id)
+
+
+def test_rank_0_logs_the_engine_metrics_at_the_trainers_step_in_mlflow(served, tmp_path):
+    from mlflow import MlflowClient
+    from transformers import TrainerControl, TrainerState
+    from transformers.trainer_callback import CallbackHandler
+
+    from grpo_steps.training.callbacks import EngineMetricsCallback, MLflowMetricsCallback
+    from grpo_steps.training.entry import callbacks
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    server = served(SERVER_TEXT)
+    job = _job(server.url, client.create_run(client.create_experiment("t")).info.run_id,
+               tracking={"tracking_uri": uri})
+    first, _ = callbacks(job, tokenizer=None, started=0.0)
+    kinds = [type(cb) for cb in first]
+    assert kinds.index(EngineMetricsCallback) < kinds.index(MLflowMetricsCallback)  # it fills the logs MLflow reads
+    handler = CallbackHandler(first, None, None, None, None)
+    state, control = TrainerState(is_world_process_zero=True), TrainerControl()
+    handler.on_train_begin(None, state, control)
+    state.global_step = 1
+    handler.on_log(None, state, control, {"loss": 0.5})
+    state.global_step = 2
+    server.text = with_values(SERVER_TEXT, vllm__num_requests_running=3)
+    handler.on_log(None, state, control, {"loss": 0.25})
+    handler.on_log(None, state, control, {"train_runtime": 9.0})  # the trainer's closing summary, same step
+    handler.on_train_end(None, state, control)  # drains the MLflow queue
+    history = sorted((m.step, m.value) for m in client.get_metric_history(job.mlflow_run_id, "engine/requests_running"))
+    assert history == [(1, 0.0), (2, 3.0)]  # once per step, at the step of the trainer's loss
+    assert {m.step for m in client.get_metric_history(job.mlflow_run_id, "engine/generation_tokens_per_s")} == {1, 2}
+    assert len(server.authorizations) == 3  # the base at train begin and one scrape per step
+
+
+def test_other_ranks_do_not_scrape_and_a_dead_server_adds_nothing(served):
+    from transformers import TrainerControl, TrainerState
+
+    from grpo_steps.training.callbacks import EngineMetricsCallback
+
+    server = served(SERVER_TEXT)
+    other = EngineMetricsCallback(EngineMetrics([server.url]))
+    state, control, logs = TrainerState(is_world_process_zero=False, global_step=1), TrainerControl(), {"loss": 1.0}
+    other.on_train_begin(None, state, control)
+    other.on_log(None, state, control, logs=logs)
+    assert server.authorizations == [] and logs == {"loss": 1.0}
+    dead = EngineMetricsCallback(EngineMetrics(["http://127.0.0.1:9"], timeout_s=1.0))
+    state.is_world_process_zero = True
+    dead.on_train_begin(None, state, control)
+    dead.on_log(None, state, control, logs=logs)
+    assert logs == {"loss": 1.0}
+
+
+@pytest.mark.parametrize(("config", "run_id", "wanted"), [
+    ({}, "run", True),  # on by default for rollouts from a server
+    ({"tracking": {"engine_metrics": False}}, "run", False),  # turned off
+    ({"generation": {"backend": "hf"}}, "run", False),  # no server to scrape
+    ({}, None, False),  # no MLflow run to log to
+])
+def test_the_callback_is_there_for_server_rollouts_with_the_key_on(config, run_id, wanted):
+    from grpo_steps.training.callbacks import EngineMetricsCallback, engine_metrics
+
+    job = _job("http://127.0.0.1:9", run_id, **config)
+    assert [type(cb) for cb in engine_metrics(job)] == ([EngineMetricsCallback] if wanted else [])
