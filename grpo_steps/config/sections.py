@@ -147,6 +147,12 @@ class TrackingConfig(_Section):
     """Seconds the training process waits at its end for the step metrics it queued while the tracking server was
     away (it trains on meanwhile; :class:`grpo_steps.tracking.MetricQueue`); past it the attempt fails naming the
     backlog, and ``resume`` continues from the newest checkpoint."""
+    engine_metrics: bool = True
+    """Log the generation servers' engine metrics with each training step's metrics (rank 0): requests running and
+    waiting, KV-cache usage (fraction), prefix-cache hit rate, preemptions and generation tokens/s, summed over the
+    replicas and per replica (``engine/...``, ``engine/replica{i}/...``), and the router's requests per replica
+    (``router/replica{i}/requests``); see :mod:`grpo_steps.servers.engine_metrics`. Applies to rollouts from a server
+    (``generation.backend: vllm`` with ``mode: server``); without one there is nothing to scrape and it is ignored."""
 
     @field_validator("tracking_uri", "artifact_location")
     @classmethod
