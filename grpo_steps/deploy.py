@@ -22,6 +22,8 @@ class OnKubernetes(FlowMutator):
     def pre_mutate(self, mutable_flow) -> None:
         from metaflow import exit_hook
 
+        from grpo_steps.config import SHARED_MOUNT
+
         config = dict(mutable_flow.configs).get("config")
         if config is None or not config.resources.train.image:
             return
@@ -29,6 +31,6 @@ class OnKubernetes(FlowMutator):
             mutable_flow.add_decorator(exit_hook, deco_kwargs={"on_error": ["teardown_server"]})
         kwargs = {"image": config.resources.train.image, "namespace": config.resources.namespace}
         if config.resources.shared_volume_claim:
-            kwargs["persistent_volume_claims"] = {config.resources.shared_volume_claim: "/shared"}
+            kwargs["persistent_volume_claims"] = {config.resources.shared_volume_claim: SHARED_MOUNT}
         for _name, mutable_step in mutable_flow.steps:
             mutable_step.add_decorator("kubernetes", deco_kwargs=kwargs)

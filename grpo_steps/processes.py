@@ -175,19 +175,21 @@ def run_watching_memory(cmd: list[str], env: dict[str, str] | None = None,
 
 
 OWNER_FILE = "owner.json"
-"""In a directory a process owns: ``{"pid": int, "started": float}`` of that process."""
+"""In a directory a process owns: ``{"pid": int, "started": float, "host": str}`` of that process."""
 
 
 def claim_dir(directory: str | Path, pid: int | None = None) -> None:
     """Record process ``pid`` (default: this one) as the owner of ``directory`` (:data:`OWNER_FILE`)."""
     owner = ProcessRef.of(pid or os.getpid())
-    (Path(directory) / OWNER_FILE).write_text(json.dumps({"pid": owner.pid, "started": owner.started}))
+    (Path(directory) / OWNER_FILE).write_text(json.dumps({"pid": owner.pid, "started": owner.started,
+                                                          "host": socket.gethostname()}))
 
 
 def remove_orphan_dirs(parent: Path, prefix: str) -> list[Path]:
     """Remove the directories ``parent/prefix*`` whose owning process has exited: a process killed with ``kill -9``
     cannot clean up, and RAM-backed ``/dev/shm`` keeps what it left (weights: 1.1-1.6 GB for SmolLM2-135M).
-    Directories whose owner still runs, or without a readable owner record (another run's directory a moment
+    Directories whose owner still runs, whose owner ran on another host (a pod writing to the same shared volume:
+    its processes cannot be seen from here), or without a readable owner record (another run's directory a moment
     before it writes one), are kept. Returns the removed directories."""
     removed = []
     for directory in sorted(Path(parent).glob(f"{prefix}*")):
@@ -196,6 +198,8 @@ def remove_orphan_dirs(parent: Path, prefix: str) -> list[Path]:
             ref = ProcessRef(int(owner["pid"]), float(owner["started"]))
         except (OSError, ValueError, KeyError, TypeError):
             continue
+        if owner.get("host", socket.gethostname()) != socket.gethostname():
+            continue  # records written before hosts were recorded are this machine's
         if not ref.is_running():
             shutil.rmtree(directory, ignore_errors=True)
             removed.append(directory)

@@ -48,6 +48,7 @@ from grpo_steps.config.pipeline import (  # noqa: F401
     validate_config,
 )
 from grpo_steps.config.sections import (  # noqa: F401
+    SHARED_MOUNT,
     EvalConfig,
     ModelConfig,
     RegistryConfig,
@@ -57,6 +58,7 @@ from grpo_steps.config.sections import (  # noqa: F401
     TrackingConfig,
     TrainNodeResources,
     VLLMResources,
+    on_shared_volume,
 )
 from grpo_steps.config.training import (  # noqa: F401
     GRPO_ARGS_SET_BY,

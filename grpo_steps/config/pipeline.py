@@ -16,6 +16,7 @@ from grpo_steps.config.credentials import credentials_error, find_credentials
 from grpo_steps.config.data import DataConfig, kept_columns
 from grpo_steps.config.generation import GenerationConfig, prefetch_depth
 from grpo_steps.config.sections import (
+    SHARED_MOUNT,
     EvalConfig,
     ModelConfig,
     RegistryConfig,
@@ -23,6 +24,7 @@ from grpo_steps.config.sections import (
     RewardSpec,
     ScheduleConfig,
     TrackingConfig,
+    on_shared_volume,
 )
 from grpo_steps.config.training import TRANSFORMERS_GENERATION_KEYS, TRL_VLLM_ONLY_KEYS, TrainConfig
 from grpo_steps.redaction import redact, redact_value
@@ -128,12 +130,22 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _kubernetes_trains_over_nccl(self) -> PipelineConfig:
+    def _kubernetes_pushes_reach_the_servers(self) -> PipelineConfig:
+        """On Kubernetes the trainer and the server pods share only the volume at ``/shared``: ``disk`` pushes (the
+        ones that reach several replicas) are written there, else they go over ``nccl`` (one replica)."""
         gen = self.generation
-        if gen.provider == "kubernetes" and gen.backend == "vllm" and gen.weight_sync == "disk":
-            raise ValueError("generation.provider 'kubernetes' with backend 'vllm': use weight_sync 'nccl' "
-                             "(disk sync writes to the trainer's local scratch directory)")
-        return self
+        if gen.provider != "kubernetes" or gen.backend != "vllm" or gen.weight_sync != "disk":
+            return self
+        if gen.sync_dir is not None and on_shared_volume(gen.sync_dir):
+            return self
+        where = (f"generation.sync_dir {gen.sync_dir!r} is not on the shared volume" if gen.sync_dir else
+                 "disk sync writes to the trainer's local scratch directory")
+        fix = (f"set generation.sync_dir to a directory under {SHARED_MOUNT} (e.g. {SHARED_MOUNT}/grpo-sync), where "
+               "resources.shared_volume_claim is mounted in the train and the server pods")
+        if gen.server.replica_count == 1:  # several replicas cannot take nccl (_replicas_take_disk_pushes)
+            fix = f"use weight_sync 'nccl', or {fix}"
+        raise ValueError(f"generation.provider 'kubernetes' with backend 'vllm' and weight_sync 'disk': {where}, "
+                         f"which the server pods cannot read: {fix}")
 
     @model_validator(mode="after")
     def _kubernetes_needs_the_flow_on_the_cluster(self) -> PipelineConfig:

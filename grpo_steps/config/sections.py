@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import posixpath
+from pathlib import PurePosixPath
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -145,6 +147,12 @@ class TrackingConfig(_Section):
     """Seconds the training process waits at its end for the step metrics it queued while the tracking server was
     away (it trains on meanwhile; :class:`grpo_steps.tracking.MetricQueue`); past it the attempt fails naming the
     backlog, and ``resume`` continues from the newest checkpoint."""
+    engine_metrics: bool = True
+    """Log the generation servers' engine metrics with each training step's metrics (rank 0): requests running and
+    waiting, KV-cache usage (fraction), prefix-cache hit rate, preemptions and generation tokens/s, summed over the
+    replicas and per replica (``engine/...``, ``engine/replica{i}/...``), and the router's requests per replica
+    (``router/replica{i}/requests``); see :mod:`grpo_steps.servers.engine_metrics`. Applies to rollouts from a server
+    (``generation.backend: vllm`` with ``mode: server``); without one there is nothing to scrape and it is ignored."""
 
     @field_validator("tracking_uri", "artifact_location")
     @classmethod
@@ -187,14 +195,28 @@ class VLLMResources(_Section):
     """Image of the generation server pod (provider ``kubernetes``)."""
 
 
+SHARED_MOUNT = "/shared"
+"""Where ``resources.shared_volume_claim`` is mounted in every flow pod and in the generation server pods."""
+
+
+def on_shared_volume(path: str) -> bool:
+    """Whether ``path`` lies under :data:`SHARED_MOUNT` (``..`` resolved), where the train and server pods both see it.
+
+    >>> on_shared_volume("/shared/grpo-sync"), on_shared_volume("/shared/../dev/shm"), on_shared_volume("/sharedx")
+    (True, False, False)
+    """
+    return PurePosixPath(posixpath.normpath(path)).is_relative_to(SHARED_MOUNT)
+
+
 class ResourcesConfig(_Section):
     namespace: str = "default"
     """Kubernetes namespace of the flow's pods and the server's Deployment and Service (the flow's
     service account needs the role in ``infra/k8s/rbac.yaml`` there)."""
     shared_volume_claim: str | None = None
     """A ReadWriteMany PersistentVolumeClaim mounted at ``/shared`` in every flow pod and in the
-    generation server pod: evaluation stages the baseline and trained weights there for the server's
-    ``reload_weights``. Needed by provider ``kubernetes``."""
+    generation server pods: evaluation stages the baseline and trained weights there for the server's
+    ``reload_weights``, and ``disk`` weight pushes go there (``generation.sync_dir`` under ``/shared``). Needed by
+    provider ``kubernetes``."""
     train: TrainNodeResources = TrainNodeResources()
     """Per training node (the ``@parallel`` gang has ``train.num_nodes`` of them)."""
     vllm: VLLMResources = VLLMResources()

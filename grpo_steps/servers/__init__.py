@@ -3,9 +3,10 @@
 - ``local`` (:mod:`.local`): a child process on this machine under a supervisor; started and stopped
   by the pipeline, and it stops itself when the flow's process is gone. Weights: ``disk``, paths on
   this machine.
-- ``kubernetes`` (:mod:`.kubernetes`): a Deployment + Service in the run's namespace; started and
-  stopped by the pipeline (on Argo also by the error exit hook). Weights: ``nccl`` in training,
-  evaluation weights staged on the shared volume.
+- ``kubernetes`` (:mod:`.kubernetes`): a Deployment + Service in the run's namespace (one per replica, behind a
+  ``vllm-router`` Deployment, with several); started and stopped by the pipeline (on Argo also by the error exit
+  hook). Weights: ``nccl`` in training, or ``disk`` pushes through the shared volume; evaluation weights staged on
+  the shared volume.
 - ``external`` (:mod:`.external`): a server you run at ``generation.server.endpoint``; never started
   or stopped by the pipeline, only health-checked. Weights: ``disk``, paths it can read (the same
   machine or the same mounts).
@@ -23,7 +24,7 @@ from grpo_steps.processes import ProcessRef
 from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy
 from grpo_steps.servers.client import SERVED_MODEL_NAME
 from grpo_steps.servers.external import ExternalServer
-from grpo_steps.servers.kubernetes import KubernetesServer
+from grpo_steps.servers.kubernetes import KubernetesRouter, KubernetesServer
 from grpo_steps.servers.local import LocalServer
 from grpo_steps.servers.replicas import ReplicaSet
 from grpo_steps.servers.router import ExternalRouter, LocalRouter
@@ -35,7 +36,8 @@ PROVIDERS: dict[str, type[GenerationServer]] = {cls.provider: cls for cls in (Lo
                                                                              ExternalServer)}
 """``generation.provider`` -> its class."""
 HANDLES: dict[str, type[GenerationServer]] = {**PROVIDERS, **{cls.provider: cls for cls in (ReplicaSet, LocalRouter,
-                                                                                           ExternalRouter)}}
+                                                                                           ExternalRouter,
+                                                                                           KubernetesRouter)}}
 """A handle's ``provider`` -> the class that reads it (:func:`from_dict`)."""
 
 

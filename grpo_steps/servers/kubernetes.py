@@ -1,153 +1,47 @@
-"""The ``kubernetes`` provider of the generation server: a vLLM Deployment + Service per run.
+"""The ``kubernetes`` provider of the generation server: a vLLM Deployment + Service per run, or per replica behind a
+``vllm-router`` Deployment with ``generation.server.replicas`` > 1.
 
-The manifests come from ``infra/k8s/vllm-server.yaml`` (rendered by :func:`render_manifests`, a
-pure function; a NetworkPolicy admits only the run's pods to the server, :func:`network_policy_peers`, but a cluster
-without an enforcing network plugin ignores it, so the server also loads the pipeline's token middleware:
-:func:`render_auth` renders the run's Secret, holding a fresh per-run token, and a ConfigMap with the middleware's
+The objects are rendered by :mod:`grpo_steps.servers.k8s_manifests` (pure functions): a NetworkPolicy admits only the
+run's pods to the servers, but a cluster without an enforcing network plugin ignores it, so each server also loads the
+pipeline's token middleware (the run's Secret, holding a fresh per-run token, and a ConfigMap with the middleware's
 module, which the server image lacks; the token reaches the server as ``GRPO_SERVER_TOKEN`` from the Secret, never in
 argv, and the flow's pods read the Secret through the API, :meth:`KubernetesServer.keep_token`, because Metaflow
-fixes a step pod's secrets when the flow is deployed, before the run's Secret exists);
-:meth:`KubernetesServer.start` creates them with the official ``kubernetes`` client,
-waits until the Deployment has a ready replica (its readiness probe is ``GET /health``) and returns a
-handle whose endpoint is the Service's cluster DNS name. On a timeout it raises with the pods' status
-and deletes what it created; :meth:`KubernetesServer.stop` and :func:`stop_run` delete a run's objects
-by their labels (``end``, the error exit hook). The methods take the client APIs as ``apps``, ``core`` and
-``networking`` (default: the cluster's), so tests pass a fake.
-
-Flags for ``nccl`` weight sync are the ones TRL's ``vllm-serve`` wrapper passes (trl/scripts/vllm_serve.py,
-TRL 1.16, for vLLM >= 0.30): ``--enable-scale-out --weight-transfer-config '{"backend":"nccl"}'
---logprobs-mode processed_logprobs --max-logprobs -1``, with ``VLLM_SERVER_DEV_MODE=1`` in the template.
+fixes a step pod's secrets when the flow is deployed, before the run's Secret exists).
+:meth:`KubernetesServer.start` creates them with the official ``kubernetes`` client, waits until the Deployment has
+a ready pod (its readiness probe is ``GET /health``) and returns a handle whose endpoint is the Service's cluster DNS
+name; :meth:`KubernetesServer.start_replicas` does the same for each replica in parallel (one Secret, ConfigMap and
+NetworkPolicy for all), :meth:`KubernetesServer.start_router` puts the router in front of them
+(:class:`KubernetesRouter`). On a failure they raise with the pods' status and delete what they created;
+:meth:`KubernetesServer.stop` deletes a server's (or the router's) own objects and, once no Deployment of the run is
+left, the run's shared ones; :func:`stop_run` deletes every object of a run by its labels (the error exit hook). The
+methods take the client APIs as ``apps``, ``core`` and ``networking`` (default: the cluster's), so tests pass a fake.
 """
 
 from __future__ import annotations
 
 import base64
-import json
-import re
 import shutil
-import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from grpo_steps.config import INFRA_DIR, PipelineConfig
+from grpo_steps.config import PipelineConfig
 from grpo_steps.processes import ProcessRef, wait_until
 from grpo_steps.servers import auth
 from grpo_steps.servers.base import GenerationServer, ServerStartError
-from grpo_steps.servers.client import LOGPROBS_MODE, SERVED_MODEL_NAME
-
-TEMPLATE = INFRA_DIR / "k8s" / "vllm-server.yaml"
-MANAGED_BY = "grpo-pipeline"
-RUN_LABEL = "grpo-pipeline/run-id"
-PORT = 8000
-SHARED_MOUNT = "/shared"
-AUTH_MOUNT = "/opt/grpo-auth"
-"""Where the server pod mounts the ConfigMap with :mod:`grpo_steps.servers.auth` (on its ``PYTHONPATH``)."""
-
-
-def k8s_name(run_id: str, prefix: str = "vllm") -> str:
-    """A DNS-1035 name (lowercase, starts with a letter, at most 63 chars) for a run's objects.
-
-    >>> k8s_name("argo-grpoflow.Prod_1")
-    'vllm-argo-grpoflow-prod-1'
-    """
-    return f"{prefix}-{re.sub(r'[^a-z0-9-]+', '-', run_id.lower())}".strip("-")[:63].rstrip("-")
-
-
-def label_value(run_id: str) -> str:
-    """``run_id`` as a label value (alphanumerics, ``-_.``, at most 63 chars)."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", run_id)[:63].strip("-_.")
-
-
-def server_args(cfg: PipelineConfig, model: str) -> list[str]:
-    """Arguments of ``python -m vllm.entrypoints.openai.api_server`` in the server pod."""
-    gen = cfg.generation
-    args = ["--model", model, "--served-model-name", SERVED_MODEL_NAME, "--host", "0.0.0.0", "--port", str(PORT),
-            "--dtype", cfg.model.dtype, "--max-model-len", str(cfg.model.max_model_len), "--seed", "0",
-            "--tensor-parallel-size", str(gen.server.tensor_parallel_size), "--logprobs-mode", LOGPROBS_MODE]
-    if gen.weight_sync == "nccl":
-        args += ["--enable-scale-out", "--weight-transfer-config", json.dumps({"backend": "nccl"}),
-                 "--max-logprobs", "-1"]
-    if gen.server.enforce_eager:
-        args.append("--enforce-eager")
-    args += ["--middleware", auth.MIDDLEWARE]  # every route but GET /health needs the run's token
-    return args + list(gen.server.extra_args)
-
-
-def auth_names(run_id: str) -> tuple[str, str]:
-    """Names of a run's token Secret and middleware ConfigMap."""
-    name = k8s_name(run_id)[:57].rstrip("-")  # room for the suffixes within 63 characters
-    return f"{name}-token", f"{name}-auth"
-
-
-def render_auth(cfg: PipelineConfig, run_id: str, token: str) -> list[dict]:
-    """``[Secret, ConfigMap]`` of a run's server: the Secret holds ``token`` under ``GRPO_SERVER_TOKEN``; the
-    ConfigMap, the source of :mod:`grpo_steps.servers.auth` (stdlib only), mounted as that module by
-    :func:`render_manifests`. Both carry the run's labels, so :func:`stop_run` deletes them."""
-    secret_name, config_map_name = auth_names(run_id)
-    labels = {"app.kubernetes.io/name": "vllm-server", "app.kubernetes.io/managed-by": MANAGED_BY,
-              RUN_LABEL: label_value(run_id)}
-    meta = {"namespace": cfg.resources.namespace, "labels": labels}
-    return [
-        {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {"name": secret_name, **meta},
-         "stringData": {auth.TOKEN_ENV: token}},
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": config_map_name, **meta},
-         "data": {"auth.py": Path(auth.__file__).read_text()}},
-    ]
-
-
-ARGO_WORKFLOW_LABEL = "workflows.argoproj.io/workflow"
-"""Label Argo puts on every pod of a workflow; Metaflow's Argo run ids are ``argo-<workflow name>``."""
-
-
-def network_policy_peers(run_id: str, name: str, run_label: str) -> list[dict]:
-    """The ``ingress[].from`` peers of a run's server: the pods of the run's Argo workflow (``argo-<workflow>``
-    run ids), else the namespace's Metaflow task pods (a run of the local runtime on Kubernetes: Metaflow labels
-    its pods by kind only, the run id is an annotation), and the server's own pods.
-
-    >>> network_policy_peers("argo-grpoflow-x7k2p", "vllm-x", "x")[0]
-    {'podSelector': {'matchLabels': {'workflows.argoproj.io/workflow': 'grpoflow-x7k2p'}}}
-    """
-    if run_id.startswith("argo-"):
-        run_pods = {ARGO_WORKFLOW_LABEL: label_value(run_id.removeprefix("argo-"))}
-    else:
-        run_pods = {"app.kubernetes.io/name": "metaflow-task", "app.kubernetes.io/part-of": "metaflow"}
-    own = {"app.kubernetes.io/name": "vllm-server", RUN_LABEL: run_label}
-    return [{"podSelector": {"matchLabels": run_pods}}, {"podSelector": {"matchLabels": own}}]
-
-
-def render_manifests(cfg: PipelineConfig, run_id: str, model: str, template: Path = TEMPLATE) -> list[dict]:
-    """``[Deployment, Service, NetworkPolicy]`` of a run's generation server, as dicts ready for the client.
-
-    ``model`` is a Hugging Face id or a path under ``/shared``, where ``resources.shared_volume_claim`` is
-    mounted. No GPU request is written when ``resources.vllm.gpu`` is 0.
-    """
-    res = cfg.resources.vllm
-    text = string.Template(template.read_text()).substitute(
-        name=k8s_name(run_id), namespace=cfg.resources.namespace, run_id=label_value(run_id), image=res.image,
-        port=PORT, cpu=res.cpu, memory_mib=res.memory_mib, gpu=res.gpu)
-    deployment, service, policy = yaml.safe_load_all(text)
-    policy["spec"]["ingress"] = [{"from": network_policy_peers(run_id, k8s_name(run_id), label_value(run_id))}]
-    pod = deployment["spec"]["template"]["spec"]
-    container = pod["containers"][0]
-    container["args"] = server_args(cfg, model)
-    if not res.gpu:
-        for section in container["resources"].values():
-            section.pop("nvidia.com/gpu")
-    secret_name, config_map_name = auth_names(run_id)
-    container["env"] += [
-        {"name": auth.TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": auth.TOKEN_ENV}}},
-        {"name": "PYTHONPATH", "value": AUTH_MOUNT}]  # grpo_steps.servers.auth as a namespace package
-    container["volumeMounts"].append({"name": "grpo-auth", "mountPath": AUTH_MOUNT, "readOnly": True})
-    pod["volumes"].append({"name": "grpo-auth", "configMap": {
-        "name": config_map_name, "items": [{"key": "auth.py", "path": "grpo_steps/servers/auth.py"}]}})
-    claim = cfg.resources.shared_volume_claim
-    if claim:
-        pod["volumes"].append({"name": "shared", "persistentVolumeClaim": {"claimName": claim}})
-        container["volumeMounts"].append({"name": "shared", "mountPath": SHARED_MOUNT})
-    return [deployment, service, policy]
+from grpo_steps.servers.k8s_manifests import (
+    PORT,
+    ROUTER_APP,
+    ROUTER_METRICS_PORT,
+    RUN_LABEL,
+    SHARED_MOUNT,
+    auth_names,
+    label_value,
+    render_auth,
+    render_manifests,
+    render_router,
+    run_selector,
+)
 
 
 def _clients(apps: Any = None, core: Any = None, networking: Any = None) -> tuple[Any, Any, Any]:
@@ -162,9 +56,10 @@ def _clients(apps: Any = None, core: Any = None, networking: Any = None) -> tupl
     return apps or client.AppsV1Api(), core or client.CoreV1Api(), networking or client.NetworkingV1Api()
 
 
-def pod_status(core: Any, namespace: str, run_id: str) -> str:
-    """One line per pod of a run's server: name, phase, container waiting/terminated reasons."""
-    pods = core.list_namespaced_pod(namespace, label_selector=f"{RUN_LABEL}={label_value(run_id)}").items
+def pod_status(core: Any, namespace: str, selector: str) -> str:
+    """One line per pod that ``selector`` (a label selector) selects: name, phase, container waiting/terminated
+    reasons."""
+    pods = core.list_namespaced_pod(namespace, label_selector=selector).items
     lines = []
     for pod in pods:
         reasons = []
@@ -178,30 +73,48 @@ def pod_status(core: Any, namespace: str, run_id: str) -> str:
     return "\n".join(lines) or "(no pods)"
 
 
+KINDS = ("deployment", "service", "network_policy", "secret", "config_map")
+"""What the provider creates, as the client names it (``create_/list_/delete_namespaced_<kind>``)."""
+
+
+def _api(kind: str, apps: Any, core: Any, networking: Any) -> Any:
+    return {"deployment": apps, "network_policy": networking}.get(kind, core)
+
+
 def stop_run(namespace: str, run_id: str, *, apps: Any = None, core: Any = None, networking: Any = None) -> int:
-    """Delete every Deployment, Service, NetworkPolicy, Secret and ConfigMap labelled with this run; returns how many
-    were deleted."""
+    """Delete every Deployment, Service, NetworkPolicy, Secret and ConfigMap labelled with this run (its servers or
+    replicas, router, token); returns how many were deleted."""
     apps, core, networking = _clients(apps, core, networking)
-    selector = f"app.kubernetes.io/managed-by={MANAGED_BY},{RUN_LABEL}={label_value(run_id)}"
-    kinds = [(apps, "deployment"), (core, "service"), (networking, "network_policy"), (core, "secret"),
-             (core, "config_map")]
     deleted = 0
-    for api, kind in kinds:  # the client's list_namespaced_<kind> / delete_namespaced_<kind> pairs
-        for obj in getattr(api, f"list_namespaced_{kind}")(namespace, label_selector=selector).items:
-            getattr(api, f"delete_namespaced_{kind}")(obj.metadata.name, namespace)
-            deleted += 1
+    for kind in KINDS:
+        api = _api(kind, apps, core, networking)
+        for obj in getattr(api, f"list_namespaced_{kind}")(namespace, label_selector=run_selector(run_id)).items:
+            deleted += _delete(api, kind, obj.metadata.name, namespace)
     return deleted
+
+
+def _delete(api: Any, kind: str, name: str, namespace: str) -> bool:
+    """Delete one object; False when it is not there (deleted already)."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        getattr(api, f"delete_namespaced_{kind}")(name, namespace)
+    except ApiException as err:
+        if err.status == 404:
+            return False
+        raise
+    return True
 
 
 @dataclass(frozen=True)
 class KubernetesServer(GenerationServer):
-    """A run's vLLM Deployment + Service in the cluster; the endpoint is the Service's DNS name."""
+    """A run's vLLM Deployment + Service in the cluster (one per replica); the endpoint is the Service's DNS name."""
 
     model: str = ""
     """Hugging Face id or ``/shared`` path it serves."""
     namespace: str = "default"
     name: str = ""
-    """Name of the Deployment and the Service."""
+    """Name of the Deployment and the Service (``-r<i>`` for replica i)."""
     run_id: str = ""
     """The Metaflow run whose labelled objects these are."""
 
@@ -211,7 +124,7 @@ class KubernetesServer(GenerationServer):
     @classmethod
     def start(cls, cfg: PipelineConfig, model_path: str, *, owner: ProcessRef | None = None, run_id: str,
               apps: Any = None, core: Any = None, networking: Any = None, poll_s: float = 5.0) -> KubernetesServer:
-        """Create the run's Deployment + Service and wait for a ready replica.
+        """Create the run's Deployment + Service and wait for a ready pod.
 
         Serves ``model_path`` when it lies on the shared volume (``/shared``), else ``model.name_or_path``
         (a hub id the pod downloads). ``owner`` is not used: the cluster keeps the objects until
@@ -221,38 +134,112 @@ class KubernetesServer(GenerationServer):
             ServerStartError: not ready within ``generation.server.startup_timeout_s`` seconds; the
                 message carries each pod's phase and waiting reason. The created objects are deleted first.
         """
+        (server,) = cls._create(cfg, model_path, run_id, [None], apps, core, networking, poll_s)
+        return server
+
+    @classmethod
+    def start_replicas(cls, cfg: PipelineConfig, model_path: str, *, owner: ProcessRef | None = None, run_id: str,
+                       apps: Any = None, core: Any = None, networking: Any = None,
+                       poll_s: float = 5.0) -> list[GenerationServer]:
+        """``generation.server.replicas`` Deployments + Services (``-r0``, ``-r1``, ...), created and waited for in
+        parallel, sharing the run's token Secret, middleware ConfigMap and NetworkPolicy; arguments as :meth:`start`.
+
+        Raises:
+            ServerStartError: a replica was not ready within ``generation.server.startup_timeout_s`` seconds (named,
+                with its pods' status); every object of the run is deleted first.
+        """
+        replicas = list(range(cfg.generation.server.replica_count))
+        return cls._create(cfg, model_path, run_id, replicas, apps, core, networking, poll_s)
+
+    @classmethod
+    def _create(cls, cfg: PipelineConfig, model_path: str, run_id: str, replicas: list[int | None], apps: Any,
+                core: Any, networking: Any, poll_s: float) -> list[KubernetesServer]:
+        """The run's Secret, ConfigMap and NetworkPolicy, then a server per entry of ``replicas`` (None: the run's
+        only server), each waited for; on any failure every object of the run is deleted."""
+        from grpo_steps.servers.base import start_all
+
         apps, core, networking = _clients(apps, core, networking)
         model = model_path if model_path.startswith(SHARED_MOUNT) else cfg.model.name_or_path
-        deployment, service, policy = render_manifests(cfg, run_id, model)
-        namespace, name = cfg.resources.namespace, deployment["metadata"]["name"]
-        server = cls(f"http://{name}.{namespace}.svc:{PORT}", model=model, namespace=namespace, name=name,
-                     run_id=run_id)
-        timeout_s = cfg.generation.server.startup_timeout_s
-        token = auth.new_token()
-        try:
-            secret, config_map = render_auth(cfg, run_id, token)
-            core.create_namespaced_secret(namespace, secret)
-            core.create_namespaced_config_map(namespace, config_map)
+        namespace, timeout_s = cfg.resources.namespace, cfg.generation.server.startup_timeout_s
+        token, endpoints = auth.new_token(), []
+
+        def start_one(i: int) -> KubernetesServer:
+            deployment, service, _ = render_manifests(cfg, run_id, model, replica=replicas[i])
+            name = deployment["metadata"]["name"]
+            server = cls(f"http://{name}.{namespace}.svc:{PORT}", model=model, namespace=namespace, name=name,
+                         run_id=run_id)
+            endpoints.append(server.endpoint)
             auth.save_token(server.endpoint, token)  # this pod's clients (grpo_steps.servers.auth.token_for)
-            networking.create_namespaced_network_policy(namespace, policy)  # before the server can answer
             apps.create_namespaced_deployment(namespace, deployment)
             core.create_namespaced_service(namespace, service)
             if wait_until(lambda: server.is_ready(apps=apps), timeout_s, interval_s=poll_s):
                 return server
+            selector = ",".join(f"{k}={v}" for k, v in deployment["spec"]["selector"]["matchLabels"].items())
             raise ServerStartError(
                 f"vLLM Deployment {namespace}/{name} not ready after {timeout_s:.0f} s "
-                f"(generation.server.startup_timeout_s). Pods:\n{pod_status(core, namespace, run_id)}"
-            )
+                f"(generation.server.startup_timeout_s). Pods:\n{pod_status(core, namespace, selector)}")
+
+        try:
+            secret, config_map = render_auth(cfg, run_id, token)
+            core.create_namespaced_secret(namespace, secret)
+            core.create_namespaced_config_map(namespace, config_map)
+            policy = render_manifests(cfg, run_id, model)[2]
+            networking.create_namespaced_network_policy(namespace, policy)  # before a server can answer
+            if replicas == [None]:
+                return [start_one(0)]
+            return start_all(start_one, len(replicas))
         except BaseException:
             stop_run(namespace, run_id, apps=apps, core=core, networking=networking)
-            auth.forget_token(server.endpoint)
+            for endpoint in endpoints:
+                auth.forget_token(endpoint)
+            raise
+
+    @classmethod
+    def start_router(cls, cfg: PipelineConfig, replicas: list[GenerationServer], *, owner: ProcessRef | None = None,
+                     run_id: str, apps: Any = None, core: Any = None, networking: Any = None,
+                     poll_s: float = 5.0) -> KubernetesRouter:
+        """A ``vllm-router`` Deployment + Service + NetworkPolicy in front of ``replicas`` (their Service URLs), in the
+        flow's image, waited for like a server; this pod's clients of its endpoint present the replicas' token.
+
+        Raises:
+            ServerStartError: not ready within ``generation.server.startup_timeout_s`` seconds (with its pods'
+                status); the router's objects are deleted first (the replicas are the caller's).
+        """
+        apps, core, networking = _clients(apps, core, networking)
+        deployment, service, policy = render_router(cfg, run_id, [replica.endpoint for replica in replicas])
+        namespace, name = cfg.resources.namespace, deployment["metadata"]["name"]
+        router = KubernetesRouter(f"http://{name}.{namespace}.svc:{PORT}", model="vllm-router", namespace=namespace,
+                                  name=name, run_id=run_id,
+                                  metrics_endpoint=f"http://{name}.{namespace}.svc:{ROUTER_METRICS_PORT}/metrics")
+        timeout_s = cfg.generation.server.startup_timeout_s
+        try:
+            token = auth.token_for(replicas[0].endpoint)
+            if token:
+                auth.save_token(router.endpoint, token)  # the router passes the header on to the replicas
+            networking.create_namespaced_network_policy(namespace, policy)
+            apps.create_namespaced_deployment(namespace, deployment)
+            core.create_namespaced_service(namespace, service)
+            if wait_until(lambda: router.is_ready(apps=apps), timeout_s, interval_s=poll_s):
+                return router
+            selector = f"app.kubernetes.io/name={ROUTER_APP},{RUN_LABEL}={label_value(run_id)}"
+            raise ServerStartError(
+                f"vllm-router Deployment {namespace}/{name} not ready after {timeout_s:.0f} s "
+                f"(generation.server.startup_timeout_s). Pods:\n{pod_status(core, namespace, selector)}")
+        except BaseException:
+            router.stop(apps=apps, core=core, networking=networking)
             raise
 
     def stop(self, *, apps: Any = None, core: Any = None, networking: Any = None) -> bool:
-        """Delete the run's Deployment, Service, NetworkPolicy, Secret and ConfigMap; True when there was
-        something to delete."""
+        """Delete this server's (or router's) Deployment, Service and own NetworkPolicy, then, when no Deployment of
+        the run is left, the run's remaining objects (the shared NetworkPolicy, Secret, ConfigMap: :func:`stop_run`);
+        True when there was something to delete."""
+        apps, core, networking = _clients(apps, core, networking)
         auth.forget_token(self.endpoint)
-        return stop_run(self.namespace, self.run_id, apps=apps, core=core, networking=networking) > 0
+        own = [_delete(_api(kind, apps, core, networking), kind, self.name, self.namespace)
+               for kind in ("deployment", "service", "network_policy")]  # a replica has no policy of its own
+        left = apps.list_namespaced_deployment(self.namespace, label_selector=run_selector(self.run_id)).items
+        rest = 0 if left else stop_run(self.namespace, self.run_id, apps=apps, core=core, networking=networking)
+        return any(own) or rest > 0
 
     def keep_token(self, *, core: Any = None) -> None:
         """Read the run's token from its Secret and keep it for this pod's clients (a file only this user reads,
@@ -290,3 +277,17 @@ class KubernetesServer(GenerationServer):
             shutil.rmtree(dest)
         shutil.copytree(weights_dir, dest)
         return str(dest)
+
+
+@dataclass(frozen=True)
+class KubernetesRouter(KubernetesServer):
+    """The ``vllm-router`` Deployment + Service in front of a run's replicas (:meth:`KubernetesServer.start_router`);
+    checked, kept and stopped like a server (the fields of :class:`KubernetesServer`)."""
+
+    metrics_endpoint: str | None = None
+    """Its Prometheus metrics, ``http://<service>.<namespace>.svc:29000/metrics``."""
+
+    provider = "kubernetes-router"
+
+    def __str__(self) -> str:
+        return f"vllm-router {self.endpoint}"

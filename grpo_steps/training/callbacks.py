@@ -132,6 +132,47 @@ class MLflowMetricsCallback(TrainerCallback):
         return control
 
 
+class EngineMetricsCallback(TrainerCallback):
+    """Adds the generation servers' engine metrics (:class:`grpo_steps.servers.engine_metrics.EngineMetrics`:
+    ``engine/...``, ``engine/replica{i}/...``, ``router/replica{i}/requests``) to the trainer's ``logs`` at each log,
+    on global rank 0 only, so :class:`MLflowMetricsCallback` (after it in the trainer's callbacks) writes them at the
+    same step as TRL's metrics. A first scrape at train begin is the base of the first step's deltas; a step logs them
+    once (the trainer's closing summary log, at the last step again, gets none). A server that does not answer is left
+    out (warned once) and never fails training.
+
+    Args:
+        scraper: an ``EngineMetrics`` (anything whose ``scrape()`` returns ``{name: float}``).
+    """
+
+    def __init__(self, scraper) -> None:
+        self.scraper, self.scraped_step = scraper, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.scraper.scrape()  # the base of the first step's deltas (tokens/s, preemptions, hit rate)
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs is not None and state.global_step != self.scraped_step:
+            self.scraped_step = state.global_step
+            logs.update(self.scraper.scrape())  # the same dict the MLflow callback reads next
+        return control
+
+
+def engine_metrics(job) -> list[EngineMetricsCallback]:
+    """``[EngineMetricsCallback]`` of the job's generation servers (``job.replicas``, else ``job.endpoint``) and
+    router (``job.router_metrics``) with ``tracking.engine_metrics``, a tracked run (``job.mlflow_run_id``) and rollouts
+    from a server (backend ``vllm``, mode ``server``); ``[]`` otherwise. To be placed before
+    :class:`MLflowMetricsCallback` (the callbacks' order)."""
+    cfg = job.config
+    if not (cfg.tracking.engine_metrics and job.mlflow_run_id and cfg.generation.backend == "vllm"
+            and cfg.generation.mode == "server" and job.endpoint):
+        return []
+    from grpo_steps.servers.engine_metrics import EngineMetrics
+
+    return [EngineMetricsCallback(EngineMetrics(job.replicas or [job.endpoint], job.router_metrics))]
+
+
 COMPLETIONS_DIR = "completions"
 """Artifact folder of the per-step completions tables: ``completions/step_000010.json``."""
 

@@ -160,12 +160,14 @@ def callbacks(job: TrainJob, tokenizer, started: float) -> tuple[list, list]:
         DatastoreCheckpointCallback,
         MLflowMetricsCallback,
         ProgressCallback,
+        engine_metrics,
     )
 
     cfg = job.config
     mlflow_cb = MLflowMetricsCallback(job.mlflow_run_id, cfg.tracking.tracking_uri,
                                       cfg.tracking.outage_wait_s) if job.mlflow_run_id else None
-    first = [ProgressCallback(started), AllNoneStop(cfg.train.max_all_none_steps)] + ([mlflow_cb] if mlflow_cb else [])
+    first = [ProgressCallback(started), AllNoneStop(cfg.train.max_all_none_steps),
+             *engine_metrics(job)] + ([mlflow_cb] if mlflow_cb else [])  # engine metrics join the logs before MLflow
     if in_metaflow_task():
         first.append(DatastoreCheckpointCallback(job.node_index, keep=cfg.train.save_total_limit,
                                                  log_metrics=mlflow_cb.log if mlflow_cb else None))

@@ -1,7 +1,7 @@
-"""``argo-workflows create --only-json`` for configs/multinode.yaml: the WorkflowTemplate Metaflow 2.19
-renders (the train gang is a JobSet in a resource template) carries the config's node sizes, image,
-retries, schedule and project. Rendering uploads the code package to the S3 datastore, so a local
-S3 server (SeaweedFS, loopback) stands in for the bucket; nothing else is reached."""
+"""``argo-workflows create --only-json`` for configs/multinode.yaml with three generation replicas (one render): the
+WorkflowTemplate Metaflow 2.19 renders (the train gang is a JobSet in a resource template) carries the config's node
+sizes, image, retries, schedule and project, and validates against Argo's models. Rendering uploads the code package
+to the S3 datastore, so a local S3 server (SeaweedFS, loopback) stands in for the bucket; nothing else is reached."""
 
 import io
 import json
@@ -14,10 +14,31 @@ import tarfile
 import pytest
 import yaml
 
-from grpo_steps.config import REPO_ROOT, load_config
+from grpo_steps.config import REPO_ROOT, SHARED_MOUNT, load_config, on_shared_volume
 
 pytestmark = pytest.mark.s3
 CONFIG = REPO_ROOT / "configs" / "multinode.yaml"
+REPLICAS = {"generation": {"weight_sync": "disk", "sync_dir": "/shared/grpo-sync", "server": {"replicas": 3}},
+            "train": {"grpo": {"steps_per_generation": 4}}}
+"""What the rendered config changes in multinode.yaml: three generation replicas behind the router, so disk pushes
+through the shared volume, and whole groups of 16 per training process (4 x 4) for the pipeline's rollouts."""
+
+
+def _merged(base: dict, changes: dict) -> dict:
+    return {**base, **{k: _merged(base.get(k, {}), v) if isinstance(v, dict) else v for k, v in changes.items()}}
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory):
+    """multinode.yaml with :data:`REPLICAS`."""
+    path = tmp_path_factory.mktemp("config") / "multinode-replicas.yaml"
+    path.write_text(yaml.safe_dump(_merged(yaml.safe_load(CONFIG.read_text()), REPLICAS)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cfg(config_path):
+    return load_config(config_path)
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +51,12 @@ def s3(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def rendered(s3, tmp_path_factory):
+def rendered(s3, tmp_path_factory, config_path):
     """(WorkflowTemplate dict, train JobSet dict with Argo ``{{...}}`` expressions replaced by ARGO)."""
     metaflow_config = json.loads((REPO_ROOT / "infra" / "metaflow" / "config-k8s-argo.json").read_text())
     env = {**os.environ, **{k: str(v) for k, v in metaflow_config.items()}, **s3.env(), "METAFLOW_USER": "ci"}
     cmd = [sys.executable, str(REPO_ROOT / "flows" / "grpo_flow.py"), "--no-pylint", "--config", "config",
-           str(CONFIG), "argo-workflows", "create", "--only-json"]
+           str(config_path), "argo-workflows", "create", "--only-json"]
     out = subprocess.run(cmd, env=env, cwd=tmp_path_factory.mktemp("cwd"), capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -45,9 +66,8 @@ def rendered(s3, tmp_path_factory):
     return template, train, jobset
 
 
-def test_train_gang_is_a_jobset_with_the_configured_node_size(rendered):
+def test_train_gang_is_a_jobset_with_the_configured_node_size(rendered, cfg):
     _, train, jobset = rendered
-    cfg = load_config(CONFIG)
     assert jobset["kind"] == "JobSet"
     jobs = {job["name"]: job for job in jobset["spec"]["replicatedJobs"]}
     assert set(jobs) == {"control", "worker"} and jobs["control"]["replicas"] == 1
@@ -64,10 +84,14 @@ def test_train_gang_is_a_jobset_with_the_configured_node_size(rendered):
         assert pod["serviceAccountName"] == "grpo-flow"  # ensure_server reads the server's Deployment
         claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v]
         assert claims == [cfg.resources.shared_volume_claim]
+        shared = next(v["name"] for v in pod["volumes"] if "persistentVolumeClaim" in v)
+        # the disk pushes of the replicas (generation.sync_dir) are written where the server pods read them
+        assert {"mountPath": SHARED_MOUNT, "name": shared} in container["volumeMounts"]
+        assert on_shared_volume(cfg.generation.sync_dir)
     assert train["retryStrategy"]["limit"] == cfg.train.retries
 
 
-def test_worker_count_is_num_parallel_minus_one_from_the_deployed_config(rendered, s3):
+def test_worker_count_is_num_parallel_minus_one_from_the_deployed_config(rendered, s3, cfg):
     import boto3
 
     template, train, jobset = rendered
@@ -83,12 +107,13 @@ def test_worker_count_is_num_parallel_minus_one_from_the_deployed_config(rendere
     blob = client.get_object(Bucket=bucket, Key=key)["Body"].read()
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         baked = json.load(tar.extractfile(".mf_meta/CONFIG"))
-    assert baked["user_configs"]["config"][0]["train"]["num_nodes"] == load_config(CONFIG).train.num_nodes == 4
+    deployed = baked["user_configs"]["config"][0]
+    assert deployed["train"]["num_nodes"] == cfg.train.num_nodes == 4
+    assert deployed["generation"]["server"]["replicas"] == cfg.generation.server.replica_count == 3
 
 
-def test_schedule_and_project_come_from_the_config(rendered):
+def test_schedule_and_project_come_from_the_config(rendered, cfg):
     template, _, _ = rendered
-    cfg = load_config(CONFIG)
     cron = json.loads(template["metadata"]["annotations"]["metaflow/cron"])
     assert cron == {"schedule": cfg.schedule.cron, "tz": cfg.schedule.timezone}
     assert template["metadata"]["name"].startswith(f"{cfg.project}.user.ci.")
@@ -98,13 +123,13 @@ def test_schedule_and_project_come_from_the_config(rendered):
         assert spec["container"]["image"] == cfg.resources.train.image
 
 
-def test_a_failed_workflow_runs_the_server_teardown_hook_as_the_flows_service_account(rendered):
+def test_a_failed_workflow_runs_the_server_teardown_hook_as_the_flows_service_account(rendered, cfg):
     template, _, _ = rendered
     hook = template["spec"]["hooks"]["error-teardown-server"]
     assert "Failed" in hook["expression"]
     spec = next(t for t in template["spec"]["templates"] if t["name"] == hook["template"])
     assert "exit_hook_script grpo_flow.py teardown_server" in spec["container"]["command"][-1]
-    assert spec["container"]["image"] == load_config(CONFIG).resources.train.image
+    assert spec["container"]["image"] == cfg.resources.train.image
     start = next(t for t in template["spec"]["templates"] if t["name"] == "start")
     assert start["serviceAccountName"] == "grpo-flow"  # infra/k8s/rbac.yaml lets it manage the server
 

@@ -130,7 +130,8 @@ def test_an_async_reward_runs_in_training_and_evaluation(tmp_path, tiny_model_pa
     assert "my_async_rewards" in sys.modules
 
 
-def test_completions_tables_reach_mlflow_at_their_steps(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
+def test_completions_tables_and_engine_metrics_reach_mlflow_at_their_steps(tmp_path, tiny_model_path, tiny_tokenizer,
+                                                                          tiny_server):
     from mlflow import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -147,6 +148,13 @@ def test_completions_tables_reach_mlflow_at_their_steps(tmp_path, tiny_model_pat
         assert len(rows) == 8  # the step's generation batch: 2 prompts x 4 completions
         assert {row[-1] for row in rows} == {step - 1}  # sampled by the weights pushed before the step
         assert all(row[0].startswith("Calculate") for row in rows)
+    # the server's engine metrics (tracking.engine_metrics, on by default) at every step, with the trainer's loss
+    steps = [m.step for m in client.get_metric_history(run_id, "loss")]
+    assert sorted(steps) == [1, 2, 3, 4]
+    for name in ("requests_running", "requests_waiting", "kv_cache_usage", "preemptions", "prefix_cache_hit_rate",
+                 "generation_tokens_per_s", "replicas_scraped"):
+        assert sorted(m.step for m in client.get_metric_history(run_id, f"engine/{name}")) == steps, name
+    assert all(m.value > 0 for m in client.get_metric_history(run_id, "engine/generation_tokens_per_s"))
 
 
 def test_an_external_server_returning_raw_logprobs_is_refused(tmp_path, tiny_model_path, tiny_tokenizer):

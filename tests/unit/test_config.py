@@ -55,6 +55,13 @@ BAD_CONFIGS = [
     ({"generation": {"provider": "ray"}}, "generation.provider"),
     ({"generation": {"provider": "kubernetes"}}, "set resources.shared_volume_claim"),
     ({"generation": {"provider": "kubernetes"}, "resources": {"shared_volume_claim": "s"}}, "use weight_sync 'nccl'"),
+    # disk pushes on Kubernetes: the server pods read only the shared volume (several replicas cannot take nccl)
+    ({"generation": {"provider": "kubernetes", "server": {"replicas": 3}}, "resources": {"shared_volume_claim": "s"}},
+     "scratch directory, which the server pods cannot read: set generation.sync_dir to a directory under /shared"),
+    ({"generation": {"provider": "kubernetes", "sync_dir": "/dev/shm/sync"}, "resources": {"shared_volume_claim": "s"}},
+     "generation.sync_dir '/dev/shm/sync' is not on the shared volume"),
+    ({"generation": {"provider": "kubernetes", "sync_dir": "/shared/../x"}, "resources": {"shared_volume_claim": "s"}},
+     "generation.sync_dir '/shared/../x' is not on the shared volume"),
     ({"generation": {"provider": "kubernetes", "backend": "hf"}, "resources": {"shared_volume_claim": "s"}},
      "set resources.train.image"),
     ({"generation": {"provider": "kubernetes", "server": {"tensor_parallel_size": 4}},
@@ -115,6 +122,15 @@ def test_defaults_that_depend_on_the_data_and_the_rewards_follow_them():
     assert validate_config(small.model_dump(mode="json")).sha256() == small.sha256()
     with pytest.raises(ConfigError, match="eval.format_reward 'answer_format' is not one of the configured"):
         validate_config({"rewards": [{"name": "answer_accuracy"}], "eval": {"format_reward": "answer_format"}})
+
+
+def test_kubernetes_replicas_take_disk_pushes_through_the_shared_volume():
+    cluster = {"generation": {"provider": "kubernetes", "sync_dir": "/shared/grpo-sync", "server": {"replicas": 3}},
+               "resources": {"train": {"image": "i"}, "shared_volume_claim": "s"}}
+    cfg = validate_config(cluster)
+    assert (cfg.generation.weight_sync, cfg.generation.server.replica_count) == ("disk", 3)
+    one = {**cluster, "generation": {"provider": "kubernetes", "sync_dir": "/shared/grpo-sync"}}
+    assert validate_config(one).generation.server.replica_count == 1  # one replica may push from disk as well
 
 
 def test_split_groups_are_fine_when_trl_generates():

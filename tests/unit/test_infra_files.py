@@ -26,6 +26,7 @@ def _rel(path: Path) -> str:
 def test_the_cluster_files_are_shipped():
     names = {_rel(p) for p in CONFIGS + MANIFESTS + JSONS}
     assert names >= {"configs/gpu-1node.yaml", "configs/multinode.yaml", "infra/k8s/vllm-server.yaml",
+                     "infra/k8s/vllm-router.yaml",
                      "infra/k8s/mlflow.yaml", "infra/k8s/rbac.yaml", "infra/metaflow/config-k8s-argo.json"}
 
 
@@ -46,7 +47,7 @@ def test_every_manifest_has_a_known_kind_and_api_version(path):
     text = path.read_text()
     if "${" in text:  # a template of grpo_steps.servers.kubernetes: every placeholder must be filled
         text = string.Template(text).substitute({k: "1" for k in ("name", "namespace", "run_id", "image", "port",
-                                                                   "cpu", "memory_mib", "gpu")})
+                                                                   "cpu", "memory_mib", "gpu", "metrics_port")})
     docs = [d for d in yaml.safe_load_all(text) if d is not None]
     assert docs
     for doc in docs:

@@ -11,7 +11,7 @@ import pytest
 
 from grpo_steps import servers
 from grpo_steps.config import validate_config
-from grpo_steps.servers import KubernetesServer, ServerStartError, kubernetes
+from grpo_steps.servers import KubernetesServer, ServerStartError, k8s_manifests, kubernetes
 
 RUN_ID = "argo-grpoflow-x7k2p"
 
@@ -48,13 +48,13 @@ class FakeCluster:
     STORES = {"deployment": "deployments", "service": "services", "network_policy": "policies",
               "secret": "secrets", "config_map": "config_maps"}
 
-    def __init__(self, ready_after: int | None = 0):
+    def __init__(self, ready_after: int | None = 0, never_ready: tuple[str, ...] = ()):
         self.deployments: dict[tuple, dict] = {}
         self.services: dict[tuple, dict] = {}
         self.policies: dict[tuple, dict] = {}
         self.secrets: dict[tuple, dict] = {}
         self.config_maps: dict[tuple, dict] = {}
-        self.ready_after, self.reads = ready_after, 0
+        self.ready_after, self.reads, self.never_ready = ready_after, 0, never_ready
 
     def __getattr__(self, name):
         verb, _, kind = name.partition("_namespaced_")
@@ -65,12 +65,12 @@ class FakeCluster:
             return lambda namespace, body: store.__setitem__((namespace, body["metadata"]["name"]), body)
         if verb == "list":
             return lambda namespace, label_selector: self._list(store, namespace, label_selector)
-        return lambda name, namespace: store.pop((namespace, name))
+        return lambda name, namespace: self._delete(store, namespace, name)
 
     def read_namespaced_deployment_status(self, name, namespace):
         assert (namespace, name) in self.deployments
         self.reads += 1
-        ready = self.ready_after is not None and self.reads > self.ready_after
+        ready = self.ready_after is not None and self.reads > self.ready_after and name not in self.never_ready
         return NS(status=NS(ready_replicas=1 if ready else None))
 
     def read_namespaced_secret(self, name, namespace):  # the API returns base64 data, never stringData
@@ -83,13 +83,21 @@ class FakeCluster:
         return NS(items=[NS(metadata=NS(name="vllm-abc-123"), status=status)])
 
     @staticmethod
+    def _delete(store, namespace, name):
+        from kubernetes.client.exceptions import ApiException
+
+        if (namespace, name) not in store:
+            raise ApiException(status=404, reason="Not Found")  # as the API answers a second delete
+        del store[(namespace, name)]
+
+    @staticmethod
     def _list(store, namespace, selector):
         return NS(items=[NS(metadata=NS(name=name)) for (ns, name), body in store.items()
                          if ns == namespace and _matches(body["metadata"]["labels"], selector)])
 
 
 def test_rendered_deployment_requests_gpus_probes_health_and_carries_the_run_labels():
-    deployment, service, _ = kubernetes.render_manifests(cluster_config(), RUN_ID, "Qwen/Qwen2.5-1.5B-Instruct")
+    deployment, service, _ = k8s_manifests.render_manifests(cluster_config(), RUN_ID, "Qwen/Qwen2.5-1.5B-Instruct")
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert (deployment["kind"], service["kind"]) == ("Deployment", "Service")
@@ -119,21 +127,21 @@ def test_stage_weights_copies_to_the_runs_folder_on_the_shared_volume(tmp_path):
 
 
 def test_server_args_carry_trl_nccl_flags_only_with_nccl_sync():
-    args = kubernetes.server_args(cluster_config(), "m")
+    args = k8s_manifests.server_args(cluster_config(), "m")
     flag = {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}
     assert json.loads(flag["--weight-transfer-config"]) == {"backend": "nccl"}
     assert flag["--logprobs-mode"] == "processed_logprobs"
     assert "--enable-scale-out" in args  # TRL's vllm-serve adds it for vLLM >= 0.30
     assert flag["--tensor-parallel-size"] == "2"
     assert (flag["--model"], flag["--served-model-name"], flag["--host"]) == ("m", "policy", "0.0.0.0")
-    disk = kubernetes.server_args(cluster_config(weight_sync="disk", backend="hf"), "m")
+    disk = k8s_manifests.server_args(cluster_config(weight_sync="disk", backend="hf"), "m")
     assert "--weight-transfer-config" not in disk
 
 
 def test_no_gpu_request_when_the_server_has_no_gpu():
     cfg = validate_config({"generation": {"provider": "kubernetes", "backend": "hf"},
                            "resources": {"train": {"image": "grpo:1"}, "vllm": {"gpu": 0}, "shared_volume_claim": "s"}})
-    container = kubernetes.render_manifests(cfg, RUN_ID, "m")[0]["spec"]["template"]["spec"]["containers"][0]
+    container = k8s_manifests.render_manifests(cfg, RUN_ID, "m")[0]["spec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in container["resources"]["requests"]
 
 
@@ -147,12 +155,13 @@ NAMES = [
 
 @pytest.mark.parametrize(("run_id", "name"), NAMES)
 def test_object_names_are_dns_1035(run_id, name):
-    assert kubernetes.k8s_name(run_id) == name
+    assert k8s_manifests.k8s_name(run_id) == name
 
 
 def test_start_waits_for_a_ready_replica_and_returns_the_service_endpoint():
     fake = FakeCluster(ready_after=2)
-    cfg = cluster_config(server={"tensor_parallel_size": 2, "startup_timeout_s": 5})
+    # ready at the third read; the first one imports the kubernetes client, seconds on a loaded machine
+    cfg = cluster_config(server={"tensor_parallel_size": 2, "startup_timeout_s": 120})
     server = KubernetesServer.start(cfg, "/cache/m", run_id=RUN_ID, apps=fake, core=fake, networking=fake, poll_s=0.001)
     assert fake.reads == 3
     assert server.endpoint == f"http://vllm-{RUN_ID}.ml.svc:8000"
@@ -197,7 +206,7 @@ def test_stop_deletes_only_this_runs_objects():
 def test_rendered_network_policy_admits_only_the_runs_pods_and_the_servers_own(run_id, run_pods):
     import yaml
 
-    deployment, _, policy = kubernetes.render_manifests(cluster_config(), run_id, "m")
+    deployment, _, policy = k8s_manifests.render_manifests(cluster_config(), run_id, "m")
     policy = yaml.safe_load(yaml.safe_dump(policy))  # as the YAML the API server gets
     assert (policy["kind"], policy["apiVersion"]) == ("NetworkPolicy", "networking.k8s.io/v1")
     assert policy["metadata"]["namespace"] == "ml" and policy["spec"]["policyTypes"] == ["Ingress"]
@@ -233,7 +242,7 @@ def test_the_server_pod_takes_the_runs_token_from_its_secret_never_from_argv(tok
     assert volume["configMap"]["name"] == config_map["metadata"]["name"]
     assert volume["configMap"]["items"] == [{"key": "auth.py", "path": "grpo_steps/servers/auth.py"}]
     assert config_map["data"]["auth.py"] == Path(auth.__file__).read_text()
-    assert {"name": "PYTHONPATH", "value": kubernetes.AUTH_MOUNT} in container["env"]
+    assert {"name": "PYTHONPATH", "value": k8s_manifests.AUTH_MOUNT} in container["env"]
     # the clients of this pod present it; a pod of a later step reads it from the Secret
     assert auth.token_for(server.endpoint) == token
     auth.forget_token(server.endpoint)
@@ -255,3 +264,144 @@ def test_the_middleware_loads_from_the_mounted_file_alone(tmp_path):
     out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True,
                          env={"PYTHONPATH": str(tmp_path)}, check=True).stdout
     assert out.startswith(str(tmp_path)) and out.strip().endswith("True")
+
+
+# several replicas (generation.server.replicas > 1): a Deployment + Service per replica behind a vllm-router
+# Deployment; ReplicaSet and start_all stop servers without passing the client APIs, so the fake stands in for them
+
+def replica_config(replicas: int = 3, **generation):
+    """Kubernetes with ``replicas`` server pods; rollouts with backend ``hf`` (the replicas serve evaluation)."""
+    return cluster_config(backend="hf", weight_sync="disk",
+                          server={"replicas": replicas, "tensor_parallel_size": 2, "startup_timeout_s": 0.05},
+                          **generation)
+
+
+@pytest.fixture
+def cluster(monkeypatch):
+    """A fake cluster every API call of the provider reaches (``kubernetes._clients``)."""
+    fake = FakeCluster()
+    monkeypatch.setattr(kubernetes, "_clients", lambda apps=None, core=None, networking=None: (fake, fake, fake))
+    return fake
+
+
+def test_each_replica_gets_its_own_deployment_and_service_and_all_share_the_runs_secret_and_policy(cluster):
+    from grpo_steps.servers import auth
+
+    replicas = KubernetesServer.start_replicas(replica_config(), "m", run_id=RUN_ID)
+    names = [f"vllm-{RUN_ID}-r{i}" for i in range(3)]
+    assert [r.name for r in replicas] == names
+    assert [r.endpoint for r in replicas] == [f"http://{name}.ml.svc:8000" for name in names]
+    assert sorted(name for _, name in cluster.deployments) == sorted(name for _, name in cluster.services) == names
+    assert len(cluster.secrets) == len(cluster.config_maps) == len(cluster.policies) == 1
+    ((_, secret_name),) = cluster.secrets
+    ((_, policy),) = cluster.policies.items()
+    for i, name in enumerate(names):
+        deployment, service = cluster.deployments[("ml", name)], cluster.services[("ml", name)]
+        pod = deployment["spec"]["template"]
+        # the Service reaches this replica's pods only (control calls go to each replica)
+        assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+        assert service["spec"]["selector"]["grpo-pipeline/replica"] == str(i)
+        assert pod["metadata"]["labels"]["grpo-pipeline/replica"] == str(i)
+        assert pod["metadata"]["labels"]["grpo-pipeline/run-id"] == RUN_ID  # stop_run and the exit hook find it
+        env = pod["spec"]["containers"][0]["env"]
+        assert {"name": auth.TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret_name,
+                                                                       "key": auth.TOKEN_ENV}}} in env
+        # the run's one NetworkPolicy covers every replica's pods
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert len({auth.token_for(r.endpoint) for r in replicas}) == 1
+    assert [servers.from_dict(r.to_dict()) for r in replicas] == replicas
+
+
+def test_a_replica_that_never_becomes_ready_is_named_and_everything_of_the_run_is_deleted(cluster, token_dir):
+    cluster.never_ready = (f"vllm-{RUN_ID}-r1",)
+    with pytest.raises(ServerStartError) as err:
+        KubernetesServer.start_replicas(replica_config(), "m", run_id=RUN_ID)
+    assert f"generation replica 2/3: vLLM Deployment ml/vllm-{RUN_ID}-r1 not ready after" in str(err.value)
+    assert "ImagePullBackOff" in str(err.value)
+    assert not cluster.deployments and not cluster.services and not cluster.policies
+    assert not cluster.secrets and not cluster.config_maps and not list(token_dir.glob("*"))
+
+
+def test_stopping_one_replica_keeps_the_objects_the_others_need(cluster):
+    first, *others = KubernetesServer.start_replicas(replica_config(), "m", run_id=RUN_ID)
+    assert first.stop() is True
+    assert ("ml", first.name) not in cluster.deployments and ("ml", first.name) not in cluster.services
+    assert len(cluster.deployments) == 2 and cluster.secrets and cluster.config_maps and cluster.policies
+    for replica in others:
+        replica.stop()
+    assert not cluster.deployments and not cluster.secrets and not cluster.config_maps and not cluster.policies
+
+
+def _flags(args: list[str]) -> dict[str, list[str]]:
+    """``--flag v1 v2 ...`` -> {"--flag": ["v1", "v2"]}."""
+    out: dict[str, list[str]] = {}
+    for arg in args:
+        if arg.startswith("--"):
+            key = arg
+            out[key] = []
+        else:
+            out[key].append(arg)
+    return out
+
+
+@pytest.mark.parametrize(("tools", "routing"), [([], "round_robin"), (["my_tools:search"], "consistent_hash")],
+                         ids=["single-turn", "multi-turn"])
+def test_the_router_fronts_each_replica_service_in_the_flows_image_and_only_the_run_reaches_it(cluster, tools,
+                                                                                               routing):
+    from grpo_steps.servers import auth
+
+    # multi-turn rollouts (tools) keep an episode on one replica (router policy auto); tools only switch that here
+    cfg = replica_config().model_copy(update={"tools": tools})
+    replicas = KubernetesServer.start_replicas(cfg, "m", run_id=RUN_ID)
+    router = KubernetesServer.start_router(cfg, replicas, run_id=RUN_ID)
+    name = f"vllm-{RUN_ID}-router"
+    assert (router.endpoint, router.metrics_endpoint) == (f"http://{name}.ml.svc:8000",
+                                                          f"http://{name}.ml.svc:29000/metrics")
+    deployment, service, policy = (store[("ml", name)] for store in (cluster.deployments, cluster.services,
+                                                                       cluster.policies))
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "registry.example/grpo:1"  # resources.train.image: vllm-router is installed there
+    assert container["command"] == ["python", "-m", "vllm_router.launch_router"]
+    flags = _flags(container["args"])
+    assert flags["--worker-urls"] == [r.endpoint for r in replicas]
+    assert flags["--policy"] == [routing]
+    assert flags["--health-check-interval-secs"] == ["5"]
+    assert (flags["--host"], flags["--port"]) == (["0.0.0.0"], ["8000"])
+    assert (flags["--prometheus-host"], flags["--prometheus-port"]) == (["0.0.0.0"], ["29000"])
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert {p["port"] for p in service["spec"]["ports"]} == {8000, 29000}
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    # the router: only the run's pods reach it (its admin routes take no token); the replicas admit the router
+    assert policy["spec"]["podSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert [peer["podSelector"]["matchLabels"] for peer in policy["spec"]["ingress"][0]["from"]] == [
+        {"workflows.argoproj.io/workflow": "grpoflow-x7k2p"}]
+    server_policy = cluster.policies[("ml", f"vllm-{RUN_ID}")]
+    peers = [peer["podSelector"]["matchLabels"] for peer in server_policy["spec"]["ingress"][0]["from"]]
+    assert deployment["spec"]["template"]["metadata"]["labels"].items() >= peers[-1].items()
+    assert auth.token_for(router.endpoint) == auth.token_for(replicas[0].endpoint)  # passed on to the replicas
+
+
+def test_a_replica_set_on_kubernetes_is_one_handle_the_flow_keeps_and_stop_deletes_all(cluster):
+    cfg = replica_config()
+    handle = servers.provision(cfg, "m", owner=None, run_id=RUN_ID)
+    assert isinstance(handle, servers.ReplicaSet)
+    again = servers.from_dict(handle.to_dict())  # as a later step reads the artifact
+    assert [type(m) for m in again.members] == [KubernetesServer] * 3
+    assert isinstance(again.router_server, kubernetes.KubernetesRouter)
+    assert again.endpoint == f"http://vllm-{RUN_ID}-router.ml.svc:8000"
+    assert again.metrics_endpoint == f"http://vllm-{RUN_ID}-router.ml.svc:29000/metrics"
+    assert again.client().replicas == tuple(f"http://vllm-{RUN_ID}-r{i}.ml.svc:8000" for i in range(3))
+    assert len(cluster.deployments) == len(cluster.services) == 4 and len(cluster.policies) == 2
+    assert again.is_ready()
+    assert again.stop() is True
+    assert not cluster.deployments and not cluster.services and not cluster.policies
+    assert not cluster.secrets and not cluster.config_maps
+    assert again.stop() is False
+
+
+def test_a_router_that_never_becomes_ready_is_named_and_nothing_of_the_run_is_left(cluster, token_dir):
+    cluster.never_ready = (f"vllm-{RUN_ID}-router",)
+    with pytest.raises(ServerStartError, match=f"vllm-router Deployment ml/vllm-{RUN_ID}-router not ready after"):
+        servers.provision(replica_config(), "m", owner=None, run_id=RUN_ID)
+    assert not cluster.deployments and not cluster.services and not cluster.policies
+    assert not cluster.secrets and not cluster.config_maps and not list(token_dir.glob("*"))

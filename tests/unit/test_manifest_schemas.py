@@ -10,11 +10,12 @@ import pytest
 import yaml
 
 from grpo_steps.config import REPO_ROOT, validate_config
-from grpo_steps.servers import kubernetes
+from grpo_steps.servers import k8s_manifests
 
 KUBERNETES_VERSION = "1.33.0"
 """The API version validated against (a release every managed Kubernetes offers as of 2026-11)."""
-STATIC = [p for p in sorted((REPO_ROOT / "infra" / "k8s").glob("*.yaml")) if p.name != kubernetes.TEMPLATE.name]
+TEMPLATES = {k8s_manifests.TEMPLATE.name, k8s_manifests.ROUTER_TEMPLATE.name}
+STATIC = [p for p in sorted((REPO_ROOT / "infra" / "k8s").glob("*.yaml")) if p.name not in TEMPLATES]
 
 
 def _docs(path: Path) -> list[dict]:
@@ -48,7 +49,8 @@ def _cluster_config(**generation) -> dict:
 def test_the_rendered_server_objects_validate(generation):
     config = _cluster_config()
     config["generation"].update(generation)
-    rendered = kubernetes.render_manifests(validate_config(config), "argo-grpoflow-abc12", "Qwen/Qwen2.5-1.5B-Instruct")
+    rendered = k8s_manifests.render_manifests(validate_config(config), "argo-grpoflow-abc12",
+                                              "Qwen/Qwen2.5-1.5B-Instruct")
     assert {doc["kind"] for doc in rendered} >= {"Deployment", "Service", "NetworkPolicy"}
     for doc in rendered:
         _valid(doc)
@@ -56,11 +58,32 @@ def test_the_rendered_server_objects_validate(generation):
 
 def test_a_broken_object_is_refused():
     """The validation is not blind: a field the API does not have, and a port that is not a number, fail it."""
-    (deployment, *_) = kubernetes.render_manifests(validate_config(_cluster_config()), "argo-grpoflow-abc12", "m")
+    (deployment, *_) = k8s_manifests.render_manifests(validate_config(_cluster_config()), "argo-grpoflow-abc12", "m")
     deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
     with pytest.raises(kubernetes_validate.ValidationError, match="imagePullPolicyy"):
         _valid(deployment)
-    (_, service, _) = kubernetes.render_manifests(validate_config(_cluster_config()), "argo-grpoflow-abc12", "m")
+    (_, service, _) = k8s_manifests.render_manifests(validate_config(_cluster_config()), "argo-grpoflow-abc12", "m")
     service["spec"]["ports"][0]["port"] = "${port}"
     with pytest.raises(kubernetes_validate.ValidationError, match="is not of type 'integer'"):
         _valid(service)
+
+
+def test_every_object_of_a_run_with_three_replicas_validates():
+    """``generation.server.replicas: 3`` (disk pushes through the shared volume): three server Deployments and
+    Services, the run's NetworkPolicy, token Secret and middleware ConfigMap, and the router's Deployment, Service and
+    NetworkPolicy, as the provider creates them (grpo_steps/servers/kubernetes.py)."""
+    config = _cluster_config(weight_sync="disk", sync_dir="/shared/grpo-sync")
+    config["generation"]["server"]["replicas"] = 3
+    config["train"]["gradient_accumulation_steps"] = 8  # disk-push rollouts sample whole groups of 8 per process
+    cfg, run_id = validate_config(config), "argo-grpoflow-abc12"
+    servers = [k8s_manifests.render_manifests(cfg, run_id, "/shared/m", replica=i)[:2] for i in range(3)]
+    rendered = [*k8s_manifests.render_auth(cfg, run_id, "t" * 43), k8s_manifests.render_manifests(cfg, run_id, "m")[2],
+                *(obj for pair in servers for obj in pair),
+                *k8s_manifests.render_router(cfg, run_id, [f"http://{d['metadata']['name']}.ml.svc:8000"
+                                                           for d, _ in servers])]
+    kinds = [doc["kind"] for doc in rendered]
+    assert (kinds.count("Deployment"), kinds.count("Service"), kinds.count("NetworkPolicy")) == (4, 4, 2)
+    assert {"Secret", "ConfigMap"} <= set(kinds)
+    assert len({(doc["kind"], doc["metadata"]["name"]) for doc in rendered}) == len(rendered)  # no name clash
+    for doc in rendered:
+        _valid(doc)

@@ -64,6 +64,29 @@ def test_sync_dirs_of_exited_training_processes_are_removed_others_kept(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, unowned.name])
 
 
+def test_sync_dirs_on_a_shared_volume_owned_by_another_pod_are_kept(tmp_path):
+    """On Kubernetes ``generation.sync_dir`` lies on a volume other pods (another run's trainer) write to: their
+    processes are not visible here, so their directories are never taken for a killed run's."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from grpo_steps.processes import ProcessRef
+    from grpo_steps.training.weight_sync import OWNER_FILE, sync_root
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone = ProcessRef.of(child.pid)  # a PID that runs nowhere on this host any more
+    child.wait()
+    elsewhere, here = tmp_path / "grpo-sync-other-pod", tmp_path / "grpo-sync-killed-here"
+    for directory, host in ((elsewhere, "grpo-train-0-other-run"), (here, socket.gethostname())):
+        directory.mkdir()
+        (directory / OWNER_FILE).write_text(json.dumps({"pid": gone.pid, "started": gone.started, "host": host}))
+    live = sync_root(str(tmp_path), str(tmp_path / "out"))
+    assert json.loads((live / OWNER_FILE).read_text())["host"] == socket.gethostname()
+    assert elsewhere.exists() and not here.exists()
+
+
 # --- a full push directory: a clear error before the server loads anything, nothing half-written ---------------
 
 class _Server:

@@ -1,0 +1,233 @@
+"""What the ``kubernetes`` provider creates in the cluster, as dicts ready for the client: pure functions of the run
+config (no API call), so every object can be checked offline (tests/unit/test_manifest_schemas.py).
+
+- the generation server: a Deployment + Service per server (:func:`render_manifests`, from
+  ``infra/k8s/vllm-server.yaml``), ``-r0``, ``-r1``, ... per replica with ``generation.server.replicas`` > 1
+  (:func:`replica_name`), and one NetworkPolicy over all of the run's server pods (:func:`network_policy_peers`);
+- the run's token Secret and the ConfigMap with the token middleware (:func:`render_auth`);
+- the router in front of several replicas: a ``vllm-router`` Deployment + Service + NetworkPolicy in the flow's
+  image (:func:`render_router`, from ``infra/k8s/vllm-router.yaml``).
+
+Every object carries the labels ``app.kubernetes.io/managed-by=grpo-pipeline`` and ``grpo-pipeline/run-id``, by which
+:func:`grpo_steps.servers.kubernetes.stop_run` and the error exit hook find and delete a run's objects.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+from pathlib import Path
+
+import yaml
+
+from grpo_steps.config import INFRA_DIR, SHARED_MOUNT, PipelineConfig
+from grpo_steps.servers import auth
+from grpo_steps.servers.client import LOGPROBS_MODE, SERVED_MODEL_NAME
+
+TEMPLATE = INFRA_DIR / "k8s" / "vllm-server.yaml"
+ROUTER_TEMPLATE = INFRA_DIR / "k8s" / "vllm-router.yaml"
+MANAGED_BY = "grpo-pipeline"
+RUN_LABEL = "grpo-pipeline/run-id"
+REPLICA_LABEL = "grpo-pipeline/replica"
+"""Label of a replica's pods (its index), which its Service selects: each replica is addressable for control calls."""
+SERVER_APP, ROUTER_APP = "vllm-server", "vllm-router"
+"""``app.kubernetes.io/name`` of the server pods and of the router pod."""
+PORT = 8000
+ROUTER_METRICS_PORT = 29000
+"""Port of the router's Prometheus metrics (``vllm-router --prometheus-port``), on its Service too."""
+AUTH_MOUNT = "/opt/grpo-auth"
+"""Where the server pod mounts the ConfigMap with :mod:`grpo_steps.servers.auth` (on its ``PYTHONPATH``)."""
+
+
+def k8s_name(run_id: str, prefix: str = "vllm") -> str:
+    """A DNS-1035 name (lowercase, starts with a letter, at most 63 chars) for a run's objects.
+
+    >>> k8s_name("argo-grpoflow.Prod_1")
+    'vllm-argo-grpoflow-prod-1'
+    """
+    return f"{prefix}-{re.sub(r'[^a-z0-9-]+', '-', run_id.lower())}".strip("-")[:63].rstrip("-")
+
+
+def suffixed(run_id: str, suffix: str) -> str:
+    """``k8s_name(run_id)`` ending in ``suffix``, cut so the whole stays within 63 characters.
+
+    >>> suffixed("x" * 80, "-r2")[-6:], len(suffixed("x" * 80, "-r2"))
+    ('xxx-r2', 63)
+    """
+    return k8s_name(run_id)[:63 - len(suffix)].rstrip("-") + suffix
+
+
+def replica_name(run_id: str, replica: int) -> str:
+    """Name of replica ``replica``'s Deployment and Service (``generation.server.replicas`` > 1).
+
+    >>> replica_name("argo-grpoflow-x7k2p", 2)
+    'vllm-argo-grpoflow-x7k2p-r2'
+    """
+    return suffixed(run_id, f"-r{replica}")
+
+
+def router_name(run_id: str) -> str:
+    """Name of the router's Deployment, Service and NetworkPolicy."""
+    return suffixed(run_id, "-router")
+
+
+def run_selector(run_id: str) -> str:
+    """The label selector of every object the pipeline created for ``run_id``."""
+    return f"app.kubernetes.io/managed-by={MANAGED_BY},{RUN_LABEL}={label_value(run_id)}"
+
+
+def label_value(run_id: str) -> str:
+    """``run_id`` as a label value (alphanumerics, ``-_.``, at most 63 chars)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", run_id)[:63].strip("-_.")
+
+
+def server_args(cfg: PipelineConfig, model: str) -> list[str]:
+    """Arguments of ``python -m vllm.entrypoints.openai.api_server`` in the server pod.
+
+    Flags for ``nccl`` weight sync are the ones TRL's ``vllm-serve`` wrapper passes (trl/scripts/vllm_serve.py,
+    TRL 1.16, for vLLM >= 0.30): ``--enable-scale-out --weight-transfer-config '{"backend":"nccl"}'
+    --logprobs-mode processed_logprobs --max-logprobs -1``, with ``VLLM_SERVER_DEV_MODE=1`` in the template.
+    """
+    gen = cfg.generation
+    args = ["--model", model, "--served-model-name", SERVED_MODEL_NAME, "--host", "0.0.0.0", "--port", str(PORT),
+            "--dtype", cfg.model.dtype, "--max-model-len", str(cfg.model.max_model_len), "--seed", "0",
+            "--tensor-parallel-size", str(gen.server.tensor_parallel_size), "--logprobs-mode", LOGPROBS_MODE]
+    if gen.weight_sync == "nccl":
+        args += ["--enable-scale-out", "--weight-transfer-config", json.dumps({"backend": "nccl"}),
+                 "--max-logprobs", "-1"]
+    if gen.server.enforce_eager:
+        args.append("--enforce-eager")
+    args += ["--middleware", auth.MIDDLEWARE]  # every route but GET /health needs the run's token
+    return args + list(gen.server.extra_args)
+
+
+def auth_names(run_id: str) -> tuple[str, str]:
+    """Names of a run's token Secret and middleware ConfigMap."""
+    name = k8s_name(run_id)[:57].rstrip("-")  # room for the suffixes within 63 characters
+    return f"{name}-token", f"{name}-auth"
+
+
+def render_auth(cfg: PipelineConfig, run_id: str, token: str) -> list[dict]:
+    """``[Secret, ConfigMap]`` of a run's server: the Secret holds ``token`` under ``GRPO_SERVER_TOKEN``; the
+    ConfigMap, the source of :mod:`grpo_steps.servers.auth` (stdlib only), mounted as that module by
+    :func:`render_manifests`. Both carry the run's labels, so :func:`stop_run` deletes them."""
+    secret_name, config_map_name = auth_names(run_id)
+    labels = {"app.kubernetes.io/name": SERVER_APP, "app.kubernetes.io/managed-by": MANAGED_BY,
+              RUN_LABEL: label_value(run_id)}
+    meta = {"namespace": cfg.resources.namespace, "labels": labels}
+    return [
+        {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {"name": secret_name, **meta},
+         "stringData": {auth.TOKEN_ENV: token}},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": config_map_name, **meta},
+         "data": {"auth.py": Path(auth.__file__).read_text()}},
+    ]
+
+
+ARGO_WORKFLOW_LABEL = "workflows.argoproj.io/workflow"
+"""Label Argo puts on every pod of a workflow; Metaflow's Argo run ids are ``argo-<workflow name>``."""
+
+
+def run_pods(run_id: str) -> dict:
+    """The ``podSelector`` peer of the run's own pods: the pods of the run's Argo workflow (``argo-<workflow>`` run
+    ids), else the namespace's Metaflow task pods (a run of the local runtime on Kubernetes: Metaflow labels its pods
+    by kind only, the run id is an annotation).
+
+    >>> run_pods("argo-grpoflow-x7k2p")
+    {'podSelector': {'matchLabels': {'workflows.argoproj.io/workflow': 'grpoflow-x7k2p'}}}
+    """
+    if run_id.startswith("argo-"):
+        return {"podSelector": {"matchLabels": {ARGO_WORKFLOW_LABEL: label_value(run_id.removeprefix("argo-"))}}}
+    return {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "metaflow-task",
+                                            "app.kubernetes.io/part-of": "metaflow"}}}
+
+
+def network_policy_peers(run_id: str, name: str, run_label: str, *, router: bool = False) -> list[dict]:
+    """The ``ingress[].from`` peers of a run's servers: the run's pods (:func:`run_pods`), the servers' own pods
+    (tensor-parallel and scale-out peers) and, with ``router`` (several replicas), the run's router pod.
+
+    >>> network_policy_peers("argo-grpoflow-x7k2p", "vllm-x", "x", router=True)[2]
+    {'podSelector': {'matchLabels': {'app.kubernetes.io/name': 'vllm-router', 'grpo-pipeline/run-id': 'x'}}}
+    """
+    own = {"app.kubernetes.io/name": SERVER_APP, RUN_LABEL: run_label}
+    peers = [run_pods(run_id), {"podSelector": {"matchLabels": own}}]
+    if router:
+        peers.append({"podSelector": {"matchLabels": {"app.kubernetes.io/name": ROUTER_APP, RUN_LABEL: run_label}}})
+    return peers
+
+
+def render_manifests(cfg: PipelineConfig, run_id: str, model: str, template: Path = TEMPLATE,
+                     replica: int | None = None) -> list[dict]:
+    """``[Deployment, Service, NetworkPolicy]`` of a run's generation server, as dicts ready for the client.
+
+    ``model`` is a Hugging Face id or a path under ``/shared``, where ``resources.shared_volume_claim`` is
+    mounted. No GPU request is written when ``resources.vllm.gpu`` is 0. ``replica``: the Deployment and Service of
+    that replica (:func:`replica_name`; its pods carry :data:`REPLICA_LABEL`, which its Service selects); the
+    NetworkPolicy is the run's one, over every server pod of the run, admitting the router when
+    ``generation.server.replicas`` > 1.
+    """
+    res = cfg.resources.vllm
+    text = string.Template(template.read_text()).substitute(
+        name=k8s_name(run_id), namespace=cfg.resources.namespace, run_id=label_value(run_id), image=res.image,
+        port=PORT, cpu=res.cpu, memory_mib=res.memory_mib, gpu=res.gpu)
+    deployment, service, policy = yaml.safe_load_all(text)
+    policy["spec"]["ingress"] = [{"from": network_policy_peers(run_id, k8s_name(run_id), label_value(run_id),
+                                                               router=cfg.generation.server.replica_count > 1)}]
+    if replica is not None:
+        _as_replica(deployment, service, replica_name(run_id, replica), str(replica))
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    container["args"] = server_args(cfg, model)
+    if not res.gpu:
+        for section in container["resources"].values():
+            section.pop("nvidia.com/gpu")
+    secret_name, config_map_name = auth_names(run_id)
+    container["env"] += [
+        {"name": auth.TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": auth.TOKEN_ENV}}},
+        {"name": "PYTHONPATH", "value": AUTH_MOUNT}]  # grpo_steps.servers.auth as a namespace package
+    container["volumeMounts"].append({"name": "grpo-auth", "mountPath": AUTH_MOUNT, "readOnly": True})
+    pod["volumes"].append({"name": "grpo-auth", "configMap": {
+        "name": config_map_name, "items": [{"key": "auth.py", "path": "grpo_steps/servers/auth.py"}]}})
+    claim = cfg.resources.shared_volume_claim
+    if claim:
+        pod["volumes"].append({"name": "shared", "persistentVolumeClaim": {"claimName": claim}})
+        container["volumeMounts"].append({"name": "shared", "mountPath": SHARED_MOUNT})
+    return [deployment, service, policy]
+
+
+def _as_replica(deployment: dict, service: dict, name: str, replica: str) -> None:
+    """Rename a server's Deployment and Service to ``name`` and narrow their selectors to the replica's pods."""
+    for obj in (deployment, service):
+        obj["metadata"]["name"] = name
+    template = deployment["spec"]["template"]
+    template["metadata"]["labels"] = {**template["metadata"]["labels"], REPLICA_LABEL: replica}  # a YAML alias: copy
+    deployment["spec"]["selector"]["matchLabels"][REPLICA_LABEL] = replica
+    service["spec"]["selector"][REPLICA_LABEL] = replica
+
+
+def router_args(cfg: PipelineConfig, worker_urls: list[str]) -> list[str]:
+    """Arguments of ``python -m vllm_router.launch_router`` in the router pod: the flags of the router the pipeline
+    runs on a machine (:func:`grpo_steps.servers.router.router_command`), listening on every interface."""
+    from grpo_steps.servers.router import router_command
+
+    server = cfg.generation.server
+    args = router_command(worker_urls, "0.0.0.0", PORT, policy=cfg.generation.router_policy(cfg.multi_turn),
+                          health_check_interval_s=server.router.health_check_interval_s,
+                          metrics_port=ROUTER_METRICS_PORT)[3:]  # past `python -m vllm_router.launch_router`
+    args[args.index("--prometheus-host") + 1] = "0.0.0.0"  # the run's pods read the metrics through the Service
+    return args
+
+
+def render_router(cfg: PipelineConfig, run_id: str, worker_urls: list[str],
+                  template: Path = ROUTER_TEMPLATE) -> list[dict]:
+    """``[Deployment, Service, NetworkPolicy]`` of the ``vllm-router`` in front of a run's replicas (``worker_urls``:
+    each replica's Service URL), in the flow's image (``resources.train.image``, where vllm-router is installed);
+    only the run's pods reach it (its admin routes, ``/add_worker`` and ``/remove_worker``, take no token)."""
+    name = router_name(run_id)
+    text = string.Template(template.read_text()).substitute(
+        name=name, namespace=cfg.resources.namespace, run_id=label_value(run_id), image=cfg.resources.train.image,
+        port=PORT, metrics_port=ROUTER_METRICS_PORT)
+    deployment, service, policy = yaml.safe_load_all(text)
+    deployment["spec"]["template"]["spec"]["containers"][0]["args"] = router_args(cfg, worker_urls)
+    policy["spec"]["ingress"] = [{"from": [run_pods(run_id)]}]
+    return [deployment, service, policy]
