@@ -16,6 +16,7 @@ from tests.integration.flowrun import (
     flow_config,
     flow_env,
     metric_steps,
+    mlflow_runs,
     model_versions,
     run_config,
     vllm_child,
@@ -72,3 +73,12 @@ def test_generation_server_killed_during_training_is_replaced_and_training_conti
     assert metric_steps(tmp_path, "train_runtime") == [8]
     assert len(model_versions(tmp_path, MODEL_NAME)) == 1
     assert not any(s.is_running() for s in supervisors), "a server outlived the run"
+    # both replicas served rollouts (the router's counts) and reported their engine metrics, step by step, in MLflow
+    from mlflow import MlflowClient
+
+    (run,) = mlflow_runs(tmp_path)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    for i in (0, 1):
+        requests = client.get_metric_history(run.info.run_id, f"router/replica{i}/requests")
+        assert sum(m.value for m in requests) > 0, (i, requests)
+        assert client.get_metric_history(run.info.run_id, f"engine/replica{i}/requests_running")

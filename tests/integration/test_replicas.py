@@ -80,6 +80,20 @@ def test_requests_spread_over_both_and_an_episode_stays_on_one(replica_set):
     assert sorted(turns) == [0, 3], turns
 
 
+def test_lora_adapter_pushes_reach_both_replicas(tmp_path, tiny_model_path, tiny_tokenizer, replica_set, capfd):
+    """Before any full-weights push: an adapter applies to the base weights the replicas started with."""
+    from grpo_steps.lora import adapter_name
+
+    run(_with_replicas(_job(tmp_path, tiny_model_path, tiny_tokenizer, replica_set.endpoint,
+                            train={"max_steps": 2, "peft": {"r": 8, "alpha": 16}}), replica_set))
+    verified = VERIFIED.findall(capfd.readouterr().out)
+    assert [(v[0], v[2], v[4]) for v in verified] == [("0", "step-0", "step-0"), ("1", "step-1", "step-1")]
+    # the run's close unloads its last adapter from every replica
+    served = [VLLMClient(m.endpoint).served_adapters() for m in replica_set.members]
+    assert served == [{}, {}], served
+    assert adapter_name("policy", 1) not in replica_set.client().served_adapters()
+
+
 def test_training_with_async_rollouts_pushes_every_version_to_both_replicas(tmp_path, tiny_model_path, tiny_tokenizer,
                                                                            replica_set, capfd):
     before = _counts(replica_set)
@@ -95,19 +109,6 @@ def test_training_with_async_rollouts_pushes_every_version_to_both_replicas(tmp_
     assert [h["async/staleness"] <= 1 for h in _history(tmp_path)] == [True] * 3
     assert [VLLMClient(m.endpoint).weight_version() for m in replica_set.members] == ["step-2", "step-2"]
     assert min(after - b for after, b in zip(_counts(replica_set), before, strict=True)) > 0  # both served rollouts
-
-
-def test_lora_adapter_pushes_reach_both_replicas(tmp_path, tiny_model_path, tiny_tokenizer, replica_set, capfd):
-    from grpo_steps.lora import adapter_name
-
-    run(_with_replicas(_job(tmp_path, tiny_model_path, tiny_tokenizer, replica_set.endpoint,
-                            train={"max_steps": 2, "peft": {"r": 8, "alpha": 16}}), replica_set))
-    verified = VERIFIED.findall(capfd.readouterr().out)
-    assert [(v[0], v[2], v[4]) for v in verified] == [("0", "step-0", "step-0"), ("1", "step-1", "step-1")]
-    # the run's close unloads its last adapter from every replica
-    served = [VLLMClient(m.endpoint).served_adapters() for m in replica_set.members]
-    assert served == [{}, {}], served
-    assert adapter_name("policy", 1) not in replica_set.client().served_adapters()
 
 
 def test_multi_turn_tool_rollouts_on_two_replicas(tmp_path, tiny_model_path, tiny_tokenizer, replica_set, capfd):
