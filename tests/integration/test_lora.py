@@ -1,6 +1,7 @@
-"""LoRA (``train.peft``) end to end on the tiny model, on one LoRA-enabled vLLM server shared by this file's tests:
-the whole flow (the adapter pushed to the server every step and verified, rollouts and evaluation on base +
-adapter, checkpoints of adapter + optimizer, the merged model registered), then kill -9 and ``resume``."""
+"""LoRA (``train.peft``) end to end on the tiny model, on one LoRA-enabled vLLM server: one flow run killed (kill -9
+of the training process) and resumed, then the whole flow checked on it (the adapter pushed to the server every
+step and verified, rollouts and evaluation on base + adapter, checkpoints of adapter + optimizer, the merged model
+registered)."""
 
 import json
 import os
@@ -51,39 +52,56 @@ def _token_logprobs(model, ids: list[int]) -> list[float]:
     return logps.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1).tolist()
 
 
-def test_lora_flow_pushes_the_adapter_every_step_and_registers_the_merged_model(tmp_path, lora_server,
-                                                                                tiny_model_path):
+def test_lora_flow_killed_and_resumed_pushes_the_adapter_every_step_and_registers_the_merged_model(
+        tmp_path, lora_server, tiny_model_path):
+    """One flow run serves both scenarios (a whole LoRA flow costs minutes here): kill -9 of the training process
+    after checkpoint ``kill_after``, then ``resume``; the resumed run is the whole flow's, checked end to end."""
     import mlflow
     import torch
     from mlflow import MlflowClient
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    steps = 4
-    config = on_server(flow_config(train={"max_steps": steps, "save_steps": 2, "peft": PEFT},
+    max_steps, save_steps, kill_after = 6, 2, 4
+    config = on_server(flow_config(train={"max_steps": max_steps, "save_steps": save_steps, "retries": 0,
+                                          "peft": PEFT},
                                    registry={"model_name": MODEL_NAME}), lora_server)
-    env = flow_env()
-    code, out = run_config(tmp_path, env, config)
-    assert code == 0, out[-8000:]
-    (run,) = mlflow_runs(tmp_path)
-    run_id = run.info.run_id
-    # every optimizer step sampled from a pushed, verified adapter (version 0 = the initial adapter, B = 0)
-    assert metric_steps(tmp_path, "weight_sync/version") == list(range(1, steps + 1))
+    env, killed = flow_env(), []
+
+    def kill_after_checkpoint(line: str) -> None:
+        match = SAVED.search(line)
+        if match and int(match.group(1)) == kill_after and not killed:
+            os.kill(int(match.group(2)), signal.SIGKILL)  # the training process, by the PID it reported
+            killed.append(int(match.group(2)))
+
+    code, out = run_config(tmp_path, env, config, kill_after_checkpoint)
+    assert killed and code != 0, out[-5000:]
+    code, resumed = run_flow(tmp_path, env, ["resume"])
+    assert code == 0, resumed[-6000:]
+    assert f"resuming from step {kill_after} of run {flow_run_id(out)}" in resumed
+    (run,) = mlflow_runs(tmp_path)  # one MLflow run, one continuous history
+    assert run.info.status == "FINISHED"
+    run_id, resumed_id = run.info.run_id, flow_run_id(resumed)
+    for metric in ("reward", "loss", "weight_sync/version"):
+        assert metric_steps(tmp_path, metric) == list(range(1, max_steps + 1)), metric
+    assert metric_steps(tmp_path, "train_runtime") == [max_steps]
+    # every optimizer step sampled from a pushed, verified adapter (version 0 = the initial adapter, B = 0), the
+    # resumed attempt's versions continuing at its checkpoint's
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
-    versions = [m.value for m in client.get_metric_history(run_id, "weight_sync/version")]
-    assert versions == [float(v) for v in range(steps)]
+    versions = [m.value for m in sorted(client.get_metric_history(run_id, "weight_sync/version"), key=lambda m: m.step)]
+    assert versions == [float(v) for v in range(max_steps)]
     # ... and sampled from the policy: TRL's mismatch metric at float32 kernel noise
     assert max(m.value for m in client.get_metric_history(run_id, "sampling/sampling_logp_difference/mean")) < 1e-3
 
     # the checkpoints hold the adapter and its optimizer state, not the full weights
-    files = checkpoint_files(tmp_path, env, flow_run_id(out), node=0)
+    files = checkpoint_files(tmp_path, env, resumed_id, node=0)
     assert "adapter_model.safetensors" in files and "optimizer.pt" in files, files
     assert "model.safetensors" not in files, files
 
     # evaluation: the baseline is the base weights, the trained policy base + adapter, both through the server:
     # the server's greedy logprobs of the first eval prompt differ
     baseline, trained = client_in_child(  # a child: the Metaflow client caches the first local datastore it found
-        tmp_path, env, f"import json\nr = Flow('GRPOFlow')['{flow_run_id(out)}']['evaluate'].task.data.eval_report\n"
+        tmp_path, env, f"import json\nr = Flow('GRPOFlow')['{resumed_id}']['evaluate'].task.data.eval_report\n"
         "print(json.dumps([r['baseline']['probe_logprobs'], r['trained']['probe_logprobs']]))")
     assert baseline != trained
     assert "eval/trained/pass_at_1" in run.data.metrics
@@ -105,32 +123,6 @@ def test_lora_flow_pushes_the_adapter_every_step_and_registers_the_merged_model(
     expected, got = _token_logprobs(policy, ids), _token_logprobs(merged, ids)
     assert max(abs(a - b) for a, b in zip(expected, got, strict=True)) < 1e-4
     assert max(abs(a - b) for a, b in zip(_token_logprobs(base, ids), got, strict=True)) > 1e-3  # it trained
-
-
-def test_lora_kill_then_resume_continues_at_the_checkpoint(tmp_path, lora_server):
-    max_steps, save_steps, kill_after = 6, 2, 4
-    config = on_server(flow_config(train={"max_steps": max_steps, "save_steps": save_steps, "retries": 0,
-                                          "peft": PEFT},
-                                   registry={"model_name": MODEL_NAME}), lora_server)
-    env, killed = flow_env(), []
-
-    def kill_after_checkpoint(line: str) -> None:
-        match = SAVED.search(line)
-        if match and int(match.group(1)) == kill_after and not killed:
-            os.kill(int(match.group(2)), signal.SIGKILL)  # the training process, by the PID it reported
-            killed.append(int(match.group(2)))
-
-    code, out = run_config(tmp_path, env, config, kill_after_checkpoint)
-    assert killed and code != 0, out[-5000:]
-    code, resumed = run_flow(tmp_path, env, ["resume"])
-    assert code == 0, resumed[-6000:]
-    assert f"resuming from step {kill_after} of run {flow_run_id(out)}" in resumed
-    (run,) = mlflow_runs(tmp_path)  # one MLflow run, one continuous history
-    assert run.info.status == "FINISHED"
-    for metric in ("reward", "loss", "weight_sync/version"):
-        assert metric_steps(tmp_path, metric) == list(range(1, max_steps + 1)), metric
-    assert metric_steps(tmp_path, "train_runtime") == [max_steps]
-    assert len(model_versions(tmp_path, MODEL_NAME)) == 1
 
 
 def test_registry_register_adapter_registers_the_adapter_alone_with_its_base(tmp_path, tiny_model_path):

@@ -3,7 +3,7 @@ provider, one core each), as the flow's ``provision_vllm`` starts them: requests
 one replica, training (asynchronous rollouts, and multi-turn tool rollouts) pushes every version to both and verifies
 each, evaluation spreads its prompts, and a replica killed mid-run fails the next push naming it, with nothing left
 running once the set is stopped. The whole flow on two replicas, with a replica killed mid-training and ``@retry``
-replacing the set, is tests/integration/test_faults.py."""
+replacing the set, is the local run of tests/integration/test_resume.py."""
 
 import os
 import re

@@ -1,8 +1,12 @@
-"""Kill -9 the training process after a checkpoint, then `resume`: training continues at the checkpoint's
-step on a re-provisioned server, one continuous MLflow history, one registered version, older
-checkpoints pruned to ``train.save_total_limit``. Once with the local datastore (then a new run started
-from the killed run's checkpoint by ``train.resume_from``), once with the S3 datastore on a local S3
-server (marker ``s3``)."""
+"""Faults during training, then `resume`. On the local datastore, with the ``local`` provider's whole lifecycle in
+one flow run: the generation server killed (``@retry`` continues on a new server), the retried training process
+SIGKILLed mid-save of a checkpoint (the next ``@retry`` continues from the newest checkpoint whose save completed),
+then kill -9 of the last attempt's training process after a checkpoint; ``resume`` continues at the checkpoint's step
+on a re-provisioned server, one continuous MLflow history, one registered version, older checkpoints pruned to
+``train.save_total_limit``, no server left behind; then a new run started from the killed run's checkpoint by
+``train.resume_from``. Once with the S3 datastore on a local S3 server across an S3 outage during a checkpoint
+upload (marker ``s3``). One flow run carries several faults because each whole flow costs minutes in ``make
+test``."""
 
 import os
 import re
@@ -12,10 +16,11 @@ import time
 
 import pytest
 
-from grpo_steps.processes import PortInUseError, wait_until
+from grpo_steps.processes import PortInUseError, ProcessRef, wait_until
 from tests.integration.flowrun import (
     SAVED,
     SAVING,
+    SERVING,
     checkpoint_steps,
     flow_config,
     flow_env,
@@ -27,6 +32,7 @@ from tests.integration.flowrun import (
     run_config,
     run_flow,
     s3_keys,
+    vllm_child,
 )
 
 MAX_STEPS, SAVE_STEPS, KILL_AFTER, KEEP = 8, 2, 6, 2
@@ -42,7 +48,7 @@ def _config(**tracking) -> dict:
 
 def _kill_and_resume(workdir, env: dict, config: dict, on_line=None) -> tuple[str, str]:
     """Run the flow, kill its training process after checkpoint KILL_AFTER, resume. ``on_line`` also sees
-    each line of the first run. Returns (the killed run's id, resume's output)."""
+    each line of both runs. Returns (the killed run's id, resume's output)."""
     killed = []
 
     def kill_after_checkpoint(line: str) -> None:
@@ -64,6 +70,8 @@ def _kill_and_resume(workdir, env: dict, config: dict, on_line=None) -> tuple[st
     statuses = []  # the MLflow run's status while the resumed run trains
 
     def status_while_training(line: str) -> None:
+        if on_line:
+            on_line(line)
         if TRAIN_STEP.search(line) and not statuses:
             statuses.append(mlflow_runs(workdir)[0].info.status)
 
@@ -92,12 +100,74 @@ def _assert_resumed(workdir, env, origin_run: str, out: str, *, server_replaced:
                                                                            SAVE_STEPS))
 
 
+class ServerAndTrainerFaults:
+    """The faults of the local run's first attempts, by the PIDs they report: kill -9 of one of the two generation
+    replicas after checkpoint 2 (its train attempt fails naming it, ``@retry`` continues on a new set of replicas from
+    step 2), then SIGKILL of the
+    retried training process while it saves checkpoint 4, as the OOM killer would (the next ``@retry`` continues
+    from 4 if that save completed, else from 2). Records every server's supervisor (alive when seen: its create
+    time), each completed save as (training pid, step) and every line it saw (both runs, in order)."""
+
+    def __init__(self) -> None:
+        self.servers, self.supervisors, self.server_killed, self.trainer_killed, self.saved = [], [], [], [], set()
+        self.lines = []
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+        if SERVING.search(line):  # the router's supervisor, then each replica's
+            pids = [int(pid) for pid in re.findall(r"supervisor_pid=(\d+)", line)]
+            self.servers.append(pids)
+            self.supervisors.extend(ProcessRef.of(pid) for pid in pids)  # alive now: their create times
+        match = SAVED.search(line)
+        if match:
+            self.saved.add((int(match.group(2)), int(match.group(1))))
+        if match and int(match.group(1)) == 2 and not self.server_killed:
+            child = vllm_child(self.servers[0][2])  # the second replica
+            os.killpg(child, signal.SIGKILL)  # the vLLM server leads its own process group
+            self.server_killed.append(child)
+        match = SAVING.search(line)
+        if match and int(match.group(1)) == 4 and self.server_killed and not self.trainer_killed:
+            os.kill(int(match.group(2)), signal.SIGKILL)  # the retried training process, mid-save of checkpoint 4
+            self.trainer_killed.append(int(match.group(2)))
+
+
 @pytest.mark.slow
-def test_kill_then_resume_on_the_local_datastore_then_start_from_its_checkpoint(tmp_path, tiny_server):
-    env = flow_env()
-    origin, out = _kill_and_resume(tmp_path, env, _config())
+def test_faults_then_kill_then_resume_on_the_local_datastore_then_start_from_its_checkpoint(tmp_path, tiny_server):
+    """With the ``local`` provider and ``train.retries: 2``: the server killed (attempt 0), the retried trainer killed
+    mid-save (attempt 1), the last attempt's trainer killed after checkpoint KILL_AFTER (attempt 2, no retry left: the
+    run fails); ``resume`` finishes it. The rollouts come from a server whose sampler moved on, so the losses are not
+    compared here: ``test_multinode_local`` compares them on replayed completions."""
+    env, faults = flow_env(), ServerAndTrainerFaults()
+    config = _config()
+    config["train"]["retries"] = 2
+    config["generation"]["server"]["replicas"] = 2  # two replicas behind vLLM's router, one core each
+    origin, out = _kill_and_resume(tmp_path, env, config, on_line=faults)
+    assert faults.server_killed and faults.trainer_killed
+    # router + 2 replicas: the first set, @retry's replacement, resume's replacement
+    assert [len(pids) for pids in faults.servers] == [3, 3, 3], faults.servers
+    killed_run = "".join(faults.lines)  # the killed run's output, then resume's (which has no @retry)
+    assert "generation replica 2/2 http://127.0.0.1:" in killed_run  # the failure names the killed replica
+    verified = re.findall(r"\[weight-sync\] version (\d+) verified on 2 replicas: \S+ (\S+), \S+ (\S+)", killed_run)
+    assert verified and all(a == b == f"step-{v}" for v, a, b in verified)  # every push verified on both
+    assert "resuming from this task's step 2 (retry)" in killed_run  # attempt 1: the newest checkpoint of node 0
+    # the kill raced the upload of checkpoint 4: attempt 2 starts from 4 if that save completed, else from 2
+    newest = 4 if (faults.trainer_killed[0], 4) in faults.saved else 2
+    before_last_retry, last_retry = killed_run.rsplit("resuming from this task's step", 1)
+    assert last_retry.startswith(f" {newest} (retry)"), killed_run[-8000:]
+    # attempt 1 failed saying what killed it (the final kill says so too, after this)
+    assert "was killed (signal 9), likely out of memory: peak resident memory" in before_last_retry
     _assert_resumed(tmp_path, env, origin, out, server_replaced=True)
     assert list((tmp_path / ".metaflow" / "mf.checkpoints").rglob("*")), "checkpoints in the local datastore"
+    assert not any(s.is_running() for s in faults.supervisors), "a replica or router outlived the run"
+    # both replicas served rollouts (the router's counts) and reported their engine metrics, step by step, in MLflow
+    from mlflow import MlflowClient
+
+    (run,) = mlflow_runs(tmp_path)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    for i in (0, 1):
+        requests = client.get_metric_history(run.info.run_id, f"router/replica{i}/requests")
+        assert sum(m.value for m in requests) > 0, (i, requests)
+        assert client.get_metric_history(run.info.run_id, f"engine/replica{i}/requests_running")
 
     # (3) a new run started from the killed run's newest checkpoint, named in the config
     config = on_server(_config(), tiny_server)
