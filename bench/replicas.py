@@ -74,6 +74,7 @@ def main() -> None:
     from grpo_steps.data import encode_prompt, to_prompt
     from grpo_steps.models import resolve_model
     from grpo_steps.processes import ProcessRef
+    from grpo_steps.servers.auth import token_for
     from grpo_steps.servers.client import VLLMClient
     from grpo_steps.servers.router import start_router
 
@@ -126,7 +127,7 @@ def main() -> None:
         rows.append(measure("2 replicas, 2 cores, router", two, push_model=model))
         wide = servers.provision(config(cpu_cores=[0, 1]), model_path, owner=owner, run_id="bench")
         try:
-            router = start_router(config(replicas=2), [wide.endpoint], owner=owner, token=None)
+            router = start_router(config(replicas=2), [wide.endpoint], owner=owner, token=token_for(wide.endpoint))
             through = servers.ReplicaSet(router.endpoint, replicas=(wide.to_dict(),), router=router.to_dict(),
                                          policy="round_robin")
             direct = VLLMClient(wide.endpoint, replicas=(wide.endpoint,))  # the same per-prompt requests, no router
