@@ -131,14 +131,16 @@ def best_contender(versions) -> str | None:
     return str(max(passed, key=lambda v: (float(v.tags[SCORE_TAG]), -int(v.version))).version)
 
 
-def contenders(versions, version: str, compared: str | None, current: str | None) -> list:
+def contenders(versions, version: str, compared: str | None, current: str | None,
+               fresh: frozenset[str] = frozenset()) -> list:
     """The model versions a registrar of ``version`` may make champion (see the module docstring): not revoked,
     and ``version`` itself, ``compared`` (the champion its gate compared with; None: there was none), or a
-    concurrent registration (tagged with the same ``gate.compared_champion``) that has not settled or is
-    ``current``, the champion as just read."""
+    concurrent registration (tagged with the same ``gate.compared_champion``) that has not settled, is ``current``
+    (the champion as just read), or is in ``fresh`` (not settled when this registrar first read: it settled while
+    this one was settling, so a late alias write of this registrar must not leave it out)."""
     def concurrent(v) -> bool:
-        return v.tags.get(COMPARED_TAG) == (compared or "") and (v.tags.get(SETTLED_TAG) != "true"
-                                                                 or str(v.version) == current)
+        return v.tags.get(COMPARED_TAG) == (compared or "") and (
+            v.tags.get(SETTLED_TAG) != "true" or str(v.version) in fresh or str(v.version) == current)
 
     return [v for v in versions if v.tags.get(REVOKED_TAG) != "true"
             and (str(v.version) in (version, compared) or concurrent(v))]
@@ -151,14 +153,16 @@ def settle_champion(client, name: str, version: str, compared: str | None) -> st
     champion) and is left as it is. Tags ``version`` settled. Returns the champion's version as last read."""
     from mlflow.exceptions import MlflowException
 
-    version, compared, current = str(version), str(compared) if compared is not None else None, None
+    version, compared, current, fresh = str(version), str(compared) if compared is not None else None, None, None
     for _ in range(SETTLE_ROUNDS):
         versions = client.search_model_versions(f"name = '{name}'")
+        if fresh is None:  # the versions not yet settled when this registrar began to settle
+            fresh = frozenset(str(v.version) for v in versions if v.tags.get(SETTLED_TAG) != "true")
         try:
             current = str(client.get_model_version_by_alias(name, "champion").version)
         except MlflowException:
             current = None
-        allowed = contenders(versions, version, compared, current)
+        allowed = contenders(versions, version, compared, current, fresh)
         revoked = {str(v.version) for v in versions if v.tags.get(REVOKED_TAG) == "true"}
         best = best_contender(allowed)
         if best is None or best == current or (
