@@ -82,9 +82,11 @@ class ExternalServer(GenerationServer):
                 "correct the endpoint")
         try:
             headers = auth_headers(endpoint)  # the server's token from the environment, when it has one
-            info = requests.get(f"{endpoint}/server_info", params={"config_format": "json"}, timeout=10,
+            # vLLM answers its first /server_info after running collect_env: 5 s on an idle 2-core box, over 10 s
+            # on a loaded one (a 10-s limit failed provision_vllm there); the health check above says it is up
+            info = requests.get(f"{endpoint}/server_info", params={"config_format": "json"}, timeout=120,
                                 headers=headers)
-            models = requests.get(f"{endpoint}/v1/models", timeout=10, headers=headers)
+            models = requests.get(f"{endpoint}/v1/models", timeout=30, headers=headers)
         except requests.RequestException as err:
             raise ServerStartError(f"the external generation server {endpoint} stopped answering: {err}") from err
         if info.status_code == 401:

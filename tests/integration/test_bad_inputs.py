@@ -1,6 +1,6 @@
 """Bad inputs stop the flow early with a message that names the problem: before provision_vllm (no server
-started, seconds) where they can be seen there; in ``train`` for the two that only show while training.
-Every case: exit non-zero, the message, no server left, no model version registered."""
+started, seconds) where they can be seen there (exit non-zero, the message, no server left, no model version
+registered); in the training job for the two that only show while training."""
 
 import json
 import os
@@ -14,7 +14,7 @@ from datetime import datetime
 import pytest
 import yaml
 
-from tests.integration.flowrun import FLOW, flow_config, flow_env, mlflow_runs, model_versions, on_server, run_config
+from tests.integration.flowrun import FLOW, flow_config, flow_env, mlflow_runs, model_versions, run_config
 
 pytestmark = pytest.mark.usefixtures("tiny_model_path")
 
@@ -111,52 +111,54 @@ def test_a_resume_from_that_names_nothing_fails_start(tmp_path, reference, messa
     assert not (tmp_path / "mlflow.db").exists()
 
 
-# --- bad inputs that only show while training: the flow reaches `train` (on the session's server) -----------
+# --- bad inputs that only show while training: the training job on the session's server ----------------------
+# Run as the train step runs them (grpo_steps.training.entry.run, a real trainer on the real tiny server), not as
+# whole flows: how a train-step failure reaches the flow's output and ends its MLflow run FAILED with no version
+# registered is checked by the kill/resume and replica-fault flows (tests/integration/test_resume.py).
 
-REWARDS_MODULE = '''
+
 def a_float(completions, **kwargs):
     return 1.0
 
 
 def never_applies(completions, **kwargs):
     return [None] * len(completions)
-'''
 
 
-def _fails_in_train(workdir, server, reward: str, message: str, **sections) -> str:
-    """Run the flow on the session's ``server`` (provider ``external``) with the dotted-path ``reward`` of
-    REWARDS_MODULE as its only reward; assert it fails in ``train`` with ``message``, its MLflow run FAILED,
-    no version registered, no server of its own started."""
-    (workdir / "my_rewards.py").write_text(REWARDS_MODULE)
-    env = flow_env(PYTHONPATH=os.pathsep.join([str(workdir), os.environ.get("PYTHONPATH", "")]))
-    name = f"my_rewards:{reward}"
-    config = on_server(flow_config(eval={"format_reward": None, "correctness_reward": name}, **sections), server)
-    config["rewards"] = [{"name": name}]
-    config["train"].update(retries=0)
-    code, out = run_config(workdir, env, config)
-    assert code != 0, out[-3000:]
-    assert message in out, out[-8000:]
-    assert "Step train" in out and "failed" in out
-    assert f"[vllm] serving {server.endpoint} (external)" in out and "supervisor_pid=" not in out
-    (run,) = mlflow_runs(workdir)
-    assert run.info.status == "FAILED"
-    assert model_versions(workdir, config["registry"]["model_name"]) == []
-    return out
+def _fails_in_train(tmp_path, tiny_model_path, tiny_tokenizer, server, reward: str, error, **train) -> str:
+    """Train on this module's ``reward`` alone (by its dotted path, as a user's config names it); returns the
+    message of the ``error`` it must stop with."""
+    from grpo_steps.training.entry import run
+    from tests.integration.trainjob import job
+
+    name = f"{__name__}:{reward}"
+    with pytest.raises(error) as err:
+        run(job(tmp_path, tiny_model_path, tiny_tokenizer, server.endpoint, train={"max_steps": 4, **train},
+                rewards=[{"name": name}], eval={"format_reward": None, "correctness_reward": name}))
+    return str(err.value)
 
 
 @pytest.mark.slow
-def test_a_reward_returning_a_float_stops_training_naming_the_reward(tmp_path, tiny_server):
-    _fails_in_train(tmp_path, tiny_server, "a_float",
-                    "RewardReturnError: reward 'my_rewards:a_float' returned 1.0 (float); a reward returns a list of 8 "
-                    "float or None, one per completion")  # 2 prompts x 4 completions
+def test_a_reward_returning_a_float_stops_training_naming_the_reward(tmp_path, tiny_model_path, tiny_tokenizer,
+                                                                     tiny_server):
+    from rewards.guard import RewardReturnError
+
+    message = _fails_in_train(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server, "a_float", RewardReturnError)
+    assert f"reward '{__name__}:a_float' returned 1.0 (float); a reward returns a list of 8 float or None, one " \
+           "per completion" in message  # 2 prompts x 4 completions
+    assert not (tmp_path / "out" / "final").exists()  # stopped at its first batch: no policy saved
 
 
 @pytest.mark.slow
-def test_rewards_all_none_for_steps_in_a_row_stop_the_run(tmp_path, tiny_server):
-    out = _fails_in_train(tmp_path, tiny_server, "never_applies",
-                          "AllRewardsNone: every reward (my_rewards:never_applies) scored None for every completion "
-                          "in steps 1..2 (2 in a row, train.max_all_none_steps=2)", train={"max_all_none_steps": 2})
-    assert "[train] step 3/" not in out  # stopped at the second step
+def test_rewards_all_none_for_steps_in_a_row_stop_the_run(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server,
+                                                          capfd):
+    from grpo_steps.training.callbacks import AllRewardsNone
+
+    message = _fails_in_train(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server, "never_applies", AllRewardsNone,
+                              max_all_none_steps=2)
+    assert f"every reward ({__name__}:never_applies) scored None for every completion in steps 1..2 (2 in a row, " \
+           "train.max_all_none_steps=2)" in message
+    assert "[train] step 3/" not in capfd.readouterr().out  # stopped at the second step
 
 
 def test_an_interrupted_run_ends_killed_in_mlflow(tmp_path):
