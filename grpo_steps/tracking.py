@@ -276,10 +276,26 @@ def on_flow_error(run=None) -> None:
     # KeyboardInterrupt
     failed = [task.pathspec for step in run for task in step
               if task.exception is not None and "KeyboardInterrupt" not in str(task.exception)]
-    status = "FAILED" if failed else "KILLED"
-    close_run(cfg, start["mlflow_run_id"].data, status)
-    print(f"[mlflow] run {start['mlflow_run_id'].data} ended {status}"
-          f"{' (failed: ' + ', '.join(failed) + ')' if failed else ''}")
+    end_failed_run(cfg, start["mlflow_run_id"].data, "FAILED" if failed else "KILLED", failed)
+
+
+def end_failed_run(cfg: PipelineConfig, run_id: str, status: str, failed: list[str]) -> bool:
+    """End the MLflow run of a flow run that failed (``failed``: the pathspecs of the tasks that raised) with
+    ``status``, once the tracking server answers (:func:`wait_reachable`). A server still away after
+    ``tracking.outage_wait_s`` is reported, not raised (the exit hook's own failure would hide the step's): the run
+    shows RUNNING until ``resume`` ends it. Returns whether the run was ended."""
+    try:
+        wait_reachable(cfg, "the failed run's exit hook")
+        close_run(cfg, run_id, status)
+    except TrackingUnreachable:
+        print(f"[mlflow] run {run_id} could not be ended {status}: the tracking server "
+              f"{redact(cfg.tracking.tracking_uri)} did not answer for {cfg.tracking.outage_wait_s:g} s "
+              "(tracking.outage_wait_s); the run shows RUNNING until `python flows/grpo_flow.py resume` ends it",
+              flush=True)
+        return False
+    print(f"[mlflow] run {run_id} ended {status}{' (failed: ' + ', '.join(failed) + ')' if failed else ''}",
+          flush=True)
+    return True
 
 
 class TrackingBacklog(RuntimeError):

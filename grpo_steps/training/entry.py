@@ -55,6 +55,10 @@ def run(job: TrainJob) -> str:
     if cfg.train.deepspeed and not torch.cuda.is_available():
         import deepspeed  # ZeRO-3 on CPU: gloo must be up before GRPOConfig picks the backend
 
+        # DeepSpeed would compile its shared-memory allreduce op (C++) when the process group starts on CPU: 1.5 to
+        # 19 min of the 2-core box on the first run of each checkout (its build records the venv's paths), for
+        # collectives gloo does. The op table is DeepSpeed's, kept for edits (deepspeed/ops/__init__.py).
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.comm.init_distributed(dist_backend="gloo")
     args = grpo_args(job)
     tokenizer = load_tokenizer(job.model_path, cfg.model.chat_template)

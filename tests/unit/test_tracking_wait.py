@@ -61,6 +61,30 @@ def test_a_server_that_comes_back_within_the_wait_is_waited_for(capsys):
     assert "does not answer" in capsys.readouterr().out  # it was down at first, and waited for
 
 
+def test_a_failed_run_whose_tracking_server_is_away_is_reported_not_raised(capsys):
+    """The exit hook of a failed flow run (grpo_steps.tracking.on_flow_error) with the tracking server away past
+    ``tracking.outage_wait_s``: it says the MLflow run stays RUNNING until ``resume``, and raises nothing (its own
+    traceback would bury the step's failure)."""
+    port = _free_port()  # nothing listens
+    started = time.monotonic()
+    assert tracking.end_failed_run(_cfg(port, 1.0), "run123", "FAILED", ["GRPOFlow/1/train/4"]) is False
+    assert time.monotonic() - started < 30  # the configured wait, not MLflow's minutes of retries
+    assert (f"[mlflow] run run123 could not be ended FAILED: the tracking server http://127.0.0.1:{port} did not "
+            "answer for 1 s (tracking.outage_wait_s); the run shows RUNNING until `python flows/grpo_flow.py resume` "
+            "ends it") in capsys.readouterr().out
+
+
+def test_a_failed_run_is_ended_with_its_status_and_the_failed_tasks(tmp_path, capsys):
+    from mlflow import MlflowClient
+
+    cfg = validate_config({"tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}})
+    client = MlflowClient(tracking_uri=cfg.tracking.tracking_uri)
+    run_id = client.create_run(client.create_experiment("failed")).info.run_id
+    assert tracking.end_failed_run(cfg, run_id, "FAILED", ["GRPOFlow/1/train/4"]) is True
+    assert client.get_run(run_id).info.status == "FAILED"
+    assert f"[mlflow] run {run_id} ended FAILED (failed: GRPOFlow/1/train/4)" in capsys.readouterr().out
+
+
 def test_a_local_store_is_not_waited_for():
     tracking.wait_reachable(validate_config({"tracking": {"tracking_uri": "sqlite:///x.db", "outage_wait_s": 1}}),
                             "end")
