@@ -76,15 +76,13 @@ def test_too_few_rows_is_a_data_error_with_the_counts_and_the_mlflow_run_ends_fa
     assert run.info.end_time is not None
 
 
-@pytest.mark.parametrize(("kind", "text", "where"), [
-    ("jsonl", '{"question": "1 + 1?", "answer": "2"}\n{"question": "2 + 2?", "answer": \n', ":2: malformed jsonl"),
-    ("csv", "question,answer\n1 + 1?,2\n2 + 2?,4,extra\n", ":3: malformed csv line: 3 fields where the header has 2"),
-])
-def test_a_malformed_line_is_a_data_error_naming_the_file_and_line(tmp_path, kind, text, where):
-    path = tmp_path / f"rows.{kind}"
-    path.write_text(text)
-    config = flow_config(data={"source": kind, "path": str(path), "task_options": {}})
-    _fails_before_the_server(tmp_path, config, f"DataError: {path}{where}")
+def test_a_malformed_line_is_a_data_error_naming_the_file_and_line(tmp_path):
+    """One whole flow (each costs minutes of this suite's CPU); each kind of line: tests/unit/test_data.py."""
+    path = tmp_path / "rows.csv"
+    path.write_text("question,answer\n1 + 1?,2\n2 + 2?,4,extra\n")
+    config = flow_config(data={"source": "csv", "path": str(path), "task_options": {}})
+    _fails_before_the_server(tmp_path, config, f"DataError: {path}:3: malformed csv line: 3 fields where the header "
+                             "has 2")
 
 
 def test_a_reward_whose_signature_cannot_take_the_call_is_rejected_before_any_step(tmp_path):

@@ -190,6 +190,21 @@ def test_csv_and_parquet_positions_are_lines_and_rows(tmp_path, tiny_tokenizer):
         "dropped/empty_prompt": "row 41"}
 
 
+@pytest.mark.parametrize(("kind", "text", "where"), [
+    ("jsonl", '{"question": "1 + 1?", "answer": "2"}\n{"question": "2 + 2?", "answer": \n', ":2: malformed jsonl"),
+    ("jsonl", '{"question": "1 + 1?", "answer": "2"}\n[1, 2]\n', ":2: malformed jsonl line: a JSONL line must be a "
+              "JSON object, got list"),
+    ("csv", "question,answer\n1 + 1?,2\n2 + 2?,4,extra\n", ":3: malformed csv line: 3 fields where the header has 2"),
+])
+def test_a_malformed_line_is_a_data_error_naming_the_file_and_line(tmp_path, tiny_tokenizer, kind, text, where):
+    """(The flow stops in prepare_data with it: tests/integration/test_bad_inputs.py.)"""
+    path = tmp_path / f"rows.{kind}"
+    path.write_text(text)
+    with pytest.raises(DataError) as err:
+        prepare(_cfg(source=kind, path=str(path)), tiny_tokenizer)
+    assert str(err.value).startswith(f"{path}{where}") and "Fix or remove that line (data.path)" in str(err.value)
+
+
 def test_missing_file_is_a_clear_error(tmp_path, tiny_tokenizer):
     with pytest.raises(DataError, match="does not exist"):
         prepare(_cfg(source="jsonl", path=str(tmp_path / "nope.jsonl")), tiny_tokenizer)
