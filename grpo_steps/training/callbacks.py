@@ -285,8 +285,10 @@ class AllNoneStop(TrainerCallback):
         now = guard.scored()
         delta = {name: (n - self.seen.get(name, (0, 0))[0], nones - self.seen.get(name, (0, 0))[1])
                  for name, (n, nones) in now.items()}
+        delta = {name: counts for name, counts in delta.items() if counts[0]}  # the rewards that ran this step (the
+        # counts are the process's: a second job in one process also sees the first one's reward names)
         self.seen = now
-        if not any(n for n, _ in delta.values()):
+        if not delta:
             return control
         if all(n == nones for n, nones in delta.values()):
             self.streak.append(state.global_step)

@@ -227,3 +227,23 @@ def test_a_reward_returning_only_inf_trips_the_all_none_stop():
     reward(completions=["a", "b"])
     with pytest.raises(AllRewardsNone, match=r"guard_case_all_inf.*'rewards/guard_case_all_inf/errors': 4"):
         stop.on_step_end(None, SimpleNamespace(global_step=2), None)
+
+
+def test_the_all_none_stop_names_only_the_rewards_of_its_own_steps():
+    """Reward counts are the process's: a reward an earlier job in the same process ran (a notebook, a bench, a test
+    session) is not named among the rewards that scored None in this job's steps."""
+    from types import SimpleNamespace
+
+    from grpo_steps.training.callbacks import AllNoneStop, AllRewardsNone
+
+    guarded(lambda completions, **_: [1.0] * len(completions), "guard_case_earlier_job", timeout_s=5)(["a"])
+    stop = AllNoneStop(limit=2)
+    never = guarded(lambda completions, **_: [None] * len(completions), "guard_case_never_applies", timeout_s=5)
+    for step in (1, 2):
+        never(completions=["a", "b"])
+        if step == 2:
+            with pytest.raises(AllRewardsNone) as err:
+                stop.on_step_end(None, SimpleNamespace(global_step=step), None)
+        else:
+            stop.on_step_end(None, SimpleNamespace(global_step=step), None)
+    assert "every reward (guard_case_never_applies) scored None for every completion in steps 1..2" in str(err.value)
