@@ -58,7 +58,12 @@ def test_two_replicas_behind_the_router_each_on_its_own_core(replica_set):
     cores = set()
     for member in replica_set.members:
         (child,) = psutil.Process(member.supervisor_pid).children()
-        cores.add(child.environ()["VLLM_CPU_OMP_THREADS_BIND"])
+        core = child.environ()["VLLM_CPU_OMP_THREADS_BIND"]
+        cores.add(core)
+        # and bound indeed: the model worker's threads run on that core only (vllm-cpu ignores the variable when its
+        # worker runs inside the engine-core process, VLLM_ENABLE_V1_MULTIPROCESSING=0; tried and reverted)
+        bound = {frozenset(os.sched_getaffinity(p.pid)) for p in child.children(recursive=True)}
+        assert frozenset({int(core)}) in bound, (core, bound)
     assert cores == {"0", "1"}
     handle = servers.from_dict(replica_set.to_dict())
     assert handle == replica_set and handle.serves(ProcessRef.of(os.getpid()))
