@@ -16,7 +16,7 @@ import yaml
 
 from tests.integration.flowrun import FLOW, flow_config, flow_env, mlflow_runs, model_versions, run_config
 
-pytestmark = pytest.mark.usefixtures("tiny_model_path")
+pytestmark = [pytest.mark.usefixtures("tiny_model_path"), pytest.mark.slow]  # whole flows stopped early, 20-50 s
 
 
 def _closed_port() -> int:
