@@ -283,10 +283,9 @@ class AllNoneStop(TrainerCallback):
         if not self.limit:
             return control
         now = guard.scored()
+        # the rewards that ran this step (the counts are the process's: another job's rewards have no new calls)
         delta = {name: (n - self.seen.get(name, (0, 0))[0], nones - self.seen.get(name, (0, 0))[1])
-                 for name, (n, nones) in now.items()}
-        delta = {name: counts for name, counts in delta.items() if counts[0]}  # the rewards that ran this step (the
-        # counts are the process's: a second job in one process also sees the first one's reward names)
+                 for name, (n, nones) in now.items() if n > self.seen.get(name, (0, 0))[0]}
         self.seen = now
         if not delta:
             return control

@@ -4,6 +4,8 @@
 - metaflow-checkpoint 0.2 has no public delete (``DatastoreCheckpointCallback._prune`` goes through the task
   ``Checkpoint``'s checkpointer datastore) and no public look-up of a key's metadata (``check_reference``).
 - MLflow: the input tag of a dataset's context (``tracking.log_datasets`` builds the input with public entities).
+- DeepSpeed: its op table ``deepspeed.ops.__compatible_ops__``, where ZeRO-3 on CPU turns the shared-memory
+  allreduce op off before the process group starts (``training/entry.py``: no C++ build, gloo's collectives).
 """
 
 import inspect
@@ -37,3 +39,18 @@ def test_mlflows_dataset_context_tag():
     from grpo_steps.tracking import DATASET_CONTEXT_TAG
 
     assert DATASET_CONTEXT_TAG == MLFLOW_DATASET_CONTEXT
+
+
+def test_deepspeeds_op_table_decides_whether_the_shared_memory_op_is_built():
+    import importlib
+
+    import deepspeed
+
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # ``deepspeed.comm.torch`` the attribute is torch
+    ops = deepspeed.ops.__compatible_ops__
+    assert isinstance(ops, dict) and "deepspeed_shm_comm" in ops
+    build = inspect.getsource(ds_torch.build_shm_op)
+    assert "deepspeed.ops.__compatible_ops__.get(builder.NAME, False)" in build and "return None" in build
+    assert "self.shm_comm_op = build_shm_op()" in inspect.getsource(ds_torch.TorchBackend.__init__)
+    entry = inspect.getsource(importlib.import_module("grpo_steps.training.entry").run)
+    assert 'deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False' in entry
