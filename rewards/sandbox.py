@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from rewards.sandbox_modes import MINIMAL_PATH, MODES, NAMESPACE_MODES, Isolation, command, exit_code, kill_run, works
+from rewards.sandbox_modes import MINIMAL_PATH, MODES, NAMESPACE_MODES, Isolation, exit_code, kill_run, launch, works
 
 __all__ = ["MODES", "WEAK_MODES", "Isolation", "Limits", "RunResult", "SandboxUnavailable", "default_workers",
            "isolation", "require_isolation", "run_many", "run_python", "run_tests"]
@@ -191,8 +191,8 @@ def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Li
     to_candidate, from_candidate = os.pipe(), os.pipe()  # (read, write) each
     with tempfile.TemporaryFile() as cand_err, tempfile.TemporaryFile() as judge_err:
         try:
-            candidate = subprocess.Popen(
-                command(mode, CANDIDATE_SOURCE, tmpfs), cwd=workdir, env={"PATH": MINIMAL_PATH},
+            candidate, candidate_info = launch(
+                mode, CANDIDATE_SOURCE, tmpfs, cwd=workdir, env={"PATH": MINIMAL_PATH},
                 stdin=to_candidate[0], stdout=from_candidate[1], stderr=cand_err, start_new_session=True,
                 preexec_fn=limited)
             job = {"code": code, "prelude": prelude, "test": test, "entry_point": entry_point,
@@ -200,8 +200,8 @@ def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Li
                    "from_candidate": from_candidate[0], "max_reply_bytes": MAX_REPLY_BYTES,
                    "violation_exit": VIOLATION_EXIT, "memory_exit": MEMORY_EXIT}
             # the judge runs the row's tests (a dataset's code) in a sandbox of its own, apart from the program's
-            judge = subprocess.Popen(
-                command(mode, JUDGE_SOURCE, tmpfs), env={"PATH": MINIMAL_PATH}, cwd=workdir,
+            judge, judge_info = launch(
+                mode, JUDGE_SOURCE, tmpfs, env={"PATH": MINIMAL_PATH}, cwd=workdir,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=judge_err, start_new_session=True,
                 pass_fds=(to_candidate[1], from_candidate[0]), preexec_fn=limited)
         finally:
@@ -216,8 +216,8 @@ def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Li
             returncode = candidate.wait(timeout=1.0)  # after a verdict it ends by itself; after a crash it has
         except subprocess.TimeoutExpired:
             returncode = None
-        kill_run(judge)
-        kill_run(candidate)
+        kill_run(judge, judge_info)
+        kill_run(candidate, candidate_info)
         if not contained:
             shutil.rmtree(workdir, ignore_errors=True)
         seconds, tail = time.perf_counter() - start, _tail(cand_err)

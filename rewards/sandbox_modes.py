@@ -22,6 +22,7 @@ process group or ``_posixsubprocess.fork_exec`` change nothing). Exit codes of a
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -76,14 +77,16 @@ def _setpriv() -> list[str]:
     return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
 
 
-def _bwrap(program: list[str], tmpfs_bytes: int) -> list[str]:
+def _bwrap(program: list[str], tmpfs_bytes: int, info_fd: int | None) -> list[str]:
     home = python_home()
     root = os.geteuid() == 0
     stage = _stage(home)
     prefix = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _STAGE_PYTHON, home, stage,
               *_setpriv()] if root else []
     size = ["--size", str(tmpfs_bytes)]
-    cmd = [*prefix, "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--setenv",
+    # --info-fd: bubblewrap reports its namespace init's PID, which kill_run waits for (see launch)
+    info = ["--info-fd", str(info_fd)] if info_fd is not None else []
+    cmd = [*prefix, "bwrap", *info, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--setenv",
            "PATH", MINIMAL_PATH, "--uid", str(NOBODY), "--gid", str(NOBODY), "--ro-bind", "/usr", "/usr"]
     for top in ("bin", "lib", "lib64", "sbin"):  # merged-/usr systems: symlinks into /usr
         target = Path("/") / top
@@ -99,12 +102,13 @@ def _bwrap(program: list[str], tmpfs_bytes: int) -> list[str]:
                   SANDBOX_DIR, "--remount-ro", "/", "--chdir", SANDBOX_DIR, *program]  # (the root: unsized)
 
 
-def command(mode: str, source: str, tmpfs_bytes: int) -> list[str]:
+def command(mode: str, source: str, tmpfs_bytes: int, info_fd: int | None = None) -> list[str]:
     """The argv that runs Python ``source`` (``python -I -B -c source``) contained by ``mode``; each private
-    tmpfs holds ``tmpfs_bytes`` at most."""
+    tmpfs holds ``tmpfs_bytes`` at most. ``info_fd``: ``bwrap+audit`` only, the descriptor bubblewrap writes its
+    ``--info-fd`` JSON to."""
     python = os.path.realpath(sys.executable)
     if mode == "bwrap+audit":
-        return _bwrap([python, "-I", "-S", "-B", "-c", source], tmpfs_bytes)
+        return _bwrap([python, "-I", "-S", "-B", "-c", source], tmpfs_bytes, info_fd)
     if mode == "netns+nobody+audit":
         return ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation",
                 "private", "sh", "-c", _NETNS, "sandbox", str(tmpfs_bytes), python_home(), _stage(python_home()),
@@ -179,12 +183,55 @@ def _ended(pid: int) -> bool:
         return True
 
 
-def kill_run(proc: subprocess.Popen, wait_s: float = 10.0) -> None:
+def launch(mode: str, source: str, tmpfs_bytes: int, *, pass_fds: tuple[int, ...] = (),
+           **popen) -> tuple[subprocess.Popen, int | None]:
+    """Start Python ``source`` contained by ``mode`` (:func:`command`; ``popen``: more :class:`subprocess.Popen`
+    arguments). Returns the launcher and, for ``bwrap+audit``, the read end of a pipe holding bubblewrap's
+    ``--info-fd`` report; hand both to :func:`kill_run`, which closes it.
+
+    Why the report: bubblewrap's monitor (the launcher) exits as soon as the program does, while the kernel is
+    still killing the rest of the namespace (its init passes the exit code up through an eventfd and only then
+    exits), so after the launcher's end nothing links it to the init any more; the report names the init's PID."""
+    if mode != "bwrap+audit":
+        return subprocess.Popen(command(mode, source, tmpfs_bytes), pass_fds=pass_fds, **popen), None
+    read, write = os.pipe()
+    try:
+        proc = subprocess.Popen(command(mode, source, tmpfs_bytes, info_fd=write), pass_fds=(*pass_fds, write),
+                                **popen)
+    except BaseException:
+        os.close(read)
+        raise
+    finally:
+        os.close(write)  # bubblewrap holds its own end
+    return proc, read
+
+
+def _reported_init(info: int) -> int | None:
+    """The namespace init's host PID from bubblewrap's ``--info-fd`` report on pipe ``info`` (``{"child-pid": N,
+    ...}``), or None when none was written (bubblewrap failed, or has not got that far)."""
+    os.set_blocking(info, False)  # written once at the start; the namespace's processes may hold the write end
+    try:
+        return int(json.loads(os.read(info, 65536))["child-pid"])
+    except (BlockingIOError, ValueError, KeyError, TypeError):
+        return None
+
+
+def kill_run(proc: subprocess.Popen, info: int | None = None, wait_s: float = 10.0) -> None:
     """SIGKILL a sandbox's launcher ``proc`` and its process group, and wait until its PID namespace (if any) is
     gone: an init's exit is complete only after the kernel has killed and reaped every process of its namespace,
-    so no process of the run is left when this returns. The ``audit`` mode's launcher (a subreaper) gets SIGTERM
-    first, and ``wait_s`` to clear what it holds. ``wait_s``: the most seconds to wait for either."""
-    init = _namespace_init(proc.pid)
+    so no process of the run is left when this returns. The init is the one bubblewrap reported on ``info``
+    (:func:`launch`; closed here), else the first descendant of the launcher in another PID namespace; it is
+    killed by PID only while the launcher, its parent, is alive (after that it may be reaped and the PID reused;
+    the launcher's death sends it SIGKILL anyway: ``--die-with-parent``, ``unshare --kill-child``). The ``audit``
+    mode's launcher (a subreaper) gets SIGTERM first, and ``wait_s`` to clear what it holds. ``wait_s``: the most
+    seconds to wait for either."""
+    try:
+        init = (_reported_init(info) if info is not None else None) or _namespace_init(proc.pid)
+    finally:
+        if info is not None:
+            os.close(info)
+    if init is not None and proc.poll() is None:
+        os.kill(init, signal.SIGKILL)  # the launcher is its parent and alive: not reaped, so the PID is the init's
     if init is None and proc.poll() is None:
         proc.terminate()  # the reaper (or a namespace launcher that already lost its init) clears its children
         try:
@@ -196,12 +243,6 @@ def kill_run(proc: subprocess.Popen, wait_s: float = 10.0) -> None:
     except ProcessLookupError:
         pass  # already gone with all its group
     proc.wait()
-    if init is None:
-        return
-    try:
-        os.kill(init, signal.SIGKILL)  # (the launcher's death sends it SIGKILL too; this does not wait for that)
-    except ProcessLookupError:
-        return
     deadline = time.monotonic() + wait_s
-    while not _ended(init) and time.monotonic() < deadline:
+    while init is not None and not _ended(init) and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -8,6 +8,7 @@ replacing the set, is the local run of tests/integration/test_resume.py."""
 import os
 import re
 import signal
+from pathlib import Path
 
 import psutil
 import pytest
@@ -131,13 +132,19 @@ def test_evaluation_spreads_its_prompts(replica_set, tiny_tokenizer):
     from grpo_steps.data import prepare
     from grpo_steps.evaluate import evaluate_policy
 
-    cfg = validate_config(yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text()))
+    config = yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text())
+    # 32 prompts, not the 8 of the test config: consistent_hash puts 8 sessions on one of two replicas in 1 run of
+    # 128 (it did once, in CI on 2026-11-26)
+    config["data"]["num_eval"] = 32
+    cfg = validate_config(config)
     rows = prepare(cfg.data, tiny_tokenizer, cfg.generation.chat_template_kwargs).eval
     before = _counts(replica_set)
     result = evaluate_policy(cfg, replica_set.client(), tiny_tokenizer, rows)
     spread = [after - b for after, b in zip(_counts(replica_set), before, strict=True)]
-    assert len(result["prompt_keys"]) == len(rows)
-    assert min(spread) > 0, spread
+    assert len(result["prompt_keys"]) == len(rows) == 32
+    assert sum(spread) == 2 * len(rows)  # one request per prompt for the samples, one for its greedy completion
+    # (when this fails, the router's log says whether it took a replica out of rotation for failed health checks)
+    assert min(spread) > 0, (spread, Path(replica_set.router_server.log_path).read_text()[-3000:])
 
 
 def test_a_killed_replica_fails_the_push_by_name_and_nothing_outlives_the_set(replica_set):
