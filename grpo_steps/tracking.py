@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
@@ -196,11 +197,14 @@ def log_metrics_with(mlflow_client, run_id: str, metrics: dict[str, float], step
         mlflow_client.log_batch(run_id, metrics=batch[i : i + 500])
 
 
+def _redacted(table: dict[str, list]) -> dict[str, list]:
+    return {name: [redact(v) if isinstance(v, str) else v for v in values] for name, values in table.items()}
+
+
 def log_table(mlflow_client, run_id: str, table: dict[str, list], artifact_file: str) -> None:
     """Log ``table`` (column -> values) to the run as ``artifact_file``, every text cell redacted
     (:func:`grpo_steps.redaction.redact`: completions and tool answers can hold what a tool read)."""
-    cells = {name: [redact(v) if isinstance(v, str) else v for v in values] for name, values in table.items()}
-    mlflow_client.log_table(run_id, data=cells, artifact_file=artifact_file)
+    mlflow_client.log_table(run_id, data=_redacted(table), artifact_file=artifact_file)
 
 
 def log_metrics(cfg: PipelineConfig, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
@@ -302,20 +306,22 @@ class TrackingBacklog(RuntimeError):
     """Metrics still queued when the tracking server stayed away past ``tracking.outage_wait_s``."""
 
 
-class MetricQueue:
-    """Metrics logged without waiting for the tracking server: :meth:`log` queues them in memory and returns; a
-    daemon thread sends them in MLflow's batch size, oldest first, and keeps a batch that fails (the server down
-    past its client's own HTTP retries, a restart) to send again every ``retry_s`` seconds, so a server that goes
-    away for minutes and comes back ends up with every step. Each point keeps the timestamp it was logged with, so a
-    batch sent twice (the server stored it but the answer was lost) adds nothing: MLflow's stores skip a point
-    equal to one they hold.
+class TrackingQueue:
+    """Metrics and tables logged without waiting for the tracking server: :meth:`log` and :meth:`log_table` queue
+    them in memory and return; a daemon thread sends them in order (metric points in MLflow's batch size), and
+    keeps what fails (the server down past its client's own HTTP retries, a restart) to send again every
+    ``retry_s`` seconds, so a server that goes away for minutes and comes back ends up with every step and every
+    table. Sending twice adds nothing: each point keeps the timestamp it was logged with, and MLflow's stores skip
+    a point equal to one they hold; a table is sent only when the run does not hold its file yet (MLflow would
+    append its rows to the file: once a table was stored but the answer lost, or an earlier attempt logged it).
 
     Chosen over MLflow's own ``log_batch(synchronous=False)``: that queue hands a batch to the client once and
-    reports its failure in a future, the batch lost. Points live in this process only: when the training process
-    dies, the ``@retry`` attempt re-trains from the newest checkpoint and logs those steps again.
+    reports its failure in a future, the batch lost; and it has no tables. Everything queued lives in this process
+    only: when the training process dies, the ``@retry`` attempt re-trains from the newest checkpoint and logs
+    those steps again.
 
     Args:
-        mlflow_client: an ``MlflowClient``; run_id: the run to log into; retry_s: seconds between tries of a batch.
+        mlflow_client: an ``MlflowClient``; run_id: the run to log into; retry_s: seconds between tries.
     """
 
     BATCH = 500  # MLflow's log_batch limit of metrics per request
@@ -324,11 +330,11 @@ class MetricQueue:
         import threading
 
         self.client, self.run_id, self.retry_s = mlflow_client, run_id, retry_s
-        self.pending: list = []  # mlflow.entities.Metric, oldest first
+        self.pending: list = []  # mlflow.entities.Metric and _Table, oldest first
         self.failing_since: float | None = None  # monotonic time of the first failure of the current outage
         self.closed = False
         self.cond = threading.Condition()
-        self.thread = threading.Thread(target=self._send_forever, name="mlflow-metrics", daemon=True)
+        self.thread = threading.Thread(target=self._send_forever, name="mlflow-queue", daemon=True)
         self.thread.start()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -339,14 +345,37 @@ class MetricQueue:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        points = [Metric(mlflow_name(k), float(v), now, step) for k, v in metrics.items()]
+        self._queue([Metric(mlflow_name(k), float(v), now, step) for k, v in metrics.items()])
+
+    def log_table(self, table: dict[str, list], artifact_file: str) -> None:
+        """Queue ``table`` (column -> values) for the run's ``artifact_file``, text cells redacted now (as
+        :func:`log_table`); returns at once (after :meth:`close`: sends it before returning)."""
+        self._queue([_Table(artifact_file, _redacted(table))])
+
+    def _queue(self, items: list) -> None:
         with self.cond:
             if not self.closed:
-                self.pending += points
+                self.pending += items
                 self.cond.notify_all()
                 return
-        for i in range(0, len(points), self.BATCH):  # after close (a late callback): sent at once, not dropped
-            self.client.log_batch(self.run_id, metrics=points[i : i + self.BATCH])
+        while items:  # after close (a late callback): sent at once, not dropped
+            items = items[self._send(items):]
+
+    def _send(self, items: list) -> int:
+        """Send the first table of ``items``, or its leading metric points up to :data:`BATCH`; returns how many
+        items that was. Raises what the client raised."""
+        from mlflow.entities import Metric
+
+        if isinstance(items[0], _Table):
+            table = items[0]
+            folder = table.path.rsplit("/", 1)[0] if "/" in table.path else None
+            if table.path not in {a.path for a in self.client.list_artifacts(self.run_id, folder)}:
+                self.client.log_table(self.run_id, data=table.cells, artifact_file=table.path)
+            return 1
+        count = next((i for i, item in enumerate(items[: self.BATCH]) if not isinstance(item, Metric)),
+                     min(len(items), self.BATCH))
+        self.client.log_batch(self.run_id, metrics=items[:count])
+        return count
 
     def _send_forever(self) -> None:
         import time
@@ -356,40 +385,47 @@ class MetricQueue:
                 self.cond.wait_for(lambda: self.pending or self.closed)
                 if not self.pending:
                     return
-                batch = self.pending[: self.BATCH]
+                head = self.pending[: self.BATCH]
             try:
-                self.client.log_batch(self.run_id, metrics=batch)
-            except Exception as err:  # any failure of the server or the network: the batch stays queued
+                sent = self._send(head)
+            except Exception as err:  # any failure of the server or the network: the items stay queued
                 with self.cond:
                     if self.closed:  # close() gave up on the backlog (flush raised): stop here
                         return
                     if self.failing_since is None:
                         self.failing_since = time.monotonic()
                         print(f"[mlflow] tracking server not taking metrics ({type(err).__name__}: "
-                              f"{redact(str(err))[:200]}); {len(self.pending)} points queued, retrying every "
+                              f"{redact(str(err))[:200]}); {self._backlog()} queued, retrying every "
                               f"{self.retry_s:g} s", flush=True)
                     self.cond.wait(self.retry_s)
                 continue
             with self.cond:
-                del self.pending[: len(batch)]
+                del self.pending[:sent]
                 if self.failing_since is not None:
                     print(f"[mlflow] tracking server back after {time.monotonic() - self.failing_since:.0f} s; "
-                          f"{len(self.pending)} points still queued", flush=True)
+                          f"{self._backlog()} still queued", flush=True)
                     self.failing_since = None
                 self.cond.notify_all()
 
+    def _backlog(self) -> str:
+        """What is queued, in words: ``N metric points (steps A..B)`` and ``T tables``."""
+        points = [item for item in self.pending if not isinstance(item, _Table)]
+        tables = len(self.pending) - len(points)
+        words = [f"{len(points)} metric points" + (f" (steps {points[0].step}..{points[-1].step})" if points else "")]
+        return " and ".join(words + ([f"{tables} tables"] if tables else []))
+
     def flush(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` seconds until every queued point is sent.
+        """Wait up to ``timeout_s`` seconds until everything queued is sent.
 
         Raises:
-            TrackingBacklog: points still queued at the deadline; the message says how many and what to do.
+            TrackingBacklog: items still queued at the deadline; the message says how many and what to do.
         """
         with self.cond:
             if not self.cond.wait_for(lambda: not self.pending, timeout=timeout_s):
                 raise TrackingBacklog(
-                    f"{len(self.pending)} metric points (steps {self.pending[0].step}..{self.pending[-1].step}) did "
-                    f"not reach the MLflow tracking server within tracking.outage_wait_s={timeout_s:g} s: start it "
-                    "again (the run's checkpoints are safe) and `resume`, or raise tracking.outage_wait_s")
+                    f"{self._backlog()} did not reach the MLflow tracking server within "
+                    f"tracking.outage_wait_s={timeout_s:g} s: start it again (the run's checkpoints are safe) and "
+                    "`resume`, or raise tracking.outage_wait_s")
 
     def close(self, timeout_s: float) -> None:
         """:meth:`flush`, then stop the sender thread (also when the flush raised)."""
@@ -400,3 +436,11 @@ class MetricQueue:
                 self.closed = True
                 self.cond.notify_all()
             self.thread.join(timeout=1.0)  # a send blocked in MLflow's HTTP retries ends with the process
+
+
+@dataclass(frozen=True)
+class _Table:
+    """A table queued by :meth:`TrackingQueue.log_table`: the run's artifact file and its (redacted) columns."""
+
+    path: str
+    cells: dict[str, list]

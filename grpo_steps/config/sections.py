@@ -145,7 +145,7 @@ class TrackingConfig(_Section):
     the experiment is created. None: MLflow's default next to the tracking store."""
     outage_wait_s: float = Field(600.0, gt=0)
     """Seconds the training process waits at its end for the step metrics it queued while the tracking server was
-    away (it trains on meanwhile; :class:`grpo_steps.tracking.MetricQueue`); past it the attempt fails naming the
+    away (it trains on meanwhile; :class:`grpo_steps.tracking.TrackingQueue`); past it the attempt fails naming the
     backlog, and ``resume`` continues from the newest checkpoint."""
     engine_metrics: bool = True
     """Log the generation servers' engine metrics with each training step's metrics (rank 0): requests running and

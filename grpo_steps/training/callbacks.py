@@ -95,8 +95,9 @@ class MLflowMetricsCallback(TrainerCallback):
     Steps the run already holds (an earlier attempt logged them before it died) are not logged
     again, so a run resumed from an older checkpoint keeps one continuous history: every step once,
     none missing. The watermark is the newest step of the ``WATERMARK`` metric, read at train start.
-    Points go through a :class:`grpo_steps.tracking.MetricQueue`: a tracking server that goes away mid-training
-    delays them; at train end the queue is drained within ``outage_wait_s`` seconds (``tracking.outage_wait_s``).
+    Points go through a :class:`grpo_steps.tracking.TrackingQueue` (``queue``; the completions tables too): a
+    tracking server that goes away mid-training delays them; at train end the queue is drained within
+    ``outage_wait_s`` seconds (``tracking.outage_wait_s``).
     """
 
     WATERMARK = "trainer/global_step"
@@ -104,11 +105,11 @@ class MLflowMetricsCallback(TrainerCallback):
     def __init__(self, run_id: str, tracking_uri: str, outage_wait_s: float = 600.0) -> None:
         from mlflow import MlflowClient
 
-        from grpo_steps.tracking import MetricQueue
+        from grpo_steps.tracking import TrackingQueue
 
         self.run_id, self.client = run_id, MlflowClient(tracking_uri=tracking_uri)
         self.logged_up_to, self.outage_wait_s = 0, outage_wait_s
-        self.queue = MetricQueue(self.client, run_id)  # a tracking outage neither stalls nor fails training
+        self.queue = TrackingQueue(self.client, run_id)  # a tracking outage neither stalls nor fails training
 
     def on_train_begin(self, args, state, control, **kwargs):
         history = self.client.get_metric_history(self.run_id, self.WATERMARK)
@@ -205,29 +206,26 @@ def completions_table(trainer, version: int) -> dict[str, list]:
 
 
 class CompletionsTableCallback(TrainerCallback):
-    """Every ``every`` optimizer steps (``train.log_completions_steps``), logs the latest generation batch
-    (:func:`completions_table`) to the MLflow run ``run_id`` as ``completions/step_NNNNNN.json``, so the MLflow UI
+    """Every ``every`` optimizer steps (``train.log_completions_steps``), queues the latest generation batch
+    (:func:`completions_table`) for the MLflow run as ``completions/step_NNNNNN.json`` on ``queue`` (the metrics'
+    :class:`grpo_steps.tracking.TrackingQueue`: a tracking outage delays the table, never the step), so the MLflow UI
     shows what the policy wrote at that step (main process). Each step's table is logged once: MLflow appends to an
-    existing table file, so a step already in the run (logged twice at the last step, or by an earlier attempt of a
-    resumed run) is left as it is."""
+    existing table file, so a step queued already (the last step is logged twice) is skipped here, and one the run
+    holds (an earlier attempt of a resumed run) by the queue."""
 
-    def __init__(self, trainer, mlflow_client, run_id: str, every: int) -> None:
-        self.trainer, self.client, self.run_id, self.every = trainer, mlflow_client, run_id, every
-        self.logged: set[str] | None = None  # artifact paths the run holds, read once
+    def __init__(self, trainer, queue, every: int) -> None:
+        self.trainer, self.queue, self.every = trainer, queue, every
+        self.queued: set[str] = set()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or state.global_step % self.every \
                 or not trl_hooks.logged_batch(self.trainer)["prompt"]:
             return control
-        if self.logged is None:
-            self.logged = {a.path for a in self.client.list_artifacts(self.run_id, COMPLETIONS_DIR)}
         path = f"{COMPLETIONS_DIR}/step_{state.global_step:06d}.json"
-        if path not in self.logged:
+        if path not in self.queued:
             table = completions_table(self.trainer, getattr(self.trainer, "sampled_version", state.global_step - 1))
-            from grpo_steps.tracking import log_table
-
-            log_table(self.client, self.run_id, table, path)  # text cells redacted
-            self.logged.add(path)
+            self.queue.log_table(table, path)  # text cells redacted
+            self.queued.add(path)
         return control
 
 

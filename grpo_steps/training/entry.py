@@ -175,16 +175,17 @@ def callbacks(job: TrainJob, tokenizer, started: float) -> tuple[list, list]:
     if in_metaflow_task():
         first.append(DatastoreCheckpointCallback(job.node_index, keep=cfg.train.save_total_limit,
                                                  log_metrics=mlflow_cb.log if mlflow_cb else None))
-    of_trainer = [partial(eval_during_callback, job, tokenizer=tokenizer)] if cfg.eval.every_steps else []
-    if mlflow_cb and cfg.train.log_completions_steps:
-        of_trainer.append(partial(CompletionsTableCallback, mlflow_client=mlflow_cb.client, run_id=job.mlflow_run_id,
-                                  every=cfg.train.log_completions_steps))
+    queue = mlflow_cb.queue if mlflow_cb else None  # metrics, curves and tables: one queue, drained at train end
+    of_trainer = [partial(eval_during_callback, job, tokenizer=tokenizer, queue=queue)] if cfg.eval.every_steps else []
+    if queue and cfg.train.log_completions_steps:
+        of_trainer.append(partial(CompletionsTableCallback, queue=queue, every=cfg.train.log_completions_steps))
     return first, of_trainer
 
 
-def eval_during_callback(job: TrainJob, trainer, tokenizer):
+def eval_during_callback(job: TrainJob, trainer, tokenizer, queue=None):
     """The :class:`grpo_steps.training.eval_during.EvalDuringTraining` of this process: global rank 0 (on node 0)
-    evaluates ``job.eval_file``'s rows and logs to ``job.mlflow_run_id``; the other ranks only push.
+    evaluates ``job.eval_file``'s rows and logs them on ``queue`` (the run's
+    :class:`grpo_steps.tracking.TrackingQueue`; None: no tracked run); the other ranks only push.
 
     Raises:
         ValueError: node 0's job has no ``eval_file`` (the flow's train step writes it).
@@ -197,16 +198,9 @@ def eval_during_callback(job: TrainJob, trainer, tokenizer):
     rows = [json.loads(line) for line in Path(job.eval_file).read_text().splitlines() if line.strip()] \
         if evaluator else []
     log, logged = None, set()
-    if evaluator and job.mlflow_run_id:
-        from mlflow import MlflowClient
-
-        from grpo_steps.tracking import log_metrics_with
-
-        mlflow_client = MlflowClient(tracking_uri=job.config.tracking.tracking_uri)
-        logged = logged_steps(mlflow_client, job.mlflow_run_id)
-
-        def log(metrics, step):
-            log_metrics_with(mlflow_client, job.mlflow_run_id, metrics, step)
+    if evaluator and queue is not None:
+        logged = logged_steps(queue.client, job.mlflow_run_id)
+        log = queue.log  # the metrics' queue: a tracking outage delays the curve's points, never the step
 
     baseline_rows = [json.loads(line) for line in Path(job.baseline_file).read_text().splitlines() if line.strip()] \
         if evaluator and job.baseline_file else None  # step 0 also measures the evaluate step's baseline

@@ -53,11 +53,13 @@ def flow_env(**extra: str) -> dict[str, str]:
 
 
 def run_flow(workdir, env: dict, args: list[str], on_line: Callable[[str], None] | None = None,
-             timeout_s: float = 1500) -> tuple[int, str]:
-    """Run ``grpo_flow.py ARGS`` in ``workdir``; ``on_line`` sees each output line as it comes.
-    Returns (exit code, whole output)."""
+             timeout_s: float = 1500, started: Callable[[subprocess.Popen], None] | None = None) -> tuple[int, str]:
+    """Run ``grpo_flow.py ARGS`` in ``workdir``; ``on_line`` sees each output line as it comes, ``started`` the
+    runtime's process once it started. Returns (exit code, whole output)."""
     proc = subprocess.Popen([sys.executable, str(FLOW), *args], cwd=workdir, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    if started:
+        started(proc)
     log = []
     try:
         for line in proc.stdout:
@@ -193,3 +195,47 @@ def files_holding(root, values: list[str]) -> dict[str, list[str]]:
         if hits:
             found[str(path.relative_to(root))] = hits
     return found
+
+
+class MlflowServer:
+    """A real ``mlflow server`` on 127.0.0.1 (a free port, kept across restarts) over a sqlite store at
+    ``workdir/mlflow.db``, artifacts proxied to ``workdir/mlartifacts`` (as a cluster's tracking server serves
+    them); started, stopped and started again by the PID of its own process group (its workers go with it)."""
+
+    def __init__(self, workdir) -> None:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.workdir, self.proc, self.log = Path(workdir), None, None
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        import requests
+
+        from grpo_steps.processes import wait_until
+
+        cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+               "--backend-store-uri", f"sqlite:///{self.workdir}/mlflow.db",
+               "--artifacts-destination", str(self.workdir / "mlartifacts"), "--workers", "1"]
+        self.log = open(self.workdir / "mlflow-server.log", "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def healthy() -> bool:
+            assert self.proc.poll() is None, (self.workdir / "mlflow-server.log").read_text()[-3000:]
+            try:
+                return requests.get(f"{self.url}/health", timeout=2).status_code == 200
+            except requests.RequestException:
+                return False
+
+        assert wait_until(healthy, timeout_s=180, interval_s=1)
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=60)
+        if self.log is not None:
+            self.log.close()

