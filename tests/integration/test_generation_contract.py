@@ -69,6 +69,8 @@ def test_a_stop_string_ends_completions(tiny_server, tiny_tokenizer):
     assert len(stopped) >= len(samples) // 2, [s["text"] for s in samples]
     for s in stopped:
         assert " " not in s["text"]
+        if s["completion_ids"][-1] == tiny_tokenizer.eos_token_id:
+            continue  # the end-of-text token sampled before any space also ends with "stop" (it did once in CI)
         assert " " in tiny_tokenizer.decode(s["completion_ids"])  # the token that wrote it closes the completion
         assert " " not in tiny_tokenizer.decode(s["completion_ids"][:-1])
 

@@ -114,7 +114,10 @@ def test_training_with_async_rollouts_pushes_every_version_to_both_replicas(tmp_
     assert [h["weight_sync/replicas"] for h in _history(tmp_path)] == [2.0, 2.0, 2.0]
     assert [h["async/staleness"] <= 1 for h in _history(tmp_path)] == [True] * 3
     assert [VLLMClient(m.endpoint).weight_version() for m in replica_set.members] == ["step-2", "step-2"]
-    assert min(after - b for after, b in zip(_counts(replica_set), before, strict=True)) > 0  # both served rollouts
+    # the router served the producer's rollouts; which replicas is consistent_hash's choice per prompt: with the ~6
+    # prompts of 3 steps all of them land on one replica in 1 run of 32 (it did once in CI), so the spread over both
+    # is asserted where there are enough prompts (above, evaluation, and test_resume.py's local flow)
+    assert sum(after - b for after, b in zip(_counts(replica_set), before, strict=True)) > 0
 
 
 def test_multi_turn_tool_rollouts_on_two_replicas(tmp_path, tiny_model_path, tiny_tokenizer, replica_set, capfd):
