@@ -508,6 +508,12 @@ class GenerationConfig(_Section):
         return out
 
     @property
+    def trl_samples_with_vllm(self) -> bool:
+        """Whether TRL's own vLLM generation samples the rollouts (``mode: colocate`` or ``weight_sync: nccl``), rather
+        than our server (``disk``), the replay file or transformers (``hf``)."""
+        return self.backend == "vllm" and (self.mode == "colocate" or self.weight_sync == "nccl")
+
+    @property
     def filters_logits(self) -> bool:
         """Whether the rollouts sample from more than the temperature-scaled policy (a sampling filter set)."""
         return (self.top_p < 1 or self.top_k > 0 or self.min_p > 0 or self.repetition_penalty != 1

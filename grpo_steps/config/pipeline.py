@@ -239,7 +239,7 @@ class PipelineConfig(_Section):
     def _grpo_keys_of_the_generation_path(self) -> PipelineConfig:
         """``train.grpo`` keys read by only one generation path are refused on the others."""
         gen, grpo = self.generation, self.train.grpo
-        trl_vllm = gen.backend == "vllm" and (gen.mode == "colocate" or gen.weight_sync == "nccl")
+        trl_vllm = gen.trl_samples_with_vllm
         idle = [(key, "TRL's own vLLM generation (generation.mode 'colocate' or weight_sync 'nccl')")
                 for key in TRL_VLLM_ONLY_KEYS if key in grpo and not trl_vllm]
         idle += [(key, "TRL's transformers generation (generation.backend 'hf')")

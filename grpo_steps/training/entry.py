@@ -41,6 +41,10 @@ def run(job: TrainJob) -> str:
 
     Also writes the trainer's per-step log to ``{output_dir}/log_history.json``.
     """
+    from grpo_steps.training import trl_hooks
+
+    if not job.config.generation.trl_samples_with_vllm:
+        trl_hooks.skip_trls_vllm_imports()  # before anything below imports TRL's trainer
     import torch
     from transformers import AutoModelForCausalLM
 

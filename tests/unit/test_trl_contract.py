@@ -202,3 +202,41 @@ def test_the_generation_round_and_micro_batch_the_hooks_reach_are_trls():
     finally:
         trl.GRPOTrainer._generate_and_score_completions, trl.GRPOTrainer._prepare_inputs = originals
     assert reached == ["round", "prepare"]  # TRL's own, past the pipeline's overrides
+
+
+def test_trls_vllm_imports_wait_on_the_gate_the_hook_closes():
+    """``trl_hooks.skip_trls_vllm_imports`` answers False for ``trl.import_utils.is_vllm_available``: that keeps vLLM
+    out of a training process only while each vLLM import of TRL's generation modules (GRPOTrainer imports them on
+    every path) runs under that function's answer: in an ``if`` on it at module level (or on a flag it set), or
+    inside a function (TRL's own vLLM paths)."""
+    import importlib.util
+    from pathlib import Path
+
+    for module in ("trl.generation", "trl.generation.vllm_generation", "trl.generation.vllm_client"):
+        lines = Path(importlib.util.find_spec(module).origin).read_text().splitlines()
+        assert any(line.startswith("from ..import_utils import") and "is_vllm_available" in line for line in lines)
+        flags = {line.split("=")[0].strip() for line in lines
+                 if re.match(r"\w+ = is_vllm_available\(", line)}  # module-level flags set from the gate
+        block = ""
+        for line in lines:
+            if line and not line[0].isspace() and not line.startswith(("#", ")", "]")):
+                block = line  # the module-level statement an indented line belongs to
+            if re.match(r"\s*(from vllm\b|import vllm\b)", line):
+                gate = re.match(r"(el)?if (\w+)", block)
+                assert line[0].isspace() and (block.startswith(("def ", "class ", "async def ")) or (
+                    gate and (gate.group(2) == "is_vllm_available" or gate.group(2) in flags))), (module, line, block)
+
+
+@pytest.mark.slow
+def test_a_training_process_off_trls_vllm_paths_imports_no_vllm():
+    """The trainer's modules imported after the hook bring no vLLM module and no version warning of TRL's (the
+    training process of every path but colocate and nccl, :func:`grpo_steps.training.entry.run`)."""
+    import subprocess
+    import sys
+
+    code = ("from grpo_steps.training import trl_hooks; trl_hooks.skip_trls_vllm_imports(); "
+            "from grpo_steps.training.trainer import ServerGRPOTrainer; from grpo_steps.training import entry; "
+            "import sys; print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
+    assert "TRL currently supports vLLM" not in done.stderr
