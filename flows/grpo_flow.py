@@ -102,27 +102,29 @@ class GRPOFlow(FlowSpec):
                 self.training_baseline = steps.training_baseline(workdir)  # step 0 measured the base weights
         self.next(self.evaluate)
 
+    # evaluate and register load the policy with steps.loaded_policy, not @model: its card costs each step two
+    # synchronous card processes at the end
     @card(type="blank", id="eval")
-    @model
     @step
     def evaluate(self, inputs):
         """Baseline vs trained policy on the held-out split, through the same server."""
         self.merge_artifacts(inputs)
         cfg = steps.config_of(self.config)
         self.server = steps.ensure_server(cfg, self.server, self.model_path)
-        self.eval_report = steps.evaluate(cfg, run_id=self.mlflow_run_id, server=self.server,
-                                          base_model=self.model_path, trained_model=current.model.load(self.policy),
-                                          eval_rows=self.eval_rows, baseline=self.training_baseline)
+        with steps.loaded_policy(self.policy) as trained_model:
+            self.eval_report = steps.evaluate(cfg, run_id=self.mlflow_run_id, server=self.server,
+                                              base_model=self.model_path, trained_model=trained_model,
+                                              eval_rows=self.eval_rows, baseline=self.training_baseline)
         current.card["eval"].extend(steps.card_components(cfg, self.mlflow_run_id, self.eval_report))
         self.next(self.register)
 
-    @model(load="policy")
     @step
     def register(self):
         """Register the policy: alias candidate; champion when the quality gate passes."""
-        self.model_version = steps.register(steps.config_of(self.config), run_id=self.mlflow_run_id,
-                                            model_dir=current.model.loaded["policy"], report=self.eval_report,
-                                            pathspec=current.pathspec, dataset_digest=self.dataset_digest)
+        with steps.loaded_policy(self.policy) as model_dir:
+            self.model_version = steps.register(steps.config_of(self.config), run_id=self.mlflow_run_id,
+                                                model_dir=model_dir, report=self.eval_report,
+                                                pathspec=current.pathspec, dataset_digest=self.dataset_digest)
         self.next(self.end)
 
     @step

@@ -374,6 +374,24 @@ def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
     return report
 
 
+@contextmanager
+def loaded_policy(reference: dict):
+    """The final policy ``train`` saved (``reference``: what its ``current.model.save`` returned), copied from the
+    Metaflow datastore into a directory of this process that is removed on exit; yields its path. metaflow-checkpoint's
+    ``load_model``: the datastore ``@model(load=...)`` reads (both resolve it through the same artifact-store context),
+    without ``@model``'s card, which Metaflow renders at the end of each task in two synchronous ``card create``
+    processes (~6 s of CPU and as much of the step's time on the 2-core box, for a card listing one loaded model).
+
+    Raises:
+        metaflow-checkpoint's errors for a reference the datastore does not hold.
+    """
+    from metaflow import load_model
+
+    with scratch_dir(tempfile.gettempdir()) as directory:  # on disk, as @model's temporary directories: not /dev/shm
+        load_model(reference, directory)
+        yield directory
+
+
 def register(cfg: PipelineConfig, *, run_id: str, model_dir: str, report: dict, pathspec: str,
              dataset_digest: str) -> dict:
     """Register the trained policy (see :func:`grpo_steps.register.register`)."""
