@@ -63,13 +63,14 @@ def small_tmpfs(tmp_path):
 
 
 # The longest test files first, by the durations of the last `make test` (docs/benchmarks.md): kill/resume and faults
-# (~20 min of one worker in the 37-minute CI run), the ZeRO-3 gang, test_flow's faulted run, the replicas (with the
-# LoRA flow), the tool flow, the HumanEval flow, the server-rollout runs; every other file after them in collection order. `make test`'s two pytest-xdist workers take
-# whole files (`--dist loadfile`) in this order only with `--no-loadscope-reorder` (the Makefile passes it; xdist's
-# default sends the files with the most tests first), so neither ends the run on a flow file the other could have
-# started earlier. Names are checked by tests/unit/test_suite_order.py.
+# (~20 min of one worker in the 37-minute CI run), the ZeRO-3 gang, test_flow's faulted run (GSM8K), the replicas
+# (with the LoRA flow on HumanEval), the tool flow, the server-rollout runs; every other file after them in collection
+# order. `make test`'s two pytest-xdist workers take whole files (`--dist loadfile`) in this order only with
+# `--no-loadscope-reorder` (the Makefile passes it; xdist's default sends the files with the most tests first), so
+# neither ends the run on a flow file the other could have started earlier. Names are checked by
+# tests/unit/test_suite_order.py.
 LONGEST_FIRST = ("test_resume.py", "test_multinode_local.py", "test_flow.py", "test_replicas.py", "test_tool_flow.py",
-                 "test_task_flows.py", "test_server_rollouts.py", "test_bad_inputs.py", "test_generation_contract.py")
+                 "test_server_rollouts.py", "test_bad_inputs.py", "test_generation_contract.py")
 
 
 def pytest_collection_modifyitems(config, items):

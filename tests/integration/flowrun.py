@@ -164,17 +164,25 @@ def flow_run_id(output: str) -> str:
 def completed_run(workdir, config_path, **env: str):
     """Run the flow on ``config_path`` in ``workdir`` (it must succeed), with ``env`` added to its environment;
     yields ``(Run, output)``, the Metaflow ``Run`` read from ``workdir``'s local datastore."""
-    from metaflow import Flow, metadata, namespace
-
     code, out = run_flow(workdir, flow_env(**env), ["--config", "config", str(config_path), "run"])
     assert code == 0, f"flow failed:\n{out[-12000:]}"
+    with flow_client(workdir) as runs:
+        yield runs[flow_run_id(out)], out
+
+
+@contextmanager
+def flow_client(workdir):
+    """Yields Metaflow's ``Flow("GRPOFlow")`` read from ``workdir``'s local datastore (index it by run id), in
+    ``workdir`` as the current directory."""
+    from metaflow import Flow, metadata, namespace
+
     cwd = os.getcwd()
     os.chdir(workdir)
     try:
         # The client caches the local datastore it found first: point it at this run's, explicitly.
         metadata(f"local@{workdir}")
         namespace(None)
-        yield Flow("GRPOFlow")[flow_run_id(out)], out
+        yield Flow("GRPOFlow")
     finally:
         os.chdir(cwd)
 

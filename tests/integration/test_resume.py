@@ -1,12 +1,11 @@
-"""Faults during training, then `resume`. On the local datastore, with the ``local`` provider's whole lifecycle in
-one flow run: the generation server killed (``@retry`` continues on a new server), the retried training process
-SIGKILLed mid-save of a checkpoint (the next ``@retry`` continues from the newest checkpoint whose save completed),
-then kill -9 of the last attempt's training process after a checkpoint; ``resume`` continues at the checkpoint's step
-on a re-provisioned server, one continuous MLflow history, one registered version, older checkpoints pruned to
-``train.save_total_limit``, no server left behind; then a new run started from the killed run's checkpoint by
-``train.resume_from``. Once with the S3 datastore on a local S3 server across an S3 outage during a checkpoint
-upload (marker ``s3``). One flow run carries several faults because each whole flow costs minutes in ``make
-test``."""
+"""Faults during training, then a run that continues. On the local datastore, with the ``local`` provider's whole
+lifecycle in one flow run: a generation replica killed (``@retry`` continues on a new set of replicas), the retried
+training process SIGKILLed mid-save of a checkpoint (the next ``@retry`` continues from the newest checkpoint whose
+save completed), then kill -9 of the last attempt's training process after a checkpoint; a new run started from the
+killed run's checkpoint by ``train.resume_from`` continues at its step on new replicas, older checkpoints pruned to
+``train.save_total_limit``, no server left behind. With the S3 datastore on a local S3 server across an S3 outage
+during a checkpoint upload, kill -9 and ``resume`` (marker ``s3``): one continuous MLflow history, one registered
+version. One flow run carries several faults because each whole flow costs minutes in ``make test``."""
 
 import os
 import re
@@ -82,9 +81,9 @@ def _kill_and_resume(workdir, env: dict, config: dict, on_line=None) -> tuple[st
     return flow_run_id(out), resumed
 
 
-def _assert_resumed(workdir, env, origin_run: str, out: str, *, server_replaced: bool) -> None:
+def _assert_resumed(workdir, env, origin_run: str, out: str) -> None:
     assert f"resuming from step {KILL_AFTER} of run {origin_run}" in out
-    assert ("belongs to an earlier run or is not answering: starting a new one" in out) is server_replaced
+    assert "belongs to an earlier run or is not answering: starting a new one" not in out  # an external server
     (run,) = mlflow_runs(workdir)  # resume reopened the same run
     for metric in ("reward", "loss"):
         steps = metric_steps(workdir, metric)
@@ -132,52 +131,76 @@ class ServerAndTrainerFaults:
 
 
 @pytest.mark.slow
-def test_faults_then_kill_then_resume_on_the_local_datastore_then_start_from_its_checkpoint(tmp_path, tiny_server):
-    """With the ``local`` provider and ``train.retries: 2``: the server killed (attempt 0), the retried trainer killed
-    mid-save (attempt 1), the last attempt's trainer killed after checkpoint KILL_AFTER (attempt 2, no retry left: the
-    run fails); ``resume`` finishes it. The rollouts come from a server whose sampler moved on, so the losses are not
-    compared here: ``test_multinode_local`` compares them on replayed completions."""
+def test_faults_then_kill_then_a_new_run_from_its_checkpoint_on_the_local_datastore(tmp_path):
+    """With the ``local`` provider, two replicas and ``train.retries: 2``: a replica killed (attempt 0), the retried
+    trainer killed mid-save (attempt 1), the last attempt's trainer killed after checkpoint KILL_AFTER (attempt 2, no
+    retry left: the run fails); then a new run started from the killed run's newest checkpoint by
+    ``train.resume_from`` finishes the training. (``resume`` after a kill: the S3 test below, test_flow.py's kill in
+    evaluate, the gang's and LoRA's tests.) The rollouts come from a server whose sampler moved on, so the losses are
+    not compared here: ``test_multinode_local`` compares them on replayed completions."""
     env, faults = flow_env(), ServerAndTrainerFaults()
     config = _config()
     config["train"]["retries"] = 2
     config["generation"]["server"]["replicas"] = 2  # two replicas behind vLLM's router, one core each
-    origin, out = _kill_and_resume(tmp_path, env, config, on_line=faults)
+
+    killed = []
+
+    def kill_after_checkpoint(line: str) -> None:
+        faults(line)
+        match = SAVED.search(line)
+        if match and int(match.group(1)) == KILL_AFTER and not killed:
+            os.kill(int(match.group(2)), signal.SIGKILL)  # the last attempt's training process, by its PID
+            killed.append(int(match.group(2)))
+
+    code, out = run_config(tmp_path, env, config, kill_after_checkpoint)
+    assert killed and code != 0, out[-5000:]
+    origin = flow_run_id(out)
     assert faults.server_killed and faults.trainer_killed
-    # router + 2 replicas: the first set, @retry's replacement, resume's replacement
-    assert [len(pids) for pids in faults.servers] == [3, 3, 3], faults.servers
-    killed_run = "".join(faults.lines)  # the killed run's output, then resume's (which has no @retry)
-    assert "generation replica 2/2 http://127.0.0.1:" in killed_run  # the failure names the killed replica
-    verified = re.findall(r"\[weight-sync\] version (\d+) verified on 2 replicas: \S+ (\S+), \S+ (\S+)", killed_run)
+    assert "generation replica 2/2 http://127.0.0.1:" in out  # the failure names the killed replica
+    verified = re.findall(r"\[weight-sync\] version (\d+) verified on 2 replicas: \S+ (\S+), \S+ (\S+)", out)
     assert verified and all(a == b == f"step-{v}" for v, a, b in verified)  # every push verified on both
-    assert "resuming from this task's step 2 (retry)" in killed_run  # attempt 1: the newest checkpoint of node 0
+    assert "resuming from this task's step 2 (retry)" in out  # attempt 1: the newest checkpoint of node 0
     # the kill raced the upload of checkpoint 4: attempt 2 starts from 4 if that save completed, else from 2
     newest = 4 if (faults.trainer_killed[0], 4) in faults.saved else 2
-    before_last_retry, last_retry = killed_run.rsplit("resuming from this task's step", 1)
-    assert last_retry.startswith(f" {newest} (retry)"), killed_run[-8000:]
-    # attempt 1 failed saying what killed it (the final kill says so too, after this)
+    before_last_retry, last_retry = out.rsplit("resuming from this task's step", 1)
+    assert last_retry.startswith(f" {newest} (retry)"), out[-8000:]
+    # attempts 1 and 2 failed saying what killed them
     assert "was killed (signal 9), likely out of memory: peak resident memory" in before_last_retry
-    _assert_resumed(tmp_path, env, origin, out, server_replaced=True)
+    assert "was killed (signal 9), likely out of memory: peak resident memory" in last_retry
+    assert f"removed step={KILL_AFTER - KEEP * SAVE_STEPS}" in out  # retention: older checkpoints deleted
+    (killed_run,) = mlflow_runs(tmp_path)
+    assert killed_run.info.status == "FAILED"  # the exit hook ended it: train failed with its retries used up
+    assert checkpoint_steps(tmp_path, env, origin) == list(range(KILL_AFTER - (KEEP - 1) * SAVE_STEPS,
+                                                                 KILL_AFTER + 1, SAVE_STEPS))
     assert list((tmp_path / ".metaflow" / "mf.checkpoints").rglob("*")), "checkpoints in the local datastore"
-    assert not any(s.is_running() for s in faults.supervisors), "a replica or router outlived the run"
     # both replicas served rollouts (the router's counts) and reported their engine metrics, step by step, in MLflow
     from mlflow import MlflowClient
 
-    (run,) = mlflow_runs(tmp_path)
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     for i in (0, 1):
-        requests = client.get_metric_history(run.info.run_id, f"router/replica{i}/requests")
+        requests = client.get_metric_history(killed_run.info.run_id, f"router/replica{i}/requests")
         assert sum(m.value for m in requests) > 0, (i, requests)
-        assert client.get_metric_history(run.info.run_id, f"engine/replica{i}/requests_running")
+        assert client.get_metric_history(killed_run.info.run_id, f"engine/replica{i}/requests_running")
 
-    # (3) a new run started from the killed run's newest checkpoint, named in the config
-    config = on_server(_config(), tiny_server)
+    # a new run from the killed run's newest checkpoint, named in the config, on a new set of replicas
     config["train"]["resume_from"] = f"GRPOFlow/{origin}"
-    code, started = run_config(tmp_path, env, config)
+    code, started = run_config(tmp_path, env, config, faults)
     assert code == 0, started[-6000:]
     assert f"resuming from step {KILL_AFTER} of run GRPOFlow/{origin}" in started
-    newest = mlflow_runs(tmp_path)[-1]
-    assert metric_steps(tmp_path, "reward", newest.info.run_id) == list(range(KILL_AFTER + 1, MAX_STEPS + 1))
-    assert len(model_versions(tmp_path, MODEL_NAME)) == 2  # one per flow run
+    assert "(retry)" not in started and "was killed" not in started
+    # router + 2 replicas: the first set, @retry's replacement, the new run's
+    assert [len(pids) for pids in faults.servers] == [3, 3, 3], faults.servers
+    newest_run = mlflow_runs(tmp_path)[-1]
+    assert newest_run.info.status == "FINISHED"
+    for metric in ("reward", "loss"):  # the new run's history continues at the checkpoint's step
+        assert metric_steps(tmp_path, metric, newest_run.info.run_id) == list(range(KILL_AFTER + 1, MAX_STEPS + 1))
+    assert metric_steps(tmp_path, "train_runtime", newest_run.info.run_id) == [MAX_STEPS]
+    assert "eval/trained/pass_at_1" in newest_run.data.metrics
+    (version,) = model_versions(tmp_path, MODEL_NAME)  # the killed run registered nothing
+    assert version.run_id == newest_run.info.run_id
+    assert checkpoint_steps(tmp_path, env, flow_run_id(started)) == list(range(KILL_AFTER + SAVE_STEPS, MAX_STEPS + 1,
+                                                                               SAVE_STEPS))
+    assert not any(s.is_running() for s in faults.supervisors), "a replica or router outlived the runs"
 
 
 class S3Outage:
@@ -240,7 +263,7 @@ def test_kill_then_resume_on_the_s3_datastore_across_an_s3_outage(tmp_path, tiny
         assert outage.events["up"] - outage.events["down"] >= 10, outage.events
         # the newest KEEP checkpoints of the killed run are in the bucket, among them step 4, whose upload
         # waited out the outage (asserted by _assert_resumed); nothing was lost
-        _assert_resumed(tmp_path, env, origin, out, server_replaced=False)
+        _assert_resumed(tmp_path, env, origin, out)
         # the prefetched batches died with the killed process; the resumed attempt's producer started at its
         # checkpoint and sampled the very batches TRL asked for (none missed), one version behind after its first
         staleness = _metric_values(tmp_path, "async/staleness")
