@@ -249,13 +249,12 @@ class MlflowServer:
             self.log.close()
 
 
-def check_task_run(cfg, workdir_client, run) -> None:
+def check_task_run(cfg, client, run) -> None:
     """What a whole run of a task config (configs/test-<task>.yaml) must leave, ``cfg`` being the config it ran on
-    and ``workdir_client`` an MlflowClient of its store: the prepared rows carry the task's reward columns, each
+    and ``client`` an MlflowClient of its store: the prepared rows carry the task's reward columns, each
     configured reward logged at every training step, the evaluation's metrics (correctness and format rewards as the
     config names them) for baseline and trained with the correctness reward on every sample, one registered version
     of the run."""
-    client = workdir_client
     train_rows = run["prepare_data"].task.data.train_rows
     if cfg.data.source == "humaneval":
         assert all(row["test"] and row["entry_point"] and row["answer"] is None for row in train_rows)

@@ -196,6 +196,15 @@ def test_the_gsm8k_task_ran_with_its_own_rewards(flow_run):
     check_task_run(load_config(workdir / "run.yaml"), _client(workdir), run)
 
 
+def test_the_training_process_imported_no_vllm(flow_run):
+    """The training process of the server path keeps TRL from importing vLLM (trl_hooks.skip_trls_vllm_imports): TRL's
+    version warning, printed whenever its generation modules ask for vLLM, is not in either run's output."""
+    workdir, _ = flow_run
+    output = (workdir / "flow-output.txt").read_text()
+    assert "[train] started at step 0/4" in output
+    assert "TRL currently supports vLLM" not in output
+
+
 def test_every_step_ran(flow_run):
     _, run = flow_run
     assert run.successful
