@@ -13,7 +13,11 @@ methods and attributes (pinned by ``tests/unit/test_trl_contract.py``).
   changed, then ``vllm_generation.generate()`` for the first turn of every group and for each follow-up turn of its
   tool loop. So the trainer turns ``use_vllm`` on after TRL's constructor ran with it off (TRL builds no vLLM client
   of its own) and sets ``vllm_generation`` to :class:`grpo_steps.training.generation.ServerGeneration`; the prompts,
-  the tool loop, the correction, its metrics and the loss stay TRL's code.
+  the tool loop, the correction, its metrics and the loss stay TRL's code. Where the loss's own forward scores the
+  batch with the weights TRL's separate scoring pass would use (:func:`grpo_steps.training.correction.applies`), the
+  trainer skips that pass for training rounds and weighs the correction from the loss's logprobs
+  (:class:`grpo_steps.training.correction.LossSideCorrection`, overrides of ``_compute_loss`` and
+  ``_get_per_token_logps_and_entropies``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from functools import partial
 
 from trl import GRPOTrainer
 
-from grpo_steps.training import trl_hooks
+from grpo_steps.training import correction, trl_hooks
 from grpo_steps.training.generation import PolicyView, ServerGeneration, ServerSettings
 from grpo_steps.training.zero_signal import ZeroSignalMode
 
@@ -111,6 +115,13 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
             micro_step=partial(trl_hooks.micro_step, self),
             log=partial(trl_hooks.log_metric, self)))
         trl_hooks.mark_pushed(self, -1)  # push before the first generation (the server may hold stale weights)
+        # set: training rounds skip TRL's scoring pass and the loss weighs the correction
+        # (grpo_steps.training.correction); None: TRL's own path
+        self.loss_side_correction = correction.LossSideCorrection(
+            self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max, self.args.steps_per_generation) \
+            if correction.applies(self) else None
+        self._weighing: dict | None = None  # the micro-batch whose loss is being computed, while it is weighed
 
     def _sampled_version(self) -> int:
         return self.vllm_generation.sampled_version  # a verified push; with async, the one that sampled the batch
@@ -119,9 +130,37 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         generation: ServerGeneration = self.vllm_generation
         if generation.settings.max_staleness is not None and generation.prefetcher is None and self.model.training:
             self._start_async()
-        output = super()._generate_and_score_completions(inputs)
+        if self.loss_side_correction is not None and self.model.training:
+            # TRL's gate of its scoring pass, its weights and their metrics (pinned by the contract test): off for
+            # this round; the loss's forward weighs each micro-batch instead (_compute_loss below)
+            self.vllm_importance_sampling_correction = False
+            try:
+                output = super()._generate_and_score_completions(inputs)
+            finally:
+                self.vllm_importance_sampling_correction = True
+        else:
+            output = super()._generate_and_score_completions(inputs)
         generation.check_first_batch()
         return output
+
+    def _compute_loss(self, model, inputs):
+        if self.loss_side_correction is not None and self.model.training and "importance_sampling_ratio" not in inputs:
+            self._weighing = inputs  # read by the first scoring below: TRL's forward of the loss
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            self._weighing = None
+        if self.loss_side_correction is not None:
+            for name, value in (self.loss_side_correction.metrics(self.accelerator) or {}).items():
+                trl_hooks.log_metric(self, name, value)
+        return loss
+
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        result = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        inputs, self._weighing = self._weighing, None
+        if inputs is not None:  # before TRL's loss reads importance_sampling_ratio
+            self.loss_side_correction.weigh(inputs, result[0].detach())
+        return result
 
     def _start_async(self) -> None:
         """Start the producer of ``generation.async`` at the first generation of this attempt: it samples ahead the

@@ -49,6 +49,13 @@ def test_the_vllm_gates_that_server_trainer_opens_are_where_it_expects():
     assert "sampling/sampling_logp_difference/mean" in score
     loss = inspect.getsource(trl.GRPOTrainer._compute_loss)
     assert 'per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]' in loss
+    # the loss-side correction (grpo_steps.training.correction): the same gate keeps TRL's scoring pass out of a
+    # round; the loss scores the policy once, before it reads the weights the trainer's override set from that score
+    assert "if self.args.gradient_accumulation_steps % generate_every != 0 or ( self.use_vllm and " \
+           "self.vllm_importance_sampling_correction ): old_per_token_logps" in " ".join(score.split())
+    assert loss.count("self._get_per_token_logps_and_entropies(") == 1
+    assert loss.index("self._get_per_token_logps_and_entropies(") < loss.index('inputs.get("importance_sampling_ratio")') \
+        < loss.index('inputs["importance_sampling_ratio"]')
 
 
 def test_a_config_becomes_the_grpo_config_it_names(tmp_path):

@@ -43,6 +43,10 @@ class ZeroSignalMode:
     :class:`grpo_steps.training.trainer.PipelineGRPOTrainer`) delegates its generation round while training, its
     micro-batch preparation and its training step to the configured mode; each method's default is TRL's own path."""
 
+    correction_in_loss: bool = True
+    """Whether the mismatch correction may be weighed in the loss's forward (:mod:`grpo_steps.training.correction`):
+    every micro-batch of a generation batch reaches the loss once, with its rows as generated."""
+
     def generate(self, trainer, inputs: list[dict]) -> dict:
         """The generation batch trained on for ``inputs`` (TRL's rows: each prompt ``num_generations`` times)."""
         return trainer.generate_round(inputs)

@@ -31,6 +31,8 @@ class Replay(ZeroSignalMode):
     replayed ``replay_age`` (their mean age, optimizer steps) and ``replay_is_weight`` (mean importance weight of
     their loss tokens, or completions with the ``sequence_*`` modes; 0 where the correction masks them)."""
 
+    correction_in_loss = False  # replayed rows are re-weighed at generation, for zero_signal/replay_is_weight
+
     def __init__(self, buffer: ReplayBuffer) -> None:
         self.buffer = buffer
 

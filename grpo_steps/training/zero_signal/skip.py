@@ -20,6 +20,8 @@ from grpo_steps.training.zero_signal.plan import has_signal, signal_first
 class Skip(ZeroSignalMode):
     """Skips micro-batches without signal; metric ``zero_signal/skipped_share`` (share of micro-batches skipped)."""
 
+    correction_in_loss = False  # micro-batches without signal never reach the loss
+
     def __init__(self) -> None:
         self._prepared: dict | None = None  # the micro-batch prepared by training_step, handed to TRL's step
 

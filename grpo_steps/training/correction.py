@@ -1,0 +1,109 @@
+"""TRL's trainer–inference mismatch correction weighed in the loss's own forward, when that forward scores the batch
+with the weights TRL's separate scoring pass would use.
+
+TRL 1.16 scores every batch that vLLM sampled with the policy before training on it
+(``GRPOTrainer._generate_and_score_completions``: "When using vLLM, we always compute old_per_token_logps"): one
+no-grad forward over the whole generation batch, for the weight rho = pi_policy / pi_sampler of each token (or
+completion) and the ``sampling/*`` metrics. When the batch is trained whole within the optimizer step it was
+sampled for (``gradient_accumulation_steps`` a multiple of ``steps_per_generation x num_iterations``: TRL's own
+condition for skipping ``old_per_token_logps`` on its other backends, ``_compute_loss``: "old_per_token_logps ==
+per_token_logps"), the loss's forward of each micro-batch runs the same weights on the same rows, so its logprobs,
+detached, are the scoring pass's, up to float rounding of a different batch composition. Taking them from there
+saves that pass: a fifth of a training step's compute on the 2-core box (docs/benchmarks.md, "Where a make run's time
+goes"). The weight is :func:`grpo_steps.training.zero_signal.plan.importance_weights` (TRL's lines, pinned by the
+contract test) and the metrics are TRL's, over the same tokens, gathered the same way, once per generation batch.
+
+:class:`LossSideCorrection` is used by :class:`grpo_steps.training.trainer.ServerGRPOTrainer`, which turns TRL's pass
+off for the generation round and hands each micro-batch's policy logprobs to :meth:`LossSideCorrection.weigh` before
+TRL's loss reads ``importance_sampling_ratio``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_steps.training.zero_signal.plan import importance_weights
+
+
+def applies(trainer) -> bool:
+    """Whether ``trainer`` (a :class:`grpo_steps.training.trainer.ServerGRPOTrainer` after TRL's constructor) may
+    weigh the correction in the loss: the correction is on, every generation batch is trained within one optimizer
+    step (TRL's alignment condition), and its zero-signal mode trains every micro-batch as generated
+    (:attr:`grpo_steps.training.zero_signal.ZeroSignalMode.correction_in_loss`)."""
+    every = trainer.args.steps_per_generation * trainer.num_iterations  # micro-steps per generation batch
+    return bool(trainer.vllm_importance_sampling_correction and trainer.args.gradient_accumulation_steps % every == 0
+                and trainer.zero_signal.correction_in_loss)
+
+
+class LossSideCorrection:
+    """The mismatch weights and TRL's ``sampling/*`` metrics of a generation batch, micro-batch by micro-batch.
+
+    Args:
+        mode: ``generation.importance_sampling.mode`` (TRL's ``vllm_importance_sampling_mode``).
+        clip_min, clip_max: TRL's ``vllm_importance_sampling_clip_min`` / ``_max`` (None: no bound).
+        micro_batches: micro-batches per generation batch (``steps_per_generation``); the metrics are complete after
+            that many :meth:`weigh` calls.
+    """
+
+    def __init__(self, mode: str, clip_min: float | None, clip_max: float | None, micro_batches: int) -> None:
+        self.mode, self.clip_min, self.clip_max, self.micro_batches = mode, clip_min, clip_max, micro_batches
+        self._reset()
+
+    def _reset(self) -> None:
+        self._weighed = 0
+        # this process's |policy - sampler| logp over loss tokens, and its weights (per token or per completion)
+        self._delta_sum, self._delta_count, self._delta_max = 0.0, 0, 0.0
+        self._ratio_sum, self._ratio_count, self._ratio_min, self._ratio_max = 0.0, 0, float("inf"), float("-inf")
+
+    def weigh(self, inputs: dict, policy_logps: torch.Tensor) -> None:
+        """Set ``inputs["importance_sampling_ratio"]`` ((B, T), or (B, 1) for the ``sequence_*`` modes) from the
+        micro-batch's policy logprobs ``policy_logps`` ((B, T) float, detached) and the sampler's
+        ``inputs["sampling_per_token_logps"]`` over the loss tokens (``completion_mask`` x ``tool_mask``), and count
+        its tokens into the generation batch's metrics. Raises KeyError when the batch has no sampler logprobs."""
+        sampling = inputs["sampling_per_token_logps"]
+        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        ratio = importance_weights(policy_logps, sampling, mask, self.mode, self.clip_min, self.clip_max)
+        inputs["importance_sampling_ratio"] = ratio
+        delta = torch.abs(policy_logps - sampling)
+        delta = delta[mask.bool() & ~torch.isnan(delta)]  # tokens vLLM could not score (NaN) left out, as TRL does
+        weights = ratio.flatten() if self.mode.startswith("sequence") else ratio[mask.bool()]
+        if delta.numel():
+            self._delta_sum += float(delta.double().sum())
+            self._delta_count += delta.numel()
+            self._delta_max = max(self._delta_max, float(delta.max()))
+        if weights.numel():
+            self._ratio_sum += float(weights.double().sum())
+            self._ratio_count += weights.numel()
+            self._ratio_min = min(self._ratio_min, float(weights.min()))
+            self._ratio_max = max(self._ratio_max, float(weights.max()))
+        self._weighed += 1
+
+    def metrics(self, accelerator) -> dict[str, float] | None:
+        """TRL's ``sampling/*`` metrics of the generation batch once its last micro-batch was weighed (else None),
+        gathered over the processes as TRL gathers them: the mean |difference| averaged over processes, its max the
+        largest, the weight's min/mean/max as nan-min/nan-mean/nan-max. A process without loss tokens contributes 0
+        to each, as in TRL. Every process calls it at the same micro-step: the gather is a collective."""
+        if self._weighed < self.micro_batches:
+            return None
+        local = torch.tensor([
+            self._delta_sum / self._delta_count if self._delta_count else 0.0,
+            self._delta_max,
+            self._ratio_min if self._ratio_count else 0.0,
+            self._ratio_sum / self._ratio_count if self._ratio_count else 0.0,
+            self._ratio_max if self._ratio_count else 0.0,
+        ], dtype=torch.float32, device=accelerator.device)
+        self._reset()
+        gathered = accelerator.gather(local).view(-1, 5)  # (processes, 5)
+        return {
+            "sampling/sampling_logp_difference/mean": gathered[:, 0].mean().item(),
+            "sampling/sampling_logp_difference/max": gathered[:, 1].max().item(),
+            "sampling/importance_sampling_ratio/min": _finite(gathered[:, 2]).min().item(),
+            "sampling/importance_sampling_ratio/mean": gathered[:, 3].nanmean().item(),
+            "sampling/importance_sampling_ratio/max": _finite(gathered[:, 4]).max().item(),
+        }
+
+
+def _finite(values: torch.Tensor) -> torch.Tensor:
+    """``values`` without NaN (TRL's nanmin/nanmax), or one NaN when all are."""
+    kept = values[~torch.isnan(values)]
+    return kept if kept.numel() else values[:1]
