@@ -61,7 +61,9 @@ class LossSideCorrection:
         ``inputs["sampling_per_token_logps"]`` over the loss tokens (``completion_mask`` x ``tool_mask``), and count
         its tokens into the generation batch's metrics. Raises KeyError when the batch has no sampler logprobs."""
         sampling = inputs["sampling_per_token_logps"]
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:  # tool answers are not the policy's tokens
+            mask = mask * inputs["tool_mask"]
         ratio = importance_weights(policy_logps, sampling, mask, self.mode, self.clip_min, self.clip_max)
         inputs["importance_sampling_ratio"] = ratio
         delta = torch.abs(policy_logps - sampling)

@@ -54,8 +54,8 @@ def test_the_vllm_gates_that_server_trainer_opens_are_where_it_expects():
     assert "if self.args.gradient_accumulation_steps % generate_every != 0 or ( self.use_vllm and " \
            "self.vllm_importance_sampling_correction ): old_per_token_logps" in " ".join(score.split())
     assert loss.count("self._get_per_token_logps_and_entropies(") == 1
-    assert loss.index("self._get_per_token_logps_and_entropies(") < loss.index('inputs.get("importance_sampling_ratio")') \
-        < loss.index('inputs["importance_sampling_ratio"]')
+    scored, read = loss.index("self._get_per_token_logps_and_entropies("), 'inputs.get("importance_sampling_ratio")'
+    assert scored < loss.index(read) < loss.index('inputs["importance_sampling_ratio"]')
 
 
 def test_a_config_becomes_the_grpo_config_it_names(tmp_path):
