@@ -2,11 +2,13 @@
 at the same settings (model, prompts, batch, completion length), and the weight-sync time per step.
 
     .venv/bin/python bench/step_time.py [--config configs/local.yaml] [--steps 6] [--backends vllm,hf]
-        [--completion-tokens N] [--system-prompt TEXT] [--correction off]
+        [--completion-tokens N] [--system-prompt TEXT] [--correction off] [--scoring-pass loss,trl]
 
 ``--completion-tokens`` overrides ``generation.max_completion_tokens``; ``--system-prompt`` replaces the
 config's (e.g. one that asks for worked steps, so completions run long: the default config's policy
-answers in ~6 tokens, where generation speed hardly shows in the step time).
+answers in ~6 tokens, where generation speed hardly shows in the step time). ``--scoring-pass loss,trl`` runs the
+``vllm`` backend twice: the mismatch correction weighed from the loss's own forward (``loss``, the pipeline's path,
+:mod:`grpo_steps.training.correction`) and with TRL's extra no-grad scoring pass of each batch (``trl``).
 
 Prints Markdown tables for docs/benchmarks.md: step time per backend, and for ``vllm`` the weight sync per
 step in its parts (median) and the trainer–inference mismatch (TRL's ``sampling/*`` metrics, mean over steps).
@@ -16,6 +18,7 @@ The first step of each backend (warm-up) is left out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -41,6 +44,21 @@ def _train(cfg, model_path: str, rows: list[dict], endpoint: str | None) -> list
         return [h for h in json.loads((Path(out) / "log_history.json").read_text()) if "step_time" in h]
 
 
+@contextlib.contextmanager
+def _scoring_pass(name: str):
+    """``trl``: the trainer keeps TRL's no-grad scoring pass (the in-process training sees the correction as not
+    applicable); else the pipeline's choice."""
+    from grpo_steps.training import correction
+
+    applies = correction.applies
+    if name == "trl":
+        correction.applies = lambda trainer: False
+    try:
+        yield
+    finally:
+        correction.applies = applies
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/local.yaml")
@@ -49,6 +67,9 @@ def main() -> None:
     parser.add_argument("--completion-tokens", type=int, help="generation.max_completion_tokens (default: config)")
     parser.add_argument("--system-prompt", help="data.system_prompt (default: config)")
     parser.add_argument("--correction", help="generation.importance_sampling.mode, e.g. off (default: config)")
+    parser.add_argument("--scoring-pass", default="loss",
+                        help="vllm backend: comma-separated, of loss (the correction from the loss's forward) and trl "
+                             "(TRL's extra no-grad pass)")
     args = parser.parse_args()
     base = load_config(args.config)
     if args.completion_tokens or args.system_prompt:
@@ -63,7 +84,9 @@ def main() -> None:
 
     rows = prepare(base.data, AutoTokenizer.from_pretrained(model_path)).train
     results = {}
-    for backend in args.backends.split(","):
+    arms = [(b, pass_) for b in args.backends.split(",")
+            for pass_ in (args.scoring_pass.split(",") if b == "vllm" else ["-"])]
+    for backend, scoring_pass in arms:
         gen = {**base.generation.model_dump(), "backend": backend}
         if args.correction:  # TRL's mismatch correction costs a no-grad forward over the batch per step
             gen["importance_sampling"] = {**gen["importance_sampling"], "mode": args.correction}
@@ -74,8 +97,10 @@ def main() -> None:
                                  dtype=cfg.model.dtype, owner=ProcessRef.of(os.getpid()))
         try:
             start = time.perf_counter()
-            history = _train(cfg, model_path, rows, server.endpoint if server else None)
-            results[backend] = (history[1:], time.perf_counter() - start)
+            with _scoring_pass(scoring_pass):
+                history = _train(cfg, model_path, rows, server.endpoint if server else None)
+            label = backend if scoring_pass in ("-", "loss") else f"{backend}, TRL's scoring pass"
+            results[label] = (history[1:], time.perf_counter() - start)
         finally:
             if server:
                 server.stop()
@@ -93,6 +118,10 @@ def main() -> None:
         ratio = statistics.fmean(h["step_time"] for h in results["hf"][0]) / statistics.fmean(
             h["step_time"] for h in results["vllm"][0])
         print(f"\nhf / vllm step-time ratio: {ratio:.2f}")
+    if {"vllm", "vllm, TRL's scoring pass"} <= results.keys():
+        ratio = statistics.fmean(h["step_time"] for h in results["vllm"][0]) / statistics.fmean(
+            h["step_time"] for h in results["vllm, TRL's scoring pass"][0])
+        print(f"\nstep time, the correction from the loss's forward / with TRL's scoring pass: {ratio:.2f}")
     if "vllm" in results:
         history = results["vllm"][0]
         parts = ["gather", "write", "reload", "verify"]
