@@ -165,23 +165,11 @@ def test_successive_pushes_serve_each_version_from_two_rewritten_directories(tmp
         client.reload_weights(tiny_model_path)
 
 
-def test_zero3_two_processes_push_verify_correct_and_replay_on_one_process(tmp_path, tiny_model_path, tiny_tokenizer,
-                                                                          tiny_server):
-    """DeepSpeed ZeRO-3 over 2 CPU processes (gloo): the push gathers on every rank, rank 0 writes, every rank
-    scores the probe and learns the verdict; TRL's correction runs on each rank's share of the batch. With
-    ``zero_signal_groups: replay`` and groups to replay on process 0 only (``signal_on_process_0``): the policy's
-    forward is collective, so process 1 scores as many rows; the run ends (it hung before), and the counts are
-    summed over the processes."""
+def _launch_within(job, seconds: float) -> None:
+    """Run the training processes of ``job`` (``grpo_steps.launch.launch``); fail the test when they have not ended
+    within ``seconds`` (hung in a collective), after killing the processes this call started, by PID."""
     from grpo_steps.launch import launch
 
-    reward = "tests.integration.trainjob:signal_on_process_0"
-    job = _job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint,
-               train={"max_steps": 3, "deepspeed": True, "processes_per_node": 2, "per_device_train_batch_size": 4,
-                      "num_generations": 2, "zero_signal_groups": "replay"},
-               rewards=[{"name": reward}], eval={"correctness_reward": reward, "format_reward": None},
-               # the push is checked by the policy's probe: the tiny policy may write a group's two completions
-               # alike, and then the step's gradient is round-off and the policy's answer does not move
-               generation={"sync_check": {"max_logp_diff": None}})
     before, failed = {child.pid for child in psutil.Process().children(recursive=True)}, []
 
     def train():
@@ -192,13 +180,32 @@ def test_zero3_two_processes_push_verify_correct_and_replay_on_one_process(tmp_p
 
     training = threading.Thread(target=train, daemon=True)
     training.start()
-    training.join(timeout=360)
-    if training.is_alive():  # hung in a collective: stop the training processes this test started, by PID
+    training.join(timeout=seconds)
+    if training.is_alive():
         for child in psutil.Process().children(recursive=True):
             if child.pid not in before:
                 child.kill()
-        pytest.fail("the two training processes did not finish within 360 s")
+        pytest.fail(f"the training processes did not finish within {seconds} s")
     assert not failed, failed
+
+
+def test_zero3_two_processes_push_verify_correct_and_replay_on_one_process(tmp_path, tiny_model_path, tiny_tokenizer,
+                                                                          tiny_server):
+    """DeepSpeed ZeRO-3 over 2 CPU processes (gloo): the push gathers on every rank, rank 0 writes, every rank
+    scores the probe and learns the verdict; TRL's correction runs on each rank's share of the batch. With
+    ``zero_signal_groups: replay`` and groups to replay on process 0 only (``signal_on_process_0``): the policy's
+    forward is collective, so process 1 scores as many rows; the run ends (it hung before), and the counts are
+    summed over the processes."""
+
+    reward = "tests.integration.trainjob:signal_on_process_0"
+    job = _job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint,
+               train={"max_steps": 3, "deepspeed": True, "processes_per_node": 2, "per_device_train_batch_size": 4,
+                      "num_generations": 2, "zero_signal_groups": "replay"},
+               rewards=[{"name": reward}], eval={"correctness_reward": reward, "format_reward": None},
+               # the push is checked by the policy's probe: the tiny policy may write a group's two completions
+               # alike, and then the step's gradient is round-off and the policy's answer does not move
+               generation={"sync_check": {"max_logp_diff": None}})
+    _launch_within(job, 360)
     history = _history(tmp_path)
     assert [h["step"] for h in history] == [1, 2, 3]
     assert [h["weight_sync/version"] for h in history] == [0, 1, 2]
@@ -209,6 +216,25 @@ def test_zero3_two_processes_push_verify_correct_and_replay_on_one_process(tmp_p
     assert [h["zero_signal/frac_after"] for h in history] == [0.75, 0.5, 0.5]
     assert [h["zero_signal/replayed"] for h in history] == [0, 1, 1]
     assert [h["zero_signal/buffer_size"] for h in history] == [1, 2, 3]
+
+
+def test_zero3_two_processes_weigh_the_correction_in_the_loss(tmp_path, tiny_model_path, tiny_tokenizer,
+                                                              tiny_server):
+    """The default zero-signal mode (``keep``) under DeepSpeed ZeRO-3 over 2 CPU processes: TRL's scoring pass is
+    skipped and each process weighs its micro-batches from the loss's forward
+    (``grpo_steps.training.correction``); the ``sampling/*`` metrics are gathered over both processes once per
+    generation batch (2 micro-batches here), and the run ends (a gather made by one process only would hang)."""
+    _launch_within(_job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint,
+                        train={"max_steps": 2, "deepspeed": True, "processes_per_node": 2,
+                               "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+                               "num_generations": 2}), 300)
+    history = _history(tmp_path)
+    assert [h["step"] for h in history] == [1, 2]
+    for h in history:
+        for name in SAMPLING_METRICS:
+            assert name in h, (h["step"], name)
+        assert 0 <= h["sampling/sampling_logp_difference/mean"] <= h["sampling/sampling_logp_difference/max"] < 1e-3
+        assert 0.99 < h["sampling/importance_sampling_ratio/min"] <= h["sampling/importance_sampling_ratio/max"] < 1.01
 
 
 def test_ddp_two_processes_skip_together_and_stay_equal(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
