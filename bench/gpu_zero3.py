@@ -3,6 +3,7 @@ transformers generation, on a random-init model of a real architecture (Qwen2.5-
 
     python bench/gpu_zero3.py [--steps 8] [--completion-tokens 256] [--shape qwen2.5-0.5b|tiny]
     python bench/gpu_zero3.py --shape smollm2 --no-zero3 --steps 10   # the CPU comparison of issue 11
+    python bench/gpu_zero3.py --arms server-trl server --steps 12     # TRL's scoring pass vs the loss's forward
 
 Each arm runs in its own process on the same settings (``grpo_steps.training.job.grpo_args`` of one job:
 batch, group size, completion length, ZeRO-3 config from ``infra/``):
@@ -10,7 +11,14 @@ batch, group size, completion length, ZeRO-3 config from ``infra/``):
 - ``ours``: ``grpo_steps.training.entry.run`` (the flow's training module: guarded rewards, callbacks, checkpoint
   saves to local disk);
 - ``trl``: ``GRPOTrainer`` with the same ``GRPOConfig``, the config's reward functions called directly
-  (no guard) and nothing else.
+  (no guard) and nothing else;
+- ``server`` and ``server-trl`` (the GPU machine has no vLLM): the trainer of the ``vllm`` backend
+  (``ServerGRPOTrainer``, with the mismatch correction on) sampling from :class:`StandInServer`, which returns
+  completions of exactly the length limit and sampler logprobs at once, so that the step is the trainer's part
+  alone: ``server`` weighs the correction in the loss's own forward (:mod:`grpo_steps.training.correction`, the
+  pipeline's path), ``server-trl`` keeps TRL's no-grad scoring pass of each batch. Both see the same batches;
+  their first step's ``sampling/*`` metrics and loss are printed side by side (same weights, same rows: equal up
+  to the precision of the forward).
 
 ``--shape smollm2``: the real SmolLM2-135M-Instruct (embedded) on ``configs/local.yaml`` (its data,
 rewards, batch, group size and completion length; ``--completion-tokens`` overrides the last), for
@@ -46,6 +54,10 @@ SHAPES = {  # Qwen/Qwen2.5-0.5B-Instruct config.json, random init
                  num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512, tie_word_embeddings=True),
     "smollm2": None,  # the embedded SmolLM2-135M-Instruct itself, on configs/local.yaml
 }
+ARMS = ["ours", "trl", "server", "server-trl"]
+FIRST_STEP = ["loss", "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+              "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+              "sampling/importance_sampling_ratio/max"]
 
 
 def build_model(shape: str, target: Path) -> Path:
@@ -69,7 +81,7 @@ def build_model(shape: str, target: Path) -> Path:
     return target
 
 
-def job_for(args, model_path: Path, workdir: Path):
+def job_for(args, arm: str, model_path: Path, workdir: Path):
     import torch
     from transformers import AutoTokenizer
 
@@ -81,7 +93,8 @@ def job_for(args, model_path: Path, workdir: Path):
     base = load_config(REPO_ROOT / "configs" / ("local.yaml" if real else "test.yaml")).model_dump()
     base["model"].update(name_or_path=str(model_path), dtype="bfloat16" if torch.cuda.is_available() else "float32",
                          max_model_len=1024)
-    base["generation"].update(backend="hf", max_completion_tokens=args.completion_tokens
+    base["generation"].update(backend="vllm" if arm.startswith("server") else "hf",
+                              max_completion_tokens=args.completion_tokens
                               or base["generation"]["max_completion_tokens"])
     if not real:
         base["data"].update(num_train=64)
@@ -95,13 +108,70 @@ def job_for(args, model_path: Path, workdir: Path):
     return TrainJob(config=cfg, model_path=str(model_path), train_file=str(train_file), output_dir=str(workdir / "out"))
 
 
+class StandInServer:
+    """Stands in for the generation server (``ServerGeneration``'s contract with TRL): for each prompt, ``length``
+    token ids drawn from ``ids`` seeded by the prompt (never EOS: every completion runs to the limit), with sampler
+    logprobs of a uniform distribution over ``vocab`` plus noise of 0.1 nats (a random-init policy is close to
+    uniform), returned at once."""
+
+    def __init__(self, settings, length: int, ids: range, vocab: int):
+        self.settings, self.prefetcher, self.sampled_version = settings, None, 0
+        self.length, self.ids, self.vocab = length, ids, vocab
+
+    def sync_weights(self):
+        pass
+
+    def check_first_batch(self):
+        pass
+
+    def generate(self, prompts, images=None, num_generations=1, profiler=None):
+        import math
+
+        import torch
+
+        completions, logprobs = [], []
+        for i, prompt in enumerate(prompts):
+            rng = torch.Generator().manual_seed(sum(prompt) * 31 + i)
+            completions.append(torch.randint(self.ids.start, self.ids.stop, (self.length,), generator=rng).tolist())
+            logprobs.append((-math.log(self.vocab) + 0.1 * torch.randn(self.length, generator=rng,
+                                                                       dtype=torch.float64)).tolist())
+        return (prompts, completions, [[[lp] for lp in seq] for seq in logprobs],
+                [[[t] for t in seq] for seq in completions])
+
+
+def server_trainer(arm: str, job, rows: list[dict], reward_funcs: list):
+    """``ServerGRPOTrainer`` on ``job`` sampling from :class:`StandInServer`; ``server-trl``: TRL's scoring pass."""
+    from datasets import Dataset
+    from transformers import AutoConfig, AutoTokenizer
+
+    from grpo_steps.servers.client import VLLMClient
+    from grpo_steps.training.generation import ServerSettings
+    from grpo_steps.training.job import grpo_args
+    from grpo_steps.training.trainer import ServerGRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(job.model_path)
+    settings = ServerSettings(client=VLLMClient("http://127.0.0.1:9"), gen=job.config.generation,  # never called
+                              max_model_len=job.config.model.max_model_len, push=None, probe_ids=[1, 2],
+                              probe_tolerance=0.05)
+    trainer = ServerGRPOTrainer(model=job.model_path, reward_funcs=reward_funcs, args=grpo_args(job),
+                                train_dataset=Dataset.from_list(rows), processing_class=tokenizer, server=settings)
+    assert trainer.loss_side_correction is not None, "the job must let the loss weigh the correction"
+    if arm == "server-trl":
+        trainer.loss_side_correction = None  # TRL's own scoring pass
+    special = max(tokenizer.all_special_ids) + 1
+    trainer.vllm_generation = StandInServer(settings, job.config.generation.max_completion_tokens,
+                                            range(special, special + 1000),
+                                            AutoConfig.from_pretrained(job.model_path).vocab_size)
+    return trainer
+
+
 def run_arm(arm: str, args, model_path: Path, workdir: Path) -> dict:
     """Train one arm in this process; returns its per-step logs and peak GPU memory."""
     import torch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0",
                       LOCAL_RANK="0", WORLD_SIZE="1", TRL_EXPERIMENTAL_SILENCE="1")
-    job = job_for(args, model_path, workdir)
+    job = job_for(args, arm, model_path, workdir)
     if arm == "ours":
         from grpo_steps.training.entry import run
 
@@ -119,9 +189,15 @@ def run_arm(arm: str, args, model_path: Path, workdir: Path) -> dict:
 
             deepspeed.comm.init_distributed(dist_backend="gloo")
         rows = [json.loads(line) for line in Path(job.train_file).read_text().splitlines()]
-        reward_funcs = [bind_options(resolve_reward(spec.name), spec.options) for spec in job.config.rewards]
-        trainer = GRPOTrainer(model=job.model_path, reward_funcs=reward_funcs, args=grpo_args(job),
-                              train_dataset=Dataset.from_list(rows))
+        if arm.startswith("server"):
+            # a reward of the stand-in's random ids in place of each of the config's (which give them all 0: no
+            # advantage, no gradient)
+            ids_reward = lambda completion_ids, **_: [float(sum(c) % 7) for c in completion_ids]  # noqa: E731
+            trainer = server_trainer(arm, job, rows, [ids_reward] * len(job.config.rewards))
+        else:
+            reward_funcs = [bind_options(resolve_reward(spec.name), spec.options) for spec in job.config.rewards]
+            trainer = GRPOTrainer(model=job.model_path, reward_funcs=reward_funcs, args=grpo_args(job),
+                                  train_dataset=Dataset.from_list(rows))
         trainer.train()
         history = trainer.state.log_history
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
@@ -133,7 +209,8 @@ def summary(result: dict) -> dict:
     step_time = statistics.fmean(h["step_time"] for h in steps)
     tokens = steps[-1]["num_tokens"] - result["history"][0]["num_tokens"]
     return {"step_time": step_time, "tokens_per_s": tokens / sum(h["step_time"] for h in steps),
-            "peak_gib": result["peak_gib"], "length": statistics.fmean(h["completions/mean_length"] for h in steps)}
+            "peak_gib": result["peak_gib"], "length": statistics.fmean(h["completions/mean_length"] for h in steps),
+            "first_step": {k: result["history"][0].get(k, float("nan")) for k in FIRST_STEP}}
 
 
 def main() -> None:
@@ -144,9 +221,9 @@ def main() -> None:
     parser.add_argument("--zero3", action=argparse.BooleanOptionalAction, default=True,
                         help="DeepSpeed ZeRO-3 in both arms (default on)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
-    parser.add_argument("--arms", nargs="+", choices=["ours", "trl"], default=["ours", "trl"],
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=["ours", "trl"],
                         help="the arms, in the order they run (the first pays the machine's first-run warm-up)")
-    parser.add_argument("--arm", choices=["ours", "trl"], help=argparse.SUPPRESS)  # one arm, in a child
+    parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # one arm, in a child
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -180,6 +257,13 @@ def main() -> None:
         print(f"| {arm} | {r['step_time']:.2f} | {r['tokens_per_s']:.0f} | {r['length']:.1f} | {r['peak_gib']:.2f} |")
     if {"ours", "trl"} <= set(results):
         print(f"\nours / trl step-time ratio: {results['ours']['step_time'] / results['trl']['step_time']:.2f}")
+    if {"server", "server-trl"} <= set(results):
+        print(f"\nserver / server-trl step-time ratio (the correction from the loss's forward / TRL's scoring pass): "
+              f"{results['server']['step_time'] / results['server-trl']['step_time']:.2f}\n")
+        print("| first step | server | server-trl |\n|---|---|---|")
+        for key in FIRST_STEP:
+            ours, theirs = results["server"]["first_step"][key], results["server-trl"]["first_step"][key]
+            print(f"| {key} | {ours:.6g} | {theirs:.6g} |")
 
 
 if __name__ == "__main__":
