@@ -99,7 +99,8 @@ class GRPOFlow(FlowSpec):
                                     output_dir=workdir, eval_rows=self.eval_rows)
             if current.parallel.node_index == 0:
                 self.policy = current.model.save(final_dir, label="policy", metadata={"run_id": self.mlflow_run_id})
-                self.training_baseline = steps.training_baseline(workdir)  # step 0 measured the base weights
+                # the base weights (step 0) and the final policy (last step) measured on the whole eval split
+                self.training_evaluations = steps.training_evaluations(workdir)
         self.next(self.evaluate)
 
     # evaluate and register load the policy with steps.loaded_policy, not @model: its card costs each step two
@@ -114,7 +115,8 @@ class GRPOFlow(FlowSpec):
         with steps.loaded_policy(self.policy) as trained_model:
             self.eval_report = steps.evaluate(cfg, run_id=self.mlflow_run_id, server=self.server,
                                               base_model=self.model_path, trained_model=trained_model,
-                                              eval_rows=self.eval_rows, baseline=self.training_baseline)
+                                              eval_rows=self.eval_rows,
+                                              measured=self.training_evaluations)
         current.card["eval"].extend(steps.card_components(cfg, self.mlflow_run_id, self.eval_report))
         self.next(self.register)
 

@@ -303,18 +303,20 @@ def gain_metrics(baseline: dict[str, list[float]], trained: dict[str, list[float
 
 
 def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
-                                  trained_model: str, eval_rows: list[dict], baseline: dict | None = None) -> dict:
+                                  trained_model: str, eval_rows: list[dict],
+                                  measured: dict[str, dict] | None = None) -> dict:
     """Baseline (``base_model``) and trained policy (``trained_model``: full weights or a LoRA adapter) on
     ``eval_rows`` through the same generation server (``server``: a handle of :mod:`grpo_steps.servers`), one after
     the other (:func:`served_policy`); metrics (``eval/<label>/...``, ``eval/gain/...``) and sample tables
     (``eval/<label>_samples.json``) to the MLflow run ``run_id``.
 
-    ``baseline``: the base weights' evaluation already made on ``eval_rows`` during training (step 0 of
-    :mod:`grpo_steps.training.eval_during`), taken as the baseline when the base weights, reloaded from disk, give its
-    probe again (:func:`same_weights_as`); else (or None) the baseline is measured here.
+    ``measured``: evaluations of ``eval_rows`` already made during training (:mod:`grpo_steps.training.eval_during`:
+    ``"baseline"`` at step 0, ``"trained"`` at the last step; :func:`grpo_steps.steps.training_evaluations`), each
+    taken when its weights, reloaded from disk, give its probe again (:func:`same_weights_as`); the others are
+    measured here.
 
-    Returns ``{"baseline": evaluate_policy(...), "trained": ..., "gain": gain_metrics(...)}``; the baseline's
-    ``"measured"`` says where it was measured (``"training step 0"`` or ``"evaluate"``).
+    Returns ``{"baseline": evaluate_policy(...), "trained": ..., "gain": gain_metrics(...)}``; each one's
+    ``"measured"`` says where it was measured (``"training step N"`` or ``"evaluate"``).
     """
 
     from grpo_steps import servers, tracking
@@ -326,8 +328,9 @@ def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: d
     report = {}
     for label, weights in (("baseline", base_model), ("trained", trained_model)):
         with served_policy(cfg, generation_server, client, weights, label):
-            if label == "baseline" and same_weights_as(cfg, client, tokenizer, eval_rows, baseline):
-                report[label] = {**baseline, "measured": "training step 0"}
+            earlier = (measured or {}).get(label)
+            if same_weights_as(cfg, client, tokenizer, eval_rows, earlier, label):
+                report[label] = {**earlier, "measured": f"training step {earlier['step']}"}
             else:
                 report[label] = {**evaluate_policy(cfg, client, tokenizer, eval_rows, label=label),
                                  "measured": "evaluate"}
@@ -345,17 +348,20 @@ def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: d
     return report
 
 
-def same_weights_as(cfg: PipelineConfig, client, tokenizer, rows: list[dict], earlier: dict | None) -> bool:
-    """Whether ``earlier`` (an :func:`evaluate_policy` result, or None) evaluated ``rows`` with the weights the server
-    holds now: the same prompts, and the greedy completion of the first one (its probe) sampled again as long and
-    with logprobs within ``generation.sync_check``'s probe tolerance (mean |difference|, nats per token).
-    Prints which it is (``[eval baseline] ...``)."""
+def same_weights_as(cfg: PipelineConfig, client, tokenizer, rows: list[dict], earlier: dict | None,
+                    label: str) -> bool:
+    """Whether ``earlier`` (an :func:`evaluate_policy` result with the training ``step`` it was made at, or None)
+    evaluated ``rows`` with the weights the server holds now (``label``'s: ``baseline``, ``trained``): the same
+    prompts, and the greedy completion of the first one (its probe) sampled again as long and with logprobs within
+    ``generation.sync_check``'s probe tolerance (mean |difference|, nats per token).
+    Prints which it is (``[eval <label>] ...``)."""
     from grpo_steps.episodes import Rollouts
 
     if earlier is None:
         return False
+    at = f"the evaluation at training step {earlier['step']}"
     if earlier.get("prompt_keys") != [prompt_key(row["prompt"]) for row in rows]:
-        print("[eval baseline] the evaluation at training step 0 has other prompts: measuring the baseline", flush=True)
+        print(f"[eval {label}] {at} has other prompts: measuring the {label} policy", flush=True)
         return False
     probe = Rollouts(cfg, client, tokenizer).sample(rows[:1], 1, temperature=0.0, filters=False)[0][0]
     tolerance, _ = cfg.generation.sync_check.thresholds(cfg.model.dtype)
@@ -363,8 +369,8 @@ def same_weights_as(cfg: PipelineConfig, client, tokenizer, rows: list[dict], ea
     gap = (sum(abs(a - b) for a, b in zip(probe.first_logprobs, before, strict=True)) / max(len(before), 1)
            if len(probe.first_logprobs) == len(before) else float("inf"))
     same = gap <= tolerance
-    print(f"[eval baseline] {'taken from' if same else 'not taken from'} the evaluation at training step 0 "
-          f"({len(rows)} prompts): the base weights reloaded from disk give its probe "
+    print(f"[eval {label}] {'taken from' if same else 'not taken from'} {at} "
+          f"({len(rows)} prompts): the {label} weights reloaded from disk give its probe "
           f"{'again' if same else 'no longer'} (mean |logp difference| {gap:.2g} nats/token, tolerance {tolerance:g})",
           flush=True)
     return same

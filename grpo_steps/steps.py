@@ -283,12 +283,12 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
     output_dir = Path(output_dir)
     train_file = output_dir / "train.jsonl"
     train_file.write_text("".join(json.dumps(row) + "\n" for row in train_rows))
-    eval_file = baseline_file = None
+    eval_file = split_file = None
     if cfg.eval.every_steps and node_index == 0:
-        eval_file, baseline_file = output_dir / "eval_during.jsonl", output_dir / "eval_split.jsonl"
+        eval_file, split_file = output_dir / "eval_during.jsonl", output_dir / "eval_split.jsonl"
         eval_file.write_text("".join(json.dumps(row) + "\n" for row in (eval_rows or [])[
             : cfg.eval.during_training_prompts]))
-        baseline_file.write_text("".join(json.dumps(row) + "\n" for row in eval_rows or []))
+        split_file.write_text("".join(json.dumps(row) + "\n" for row in eval_rows or []))
     from grpo_steps import servers
 
     generation_server = servers.from_dict(server)
@@ -300,7 +300,7 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
                    router_metrics=getattr(generation_server, "metrics_endpoint", None),
                    resume_from=resume_checkpoint(node_index, cfg.train.resume_from), mlflow_run_id=run_id,
                    node_index=node_index, eval_file=str(eval_file) if eval_file else None,
-                   baseline_file=str(baseline_file) if baseline_file else None)
+                   eval_split_file=str(split_file) if split_file else None)
     warm_up = _warm_up_server(server) if node_index == 0 else None
     with system_metrics(run_id, cfg.tracking.tracking_uri, node_id=f"node{node_index}" if node_index else None):
         launch(job, node_index=node_index, main_ip=main_ip)
@@ -309,14 +309,16 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
     return str(output_dir / "final")
 
 
-def training_baseline(output_dir: str) -> dict | None:
-    """The base weights' evaluation of the whole eval split made at training step 0 in ``output_dir`` (node 0's,
-    with ``eval.every_steps``), or None when this attempt made none (no evaluation during training, or a resumed
-    attempt that began after step 0): the ``evaluate`` step then measures its baseline itself."""
-    from grpo_steps.training.job import BASELINE_RESULT
+def training_evaluations(output_dir: str) -> dict[str, dict]:
+    """The evaluations of the whole eval split that training made in ``output_dir`` (node 0's, with
+    ``eval.every_steps``): ``{"baseline": the base weights' at step 0, "trained": the final policy's at the last
+    step}``, each only where this attempt made it (not without evaluation during training, not the baseline after a
+    resumed attempt that began past step 0, not the trained policy when the last step is no multiple of
+    ``eval.every_steps``): the ``evaluate`` step measures the others itself."""
+    from grpo_steps.training.job import SPLIT_RESULTS
 
-    path = Path(output_dir) / BASELINE_RESULT
-    return json.loads(path.read_text()) if path.exists() else None
+    paths = {label: Path(output_dir) / name for label, name in SPLIT_RESULTS.items()}
+    return {label: json.loads(path.read_text()) for label, path in paths.items() if path.exists()}
 
 
 WARM_UP_IDS = list(range(100, 116))
@@ -350,12 +352,12 @@ def _warm_up_server(server: dict):
 
 
 def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str, trained_model: str,
-             eval_rows: list[dict], baseline: dict | None = None) -> dict:
+             eval_rows: list[dict], measured: dict[str, dict] | None = None) -> dict:
     """Baseline and trained policy on the eval split through the same server; metrics, samples, system
     metrics (while it runs) and the charts (``charts/*.png``) to MLflow.
 
-    ``baseline``: the base weights' evaluation made at training step 0 (:func:`training_baseline`), used when it
-    still matches (see :func:`grpo_steps.evaluate.evaluate_baseline_and_trained`).
+    ``measured``: the evaluations of the eval split made during training (:func:`training_evaluations`), each used
+    when it still matches (see :func:`grpo_steps.evaluate.evaluate_baseline_and_trained`).
 
     Returns ``{"baseline": {"metrics", "samples", "per_prompt", ...}, "trained": {...}, "gain": {...}}``
     (``gain``: trained minus baseline with paired 95 % intervals, :func:`grpo_steps.evaluate.gain_metrics`; MLflow
@@ -369,7 +371,7 @@ def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
     with system_metrics(run_id, cfg.tracking.tracking_uri):
         report = evaluate_baseline_and_trained(cfg, run_id=run_id, server=server, base_model=base_model,
-                                               trained_model=trained_model, eval_rows=eval_rows, baseline=baseline)
+                                               trained_model=trained_model, eval_rows=eval_rows, measured=measured)
     log_charts(cfg, run_id, report)
     return report
 

@@ -22,7 +22,7 @@ from functools import partial
 from pathlib import Path
 
 from grpo_steps.config import PipelineConfig
-from grpo_steps.training.job import BASELINE_RESULT, TrainJob, grpo_args
+from grpo_steps.training.job import SPLIT_RESULTS, TrainJob, grpo_args
 from grpo_steps.training.rollouts import ReplayRollout
 
 
@@ -206,11 +206,14 @@ def eval_during_callback(job: TrainJob, trainer, tokenizer, queue=None):
         logged = logged_steps(queue.client, job.mlflow_run_id)
         log = queue.log  # the metrics' queue: a tracking outage delays the curve's points, never the step
 
-    baseline_rows = [json.loads(line) for line in Path(job.baseline_file).read_text().splitlines() if line.strip()] \
-        if evaluator and job.baseline_file else None  # step 0 also measures the evaluate step's baseline
+    # step 0 and the last step also measure the evaluate step's baseline and trained policy
+    split_rows = [json.loads(line) for line in Path(job.eval_split_file).read_text().splitlines() if line.strip()] \
+        if evaluator and job.eval_split_file else None
     return EvalDuringTraining(job.config, trainer, trainer.vllm_generation.push.client if evaluator else None,
                               tokenizer, rows, log=log, logged_steps=logged, evaluator=evaluator,
-                              baseline_rows=baseline_rows, baseline_file=str(Path(job.output_dir) / BASELINE_RESULT))
+                              split_rows=split_rows,
+                              split_results={label: str(Path(job.output_dir) / name)
+                                             for label, name in SPLIT_RESULTS.items()})
 
 
 def pin_cpu_cores(cores: list[int] | None) -> None:

@@ -15,8 +15,9 @@ weights. At step 0 this is the push of the base weights TRL makes before the fir
 step, when it is a multiple of ``every_steps``, costs a push that training alone would not make (in ``on_train_end``).
 The server's weight label at evaluation is logged as ``eval_during/weight_version`` (the step number),
 so a curve point says which weights it measured. At step 0 the server holds the base weights that the ``evaluate``
-step's baseline measures: given the whole eval split, step 0 evaluates it once for both (the curve's point is its
-first ``eval.during_training_prompts`` prompts).
+step's baseline measures, and at the last step the final policy that it measures as the trained one: given the whole
+eval split, these two evaluate it once for both (the curve's point is its first ``eval.during_training_prompts``
+prompts).
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ class EvalDuringTraining(TrainerCallback):
         log: ``log(metrics, step)`` into the run's MLflow run (evaluator only; None: not logged).
         logged_steps: steps whose ``eval_during`` metrics the run already holds.
         evaluator: whether this process evaluates (global rank 0).
-        baseline_rows: the whole eval split, whose first ``len(rows)`` prompts are ``rows``: evaluated at step 0
-            instead of ``rows`` alone (the curve's point is the same metrics over ``rows``), the result written as
-            JSON to ``baseline_file``: the ``evaluate`` step's baseline, measured once
-            (:func:`grpo_steps.evaluate.evaluate_baseline_and_trained`). None: step 0 evaluates ``rows``.
+        split_rows: the whole eval split, whose first ``len(rows)`` prompts are ``rows``: evaluated at step 0 and
+            at the last step (``on_train_end``) instead of ``rows`` alone (the curve's point is the same metrics over
+            ``rows``), each result written as JSON, with its ``step``, to ``split_results["baseline"]`` and
+            ``split_results["trained"]``: the ``evaluate`` step's baseline and trained policy, measured once
+            (:func:`grpo_steps.evaluate.evaluate_baseline_and_trained`). None: every step evaluates ``rows``.
 
     Per evaluation it also logs ``eval_during/seconds`` (wall time of the evaluation, push excluded) and
     ``eval_during/probe_logprob`` (sum of the greedy logprobs of the first prompt's completion, nats: the
@@ -65,30 +67,33 @@ class EvalDuringTraining(TrainerCallback):
     """
 
     def __init__(self, cfg: PipelineConfig, trainer, client, tokenizer, rows: list[dict], *, log=None,
-                 logged_steps: set[int] = frozenset(), evaluator: bool, baseline_rows: list[dict] | None = None,
-                 baseline_file: str | None = None) -> None:
+                 logged_steps: set[int] = frozenset(), evaluator: bool, split_rows: list[dict] | None = None,
+                 split_results: dict[str, str] | None = None) -> None:
         self.cfg, self.trainer, self.client, self.tokenizer, self.rows = cfg, trainer, client, tokenizer, rows
         self.log, self.logged_steps, self.evaluator = log, set(logged_steps), evaluator
         self.every = cfg.eval.every_steps
-        # step 0 evaluates the whole eval split once, for the curve (its first len(rows) prompts) and as the evaluate
-        # step's baseline (the same base weights); only when the curve's prompts are its first ones
-        same_head = baseline_rows is not None and [r["prompt"] for r in baseline_rows[:len(rows)]] == \
+        # step 0 and the last step evaluate the whole eval split once, for the curve (its first len(rows) prompts) and
+        # as the evaluate step's baseline and trained policy (the same weights); only when the curve's prompts are its
+        # first ones
+        same_head = split_rows is not None and [r["prompt"] for r in split_rows[:len(rows)]] == \
             [r["prompt"] for r in rows]
-        self.baseline_rows, self.baseline_file = (baseline_rows, baseline_file) if same_head else (None, None)
+        self.split_rows, self.split_results = (split_rows, split_results or {}) if same_head else (None, {})
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step % self.every == 0:
-            self.evaluate_at(state.global_step)
+            self.evaluate_at(state.global_step, "baseline" if state.global_step == 0 else None)
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
-        if state.global_step % self.every == 0:  # the last step (never begun by on_step_begin)
-            self.evaluate_at(state.global_step)
+        if state.global_step % self.every == 0:  # the last step (never begun by on_step_begin): the final policy
+            self.evaluate_at(state.global_step, "trained")
         return control
 
-    def evaluate_at(self, step: int) -> dict[str, float] | None:
+    def evaluate_at(self, step: int, split_label: str | None = None) -> dict[str, float] | None:
         """Push step ``step``'s weights unless the server has them (every rank), then evaluate (evaluator
-        only, unless already logged); returns the metrics logged, or None on the other ranks."""
+        only, unless already logged); returns the metrics logged, or None on the other ranks. ``split_label``
+        (``baseline``, ``trained``): the evaluation that also measures the whole eval split for the ``evaluate``
+        step, where there is one."""
         trainer = self.trainer
         if trl_hooks.pushed_step(trainer) != step:  # the push TRL makes before the next generation, made now
             pushed = time.perf_counter()
@@ -102,10 +107,11 @@ class EvalDuringTraining(TrainerCallback):
 
         started = time.perf_counter()
         version = self.client.weight_version()
-        if step == 0 and self.baseline_rows is not None and self.baseline_file:
-            result = evaluate_policy(self.cfg, self.client, self.tokenizer, self.baseline_rows,
-                                     label=f"{PREFIX} step 0 + baseline", head=len(self.rows))
-            Path(self.baseline_file).write_text(json.dumps({k: v for k, v in result.items() if k != "head_metrics"}))
+        if self.split_rows is not None and split_label in self.split_results:
+            result = evaluate_policy(self.cfg, self.client, self.tokenizer, self.split_rows,
+                                     label=f"{PREFIX} step {step} + {split_label}", head=len(self.rows))
+            Path(self.split_results[split_label]).write_text(json.dumps(
+                {**{k: v for k, v in result.items() if k != "head_metrics"}, "step": step}))
             result = {**result, "metrics": result["head_metrics"]}
         else:
             result = evaluate_policy(self.cfg, self.client, self.tokenizer, self.rows, label=f"{PREFIX} step {step}")

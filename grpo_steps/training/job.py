@@ -37,13 +37,14 @@ class TrainJob(BaseModel):
     mlflow_run_id: str | None = None  # metrics go to this run
     node_index: int = 0  # machine rank in the gang
     eval_file: str | None = None  # jsonl of the eval prompts evaluated during training (eval.every_steps)
-    baseline_file: str | None = None  # jsonl of the whole eval split: evaluated at step 0 (eval.every_steps), once
-    # for the curve and the evaluate step's baseline; the result goes to {output_dir}/BASELINE_RESULT
+    eval_split_file: str | None = None  # jsonl of the whole eval split: evaluated at step 0 and at the last step
+    # (eval.every_steps), once for the curve and the evaluate step; the results go to {output_dir}/SPLIT_RESULTS
 
 
-BASELINE_RESULT = "baseline_eval.json"
-"""The step-0 evaluation of the whole eval split (an :func:`grpo_steps.evaluate.evaluate_policy` result as JSON), in
-the job's ``output_dir``; read by :func:`grpo_steps.steps.training_baseline`."""
+SPLIT_RESULTS = {"baseline": "baseline_eval.json", "trained": "trained_eval.json"}
+"""The evaluations of the whole eval split made during training (:mod:`grpo_steps.training.eval_during`: the base
+weights at step 0, the final policy at the last step), each an :func:`grpo_steps.evaluate.evaluate_policy` result with
+its ``step`` as JSON, in the job's ``output_dir``; read by :func:`grpo_steps.steps.training_evaluations`."""
 
 
 GRPO_DEFAULTS: dict[str, Any] = dict(dataloader_num_workers=0, disable_tqdm=True)

@@ -8,8 +8,9 @@ whole flow costs minutes in ``make test``):
 
 - the tracking server stopped after training step 1 for longer than its client's HTTP retries, then started again
   on the same port and store: training goes on; every step's metrics, the curves and the tables reach the run;
-- kill -9 of the whole flow (runtime and task) once the trained policy's evaluation has sampled, then ``resume``:
-  the evaluation completes once, every metric logged once, one model version, the run FINISHED.
+- kill -9 of the whole flow (runtime and task) in ``evaluate``, once it has taken the trained policy's evaluation
+  from training's last step, then ``resume``: the evaluation completes once, every metric logged once, one model
+  version, the run FINISHED.
 
 The ``local`` provider's whole lifecycle in a flow is covered by tests/integration/test_resume.py."""
 
@@ -39,6 +40,8 @@ pytestmark = pytest.mark.slow
 CONFIG = REPO_ROOT / "configs" / "test-gsm8k.yaml"  # trained 4 steps here (the file says 2)
 EVERY = 2
 OUTAGE_S = 5  # and the ~25 s the tracking server takes to answer again on this machine
+KILL_AT = "[eval trained] taken from the evaluation at training step 4 (8 prompts)"
+"""The evaluate step's line at which the flow is killed."""
 PLANTED_ENV = {"MLFLOW_TRACKING_PASSWORD": "mlflow-Plnt4Vq8Zx", "AWS_SECRET_ACCESS_KEY": "aws-Plnt4Vq8Zx/K9",
                "HF_TOKEN": "hf_Plnt4Vq8ZxabcdefghijklmnopQ"}
 """Credentials in the flow's environment (where they belong): none may reach anything the run writes."""
@@ -55,7 +58,7 @@ def mlflow_server(tmp_path_factory):
 class TrackingOutageThenKill:
     """Stops the tracking server at the line of training step 1 and starts it again OUTAGE_S later (a timer);
     SIGKILLs the flow's whole process tree (by the PIDs under the runtime's) at the trained policy's progress line in
-    ``evaluate``. Records when each happened."""
+    ``evaluate`` (once it has taken the trained policy's evaluation from training). Records when each happened."""
 
     def __init__(self, server: MlflowServer) -> None:
         self.server, self.events, self.timer, self.runtime = server, {}, None, None
@@ -69,7 +72,7 @@ class TrackingOutageThenKill:
             self.events["down"] = time.monotonic()
             self.timer = threading.Timer(OUTAGE_S, self._restart)
             self.timer.start()
-        if "[eval trained] 8/8 prompts" in line and "killed" not in self.events:
+        if KILL_AT in line and "killed" not in self.events:
             self._kill_flow()
             self.events["killed"] = time.monotonic()
 
@@ -172,7 +175,7 @@ def test_evaluation_killed_then_resumed_completes_once(faulted_run):
     import psutil
 
     workdir, run, faults, first = faulted_run
-    assert "[eval trained] 8/8 prompts" in first and "Workflow starting" in first
+    assert KILL_AT in first and "Workflow starting" in first
     assert not re.search(r"/evaluate/\d+ \(pid \d+\)\] Task finished successfully", first)  # killed in evaluate
     assert not [pid for pid in faults.tree if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     client = _client(workdir)
@@ -341,10 +344,10 @@ def test_progress_lines_with_rate_and_eta(flow_run):
     _, run = flow_run
     train_log = _train_task(run).stdout
     assert re.search(r"\[train\] step 2/4 t=[\d.]+s rate=[\d.]+s/step eta=\d+s", train_log), train_log[-3000:]
-    # the baseline is measured at step 0 of training (test_the_baseline_is_measured_once_at_step_0), the trained
-    # policy in the evaluate step: each with its progress lines
-    for log, label in ((train_log, "eval_during step 0 \\+ baseline"), (run["evaluate"].task.stdout, "trained")):
-        assert re.search(rf"\[eval {label}\] 8/8 prompts t=[\d.]+s rate=[\d.]+ prompts/s eta=0s", log), label
+    # the baseline and the trained policy are measured at training's first and last steps
+    # (test_the_baseline_and_the_trained_policy_are_measured_once_during_training): each with its progress lines
+    for label in ("eval_during step 0 \\+ baseline", "eval_during step 4 \\+ trained"):
+        assert re.search(rf"\[eval {label}\] 8/8 prompts t=[\d.]+s rate=[\d.]+ prompts/s eta=0s", train_log), label
     assert re.search(r"\[train\] started at step 0/4 t=[\d.]+s", train_log)
 
 
@@ -390,24 +393,26 @@ def test_each_point_measured_the_weights_of_its_step(flow_run):
     assert probes[first] != pytest.approx(probes[last], abs=1e-3)  # training changed the served weights
 
 
-def test_the_baseline_is_measured_once_at_step_0(flow_run):
-    """Step 0 evaluates the whole eval split (here the curve's 8 prompts are all of it) with the base weights; the
-    evaluate step takes that evaluation as its baseline after the base weights, reloaded from disk, gave its probe
-    again: the same numbers in both places, and no second baseline evaluation."""
+def test_the_baseline_and_the_trained_policy_are_measured_once_during_training(flow_run):
+    """Step 0 evaluates the whole eval split (here the curve's 8 prompts are all of it) with the base weights, and the
+    last step (4) with the final policy; the evaluate step takes each as its baseline and trained evaluation after
+    those weights, reloaded from disk, gave its probe again: the same numbers in both places (MLflow's eval/* and the
+    curve's points), and neither evaluated again."""
     workdir, run = flow_run
     client = _client(workdir)
     report = run["evaluate"].task.data.eval_report
-    assert report["baseline"]["measured"] == "training step 0"
-    assert report["trained"]["measured"] == "evaluate"
-    for name in ("accuracy", "pass@1", "format_rate", "reward"):
-        (at_0,) = [value for step, value in _history(client, run, f"eval_during/{name.replace('@', '_at_')}")
-                   if step == 0]
-        assert at_0 == pytest.approx(report["baseline"]["metrics"][name]), name
-    evaluate_log = run["evaluate"].task.stdout
-    assert "[eval baseline] taken from the evaluation at training step 0 (8 prompts)" in evaluate_log
-    assert "[eval baseline] 8/8 prompts" not in evaluate_log  # not evaluated again
-    assert "[eval trained] 8/8 prompts" in evaluate_log
-    assert "[eval eval_during step 0 + baseline] 8/8 prompts" in _train_task(run).stdout
+    metrics = client.get_run(run.data.mlflow_run_id).data.metrics
+    evaluate_log, train_log = run["evaluate"].task.stdout, _train_task(run).stdout
+    for label, at in (("baseline", 0), ("trained", 4)):
+        assert report[label]["measured"] == f"training step {at}"
+        for name in ("accuracy", "pass@1", "format_rate", "reward"):
+            (point,) = [value for step, value in _history(client, run, f"eval_during/{name.replace('@', '_at_')}")
+                        if step == at]
+            assert point == pytest.approx(report[label]["metrics"][name]), (label, name)
+            assert metrics[f"eval/{label}/{name.replace('@', '_at_')}"] == pytest.approx(point), (label, name)
+        assert f"[eval {label}] taken from the evaluation at training step {at} (8 prompts)" in evaluate_log
+        assert f"[eval {label}] 8/8 prompts" not in evaluate_log  # not evaluated again
+        assert f"[eval eval_during step {at} + {label}] 8/8 prompts" in train_log
 
 
 def test_no_extra_reload_during_training(flow_run):

@@ -61,26 +61,37 @@ def test_paired_gain_one_prompt_has_no_width_and_mismatched_lists_fail():
 
 
 def test_an_earlier_evaluation_of_other_prompts_is_not_taken_as_the_baseline(capsys):
-    """The step-0 evaluation is the baseline only for the same prompts, in the same order; nothing is asked of the
-    server (client None) before that is known."""
+    """An evaluation made during training (the step-0 one, the last step's) is the baseline or the trained policy's
+    only for the same prompts, in the same order; nothing is asked of the server (client None) before that is known."""
     from grpo_steps.config import REPO_ROOT, load_config
     from grpo_steps.evaluate import prompt_key, same_weights_as
 
     cfg = load_config(REPO_ROOT / "configs" / "test.yaml")
     rows = [{"prompt": [{"role": "user", "content": f"{i} + 1?"}]} for i in range(3)]
-    earlier = {"prompt_keys": [prompt_key(row["prompt"]) for row in reversed(rows)], "probe_logprobs": [-0.1]}
-    assert not same_weights_as(cfg, None, None, rows, None)
-    assert not same_weights_as(cfg, None, None, rows, earlier)
-    assert not same_weights_as(cfg, None, None, rows[:2], {**earlier, "prompt_keys": earlier["prompt_keys"][1:]})
-    assert "has other prompts: measuring the baseline" in capsys.readouterr().out
+    earlier = {"prompt_keys": [prompt_key(row["prompt"]) for row in reversed(rows)], "probe_logprobs": [-0.1],
+               "step": 0}
+    assert not same_weights_as(cfg, None, None, rows, None, "baseline")
+    assert not same_weights_as(cfg, None, None, rows, earlier, "baseline")
+    assert not same_weights_as(cfg, None, None, rows[:2], {**earlier, "prompt_keys": earlier["prompt_keys"][1:]},
+                               "baseline")
+    assert "[eval baseline] the evaluation at training step 0 has other prompts: measuring the baseline policy" \
+        in capsys.readouterr().out
+    assert not same_weights_as(cfg, None, None, rows, {**earlier, "step": 30}, "trained")
+    assert "[eval trained] the evaluation at training step 30 has other prompts" in capsys.readouterr().out
 
 
-def test_training_baseline_is_none_without_a_step_0_evaluation(tmp_path):
+def test_training_evaluations_are_those_this_attempt_made(tmp_path):
     import json
 
-    from grpo_steps.steps import training_baseline
-    from grpo_steps.training.job import BASELINE_RESULT
+    from grpo_steps.steps import training_evaluations
+    from grpo_steps.training.job import SPLIT_RESULTS
 
-    assert training_baseline(str(tmp_path)) is None  # a resumed attempt, or no evaluation during training
-    (tmp_path / BASELINE_RESULT).write_text(json.dumps({"metrics": {"accuracy": 0.5}, "prompt_keys": ["k"]}))
-    assert training_baseline(str(tmp_path)) == {"metrics": {"accuracy": 0.5}, "prompt_keys": ["k"]}
+    # a resumed attempt that began past step 0 and whose last step is no multiple of eval.every_steps, or no
+    # evaluation during training: evaluate measures both
+    assert training_evaluations(str(tmp_path)) == {}
+    trained = {"metrics": {"accuracy": 0.5}, "prompt_keys": ["k"], "step": 30}
+    (tmp_path / SPLIT_RESULTS["trained"]).write_text(json.dumps(trained))
+    assert training_evaluations(str(tmp_path)) == {"trained": trained}
+    baseline = {**trained, "step": 0}
+    (tmp_path / SPLIT_RESULTS["baseline"]).write_text(json.dumps(baseline))
+    assert training_evaluations(str(tmp_path)) == {"baseline": baseline, "trained": trained}
