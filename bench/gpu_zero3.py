@@ -13,12 +13,12 @@ batch, group size, completion length, ZeRO-3 config from ``infra/``):
 - ``trl``: ``GRPOTrainer`` with the same ``GRPOConfig``, the config's reward functions called directly
   (no guard) and nothing else;
 - ``server`` and ``server-trl`` (the GPU machine has no vLLM): the trainer of the ``vllm`` backend
-  (``ServerGRPOTrainer``, with the mismatch correction on) sampling from :class:`StandInServer`, which returns
-  completions of exactly the length limit and sampler logprobs at once, so that the step is the trainer's part
-  alone: ``server`` weighs the correction in the loss's own forward (:mod:`grpo_steps.training.correction`, the
-  pipeline's path), ``server-trl`` keeps TRL's no-grad scoring pass of each batch. Both see the same batches;
-  their first step's ``sampling/*`` metrics and loss are printed side by side (same weights, same rows: equal up
-  to the precision of the forward).
+  (``ServerGRPOTrainer``, with the mismatch correction on) sampling from a stand-in for the server
+  (:func:`stand_in_server`), which returns completions of exactly the length limit and sampler logprobs at once, so
+  that the step is the trainer's part alone: ``server`` weighs the correction in the loss's own forward
+  (:mod:`grpo_steps.training.correction`, the pipeline's path), ``server-trl`` keeps TRL's no-grad scoring pass of
+  each batch. Both see the same batches; their first step's ``sampling/*`` metrics and loss are printed side by side
+  (same weights, same rows: equal up to the precision of the forward).
 
 ``--shape smollm2``: the real SmolLM2-135M-Instruct (embedded) on ``configs/local.yaml`` (its data,
 rewards, batch, group size and completion length; ``--completion-tokens`` overrides the last), for
@@ -108,39 +108,28 @@ def job_for(args, arm: str, model_path: Path, workdir: Path):
     return TrainJob(config=cfg, model_path=str(model_path), train_file=str(train_file), output_dir=str(workdir / "out"))
 
 
-class StandInServer:
-    """Stands in for the generation server (``ServerGeneration``'s contract with TRL): for each prompt, ``length``
-    token ids drawn from ``ids`` seeded by the prompt (never EOS: every completion runs to the limit), with sampler
-    logprobs of a uniform distribution over ``vocab`` plus noise of 0.1 nats (a random-init policy is close to
-    uniform), returned at once."""
+def stand_in_server(settings, length: int, ids: range, vocab: int):
+    """A :class:`grpo_steps.dev.stand_in_server.StandInServer`: for each prompt, ``length`` token ids drawn from ``ids``
+    seeded by the prompt (never EOS: every completion runs to the limit), with sampler logprobs of a uniform
+    distribution over ``vocab`` plus noise of 0.1 nats (a random-init policy is close to uniform)."""
+    import math
 
-    def __init__(self, settings, length: int, ids: range, vocab: int):
-        self.settings, self.prefetcher, self.sampled_version = settings, None, 0
-        self.length, self.ids, self.vocab = length, ids, vocab
+    import torch
 
-    def sync_weights(self):
-        pass
+    from grpo_steps.dev.stand_in_server import StandInServer
 
-    def check_first_batch(self):
-        pass
+    class Uniform(StandInServer):
+        def sample(self, prompt, index):
+            rng = torch.Generator().manual_seed(sum(prompt) * 31 + index)
+            completion = torch.randint(ids.start, ids.stop, (length,), generator=rng).tolist()
+            return completion, (-math.log(vocab) + 0.1 * torch.randn(length, generator=rng,
+                                                                     dtype=torch.float64)).tolist()
 
-    def generate(self, prompts, images=None, num_generations=1, profiler=None):
-        import math
-
-        import torch
-
-        completions, logprobs = [], []
-        for i, prompt in enumerate(prompts):
-            rng = torch.Generator().manual_seed(sum(prompt) * 31 + i)
-            completions.append(torch.randint(self.ids.start, self.ids.stop, (self.length,), generator=rng).tolist())
-            logprobs.append((-math.log(self.vocab) + 0.1 * torch.randn(self.length, generator=rng,
-                                                                       dtype=torch.float64)).tolist())
-        return (prompts, completions, [[[lp] for lp in seq] for seq in logprobs],
-                [[[t] for t in seq] for seq in completions])
+    return Uniform(settings)
 
 
 def server_trainer(arm: str, job, rows: list[dict], reward_funcs: list):
-    """``ServerGRPOTrainer`` on ``job`` sampling from :class:`StandInServer`; ``server-trl``: TRL's scoring pass."""
+    """``ServerGRPOTrainer`` on ``job`` sampling from :func:`stand_in_server`; ``server-trl``: TRL's scoring pass."""
     from datasets import Dataset
     from transformers import AutoConfig, AutoTokenizer
 
@@ -159,9 +148,9 @@ def server_trainer(arm: str, job, rows: list[dict], reward_funcs: list):
     if arm == "server-trl":
         trainer.loss_side_correction = None  # TRL's own scoring pass
     special = max(tokenizer.all_special_ids) + 1
-    trainer.vllm_generation = StandInServer(settings, job.config.generation.max_completion_tokens,
-                                            range(special, special + 1000),
-                                            AutoConfig.from_pretrained(job.model_path).vocab_size)
+    trainer.vllm_generation = stand_in_server(settings, job.config.generation.max_completion_tokens,
+                                              range(special, special + 1000),
+                                              AutoConfig.from_pretrained(job.model_path).vocab_size)
     return trainer
 
 

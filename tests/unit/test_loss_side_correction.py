@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from grpo_steps.config import validate_config
+from grpo_steps.dev.stand_in_server import StandInServer
 from grpo_steps.servers.client import VLLMClient
 from grpo_steps.training.generation import ServerSettings
 from grpo_steps.training.job import TrainJob, grpo_args
@@ -21,36 +22,26 @@ SAMPLING = ["sampling/sampling_logp_difference/mean", "sampling/sampling_logp_di
 PROMPTS = [{"prompt": f"{a} + {a}"} for a in range(8)]
 
 
-class FixedSampler:
-    """Stands in for the generation server (``ServerGeneration``'s contract with TRL): the same completions for the
-    same prompts every call, with sampler logprobs that are the initial policy's (a copy: its forwards are not
-    counted) plus seeded noise of 0.4 nats, one of them NaN (a token vLLM could not score), so that two trainers
-    sample identical batches whose weights differ from token to token."""
+class FixedSampler(StandInServer):
+    """Stands in for the generation server: the same completions for the same prompts every call, with sampler
+    logprobs that are the initial policy's (a copy: its forwards are not counted) plus seeded noise of 0.4 nats, one
+    of them NaN (a token vLLM could not score), so that two trainers sample identical batches whose weights differ
+    from token to token."""
 
     def __init__(self, settings, policy):
-        self.settings, self.prefetcher, self.sampled_version, self.policy = settings, None, 0, policy
+        super().__init__(settings)
+        self.policy = policy
 
-    def sync_weights(self):
-        pass
-
-    def check_first_batch(self):
-        pass
-
-    def generate(self, prompts, images=None, num_generations=1, profiler=None):
-        completions, logprobs = [], []
-        for i, prompt in enumerate(prompts):
-            rng = torch.Generator().manual_seed(sum(prompt) * 31 + i)
-            completion = [int(t) for t in torch.randint(5, 90, (2 + i % 5,), generator=rng)]
-            with torch.no_grad():
-                logits = self.policy(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
-            lps = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
-            lps = (lps + 0.4 * torch.randn(len(completion), generator=rng, dtype=torch.float64)).tolist()
-            if i == 1:
-                lps[0] = float("nan")
-            completions.append(completion)
-            logprobs.append(lps)
-        return (prompts, completions, [[[lp] for lp in seq] for seq in logprobs],
-                [[[t] for t in seq] for seq in completions])
+    def sample(self, prompt, index):
+        rng = torch.Generator().manual_seed(sum(prompt) * 31 + index)
+        completion = [int(t) for t in torch.randint(5, 90, (2 + index % 5,), generator=rng)]
+        with torch.no_grad():
+            logits = self.policy(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+        lps = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+        lps = (lps + 0.4 * torch.randn(len(completion), generator=rng, dtype=torch.float64)).tolist()
+        if index == 1:
+            lps[0] = float("nan")
+        return completion, lps
 
 
 def trainer(tiny_model_path, tmp_path, mode: str, accumulation: int, loss_side: bool) -> ServerGRPOTrainer:
