@@ -316,7 +316,8 @@ def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: d
     measured here.
 
     Returns ``{"baseline": evaluate_policy(...), "trained": ..., "gain": gain_metrics(...)}``; each one's
-    ``"measured"`` says where it was measured (``"training step N"`` or ``"evaluate"``).
+    ``"measured"`` says where it was measured (``"training step N"`` or ``"evaluate"``), also the run's tags
+    ``eval.baseline.measured`` and ``eval.trained.measured``.
     """
 
     from grpo_steps import servers, tracking
@@ -338,6 +339,9 @@ def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: d
         tracking.log_metrics_once(cfg, run_id, {f"eval/{label}/{k}": v for k, v in report[label]["metrics"].items()})
     report["gain"] = gain_metrics(report["baseline"]["per_prompt"], report["trained"]["per_prompt"])
     tracking.log_metrics_once(cfg, run_id, {f"eval/gain/{k}": v for k, v in report["gain"].items()})
+    # where each evaluation was made: the numbers of one taken from training are its curve point's
+    tracking.set_tags(cfg, run_id, {f"eval.{label}.measured": report[label]["measured"]
+                                    for label in ("baseline", "trained")})
     mlflow_client = tracking.client(cfg)
     logged = {a.path for a in mlflow_client.list_artifacts(run_id, "eval")}
     for label in ("baseline", "trained"):

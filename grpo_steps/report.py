@@ -196,14 +196,19 @@ def _line_chart(points: list[dict], y_title: str, color: str | None = None) -> d
 
 def card_components(cfg: PipelineConfig, run_id: str, report: dict) -> list:
     """Metaflow card: the training reward curve (from MLflow), beside it the held-out curves during training
-    (``eval.every_steps``), and a baseline-vs-trained table."""
+    (``eval.every_steps``), and a baseline-vs-trained table with where each was measured."""
     from metaflow.cards import Markdown, Table, VegaChart
 
     curve = reward_curve(cfg, run_id)
     names = list(report["trained"]["metrics"])
     rows = [[name, f"{report['baseline']['metrics'][name]:.4f}", f"{report['trained']['metrics'][name]:.4f}"]
             for name in names]
-    components = [Markdown("## Held-out evaluation"), Table(rows, headers=["metric", "baseline", "trained"])]
+    where = {label: report[label].get("measured", "evaluate") for label in ("baseline", "trained")}
+    components = [Markdown("## Held-out evaluation"),
+                  Markdown(f"Measured: the baseline in {where['baseline']}, the trained policy in {where['trained']} "
+                           "(an evaluation made during training is taken once its weights, reloaded from disk, give "
+                           "its probe again)."),
+                  Table(rows, headers=["metric", "baseline", "trained"])]
     during = [{**point, "metric": name.removeprefix("eval_during/")}
               for name, points in eval_during_curves(cfg, run_id).items() for point in points
               if point["value"] == point["value"]]  # NaN (no formatted answer) is not JSON

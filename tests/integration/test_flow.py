@@ -413,6 +413,7 @@ def test_the_baseline_and_the_trained_policy_are_measured_once_during_training(f
         assert f"[eval {label}] taken from the evaluation at training step {at} (8 prompts)" in evaluate_log
         assert f"[eval {label}] 8/8 prompts" not in evaluate_log  # not evaluated again
         assert f"[eval eval_during step {at} + {label}] 8/8 prompts" in train_log
+        assert client.get_run(run.data.mlflow_run_id).data.tags[f"eval.{label}.measured"] == f"training step {at}"
 
 
 def test_no_extra_reload_during_training(flow_run):
@@ -442,6 +443,7 @@ def test_chart_and_card_show_the_curves(flow_run):
     (card,) = [c for c in get_cards(run["evaluate"].task) if c.id == "eval"]
     text = _card_text(card.get())
     assert "Held-out evaluation during training" in text and "Training reward" in text
+    assert "Measured: the baseline in training step 0, the trained policy in training step 4" in text
 
 
 def _card_text(html: str) -> str:
