@@ -203,7 +203,7 @@ def card_components(cfg: PipelineConfig, run_id: str, report: dict) -> list:
     names = list(report["trained"]["metrics"])
     rows = [[name, f"{report['baseline']['metrics'][name]:.4f}", f"{report['trained']['metrics'][name]:.4f}"]
             for name in names]
-    where = {label: report[label].get("measured", "evaluate") for label in ("baseline", "trained")}
+    where = {label: report[label]["measured"] for label in ("baseline", "trained")}
     components = [Markdown("## Held-out evaluation"),
                   Markdown(f"Measured: the baseline in {where['baseline']}, the trained policy in {where['trained']} "
                            "(an evaluation made during training is taken once its weights, reloaded from disk, give "
