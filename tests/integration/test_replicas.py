@@ -97,14 +97,18 @@ def test_two_replicas_behind_the_router_each_on_its_own_core(replica_set):
 def test_requests_spread_over_both_and_an_episode_stays_on_one(replica_set):
     client = replica_set.client()
     before = _counts(replica_set)
-    client.complete([[100 + i, 7, 8] for i in range(16)], 2, max_tokens=4, temperature=1.0)
+    groups = client.complete([[100 + i, 7, 8] for i in range(16)], 2, max_tokens=4, temperature=1.0)
     spread = [after - b for after, b in zip(_counts(replica_set), before, strict=True)]
     assert sum(spread) == 16 and min(spread) > 0, spread  # one request per group; the router spread them
+    # each answer says which replica sampled it (its first served name, policy@r<i>), as the router counted them
+    assert all(len({sample["replica"] for sample in group}) == 1 for group in groups)
+    assert [sum(group[0]["replica"] == i for group in groups) for i in (0, 1)] == spread
     before = _counts(replica_set)
     episode = [[300, 9, 9], [300, 9, 9, 41, 42], [300, 9, 9, 41, 42, 43, 44]]  # the turns of one episode
-    client.complete(episode, 1, max_tokens=2, temperature=1.0, sessions=[session_id(episode[0])] * 3)
+    turns_out = client.complete(episode, 1, max_tokens=2, temperature=1.0, sessions=[session_id(episode[0])] * 3)
     turns = [after - b for after, b in zip(_counts(replica_set), before, strict=True)]
     assert sorted(turns) == [0, 3], turns
+    assert {turn[0]["replica"] for turn in turns_out} == {turns.index(3)}
 
 
 def test_lora_adapter_pushes_reach_both_replicas(tmp_path, tiny_model_path, tiny_tokenizer, replica_set, capfd):
@@ -119,6 +123,8 @@ def test_lora_adapter_pushes_reach_both_replicas(tmp_path, tiny_model_path, tiny
     served = [VLLMClient(m.endpoint).served_adapters() for m in replica_set.members]
     assert served == [{}, {}], served
     assert adapter_name("policy", 1) not in replica_set.client().served_adapters()
+    # an adapter's answers carry the adapter's name, not the replica's: which replica sampled is not known
+    assert not [k for h in _history(tmp_path) for k in h if re.match(r"(generation|weight_sync)/replica\d", k)]
 
 
 def test_training_with_async_rollouts_pushes_every_version_to_both_replicas(tmp_path, tiny_model_path, tiny_tokenizer,
@@ -134,6 +140,17 @@ def test_training_with_async_rollouts_pushes_every_version_to_both_replicas(tmp_
         assert first_label == second_label == f"step-{version}"  # two version labels per push
     assert [h["weight_sync/replicas"] for h in _history(tmp_path)] == [2.0, 2.0, 2.0]
     assert [h["async/staleness"] <= 1 for h in _history(tmp_path)] == [True] * 3
+    # which replica sampled each generation round's completions, and the first-batch check per replica that sampled
+    # (the round after the first push: later rounds were sampled ahead by the version before)
+    for h in _history(tmp_path):
+        counts = [h[f"generation/replica{i}/completions"] for i in (0, 1)]
+        assert sum(counts) == 8, h
+        if "weight_sync/first_batch_logp_diff" in h:
+            assert [f"weight_sync/replica{i}/first_batch_logp_diff" in h for i in (0, 1)] == [c > 0 for c in counts]
+            gaps = [h[k] for k in h if k.startswith("weight_sync/replica") and k.endswith("first_batch_logp_diff")]
+            # the overall gap is the token-weighted mean of the replicas' (one process)
+            assert min(gaps) - 1e-9 <= h["weight_sync/first_batch_logp_diff"] <= max(gaps) + 1e-9, h
+    assert "weight_sync/first_batch_logp_diff" in _history(tmp_path)[0]
     assert [VLLMClient(m.endpoint).weight_version() for m in replica_set.members] == ["step-2", "step-2"]
     # the router served the producer's rollouts; which replicas is consistent_hash's choice per prompt: with the ~6
     # prompts of 3 steps all of them land on one replica in 1 run of 32 (it did once in CI), so the spread over both
@@ -150,6 +167,18 @@ def test_multi_turn_tool_rollouts_on_two_replicas(tmp_path, tiny_model_path, tin
     (h,) = _history(tmp_path)
     assert h["tools/call_frequency"] == 1.0 and h["tools/turns_per_episode"] == 2.0
     assert len(VERIFIED.findall(capfd.readouterr().out)) == 1
+    # which replica sampled each episode's first turn
+    assert h["generation/replica0/completions"] + h["generation/replica1/completions"] == 4, h
+
+
+def test_a_first_batch_above_the_limit_names_the_replicas_that_sampled_it(tmp_path, tiny_model_path, tiny_tokenizer,
+                                                                          replica_set):
+    job = _job(tmp_path, tiny_model_path, tiny_tokenizer, replica_set.endpoint, train={"max_steps": 1},
+               generation={"sync_check": {"max_logp_diff": 1e-12}})  # below float32 kernel noise: every replica
+    with pytest.raises(GenerationServerError, match=r"step 1: the first batch sampled after pushing version 0") as err:
+        run(_with_replicas(job, replica_set))
+    named = re.findall(r"replica (\d)/2 (\S+): ", str(err.value))
+    assert named and all(replica_set.members[int(i) - 1].endpoint == endpoint for i, endpoint in named), str(err.value)
 
 
 def test_evaluation_spreads_its_prompts(replica_set, tiny_tokenizer):

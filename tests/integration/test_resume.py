@@ -181,6 +181,10 @@ def test_faults_then_kill_then_a_new_run_from_its_checkpoint_on_the_local_datast
         requests = client.get_metric_history(killed_run.info.run_id, f"router/replica{i}/requests")
         assert sum(m.value for m in requests) > 0, (i, requests)
         assert client.get_metric_history(killed_run.info.run_id, f"engine/replica{i}/requests_running")
+    # and which replica sampled each generation round's completions, from the answers themselves
+    sampled = [sum(m.value for m in client.get_metric_history(killed_run.info.run_id,
+                                                               f"generation/replica{i}/completions")) for i in (0, 1)]
+    assert min(sampled) > 0, sampled
 
     # a new run from the killed run's newest checkpoint, named in the config, on a new set of replicas
     config["train"]["resume_from"] = f"GRPOFlow/{origin}"

@@ -138,6 +138,17 @@ def test_server_args_carry_trl_nccl_flags_only_with_nccl_sync():
     assert "--weight-transfer-config" not in disk
 
 
+def test_each_replica_serves_its_own_name_first_then_the_common_one():
+    """vLLM names each answer after the first served name: a completion says which replica sampled it."""
+    cfg = cluster_config()
+    for replica in (0, 2):
+        (container,) = k8s_manifests.render_manifests(cfg, RUN_ID, "m", replica=replica)[0]["spec"]["template"][
+            "spec"]["containers"]
+        args = container["args"]
+        at = args.index("--served-model-name")
+        assert args[at + 1:at + 3] == [f"policy@r{replica}", "policy"] and args[at + 3].startswith("--")
+
+
 def test_no_gpu_request_when_the_server_has_no_gpu():
     cfg = validate_config({"generation": {"provider": "kubernetes", "backend": "hf"},
                            "resources": {"train": {"image": "grpo:1"}, "vllm": {"gpu": 0}, "shared_volume_claim": "s"}})
