@@ -6,7 +6,8 @@ from __future__ import annotations
 
 class StandInServer:
     """What :class:`grpo_steps.training.generation.ServerGeneration` offers TRL's ``GRPOTrainer`` (``settings``,
-    ``prefetcher``, ``sampled_version``, ``sync_weights``, ``check_first_batch``, ``generate``), with the completion
+    ``prefetcher``, ``sampled_version``, ``sync_weights``, ``check_first_batch``, ``begin_generation_batch``,
+    ``replica_rows``, ``generate``), with the completion
     and the sampler logprobs of each prompt from :meth:`sample`, returned at once; pushes and checks do nothing.
     Put in place of a ``ServerGRPOTrainer``'s ``vllm_generation`` after its constructor.
 
@@ -22,6 +23,20 @@ class StandInServer:
 
     def check_first_batch(self) -> None:
         pass
+
+    def begin_generation_batch(self) -> None:
+        pass
+
+    def replica_of(self, prompt: list[int]) -> int | None:
+        """The replica that "sampled" ``prompt`` (None: not known, the default)."""
+        return None
+
+    def replica_rows(self, prompt_ids, prompt_mask):
+        """``ServerGeneration.replica_rows``'s answer from :meth:`replica_of`: (B,) int64, -1 where not known."""
+        import torch
+
+        rows = [self.replica_of(ids[mask.bool()].tolist()) for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
+        return torch.tensor([-1 if r is None else r for r in rows], dtype=torch.int64, device=prompt_ids.device)
 
     def sample(self, prompt: list[int], index: int) -> tuple[list[int], list[float]]:
         """The completion token ids of ``prompt`` (the ``index``-th of its batch) and one sampler logprob per token

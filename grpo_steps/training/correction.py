@@ -35,6 +35,46 @@ def applies(trainer) -> bool:
                 and trainer.zero_signal.correction_in_loss)
 
 
+REPLICA_ROWS = "sampling_replica"
+"""Key of the generation batch's (B,) int64 tensor: the replica that sampled each row (-1: not known), set by
+:class:`grpo_steps.training.trainer.ServerGRPOTrainer` with replicas; TRL's shuffle and split carry it with the rows."""
+
+
+class ReplicaMismatch:
+    """The trainer–inference mismatch per generation replica: ``sampling/replica<i>/sampling_logp_difference/mean``,
+    the mean |policy - sampler| logp (nats per token) over the loss tokens of the completions replica i sampled, over
+    every process (a token mean; TRL's overall ``sampling/sampling_logp_difference/mean`` averages the processes'
+    means). A replica that serves other weights than the policy's shows here before it moves the overall mean.
+
+    Args:
+        replicas: how many replicas sample (``len(VLLMClient.replicas)``).
+    """
+
+    def __init__(self, replicas: int) -> None:
+        self.replicas = replicas
+        self._sums = torch.zeros(replicas, dtype=torch.float64)
+        self._counts = torch.zeros(replicas, dtype=torch.float64)
+
+    def add(self, delta: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
+        """Count ``delta`` ((B, T) |policy - sampler| logp) over ``mask`` ((B, T), loss tokens) into the replica of
+        each row (``rows`` (B,), -1: not known, left out); NaN deltas (tokens vLLM could not score) are left out."""
+        keep = mask.bool() & ~torch.isnan(delta)
+        for i in range(self.replicas):
+            mine = keep & (rows == i).unsqueeze(-1)
+            self._sums[i] += float(delta[mine].double().sum())
+            self._counts[i] += int(mine.sum())
+
+    def metrics(self, accelerator) -> dict[str, float]:
+        """The per-replica means since the last call (a collective: every process calls it at the same point), for
+        each replica with loss tokens on some process."""
+        local = torch.stack([self._sums, self._counts]).to(torch.float32).to(accelerator.device)  # (2, replicas)
+        self._sums.zero_()
+        self._counts.zero_()
+        sums, counts = accelerator.gather(local.unsqueeze(0)).view(-1, 2, self.replicas).sum(dim=0).tolist()
+        return {f"sampling/replica{i}/sampling_logp_difference/mean": sums[i] / counts[i]
+                for i in range(self.replicas) if counts[i]}
+
+
 class LossSideCorrection:
     """The mismatch weights and TRL's ``sampling/*`` metrics of a generation batch, micro-batch by micro-batch.
 
@@ -43,10 +83,14 @@ class LossSideCorrection:
         clip_min, clip_max: TRL's ``vllm_importance_sampling_clip_min`` / ``_max`` (None: no bound).
         micro_batches: micro-batches per generation batch (``steps_per_generation``); the metrics are complete after
             that many :meth:`weigh` calls.
+        replicas: the per-replica mismatch (:class:`ReplicaMismatch`) of batches that carry :data:`REPLICA_ROWS`;
+            None: one server.
     """
 
-    def __init__(self, mode: str, clip_min: float | None, clip_max: float | None, micro_batches: int) -> None:
+    def __init__(self, mode: str, clip_min: float | None, clip_max: float | None, micro_batches: int,
+                 replicas: ReplicaMismatch | None = None) -> None:
         self.mode, self.clip_min, self.clip_max, self.micro_batches = mode, clip_min, clip_max, micro_batches
+        self.replicas = replicas
         self._reset()
 
     def _reset(self) -> None:
@@ -67,6 +111,8 @@ class LossSideCorrection:
         ratio = importance_weights(policy_logps, sampling, mask, self.mode, self.clip_min, self.clip_max)
         inputs["importance_sampling_ratio"] = ratio
         delta = torch.abs(policy_logps - sampling)
+        if self.replicas is not None and REPLICA_ROWS in inputs:
+            self.replicas.add(delta, mask, inputs[REPLICA_ROWS])
         delta = delta[mask.bool() & ~torch.isnan(delta)]  # tokens vLLM could not score (NaN) left out, as TRL does
         weights = ratio.flatten() if self.mode.startswith("sequence") else ratio[mask.bool()]
         if delta.numel():
@@ -96,7 +142,8 @@ class LossSideCorrection:
         ], dtype=torch.float32, device=accelerator.device)
         self._reset()
         gathered = accelerator.gather(local).view(-1, 5)  # (processes, 5)
-        return {
+        per_replica = self.replicas.metrics(accelerator) if self.replicas is not None else {}
+        return {**per_replica,
             "sampling/sampling_logp_difference/mean": gathered[:, 0].mean().item(),
             "sampling/sampling_logp_difference/max": gathered[:, 1].max().item(),
             "sampling/importance_sampling_ratio/min": _finite(gathered[:, 2]).min().item(),

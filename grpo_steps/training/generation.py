@@ -172,6 +172,7 @@ class ServerGeneration:
         # at the same micro-step sample now)
         self._producer_client: VLLMClient | None = None  # the producer thread's own client (its own session)
         self._episodes: list[list[int]] = []  # the first-turn prompts of the last generation round (their sessions)
+        self._prompt_replicas: dict[tuple[int, ...], int] = {}  # first-turn prompt -> the replica that sampled it
 
     def _log(self, name: str, value: float) -> None:
         # Always the training logs: a push serves the training's rollouts (the pipeline runs no TRL eval loop), and
@@ -312,11 +313,26 @@ class ServerGeneration:
         replicas = [s.get("replica") for group_samples in samples for s in group_samples]
         if group > 1:
             self._log_replicas(replicas)
+            self._prompt_replicas.update((tuple(p), r) for p, r in zip(prompts, replicas, strict=True) if r is not None)
         # the first turn after a push, sampled by the policy of now: what the first-batch check scores
         if self.first_batch is None and version == (self.policy.step() if self.policy else version):
             self.first_batch = list(zip(prompts, completion_ids, logprobs, replicas, strict=True))
         return (prompts, completion_ids, [[[lp] for lp in seq] for seq in logprobs],
                 [[[token] for token in seq] for seq in completion_ids])
+
+    def begin_generation_batch(self) -> None:
+        """Forget which replica sampled the prompts of the previous generation batch (see :meth:`replica_rows`)."""
+        self._prompt_replicas.clear()
+
+    def replica_rows(self, prompt_ids, prompt_mask):
+        """The replica that sampled each row of this generation batch: ``prompt_ids`` / ``prompt_mask`` (B, P)
+        (TRL's padded prompts) -> (B,) int64 on their device, -1 where not known. A row's replica is the one that
+        sampled its prompt's first turn (a group, and with ``consistent_hash`` a whole episode, is served by one)."""
+        import torch
+
+        rows = [self._prompt_replicas.get(tuple(ids[mask.bool()].tolist()), -1)
+                for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
+        return torch.tensor(rows, dtype=torch.int64, device=prompt_ids.device)
 
     def _log_replicas(self, replicas: list[int | None]) -> None:
         """``generation/replica<i>/completions``: how many completions of this generation round (this process's

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from trl import GRPOTrainer
 
 from grpo_steps.training import correction, trl_hooks
@@ -115,11 +116,14 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
             micro_step=partial(trl_hooks.micro_step, self),
             log=partial(trl_hooks.log_metric, self)))
         trl_hooks.mark_pushed(self, -1)  # push before the first generation (the server may hold stale weights)
+        # several replicas: the mismatch per replica that sampled (sampling/replica<i>/...)
+        self.replica_mismatch = correction.ReplicaMismatch(len(server.client.replicas)) \
+            if server.client.replicas else None
         # set: training rounds skip TRL's scoring pass and the loss weighs the correction
         # (grpo_steps.training.correction); None: TRL's own path
         self.loss_side_correction = correction.LossSideCorrection(
             self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
-            self.vllm_importance_sampling_clip_max, self.args.steps_per_generation) \
+            self.vllm_importance_sampling_clip_max, self.args.steps_per_generation, self.replica_mismatch) \
             if correction.applies(self) else None
         self._weighing: dict | None = None  # the micro-batch whose loss is being computed, while it is weighed
 
@@ -130,6 +134,7 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         generation: ServerGeneration = self.vllm_generation
         if generation.settings.max_staleness is not None and generation.prefetcher is None and self.model.training:
             self._start_async()
+        generation.begin_generation_batch()
         if self.loss_side_correction is not None and self.model.training:
             # TRL's gate of its scoring pass, its weights and their metrics (pinned by the contract test): off for
             # this round; the loss's forward weighs each micro-batch instead (_compute_loss below)
@@ -141,7 +146,24 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         else:
             output = super()._generate_and_score_completions(inputs)
         generation.check_first_batch()
+        if self.replica_mismatch is not None and self.model.training:
+            self._attribute_replicas(output)
         return output
+
+    def _attribute_replicas(self, output: dict) -> None:
+        """Which replica sampled each row of the generation batch ``output``: carried with the rows into the loss,
+        which weighs the mismatch per replica (:class:`grpo_steps.training.correction.LossSideCorrection`), or, on
+        TRL's own path, the per-replica mismatch of TRL's scoring pass logged now."""
+        rows = self.vllm_generation.replica_rows(output["prompt_ids"], output["prompt_mask"])
+        if self.loss_side_correction is not None:
+            output[correction.REPLICA_ROWS] = rows
+        elif "old_per_token_logps" in output and "sampling_per_token_logps" in output:
+            mask = output["completion_mask"] * output["tool_mask"] if "tool_mask" in output \
+                else output["completion_mask"]
+            self.replica_mismatch.add(torch.abs(output["old_per_token_logps"] - output["sampling_per_token_logps"]),
+                                      mask, rows)
+            for name, value in self.replica_mismatch.metrics(self.accelerator).items():
+                trl_hooks.log_metric(self, name, value)
 
     def _compute_loss(self, model, inputs):
         if self.loss_side_correction is not None and self.model.training and "importance_sampling_ratio" not in inputs:

@@ -151,6 +151,12 @@ def test_training_with_async_rollouts_pushes_every_version_to_both_replicas(tmp_
             # the overall gap is the token-weighted mean of the replicas' (one process)
             assert min(gaps) - 1e-9 <= h["weight_sync/first_batch_logp_diff"] <= max(gaps) + 1e-9, h
     assert "weight_sync/first_batch_logp_diff" in _history(tmp_path)[0]
+    # the mismatch per replica, weighed in the loss (the correction's loss-side path), for the replicas that sampled
+    for h in _history(tmp_path):
+        counts = [h[f"generation/replica{i}/completions"] for i in (0, 1)]
+        assert [f"sampling/replica{i}/sampling_logp_difference/mean" in h for i in (0, 1)] == [c > 0 for c in counts]
+    first = _history(tmp_path)[0]  # sampled by the version it trains (later steps: by the one before, async)
+    assert max(v for k, v in first.items() if re.match(r"sampling/replica\d/", k)) < 1e-3, first
     assert [VLLMClient(m.endpoint).weight_version() for m in replica_set.members] == ["step-2", "step-2"]
     # the router served the producer's rollouts; which replicas is consistent_hash's choice per prompt: with the ~6
     # prompts of 3 steps all of them land on one replica in 1 run of 32 (it did once in CI), so the spread over both
@@ -160,15 +166,20 @@ def test_training_with_async_rollouts_pushes_every_version_to_both_replicas(tmp_
 
 def test_multi_turn_tool_rollouts_on_two_replicas(tmp_path, tiny_model_path, tiny_tokenizer, replica_set, capfd):
     tools = yaml.safe_load((REPO_ROOT / "configs" / "test-tools.yaml").read_text())
+    # a generation batch of 2 micro-batches, one trained per optimizer step: TRL's own scoring pass weighs the
+    # correction (not the loss), so the mismatch per replica comes from that path here
     job = _job(tmp_path, tiny_model_path, tiny_tokenizer, replica_set.endpoint, train={**tools["train"],
-               "max_steps": 1}, generation=tools["generation"] | {"server": {}}, model=tools["model"],
-               data=tools["data"], tools=tools["tools"])
+               "max_steps": 1, "grpo": {"steps_per_generation": 2}}, generation=tools["generation"] | {"server": {}},
+               model=tools["model"], data=tools["data"], tools=tools["tools"])
     run(_with_replicas(job, replica_set))
     (h,) = _history(tmp_path)
     assert h["tools/call_frequency"] == 1.0 and h["tools/turns_per_episode"] == 2.0
     assert len(VERIFIED.findall(capfd.readouterr().out)) == 1
-    # which replica sampled each episode's first turn
-    assert h["generation/replica0/completions"] + h["generation/replica1/completions"] == 4, h
+    # which replica sampled each episode's first turn, and TRL's mismatch per replica that sampled; (the structured
+    # output's regex forces tokens the unconstrained policy finds unlikely: the mismatch is large, ~10 nats)
+    counts = [h[f"generation/replica{i}/completions"] for i in (0, 1)]
+    assert sum(counts) == 8, h
+    assert [f"sampling/replica{i}/sampling_logp_difference/mean" in h for i in (0, 1)] == [c > 0 for c in counts], h
 
 
 def test_a_first_batch_above_the_limit_names_the_replicas_that_sampled_it(tmp_path, tiny_model_path, tiny_tokenizer,

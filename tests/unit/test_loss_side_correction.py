@@ -2,7 +2,7 @@
 path on the same batches: a trainer that skips TRL's scoring pass and one that runs it (``loss_side_correction``
 None) get identical generation batches from a stand-in for the server (fixed completions and sampler logprobs, so
 that both sample the same), and must give the same importance weights, loss, gradients and ``sampling/*`` metrics,
-with one policy forward per micro-batch fewer. The tiny policy; no server."""
+with one policy forward per micro-batch fewer, and the same mismatch per replica. The tiny policy; no server."""
 
 import copy
 
@@ -19,6 +19,7 @@ from grpo_steps.training.trainer import ServerGRPOTrainer
 SAMPLING = ["sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
             "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
             "sampling/importance_sampling_ratio/max"]
+REPLICAS = [f"sampling/replica{i}/sampling_logp_difference/mean" for i in (0, 1)]
 PROMPTS = [{"prompt": f"{a} + {a}"} for a in range(8)]
 
 
@@ -26,11 +27,15 @@ class FixedSampler(StandInServer):
     """Stands in for the generation server: the same completions for the same prompts every call, with sampler
     logprobs that are the initial policy's (a copy: its forwards are not counted) plus seeded noise of 0.4 nats, one
     of them NaN (a token vLLM could not score), so that two trainers sample identical batches whose weights differ
-    from token to token."""
+    from token to token; the groups are "sampled" by two replicas in turn (the per-replica mismatch)."""
 
     def __init__(self, settings, policy):
         super().__init__(settings)
         self.policy = policy
+        self.replicas: dict[tuple, int] = {}
+
+    def replica_of(self, prompt):
+        return self.replicas.setdefault(tuple(prompt), len(self.replicas) % 2)  # two "replicas", in turn per group
 
     def sample(self, prompt, index):
         rng = torch.Generator().manual_seed(sum(prompt) * 31 + index)
@@ -54,7 +59,8 @@ def trainer(tiny_model_path, tmp_path, mode: str, accumulation: int, loss_side: 
                            "train": {"per_device_train_batch_size": 4, "num_generations": 2,
                                      "gradient_accumulation_steps": accumulation}})
     args = grpo_args(TrainJob(config=cfg, model_path=tiny_model_path, train_file="unused", output_dir=str(tmp_path)))
-    server = ServerSettings(client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation,
+    client = VLLMClient("http://127.0.0.1:9", replicas=("http://127.0.0.1:9", "http://127.0.0.1:10"))
+    server = ServerSettings(client=client, gen=cfg.generation,
                             max_model_len=256, push=None, probe_ids=[1, 2], probe_tolerance=0.05)  # never called
     length = lambda completions, **_: [float(len(c)) for c in completions]  # noqa: E731  (signal in every group)
     out = ServerGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_path), reward_funcs=[length, length],
@@ -107,9 +113,13 @@ def test_the_loss_side_correction_is_trls(tiny_model_path, tmp_path, mode, accum
     assert our_losses == pytest.approx(trl_losses, abs=1e-6)
     for (name, theirs), mine in zip(trls.model.named_parameters(), ours.model.parameters(), strict=True):
         assert torch.allclose(mine.grad, theirs.grad, atol=1e-6), name
-    for name in SAMPLING:  # one value per generation batch, TRL's
+    for name in SAMPLING + REPLICAS:  # one value per generation batch, TRL's (per replica: from TRL's scoring pass)
         assert len(ours._metrics["train"][name]) == 1, name
         assert ours._metrics["train"][name] == pytest.approx(trls._metrics["train"][name], rel=1e-5, abs=1e-6), name
+    # the token mean over both replicas' completions is TRL's overall mean (one process), and the replicas differ
+    per_replica = [ours._metrics["train"][name][0] for name in REPLICAS]
+    overall = ours._metrics["train"]["sampling/sampling_logp_difference/mean"][0]
+    assert min(per_replica) < overall < max(per_replica), (per_replica, overall)
 
 
 @pytest.mark.parametrize("change", [{"train": {"grpo": {"num_iterations": 2}}},
