@@ -11,9 +11,9 @@ Checked once by hand on the 2-core CI machine (2026-11-25): with the advantages 
 anywhere between the reward and the update fails it. (Backend ``hf``, 10 steps: -0.34 -> -0.07, length 6.8 -> 3.0.)
 
 Sized against its noise (2026-11-26, the 2-core box): at 6 steps of 16 completions with a decaying learning rate
-the gain of the last two steps over the first ranged 0.09-0.40 over 9 runs, and one CI run failed the 0.1 margin
+the gain of the last two steps over the first ranged 0.10-0.37 over 9 runs, and one CI run failed the 0.1 margin
 (-0.29 -> -0.19). Now 10 steps of 32 completions at a constant learning rate: over 8 runs the last three steps'
-mean beat the first step by 0.26-0.43 (most runs end at 0.0, completions of 1-2 tokens); with the advantages
+mean beat the first step by 0.28-0.43 (most runs end at 0.0, completions of 1-2 tokens); with the advantages
 negated 2 of 2 runs went to -1.0 by step 3.
 """
 
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 16
 STEPS = 10
 MARGIN = 0.15
-"""The mean reward of the last three steps must beat the first step's by this much (measured: 0.26-0.43)."""
+"""The mean reward of the last three steps must beat the first step's by this much (measured: 0.28-0.43)."""
 
 
 def test_the_reward_goes_up(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
