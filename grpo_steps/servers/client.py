@@ -312,13 +312,15 @@ class VLLMClient:
         :func:`replica_model_name`; replicas you run: start each with a name of its own first, e.g.
         ``--served-model-name policy@a policy``). None: one server, replicas that share their first name, or a LoRA
         adapter's answer."""
-        if not self.replicas:
-            return None
+        return self._replicas_by_name().get(model)
+
+    def _replicas_by_name(self) -> dict[str, int]:
+        """Each replica's first served name -> its index, asked once ({} for one server or shared names)."""
         if self._replica_by_name is None:
-            names = [names[0] if names else "" for names in self.each(VLLMClient.served_names)]
-            distinct = len(set(names)) == len(names)
-            self._replica_by_name = {name: i for i, name in enumerate(names)} if distinct else {}
-        return self._replica_by_name.get(model)
+            names = [names[0] if names else "" for names in self.each(VLLMClient.served_names)] \
+                if self.replicas else []
+            self._replica_by_name = {name: i for i, name in enumerate(names)} if len(set(names)) == len(names) else {}
+        return self._replica_by_name
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """The server's log-probability of each token of ``token_ids`` given the tokens before it.
@@ -364,7 +366,7 @@ class VLLMClient:
         if not self.replicas:
             return self._choices(self._post("/v1/completions", json={**body, "prompt": prompt_ids}), len(prompt_ids), n)
         sessions = sessions or [session_id(p) for p in prompt_ids]
-        self.replica_index("")  # each replica's name, asked once before the requests' threads read them
+        self._replicas_by_name()  # asked once, before the requests' threads read it
 
         def one(i: int) -> list[dict]:
             response = self._post("/v1/completions", json={**body, "prompt": [prompt_ids[i]]},

@@ -35,6 +35,13 @@ def applies(trainer) -> bool:
                 and trainer.zero_signal.correction_in_loss)
 
 
+def loss_mask(batch: dict) -> torch.Tensor:
+    """The tokens of ``batch`` (a generation batch or micro-batch) the loss trains on, (B, T): ``completion_mask``,
+    without tool answers (``tool_mask``: not the policy's tokens)."""
+    mask = batch["completion_mask"]
+    return mask * batch["tool_mask"] if "tool_mask" in batch else mask
+
+
 REPLICA_ROWS = "sampling_replica"
 """Key of the generation batch's (B,) int64 tensor: the replica that sampled each row (-1: not known), set by
 :class:`grpo_steps.training.trainer.ServerGRPOTrainer` with replicas; TRL's shuffle and split carry it with the rows."""
@@ -55,14 +62,16 @@ class ReplicaMismatch:
         self._sums = torch.zeros(replicas, dtype=torch.float64)
         self._counts = torch.zeros(replicas, dtype=torch.float64)
 
-    def add(self, delta: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
-        """Count ``delta`` ((B, T) |policy - sampler| logp) over ``mask`` ((B, T), loss tokens) into the replica of
-        each row (``rows`` (B,), -1: not known, left out); NaN deltas (tokens vLLM could not score) are left out."""
-        keep = mask.bool() & ~torch.isnan(delta)
-        for i in range(self.replicas):
-            mine = keep & (rows == i).unsqueeze(-1)
-            self._sums[i] += float(delta[mine].double().sum())
-            self._counts[i] += int(mine.sum())
+    def add(self, batch: dict, policy_logps: torch.Tensor, rows: torch.Tensor) -> None:
+        """Count |``policy_logps`` - the sampler's| ((B, T) each: ``batch["sampling_per_token_logps"]``) over the
+        batch's loss tokens (:func:`loss_mask`) into the replica of each row (``rows`` (B,), -1: not known, left out);
+        NaN differences (tokens vLLM could not score) are left out."""
+        delta = torch.abs(policy_logps - batch["sampling_per_token_logps"])
+        keep = loss_mask(batch).bool() & ~torch.isnan(delta)
+        known = (rows >= 0).cpu()
+        rows = rows.cpu()[known]
+        self._sums.index_add_(0, rows, torch.where(keep, delta, 0.0).sum(-1).double().cpu()[known])
+        self._counts.index_add_(0, rows, keep.sum(-1).double().cpu()[known])
 
     def metrics(self, accelerator) -> dict[str, float]:
         """The per-replica means since the last call (a collective: every process calls it at the same point), for
@@ -105,14 +114,12 @@ class LossSideCorrection:
         ``inputs["sampling_per_token_logps"]`` over the loss tokens (``completion_mask`` x ``tool_mask``), and count
         its tokens into the generation batch's metrics. Raises KeyError when the batch has no sampler logprobs."""
         sampling = inputs["sampling_per_token_logps"]
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:  # tool answers are not the policy's tokens
-            mask = mask * inputs["tool_mask"]
+        mask = loss_mask(inputs)
         ratio = importance_weights(policy_logps, sampling, mask, self.mode, self.clip_min, self.clip_max)
         inputs["importance_sampling_ratio"] = ratio
-        delta = torch.abs(policy_logps - sampling)
         if self.replicas is not None and REPLICA_ROWS in inputs:
-            self.replicas.add(delta, mask, inputs[REPLICA_ROWS])
+            self.replicas.add(inputs, policy_logps, inputs[REPLICA_ROWS])
+        delta = torch.abs(policy_logps - sampling)
         delta = delta[mask.bool() & ~torch.isnan(delta)]  # tokens vLLM could not score (NaN) left out, as TRL does
         weights = ratio.flatten() if self.mode.startswith("sequence") else ratio[mask.bool()]
         if delta.numel():

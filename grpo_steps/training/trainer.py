@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 from trl import GRPOTrainer
 
 from grpo_steps.training import correction, trl_hooks
@@ -158,10 +157,7 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         if self.loss_side_correction is not None:
             output[correction.REPLICA_ROWS] = rows
         elif "old_per_token_logps" in output and "sampling_per_token_logps" in output:
-            mask = output["completion_mask"] * output["tool_mask"] if "tool_mask" in output \
-                else output["completion_mask"]
-            self.replica_mismatch.add(torch.abs(output["old_per_token_logps"] - output["sampling_per_token_logps"]),
-                                      mask, rows)
+            self.replica_mismatch.add(output, output["old_per_token_logps"], rows)
             for name, value in self.replica_mismatch.metrics(self.accelerator).items():
                 trl_hooks.log_metric(self, name, value)
 
