@@ -3,8 +3,9 @@ owns the behaviour. Together with :mod:`grpo_steps.training.trl_hooks` this is t
 methods and attributes (pinned by ``tests/unit/test_trl_contract.py``).
 
 - Every backend (:class:`PipelineGRPOTrainer`): the weight version of each generation batch (``sampled_version``, for
-  the completions tables), the tool-turn metric, and the zero-signal mode (:mod:`grpo_steps.training.zero_signal`):
-  its generation round while training, its micro-batch preparation, its training step.
+  the completions tables), the tool-turn metric, the zero-signal mode (:mod:`grpo_steps.training.zero_signal`):
+  its generation round while training, its micro-batch preparation, its training step; and every scoring of the
+  policy or reference model with each distinct prompt forwarded once (:mod:`grpo_steps.training.shared_prefix`).
 - Rollouts from our vLLM server with ``disk`` sync (:class:`ServerGRPOTrainer`): TRL 1.16 samples through
   ``self.vllm_generation`` and applies its trainer–inference mismatch correction (importance sampling against the
   sampler's logprobs, the ``sampling/*`` metrics, ``importance_sampling_ratio`` in the loss) only when
@@ -24,9 +25,10 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from trl import GRPOTrainer
 
-from grpo_steps.training import correction, trl_hooks
+from grpo_steps.training import correction, shared_prefix, trl_hooks
 from grpo_steps.training.generation import PolicyView, ServerGeneration, ServerSettings
 from grpo_steps.training.zero_signal import ZeroSignalMode
 
@@ -79,6 +81,20 @@ class PipelineGRPOTrainer(GRPOTrainer):
     def trl_training_step(self, model, inputs, num_items_in_batch):
         """TRL's training step (prepare, forward, backward); returns the loss."""
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **extra_inputs):
+        if not shared_prefix.applies(self.accelerator.unwrap_model(model), input_ids.size(1) - logits_to_keep,
+                                     {"compute_aux_loss": compute_aux_loss, **extra_inputs}):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra_inputs)
+        batch_size = batch_size or input_ids.size(0)  # TRL's chunks, scored one after the other as TRL does
+        scored = [shared_prefix.logps_and_entropies(model, input_ids[start:start + batch_size],
+                                                    attention_mask[start:start + batch_size], logits_to_keep)
+                  for start in range(0, input_ids.size(0), batch_size)]
+        entropies = torch.cat([e for _, e in scored]) if compute_entropy else None
+        return torch.cat([logps for logps, _ in scored]), entropies, None
 
 
 class ServerGRPOTrainer(PipelineGRPOTrainer):

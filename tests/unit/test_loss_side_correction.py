@@ -76,11 +76,13 @@ def trainer(tiny_model_path, tmp_path, mode: str, accumulation: int, loss_side: 
 
 def one_generation_batch(trainer: ServerGRPOTrainer, accumulation: int) -> tuple[list[dict], list[float], int]:
     """Generate once and train on each micro-batch (forward, backward): the micro-batches with their weights, the
-    losses, and the policy forwards run."""
+    losses, and the policy scorings run."""
     from grpo_steps.training import trl_hooks
 
-    forwards = []
-    hook = trainer.model.register_forward_hook(lambda *_: forwards.append(1))
+    forwards = []  # scorings of the policy: forwards through TRL's fused LM head (not the prompts' shared pass)
+    hook = trainer.model.register_forward_hook(
+        lambda module, args, kwargs, output: forwards.append(1) if kwargs.get("fused_lm_head") else None,
+        with_kwargs=True)
     batches, losses = [], []
     rows = PROMPTS[:4 * accumulation]
     torch.manual_seed(1)  # TRL shuffles the generation batch before cutting it

@@ -1,0 +1,81 @@
+"""The policy's per-token log-probabilities of a GRPO batch with each distinct prompt forwarded once (shared-prefix
+training).
+
+A GRPO batch holds ``num_generations`` completions of each prompt, and TRL's scoring forwards every row whole: the
+same prompt ``num_generations`` times, in the forward and again in the backward. Here the rows, ``(B, P + C)`` token
+ids (the prompt left-padded to ``P``, the completion right-padded to ``C``), are forwarded in two parts:
+
+1. the first ``P - 1`` prompt tokens of each distinct prompt (``U`` rows), once, keeping the model's KV cache;
+2. that cache copied to the ``B`` rows (``index_select``), and, through it, the last prompt token and the first
+   ``C - 1`` completion tokens of every row, whose hidden states TRL's fused LM head
+   (``trl.trainer.utils.add_fused_lm_head``) turns into the log-probabilities of the ``C`` completion tokens.
+
+Positions (``P - 1`` cached tokens: ``P - 1 ... P + C - 2``), the causal and padding masks and the model's weights are
+those of the whole-row forward, so the log-probabilities, entropies and gradients are equal to float rounding: the
+backward of the copy sums the ``B`` rows' gradients into the one prompt, which is the sum the whole-row forward
+computes over its ``B`` copies (the backward is linear in the incoming gradient at fixed activations). Tokens through
+the model drop from ``B (P + C)`` to ``U (P - 1) + B C``, and the LM head scores ``B C`` positions (off Triton
+devices, e.g. on CPU, TRL's fused head projects every position of the rows, prompt included).
+The technique: shared-prefix training (NVIDIA NeMo-RL's ``shared_prefix_training``; unsloth's PrefixGrouper does it
+with an attention mask instead of a cache).
+
+Not applicable, and TRL's whole-row forward is used (:func:`applies`): the loss's forward under gradient checkpointing
+(transformers' checkpointed layers drop the KV cache), multimodal inputs, a MoE model's auxiliary loss, prompts of
+fewer than 2 tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def applies(model, prompt_length: int, extra_inputs: dict) -> bool:
+    """Whether :func:`logps_and_entropies` can score this batch for ``model`` (unwrapped from DeepSpeed/DDP; a PEFT
+    model is fine): no inputs besides the token ids and mask (``extra_inputs``: TRL's multimodal and auxiliary-loss
+    arguments, None or False when absent), a prompt of at least 2 tokens, and no gradient checkpointing in training
+    mode (its layers then drop the cache, with or without gradients: ``transformers.modeling_layers.
+    GradientCheckpointingLayer``; TRL's scoring pass turns checkpointing off)."""
+    if prompt_length < 2 or any(value is not None and value is not False for value in extra_inputs.values()):
+        return False
+    checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    return not (checkpointing and model.training)
+
+
+def logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        logits_to_keep: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities and entropies of the last ``logits_to_keep`` tokens of each row, as TRL's
+    ``GRPOTrainer._get_per_token_logps_and_entropies`` computes them with one whole-row forward.
+
+    Args:
+        model: the policy or reference model as TRL calls it (DeepSpeed engine, DDP, PEFT or plain), carrying TRL's
+            fused LM head (``add_fused_lm_head``; TRL adds it in the trainer's constructor).
+        input_ids: (B, P + C) long, left-padded prompts then right-padded completions.
+        attention_mask: (B, P + C), 1 on real tokens.
+        logits_to_keep: C.
+
+    Returns:
+        ``(logps, entropies)``, each (B, C) float32, 0 where the completion is padding; ``entropies`` None when the
+        fused head was added without them.
+
+    Raises:
+        RuntimeError: the model returned no KV cache for the prompts (a model without one; see :func:`applies`).
+    """
+    prompt_length = input_ids.size(1) - logits_to_keep
+    prefix_ids, prefix_mask = input_ids[:, :prompt_length - 1], attention_mask[:, :prompt_length - 1]
+    # rows with the same prompt tokens and padding share one forward; `rows` maps each row to its distinct prompt
+    distinct, rows = torch.unique(torch.cat([prefix_ids, prefix_mask.to(prefix_ids.dtype)], dim=1), dim=0,
+                                  return_inverse=True)
+    width = prefix_ids.size(1)
+    # logits_to_keep=1: the prompt pass needs the cache, not the logits of its positions
+    cache = model(input_ids=distinct[:, :width], attention_mask=distinct[:, width:], use_cache=True,
+                  logits_to_keep=1).past_key_values
+    if cache is None or cache.get_seq_length() != width:
+        raise RuntimeError(f"{type(model).__name__} kept no KV cache of the prompts ({width} tokens): score the "
+                           "batch with one whole-row forward (grpo_steps.training.shared_prefix.applies)")
+    cache.reorder_cache(rows)  # (U, ...) -> (B, ...): a differentiable index_select per layer
+    # the tokens whose hidden states predict the completion: the last prompt token and all but the last completion
+    # token; their labels are the completion tokens, -100 (not scored) on padding, as TRL masks them
+    labels = input_ids[:, prompt_length:].masked_fill(attention_mask[:, prompt_length:] == 0, -100)
+    outputs = model(input_ids=input_ids[:, prompt_length - 1:-1], attention_mask=attention_mask[:, :-1],
+                    past_key_values=cache, shift_labels=labels, fused_lm_head=True)
+    return outputs.log_probs, outputs.entropy
