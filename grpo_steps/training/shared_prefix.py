@@ -20,8 +20,8 @@ The technique: shared-prefix training (NVIDIA NeMo-RL's ``shared_prefix_training
 with an attention mask instead of a cache).
 
 Not applicable, and TRL's whole-row forward is used (:func:`applies`): the loss's forward under gradient checkpointing
-(transformers' checkpointed layers drop the KV cache), multimodal inputs, a MoE model's auxiliary loss, prompts of
-fewer than 2 tokens.
+(transformers' checkpointed layers drop the KV cache), DeepSpeed ZeRO-3 (each forward gathers the weights again),
+multimodal inputs, a MoE model's auxiliary loss, prompts of fewer than 2 tokens.
 """
 
 from __future__ import annotations
@@ -29,13 +29,16 @@ from __future__ import annotations
 import torch
 
 
-def applies(model, prompt_length: int, extra_inputs: dict) -> bool:
+def applies(model, prompt_length: int, extra_inputs: dict, zero3: bool = False) -> bool:
     """Whether :func:`logps_and_entropies` can score this batch for ``model`` (unwrapped from DeepSpeed/DDP; a PEFT
     model is fine): no inputs besides the token ids and mask (``extra_inputs``: TRL's multimodal and auxiliary-loss
-    arguments, None or False when absent), a prompt of at least 2 tokens, and no gradient checkpointing in training
+    arguments, None or False when absent), a prompt of at least 2 tokens, no gradient checkpointing in training
     mode (its layers then drop the cache, with or without gradients: ``transformers.modeling_layers.
-    GradientCheckpointingLayer``; TRL's scoring pass turns checkpointing off)."""
-    if prompt_length < 2 or any(value is not None and value is not False for value in extra_inputs.values()):
+    GradientCheckpointingLayer``; TRL's scoring pass turns checkpointing off), and not under DeepSpeed ZeRO-3
+    (``zero3``): there every forward gathers each layer's partitioned weights again, in the forward and in the
+    backward, so two forwards double the gathering (2 CPU processes on the tiny model: a ZeRO-3 training test took
+    107 s instead of 100 s); whether the compute saved outweighs it on GPUs is not measured."""
+    if zero3 or prompt_length < 2 or any(value is not None and value is not False for value in extra_inputs.values()):
         return False
     checkpointing = getattr(model, "is_gradient_checkpointing", False)
     return not (checkpointing and model.training)

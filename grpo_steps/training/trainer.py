@@ -84,8 +84,9 @@ class PipelineGRPOTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **extra_inputs):
+        zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
         if not shared_prefix.applies(self.accelerator.unwrap_model(model), input_ids.size(1) - logits_to_keep,
-                                     {"compute_aux_loss": compute_aux_loss, **extra_inputs}):
+                                     {"compute_aux_loss": compute_aux_loss, **extra_inputs}, zero3=zero3):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra_inputs)

@@ -123,3 +123,13 @@ def test_trls_forward_where_the_prompt_cannot_be_shared(trainer):
         one, one_mask, one_keep = batch([[11]] * 2, [[5, 6], [7, 8]])
         trainer._get_per_token_logps_and_entropies(trainer.model, one, one_mask, one_keep)
         assert sizes == [2 * 3]
+
+
+def test_not_under_zero3_where_each_forward_gathers_the_weights_again(trainer):
+    from grpo_steps.training import shared_prefix
+
+    trainer.model.train()
+    assert shared_prefix.applies(trainer.model, 7, {"pixel_values": None, "compute_aux_loss": False})
+    assert not shared_prefix.applies(trainer.model, 7, {}, zero3=True)
+    assert not shared_prefix.applies(trainer.model, 7, {"pixel_values": torch.zeros(1)})  # multimodal
+    assert not shared_prefix.applies(trainer.model, 7, {"compute_aux_loss": True})  # a MoE model's auxiliary loss
