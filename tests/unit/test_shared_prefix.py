@@ -33,9 +33,10 @@ def trainer(tiny_model_path, tmp_path_factory):
 def batch(prompts: list[list[int]], completions: list[list[int]], pad: int = 0):
     """Rows as TRL builds them: each prompt left-padded, each completion right-padded; (B, P + C) ids and mask."""
     width, length = max(map(len, prompts)), max(map(len, completions))
-    ids = [[pad] * (width - len(p)) + p + c + [pad] * (length - len(c)) for p, c in zip(prompts, completions)]
+    ids = [[pad] * (width - len(p)) + p + c + [pad] * (length - len(c))
+           for p, c in zip(prompts, completions, strict=True)]
     mask = [[0] * (width - len(p)) + [1] * (len(p) + len(c)) + [0] * (length - len(c))
-            for p, c in zip(prompts, completions)]
+            for p, c in zip(prompts, completions, strict=True)]
     return torch.tensor(ids), torch.tensor(mask), length
 
 
