@@ -109,6 +109,41 @@ def cpu_build() -> bool:
     return True
 
 
+def server_environment(server_cfg: ServerConfig, *, token: str, ipc_dir: str, lora: bool = False,
+                       base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a local server's process: ``base`` (default this process's) plus the run's token, the
+    KV-cache size (``VLLM_CPU_KVCACHE_SPACE``, GiB), runtime LoRA updates with ``lora``, and where its cores are set.
+
+    On the CPU build (:func:`cpu_build`) the process layout follows the cores:
+
+    - ``generation.server.cpu_cores`` set (replicas, an asynchronous trainer's own cores), or
+      ``VLLM_CPU_OMP_THREADS_BIND`` set by the user: vllm-cpu binds the model worker's OpenMP threads to those cores,
+      which it does only in a worker process of its own (API server, engine core, worker: three processes).
+    - Otherwise (the default: the server and the trainer take turns on every core of this process) nothing is bound:
+      ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps vLLM's single-process executor, the model worker inside the
+      engine-core process as vLLM runs one GPU, and ``OMP_NUM_THREADS`` gives it every core. vllm-cpu would otherwise
+      import itself a third time in the worker it spawns: a start of 62 s became 41 s on the 2-core box, with the same
+      tokens/s (2026-11-27, docs/benchmarks.md "Where a make run's time goes"). Pinned, the single-process worker
+      ignores the binding: two replicas pinned to a core each generated 16 tokens/s instead of ~80 (2026-11-26).
+    """
+    env = dict(os.environ if base is None else base, VLLM_SERVER_DEV_MODE="1",
+               VLLM_CPU_KVCACHE_SPACE=str(server_cfg.kv_cache_gib), VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1",
+               VLLM_RPC_BASE_PATH=ipc_dir)
+    env[auth.TOKEN_ENV] = token
+    if lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    cores = sorted(os.sched_getaffinity(0))
+    if server_cfg.cpu_cores is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in server_cfg.cpu_cores)
+    elif "VLLM_CPU_OMP_THREADS_BIND" not in env and cpu_build():
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        env.setdefault("OMP_NUM_THREADS", str(len(cores)))
+        return env
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in cores))
+    return env
+
+
 def vllm_command(model_path: str, host: str, port: int, *, max_model_len: int, dtype: str,
                  enforce_eager: bool, extra_args: list[str], max_lora_rank: int | None = None,
                  replica: int | None = None, block_size: int | None = None) -> list[str]:
@@ -238,20 +273,7 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
     token = token or os.environ.get(auth.TOKEN_ENV) or os.environ.get("VLLM_API_KEY") or auth.new_token()
     remove_orphan_dirs(Path(tempfile.gettempdir()), IPC_PREFIX)  # of servers whose supervisor was killed
     ipc_dir = tempfile.mkdtemp(prefix=IPC_PREFIX)
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(server_cfg.kv_cache_gib),
-               VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1", VLLM_RPC_BASE_PATH=ipc_dir)
-    env[auth.TOKEN_ENV] = token
-    if max_lora_rank is not None:
-        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    # Not VLLM_ENABLE_V1_MULTIPROCESSING=0 (the model worker inside the engine-core process: a start 20 s faster and
-    # 0.75 GiB smaller): vllm-cpu then ignores VLLM_CPU_OMP_THREADS_BIND, and two replicas pinned to a core each
-    # generated 16 tokens/s instead of ~80 (docs/benchmarks.md, 2026-11-26)
-    # CPU backend: the configured cores (generation.server.cpu_cores: a layout where the server and an asynchronous
-    # trainer each have their own), else every core of this process (training and generation alternate)
-    if server_cfg.cpu_cores is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in server_cfg.cpu_cores)
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in sorted(os.sched_getaffinity(0))))
+    env = server_environment(server_cfg, token=token, ipc_dir=ipc_dir, lora=max_lora_rank is not None)
     cmd = vllm_command(model_path, server_cfg.host, port, max_model_len=max_model_len, dtype=dtype,
                        enforce_eager=server_cfg.enforce_eager, extra_args=server_cfg.extra_args,
                        max_lora_rank=max_lora_rank, replica=replica,

