@@ -8,7 +8,9 @@ ids (the prompt left-padded to ``P``, the completion right-padded to ``C``), are
 1. the first ``P - 1`` prompt tokens of each distinct prompt (``U`` rows), once, keeping the model's KV cache;
 2. that cache copied to the ``B`` rows (``index_select``), and, through it, the last prompt token and the first
    ``C - 1`` completion tokens of every row, whose hidden states TRL's fused LM head
-   (``trl.trainer.utils.add_fused_lm_head``) turns into the log-probabilities of the ``C`` completion tokens.
+   (``trl.trainer.utils.add_fused_lm_head``) turns into the log-probabilities of the ``C`` completion tokens; the
+   rows in one group, or in two (:func:`length_groups`: the short completions padded to their own longest, the rest
+   to ``C``) when one long completion would pad the others to many times their length.
 
 Positions (``P - 1`` cached tokens: ``P - 1 ... P + C - 2``), the causal and padding masks and the model's weights are
 those of the whole-row forward, so the log-probabilities, entropies and gradients are equal to float rounding: the
@@ -25,6 +27,8 @@ multimodal inputs, a MoE model's auxiliary loss, prompts of fewer than 2 tokens.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -75,10 +79,66 @@ def logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Te
     if cache is None or cache.get_seq_length() != width:
         raise RuntimeError(f"{type(model).__name__} kept no KV cache of the prompts ({width} tokens): score the "
                            "batch with one whole-row forward (grpo_steps.training.shared_prefix.applies)")
-    cache.reorder_cache(rows)  # (U, ...) -> (B, ...): a differentiable index_select per layer
     # the tokens whose hidden states predict the completion: the last prompt token and all but the last completion
     # token; their labels are the completion tokens, -100 (not scored) on padding, as TRL masks them
     labels = input_ids[:, prompt_length:].masked_fill(attention_mask[:, prompt_length:] == 0, -100)
-    outputs = model(input_ids=input_ids[:, prompt_length - 1:-1], attention_mask=attention_mask[:, :-1],
-                    past_key_values=cache, shift_labels=labels, fused_lm_head=True)
-    return outputs.log_probs, outputs.entropy
+    # each row's completion length: its last attended position (right padding)
+    positions = torch.arange(1, logits_to_keep + 1, device=attention_mask.device)
+    groups = length_groups((attention_mask[:, prompt_length:] * positions).amax(dim=1))
+    logps = entropies = None
+    for index, (members, length) in enumerate(groups):
+        # (U, ...) -> (rows, ...): a differentiable index_select per layer; in place for the last group
+        rows_cache = cache if index == len(groups) - 1 else _copy_of_layers(cache)
+        rows_cache.reorder_cache(rows[members])
+        outputs = model(input_ids=input_ids[members, prompt_length - 1:prompt_length - 1 + length],
+                        attention_mask=attention_mask[members, :prompt_length - 1 + length],
+                        past_key_values=rows_cache, shift_labels=labels[members, :length], fused_lm_head=True)
+        if len(groups) == 1 and length == logits_to_keep:
+            return outputs.log_probs, outputs.entropy
+        if logps is None:
+            logps = outputs.log_probs.new_zeros((input_ids.size(0), logits_to_keep))
+            entropies = None if outputs.entropy is None else torch.zeros_like(logps)
+        logps[members, :length] = outputs.log_probs  # index_put: differentiable, 0 past a group's length (padding)
+        if entropies is not None:
+            entropies[members, :length] = outputs.entropy
+    return logps, entropies
+
+
+MIN_PADDING_SAVED = 0.25
+"""The share of the padded completion positions a second group must save (:func:`length_groups`): it pays for a
+second forward through every layer and a second copy of the prompts' cache."""
+
+
+def length_groups(lengths: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+    """The rows of a batch grouped for the completion forward, each group padded to its longest completion: one
+    group, or two (the shorter rows up to some length ``L``, then the rest) when that cuts the padded positions
+    (rows x length) by :data:`MIN_PADDING_SAVED` or more. A GRPO batch pads every completion to the longest one: early
+    in a run one completion of 16 that runs to the token limit (48 in ``make run``) while the others stop after ~6
+    made every row 48 positions long in the forward and the backward.
+
+    Args:
+        lengths: (B,) tokens of each row's completion (right padding: its last attended position).
+
+    Returns:
+        ``[(row indices, length), ...]``, the rows in ascending length order, the group of the longest rows last.
+    """
+    order = torch.argsort(lengths, stable=True)
+    ordered = [max(int(n), 1) for n in lengths[order].tolist()]
+    rows, longest = len(ordered), ordered[-1]
+    whole = rows * longest
+    best, split = whole, None
+    for cut in range(1, rows):  # rows order[:cut] form the short group, padded to the longest of them
+        cost = cut * ordered[cut - 1] + (rows - cut) * longest
+        if cost < best:
+            best, split = cost, cut
+    if split is None or best > (1 - MIN_PADDING_SAVED) * whole:
+        return [(torch.arange(rows, device=lengths.device), longest)]
+    return [(order[:split], ordered[split - 1]), (order[split:], longest)]
+
+
+def _copy_of_layers(cache):
+    """A cache whose layer objects are copies of ``cache``'s, sharing their tensors: ``Cache.reorder_cache`` replaces
+    each layer's key and value tensors, so a group's expansion leaves the prompts' cache to the next group."""
+    view = copy.copy(cache)
+    view.layers = [copy.copy(layer) for layer in cache.layers]
+    return view

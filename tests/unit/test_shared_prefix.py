@@ -76,7 +76,9 @@ def test_one_forward_per_distinct_prompt_gives_trls_logps_entropies_and_gradient
             trainer, *a, **k), ids, mask, keep)
 
     assert sizes == [6 * 12]  # TRL: every row whole, 7 + 5 tokens each
-    assert shared_tokens == 2 * 6 + 6 * 5  # the 2 prompts' first 6 tokens once, then 6 rows of 5 tokens
+    # the 2 prompts' first 6 tokens once, then the completions (lengths 1, 1, 2 | 3, 4, 5) in two groups: 3 rows of 2
+    # tokens, 3 rows of 5 (one group: 6 rows of 5)
+    assert shared_tokens == 2 * 6 + 3 * 2 + 3 * 5
     torch.testing.assert_close(ours[0], trls[0], atol=1e-5, rtol=1e-5)
     assert bool((ours[0][mask[:, -keep:] == 0] == 0).all())  # padding scores 0, as TRL's
     torch.testing.assert_close(ours[1], trls[1], atol=1e-5, rtol=1e-5)
@@ -134,3 +136,34 @@ def test_not_under_zero3_where_each_forward_gathers_the_weights_again(trainer):
     assert not shared_prefix.applies(trainer.model, 7, {}, zero3=True)
     assert not shared_prefix.applies(trainer.model, 7, {"pixel_values": torch.zeros(1)})  # multimodal
     assert not shared_prefix.applies(trainer.model, 7, {"compute_aux_loss": True})  # a MoE model's auxiliary loss
+
+
+def test_completions_are_grouped_by_length_when_it_saves_a_quarter_of_the_padding():
+    from grpo_steps.training.shared_prefix import length_groups
+
+    def groups(lengths):
+        return [(sorted(rows.tolist()), length) for rows, length in length_groups(torch.tensor(lengths))]
+
+    # make run's early steps: one completion of 16 ran to the 48-token limit, the others stopped after ~6
+    assert groups([6, 48, 5, 7] + [6] * 12) == [([0, *range(2, 16)], 7), ([1], 48)]
+    assert groups([5, 6, 7, 6]) == [([0, 1, 2, 3], 7)]  # alike: one group, one forward
+    assert groups([10, 12, 8, 9]) == [([0, 1, 2, 3], 12)]  # two groups would save 2 of 48 positions
+    assert groups([0, 0]) == [([0, 1], 1)]
+
+
+def test_two_length_groups_give_trls_logps_entropies_and_gradients(trainer):
+    """One long completion among short ones (the rows scored in two groups, one of them on a copy of the prompts'
+    cache): TRL's numbers, and the short rows forwarded at their own length."""
+    prompt = [11, 12, 13, 14, 15]
+    completions = [[31, 32], [41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [51], [61, 62]]
+    ids, mask, keep = batch([prompt] * 4, completions)
+    trainer.model.train()
+    with tokens_through_model(trainer.model) as sizes:
+        ours = scores_and_gradients(trainer, trainer._get_per_token_logps_and_entropies, ids, mask, keep)
+    assert sizes == [1 * 4, 3 * 2, 1 * 10]
+    trls = scores_and_gradients(trainer, lambda *a, **k: trl.GRPOTrainer._get_per_token_logps_and_entropies(
+        trainer, *a, **k), ids, mask, keep)
+    torch.testing.assert_close(ours[0], trls[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours[1] * mask[:, -keep:], trls[1] * mask[:, -keep:], atol=1e-5, rtol=1e-5)
+    for name, grad in trls[2].items():
+        torch.testing.assert_close(ours[2][name], grad, atol=1e-5, rtol=1e-4, msg=name)
