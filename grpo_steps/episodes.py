@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,11 +100,14 @@ class Rollouts:
         (the filters only when ``filters``). Returns P lists of n :class:`Episode`."""
         return self.sample_together([(rows, n, temperature, filters)])[0]
 
-    def sample_together(self, batches: list[tuple[list[dict], int, float, bool]]) -> list[list[list[Episode]]]:
+    def sample_together(self, batches: list[tuple[list[dict], int, float, bool]],
+                        on_first_turn: Callable[[int], None] | None = None) -> list[list[list[Episode]]]:
         """:meth:`sample` for several ``(rows, n, temperature, filters)`` at once: their first turns are requested
         concurrently (each on its own HTTP session), so that the server batches them together, e.g. an evaluation's
         sampled and greedy completions of the same prompts. Prompts are rendered and turns parsed in the calling
-        thread (the tokenizer is not shared between threads). Returns one :meth:`sample` result per batch.
+        thread (the tokenizer is not shared between threads). ``on_first_turn(i)`` is called in the calling thread
+        when batch ``i``'s first turn has arrived (in the order they arrive; e.g. progress lines). Returns one
+        :meth:`sample` result per batch.
 
         Raises:
             GenerationServerError: the server failed a request.
@@ -112,15 +116,21 @@ class Rollouts:
         requests = [(self.gen.sampling_request(filters=filters), temperature) for _, _, temperature, filters in batches]
         if len(batches) == 1:
             firsts = [self._first_turn(self.client, prepared[0][2], batches[0][1], *requests[0])]
+            if on_first_turn is not None:
+                on_first_turn(0)
         else:
-            from concurrent.futures import ThreadPoolExecutor
+            from concurrent.futures import ThreadPoolExecutor, as_completed
 
             clients = [self.client] + [self._other_client() for _ in batches[1:]]
             with ThreadPoolExecutor(len(batches), thread_name_prefix="eval-request") as pool:
-                futures = [pool.submit(self._first_turn, client, prompt_ids, n, request, temperature)
-                           for client, (_, _, prompt_ids), (_, n, _, _), (request, temperature)
-                           in zip(clients, prepared, batches, requests, strict=True)]
-                firsts = [future.result() for future in futures]
+                futures = {pool.submit(self._first_turn, client, prompt_ids, n, request, temperature): i
+                           for i, (client, (_, _, prompt_ids), (_, n, _, _), (request, temperature))
+                           in enumerate(zip(clients, prepared, batches, requests, strict=True))}
+                for future in as_completed(futures):
+                    future.result()  # a failed request raises here, at once
+                    if on_first_turn is not None:
+                        on_first_turn(futures[future])
+                firsts = [future.result() for future in futures]  # dicts keep the order of submission
         return [self._finish(episodes, prompt_ids, tools, first, temperature, request)
                 for (episodes, tools, prompt_ids), first, (request, temperature)
                 in zip(prepared, firsts, requests, strict=True)]

@@ -159,6 +159,34 @@ def test_completions_tables_and_engine_metrics_reach_mlflow_at_their_steps(tmp_p
     assert all(m.value > 0 for m in client.get_metric_history(run_id, "engine/generation_tokens_per_s"))
 
 
+def test_an_evaluation_has_every_chunks_requests_at_the_server_at_once(tiny_server, tiny_tokenizer, monkeypatch,
+                                                                        capsys):
+    """20 prompts go in 3 chunks (of 8): their 6 first-turn requests (sampled and greedy each) are at the server
+    together, none sent before all are (a barrier of 6: chunk after chunk, the first would wait in vain), and a
+    progress line comes as each chunk is answered."""
+    import threading
+
+    from grpo_steps.config import REPO_ROOT, load_config
+    from grpo_steps.evaluate import evaluate_policy
+    from grpo_steps.servers.client import VLLMClient
+
+    cfg = load_config(REPO_ROOT / "configs" / "test.yaml")
+    rows = [{"prompt": to_prompt(f"Calculate {i} + 1.", "Solve the problem."), "answer": str(i + 1)}
+            for i in range(20)]
+    all_sent = threading.Barrier(6, timeout=60)
+    complete = VLLMClient.complete
+
+    def complete_when_all_are_sent(self, *args, **kwargs):
+        all_sent.wait()
+        return complete(self, *args, **kwargs)
+
+    monkeypatch.setattr(VLLMClient, "complete", complete_when_all_are_sent)
+    report = evaluate_policy(cfg, tiny_server.client(), tiny_tokenizer, rows, label="chunks")
+    assert len(report["prompt_keys"]) == 20 and len(report["per_prompt"]["pass@1"]) == 20
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[eval chunks]")]
+    assert len(lines) == 3 and "20/20 prompts" in lines[-1], lines
+
+
 def test_evaluation_requests_its_sampled_and_greedy_completions_at_once(tiny_server, tiny_tokenizer, monkeypatch):
     """``Rollouts.sample_together`` has both first-turn requests at the server at the same time (each waits at a
     barrier for the other before it is sent: one after the other, the first would wait in vain), and returns what
