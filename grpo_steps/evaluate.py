@@ -219,6 +219,8 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
         if not pending[index // 2]:
             progress.update(len(chunks[index // 2]))
 
+    print(f"[eval {label}] {len(rows)} prompts x {n} sampled + 1 greedy completions requested at once, in "
+          f"{len(chunks)} chunks: a line as each chunk is answered", flush=True)
     results = rollouts.sample_together([request for chunk in chunks for request in (
         (chunk, n, cfg.eval.temperature, True), (chunk, 1, 0.0, False))], on_first_turn=answered)
     sampled = [group for result in results[0::2] for group in result]

@@ -163,7 +163,7 @@ def test_an_evaluation_has_every_chunks_requests_at_the_server_at_once(tiny_serv
                                                                         capsys):
     """20 prompts go in 3 chunks (of 8): their 6 first-turn requests (sampled and greedy each) are at the server
     together, none sent before all are (a barrier of 6: chunk after chunk, the first would wait in vain), and a
-    progress line comes as each chunk is answered."""
+    line says so before the progress line of each chunk."""
     import threading
 
     from grpo_steps.config import REPO_ROOT, load_config
@@ -184,7 +184,8 @@ def test_an_evaluation_has_every_chunks_requests_at_the_server_at_once(tiny_serv
     report = evaluate_policy(cfg, tiny_server.client(), tiny_tokenizer, rows, label="chunks")
     assert len(report["prompt_keys"]) == 20 and len(report["per_prompt"]["pass@1"]) == 20
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[eval chunks]")]
-    assert len(lines) == 3 and "20/20 prompts" in lines[-1], lines
+    assert len(lines) == 4 and "20 prompts x 2 sampled + 1 greedy completions requested at once" in lines[0], lines
+    assert "20/20 prompts" in lines[-1]
 
 
 def test_evaluation_requests_its_sampled_and_greedy_completions_at_once(tiny_server, tiny_tokenizer, monkeypatch):
