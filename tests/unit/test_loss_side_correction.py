@@ -76,13 +76,15 @@ def trainer(tiny_model_path, tmp_path, mode: str, accumulation: int, loss_side: 
 
 def one_generation_batch(trainer: ServerGRPOTrainer, accumulation: int) -> tuple[list[dict], list[float], int]:
     """Generate once and train on each micro-batch (forward, backward): the micro-batches with their weights, the
-    losses, and the policy scorings run."""
+    losses, and the rows the policy scored (a row scored twice counts twice)."""
     from grpo_steps.training import trl_hooks
 
-    forwards = []  # scorings of the policy: forwards through TRL's fused LM head (not the prompts' shared pass)
+    # rows scored: those of the forwards through TRL's fused LM head (not the prompts' shared pass; the completions
+    # of one scoring may go in two length groups, grpo_steps.training.shared_prefix.length_groups)
+    scored = []
     hook = trainer.model.register_forward_hook(
-        lambda module, args, kwargs, output: forwards.append(1) if kwargs.get("fused_lm_head") else None,
-        with_kwargs=True)
+        lambda module, args, kwargs, output: scored.append(len(kwargs["input_ids"])) if kwargs.get("fused_lm_head")
+        else None, with_kwargs=True)
     batches, losses = [], []
     rows = PROMPTS[:4 * accumulation]
     torch.manual_seed(1)  # TRL shuffles the generation batch before cutting it
@@ -94,7 +96,7 @@ def one_generation_batch(trainer: ServerGRPOTrainer, accumulation: int) -> tuple
         losses.append(loss.item())
         trl_hooks.count_micro_step(trainer)
     hook.remove()
-    return batches, losses, len(forwards)
+    return batches, losses, sum(scored)
 
 
 @pytest.mark.parametrize(("mode", "accumulation"), [("token_truncate", 2), ("sequence_mask", 1)])
@@ -102,10 +104,11 @@ def test_the_loss_side_correction_is_trls(tiny_model_path, tmp_path, mode, accum
     trls = trainer(tiny_model_path, tmp_path / "trl", mode, accumulation, loss_side=False)
     ours = trainer(tiny_model_path, tmp_path / "ours", mode, accumulation, loss_side=True)
     assert ours.loss_side_correction is not None
-    trl_batches, trl_losses, trl_forwards = one_generation_batch(trls, accumulation)
-    our_batches, our_losses, our_forwards = one_generation_batch(ours, accumulation)
+    trl_batches, trl_losses, trl_scored = one_generation_batch(trls, accumulation)
+    our_batches, our_losses, our_scored = one_generation_batch(ours, accumulation)
 
-    assert our_forwards == accumulation and trl_forwards == 2 * accumulation  # TRL's scoring pass is gone
+    rows = sum(len(batch["completion_ids"]) for batch in our_batches)
+    assert our_scored == rows and trl_scored == 2 * rows  # TRL's scoring pass is gone: each row scored once
     for theirs, mine in zip(trl_batches, our_batches, strict=True):
         assert torch.equal(theirs["completion_ids"], mine["completion_ids"])  # the same rows, the same order
         assert "old_per_token_logps" in theirs and "old_per_token_logps" not in mine
