@@ -51,7 +51,8 @@ def applies(model, prompt_length: int, extra_inputs: dict, zero3: bool = False) 
 def logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         logits_to_keep: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities and entropies of the last ``logits_to_keep`` tokens of each row, as TRL's
-    ``GRPOTrainer._get_per_token_logps_and_entropies`` computes them with one whole-row forward.
+    per-token scoring computes them with one whole-row forward (called from the trainer's override of it,
+    ``grpo_steps.training.trainer``).
 
     Args:
         model: the policy or reference model as TRL calls it (DeepSpeed engine, DDP, PEFT or plain), carrying TRL's
