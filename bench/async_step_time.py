@@ -55,7 +55,8 @@ def _train(cfg, model_path: str, rows: list[dict], endpoint: str) -> tuple[list[
     with tempfile.TemporaryDirectory(prefix="grpo-bench-") as out:
         train_file = Path(out) / "train.jsonl"
         train_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        run(TrainJob(config=cfg, model_path=model_path, train_file=str(train_file), output_dir=out, endpoint=endpoint))
+        run(TrainJob(config=cfg, model_path=model_path, train_file=str(train_file), output_dir=out,
+                     server={"provider": "external", "endpoint": endpoint}))
         logs = json.loads((Path(out) / "log_history.json").read_text())
         runtime = next(h["train_runtime"] for h in logs if "train_runtime" in h)
         return [h for h in logs if "step_time" in h], runtime

@@ -134,7 +134,7 @@ def server_trainer(arm: str, job, rows: list[dict], reward_funcs: list):
     from transformers import AutoConfig, AutoTokenizer
 
     from grpo_steps.servers.client import VLLMClient
-    from grpo_steps.training.generation import ServerSettings
+    from grpo_steps.training.generation.server import ServerSettings
     from grpo_steps.training.job import grpo_args
     from grpo_steps.training.trainer import ServerGRPOTrainer
 

@@ -48,7 +48,7 @@ def push_seconds(client, model, probe: list[int], pushes: int = 5) -> float:
     import torch
 
     from grpo_steps.servers.client import version_label
-    from grpo_steps.training.weight_sync import DiskWeightPush
+    from grpo_steps.training.generation.disk import DiskWeightPush
 
     root = Path(tempfile.mkdtemp(prefix="grpo-bench-replicas-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     push, times = DiskWeightPush(client, root), []

@@ -68,7 +68,7 @@ def main() -> None:
                 train_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
                 started = time.perf_counter()
                 run(TrainJob(config=cfg, model_path=model_path, train_file=str(train_file), output_dir=out,
-                             endpoint=server.endpoint))
+                             server=server.to_dict()))
                 history = [h for h in json.loads((Path(out) / "log_history.json").read_text()) if "reward" in h]
             results[text] = (history, time.perf_counter() - started)
     finally:

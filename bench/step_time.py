@@ -40,7 +40,8 @@ def _train(cfg, model_path: str, rows: list[dict], endpoint: str | None) -> list
     with tempfile.TemporaryDirectory(prefix="grpo-bench-") as out:
         train_file = Path(out) / "train.jsonl"
         train_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        run(TrainJob(config=cfg, model_path=model_path, train_file=str(train_file), output_dir=out, endpoint=endpoint))
+        run(TrainJob(config=cfg, model_path=model_path, train_file=str(train_file), output_dir=out,
+                     server={"provider": "external", "endpoint": endpoint}))
         return [h for h in json.loads((Path(out) / "log_history.json").read_text()) if "step_time" in h]
 
 

@@ -36,15 +36,14 @@ def main() -> None:
     from grpo_steps.processes import ProcessRef
     from grpo_steps.servers.client import VLLMClient
     from grpo_steps.servers.local import start_local
-    from grpo_steps.training.sampling import policy_logprobs
-    from grpo_steps.training.weight_sync import (
-        DiskWeightPush,
+    from grpo_steps.training.generation.disk import DiskWeightPush
+    from grpo_steps.training.generation.push import (
         ProbeRecord,
         check_served_version,
         mean_abs_diff,
-        weights_fingerprint,
     )
-    from grpo_steps.weight_files import save_weights
+    from grpo_steps.training.sampling import policy_logprobs
+    from grpo_steps.weight_files import save_weights, weights_fingerprint
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded:SmolLM2-135M-Instruct")

@@ -59,14 +59,14 @@ class GRPOFlow(FlowSpec):
         """Validate the config and open the MLflow run."""
         cfg = steps.config_of(self.config)
         self.config_sha256 = cfg.sha256()
-        self.mlflow_run_id = steps.start(cfg, current.pathspec.rsplit("/", 2)[0])
+        self.mlflow_run_id, self.model_path = steps.start(cfg, current.pathspec.rsplit("/", 2)[0])
         self.next(self.prepare_data)
 
     @step
     def prepare_data(self):
         """Load the source, build prompts, deduplicate, split train/eval."""
         cfg = steps.config_of(self.config)
-        self.model_path, data = steps.prepare_data(cfg, self.mlflow_run_id)
+        self.model_path, data = steps.prepare_data(cfg, self.mlflow_run_id, self.model_path)
         self.train_rows, self.eval_rows = data.train, data.eval
         self.data_stats, self.dataset_digest = data.stats, data.digest()
         self.next(self.provision_vllm)

@@ -1,7 +1,7 @@
 """The quality gate of the registry and the compare-and-set move of ``champion``.
 
 A version may become ``champion`` only when the lower bound of the paired 95 % interval of its pass@1 gain
-(:func:`grpo_steps.evaluate.paired_gain`, per held-out prompt) beats ``registry.min_improvement``, against the
+(:func:`grpo_steps.evaluation.stats.paired_gain`, per held-out prompt) beats ``registry.min_improvement``, against the
 baseline and against the current champion on the same prompts (:func:`gate`). The per-prompt scores of every
 registered version are kept as a run artifact (:data:`PER_PROMPT_ARTIFACT`), so a later version can be compared
 with the champion prompt by prompt; a champion scored on other prompts (another eval split) is never replaced
@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 
-from grpo_steps.evaluate import paired_gain
+from grpo_steps.evaluation.stats import paired_gain
 
 GATE_METRIC = "pass@1"
 PER_PROMPT_ARTIFACT = "eval/per_prompt.json"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from grpo_steps import tracking
 from grpo_steps.config import PipelineConfig
+from grpo_steps.evaluation.report import version_description
 from grpo_steps.gate import (
     COMPARED_TAG,
     GATE_METRIC,
@@ -24,7 +25,6 @@ from grpo_steps.gate import (
     settle_champion,
 )
 from grpo_steps.lora import is_adapter_dir
-from grpo_steps.report import version_description
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 DESCRIPTION_LIMIT = 5000
@@ -78,7 +78,7 @@ def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tag
     """Log ``model_dir`` to the run (a LoRA adapter directory: see :func:`_log_lora_model`), register it as a
     version with alias ``candidate``, move
     ``champion`` when :func:`gate` passes, and describe the version
-    (:func:`grpo_steps.report.version_description`).
+    (:func:`grpo_steps.evaluation.report.version_description`).
 
     Args:
         report: the evaluate step's ``{"baseline": {"metrics", "per_prompt"}, "trained": {"metrics", "per_prompt",

@@ -6,7 +6,8 @@ is a factory (a class, usually) whose instances have ``reset(**row) -> str | Non
 last user message), public methods that are its tools, and optionally ``get_reward() -> float``; TRL's
 ``GRPOTrainer`` keeps one instance per rollout (``environment_factory``). Every tool call runs under
 ``generation.tool_timeout_s``: a call that raises (``SystemExit`` included) or times out goes back to the model as
-an ``{"error": ...}`` tool message (TRL's tool loop and :mod:`grpo_steps.episodes` alike), the step goes on; an
+an ``{"error": ...}`` tool message (TRL's tool loop and :mod:`grpo_steps.evaluation.episodes` alike), the step goes
+on; an
 answer longer than ``generation.max_tool_response_length`` characters is cut before it is tokenized.
 
 A ``tools:`` function runs in a worker process of its own (:mod:`grpo_steps.tool_worker`), killed at the time
@@ -166,7 +167,7 @@ def environment_methods(instance: Any) -> list[str]:
 def timed_factory(factory: Callable, timeout_s: float, max_chars: int = DEFAULT_MAX_TOOL_RESPONSE) -> Callable:
     """A factory whose instances' tools (:func:`environment_methods`) are limited to ``timeout_s`` seconds and
     ``max_chars`` characters of answer per call (:func:`with_timeout`; set on the instance, which is where TRL and
-    :mod:`grpo_steps.episodes` look them up)."""
+    :mod:`grpo_steps.evaluation.episodes` look them up)."""
 
     @functools.wraps(factory)
     def make() -> Any:

@@ -4,7 +4,7 @@ A config names a reward either by its registered name (``answer_accuracy``) or b
 a function in the user's own importable module (``my_pkg.my_rewards:score`` or
 ``my_pkg.my_rewards.score``), with keyword ``options`` bound to it and a per-call ``timeout_s``.
 :func:`build_reward` turns such a spec into the callable that BOTH training (``grpo_steps.training``) and
-evaluation (``grpo_steps.evaluate.score``) call, so the training reward and the eval metric are the same code.
+evaluation (``grpo_steps.evaluation.scoring.score``) call, so the training reward and the eval metric are the same code.
 """
 
 from __future__ import annotations

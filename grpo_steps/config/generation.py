@@ -421,7 +421,7 @@ class GenerationConfig(_Section):
     async_: AsyncConfig | None = Field(None, alias="async")
     """Asynchronous GRPO (key ``async``; ``true`` or ``{max_staleness: N}``): a background producer samples the next
     generation batches from the server while the trainer trains on the current one, each batch tagged with the
-    weight version that sampled it (:mod:`grpo_steps.training.async_rollouts`); TRL's mismatch correction weighs
+    weight version that sampled it (:mod:`grpo_steps.training.generation.prefetch`); TRL's mismatch correction weighs
     the lag. Backend ``vllm``, mode ``server``, ``disk`` sync; not with tools or environments. Null/false:
     generation and training alternate."""
     weight_sync_every: int = Field(1, ge=1)

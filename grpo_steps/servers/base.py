@@ -107,6 +107,12 @@ class GenerationServer:
         ``baseline``, ``trained``). Servers on this machine read it where it is."""
         return str(weights_dir)
 
+    @property
+    def metrics_endpoint(self) -> str | None:
+        """The Prometheus metrics URL of the router in front of the replicas, where the pipeline started one (the
+        replicas' own ``/metrics`` are at their endpoints); None otherwise."""
+        return None
+
     def client(self, timeout_s: float = 600.0) -> VLLMClient:
         """A client for completions and weight reloads (``timeout_s`` per request, seconds)."""
         return VLLMClient(self.endpoint, model=self.served_model, timeout_s=timeout_s)

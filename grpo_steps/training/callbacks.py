@@ -14,8 +14,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from grpo_steps import trl_hooks
 from grpo_steps.checkpoints import checkpoint_bytes, checkpoint_name, mark_latest_zero_tag
-from grpo_steps.training import trl_hooks
 from grpo_steps.weight_files import require_space
 from rewards import guard
 
@@ -161,17 +161,18 @@ class EngineMetricsCallback(TrainerCallback):
 
 
 def engine_metrics(job) -> list[EngineMetricsCallback]:
-    """``[EngineMetricsCallback]`` of the job's generation servers (``job.replicas``, else ``job.endpoint``) and
-    router (``job.router_metrics``) with ``tracking.engine_metrics``, a tracked run (``job.mlflow_run_id``) and rollouts
-    from a server (backend ``vllm``, mode ``server``); ``[]`` otherwise. To be placed before
+    """``[EngineMetricsCallback]`` of the job's generation server (each replica, and the router where the pipeline
+    started one: its ``metrics_endpoint``) with ``tracking.engine_metrics``, a tracked run (``job.mlflow_run_id``) and
+    rollouts from a server (backend ``vllm``, mode ``server``); ``[]`` otherwise. To be placed before
     :class:`MLflowMetricsCallback` (the callbacks' order)."""
-    cfg = job.config
+    cfg, server = job.config, job.generation_server()
     if not (cfg.tracking.engine_metrics and job.mlflow_run_id and cfg.generation.backend == "vllm"
-            and cfg.generation.mode == "server" and job.endpoint):
+            and cfg.generation.mode == "server" and server is not None):
         return []
     from grpo_steps.servers.engine_metrics import EngineMetrics
 
-    return [EngineMetricsCallback(EngineMetrics(job.replicas or [job.endpoint], job.router_metrics))]
+    client = server.client()
+    return [EngineMetricsCallback(EngineMetrics(list(client.replicas) or [server.endpoint], server.metrics_endpoint))]
 
 
 COMPLETIONS_DIR = "completions"
@@ -182,13 +183,13 @@ def completions_table(trainer, version: int) -> dict[str, list]:
     """The latest generation batch as a table (column -> values): ``prompt`` (the last message of a conversational
     prompt), ``completion`` (its text; a multi-turn one whole: tool calls and answers), one column per reward
     function (None where it did not apply), ``advantage`` and ``weight_version`` (the policy version that sampled it).
-    Read from TRL's log of the batch (:func:`grpo_steps.training.trl_hooks.logged_batch`: gathered from every
+    Read from TRL's log of the batch (:func:`grpo_steps.trl_hooks.logged_batch`: gathered from every
     process; main process only)."""
     import math
 
     logs = trl_hooks.logged_batch(trainer)
 
-    from grpo_steps.episodes import conversation
+    from grpo_steps.evaluation.episodes import conversation
 
     def text(value, whole: bool) -> str:
         if isinstance(value, list) and value and isinstance(value[-1], dict):

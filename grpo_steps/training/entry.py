@@ -41,7 +41,7 @@ def run(job: TrainJob) -> str:
 
     Also writes the trainer's per-step log to ``{output_dir}/log_history.json``.
     """
-    from grpo_steps.training import trl_hooks
+    from grpo_steps import trl_hooks
 
     if not job.config.generation.trl_samples_with_vllm:
         trl_hooks.skip_trls_vllm_imports()  # before anything below imports TRL's trainer
@@ -50,7 +50,7 @@ def run(job: TrainJob) -> str:
 
     from grpo_steps.models import load_tokenizer
     from grpo_steps.training.distributed import check_replicas_agree
-    from grpo_steps.training.generation import ServerGeneration
+    from grpo_steps.training.generation.server import ServerGeneration
 
     started = time.monotonic()
     cfg = job.config
@@ -143,12 +143,10 @@ def backend(job: TrainJob, tokenizer, rows: list[dict]) -> tuple[type, dict]:
             raise ConfigError(f"{COLOCATE_NEEDS_GPU} (this machine has no CUDA device)")
         colocate_environment(cfg)
     elif gen.backend == "vllm" and gen.weight_sync == "disk":
-        from grpo_steps.servers.client import VLLMClient
-        from grpo_steps.training.generation import server_settings
+        from grpo_steps.training.generation.server import server_settings
         from grpo_steps.training.trainer import ServerGRPOTrainer
 
-        client = VLLMClient(job.endpoint, model=job.served_model, replicas=tuple(job.replicas),
-                            replica_logs=tuple(job.replica_logs))
+        client = job.generation_server().client()
         return ServerGRPOTrainer, {"server": server_settings(cfg, client, tokenizer, rows[0]["prompt"],
                                                              job.output_dir)}
     elif gen.backend == "replay":
@@ -209,7 +207,7 @@ def eval_during_callback(job: TrainJob, trainer, tokenizer, queue=None):
     # step 0 and the last step also measure the evaluate step's baseline and trained policy
     split_rows = [json.loads(line) for line in Path(job.eval_split_file).read_text().splitlines() if line.strip()] \
         if evaluator and job.eval_split_file else None
-    return EvalDuringTraining(job.config, trainer, trainer.vllm_generation.push.client if evaluator else None,
+    return EvalDuringTraining(job.config, trainer, trainer.vllm_generation.client if evaluator else None,
                               tokenizer, rows, log=log, logged_steps=logged, evaluator=evaluator,
                               split_rows=split_rows,
                               split_results={label: str(Path(job.output_dir) / name)

@@ -3,14 +3,14 @@
 
 At step 0 and every ``eval.every_steps`` optimizer steps, node 0 evaluates the policy on a fixed subset
 of the eval split (its first ``eval.during_training_prompts`` prompts) with
-:func:`grpo_steps.evaluate.evaluate_policy` (the rewards and metrics of the ``evaluate`` step), through
+:func:`grpo_steps.evaluation.policy.evaluate_policy` (the rewards and metrics of the ``evaluate`` step), through
 the generation server, and logs each metric as ``eval_during/<metric>`` at the optimizer step.
 
 The server holds the step's weights without an extra reload: after optimizer step N, TRL pushes the
 policy to the server before the first generation of step N+1 (``ServerGRPOTrainer``: ``ServerGeneration``
 writes, reloads and verifies version ``step-N``). :class:`EvalDuringTraining` makes that same push at the
 beginning of step N+1 (``on_step_begin``, before its generation) and marks it done for TRL
-(:func:`grpo_steps.training.trl_hooks.mark_pushed`), then evaluates; step N+1's rollouts then sample from the same
+(:func:`grpo_steps.trl_hooks.mark_pushed`), then evaluates; step N+1's rollouts then sample from the same
 weights. At step 0 this is the push of the base weights TRL makes before the first generation; only the last
 step, when it is a multiple of ``every_steps``, costs a push that training alone would not make (in ``on_train_end``).
 The server's weight label at evaluation is logged as ``eval_during/weight_version`` (the step number),
@@ -28,8 +28,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from grpo_steps import trl_hooks
 from grpo_steps.config import PipelineConfig
-from grpo_steps.training import trl_hooks
 
 PREFIX = "eval_during"
 """MLflow name prefix of the during-training metrics: ``eval_during/<metric>`` (``pass@k`` is logged as
@@ -57,12 +57,13 @@ class EvalDuringTraining(TrainerCallback):
             at the last step (``on_train_end``) instead of ``rows`` alone (the curve's point is the same metrics over
             ``rows``), each result written as JSON, with its ``step``, to ``split_results["baseline"]`` and
             ``split_results["trained"]``: the ``evaluate`` step's baseline and trained policy, measured once
-            (:func:`grpo_steps.evaluate.evaluate_baseline_and_trained`). None: every step evaluates ``rows``.
+            (:func:`grpo_steps.evaluation.comparison.evaluate_baseline_and_trained`). None: every step evaluates
+            ``rows``.
 
     Per evaluation it also logs ``eval_during/seconds`` (wall time of the evaluation, push excluded) and
     ``eval_during/probe_logprob`` (sum of the greedy logprobs of the first prompt's completion, nats: the
     fingerprint of the served weights that ``evaluate`` returns as ``probe_logprobs``).
-    Raises what :func:`~grpo_steps.evaluate.evaluate_policy` and the push raise
+    Raises what :func:`~grpo_steps.evaluation.policy.evaluate_policy` and the push raise
     (``GenerationServerError``).
     """
 
@@ -103,7 +104,7 @@ class EvalDuringTraining(TrainerCallback):
                 print(f"[{PREFIX}] step {step}: weights pushed in {time.perf_counter() - pushed:.1f}s", flush=True)
         if not self.evaluator or step in self.logged_steps:
             return None
-        from grpo_steps.evaluate import evaluate_policy
+        from grpo_steps.evaluation.policy import evaluate_policy
 
         started = time.perf_counter()
         version = self.client.weight_version()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from grpo_steps.config import PipelineConfig
 
@@ -28,11 +28,10 @@ class TrainJob(BaseModel):
     model_path: str  # resolved weights directory or hub id
     train_file: str  # jsonl of the prepared train split
     output_dir: str  # trainer output: checkpoints and the final model (``final/``)
-    endpoint: str | None = None  # vLLM server base URL (backend vllm)
-    served_model: str = "policy"  # the model name the server serves the policy under
-    replicas: list[str] = []  # with several generation replicas: each one's base URL (``endpoint`` is the router's)
-    replica_logs: list[str | None] = []  # each replica's log file where the pipeline started it
-    router_metrics: str | None = None  # the router's Prometheus metrics URL, where the pipeline started the router
+    server: dict[str, Any] | None = None
+    """The generation server's handle, whole (:meth:`grpo_steps.servers.GenerationServer.to_dict`: its provider,
+    endpoint, served model name and, with several replicas, each replica and the router); None: no server (backend
+    ``hf``, ``replay``). :meth:`generation_server` makes the server, whose ``client()`` samples and pushes."""
     resume_from: str | None = None  # a trainer checkpoint directory to continue from
     mlflow_run_id: str | None = None  # metrics go to this run
     node_index: int = 0  # machine rank in the gang
@@ -40,10 +39,28 @@ class TrainJob(BaseModel):
     eval_split_file: str | None = None  # jsonl of the whole eval split: evaluated at step 0 and at the last step
     # (eval.every_steps), once for the curve and the evaluate step; the results go to {output_dir}/SPLIT_RESULTS
 
+    @field_validator("server")
+    @classmethod
+    def _a_known_server_handle(cls, server: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The handle names a provider :func:`grpo_steps.servers.from_dict` reads (refused when the job is made,
+        not in the middle of the training process)."""
+        if server is not None:
+            from grpo_steps.servers import from_dict
+
+            from_dict(server)
+        return server
+
+    def generation_server(self):
+        """The :class:`grpo_steps.servers.GenerationServer` of :attr:`server` (None without one)."""
+        from grpo_steps.servers import from_dict
+
+        return None if self.server is None else from_dict(self.server)
+
 
 SPLIT_RESULTS = {"baseline": "baseline_eval.json", "trained": "trained_eval.json"}
 """The evaluations of the whole eval split made during training (:mod:`grpo_steps.training.eval_during`: the base
-weights at step 0, the final policy at the last step), each an :func:`grpo_steps.evaluate.evaluate_policy` result with
+weights at step 0, the final policy at the last step), each an :func:`grpo_steps.evaluation.policy.evaluate_policy`
+result with
 its ``step`` as JSON, in the job's ``output_dir``; read by :func:`grpo_steps.steps.training_evaluations`."""
 
 
@@ -107,7 +124,7 @@ def config_grpo_kwargs(job: TrainJob, on_cpu: bool) -> dict[str, Any]:
     if gen.backend == "vllm" and gen.mode == "colocate":  # TRL's colocate mode: vLLM in this process
         kwargs.update(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=cfg.model.max_model_len)
     if gen.weight_sync == "nccl":  # TRL's own server mode: generation + NCCL weight transfer (GPUs only)
-        kwargs.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=job.endpoint)
+        kwargs.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=job.generation_server().endpoint)
     if train.deepspeed:
         from grpo_steps.config import INFRA_DIR
 

@@ -2,7 +2,7 @@
 
 TRL hands each training process whole prompt groups (every prompt ``num_generations`` times in a row,
 :func:`prompt_groups`); the rollout function returns one completion per entry as token ids. (Rollouts from the
-generation server go through TRL's own generation path: :mod:`grpo_steps.training.generation`.)
+generation server go through TRL's own generation path: :mod:`grpo_steps.training.generation.server`.)
 """
 
 from __future__ import annotations

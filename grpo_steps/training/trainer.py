@@ -1,5 +1,5 @@
 """TRL's ``GRPOTrainer`` as this pipeline runs it: the overrides of TRL's methods, each delegating to the module that
-owns the behaviour. Together with :mod:`grpo_steps.training.trl_hooks` this is the only place that names TRL's private
+owns the behaviour. Together with :mod:`grpo_steps.trl_hooks` this is the only place that names TRL's private
 methods and attributes (pinned by ``tests/unit/test_trl_contract.py``).
 
 - Every backend (:class:`PipelineGRPOTrainer`): the weight version of each generation batch (``sampled_version``, for
@@ -12,8 +12,8 @@ methods and attributes (pinned by ``tests/unit/test_trl_contract.py``).
   ``self.use_vllm`` is true (``grpo_trainer.py``: ``_generate_single_turn``, ``_generate_and_score_completions``,
   ``_compute_loss``); ``_generate_single_turn`` calls ``vllm_generation.sync_weights()`` whenever the optimizer step
   changed, then ``vllm_generation.generate()`` for the first turn of every group and for each follow-up turn of its
-  tool loop. So the trainer turns ``use_vllm`` on after TRL's constructor ran with it off (TRL builds no vLLM client
-  of its own) and sets ``vllm_generation`` to :class:`grpo_steps.training.generation.ServerGeneration`; the prompts,
+  tool loop. So the trainer turns ``use_vllm`` on after TRL's constructor ran with it off (TRL builds no vLLM client of
+  its own) and sets ``vllm_generation`` to :class:`grpo_steps.training.generation.server.ServerGeneration`; the prompts,
   the tool loop, the correction, its metrics and the loss stay TRL's code. Where the loss's own forward scores the
   batch with the weights TRL's separate scoring pass would use (:func:`grpo_steps.training.correction.applies`), the
   trainer skips that pass for training rounds and weighs the correction from the loss's logprobs
@@ -28,8 +28,9 @@ from functools import partial
 import torch
 from trl import GRPOTrainer
 
-from grpo_steps.training import correction, shared_prefix, trl_hooks
-from grpo_steps.training.generation import PolicyView, ServerGeneration, ServerSettings
+from grpo_steps import trl_hooks
+from grpo_steps.training import correction, shared_prefix
+from grpo_steps.training.generation.server import PolicyView, ServerGeneration, ServerSettings
 from grpo_steps.training.zero_signal import ZeroSignalMode
 
 
@@ -110,7 +111,7 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
     Raises:
         ValueError: ``args.use_vllm`` is set (TRL would start its own vLLM client).
         GenerationServerError: from the push, or from the first-batch check
-            (:meth:`grpo_steps.training.generation.ServerGeneration.check_first_batch`).
+            (:meth:`grpo_steps.training.generation.first_batch.FirstBatchCheck.check`).
     """
 
     def __init__(self, *args, server: ServerSettings, **kwargs):
@@ -130,7 +131,8 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
                 self.model_wrapped if self.is_deepspeed_enabled else self.model),
             step=lambda: self.state.global_step,
             micro_step=partial(trl_hooks.micro_step, self),
-            log=partial(trl_hooks.log_metric, self)))
+            log=partial(trl_hooks.log_metric, self),
+            prompt_stream=self._prompt_stream))
         trl_hooks.mark_pushed(self, -1)  # push before the first generation (the server may hold stale weights)
         # several replicas: the mismatch per replica that sampled (sampling/replica<i>/...)
         self.replica_mismatch = correction.ReplicaMismatch(len(server.client.replicas)) \
@@ -147,10 +149,6 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         return self.vllm_generation.sampled_version  # a verified push; with async, the one that sampled the batch
 
     def _generate_and_score_completions(self, inputs):
-        generation: ServerGeneration = self.vllm_generation
-        if generation.settings.max_staleness is not None and generation.prefetcher is None and self.model.training:
-            self._start_async()
-        generation.begin_generation_batch()
         if self.loss_side_correction is not None and self.model.training:
             # TRL's gate of its scoring pass, its weights and their metrics (pinned by the contract test): off for
             # this round; the loss's forward weighs each micro-batch instead (_compute_loss below)
@@ -161,7 +159,6 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
                 self.vllm_importance_sampling_correction = True
         else:
             output = super()._generate_and_score_completions(inputs)
-        generation.check_first_batch()
         if self.replica_mismatch is not None and self.model.training:
             self._attribute_replicas(output)
         return output
@@ -197,18 +194,18 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
             self.loss_side_correction.weigh(inputs, result[0].detach())
         return result
 
-    def _start_async(self) -> None:
-        """Start the producer of ``generation.async`` at the first generation of this attempt: it samples ahead the
-        prompts of the batches TRL's dataloader will yield next
-        (:class:`grpo_steps.training.async_rollouts.PromptStream`, a second dataloader in the same order, from where
-        a resumed run starts)."""
+    def _prompt_stream(self, max_staleness: int, sync_every: int):
+        """``generation.async``'s prompts, asked for by the generation class at the first generation of this attempt
+        (:attr:`grpo_steps.training.generation.server.PolicyView.prompt_stream`): ``(depth, upcoming)``, the
+        generation batches the producer samples ahead and the prompts of the batches TRL's dataloader will yield next
+        (:class:`grpo_steps.training.generation.prefetch.PromptStream`, a second dataloader in the same order, from
+        where a resumed run starts)."""
         from grpo_steps.config import prefetch_depth
-        from grpo_steps.training.async_rollouts import PromptStream
+        from grpo_steps.training.generation.prefetch import PromptStream
 
-        generation: ServerGeneration = self.vllm_generation
         accumulation = self.args.gradient_accumulation_steps
         every = self.args.steps_per_generation * self.num_iterations  # micro-steps per generation batch
-        depth = prefetch_depth(generation.settings.max_staleness, every / accumulation, generation.settings.sync_every)
+        depth = prefetch_depth(max_staleness, every / accumulation, sync_every)
         stream = PromptStream(self.get_train_dataloader(), self.state.global_step, accumulation,
                               partial(trl_hooks.tokenize_prompts, self), every, depth)
-        generation.start_async(depth, stream.after)
+        return depth, stream.after

@@ -13,7 +13,7 @@ from grpo_steps.config import GenerationConfig
 from grpo_steps.data import encode_prompt, to_prompt
 from grpo_steps.servers.client import GenerationServerError
 from grpo_steps.training.entry import run
-from grpo_steps.training.generation import ServerGeneration, ServerSettings
+from grpo_steps.training.generation.server import ServerGeneration, ServerSettings
 from tests.integration.trainjob import history, job
 
 pytestmark = pytest.mark.slow
@@ -115,7 +115,7 @@ async def judge(completions, **kwargs):
 
 def test_an_async_reward_runs_in_training_and_evaluation(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server,
                                                          monkeypatch):
-    from grpo_steps.evaluate import evaluate_policy
+    from grpo_steps.evaluation.policy import evaluate_policy
 
     (tmp_path / "my_async_rewards.py").write_text(ASYNC_REWARDS)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -167,7 +167,7 @@ def test_an_evaluation_has_every_chunks_requests_at_the_server_at_once(tiny_serv
     import threading
 
     from grpo_steps.config import REPO_ROOT, load_config
-    from grpo_steps.evaluate import evaluate_policy
+    from grpo_steps.evaluation.policy import evaluate_policy
     from grpo_steps.servers.client import VLLMClient
 
     cfg = load_config(REPO_ROOT / "configs" / "test.yaml")
@@ -191,11 +191,11 @@ def test_an_evaluation_has_every_chunks_requests_at_the_server_at_once(tiny_serv
 def test_evaluation_requests_its_sampled_and_greedy_completions_at_once(tiny_server, tiny_tokenizer, monkeypatch):
     """``Rollouts.sample_together`` has both first-turn requests at the server at the same time (each waits at a
     barrier for the other before it is sent: one after the other, the first would wait in vain), and returns what
-    :meth:`~grpo_steps.episodes.Rollouts.sample` returns for each (greedy: the same completions)."""
+    :meth:`~grpo_steps.evaluation.episodes.Rollouts.sample` returns for each (greedy: the same completions)."""
     import threading
 
     from grpo_steps.config import REPO_ROOT, load_config
-    from grpo_steps.episodes import Rollouts
+    from grpo_steps.evaluation.episodes import Rollouts
     from grpo_steps.servers.client import VLLMClient
 
     cfg = load_config(REPO_ROOT / "configs" / "test.yaml")

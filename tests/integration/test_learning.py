@@ -46,7 +46,7 @@ def test_the_reward_goes_up(tmp_path, tiny_model_path, tiny_tokenizer, tiny_serv
     train_file = tmp_path / "train.jsonl"
     train_file.write_text("".join(json.dumps(r) + "\n" for r in prepare(cfg.data, tiny_tokenizer).train))
     run(TrainJob(config=cfg, model_path=tiny_model_path, train_file=str(train_file), output_dir=str(tmp_path / "out"),
-                 endpoint=tiny_server.endpoint))
+                 server=tiny_server.to_dict()))
 
     history = [h for h in json.loads((tmp_path / "out" / "log_history.json").read_text()) if "reward" in h]
     rewards = [h["reward"] for h in history]

@@ -194,7 +194,7 @@ def test_a_first_batch_above_the_limit_names_the_replicas_that_sampled_it(tmp_pa
 
 def test_evaluation_spreads_its_prompts(replica_set, tiny_tokenizer):
     from grpo_steps.data import prepare
-    from grpo_steps.evaluate import evaluate_policy
+    from grpo_steps.evaluation.policy import evaluate_policy
 
     config = yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text())
     # 32 prompts, not the 8 of the test config: consistent_hash puts 8 sessions on one of two replicas in 1 run of

@@ -138,8 +138,8 @@ def test_successive_pushes_serve_each_version_from_two_rewritten_directories(tmp
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.data import encode_prompt, to_prompt
+    from grpo_steps.training.generation.disk import DiskWeightPush
     from grpo_steps.training.sampling import policy_logprobs
-    from grpo_steps.training.weight_sync import DiskWeightPush
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     client = VLLMClient(tiny_server.endpoint)

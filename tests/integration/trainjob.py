@@ -21,7 +21,12 @@ def job(tmp_path, tiny_model_path, tiny_tokenizer, endpoint, mlflow_run_id=None,
     train_file = tmp_path / "train.jsonl"
     train_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return TrainJob(config=cfg, model_path=tiny_model_path, train_file=str(train_file),
-                    output_dir=str(tmp_path / "out"), endpoint=endpoint, mlflow_run_id=mlflow_run_id)
+                    output_dir=str(tmp_path / "out"), server=external(endpoint), mlflow_run_id=mlflow_run_id)
+
+
+def external(endpoint: str | None) -> dict | None:
+    """The handle of the server at ``endpoint`` as a job carries it (:attr:`TrainJob.server`), None without one."""
+    return None if endpoint is None else {"provider": "external", "endpoint": endpoint}
 
 
 def history(tmp_path) -> list[dict]:

@@ -1,4 +1,4 @@
-"""The producer of ``generation.async`` (:class:`grpo_steps.training.async_rollouts.RolloutPrefetcher`) with
+"""The producer of ``generation.async`` (:class:`grpo_steps.training.generation.prefetch.RolloutPrefetcher`) with
 constructed versions, and the config rules of ``generation.async`` / ``weight_sync_every`` / CPU cores."""
 
 import threading
@@ -7,7 +7,7 @@ import time
 import pytest
 
 from grpo_steps.config import ConfigError, prefetch_depth, validate_config
-from grpo_steps.training.async_rollouts import RolloutPrefetcher
+from grpo_steps.training.generation.prefetch import RolloutPrefetcher
 
 
 class Server:
@@ -187,7 +187,7 @@ def _dies_at_its_first_request():
 
 
 def test_a_dead_producer_raises_in_the_trainer_instead_of_blocking_it():
-    from grpo_steps.training.async_rollouts import ProducerDiedError
+    from grpo_steps.training.generation.prefetch import ProducerDiedError
 
     prefetcher = _dies_at_its_first_request()
     prefetcher.fill([(0, [[1]]), (1, [[2]])], num_generations=1, current_key=-1)
@@ -201,7 +201,7 @@ def test_a_dead_producer_raises_in_the_trainer_instead_of_blocking_it():
 
 
 def test_a_push_waiting_on_a_dead_producer_raises_too():
-    from grpo_steps.training.async_rollouts import ProducerDiedError
+    from grpo_steps.training.generation.prefetch import ProducerDiedError
 
     prefetcher = _dies_at_its_first_request()  # it dies with its request marked in flight
     prefetcher.fill([(0, [[1]])], num_generations=1, current_key=-1)
@@ -211,7 +211,7 @@ def test_a_push_waiting_on_a_dead_producer_raises_too():
 
 
 def test_closing_while_an_error_propagates_waits_briefly_for_a_hung_request(monkeypatch):
-    from grpo_steps.training import async_rollouts
+    from grpo_steps.training.generation import prefetch as async_rollouts
 
     monkeypatch.setattr(async_rollouts, "ERROR_STOP_TIMEOUT_S", 0.2)
     release = threading.Event()

@@ -215,7 +215,8 @@ def test_the_owned_keys_are_exactly_what_grpo_args_derives():
     derived: set[str] = set()
     colocate = {"generation": {"mode": "colocate"}, "resources": {"train": {"gpu": 1}}}
     for data in ({}, NCCL_DEEPSPEED, colocate):  # the default path, and those that set every optional field
-        job = TrainJob(config=validate_config(data), model_path="m", train_file="t", output_dir="o", endpoint="e")
+        job = TrainJob(config=validate_config(data), model_path="m", train_file="t", output_dir="o",
+                       server={"provider": "external", "endpoint": "http://127.0.0.1:9"})
         for on_cpu in (True, False):
             derived |= set(config_grpo_kwargs(job, on_cpu=on_cpu))
     assert derived == set(GRPO_ARGS_SET_BY)

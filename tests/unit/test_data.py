@@ -143,7 +143,7 @@ def test_prepare_data_step_logs_dropped_counts_and_lines_to_mlflow(tmp_path, tin
     config["tracking"] = {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}
     cfg = validate_config(config)
     run_id = tracking.open_run(cfg, "GRPOFlow/1/start/1")
-    _, data = steps.prepare_data(cfg, run_id)
+    _, data = steps.prepare_data(cfg, run_id, tiny_model_path)
     run = tracking.client(cfg).get_run(run_id)
     assert {k: v for k, v in run.data.metrics.items() if k.startswith("data/dropped/")} == {
         "data/dropped/empty_prompt": 3, "data/dropped/missing_answer": 2, "data/dropped/too_long": 1}
@@ -445,7 +445,7 @@ def has_tests(completions, test, entry_point, task, **_columns):
 
 def test_mixture_rows_route_to_their_rewards_in_score(tiny_tokenizer):
     from grpo_steps.config import validate_config
-    from grpo_steps.evaluate import score
+    from grpo_steps.evaluation.scoring import score
 
     cfg = validate_config({"data": _mixture_cfg().model_dump(), "model": {"max_model_len": 8192},
                            "registry": {"min_eval_prompts": 6},  # the 6 eval prompts of the mixture

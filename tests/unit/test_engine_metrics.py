@@ -171,7 +171,7 @@ def _job(endpoint: str, run_id: str | None = "run", **config):
     from grpo_steps.training.job import TrainJob
 
     return TrainJob(config=validate_config(config), model_path="m", train_file="t.jsonl", output_dir="out",
-                    endpoint=endpoint, mlflow_run_id=run_id)
+                    server={"provider": "external", "endpoint": endpoint}, mlflow_run_id=run_id)
 
 
 def test_rank_0_logs_the_engine_metrics_at_the_trainers_step_in_mlflow(served, tmp_path):

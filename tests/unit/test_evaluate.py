@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from grpo_steps.evaluate import paired_gain, pass_at_k
+from grpo_steps.evaluation.stats import paired_gain, pass_at_k
 
 
 def _brute_force_pass_at_k(n: int, c: int, k: int) -> float:
@@ -64,7 +64,8 @@ def test_an_earlier_evaluation_of_other_prompts_is_not_taken_as_the_baseline(cap
     """An evaluation made during training (the step-0 one, the last step's) is the baseline or the trained policy's
     only for the same prompts, in the same order; nothing is asked of the server (client None) before that is known."""
     from grpo_steps.config import REPO_ROOT, load_config
-    from grpo_steps.evaluate import prompt_key, same_weights_as
+    from grpo_steps.evaluation.comparison import same_weights_as
+    from grpo_steps.evaluation.stats import prompt_key
 
     cfg = load_config(REPO_ROOT / "configs" / "test.yaml")
     rows = [{"prompt": [{"role": "user", "content": f"{i} + 1?"}]} for i in range(3)]

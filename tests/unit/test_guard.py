@@ -123,7 +123,7 @@ def test_training_path_builds_guarded_named_rewards_from_the_config():
 
 
 def test_evaluation_scores_with_the_same_built_rewards():
-    from grpo_steps.evaluate import score
+    from grpo_steps.evaluation.scoring import score
 
     cfg = validate_config({
         "rewards": [{"name": "answer_accuracy"},

@@ -113,7 +113,7 @@ def test_merged_state_dict_is_base_plus_adapter_under_base_names(tiny_model_path
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from grpo_steps.training.weight_sync import merged_state_dict
+    from grpo_steps.training.generation.disk import merged_state_dict
 
     torch.manual_seed(0)
     base_names = set(AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict())

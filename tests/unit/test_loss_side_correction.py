@@ -12,7 +12,7 @@ import torch
 from grpo_steps.config import validate_config
 from grpo_steps.dev.stand_in_server import StandInServer
 from grpo_steps.servers.client import VLLMClient
-from grpo_steps.training.generation import ServerSettings
+from grpo_steps.training.generation.server import ServerSettings
 from grpo_steps.training.job import TrainJob, grpo_args
 from grpo_steps.training.trainer import ServerGRPOTrainer
 
@@ -77,7 +77,7 @@ def trainer(tiny_model_path, tmp_path, mode: str, accumulation: int, loss_side: 
 def one_generation_batch(trainer: ServerGRPOTrainer, accumulation: int) -> tuple[list[dict], list[float], int]:
     """Generate once and train on each micro-batch (forward, backward): the micro-batches with their weights, the
     losses, and the rows the policy scored (a row scored twice counts twice)."""
-    from grpo_steps.training import trl_hooks
+    from grpo_steps import trl_hooks
 
     # rows scored: those of the forwards through TRL's fused LM head (not the prompts' shared pass; the completions
     # of one scoring may go in two length groups, grpo_steps.training.shared_prefix.length_groups)

@@ -8,7 +8,7 @@ import torch
 
 from grpo_steps.config import validate_config
 from grpo_steps.servers.client import VLLMClient
-from grpo_steps.training.generation import ServerSettings
+from grpo_steps.training.generation.server import ServerSettings
 from grpo_steps.training.job import TrainJob, grpo_args
 from grpo_steps.training.trainer import ServerGRPOTrainer
 

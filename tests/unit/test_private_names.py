@@ -1,6 +1,6 @@
 """TRL's private names (methods and attributes of ``GRPOTrainer`` and transformers' ``Trainer`` whose names start with
 one underscore) are named only in ``grpo_steps/training/trainer.py`` (the overrides) and
-``grpo_steps/training/trl_hooks.py`` (one function per name): a TRL upgrade reviews those two files. The names are
+``grpo_steps/trl_hooks.py`` (one function per name): a TRL upgrade reviews those two files. The names are
 read from the installed TRL's and transformers' source, so a name TRL adds is covered without editing this test."""
 
 import ast
@@ -13,7 +13,7 @@ from grpo_steps.config import REPO_ROOT
 
 trl = pytest.importorskip("trl")
 
-ALLOWED = {Path("grpo_steps/training/trainer.py"), Path("grpo_steps/training/trl_hooks.py")}
+ALLOWED = {Path("grpo_steps/training/trainer.py"), Path("grpo_steps/trl_hooks.py")}
 SCANNED = ("grpo_steps", "rewards", "flows", "bench")
 
 
@@ -54,13 +54,13 @@ def test_only_the_trainer_and_its_hooks_name_trls_private_names():
             relative = path.relative_to(REPO_ROOT)
             if relative not in ALLOWED:
                 found += [f"{relative}:{line}: .{name}" for line, name in uses(path.read_text(), names)]
-    assert not found, "TRL's private names outside training/trainer.py and training/trl_hooks.py (add a function " \
+    assert not found, "TRL's private names outside training/trainer.py and trl_hooks.py (add a function " \
                       "to trl_hooks.py and call it):\n" + "\n".join(found)
 
 
 def test_a_planted_private_name_is_found():
     """The scan is not blind: ``trainer._metrics`` planted into another module of the training process is found."""
-    source = (REPO_ROOT / "grpo_steps/training/generation.py").read_text()
+    source = (REPO_ROOT / "grpo_steps/training/generation/server.py").read_text()
     assert uses(source, trl_private_names()) == []
     planted = source + "\n\ndef _planted(trainer):\n    trainer._metrics['train']['x'].append(1.0)\n"
     assert [name for _, name in uses(planted, trl_private_names())] == ["_metrics"]

@@ -9,7 +9,7 @@ from grpo_steps.config import validate_config
 from grpo_steps.servers.client import session_id
 from grpo_steps.servers.local import replicas_fit
 from grpo_steps.servers.router import router_command
-from grpo_steps.training.generation import ServerGeneration
+from grpo_steps.training.generation.server import ServerGeneration
 
 
 def config(**server):

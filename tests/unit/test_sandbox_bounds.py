@@ -209,7 +209,7 @@ def test_a_fork_bomb_ends_with_the_run_in_every_mode_counted_per_run():
 ])
 def test_start_refuses_untrusted_test_code_where_the_judge_can_read_the_host(monkeypatch, mode, data, options,
                                                                              refused):
-    from grpo_steps import steps
+    from grpo_steps import preflight
     from grpo_steps.config import validate_config
     from rewards import sandbox
 
@@ -218,6 +218,6 @@ def test_start_refuses_untrusted_test_code_where_the_judge_can_read_the_host(mon
                            "eval": {"correctness_reward": "code_execution", "format_reward": None}})
     if refused:
         with pytest.raises(sandbox.SandboxUnavailable, match="trust_test_code: true"):
-            steps.check_sandbox(cfg)
+            preflight.check_sandbox(cfg)
     else:
-        steps.check_sandbox(cfg)
+        preflight.check_sandbox(cfg)

@@ -98,7 +98,7 @@ def test_mlflow_params_and_tags_hold_no_secret_even_past_validation(tmp_path):
 
 
 def test_version_description_is_redacted_and_its_card_command_takes_the_run_id():
-    from grpo_steps.report import version_description
+    from grpo_steps.evaluation.report import version_description
 
     cfg = PipelineConfig(eval={"k": [1], "num_samples": 1, "format_reward": None})
     metrics = {"pass@1": 0.5, "accuracy": 0.5, "reward": 0.5}

@@ -92,7 +92,7 @@ def test_an_external_server_without_dev_routes_is_refused_with_the_fix():
 
 def test_a_dead_external_server_is_not_replaced_but_named():
     from grpo_steps.servers.client import GenerationServerError
-    from grpo_steps.steps import ensure_server
+    from grpo_steps.servers.lifecycle import ensure_server
 
     endpoint = f"http://127.0.0.1:{_closed_port()}"
     cfg = external_config(endpoint)
@@ -103,7 +103,7 @@ def test_a_dead_external_server_is_not_replaced_but_named():
 def test_worker_nodes_of_a_local_gang_share_node_0s_server_owner(monkeypatch):
     import psutil
 
-    from grpo_steps.steps import run_owner
+    from grpo_steps.servers.lifecycle import run_owner
 
     parent = psutil.Process().parent()
     monkeypatch.setenv("MF_PARALLEL_NODE_INDEX", "0")  # node 0: its parent is the runtime

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from grpo_steps.config import ConfigError, validate_config
-from grpo_steps.steps import check_tools
+from grpo_steps.preflight import check_tools
 from grpo_steps.tools import ToolError
 
 
@@ -70,7 +70,7 @@ def test_routed_environments_with_their_column_are_accepted():
 
 
 def _start(tiny_model_path, **data):
-    check_tools(validate_config({"model": {"name_or_path": tiny_model_path}, **data}))
+    check_tools(validate_config({"model": {"name_or_path": tiny_model_path}, **data}), tiny_model_path)
 
 
 def test_a_chat_template_without_tool_calls_is_refused_naming_the_key(tiny_model_path):
@@ -78,13 +78,15 @@ def test_a_chat_template_without_tool_calls_is_refused_naming_the_key(tiny_model
     with pytest.raises(ToolError, match=r"model's own chat template \(model.chat_template: null\) cannot render a "
                                         r"tool-calling exchange.*qwen2_5"):
         _start(tiny_model_path, tools=["grpo_steps.tools:calculator"])
+    # TRL's Qwen2.5 template renders them
     check_tools(validate_config({"model": {"name_or_path": tiny_model_path, "chat_template": "qwen2_5"},
-                                 "tools": ["grpo_steps.tools:calculator"]}))  # TRL's Qwen2.5 template renders them
+                                 "tools": ["grpo_steps.tools:calculator"]}), tiny_model_path)
 
 
 def test_an_unknown_chat_template_lists_the_shipped_ones(tiny_model_path):
     with pytest.raises(ToolError, match="neither a file nor a template TRL ships.*qwen2_5"):
-        check_tools(validate_config({"model": {"name_or_path": tiny_model_path, "chat_template": "qwen9"}}))
+        check_tools(validate_config({"model": {"name_or_path": tiny_model_path, "chat_template": "qwen9"}}),
+                    tiny_model_path)
 
 
 def test_a_chat_template_file_is_used(tiny_model_path, tmp_path):
@@ -95,7 +97,7 @@ def test_a_chat_template_file_is_used(tiny_model_path, tmp_path):
     path = tmp_path / "template.jinja"
     path.write_text(chat_template_text("qwen2_5"))
     check_tools(validate_config({"model": {"name_or_path": tiny_model_path, "chat_template": str(path)},
-                                 "tools": ["grpo_steps.tools:calculator"]}))
+                                 "tools": ["grpo_steps.tools:calculator"]}), tiny_model_path)
 
 
 @pytest.mark.parametrize("factory, named", [
@@ -105,7 +107,7 @@ def test_a_chat_template_file_is_used(tiny_model_path, tmp_path):
 def test_an_environment_is_probed_in_start(tiny_model_path, factory, named):
     with pytest.raises(ToolError, match=named):
         check_tools(validate_config({"model": {"name_or_path": tiny_model_path, "chat_template": "qwen2_5"},
-                                     "environment": f"{__name__}:{factory}"}))
+                                     "environment": f"{__name__}:{factory}"}), tiny_model_path)
 
 
 def test_a_chat_template_file_trl_cannot_parse_is_refused(tiny_model_path, tmp_path):
@@ -117,4 +119,4 @@ def test_a_chat_template_file_trl_cannot_parse_is_refused(tiny_model_path, tmp_p
     path.write_text("{# my own #}" + chat_template_text("qwen2_5"))
     with pytest.raises(ToolError, match="TRL cannot parse them back"):
         check_tools(validate_config({"model": {"name_or_path": tiny_model_path, "chat_template": str(path)},
-                                     "tools": ["grpo_steps.tools:calculator"]}))
+                                     "tools": ["grpo_steps.tools:calculator"]}), tiny_model_path)

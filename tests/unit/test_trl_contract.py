@@ -139,12 +139,12 @@ def test_what_zero_signal_replay_recomputes_for_a_replayed_group():
 
 
 def test_every_trl_hook_does_what_it_names_on_a_real_trainer(tiny_model_path, tmp_path):
-    """``grpo_steps/training/trl_hooks.py``, function by function, on a real ``GRPOTrainer``: each reads or writes
+    """``grpo_steps/trl_hooks.py``, function by function, on a real ``GRPOTrainer``: each reads or writes
     the private attribute TRL itself uses for that purpose (checked by TRL's own code where TRL reads it back)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_steps.training import trl_hooks
+    from grpo_steps import trl_hooks
     from grpo_steps.training.job import TrainJob, grpo_args
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
@@ -192,7 +192,7 @@ def test_every_trl_hook_does_what_it_names_on_a_real_trainer(tiny_model_path, tm
 
 
 def test_the_generation_round_and_micro_batch_the_hooks_reach_are_trls():
-    from grpo_steps.training import trl_hooks
+    from grpo_steps import trl_hooks
     from grpo_steps.training.trainer import PipelineGRPOTrainer
 
     class Probe(PipelineGRPOTrainer):
@@ -241,7 +241,7 @@ def test_a_training_process_off_trls_vllm_paths_imports_no_vllm():
     import subprocess
     import sys
 
-    code = ("from grpo_steps.training import trl_hooks; trl_hooks.skip_trls_vllm_imports(); "
+    code = ("from grpo_steps import trl_hooks; trl_hooks.skip_trls_vllm_imports(); "
             "from grpo_steps.training.trainer import ServerGRPOTrainer; from grpo_steps.training import entry; "
             "import sys; print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -48,7 +48,7 @@ def test_sync_dirs_of_exited_training_processes_are_removed_others_kept(tmp_path
     import sys
 
     from grpo_steps.processes import ProcessRef
-    from grpo_steps.training.weight_sync import OWNER_FILE, sync_root
+    from grpo_steps.training.generation.disk import OWNER_FILE, sync_root
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     dead = ProcessRef.of(child.pid)
@@ -73,7 +73,7 @@ def test_sync_dirs_on_a_shared_volume_owned_by_another_pod_are_kept(tmp_path):
     import sys
 
     from grpo_steps.processes import ProcessRef
-    from grpo_steps.training.weight_sync import OWNER_FILE, sync_root
+    from grpo_steps.training.generation.disk import OWNER_FILE, sync_root
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     gone = ProcessRef.of(child.pid)  # a PID that runs nowhere on this host any more
@@ -111,7 +111,7 @@ def _weights(kib: int) -> dict:
 def test_a_directory_without_room_is_a_clear_error_naming_it_the_bytes_and_the_key(small_tmpfs):
     import errno
 
-    from grpo_steps.training.weight_sync import DiskWeightPush
+    from grpo_steps.training.generation.disk import DiskWeightPush
     from grpo_steps.weight_files import NoSpaceError
 
     root, server = small_tmpfs(256 * 1024), _Server()
@@ -127,7 +127,7 @@ def test_a_directory_without_room_is_a_clear_error_naming_it_the_bytes_and_the_k
 def test_a_disk_that_fills_while_writing_removes_the_partial_push_and_loads_nothing(small_tmpfs, monkeypatch):
     """Another process fills the disk between the check and the write: the kernel's ENOSPC (through safetensors)
     becomes the same clear error, and the half-written directory is removed."""
-    from grpo_steps.training import weight_sync
+    from grpo_steps.training.generation import disk as weight_sync
     from grpo_steps.weight_files import NoSpaceError
 
     monkeypatch.setattr(weight_sync, "require_space", lambda *args, **kwargs: None)  # the check saw room
@@ -139,7 +139,7 @@ def test_a_disk_that_fills_while_writing_removes_the_partial_push_and_loads_noth
 
 def test_a_push_rewriting_an_older_file_in_place_is_not_refused(small_tmpfs):
     """Two pushes fill the directory; the third rewrites the first's file in place, so it needs no new room."""
-    from grpo_steps.training.weight_sync import DiskWeightPush
+    from grpo_steps.training.generation.disk import DiskWeightPush
 
     root, server = small_tmpfs(700 * 1024), _Server()
     push = DiskWeightPush(server, root)
@@ -153,9 +153,11 @@ def test_start_warns_when_dev_shm_cannot_hold_two_pushes_and_two_checkpoints():
     """SmolLM2-135M in float32 (the embedded model, cached): pushes 2 x 513 MiB, checkpoints 2 x 1539 MiB; on
     Kubernetes with the 64 MiB default that is a warning naming the sizes and the keys; with room, none."""
     from grpo_steps.config import REPO_ROOT, load_config
-    from grpo_steps.steps import shm_shortfall
+    from grpo_steps.models import resolve_model
+    from grpo_steps.preflight import shm_shortfall
 
     cfg = load_config(REPO_ROOT / "configs" / "local.yaml")
+    model_path = resolve_model(cfg.model.name_or_path)
 
     def on_cluster(shm_mib, **generation):
         return cfg.model_copy(update={
@@ -163,9 +165,9 @@ def test_start_warns_when_dev_shm_cannot_hold_two_pushes_and_two_checkpoints():
                 update={"image": "registry.example/grpo:1", "shared_memory_mib": shm_mib})}),
             "generation": cfg.generation.model_copy(update=generation)})
 
-    warning = shm_shortfall(on_cluster(None))
+    warning = shm_shortfall(on_cluster(None), model_path)
     assert warning.startswith("/dev/shm (resources.train.shared_memory_mib) is 64 MiB, less than the 4105 MiB two "
                               "weight pushes (2 x 513 MiB) and two checkpoints (2 x 1539 MiB)")
     assert "generation.sync_dir" in warning
-    assert shm_shortfall(on_cluster(8192)) is None
-    assert "(2 x 0 MiB) and two checkpoints" in shm_shortfall(on_cluster(2048, sync_dir="/mnt/weights"))
+    assert shm_shortfall(on_cluster(8192), model_path) is None
+    assert "(2 x 0 MiB) and two checkpoints" in shm_shortfall(on_cluster(2048, sync_dir="/mnt/weights"), model_path)

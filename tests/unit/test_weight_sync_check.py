@@ -1,16 +1,12 @@
 """Which weights a server serves, judged from probe logprobs and the pushed weights' fingerprints
-(``grpo_steps.training.weight_sync.served_version``), and the error that names the step and both versions."""
+(``grpo_steps.training.generation.push.served_version``), and the error that names the step and both versions."""
 
 import pytest
 import torch
 
-from grpo_steps.training.weight_sync import (
-    GenerationServerError,
-    ProbeRecord,
-    check_served_version,
-    served_version,
-    weights_fingerprint,
-)
+from grpo_steps.training.generation.disk import GenerationServerError
+from grpo_steps.training.generation.push import ProbeRecord, check_served_version, served_version
+from grpo_steps.weight_files import weights_fingerprint
 
 TOL = 0.05
 W0, W1 = (1.0, 2.0), (1.001, 2.0)  # fingerprints of the pushed weights: one optimizer step apart

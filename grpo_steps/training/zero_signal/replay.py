@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_steps.training import trl_hooks
+from grpo_steps import trl_hooks
 from grpo_steps.training.distributed import reduce_over_processes
 from grpo_steps.training.zero_signal import ZeroSignalMode
 from grpo_steps.training.zero_signal.plan import (

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from grpo_steps.training import trl_hooks
+from grpo_steps import trl_hooks
 from grpo_steps.training.distributed import average_accumulated_gradients, reduce_over_processes
 from grpo_steps.training.zero_signal import ZeroSignalMode
 from grpo_steps.training.zero_signal.plan import has_signal, signal_first

@@ -205,7 +205,7 @@ class Rollouts:
     def _tool_round(self, open_episodes: list, temperature: float, request: dict) -> list:
         """Run the tool calls of each episode's last turn, append their answers, sample the next turn; returns the
         episodes whose new turn calls tools again."""
-        from grpo_steps.training.trl_hooks import tool_suffix_ids
+        from grpo_steps.trl_hooks import tool_suffix_ids
 
         follow_ups = []
         for episode, prompt_ids, tools in open_episodes:

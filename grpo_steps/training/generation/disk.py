@@ -1,4 +1,5 @@
-"""The push side of ``disk`` weight sync (rank 0 of the training process) and its verification.
+"""The files of ``disk`` weight sync (rank 0 of the training process): where a push is written and how the server
+loads it.
 
 Rank 0 writes the policy's weights as one safetensors file into a new directory per push under a run-owned
 root (:func:`sync_root`; :func:`grpo_steps.weight_files.write_safetensors`, or
@@ -6,8 +7,7 @@ root (:func:`sync_root`; :func:`grpo_steps.weight_files.write_safetensors`, or
 load it (:meth:`grpo_steps.servers.client.VLLMClient.reload_weights`) and labels it ``step-N``
 (:class:`DiskWeightPush`); with LoRA the adapter alone is written and loaded as a new served model
 (:class:`AdapterPush`), or base + adapter merged (:func:`merged_state_dict`) is pushed as full weights.
-:func:`check_served_version` verifies that the server serves the push (an HTTP 200 does not prove the weights
-changed, vLLM RFC #48312).
+Verification is :mod:`grpo_steps.training.generation.push`'s.
 """
 
 from __future__ import annotations
@@ -249,91 +249,6 @@ def merged_state_dict(model) -> dict:
                     tensor = tensor + deltas[owner].to(tensor.dtype)
             merged[key] = tensor.detach()
     return merged
-
-
-def weights_fingerprint(state_dict: dict, samples: int = 256) -> tuple[float, ...]:
-    """A cheap digest of a state dict: for each non-empty tensor, the float64 sum of about ``samples`` of its elements
-    taken at an even stride (in ``state_dict`` order). Equal weights give equal digests; an optimizer step changes
-    the digest (it moves nearly every element of each layer it updates). Tells whether two pushes carried different
-    weights without keeping either; ~5 ms for SmolLM2-135M on the 2-core CPU."""
-    import torch
-
-    sums = [t.detach().reshape(-1)[:: max(1, t.numel() // samples)].double().sum()
-            for t in state_dict.values() if t.numel()]
-    return tuple(torch.stack(sums).tolist()) if sums else ()
-
-
-@dataclass
-class ProbeRecord:
-    """What one push's verification saw: ``weights``, the pushed state dict's :func:`weights_fingerprint`;
-    ``served``, the server's probe logprobs (T-1 floats); ``policy``, the policy's on the same probe, or None when
-    the first rollout batch is compared with the policy instead (``generation.sync_check.max_logp_diff``)."""
-
-    version: int
-    weights: tuple[float, ...]
-    served: list[float]
-    policy: list[float] | None = None
-
-
-def mean_abs_diff(a: list[float], b: list[float]) -> float:
-    """Mean |a_t - b_t| over equal-length logprob lists (nats per token; 0 for empty lists)."""
-    return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / max(len(a), 1)
-
-
-def served_version(record: ProbeRecord, history: list[ProbeRecord], tolerance: float) -> int | None:
-    """Which version's weights the server serves, judged by the probe: an earlier version's when the server's answer
-    is that version's own answer bit for bit (within 1e-6) although the pushed weights differ from it and, where
-    both pushes have a policy probe, the policy's own answer moved by more than that (the newest such); else
-    ``record.version`` when the probe matches the policy's within ``tolerance`` (mean |delta logp|, nats per token),
-    or when there is no policy probe; else the newest earlier version whose policy probe it matches; else None.
-
-    The server's forward pass is deterministic for one request, so serving an earlier push's weights shows as that
-    push's answer exactly, even when an optimizer step moved the logprobs by less than ``tolerance``; a push of
-    unchanged weights (a step without gradient), or of weights that moved too little to change the policy's own
-    answer (a gradient of round-off size, e.g. a group whose completions are identical but scored differently), is
-    not taken for stale.
-    """
-    exact = 1e-6
-    newest_first = sorted(history, key=lambda r: -r.version)
-    for earlier in newest_first:
-        policy_moved = record.policy is None or earlier.policy is None or \
-            mean_abs_diff(record.policy, earlier.policy) > exact
-        if earlier.weights != record.weights and policy_moved and mean_abs_diff(record.served, earlier.served) <= exact:
-            return earlier.version
-    if record.policy is None or mean_abs_diff(record.served, record.policy) <= tolerance:
-        return record.version
-    for earlier in newest_first:
-        if earlier.policy is not None and mean_abs_diff(record.served, earlier.policy) <= tolerance:
-            return earlier.version
-    return None
-
-
-def check_served_version(record: ProbeRecord, history: list[ProbeRecord], label: str, tolerance: float,
-                         step: int) -> None:
-    """Raise unless the server serves version ``record.version`` (label and probe, see :func:`served_version`).
-
-    Args:
-        label: the server's ``/weight_info`` answer after the push.
-        step: the optimizer step about to sample (named in the error).
-
-    Raises:
-        GenerationServerError: the label is not this version's, or the probe says other weights; the
-            message names the step, the expected and the served version.
-    """
-    expected = version_label(record.version)
-    if label != expected:
-        raise GenerationServerError(f"step {step}: the generation server reports weight version {label!r}, "
-                                    f"expected {expected!r} (was it restarted or reloaded by someone else?)")
-    served = served_version(record, history, tolerance)
-    if served != record.version:
-        served_text = f"version {served} ({version_label(served)})" if served is not None else "unknown weights"
-        gap = "" if record.policy is None else (
-            f"; probe mean |delta logp| server vs policy {mean_abs_diff(record.served, record.policy):.3g} "
-            f"(tolerance {tolerance:g}, generation.sync_check.probe_tolerance)")
-        raise GenerationServerError(
-            f"step {step}: the generation server does not serve the weights just pushed: expected version "
-            f"{record.version} ({expected}), served {served_text}{gap}. Refusing to sample off-policy."
-        )
 
 
 SYNC_PREFIX = "grpo-sync-"

@@ -1,0 +1,190 @@
+"""Everything ``start`` checks before anything is written (:func:`check`): the tracking server answers, the model
+resolves (once, handed to every check that reads it), TRL knows the ``train.grpo`` keys, the code sandbox, tools and
+chat template, LoRA targets, local replicas that fit this machine, ``/dev/shm`` room and ``train.resume_from``.
+
+A refusal is printed as its message alone (:func:`refusals`): Metaflow prints a ``MetaflowException`` as a block
+without the traceback that an ordinary exception gets ("Internal error" and 30 lines ending in the message).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+from grpo_steps.config import PipelineConfig
+
+
+def check(cfg: PipelineConfig) -> str:
+    """Check ``cfg`` against this machine and the services it names; returns the resolved ``model.name_or_path``
+    (:func:`grpo_steps.models.resolve_model`: a local directory, the embedded model converted once, or a hub id).
+
+    Raises:
+        TrackingUnreachable: an ``http(s)`` tracking URI that does not answer (within seconds).
+        FileNotFoundError: ``model.name_or_path`` is a local path that does not exist or holds no model (names what
+            is missing: config, tokenizer files, weights).
+        ConfigError: ``train.grpo`` keys the installed TRL does not have; ``train.peft.target_modules`` naming no
+            linear layer of the model; ``generation.server.replicas`` local servers and the trainer do not fit this
+            machine.
+        CheckpointNotFound: ``train.resume_from`` names no usable checkpoint.
+        SandboxUnavailable: ``code_execution`` is configured where only the weak sandbox mode works, without
+            its ``allow_weak_isolation`` option.
+        ToolError: ``model.chat_template`` names nothing, or cannot render a tool-calling exchange with tools or an
+            environment configured; an environment without ``reset`` or with a tool that has no schema.
+    """
+    from grpo_steps import tracking
+    from grpo_steps.models import resolve_model
+    from grpo_steps.training.job import check_grpo_keys
+
+    tracking.check_reachable(cfg.tracking.tracking_uri)
+    model_path = resolve_model(cfg.model.name_or_path)
+    check_grpo_keys(cfg)
+    check_sandbox(cfg)
+    if cfg.tools or cfg.environment or cfg.model.chat_template:
+        check_tools(cfg, model_path)
+    if cfg.train.peft is not None:
+        check_lora_targets(cfg, model_path)
+    check_replicas(cfg, model_path)
+    warning = shm_shortfall(cfg, model_path)
+    if warning:
+        print(f"[start] warning: {warning}", flush=True)
+    if cfg.train.resume_from:
+        from grpo_steps.checkpoints import check_reference
+
+        print(f"[checkpoint] train.resume_from: {check_reference(cfg.train.resume_from, cfg.train.num_nodes)}",
+              flush=True)
+    return model_path
+
+
+def refusal_types() -> tuple[type[BaseException], ...]:
+    """The errors that refuse a run for a reason its message says (bad config, data, model, or an unreachable
+    service), as opposed to a bug: those :func:`refusals` prints without a traceback."""
+    from grpo_steps.checkpoints import CheckpointNotFound
+    from grpo_steps.config import ConfigError
+    from grpo_steps.sources import DataError
+    from grpo_steps.tools import ToolError
+    from grpo_steps.tracking import TrackingUnreachable
+    from rewards.sandbox import SandboxUnavailable
+
+    return ConfigError, DataError, ToolError, TrackingUnreachable, CheckpointNotFound, SandboxUnavailable, \
+        FileNotFoundError
+
+
+@contextmanager
+def refusals(headline: str):
+    """Re-raise a refusal (:func:`refusal_types`) raised in the block as a ``MetaflowException`` headed
+    ``headline``, which Metaflow prints as that line and the message, with no traceback; other errors pass unchanged
+    (a bug keeps its traceback)."""
+    from metaflow.exception import MetaflowException
+
+    try:
+        yield
+    except refusal_types() as err:
+        refused = type("Refused", (MetaflowException,), {"headline": headline})  # the block's first line
+        raise refused(f"{type(err).__name__}: {err}") from None
+
+
+def check_replicas(cfg: PipelineConfig, model_path: str) -> None:
+    """Several ``local`` generation replicas fit this machine with the trainer: a core each, and memory
+    (:func:`grpo_steps.servers.local.replicas_fit`). Raises ConfigError with the numbers."""
+    if cfg.generation.provider != "local" or cfg.generation.server.replica_count == 1:
+        return
+    import psutil
+
+    from grpo_steps.config import ConfigError
+    from grpo_steps.servers.local import replicas_fit
+    from grpo_steps.weight_files import safetensors_params
+
+    params = safetensors_params(model_path)
+    why = replicas_fit(cfg, params or 0, psutil.virtual_memory().total, sorted(os.sched_getaffinity(0)))
+    if why:
+        raise ConfigError(why)
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def shm_shortfall(cfg: PipelineConfig, model_path: str) -> str | None:
+    """Why ``/dev/shm`` may be too small for this run, or None: it holds the train step's checkpoints before they
+    reach the datastore and, unless ``generation.sync_dir`` moves them, the ``disk`` weight pushes; a run needs room
+    for two of each (the push the server loads and the one rewritten next; the newest checkpoint and the one being
+    saved). Sizes from the model's parameter count (its safetensors headers; a hub id not on disk is not checked):
+    a push is the weights in ``model.dtype``, a checkpoint the weights plus AdamW's two float32 moments (LoRA: the
+    adapter, neglected). Compared with ``resources.train.shared_memory_mib`` when the steps run on Kubernetes
+    (``resources.train.image``; 64 MiB when null), else with this machine's ``/dev/shm``."""
+    import shutil
+
+    from grpo_steps.weight_files import safetensors_params
+
+    params = safetensors_params(model_path)
+    if not params:
+        return None
+    gen, full = cfg.generation, cfg.train.peft is None or cfg.train.peft.push == "merged"
+    weights = params * DTYPE_BYTES[cfg.model.dtype]
+    pushes = weights if full and gen.backend == "vllm" and gen.weight_sync == "disk" and not gen.sync_dir else 0
+    checkpoint = weights + 2 * 4 * params if cfg.train.peft is None else 0
+    needed = 2 * pushes + 2 * checkpoint
+    if cfg.resources.train.image:
+        size, where = (cfg.resources.train.shared_memory_mib or 64) * 2**20, "resources.train.shared_memory_mib"
+    elif Path("/dev/shm").is_dir():
+        size, where = shutil.disk_usage("/dev/shm").total, "/dev/shm on this machine"
+    else:
+        return None
+    if size >= needed:
+        return None
+    mib = 2**20
+    return (f"/dev/shm ({where}) is {size / mib:.0f} MiB, less than the {needed / mib:.0f} MiB two weight pushes "
+            f"(2 x {pushes / mib:.0f} MiB) and two checkpoints (2 x {checkpoint / mib:.0f} MiB) of "
+            f"{cfg.model.name_or_path} take: a push or a checkpoint save may stop on a full disk. Enlarge /dev/shm "
+            "(docker --shm-size, resources.train.shared_memory_mib on Kubernetes) or set generation.sync_dir to a "
+            "directory the server can read")
+
+
+SHIPPED_TEST_SOURCES = ("humaneval",)
+"""Sources whose test code ships with an installed package (trusted without a declaration)."""
+
+
+def check_sandbox(cfg: PipelineConfig) -> None:
+    """The code reward's sandbox can contain programs here, or the config accepts the weak mode explicitly
+    (:func:`rewards.sandbox.require_isolation`); where the judge cannot be walled off from the host's files
+    (any mode but ``bwrap+audit``), test code from sources other than the shipped ones runs only when the
+    reward's options declare it trusted (``trust_test_code: true``). Raises SandboxUnavailable."""
+    for spec in cfg.rewards:
+        if spec.name == "code_execution":
+            from rewards.sandbox import SandboxUnavailable, require_isolation
+
+            mode = require_isolation(bool(spec.options.get("allow_weak_isolation", False)))
+            print(f"[sandbox] code_execution isolation: {mode}", flush=True)
+            sources = sorted({src.source for src in (cfg.data.mixture or [cfg.data])} - set(SHIPPED_TEST_SOURCES))
+            if mode != "bwrap+audit" and sources and not spec.options.get("trust_test_code", False):
+                raise SandboxUnavailable(
+                    f"code_execution runs the dataset's test code (data.source {', '.join(sources)}) in the judge, "
+                    f"which isolation {mode!r} cannot keep from reading the host's files: install bubblewrap "
+                    "(`apt-get install bubblewrap`, where user namespaces are allowed), or, for test code you "
+                    "trust, set `trust_test_code: true` in the code_execution reward's options")
+
+
+def check_tools(cfg: PipelineConfig, model_path: str) -> None:
+    """``model.chat_template`` loads; with tools or an environment, the environment's instances have ``reset`` and
+    describable tools and the chat template renders a tool-calling exchange with the tools' schemas.
+
+    Raises:
+        ToolError: as :func:`grpo_steps.tools.check_tool_calling`."""
+    from grpo_steps.models import load_tokenizer
+    from grpo_steps.tools import check_tool_calling, prompt_tools
+
+    tokenizer = load_tokenizer(model_path, cfg.model.chat_template)
+    if cfg.tools or cfg.environment:
+        tools = prompt_tools(cfg.tools, cfg.environment, cfg.generation.tool_timeout_s)
+        check_tool_calling(tokenizer, tools, cfg.model.chat_template)
+
+
+def check_lora_targets(cfg: PipelineConfig, model_path: str) -> None:
+    """``train.peft.target_modules`` against the policy's architecture (a local or embedded model; a hub id is
+    checked by PEFT when training starts). Raises ConfigError."""
+    from grpo_steps.lora import check_target_modules
+
+    if cfg.train.peft.target_modules == "all-linear":  # fits every architecture
+        return
+    if Path(model_path).is_dir():
+        check_target_modules(cfg.train.peft, model_path)

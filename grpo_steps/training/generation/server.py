@@ -1,0 +1,326 @@
+"""Rollouts from our vLLM server with ``disk`` weight sync, as TRL's ``GRPOTrainer`` asks for them: the stand-in
+for TRL's ``VLLMGeneration`` (:class:`ServerGeneration`), with its contract: ``sync_weights`` pushes and verifies the
+policy (:class:`grpo_steps.training.generation.push.VerifiedPush`), ``generate`` samples every turn (the follow-up
+turns of TRL's tool loop included; with ``generation.async`` the first turns come from the producer,
+:mod:`grpo_steps.training.generation.prefetch`) and checks the first batch after a push
+(:mod:`grpo_steps.training.generation.first_batch`), ``close`` stops it. Like TRL's ``VLLMGeneration``, it is built
+whole from values (:class:`ServerSettings`, made by :func:`server_settings`) and from what it reads of the training
+process (:class:`PolicyView`: the model, the accelerator, the step counters, a metric sink), never from the trainer
+itself; the trainer calls it once more per round, for the replica of each row with several replicas
+(:meth:`ServerGeneration.replica_rows`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from grpo_steps.config import GenerationConfig
+from grpo_steps.servers.client import VLLMClient, session_id
+from grpo_steps.training.generation.disk import AdapterPush, DiskWeightPush, sync_root
+from grpo_steps.training.generation.first_batch import FirstBatchCheck
+from grpo_steps.training.generation.prefetch import RolloutPrefetcher
+from grpo_steps.training.generation.push import VerifiedPush
+from grpo_steps.training.generation.replica_rows import ReplicaLedger
+
+PROBE_TOKENS = 16
+"""Longest probe sequence, tokens: the policy scores it with one extra forward per push (0.1-0.5 s for
+SmolLM2-135M on the 2 shared CPU cores), enough tokens to see any weight change in its logprobs."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What a training process knows of its generation server before its trainer exists (:func:`server_settings`)."""
+
+    client: VLLMClient
+    """This rank's client of the server; its ``model`` names the pushed LoRA adapter with ``train.peft.push: adapter``
+    (rank 0's push points it there, the other ranks after each verified push)."""
+    gen: GenerationConfig
+    """The ``generation`` settings sampled with."""
+    max_model_len: int
+    """The server's context (``model.max_model_len``): a turn's new tokens are capped so prompt + completion fit."""
+    push: DiskWeightPush | AdapterPush | None
+    """Rank 0's weight push (None on the other ranks, and where nothing is pushed)."""
+    probe_ids: list[int]
+    """The probe sequence's token ids (at most ``PROBE_TOKENS``)."""
+    probe_tolerance: float
+    """Nats per token (``SyncCheckConfig.thresholds``): probe answers closer than this are the same weights."""
+    max_logp_diff: float | None = None
+    """The first-batch limit (``SyncCheckConfig.thresholds``; nats per token; None: unchecked)."""
+    sync_every: int = 1
+    """``generation.weight_sync_every``: push at optimizer steps that are multiples of it (or when forced)."""
+    lora: str | None = None
+    """``train.peft.push``: ``adapter`` (the adapter pushed, ``client.model`` follows each push), ``merged`` (base +
+    adapter merged, :func:`grpo_steps.training.generation.disk.merged_state_dict`, pushed as full weights) or None."""
+    max_staleness: int | None = None
+    """``generation.async``'s ``max_staleness`` (None: synchronous generation)."""
+
+    @property
+    def checks_first_batch(self) -> bool:
+        """Whether the first batch after a push is scored by the policy: only with a limit, and not with structured
+        outputs, which renormalise over the tokens a grammar allows (the policy cannot know them)."""
+        return self.max_logp_diff is not None and self.gen.structured_outputs is None
+
+    @property
+    def probe_policy(self) -> bool:
+        """Whether each push's probe is scored by the policy too: when the first-batch check cannot compare the
+        server with the policy, and with ``generation.async`` (the batches trained were mostly sampled by earlier
+        weights, so the first-batch check only runs on a batch sampled by the policy of the moment)."""
+        return self.max_staleness is not None or not self.checks_first_batch
+
+
+@dataclass(frozen=True)
+class PolicyView:
+    """What :class:`ServerGeneration` reads of the training process, as TRL's ``VLLMGeneration`` is given the model
+    and the accelerator: values and callables, each read when used."""
+
+    accelerator: object
+    model: Callable[[], object]
+    """The policy as the trainer holds it (wrapped by accelerate/DeepSpeed; forward passes go through it)."""
+    state_dict: Callable[[], dict]
+    """The policy's full state dict (collective under ZeRO-3: gathered on rank 0, as ``Trainer.save_model``)."""
+    step: Callable[[], int]
+    """The optimizer step: the version of the weights a push now sends."""
+    micro_step: Callable[[], int]
+    """Micro-steps of this attempt: keys the generation batches (one every ``steps_per_generation`` of them)."""
+    log: Callable[[str, float], None]
+    """Metric sink of the training step (``log(name, value)``)."""
+    prompt_stream: Callable[[int, int], tuple[int, Callable[[int], list[tuple[int, list[list[int]]]]]]] | None = None
+    """``generation.async``: ``prompt_stream(max_staleness, sync_every) -> (depth, upcoming)``, called at the first
+    generation of an attempt: how many generation batches the producer samples ahead, and ``upcoming(key)``, the ``(key,
+    prompt ids)`` of the generation batches after the one at micro-step ``key``
+    (:class:`grpo_steps.training.generation.prefetch.PromptStream`, TRL's dataloader order)."""
+
+
+class ServerGeneration:
+    """Stands in for TRL's ``VLLMGeneration`` when rollouts come from our server with ``disk`` sync: TRL's
+    ``GRPOTrainer`` calls ``sync_weights()`` whenever the optimizer step changed and ``generate()`` for every turn it
+    samples (``_generate_single_turn``: the first turn of each group, and the follow-up turns of its tool loop).
+
+    ``generate(prompts, num_generations)`` (every rank, its own share): token-id prompts to the server's
+    ``/v1/completions`` with this run's sampling settings (``settings.gen``); a first turn holds each prompt
+    ``num_generations`` times in a row (whole groups: one request with ``n``), a follow-up turn one prompt per rollout.
+    The first turn after a push sampled by the policy of the moment is checked (every rank, with
+    ``settings.checks_first_batch``: :class:`~grpo_steps.training.generation.first_batch.FirstBatchCheck`). With
+    ``generation.async`` the producer starts at the first training generation of an attempt and the first turn of
+    each generation batch comes from the batches it sampled ahead (``async/*`` metrics), the version that sampled it
+    in ``sampled_version``.
+
+    ``sync_weights()`` (every rank, collective under ZeRO-3): a verified push
+    (:class:`~grpo_steps.training.generation.push.VerifiedPush`; version = the optimizer step that produced it)
+    every ``settings.sync_every`` optimizer steps; with a producer, it waits for its request in flight first
+    (``weight_sync/drain_seconds``) and lets none start until the push is verified.
+
+    Metrics (into the step's log): the push's (``weight_sync/*``), ``generation/wait_seconds`` (the trainer's wait for
+    a generation batch's first turn), ``weight_sync/first_batch_logp_diff``, and with replicas whose answers say
+    which one sampled each completion (:meth:`grpo_steps.servers.client.VLLMClient.replica_index`)
+    ``generation/replica<i>/completions`` per generation round and ``weight_sync/replica<i>/first_batch_logp_diff``.
+
+    ``policy`` None: sampling only (no push, no metrics; tests and benches).
+
+    Raises:
+        GenerationServerError: the server failed a request, serves other weights than pushed, or samples the first
+            batch after a push from another distribution than the policy's.
+    """
+
+    def __init__(self, settings: ServerSettings, policy: PolicyView | None = None) -> None:
+        self.settings, self.policy = settings, policy
+        self.client, self.gen = settings.client, settings.gen
+        """``client``: this rank's client of the server; its ``model`` follows each adapter push (what evaluation
+        during training samples from)."""
+        self.push = None if policy is None else VerifiedPush(
+            settings.push, settings.probe_ids, settings.probe_tolerance, settings.probe_policy,
+            merged_lora=settings.lora == "merged", log=policy.log)
+        self.first_batch = FirstBatchCheck(settings.max_logp_diff, self.client.replicas) \
+            if settings.checks_first_batch and policy is not None else None
+        self.ledger = ReplicaLedger(len(self.client.replicas))
+        self.pushed_version: int | None = None  # None until the first push, which sync_every does not space
+        self.sampled_version = -1
+        """The weight version that sampled the latest first turn (the pushed version, or a prefetched batch's)."""
+        self.prefetcher: RolloutPrefetcher | None = None
+        """``generation.async``: the producer sampling the next generation batches (see :meth:`_start_async`)."""
+        self._upcoming: Callable[[int], list[tuple[int, list[list[int]]]]] | None = None
+        self._served_key = -1  # the generation batch last served from the producer (resample's extra rounds
+        # at the same micro-step sample now)
+        self._producer_client: VLLMClient | None = None  # the producer thread's own client (its own session)
+        self._episodes: list[list[int]] = []  # the first-turn prompts of the last generation round (their sessions)
+
+    def sync_weights(self, force: bool = False) -> None:
+        """Push the policy (every ``sync_every`` optimizer steps unless ``force``); with a producer, none of its
+        requests is in flight meanwhile."""
+        if not force and self.pushed_version is not None and self.policy.step() % self.settings.sync_every:
+            return
+        if self.prefetcher is None:
+            self._push()
+            return
+        waited = time.perf_counter()
+        with self.prefetcher.paused():
+            self.policy.log("weight_sync/drain_seconds", time.perf_counter() - waited)  # the request in flight
+            self._push()
+
+    def _push(self) -> None:
+        version = self.policy.step()
+        self.push(self.policy, version)
+        self.pushed_version = version
+        if self.first_batch is not None:
+            self.first_batch.armed()
+        if self.settings.lora == "adapter":
+            from grpo_steps.lora import adapter_name
+
+            self.client.model = adapter_name(self.client.base_model, version)
+            if self._producer_client is not None:
+                self._producer_client.model = self.client.model
+
+    def generate(self, prompts: list[list[int]], images=None, num_generations: int = 1, profiler=None):
+        """Sample ``num_generations`` completions per distinct prompt (TRL's ``VLLMGeneration.generate`` contract).
+
+        Args:
+            prompts: B token-id prompts; with ``num_generations`` G > 1 every prompt G times in a row.
+            images: must be None (text only).
+
+        Returns:
+            ``(prompt_ids, completion_ids, logprobs, logprob_token_ids)``: B entries each; ``logprobs[i][t]`` is
+            ``[logprob]`` of completion token t under the distribution the server sampled from (processed logprobs),
+            ``logprob_token_ids[i][t]`` is ``[token id]``.
+
+        Raises:
+            ValueError: images, or prompts that are not whole groups of G.
+            GenerationServerError: the server failed the request, or the first-batch check.
+        """
+        if images is not None and any(images):
+            raise ValueError("the generation server path is text-only: no images")
+        group = max(num_generations, 1)
+        if len(prompts) % group or any(p != prompts[i - i % group] for i, p in enumerate(prompts)):
+            raise ValueError(f"generate got {len(prompts)} prompts that are not whole groups of {group} equal prompts "
+                             "in a row: each process's generation batch (train.per_device_train_batch_size x "
+                             "steps_per_generation) must be a multiple of train.num_generations")
+        samples, version, waited = None, self.pushed_version, time.perf_counter()
+        training = self.policy is not None and group > 1 and self.policy.model().training
+        key = self.policy.micro_step() if self.policy is not None else -1
+        if training and self.settings.max_staleness is not None and self.prefetcher is None:
+            self._start_async()  # the first training generation of this attempt
+        if training and self.prefetcher is not None and key != self._served_key:
+            self._served_key = key  # the first turn of this generation batch (other calls: resample's extra rounds)
+            samples, version = self._take(key, prompts, group)
+        if samples is None:
+            with profiler if profiler is not None else contextlib.nullcontext():
+                samples = self._sample(self.client, prompts, group)
+        completion_ids = [s["completion_ids"] for group_samples in samples for s in group_samples]
+        logprobs = [s["logprobs"] for group_samples in samples for s in group_samples]
+        if group > 1 and self.policy is not None:  # a first turn: the generation batch's, sampled now or prefetched
+            self.sampled_version = version
+            self.policy.log("generation/wait_seconds", time.perf_counter() - waited)
+            replicas = [s.get("replica") for group_samples in samples for s in group_samples]
+            self.ledger.record(key, prompts, replicas, self.policy.log)
+            # the first turn after a push, sampled by the policy of now: what the first-batch check scores
+            if self.first_batch is not None and version == self.policy.step() and \
+                    self.first_batch.record(prompts, completion_ids, logprobs, replicas):
+                self.first_batch.check(self.policy.model(), self.policy.accelerator, self.gen, version,
+                                       self.policy.step(), self.policy.log)
+        elif group > 1:
+            self.sampled_version = version
+        return (prompts, completion_ids, [[[lp] for lp in seq] for seq in logprobs],
+                [[[token] for token in seq] for seq in completion_ids])
+
+    def replica_rows(self, prompt_ids, prompt_mask):
+        """The replica that sampled each row of the latest generation batch: ``prompt_ids`` / ``prompt_mask`` (B, P)
+        (TRL's padded prompts) -> (B,) int64 on their device, -1 where not known
+        (:meth:`~grpo_steps.training.generation.replica_rows.ReplicaLedger.rows`)."""
+        return self.ledger.rows(prompt_ids, prompt_mask)
+
+    def _sample(self, client: VLLMClient, prompts: list[list[int]], group: int) -> list[list[dict]]:
+        """One request for ``prompts`` (whole groups of ``group``): per distinct prompt, ``group`` samples
+        ``{"completion_ids", "logprobs"}``. A follow-up turn's prompt holds the conversation so far: the new tokens
+        are capped so that the longest prompt still fits the server's context, and a prompt that fills it gets an
+        empty turn."""
+        unique = prompts[::group]
+        fits = [i for i, p in enumerate(unique) if len(p) < self.settings.max_model_len]
+        samples: list[list[dict]] = [[{"completion_ids": [], "logprobs": []}] * group for _ in unique]
+        if group > 1:
+            self._episodes = unique  # the first turns: a follow-up turn's prompt starts with its episode's
+        if fits:
+            room = self.settings.max_model_len - max(len(unique[i]) for i in fits)
+            sampled = client.complete([unique[i] for i in fits], group,
+                                      max_tokens=min(self.gen.max_completion_tokens, room),
+                                      temperature=self.gen.temperature, request=self.gen.sampling_request(),
+                                      sessions=[self._session(unique[i]) for i in fits] if client.replicas else None)
+            for i, group_samples in zip(fits, sampled, strict=True):
+                samples[i] = group_samples
+        return samples
+
+    def _session(self, prompt: list[int]) -> str:
+        """The router's session of ``prompt``: its episode's first turn (the longest first-turn prompt it starts
+        with), so every turn of an episode is served by one replica (prefix cache) under ``consistent_hash``."""
+        starts = [q for q in self._episodes if len(q) <= len(prompt) and prompt[:len(q)] == q]
+        return session_id(max(starts, key=len) if starts else prompt)
+
+    def _start_async(self) -> None:
+        """``generation.async``: start the producer thread (its own client of the server), which samples up to
+        ``depth`` generation batches ahead (``policy.prompt_stream``); a batch staler than ``settings.max_staleness``
+        optimizer steps is dropped."""
+        depth, self._upcoming = self.policy.prompt_stream(self.settings.max_staleness, self.settings.sync_every)
+        self._producer_client = dataclasses.replace(self.client)
+        self._producer_client.model, self._producer_client.base_model = self.client.model, self.client.base_model
+        self.prefetcher = RolloutPrefetcher(lambda prompts, group: self._sample(self._producer_client, prompts, group),
+                                            lambda: self.pushed_version, max_staleness=self.settings.max_staleness,
+                                            depth=depth)
+
+    def _take(self, key: int, prompts: list[list[int]], group: int) -> tuple[list[list[dict]] | None, int | None]:
+        """The prefetched samples of the generation batch at ``key`` and the version that sampled them, the next
+        batches queued; ``(None, pushed_version)`` when it was not prefetched or is too stale (then sampled now)."""
+        prefetcher = self.prefetcher
+        step = self.policy.step()
+        prefetcher.fill([(key, prompts)], group, current_key=key - 1)
+        prefetcher.fill(self._upcoming(key), group, current_key=key)
+        batch = prefetcher.take(key, prompts, current_version=step)
+        stats = prefetcher.drain_stats()
+        for name, value in (("staleness", step - batch.version if batch else 0.0),
+                            ("trainer_wait_seconds", stats.trainer_wait_s),
+                            ("producer_idle_seconds", stats.producer_idle_s),
+                            ("dropped", stats.dropped), ("missed", stats.missed),
+                            ("ready_ahead", stats.ready_ahead[-1] if stats.ready_ahead else 0),
+                            ("queue_depth", prefetcher.queued())):
+            self.policy.log(f"async/{name}", float(value))
+        if batch is None:
+            return None, self.pushed_version
+        return batch.result, batch.version
+
+    def close(self) -> None:
+        """Stop the producer (waiting for its request in flight), remove this run's sync directory (rank 0; the
+        server keeps the weights in memory)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        if self.settings.push is not None:
+            self.settings.push.close()
+            shutil.rmtree(self.settings.push.root, ignore_errors=True)
+
+
+def server_settings(cfg, client: VLLMClient, tokenizer, probe_prompt, output_dir: str) -> ServerSettings:
+    """The :class:`ServerSettings` of a training process for ``cfg`` (a :class:`grpo_steps.config.PipelineConfig`):
+    it samples through ``client`` (this rank's client of the server; ``client.base_model`` the served base model
+    name) with ``cfg.generation`` within ``cfg.model.max_model_len`` tokens; rank 0 pushes into a fresh
+    :func:`grpo_steps.training.generation.disk.sync_root` (``generation.sync_dir``, else under ``output_dir``): the
+    adapter alone with ``train.peft.push: adapter``
+    (:class:`grpo_steps.training.generation.disk.AdapterPush`), else full weights; the probe is ``probe_prompt`` (a
+    dataset prompt, chat template applied) cut to ``PROBE_TOKENS`` tokens; tolerances from
+    ``generation.sync_check``."""
+    from accelerate.state import PartialState
+
+    from grpo_steps.data import encode_prompt
+
+    gen, lora = cfg.generation, cfg.train.peft.push if cfg.train.peft else None
+    push = None
+    if PartialState().is_main_process:
+        root = sync_root(gen.sync_dir, output_dir)
+        push = AdapterPush(client, root, base_model=client.base_model) if lora == "adapter" \
+            else DiskWeightPush(client, root)
+    probe_tolerance, max_logp_diff = gen.sync_check.thresholds(cfg.model.dtype)
+    return ServerSettings(client=client, gen=gen, max_model_len=cfg.model.max_model_len, push=push,
+                          probe_ids=encode_prompt(tokenizer, probe_prompt)[:PROBE_TOKENS],
+                          probe_tolerance=probe_tolerance, max_logp_diff=max_logp_diff,
+                          sync_every=gen.weight_sync_every, lora=lora,
+                          max_staleness=gen.async_.max_staleness if gen.async_ else None)
