@@ -21,7 +21,7 @@ from typing import Any
 from grpo_steps.config import DataConfig, SourceConfig, kept_columns, split_counts
 from grpo_steps.sources import DataError, answer_of, check_columns, load_source, row_positions
 
-__all__ = ["DataError", "PreparedData", "ReplayFile", "encode_prompt", "load_rows", "prepare", "to_prompt"]
+__all__ = ["DataError", "PreparedData", "RecordedCompletions", "encode_prompt", "load_rows", "prepare", "to_prompt"]
 
 
 @dataclass(frozen=True)
@@ -280,10 +280,10 @@ def mlflow_datasets(cfg: DataConfig, data: PreparedData) -> list[tuple[Any, str]
             for split, rows, context in (("train", data.train, "training"), ("eval", data.eval, "evaluation"))]
 
 
-class ReplayFile:
-    """The fixed completions of backend ``replay`` (``generation.replay_file``): a JSONL file, one row per prompt,
+class RecordedCompletions:
+    """The fixed completions of backend ``recorded`` (``generation.recorded_file``): a JSONL file, one row per prompt,
     ``{"question": str, "completions": [str, ...]}``, ``question`` being the prompt's last message. Read by the
-    training process's :class:`grpo_steps.training.rollouts.ReplayRollout` and checked against the train split in
+    training process's :class:`grpo_steps.training.rollouts.RecordedRollout` and checked against the train split in
     ``prepare_data``.
 
     Raises:
@@ -294,7 +294,7 @@ class ReplayFile:
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"generation.replay_file {path} does not exist (JSONL of "
+            raise FileNotFoundError(f"generation.recorded_file {path} does not exist (JSONL of "
                                     '{"question": ..., "completions": [...]} rows)')
         self.completions: dict[str, list[str]] = {}
         for number, line in enumerate(path.read_text().splitlines(), 1):
@@ -314,9 +314,9 @@ class ReplayFile:
         """
         question = prompt[-1]["content"] if isinstance(prompt, list) else prompt
         if question not in self.completions:
-            raise KeyError(f"generation.replay_file has no completions for the question {question!r}")
+            raise KeyError(f"generation.recorded_file has no completions for the question {question!r}")
         texts = self.completions[question]
         if len(texts) < group:
-            raise ValueError(f"generation.replay_file lists {len(texts)} completions for {question!r}; "
+            raise ValueError(f"generation.recorded_file lists {len(texts)} completions for {question!r}; "
                              f"a group needs {group} (train.num_generations)")
         return texts[:group]

@@ -60,12 +60,12 @@ def prepare_data(cfg: PipelineConfig, run_id: str, model_path: str) -> tuple[str
     tools = prompt_tools(cfg.tools, cfg.environment, cfg.generation.tool_timeout_s)
     with refusals("Run refused by prepare_data (the data)"):
         data = prepare(cfg.data, tokenizer, cfg.generation.chat_template_kwargs, tools)
-    if cfg.generation.backend == "replay":  # every train prompt needs its completions: fail before training
-        from grpo_steps.data import ReplayFile
+    if cfg.generation.backend == "recorded":  # every train prompt needs its completions: fail before training
+        from grpo_steps.data import RecordedCompletions
 
-        replay = ReplayFile(cfg.generation.replay_file)
+        recorded = RecordedCompletions(cfg.generation.recorded_file)
         for row in data.train:
-            replay.completions_for(row["prompt"], cfg.train.num_generations)
+            recorded.completions_for(row["prompt"], cfg.train.num_generations)
     tracking.log_datasets(cfg, run_id, mlflow_datasets(cfg.data, data))
     tracking.log_metrics(cfg, run_id, {f"data/{k}": v for k, v in data.stats.items()})
     tracking.set_tags(cfg, run_id, {f"data/{k}": where for k, where in data.dropped.items()})  # the first lines

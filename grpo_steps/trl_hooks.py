@@ -23,7 +23,8 @@ from types import SimpleNamespace
 
 def skip_trls_vllm_imports() -> None:
     """Keep TRL from importing vLLM in a training process whose rollouts TRL's own vLLM generation does not sample
-    (:attr:`grpo_steps.config.GenerationConfig.trl_samples_with_vllm` false: our server, replay, ``hf``). TRL 1.16's
+    (:attr:`grpo_steps.config.GenerationConfig.trl_samples_with_vllm` false: our server,
+    ``recorded``, ``hf``). TRL 1.16's
     generation modules (``trl/generation/__init__.py``, ``vllm_generation.py``, ``vllm_client.py``), imported by
     ``grpo_trainer.py`` on every path, import vLLM's engine configuration and weight-transfer modules whenever vLLM
     is installed (it is, for the server): ~5 s of CPU per training process on the 2-core box, a quarter of its

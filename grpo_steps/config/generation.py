@@ -209,7 +209,7 @@ class ImportanceSamplingConfig(_Section):
     ``[clip_min, clip_max]``) or masked (0 outside). Source: TRL 1.16 ``GRPOTrainer._generate_and_score_completions``
     and ``_compute_loss``; the truncated-IS scheme of Yao et al., "Your efficient RL framework secretly brings
     you off-policy RL training" (2025). Applies to backend ``vllm`` (server or colocate); ``hf`` samples with
-    the policy itself and ``replay`` has no sampling distribution, so neither is corrected."""
+    the policy itself and ``recorded`` has no sampling distribution, so neither is corrected."""
 
     mode: MismatchMode | Literal["off"] = "sequence_mask"
     """``{token,sequence}_{truncate,mask}``: ratio per token or per completion, clipped or masked; ``off``:
@@ -352,12 +352,12 @@ CONSTRAINTS = ("stop", "stop_token_ids", "structured_outputs")
 class GenerationConfig(_Section):
     model_config = ConfigDict(validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
 
-    backend: Literal["vllm", "hf", "replay"] = "vllm"
+    backend: Literal["vllm", "hf", "recorded"] = "vllm"
     """``vllm``: rollouts from the provisioned server; ``hf``: transformers generate in the trainer;
-    ``replay``: fixed completions read from ``replay_file`` (no sampling: for comparing layouts or
+    ``recorded``: fixed completions read from ``recorded_file`` (no sampling: for comparing layouts or
     versions on identical batches, and for debugging rewards)."""
-    replay_file: str | None = None
-    """Backend ``replay``: a JSONL file, one row per prompt, ``{"question": str, "completions": [str, ...]}``;
+    recorded_file: str | None = None
+    """Backend ``recorded``: a JSONL file, one row per prompt, ``{"question": str, "completions": [str, ...]}``;
     ``question`` is the prompt's last message (the ``question`` column of the eval tables), with at
     least ``train.num_generations`` completions. Each group of a prompt gets its first completions."""
     weight_sync: Literal["disk", "nccl"] = "disk"
@@ -367,7 +367,7 @@ class GenerationConfig(_Section):
     machine; ``kubernetes``, a Deployment + Service in the cluster (image and GPUs from
     ``resources.vllm``, see ``infra/k8s/vllm-server.yaml``); ``external``, a server you run at
     ``server.endpoint``, never started or stopped by the pipeline. The server also serves
-    evaluation, so it is needed with the ``hf`` and ``replay`` backends too."""
+    evaluation, so it is needed with the ``hf`` and ``recorded`` backends too."""
     max_completion_tokens: int = Field(64, gt=0)
     """Longest completion sampled, in tokens."""
     temperature: float = Field(1.0, gt=0)
@@ -469,14 +469,14 @@ class GenerationConfig(_Section):
 
     @model_validator(mode="after")
     def _sampling_keys_on_the_backend(self) -> GenerationConfig:
-        if self.backend == "replay":
+        if self.backend == "recorded":
             fields = type(self).model_fields
             changed = [key for key in ("temperature", *SAMPLING_FILTERS, *CONSTRAINTS)
                        if getattr(self, key) != fields[key].get_default(call_default_factory=True)]
             if changed:
                 keys = ", ".join(f"generation.{key}" for key in changed)
-                raise ValueError(f"{keys} set with backend 'replay', which samples nothing (it trains on the "
-                                 "completions of generation.replay_file): remove them")
+                raise ValueError(f"{keys} set with backend 'recorded', which samples nothing (it trains on the "
+                                 "completions of generation.recorded_file): remove them")
         if self.backend == "hf":
             changed = [key for key in CONSTRAINTS if getattr(self, key)]
             if changed:
@@ -510,7 +510,7 @@ class GenerationConfig(_Section):
     @property
     def trl_samples_with_vllm(self) -> bool:
         """Whether TRL's own vLLM generation samples the rollouts (``mode: colocate`` or ``weight_sync: nccl``), rather
-        than our server (``disk``), the replay file or transformers (``hf``)."""
+        than our server (``disk``), the recorded completions or transformers (``hf``)."""
         return self.backend == "vllm" and (self.mode == "colocate" or self.weight_sync == "nccl")
 
     @property
@@ -564,9 +564,20 @@ class GenerationConfig(_Section):
                              "no weight_sync 'nccl' (the weights are loaded in memory)")
         return self
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_replay_backend(cls, data: Any) -> Any:
+        """Refuse the backend's old name: ``replay`` now names one thing, ``train.zero_signal_groups: replay`` (the
+        replay buffer); fixed completions read from a file are backend ``recorded``."""
+        if isinstance(data, dict) and (data.get("backend") == "replay" or "replay_file" in data):
+            raise ValueError("generation.backend 'replay' and generation.replay_file were renamed: set "
+                             "backend: recorded and recorded_file: <the same JSONL file> ('replay' is "
+                             "train.zero_signal_groups' replay buffer)")
+        return data
+
     @model_validator(mode="after")
-    def _replay_file_with_replay(self) -> GenerationConfig:
-        if (self.backend == "replay") != (self.replay_file is not None):
-            raise ValueError("generation.replay_file goes with backend 'replay' (and only with it): "
+    def _recorded_file_with_recorded(self) -> GenerationConfig:
+        if (self.backend == "recorded") != (self.recorded_file is not None):
+            raise ValueError("generation.recorded_file goes with backend 'recorded' (and only with it): "
                              "set both or neither")
         return self

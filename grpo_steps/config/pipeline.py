@@ -162,7 +162,7 @@ class PipelineConfig(_Section):
 
     @model_validator(mode="after")
     def _rollout_groups_whole(self) -> PipelineConfig:
-        """The pipeline's rollout functions (backend ``vllm`` with ``disk`` sync, ``replay``) sample whole
+        """The pipeline's rollout functions (backend ``vllm`` with ``disk`` sync, ``recorded``) sample whole
         groups, so each training process's generation batch must hold whole groups
         (:func:`grpo_steps.training.rollouts.prompt_groups`); TRL's own generation (``hf``, ``nccl``) splits groups
         fine."""
@@ -290,8 +290,8 @@ class PipelineConfig(_Section):
 
     @model_validator(mode="after")
     def _resampling_samples(self) -> PipelineConfig:
-        if self.train.zero_signal_groups == "resample" and self.generation.backend == "replay":
-            raise ValueError("train.zero_signal_groups 'resample' generates more groups, and backend 'replay' "
+        if self.train.zero_signal_groups == "resample" and self.generation.backend == "recorded":
+            raise ValueError("train.zero_signal_groups 'resample' generates more groups, and backend 'recorded' "
                              "samples nothing (it trains fixed completions, to compare layouts on the same batches): "
                              "use zero_signal_groups keep or skip with replay")
         return self
@@ -332,9 +332,9 @@ class PipelineConfig(_Section):
 
     @model_validator(mode="after")
     def _tools_need_sampling(self) -> PipelineConfig:
-        if (self.tools or self.environment) and self.generation.backend == "replay":
+        if (self.tools or self.environment) and self.generation.backend == "recorded":
             raise ValueError("tools and environment need sampled rollouts (the policy's tool calls run between its "
-                             "turns); backend 'replay' samples nothing: use backend 'vllm'")
+                             "turns); backend 'recorded' samples nothing: use backend 'vllm'")
         return self
 
     @model_validator(mode="after")

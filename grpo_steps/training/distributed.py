@@ -1,5 +1,5 @@
 """What the training processes of one run decide or check together: a value reduced over all of them, the DDP
-replicas' weights compared, a skipped window's gradients averaged, and the process group left together. Each
+ranks' weights compared, a skipped window's gradients averaged, and the process group left together. Each
 function is collective: every process calls it, at the same point.
 """
 
@@ -23,7 +23,7 @@ def average_accumulated_gradients(accelerator, model) -> None:
     """On the micro-batch that ends a gradient-accumulation window, DDP averages the window's gradients over the
     processes in its backward pass (the others run under ``no_sync``); when ``zero_signal_groups: skip`` drops that
     micro-batch on every process, average them here instead, or each process would step with its own gradients and
-    the replicas would drift apart. Nothing to do for one process, or inside the window."""
+    the ranks would drift apart. Nothing to do for one process, or inside the window."""
     if accelerator.num_processes == 1 or not accelerator.sync_gradients:
         return
     grads = [p.grad for p in model.parameters() if p.grad is not None]  # the same parameters on every process
@@ -32,14 +32,13 @@ def average_accumulated_gradients(accelerator, model) -> None:
         grad.div_(accelerator.num_processes)
 
 
-def check_replicas_agree(accelerator, model, deepspeed: bool) -> None:
-    """Raise unless every training process holds the same policy weights (a digest per tensor,
-    :func:`grpo_steps.weight_files.weights_fingerprint`, gathered). Data parallelism keeps full replicas
-    that
-    must stay equal; ZeRO-3 (``deepspeed``: a partition per process) and a single process have nothing to check.
+def check_ranks_agree(accelerator, model, deepspeed: bool) -> None:
+    """Raise unless every training process (rank) holds the same policy weights (a digest per tensor,
+    :func:`grpo_steps.weight_files.weights_fingerprint`, gathered). Data parallelism keeps a full copy on each rank
+    that must stay equal; ZeRO-3 (``deepspeed``: a partition per process) and a single process have nothing to check.
 
     Raises:
-        RuntimeError: the replicas differ (names the processes' digests' largest gap).
+        RuntimeError: the ranks' weights differ (names the processes' digests' largest gap).
     """
     if accelerator.num_processes == 1 or deepspeed:
         return
@@ -49,7 +48,7 @@ def check_replicas_agree(accelerator, model, deepspeed: bool) -> None:
                           dtype=torch.float64, device=accelerator.device)
     gathered = accelerator.gather(digest.unsqueeze(0))  # (processes, tensors)
     gap = float((gathered - gathered[0]).abs().max())
-    if gap > 1e-9 * max(1.0, float(gathered.abs().max())):  # equal replicas are equal bit for bit
+    if gap > 1e-9 * max(1.0, float(gathered.abs().max())):  # equal copies are equal bit for bit
         raise RuntimeError(f"the {accelerator.num_processes} training processes ended with different "
                            f"policy weights (largest digest gap {gap:.3g}): their gradients were not averaged "
                            "alike; the model saved would be process 0's alone")

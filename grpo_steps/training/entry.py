@@ -4,8 +4,8 @@ Runs TRL's ``GRPOTrainer`` on the prepared train split of a :class:`grpo_steps.t
 ``vllm`` backend, rollouts come from the provisioned server through TRL's own generation path onto
 :class:`grpo_steps.training.generation.ServerGeneration`, with ``disk`` weight sync, verified pushes and TRL's
 mismatch correction (:mod:`grpo_steps.training.trainer`); with ``hf``, TRL generates with transformers
-in-process; with ``replay``, fixed completions come from a file
-(:class:`grpo_steps.training.rollouts.ReplayRollout`). Metrics go to the MLflow run named by
+in-process; with ``recorded``, fixed completions come from a file
+(:class:`grpo_steps.training.rollouts.RecordedRollout`). Metrics go to the MLflow run named by
 ``job.mlflow_run_id`` (each step once, across resumes); checkpoints are written every ``save_steps`` and, inside
 a Metaflow task, saved to the datastore by :class:`grpo_steps.training.callbacks.DatastoreCheckpointCallback`.
 Runs without Metaflow too, for debugging.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from grpo_steps.config import PipelineConfig
 from grpo_steps.training.job import SPLIT_RESULTS, TrainJob, grpo_args
-from grpo_steps.training.rollouts import ReplayRollout
+from grpo_steps.training.rollouts import RecordedRollout
 
 
 def reward_functions(cfg: PipelineConfig) -> list:
@@ -49,7 +49,7 @@ def run(job: TrainJob) -> str:
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.models import load_tokenizer
-    from grpo_steps.training.distributed import check_replicas_agree
+    from grpo_steps.training.distributed import check_ranks_agree
     from grpo_steps.training.generation.server import ServerGeneration
 
     started = time.monotonic()
@@ -76,7 +76,7 @@ def run(job: TrainJob) -> str:
     finally:  # stop the async producer, remove the push directory, on success and on failure alike
         if isinstance(getattr(trainer, "vllm_generation", None), ServerGeneration):  # set on TRL's vLLM paths only
             trainer.vllm_generation.close()
-    check_replicas_agree(trainer.accelerator, trainer.model, trainer.is_deepspeed_enabled)
+    check_ranks_agree(trainer.accelerator, trainer.model, trainer.is_deepspeed_enabled)
     final = Path(job.output_dir) / "final"
     trainer.save_model(str(final))
     if trainer.accelerator.is_main_process:
@@ -124,8 +124,8 @@ def backend(job: TrainJob, tokenizer, rows: list[dict]) -> tuple[type, dict]:
     """The trainer class and its backend arguments for ``generation``: our server with ``disk`` sync
     (:class:`grpo_steps.training.trainer.ServerGRPOTrainer` with its
     :func:`grpo_steps.training.generation.server_settings`; the probe is the first training prompt), TRL's own
-    colocated vLLM (GPU only), fixed completions from a file (``replay``:
-    :class:`grpo_steps.training.rollouts.ReplayRollout`), or TRL's own generation (``hf``, ``nccl``).
+    colocated vLLM (GPU only), fixed completions from a file (``recorded``:
+    :class:`grpo_steps.training.rollouts.RecordedRollout`), or TRL's own generation (``hf``, ``nccl``).
 
     Raises:
         ConfigError: colocate mode on a machine without CUDA.
@@ -149,8 +149,8 @@ def backend(job: TrainJob, tokenizer, rows: list[dict]) -> tuple[type, dict]:
         client = job.generation_server().client()
         return ServerGRPOTrainer, {"server": server_settings(cfg, client, tokenizer, rows[0]["prompt"],
                                                              job.output_dir)}
-    elif gen.backend == "replay":
-        return PipelineGRPOTrainer, {"rollout_func": ReplayRollout(gen.replay_file, tokenizer, gen)}
+    elif gen.backend == "recorded":
+        return PipelineGRPOTrainer, {"rollout_func": RecordedRollout(gen.recorded_file, tokenizer, gen)}
     return PipelineGRPOTrainer, {}
 
 

@@ -31,7 +31,7 @@ class TrainJob(BaseModel):
     server: dict[str, Any] | None = None
     """The generation server's handle, whole (:meth:`grpo_steps.servers.GenerationServer.to_dict`: its provider,
     endpoint, served model name and, with several replicas, each replica and the router); None: no server (backend
-    ``hf``, ``replay``). :meth:`generation_server` makes the server, whose ``client()`` samples and pushes."""
+    ``hf``, ``recorded``). :meth:`generation_server` makes the server, whose ``client()`` samples and pushes."""
     resume_from: str | None = None  # a trainer checkpoint directory to continue from
     mlflow_run_id: str | None = None  # metrics go to this run
     node_index: int = 0  # machine rank in the gang
@@ -95,7 +95,7 @@ def config_grpo_kwargs(job: TrainJob, on_cpu: bool) -> dict[str, Any]:
         min_p=gen.min_p or None,
         repetition_penalty=gen.repetition_penalty,
         # stop strings/ids and structured outputs reach TRL's own vLLM generation (colocate, nccl) as request fields;
-        # our server rollouts send them themselves, backend hf refuses them (config), replay samples nothing
+        # our server rollouts send them themselves, backend hf refuses them (config), recorded samples nothing
         generation_kwargs=gen.sampling_request(filters=False) or None,
         vllm_structured_outputs_regex=None,  # in generation_kwargs["structured_outputs"], with json and choice
         chat_template_kwargs=dict(gen.chat_template_kwargs) or None,

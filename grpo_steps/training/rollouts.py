@@ -1,4 +1,4 @@
-"""The rollout function of backend ``replay`` (TRL's ``rollout_func``): completions replayed from a file, not sampled.
+"""The rollout function of backend ``recorded`` (TRL's ``rollout_func``): completions read from a file, not sampled.
 
 TRL hands each training process whole prompt groups (every prompt ``num_generations`` times in a row,
 :func:`prompt_groups`); the rollout function returns one completion per entry as token ids. (Rollouts from the
@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from grpo_steps.data import ReplayFile, encode_prompt
+from grpo_steps.data import RecordedCompletions, encode_prompt
 
 
 def prompt_groups(prompts: list, trainer) -> tuple[list, int]:
@@ -40,22 +40,22 @@ def prompt_groups(prompts: list, trainer) -> tuple[list, int]:
     )
 
 
-class ReplayRollout:
-    """TRL ``rollout_func`` that replays fixed completions instead of sampling (backend ``replay``).
+class RecordedRollout:
+    """TRL ``rollout_func`` that hands out fixed completions instead of sampling (backend ``recorded``).
 
     Every layout (nodes, processes, ZeRO stage) then trains on the same completions of the same
     prompts, so per-step losses and gradient norms are comparable. A prompt's group of G entries gets
-    the first G completions listed for its question (:class:`grpo_steps.data.ReplayFile`), tokenized without
+    the first G completions listed for its question (:class:`grpo_steps.data.RecordedCompletions`), tokenized without
     special tokens, cut to ``max_completion_tokens`` and ended with EOS when it fits. Returns ``prompt_ids``,
     ``completion_ids`` (B lists of token ids) and ``logprobs`` None (no sampling distribution).
 
     Raises:
-        FileNotFoundError, ValueError: as :class:`grpo_steps.data.ReplayFile`.
+        FileNotFoundError, ValueError: as :class:`grpo_steps.data.RecordedCompletions`.
         KeyError: a prompt whose question has no row in the file.
     """
 
     def __init__(self, path: str | Path, tokenizer, gen_cfg) -> None:
-        self.tokenizer, self.gen, self.file = tokenizer, gen_cfg, ReplayFile(path)
+        self.tokenizer, self.gen, self.file = tokenizer, gen_cfg, RecordedCompletions(path)
 
     def _completion_ids(self, text: str) -> list[int]:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: self.gen.max_completion_tokens]

@@ -33,13 +33,13 @@ def test_bad_config_stops_the_flow_with_the_reason(tmp_path, config, message):
 
 
 @pytest.mark.slow
-def test_a_replay_file_without_a_train_question_stops_the_flow_before_the_server(tmp_path, tiny_model_path):
-    (tmp_path / "replay.jsonl").write_text('{"question": "not a train question", "completions": ["a", "b"]}\n')
+def test_a_recorded_file_without_a_train_question_stops_the_flow_before_the_server(tmp_path, tiny_model_path):
+    (tmp_path / "recorded.jsonl").write_text('{"question": "not a train question", "completions": ["a", "b"]}\n')
     config = yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text())
-    config["generation"].update(backend="replay", replay_file=str(tmp_path / "replay.jsonl"))
+    config["generation"].update(backend="recorded", recorded_file=str(tmp_path / "recorded.jsonl"))
     proc = _run_flow(tmp_path, config)
     assert proc.returncode != 0
-    assert "generation.replay_file has no completions for the question" in proc.stdout + proc.stderr
+    assert "generation.recorded_file has no completions for the question" in proc.stdout + proc.stderr
     assert "provision_vllm" not in proc.stdout + proc.stderr  # failed in prepare_data: no server was started
 
 

@@ -1,7 +1,7 @@
 """The flow with a 2-node ``@parallel`` train gang under DeepSpeed ZeRO-3 on the local runtime (nodes
 simulated as processes, one training process each, gloo): one gang, one generation server kept by both
 nodes, a checkpoint per node holding that node's own ZeRO-3 partition, and the same per-step loss and
-gradient norm as one plain process on the same completions (backend ``replay``); after node 1's training
+gradient norm as one plain process on the same completions (backend ``recorded``); after node 1's training
 process is killed, ``resume`` restores each node's own partition and the losses still match."""
 
 import json
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 NODES = 2
 
 
-def replay_file(path, rows) -> str:
+def recorded_file(path, rows) -> str:
     """Four completions per train question with different rewards (right answer with and without the
     format line, a wrong answer, no answer), so every group has a non-zero advantage."""
     path.write_text("".join(json.dumps({"question": r["prompt"][-1]["content"], "completions": [
@@ -52,11 +52,11 @@ def single_process_history(workdir, config: dict, model_path: str, rows) -> list
 
 
 def gang_config(workdir, tokenizer, **train) -> tuple[dict, list[dict]]:
-    """configs/test.yaml as a ZeRO-3 gang of NODES nodes on replayed completions; and the train rows."""
+    """configs/test.yaml as a ZeRO-3 gang of NODES nodes on recorded completions; and the train rows."""
     config = flow_config(train={"num_nodes": NODES, "deepspeed": True, "per_device_train_batch_size": 8 // NODES,
                                 **train})
     rows = prepare(validate_config(config).data, tokenizer).train
-    config["generation"].update(backend="replay", replay_file=replay_file(workdir / "replay.jsonl", rows))
+    config["generation"].update(backend="recorded", recorded_file=recorded_file(workdir / "recorded.jsonl", rows))
     return config, rows
 
 

@@ -75,10 +75,13 @@ BAD_CONFIGS = [
     ({"project": "My Project"}, "project"),
     ({"train": {"retries": 11}}, "train.retries"),
     ({"generation": {"backend": "hf", "weight_sync": "nccl"}}, "only applies to backend 'vllm'"),
-    ({"generation": {"backend": "replay", "replay_file": "r.jsonl", "weight_sync": "nccl"}},
-     "use 'disk' with backend 'replay'"),
-    ({"generation": {"backend": "replay"}}, "generation.replay_file goes with backend 'replay'"),
-    ({"generation": {"replay_file": "r.jsonl"}}, "generation.replay_file goes with backend 'replay'"),
+    ({"generation": {"backend": "recorded", "recorded_file": "r.jsonl", "weight_sync": "nccl"}},
+     "use 'disk' with backend 'recorded'"),
+    ({"generation": {"backend": "recorded"}}, "generation.recorded_file goes with backend 'recorded'"),
+    # the old name of backend recorded, refused with the new one (replay is zero_signal_groups' buffer)
+    ({"generation": {"backend": "replay", "replay_file": "r.jsonl"}}, "set backend: recorded and recorded_file"),
+    ({"generation": {"replay_file": "r.jsonl"}}, "generation.backend 'replay' and generation.replay_file were renamed"),
+    ({"generation": {"recorded_file": "r.jsonl"}}, "generation.recorded_file goes with backend 'recorded'"),
     ({"eval": {"correctness_reward": "answer_format2"}}, "not one of the configured rewards"),
     ({"generation": {"server": {"port": 70000}}}, "generation.server.port"),
     ({"data": {"source": "sqlite"}}, "data.source: Input should be 'reasoning_gym', 'gsm_symbolic', 'humaneval'"),
@@ -96,8 +99,9 @@ BAD_CONFIGS = [
      "its generation batch, per_device_train_batch_size x steps_per_generation (default "
      "gradient_accumulation_steps) = 2, is not a multiple of num_generations = 4"),  # a group split over 2 nodes
     ({"train": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2, "num_generations": 16,
-                "grpo": {"steps_per_generation": 3}}, "generation": {"backend": "replay", "replay_file": "r.jsonl"}},
-     "with generation.backend 'replay'"),  # 8 x 3 = 24 prompts a process: not whole groups of 16
+                "grpo": {"steps_per_generation": 3}},
+      "generation": {"backend": "recorded", "recorded_file": "r.jsonl"}},
+     "with generation.backend 'recorded'"),  # 8 x 3 = 24 prompts a process: not whole groups of 16
     ({"eval": {"every_steps": 5}, "generation": {"backend": "hf"}},
      "eval.every_steps evaluates during training through the generation server"),  # hf: no pushes to a server
     ({"eval": {"every_steps": 5}, "generation": {"mode": "colocate"}, "resources": {"train": {"gpu": 1}}},

@@ -18,9 +18,9 @@ COLOCATE = {"generation": {"mode": "colocate"}, "resources": {"train": {"gpu": 1
     ({"generation": {"backend": "hf", "stop_token_ids": [3]}}, "generation.stop_token_ids cannot be honoured"),
     ({"generation": {"backend": "hf", "structured_outputs": {"regex": "[0-9]+"}}}, "generation.structured_outputs"),
     # replay samples nothing: a sampling setting would do nothing
-    ({"generation": {"backend": "replay", "replay_file": "f", "top_k": 5}}, "generation.top_k set with backend "
+    ({"generation": {"backend": "recorded", "recorded_file": "f", "top_k": 5}}, "generation.top_k set with backend "
                                                                            "'replay'"),
-    ({"generation": {"backend": "replay", "replay_file": "f", "temperature": 0.7}}, "generation.temperature set"),
+    ({"generation": {"backend": "recorded", "recorded_file": "f", "temperature": 0.7}}, "generation.temperature set"),
     # structured outputs: exactly one kind, a regex that compiles, non-empty choices
     ({"generation": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "exactly one of regex, json_schema"),
     ({"generation": {"structured_outputs": {}}}, "exactly one of regex, json_schema"),

@@ -1,4 +1,4 @@
-"""Backend ``replay``: the rollout function hands each prompt group its fixed completions as token ids."""
+"""Backend ``recorded``: the rollout function hands each prompt group its fixed completions as token ids."""
 
 import json
 from types import SimpleNamespace
@@ -7,9 +7,9 @@ import pytest
 
 from grpo_steps.config import GenerationConfig
 from grpo_steps.data import encode_prompt
-from grpo_steps.training.rollouts import ReplayRollout, prompt_groups
+from grpo_steps.training.rollouts import RecordedRollout, prompt_groups
 
-GEN = GenerationConfig(backend="replay", replay_file="unused", max_completion_tokens=6)
+GEN = GenerationConfig(backend="recorded", recorded_file="unused", max_completion_tokens=6)
 
 
 def trainer(num_generations: int = 2, training: bool = True) -> SimpleNamespace:
@@ -23,15 +23,15 @@ def prompt(question: str) -> list[dict]:
 
 
 @pytest.fixture
-def replay(tmp_path, tiny_tokenizer):
-    path = tmp_path / "replay.jsonl"
+def recorded(tmp_path, tiny_tokenizer):
+    path = tmp_path / "recorded.jsonl"
     path.write_text(json.dumps({"question": "1+1?", "completions": ["Answer: 2", "2", "no"]}) + "\n\n"
                     + json.dumps({"question": "2+2?", "completions": ["Answer: 4 " * 10, "4"]}) + "\n")
-    return ReplayRollout(path, tiny_tokenizer, GEN)
+    return RecordedRollout(path, tiny_tokenizer, GEN)
 
 
-def test_each_group_gets_the_first_completions_of_its_question(replay, tiny_tokenizer):
-    out = replay([prompt("1+1?")] * 2 + [prompt("2+2?")] * 2, trainer())
+def test_each_group_gets_the_first_completions_of_its_question(recorded, tiny_tokenizer):
+    out = recorded([prompt("1+1?")] * 2 + [prompt("2+2?")] * 2, trainer())
     assert out["logprobs"] is None  # nothing was sampled
     assert out["prompt_ids"] == [encode_prompt(tiny_tokenizer, prompt("1+1?"))] * 2 + \
         [encode_prompt(tiny_tokenizer, prompt("2+2?"))] * 2
@@ -42,20 +42,20 @@ def test_each_group_gets_the_first_completions_of_its_question(replay, tiny_toke
     assert out["completion_ids"][2][-1] != tiny_tokenizer.eos_token_id
 
 
-def test_unknown_question_and_short_group_are_named(replay):
+def test_unknown_question_and_short_group_are_named(recorded):
     with pytest.raises(KeyError, match="no completions for the question '3\\+3\\?'"):
-        replay([prompt("3+3?")] * 2, trainer())
+        recorded([prompt("3+3?")] * 2, trainer())
     with pytest.raises(ValueError, match="lists 2 completions for '2\\+2\\?'; a group needs 3"):
-        replay([prompt("2+2?")] * 3, trainer(num_generations=3))
+        recorded([prompt("2+2?")] * 3, trainer(num_generations=3))
 
 
 def test_missing_or_malformed_file_is_rejected(tmp_path, tiny_tokenizer):
-    with pytest.raises(FileNotFoundError, match="generation.replay_file .*missing.jsonl does not exist"):
-        ReplayRollout(tmp_path / "missing.jsonl", tiny_tokenizer, GEN)
+    with pytest.raises(FileNotFoundError, match="generation.recorded_file .*missing.jsonl does not exist"):
+        RecordedRollout(tmp_path / "missing.jsonl", tiny_tokenizer, GEN)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "1+1?", "completions": ["2"]}) + "\n")
     with pytest.raises(ValueError, match="bad.jsonl:1: a row needs 'question'"):
-        ReplayRollout(bad, tiny_tokenizer, GEN)
+        RecordedRollout(bad, tiny_tokenizer, GEN)
 
 
 def test_prompt_groups_are_the_distinct_prompts_and_the_group_size():
@@ -83,6 +83,6 @@ def test_prompts_not_in_whole_groups_are_an_error(questions, runs):
     assert "each prompt 2 times in a row (num_generations = 2)" in message  # what was expected
 
 
-def test_replay_of_a_split_group_is_an_error_not_identical_completions(replay):
+def test_recorded_completions_of_a_split_group_are_an_error_not_identical_completions(recorded):
     with pytest.raises(ValueError, match="runs of equal prompts \\[1, 2\\]"):
-        replay([prompt("1+1?")] + [prompt("2+2?")] * 2, trainer())
+        recorded([prompt("1+1?")] + [prompt("2+2?")] * 2, trainer())
