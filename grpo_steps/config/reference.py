@@ -29,7 +29,8 @@ What the page holds and where each part comes from:
      fields: ``gen.server.replicas`` reads ``generation.server.replicas``;
   3. the validator's source names a field's full dotted key (refusal messages name the keys to change, the project's
      rule for errors): ``"... raise resources.vllm.gpu ..."``. A key followed by ``.`` and more of a key names the
-     longer key only.
+     longer key only; a section's own validators name keys of that section only (the validators ``data`` shares
+     with each ``data.mixture[]`` entry say ``data.path`` in both).
 
   The three are simple enough to trust and together find every field a rule refuses by; what they miss (a key read
   through ``getattr(self, name)``) the message usually names, so check 3 finds it.
@@ -362,7 +363,9 @@ def rules(section: Section, all_keys: list[str]) -> list[Rule]:
             own = {python: dotted for dotted, python, _ in section.fields}
             rule.reads.update(own[f] for f in getattr(decorator.info, "fields", ()) if f in own)
             rule.reads.update(key for attrs in _chains(tree) if (key := _resolve(section, attrs)))
-            rule.reads.update(_named_keys(source, all_keys))
+            inside = [key for key in all_keys if not section.key or key == section.key
+                      or key.startswith(section.key + ".")]
+            rule.reads.update(_named_keys(source, inside))
             out.append(rule)
     return out
 

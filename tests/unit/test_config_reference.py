@@ -56,6 +56,8 @@ def test_rules_name_the_fields_they_read(page):
     assert {"data.num_eval", "registry.min_eval_prompts"} <= _rule("", "_gate_has_enough_prompts").reads
     # a field validator reads the fields it is declared for
     assert _rule("generation.server", "_http_url").reads == {"generation.server.endpoint"}
+    # a validator data shares with each mixture entry reads the entry's keys there, though its message says data.path
+    assert _rule("data.mixture[]", "_file_source_has_a_path").reads == {"data.mixture[].source", "data.mixture[].path"}
     # a top-level key is not found in prose ("registered model names" does not read `model`)
     assert "model" not in _rule("registry", "_registrable_name").reads
     entry = page.split("### `resources.train.gpu`", 1)[1].split("###", 1)[0]
