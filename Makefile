@@ -8,7 +8,7 @@ CONFIG ?= configs/local.yaml
 # Metaflow's local @parallel starts the gang's other nodes with `python` from PATH: the venv's.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install sandbox model run test test-fast ui s3 lint bench bench-gpu screenshots clean
+.PHONY: install sandbox model run test test-fast ui s3 lint docs bench bench-gpu screenshots clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,10 @@ s3: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+
+# docs/configuration.md, rendered from the config models (tests/unit/test_config_reference.py fails when it is stale)
+docs: install
+	$(BIN)/python -m grpo_steps.config.reference --write
 
 bench: model
 	$(BIN)/python bench/step_time.py

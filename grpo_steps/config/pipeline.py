@@ -293,7 +293,7 @@ class PipelineConfig(_Section):
         if self.train.zero_signal_groups == "resample" and self.generation.backend == "recorded":
             raise ValueError("train.zero_signal_groups 'resample' generates more groups, and backend 'recorded' "
                              "samples nothing (it trains fixed completions, to compare layouts on the same batches): "
-                             "use zero_signal_groups keep or skip with replay")
+                             "use zero_signal_groups keep or skip with recorded completions")
         return self
 
     @model_validator(mode="after")

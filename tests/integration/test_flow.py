@@ -248,7 +248,7 @@ def test_the_external_server_is_still_up_after_the_run_and_serves_the_trained_po
     assert run["provision_vllm"].task.data.server == {"provider": "external", "endpoint": tiny_server.endpoint,
                                                       "served_model": "policy", "served_names": ("policy",)}
     assert tiny_server.is_ready()  # never stopped by the pipeline
-    # it holds what evaluation loaded last (the README says so): the trained policy
+    # it holds what evaluation loaded last (docs/replicas.md says so): the trained policy
     prompt = encode_prompt(tiny_tokenizer, run.data.eval_rows[0]["prompt"])
     cfg = load_config(workdir / "run.yaml")  # CONFIG as the run used it
     (greedy,) = tiny_server.client().complete([prompt], 1, max_tokens=cfg.generation.max_completion_tokens,
