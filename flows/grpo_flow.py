@@ -132,7 +132,8 @@ class GRPOFlow(FlowSpec):
     @step
     def end(self):
         """Stop the server and close the MLflow run."""
-        steps.finish(steps.config_of(self.config), self.mlflow_run_id, self.server)
+        steps.finish(steps.config_of(self.config), self.mlflow_run_id, self.server, report=self.eval_report,
+                     model_version=self.model_version, pathspec=current.pathspec)
         print(f"registered {self.model_version}; trained {self.eval_report['trained']['metrics']}")
 
 

@@ -288,7 +288,7 @@ class RecordedCompletions:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: a row without ``question``/``completions``.
+        DataError: a row without ``question``/``completions``.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -302,21 +302,20 @@ class RecordedCompletions:
                 continue
             row = json.loads(line)
             if not isinstance(row.get("question"), str) or not isinstance(row.get("completions"), list):
-                raise ValueError(f"{path}:{number}: a row needs 'question' (str) and 'completions' (list of str)")
+                raise DataError(f"{path}:{number}: a row needs 'question' (str) and 'completions' (list of str)")
             self.completions[row["question"]] = row["completions"]
 
     def completions_for(self, prompt: str | list[dict], group: int) -> list[str]:
         """The first ``group`` completions of ``prompt``'s question (its last message).
 
         Raises:
-            KeyError: the file has no row for the question.
-            ValueError: the row lists fewer than ``group`` completions.
+            DataError: the file has no row for the question, or the row lists fewer than ``group`` completions.
         """
         question = prompt[-1]["content"] if isinstance(prompt, list) else prompt
         if question not in self.completions:
-            raise KeyError(f"generation.recorded_file has no completions for the question {question!r}")
+            raise DataError(f"generation.recorded_file has no completions for the question {question!r}")
         texts = self.completions[question]
         if len(texts) < group:
-            raise ValueError(f"generation.recorded_file lists {len(texts)} completions for {question!r}; "
+            raise DataError(f"generation.recorded_file lists {len(texts)} completions for {question!r}; "
                              f"a group needs {group} (train.num_generations)")
         return texts[:group]

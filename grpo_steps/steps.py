@@ -60,12 +60,12 @@ def prepare_data(cfg: PipelineConfig, run_id: str, model_path: str) -> tuple[str
     tools = prompt_tools(cfg.tools, cfg.environment, cfg.generation.tool_timeout_s)
     with refusals("Run refused by prepare_data (the data)"):
         data = prepare(cfg.data, tokenizer, cfg.generation.chat_template_kwargs, tools)
-    if cfg.generation.backend == "recorded":  # every train prompt needs its completions: fail before training
-        from grpo_steps.data import RecordedCompletions
+        if cfg.generation.backend == "recorded":  # every train prompt needs its completions: fail before training
+            from grpo_steps.data import RecordedCompletions
 
-        recorded = RecordedCompletions(cfg.generation.recorded_file)
-        for row in data.train:
-            recorded.completions_for(row["prompt"], cfg.train.num_generations)
+            recorded = RecordedCompletions(cfg.generation.recorded_file)
+            for row in data.train:
+                recorded.completions_for(row["prompt"], cfg.train.num_generations)
     tracking.log_datasets(cfg, run_id, mlflow_datasets(cfg.data, data))
     tracking.log_metrics(cfg, run_id, {f"data/{k}": v for k, v in data.stats.items()})
     tracking.set_tags(cfg, run_id, {f"data/{k}": where for k, where in data.dropped.items()})  # the first lines
@@ -177,8 +177,17 @@ def register(cfg: PipelineConfig, *, run_id: str, model_dir: str, report: dict, 
     return register_version(cfg, run_id, model_dir, report, tags)
 
 
-def finish(cfg: PipelineConfig, run_id: str, server: dict | None) -> None:
-    """Stop the server this run started (an ``external`` one keeps running) and close the MLflow run."""
+def finish(cfg: PipelineConfig, run_id: str, server: dict | None, *, report: dict, model_version: dict,
+           pathspec: str) -> None:
+    """Stop the server this run started (an ``external`` one keeps running), write the run's description (what a
+    reviewer reads first on its MLflow page, :func:`grpo_steps.evaluation.report.run_description`) and close the
+    MLflow run."""
+    from grpo_steps.evaluation.report import run_description
+
     lifecycle.stop(server)
     tracking.wait_reachable(cfg, "end")  # the run must not stay RUNNING: wait for the server, or fail for `resume`
+    route = f"#/models/{model_version['name']}/versions/{model_version['version']}"
+    description = run_description(cfg, report, model_version, run_pathspec=pathspec.rsplit("/", 2)[0],
+                                  version_url=tracking.ui_url(cfg, route))
+    tracking.set_tags(cfg, run_id, {tracking.DESCRIPTION_TAG: description})
     tracking.close_run(cfg, run_id)

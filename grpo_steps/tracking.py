@@ -175,9 +175,15 @@ def run_url(cfg: PipelineConfig, run_id: str) -> str:
     """Link to the run's page in the MLflow UI: absolute for an ``http(s)`` tracking server, else the UI's
     relative route (``#/experiments/E/runs/R``, what ``mlflow ui`` serves for a local store)."""
     experiment_id = client(cfg).get_run(run_id).info.experiment_id
+    return ui_url(cfg, f"#/experiments/{experiment_id}/runs/{run_id}")
+
+
+def ui_url(cfg: PipelineConfig, route: str) -> str:
+    """``route`` of the MLflow UI (``#/models/NAME/versions/V``, ...): absolute for an ``http(s)`` tracking server
+    (credentials redacted), else the route alone (what ``mlflow ui`` serves for a local store)."""
     uri = cfg.tracking.tracking_uri
     base = redact(uri).rstrip("/") + "/" if urllib.parse.urlsplit(uri).scheme in ("http", "https") else ""
-    return f"{base}#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{base}{route}"
 
 
 def mlflow_name(key: str) -> str:
@@ -249,6 +255,8 @@ def reopen_run(cfg: PipelineConfig, run_id: str) -> None:
 
 
 DATASET_CONTEXT_TAG = "mlflow.data.context"
+DESCRIPTION_TAG = "mlflow.note.content"
+"""The run tag MLflow's UI shows as the run's description (its Overview's "Description")."""
 """The input tag MLflow's UI reads a logged dataset's role from (``training``, ``evaluation``); MLflow's own
 ``mlflow.utils.mlflow_tags.MLFLOW_DATASET_CONTEXT``, checked by tests/unit/test_private_apis.py."""
 

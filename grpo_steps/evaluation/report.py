@@ -72,13 +72,9 @@ def version_description(cfg: PipelineConfig, report: dict, *, run_url: str, run_
     gate's verdict, per-task pass@1 for mixtures, and where to look (MLflow run, Metaflow run and card: the
     printed ``card get <run id>/evaluate`` is the form Metaflow's CLI takes). Credentials are redacted."""
     data = cfg.data
-    if data.mixture:
-        task = "mixture of " + ", ".join(f"{m.name} ({m.weight:g})" for m in data.mixture)
-    else:
-        task = f"{data.source}:{data.task}" if data.source == "reasoning_gym" else f"{data.source} {data.path or ''}"
     trained = report["trained"]["metrics"]
     lines = [
-        f"GRPO-trained policy. **Task**: {task.strip()}; {data.num_train} train / {data.num_eval} held-out prompts. "
+        f"GRPO-trained policy. **Task**: {task_text(cfg)}; {data.num_train} train / {data.num_eval} held-out prompts. "
         f"**Base model**: `{cfg.model.name_or_path}`; {cfg.train.max_steps} optimizer steps, "
         f"{cfg.train.num_generations} completions per prompt, rewards "
         + ", ".join(f"`{r.name}` x{r.weight:g}" for r in cfg.rewards) + ".",
@@ -101,6 +97,45 @@ def version_description(cfg: PipelineConfig, report: dict, *, run_url: str, run_
         f"**MLflow run**: [{run_url}]({run_url}) (training curves, system metrics, charts under Artifacts -> "
         "`charts/`, sample completions under `eval/`).",
         f"**Metaflow run**: `{run_pathspec}`; evaluation card: "
+        f"`python flows/grpo_flow.py card get {run_pathspec.split('/')[-1]}/evaluate --id eval card.html`.",
+    ]
+    return redact("\n".join(lines))
+
+
+def task_text(cfg: PipelineConfig) -> str:
+    """The run's task in a few words: ``reasoning_gym:<task>``, ``<source> <path>``, or the mixture's parts."""
+    data = cfg.data
+    if data.mixture:
+        return "mixture of " + ", ".join(f"{m.name} ({m.weight:g})" for m in data.mixture)
+    if data.source == "reasoning_gym":
+        return f"{data.source}:{data.task}"
+    return f"{data.source} {data.path or ''}".strip()
+
+
+def run_description(cfg: PipelineConfig, report: dict, model_version: dict, *, run_pathspec: str,
+                    version_url: str) -> str:
+    """Markdown of the flow's MLflow run (its Overview's description, MLflow's note): the task, the base model, the
+    held-out pass@1 of the base and the trained policy with the paired gain and its 95 % interval
+    (:func:`grpo_steps.evaluation.stats.gain_metrics`), the quality gate's verdict, and links to the registered
+    version (``version_url``) and the evaluate step's Metaflow card. ``model_version``: what
+    :func:`grpo_steps.register.register` returned. Credentials are redacted."""
+    base, trained, gain = report["baseline"]["metrics"], report["trained"]["metrics"], report["gain"]
+    prompts = len(report["trained"]["per_prompt"]["pass@1"])
+    verdict = "passed" if model_version["gate_passed"] else "not passed"
+    lines = [
+        f"**GRPO** on {task_text(cfg)}: `{cfg.model.name_or_path}`, {cfg.train.max_steps} optimizer steps, "
+        f"{cfg.train.num_generations} completions per prompt.",
+        "",
+        f"**Held-out pass@1** ({prompts} prompts, {cfg.eval.num_samples} samples each): base {_cell(base['pass@1'])} "
+        f"-> trained {_cell(trained['pass@1'])}, gain {gain['pass@1']:+.3f} ± {gain['pass@1_ci95']:.3f} "
+        "(paired 95 % interval).",
+        "",
+        f"**Quality gate**: {verdict}: {model_version['gate_reason']}.",
+        "",
+        f"**Registered**: [{model_version['name']} version {model_version['version']}]({version_url}) (aliases: "
+        f"{', '.join(model_version['aliases']) or 'none'}).",
+        "",
+        f"**Metaflow**: run `{run_pathspec}`; evaluation card: "
         f"`python flows/grpo_flow.py card get {run_pathspec.split('/')[-1]}/evaluate --id eval card.html`.",
     ]
     return redact("\n".join(lines))

@@ -51,7 +51,7 @@ class RecordedRollout:
 
     Raises:
         FileNotFoundError, ValueError: as :class:`grpo_steps.data.RecordedCompletions`.
-        KeyError: a prompt whose question has no row in the file.
+        DataError: a prompt whose question has no row in the file.
     """
 
     def __init__(self, path: str | Path, tokenizer, gen_cfg) -> None:

@@ -31,6 +31,9 @@ def _fails_before_the_server(workdir, config: dict, message: str, env: dict | No
     assert code != 0, out[-3000:]
     assert message in out, out[-6000:]
     assert "provision_vllm" not in out and "[vllm] serving" not in out  # no server was started
+    # a refusal is its message in one block (grpo_steps.preflight.refusals), not Metaflow's "Internal error" and a
+    # traceback ending in it
+    assert "Traceback" not in out and "Internal error" not in out, out[-6000:]
     if (workdir / "mlflow.db").exists():
         assert model_versions(workdir, config["registry"]["model_name"]) == []
     return out
@@ -48,6 +51,14 @@ def test_an_unreachable_tracking_server_fails_start_within_seconds_naming_it(tmp
     assert (stamps[-1] - stamps[0]).total_seconds() < 30
     assert time.monotonic() - started < 60
     assert "fix tracking.tracking_uri" in out
+
+
+def test_local_replicas_that_do_not_fit_are_refused_in_start_in_one_block(tmp_path):
+    """64 local replicas fit no machine this suite runs on (a core each, 8 GiB of KV cache each): start says so,
+    printed as a refusal (its message), not as Metaflow's internal error with a traceback (checked by the helper)."""
+    config = flow_config(generation={"server": {"replicas": 64, "kv_cache_gib": 8}})
+    out = _fails_before_the_server(tmp_path, config, "ConfigError: generation.server.replicas 64")
+    assert "Run refused by start's checks:" in out and "prepare_data" not in out
 
 
 @pytest.mark.parametrize(("grpo", "message"), [

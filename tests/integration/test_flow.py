@@ -336,6 +336,16 @@ def test_what_the_mlflow_ui_pages_show(flow_run):
     assert f"#/experiments/{experiment.experiment_id}/runs/{run_id}" in description
     assert f"GRPOFlow/{run.id}" in description and "card get" in description
     assert "candidate" in version.aliases
+    # the run's Overview tells its story (MLflow's note, written at end): task, model, the held-out gain with its
+    # interval, the gate's verdict, the registered version and the card
+    note = mlflow_run.data.tags["mlflow.note.content"]
+    gain = report["gain"]
+    assert f"-> trained {report['trained']['metrics']['pass@1']:.3f}, gain {gain['pass@1']:+.3f} ± " \
+           f"{gain['pass@1_ci95']:.3f}" in note
+    assert f"reasoning_gym:{cfg.data.task}" in note and "embedded:tiny-random-qwen2" in note
+    assert f"**Quality gate**: {'passed' if run.data.model_version['gate_passed'] else 'not passed'}" in note
+    assert f"(#/models/{version.name}/versions/{version.version})" in note
+    assert f"GRPOFlow/{run.id}" in note and "card get" in note
     used = load_config(workdir / "run.yaml")  # test.yaml on the session's server
     assert version.tags["git.commit"] and version.tags["config.sha256"] == used.sha256()
 

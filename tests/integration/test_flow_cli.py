@@ -40,6 +40,7 @@ def test_a_recorded_file_without_a_train_question_stops_the_flow_before_the_serv
     proc = _run_flow(tmp_path, config)
     assert proc.returncode != 0
     assert "generation.recorded_file has no completions for the question" in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr  # a refusal prints its message alone
     assert "provision_vllm" not in proc.stdout + proc.stderr  # failed in prepare_data: no server was started
 
 

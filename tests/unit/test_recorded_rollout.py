@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from grpo_steps.config import GenerationConfig
-from grpo_steps.data import encode_prompt
+from grpo_steps.data import DataError, encode_prompt
 from grpo_steps.training.rollouts import RecordedRollout, prompt_groups
 
 GEN = GenerationConfig(backend="recorded", recorded_file="unused", max_completion_tokens=6)
@@ -43,7 +43,7 @@ def test_each_group_gets_the_first_completions_of_its_question(recorded, tiny_to
 
 
 def test_unknown_question_and_short_group_are_named(recorded):
-    with pytest.raises(KeyError, match="no completions for the question '3\\+3\\?'"):
+    with pytest.raises(DataError, match="no completions for the question '3\\+3\\?'"):
         recorded([prompt("3+3?")] * 2, trainer())
     with pytest.raises(ValueError, match="lists 2 completions for '2\\+2\\?'; a group needs 3"):
         recorded([prompt("2+2?")] * 3, trainer(num_generations=3))
