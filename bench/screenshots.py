@@ -5,6 +5,7 @@ run's ``mlflow.db``), serves ``mlflow ui`` on 127.0.0.1 and a free port, and sav
 (Debian's ``chromium`` package, driven over the DevTools protocol on loopback) into ``docs/images/``:
 
 - ``mlflow-experiment.png``: the experiment's training-runs page (run, status, metrics);
+- ``mlflow-run-overview.png``: the run's Overview, its description first (task, model, held-out gain, gate, links);
 - ``mlflow-run-metrics.png``: the run's model-metrics page, charts filtered to the rewards;
 - ``mlflow-model-version.png``: the registered version's page (description, aliases, tags).
 
@@ -58,6 +59,9 @@ def pages(workdir: Path) -> dict[str, str]:
         # MLflow 3.17's UI opens experiments in its GenAI or Model-training mode by a switch kept per browser
         # (default GenAI); the URL parameter picks Model training
         "mlflow-experiment.png": f"#/experiments/{experiment.experiment_id}?workflowType=machine_learning",
+        # the run's Overview: its description (written at end), params, metrics, tags
+        "mlflow-run-overview.png": f"#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}"
+                                   "?workflowType=machine_learning",
         "mlflow-run-metrics.png": f"#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}/model-metrics"
                                   "?workflowType=machine_learning",
         "mlflow-model-version.png": f"#/models/{version.name}/versions/{version.version}",

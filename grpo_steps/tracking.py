@@ -186,6 +186,17 @@ def ui_url(cfg: PipelineConfig, route: str) -> str:
     return f"{base}{route}"
 
 
+AT_A_GLANCE = {
+    "reward": "at_a_glance/reward",
+    "completions/mean_length": "at_a_glance/completion_length",
+    "eval_during/pass@1": "at_a_glance/held_out_pass@1",
+    "eval_during/accuracy": "at_a_glance/held_out_accuracy",
+}
+"""Curves a reviewer looks at first, logged a second time under ``at_a_glance/`` by :class:`TrackingQueue`: MLflow's
+run page groups charts by the prefix before ``/`` and orders the groups by name (3.17: ``checkpoint``, ``clip_ratio``,
+``completions``, ...), so this group comes first, before TRL's and the pipeline's many others."""
+
+
 def mlflow_name(key: str) -> str:
     """A metric/tag key MLflow accepts: ``pass@4`` -> ``pass_at_4`` (MLflow forbids ``@``)."""
     return key.replace("@", "_at_")
@@ -353,6 +364,7 @@ class TrackingQueue:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
+        metrics = {**metrics, **{AT_A_GLANCE[k]: v for k, v in metrics.items() if k in AT_A_GLANCE}}
         self._queue([Metric(mlflow_name(k), float(v), now, step) for k, v in metrics.items()])
 
     def log_table(self, table: dict[str, list], artifact_file: str) -> None:

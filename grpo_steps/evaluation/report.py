@@ -127,7 +127,7 @@ def run_description(cfg: PipelineConfig, report: dict, model_version: dict, *, r
         f"{cfg.train.num_generations} completions per prompt.",
         "",
         f"**Held-out pass@1** ({prompts} prompts, {cfg.eval.num_samples} samples each): base {_cell(base['pass@1'])} "
-        f"-> trained {_cell(trained['pass@1'])}, gain {gain['pass@1']:+.3f} ± {gain['pass@1_ci95']:.3f} "
+        f"→ trained {_cell(trained['pass@1'])}, gain {gain['pass@1']:+.3f} ± {gain['pass@1_ci95']:.3f} "
         "(paired 95 % interval).",
         "",
         f"**Quality gate**: {verdict}: {model_version['gate_reason']}.",

@@ -316,6 +316,10 @@ def test_what_the_mlflow_ui_pages_show(flow_run):
     for reward in (cfg.eval.correctness_reward, cfg.eval.format_reward):  # the reward guard's counts of evaluation
         assert metrics[f"eval/trained/reward/{reward}/errors"] == 0
         assert 0 <= metrics[f"eval/trained/reward/{reward}/none_share"] <= 1
+    # the run page's first chart group (MLflow orders groups by name): the curves that matter, copies of their own
+    for glance, source in (("at_a_glance/reward", "reward"), ("at_a_glance/held_out_pass_at_1", "eval_during/pass_at_1")):
+        points = {(m.step, m.value) for m in client.get_metric_history(run_id, glance)}
+        assert points and points == {(m.step, m.value) for m in client.get_metric_history(run_id, source)}, glance
     artifacts = {a.path for a in client.list_artifacts(run_id, "charts")}
     assert artifacts == {"charts/reward_curve.png", "charts/eval_baseline_vs_trained.png",
                          "charts/eval_during_training.png"}
@@ -340,7 +344,7 @@ def test_what_the_mlflow_ui_pages_show(flow_run):
     # interval, the gate's verdict, the registered version and the card
     note = mlflow_run.data.tags["mlflow.note.content"]
     gain = report["gain"]
-    assert f"-> trained {report['trained']['metrics']['pass@1']:.3f}, gain {gain['pass@1']:+.3f} ± " \
+    assert f"→ trained {report['trained']['metrics']['pass@1']:.3f}, gain {gain['pass@1']:+.3f} ± " \
            f"{gain['pass@1_ci95']:.3f}" in note
     assert f"reasoning_gym:{cfg.data.task}" in note and "embedded:tiny-random-qwen2" in note
     assert f"**Quality gate**: {'passed' if run.data.model_version['gate_passed'] else 'not passed'}" in note
