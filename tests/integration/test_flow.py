@@ -317,7 +317,8 @@ def test_what_the_mlflow_ui_pages_show(flow_run):
         assert metrics[f"eval/trained/reward/{reward}/errors"] == 0
         assert 0 <= metrics[f"eval/trained/reward/{reward}/none_share"] <= 1
     # the run page's first chart group (MLflow orders groups by name): the curves that matter, copies of their own
-    for glance, source in (("at_a_glance/reward", "reward"), ("at_a_glance/held_out_pass_at_1", "eval_during/pass_at_1")):
+    for glance, source in (("at_a_glance/reward", "reward"),
+                           ("at_a_glance/held_out_pass_at_1", "eval_during/pass_at_1")):
         points = {(m.step, m.value) for m in client.get_metric_history(run_id, glance)}
         assert points and points == {(m.step, m.value) for m in client.get_metric_history(run_id, source)}, glance
     artifacts = {a.path for a in client.list_artifacts(run_id, "charts")}
