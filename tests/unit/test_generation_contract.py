@@ -17,9 +17,9 @@ COLOCATE = {"generation": {"mode": "colocate"}, "resources": {"train": {"gpu": 1
     ({"generation": {"backend": "hf", "stop": ["\n"]}}, "generation.stop cannot be honoured by backend 'hf'"),
     ({"generation": {"backend": "hf", "stop_token_ids": [3]}}, "generation.stop_token_ids cannot be honoured"),
     ({"generation": {"backend": "hf", "structured_outputs": {"regex": "[0-9]+"}}}, "generation.structured_outputs"),
-    # replay samples nothing: a sampling setting would do nothing
+    # recorded completions: nothing is sampled, so a sampling setting would do nothing
     ({"generation": {"backend": "recorded", "recorded_file": "f", "top_k": 5}}, "generation.top_k set with backend "
-                                                                           "'replay'"),
+                                                                               "'recorded'"),
     ({"generation": {"backend": "recorded", "recorded_file": "f", "temperature": 0.7}}, "generation.temperature set"),
     # structured outputs: exactly one kind, a regex that compiles, non-empty choices
     ({"generation": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "exactly one of regex, json_schema"),
@@ -137,3 +137,18 @@ def test_the_filters_give_a_distribution_on_the_kept_tokens(settings):
         assert ((kept > 0).sum(-1) <= settings["top_k"]).all()
     if len(settings) == 1:
         assert torch.allclose(kept, (logits / settings["temperature"]).softmax(-1))
+
+
+def test_the_trainer_calls_the_generation_class_through_trls_contract():
+    """TRL's trainer calls its ``VLLMGeneration`` twice a round (``sync_weights``, ``generate``); ours adds one
+    question with several replicas (which replica sampled each row) and reads the version that sampled the batch;
+    the first-batch check, the replica ledger and the async producer run inside ``generate``."""
+    import inspect
+    import re
+
+    from grpo_steps.training import trainer
+
+    used = set(re.findall(r"vllm_generation\.(\w+)", inspect.getsource(trainer.ServerGRPOTrainer)))
+    # (sync_weights and generate are named in comments: TRL's own calls)
+    assert used <= {"sync_weights", "generate", "replica_rows", "sampled_version"}, used
+
