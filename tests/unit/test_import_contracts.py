@@ -48,3 +48,30 @@ def test_a_forbidden_import_breaks_a_contract(tmp_path, module, line, broken):
     result = lint(tmp_path)
     assert result.returncode != 0
     assert re.search(rf"^{re.escape(broken)}.* BROKEN\b", result.stdout, re.MULTILINE), result.stdout
+
+
+def layered_names(contract: dict) -> set[str]:
+    """The module names a layers contract lists (``a | b`` and ``a : b`` layers split into their names)."""
+    return {name.strip() for layer in contract["layers"] for name in re.split(r"[|:]", layer) if name.strip()}
+
+
+def children(package: Path) -> set[str]:
+    """The modules (``x.py`` but ``__init__``) and subpackages directly in ``package``."""
+    return {p.stem for p in package.glob("*.py") if p.stem != "__init__"} | \
+        {p.name for p in package.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+
+
+def test_every_module_is_in_a_layer():
+    """A module no layer names is checked by no layers contract: each top-level module of grpo_steps is in the
+    first contract's layers, and each module of a package that has a contract of its own (``containers``) is in
+    that contract's layers."""
+    import tomllib
+
+    contracts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = [c for c in contracts if c["type"] == "layers"]
+    top = {name.removeprefix("grpo_steps.") for name in layered_names(layers[0]) if name.startswith("grpo_steps.")}
+    assert children(REPO_ROOT / "grpo_steps") - top == set()
+    for contract in layers[1:]:
+        for container in contract["containers"]:
+            package = REPO_ROOT.joinpath(*container.split("."))
+            assert children(package) - {"__main__"} - layered_names(contract) == set(), contract["name"]
