@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import requests
 
-from grpo_steps.processes import PortInUseError, ProcessRef, log_tail, pick_port, wait_until
+from grpo_steps.processes import PortInUseError, ProcessRef, log_tail, open_private, pick_port, private_dir, wait_until
 from grpo_steps.servers import auth
 from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy
-from grpo_steps.servers.local import LOG_DIR, LocalServer
+from grpo_steps.servers.local import LOG_DIR_NAME, LocalServer
 
 if TYPE_CHECKING:
     from grpo_steps.config import PipelineConfig
@@ -68,7 +68,7 @@ class ExternalRouter(GenerationServer):
 
 
 def start_router(cfg: PipelineConfig, worker_urls: list[str], *, owner: ProcessRef, token: str | None,
-                 log_dir: str | Path = LOG_DIR) -> LocalRouter:
+                 log_dir: str | Path | None = None) -> LocalRouter:
     """Start ``vllm-router`` on ``generation.server.host`` in front of ``worker_urls`` and wait until it answers
     ``/health``; clients of its endpoint present ``token`` (the replicas' token; None: none).
 
@@ -82,13 +82,13 @@ def start_router(cfg: PipelineConfig, worker_urls: list[str], *, owner: ProcessR
         metrics_port = pick_port("127.0.0.1", 0)
     except PortInUseError as err:
         raise ServerStartError(str(err).replace("generation.server.port", "generation.server.router.port")) from None
-    log_path = Path(log_dir) / f"router-{port}.log"
+    log_path = Path(log_dir or private_dir(LOG_DIR_NAME)) / f"router-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = router_command(worker_urls, server_cfg.host, port, policy=gen.router_policy(cfg.multi_turn),
                          health_check_interval_s=server_cfg.router.health_check_interval_s, metrics_port=metrics_port)
     supervisor = [sys.executable, "-m", "grpo_steps.servers.supervisor", "--owner-pid", str(owner.pid),
                   "--owner-started", repr(owner.started), "--grace-s", str(server_cfg.orphan_grace_s), "--", *cmd]
-    with open(log_path, "ab") as log:
+    with open_private(log_path, "ab") as log:  # never through a planted link
         proc = subprocess.Popen(supervisor, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     ref = ProcessRef.of(proc.pid)
     router = LocalRouter(f"http://{server_cfg.host}:{port}", model="vllm-router", supervisor_pid=ref.pid,
