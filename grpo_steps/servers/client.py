@@ -138,6 +138,7 @@ class VLLMClient:
         self._has_extension: bool | None = None  # the server has grpo_steps.vllm_worker's WorkerExtension
         self._replica_clients = [VLLMClient(e, self.model, self.timeout_s) for e in self.replicas]
         self._replica_by_name: dict[str, int] | None = None  # see replica_index; asked at the first routed sample
+        self._run_names: set[str] | None = None  # see run_model_names; asked at the first routed sample
         self.load_path: str | None = None
         """How the last reload ran: ``direct`` or ``vllm: <why not direct>`` (see :meth:`reload_weights`)."""
 
@@ -367,6 +368,7 @@ class VLLMClient:
             return self._choices(self._post("/v1/completions", json={**body, "prompt": prompt_ids}), len(prompt_ids), n)
         sessions = sessions or [session_id(p) for p in prompt_ids]
         self._replicas_by_name()  # asked once, before the requests' threads read it
+        self.run_model_names()
 
         def one(i: int) -> list[dict]:
             response = self._post("/v1/completions", json={**body, "prompt": [prompt_ids[i]]},
@@ -381,8 +383,22 @@ class VLLMClient:
             dead = self.unhealthy_replicas()
             raise GenerationServerError(f"{err}" + (f" ({dead})" if dead else "")) from err
 
+    def run_model_names(self) -> set[str]:
+        """The ``model`` names an answer may carry: every base name any replica serves (:meth:`served_names`, asked
+        once), the adapter's name (``model``) and the base weights' (``base_model``)."""
+        if self._run_names is None:
+            names = [name for names in self.each(VLLMClient.served_names) for name in names] if self.replicas else []
+            self._run_names = set(names)
+        return self._run_names | {self.model, self.base_model}
+
     def _choices(self, response: requests.Response, prompts: int, n: int) -> list[list[dict]]:
         body = response.json()
+        if self.replicas and body.get("model") not in self.run_model_names():
+            # a worker someone else added to the router answers under a name none of the run's replicas serves
+            raise GenerationServerError(
+                f"the router {self.endpoint} answered as model {str(body.get('model'))[:100]!r}, which none of the "
+                f"run's replicas serves ({sorted(self.run_model_names())}): a server the run did not start is behind "
+                "the router; check its workers (GET /workers) and restart the run's router")
         replica = self.replica_index(body.get("model", ""))
         out: list[list[dict]] = [[] for _ in range(prompts)]
         for choice in sorted(body["choices"], key=lambda c: c["index"]):
