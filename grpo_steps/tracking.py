@@ -12,6 +12,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from grpo_steps.config import REPO_ROOT, PipelineConfig, validate_config
@@ -85,6 +86,50 @@ def wait_reachable(cfg: PipelineConfig, step: str, interval_s: float = 5.0) -> N
             f"MLflow tracking server {redact(uri)} did not answer for {cfg.tracking.outage_wait_s:g} s "
             f"(tracking.outage_wait_s) before {step}: start it again, then `python flows/grpo_flow.py resume` "
             f"continues from {step} (what earlier steps logged and saved is kept)")
+
+
+def local_stores(cfg: PipelineConfig, cwd: str | None = None) -> list[tuple[str, int]]:
+    """The run's stores on this machine that hold what the run produced, each with the mode it must have
+    (:func:`restrict_local_stores`): Metaflow's local datastore (``.metaflow`` in ``METAFLOW_DATASTORE_SYSROOT_LOCAL``,
+    else in ``cwd``), MLflow's sqlite file (``tracking.tracking_uri`` ``sqlite:///...``) and a local
+    artifact location (``file:`` or a path). Paths relative to ``cwd`` (default: the working directory).
+
+    >>> from grpo_steps.config import validate_config
+    >>> [(Path(p).name, oct(m)) for p, m in local_stores(validate_config({}), "/w")]
+    [('.metaflow', '0o700'), ('mlflow.db', '0o600')]
+    """
+    import os
+
+    base = Path(cwd or os.getcwd())
+    stores = [(str(base / os.environ.get("METAFLOW_DATASTORE_SYSROOT_LOCAL", "") / ".metaflow"), 0o700)]
+    uri = cfg.tracking.tracking_uri
+    if uri.startswith("sqlite:///"):
+        stores.append((str(base / uri.removeprefix("sqlite:///")), 0o600))  # sqlite:////abs stays absolute
+    artifacts = cfg.tracking.artifact_location
+    if artifacts and (artifacts.startswith("file:") or "://" not in artifacts):
+        stores.append((str(base / urllib.parse.urlsplit(artifacts).path), 0o700))
+    return stores
+
+
+def restrict_local_stores(cfg: PipelineConfig, cwd: str | None = None) -> list[str]:
+    """Make the run's local stores (:func:`local_stores`) readable by this user only: the datastore and MLflow hold
+    the run's data, metrics and models, which other users of the host must not read (they were created world-readable
+    under the usual umask 022). Only what exists and belongs to this user is changed, never through a link. Returns
+    the paths changed. Call in ``start`` (and it is safe in every step)."""
+    import os
+    import stat
+
+    changed = []
+    for path, mode in local_stores(cfg, cwd):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) == mode:
+            continue  # a link or another user's store: not ours to change
+        os.chmod(path, mode)
+        changed.append(path)
+    return changed
 
 
 def client(cfg: PipelineConfig):
