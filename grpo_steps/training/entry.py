@@ -143,12 +143,16 @@ def backend(job: TrainJob, tokenizer, rows: list[dict]) -> tuple[type, dict]:
             raise ConfigError(f"{COLOCATE_NEEDS_GPU} (this machine has no CUDA device)")
         colocate_environment(cfg)
     elif gen.backend == "vllm" and gen.weight_sync == "disk":
+        from transformers import AutoConfig
+
         from grpo_steps.servers.client import VLLMClient
         from grpo_steps.training.generation import server_settings
         from grpo_steps.training.trainer import ServerGRPOTrainer
 
+        # sampled ids past the policy's vocabulary are a lying (or hijacked) server's: refused by the client
+        vocab_size = getattr(AutoConfig.from_pretrained(job.model_path), "vocab_size", None)
         client = VLLMClient(job.endpoint, model=job.served_model, replicas=tuple(job.replicas),
-                            replica_logs=tuple(job.replica_logs))
+                            replica_logs=tuple(job.replica_logs), vocab_size=vocab_size)
         return ServerGRPOTrainer, {"server": server_settings(cfg, client, tokenizer, rows[0]["prompt"],
                                                              job.output_dir)}
     elif gen.backend == "replay":
