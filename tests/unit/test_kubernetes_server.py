@@ -64,6 +64,7 @@ class FakeCluster:
         if verb == "create":
             return lambda namespace, body: store.__setitem__((namespace, body["metadata"]["name"]), body)
         if verb == "list":
+            assert kind != "secret", "the flow's Role grants no list of Secrets (infra/k8s/rbac.yaml)"
             return lambda namespace, label_selector: self._list(store, namespace, label_selector)
         return lambda name, namespace: self._delete(store, namespace, name)
 
@@ -200,6 +201,18 @@ def test_start_timeout_reports_pod_status_and_deletes_what_it_created(token_dir)
     assert not fake.secrets and not fake.config_maps and not list(token_dir.glob("*"))
 
 
+def test_the_flows_role_neither_lists_nor_watches_secrets():
+    import yaml
+
+    from grpo_steps.config import REPO_ROOT
+
+    docs = list(yaml.safe_load_all((REPO_ROOT / "infra" / "k8s" / "rbac.yaml").read_text()))
+    (role,) = [doc for doc in docs if doc["kind"] == "Role"]
+    secret_rules = [rule for rule in role["rules"] if "secrets" in rule["resources"]]
+    assert secret_rules and all(set(rule["verbs"]) <= {"create", "get", "delete"} for rule in secret_rules)
+    assert all(rule["resources"] == ["secrets"] for rule in secret_rules)  # no other kind shares its verbs
+
+
 def test_stop_deletes_only_this_runs_objects():
     fake = FakeCluster()
     cfg = cluster_config(server={"tensor_parallel_size": 2, "startup_timeout_s": 5})
@@ -208,6 +221,7 @@ def test_stop_deletes_only_this_runs_objects():
     assert mine.stop(apps=fake, core=fake, networking=fake) is True
     assert list(fake.deployments) == [("ml", "vllm-other-run")]
     assert list(fake.policies) == [("ml", "vllm-other-run")]
+    assert [name for _, name in fake.secrets] == ["vllm-other-run-token"]  # its own Secret, by name
 
 
 @pytest.mark.parametrize(("run_id", "run_pods"), [
