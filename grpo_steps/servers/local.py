@@ -117,6 +117,8 @@ def server_environment(server_cfg: ServerConfig, *, token: str, ipc_dir: str, lo
                        base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a local server's process: ``base`` (default this process's) plus the run's token, the
     KV-cache size (``VLLM_CPU_KVCACHE_SPACE``, GiB), runtime LoRA updates with ``lora``, and where its cores are set.
+    Its temporary files (``TMPDIR``; vLLM's ``vllm_dist_*`` file store, left in the shared temporary directory
+    otherwise) go to ``ipc_dir``, the server's private directory, removed when it stops.
 
     On the CPU build (:func:`cpu_build`) the process layout follows the cores:
 
@@ -132,7 +134,8 @@ def server_environment(server_cfg: ServerConfig, *, token: str, ipc_dir: str, lo
     """
     env = dict(os.environ if base is None else base, VLLM_SERVER_DEV_MODE="1",
                VLLM_CPU_KVCACHE_SPACE=str(server_cfg.kv_cache_gib), VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1",
-               VLLM_RPC_BASE_PATH=ipc_dir)
+               VLLM_RPC_BASE_PATH=ipc_dir,
+               TMPDIR=ipc_dir)  # vLLM's torch.distributed file store (vllm_dist_*) goes there, removed at stop
     env[auth.TOKEN_ENV] = token
     if lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
