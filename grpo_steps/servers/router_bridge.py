@@ -1,5 +1,5 @@
 """vLLM's router where only the run can reach it: ``python -m grpo_steps.servers.router_bridge --host H --port P
---metrics-port M --worker URL [--worker URL ...] -- ROUTER COMMAND``.
+--metrics-port M --worker URL [--worker URL ...] -- ROUTER COMMAND`` (``--pod``: in a Kubernetes pod, see below).
 
 vllm-router 0.1.17 serves ``/add_worker``, ``/remove_worker`` and ``/workers`` to whoever reaches it and passes the
 client's ``Authorization`` header on to every worker: on a shared host (loopback is not private) anyone who adds a
@@ -18,6 +18,10 @@ bytes across, reading nothing but the first request head of a client's connectio
   loopback address (the same URL, so the router's metrics name the replicas' own URLs), else at ``127.1.0.<k+1>``
   and the same port; a listener there is relayed to the worker's real address, resolved on this side.
 - ``127.0.0.1:M`` -> the router's Prometheus metrics (read-only, no token).
+
+In a Kubernetes pod (``--pod``) the pod's network namespace is already its own: the router listens on the pod's
+loopback (:data:`ROUTER_HOST`) and reaches the replicas' Services itself; the bridge listens on the pod's
+interface and admits clients as above (the token from the run's Secret).
 
 The namespace needs root (``CLONE_NEWNET``) or unprivileged user namespaces (``CLONE_NEWUSER``); where neither is
 allowed the bridge exits with code 3 and says so. Stopping: SIGTERM to this process (or its group: the supervisor's
@@ -228,12 +232,15 @@ def admit(head: bytes, token_digest: bytes | None) -> str:
 
 
 class _Bridge:
-    def __init__(self, ctl: socket.socket, token: str | None) -> None:
+    def __init__(self, ctl: socket.socket | None, token: str | None) -> None:
         self.ctl, self.lock = ctl, threading.Lock()
         self.token_digest = hashlib.sha256(token.encode()).digest() if token else None
 
     def inside(self, port: int) -> socket.socket:
-        """A connection to ``port`` inside the router's namespace. Raises OSError when the keeper could not make it."""
+        """A connection to ``port`` inside the router's namespace (``--pod``: this pod's own loopback). Raises OSError
+        when the keeper could not make it."""
+        if self.ctl is None:
+            return socket.create_connection((ROUTER_HOST, port), timeout=10)
         with self.lock:  # one request at a time on the keeper's channel
             self.ctl.sendall(f"{port:05d}".encode())
             message, fds, _, _ = socket.recv_fds(self.ctl, 16, 1)
@@ -302,20 +309,39 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _serve_pod(public: socket.socket, metrics: socket.socket, token: str | None, router_cmd: list[str]) -> int:
+    """``--pod``: the router as a child on this pod's loopback, the bridge in front; returns the router's exit code
+    (SIGTERM, the pod's stop, is passed on to it)."""
+    env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, "VLLM_API_KEY")}
+    router = subprocess.Popen(router_cmd, env=env)
+    signal.signal(signal.SIGTERM, lambda *_: router.terminate())
+    bridge = _Bridge(None, token)
+    threading.Thread(target=_serve, args=(metrics, bridge.metrics), daemon=True).start()
+    threading.Thread(target=_serve, args=(public, bridge.client), daemon=True).start()
+    print("[router-bridge] vllm-router on this pod's loopback, reached with the run's token", flush=True)
+    return router.wait()
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(description="vllm-router in a private network namespace: ARGS -- ROUTER...")
     parser.add_argument("--host", required=True, help="where clients reach the router")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--metrics-port", type=int, required=True, help="on 127.0.0.1")
+    parser.add_argument("--metrics-port", type=int, required=True)
+    parser.add_argument("--metrics-host", default="127.0.0.1")
     parser.add_argument("--worker", action="append", default=[], help="a worker's base URL (repeat)")
+    parser.add_argument("--pod", action="store_true",
+                        help="a Kubernetes pod: its network namespace is already its own; the router listens on its "
+                             "loopback and reaches the workers itself (no namespace, no worker relays)")
     args = parser.parse_args(argv[:split])
     router_cmd = argv[split + 1:]
-    if not router_cmd or not args.worker:
+    if not router_cmd or not (args.worker or args.pod):
         parser.error("give --worker URLs and the router command after --")
     token = os.environ.get(TOKEN_ENV) or None
-    public, metrics = _listen(args.host, args.port), _listen("127.0.0.1", args.metrics_port)
+    public, metrics = _listen(args.host, args.port), _listen(args.metrics_host, args.metrics_port)
+    if args.pod:
+        sys.exit(_serve_pod(public, metrics, token, router_cmd))
     ours, theirs = socket.socketpair()
     inside = inside_addresses(args.worker)
     pid = os.fork()  # before any thread: unshare(CLONE_NEWUSER) refuses a multithreaded process

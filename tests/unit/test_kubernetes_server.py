@@ -386,13 +386,22 @@ def test_the_router_fronts_each_replica_service_in_the_flows_image_and_only_the_
                                                                        cluster.policies))
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["image"] == "registry.example/grpo:1"  # resources.train.image: vllm-router is installed there
-    assert container["command"] == ["python", "-m", "vllm_router.launch_router"]
-    flags = _flags(container["args"])
+    # vllm-router on the pod's loopback behind the bridge, which admits only the run's token (the Secret's) and never
+    # the admin routes: a pod a NetworkPolicy does not stop still cannot add a worker
+    assert container["command"] == ["python", "-m", "grpo_steps.servers.router_bridge"]
+    split = container["args"].index("--")
+    bridge, (python, dash_m, module, *router_args) = _flags(container["args"][:split]), container["args"][split + 1:]
+    assert "--pod" in bridge and (bridge["--host"], bridge["--port"]) == (["0.0.0.0"], ["8000"])
+    assert (bridge["--metrics-host"], bridge["--metrics-port"]) == (["0.0.0.0"], ["29000"])
+    assert container["env"] == [{"name": "GRPO_SERVER_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": f"vllm-{RUN_ID}-token", "key": "GRPO_SERVER_TOKEN"}}}]
+    assert (python, dash_m, module) == ("python", "-m", "vllm_router.launch_router")
+    flags = _flags(router_args)
     assert flags["--worker-urls"] == [r.endpoint for r in replicas]
     assert flags["--policy"] == [routing]
     assert flags["--health-check-interval-secs"] == ["5"]
-    assert (flags["--host"], flags["--port"]) == (["0.0.0.0"], ["8000"])
-    assert (flags["--prometheus-host"], flags["--prometheus-port"]) == (["0.0.0.0"], ["29000"])
+    assert (flags["--host"], flags["--port"]) == (["127.2.0.1"], ["8000"])  # the pod's loopback only
+    assert flags["--prometheus-host"] == ["127.2.0.1"]
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert {p["port"] for p in service["spec"]["ports"]} == {8000, 29000}
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
