@@ -143,10 +143,16 @@ def backend(job: TrainJob, tokenizer, rows: list[dict]) -> tuple[type, dict]:
             raise ConfigError(f"{COLOCATE_NEEDS_GPU} (this machine has no CUDA device)")
         colocate_environment(cfg)
     elif gen.backend == "vllm" and gen.weight_sync == "disk":
+        import dataclasses
+
+        from transformers import AutoConfig
+
         from grpo_steps.training.generation.server import server_settings
         from grpo_steps.training.trainer import ServerGRPOTrainer
 
-        client = job.generation_server().client()
+        # sampled ids past the policy's vocabulary are a lying (or hijacked) server's: refused by the client
+        vocab_size = getattr(AutoConfig.from_pretrained(job.model_path), "vocab_size", None)
+        client = dataclasses.replace(job.generation_server().client(), vocab_size=vocab_size)
         return ServerGRPOTrainer, {"server": server_settings(cfg, client, tokenizer, rows[0]["prompt"],
                                                              job.output_dir)}
     elif gen.backend == "recorded":
