@@ -232,6 +232,31 @@ def parse_reference(reference: str) -> Reference:
     return Reference(reference, "key")
 
 
+def _load_gang(ref: Reference, run, saved_nodes: int) -> str:
+    """The checkpoints every node of ``run``'s gang (``saved_nodes`` nodes) saved of their newest common step, loaded
+    into ``node<i>/`` of this task's checkpoint directory and merged into ``merged/``
+    (:func:`grpo_steps.elastic.merge_node_checkpoints`), for a gang of another number of nodes.
+
+    Raises:
+        CheckpointNotFound: a node of that gang saved no checkpoint.
+    """
+    from metaflow import current
+
+    from grpo_steps.elastic import merge_node_checkpoints
+
+    root = Path(current.checkpoint.directory)
+    loaded = []
+    for node in range(saved_nodes):
+        newest = ref.newest_of_node(run, node)
+        print(f"[checkpoint] loading node {node}'s step {newest['metadata']['global_step']} of run {ref.text} "
+              f"(saved by {saved_nodes} nodes)", flush=True)
+        current.checkpoint.load(newest, path=str(root / f"node{node}"))
+        loaded.append(trainer_checkpoint_in(root / f"node{node}"))
+    if not all(loaded):
+        raise CheckpointNotFound(f"train.resume_from {ref.text!r}: a node's checkpoint holds no trainer state")
+    return merge_node_checkpoints(loaded, root / "merged")
+
+
 def _not_a_reference(reference: str, err: BaseException) -> CheckpointNotFound:
     return CheckpointNotFound(f"train.resume_from {reference!r} is not a directory, a 'FlowName/run_id' pathspec or "
                               f"a checkpoint key in this datastore ({type(err).__name__}: {err})")
@@ -250,7 +275,11 @@ def resolve_reference(reference: str, node_index: int) -> str:
         print(f"[checkpoint] resuming from local directory {ref.path}", flush=True)
         return ref.path
     if ref.kind == "run":
-        newest = ref.newest_of_node(ref.run(), node_index)
+        run = ref.run()
+        saved_nodes = gang_size_of_run(run)
+        if saved_nodes != this_gang_size():  # a resize: every saved node's partitions, in one checkpoint
+            return _load_gang(ref, run, saved_nodes)
+        newest = ref.newest_of_node(run, node_index)
         return _load(newest, f"step {newest['metadata']['global_step']} of run {reference}")
     try:
         return _load(reference, f"checkpoint key {reference}")
@@ -265,7 +294,8 @@ def check_reference(reference: str, num_nodes: int = 1) -> str:
     starts); returns what it names, for the log.
 
     A directory must hold a trainer checkpoint; a ``FlowName/run_id`` pathspec must name a run of this
-    datastore and namespace whose ``train`` step saved a checkpoint for each of the ``num_nodes`` nodes;
+    datastore and namespace whose ``train`` step saved a checkpoint of a common step for each of its gang's nodes
+    (``num_nodes``: this run's, which may differ: :mod:`grpo_steps.elastic`);
     anything else must be a checkpoint key whose metadata is in the datastore.
 
     Raises:
@@ -276,8 +306,10 @@ def check_reference(reference: str, num_nodes: int = 1) -> str:
         return f"local directory {ref.path}"
     if ref.kind == "run":
         run = ref.run()
-        steps = [ref.newest_of_node(run, node)["metadata"]["global_step"] for node in range(num_nodes)]
-        return f"run {reference}, step {steps[0]}" + (f" (nodes: {steps})" if num_nodes > 1 else "")
+        saved_nodes = gang_size_of_run(run)  # the saving gang's nodes; this run's may differ (an elastic resume)
+        steps = [ref.newest_of_node(run, node)["metadata"]["global_step"] for node in range(saved_nodes)]
+        return f"run {reference}, step {steps[0]}" + (f" (nodes: {steps})" if saved_nodes > 1 else "") + \
+            (f", saved by {saved_nodes} nodes, continued on {num_nodes}" if saved_nodes != num_nodes else "")
     from metaflow_extensions.obcheckpoint.plugins.machine_learning_utilities.datastructures import (
         CheckpointArtifact,
     )

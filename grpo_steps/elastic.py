@@ -226,3 +226,27 @@ def prepare_resume(checkpoint: str | os.PathLike, new: Gang) -> ResumePlan | Non
     seconds = to_universal(checkpoint) if universal else None
     spread_rng_states(checkpoint, new.world_size)
     return ResumePlan(step, saved, new, universal, seconds)
+
+
+def merge_node_checkpoints(node_checkpoints: list[str | os.PathLike], target: str | os.PathLike) -> str:
+    """One trainer checkpoint at ``target`` from the checkpoints each node of a gang saved of the same step (node
+    order): node 0's files, plus every other node's ZeRO partitions (``global_stepN/``) and per-process RNG states,
+    which each node holds only for its own processes. A gang of another number of nodes resumes from it
+    (:func:`prepare_resume` converts the partitions together). Returns ``target``.
+
+    Raises:
+        ResumeRefused: the nodes saved different steps.
+    """
+    sources = [Path(p) for p in node_checkpoints]
+    steps = {json.loads((p / "trainer_state.json").read_text())["global_step"] for p in sources}
+    if len(steps) != 1:
+        raise ResumeRefused(f"the nodes' checkpoints {[str(p) for p in sources]} hold different steps {sorted(steps)}")
+    target = Path(target)
+    shutil.copytree(sources[0], target, dirs_exist_ok=True)
+    for source in sources[1:]:
+        for path in [*source.glob("global_step*/*"), *source.glob("rng_state_*.pth")]:
+            destination = target / path.relative_to(source)
+            if not destination.exists():  # a rank's own file is in one node's checkpoint only
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, destination)
+    return str(target)

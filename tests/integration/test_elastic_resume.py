@@ -13,12 +13,15 @@ consecutive steps differ by 10-30 %.
 import json
 import math
 import shutil
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from grpo_steps.config import validate_config
 from grpo_steps.data import prepare
-from grpo_steps.elastic import GANG_FILE, ResumeRefused, read_gang
+from grpo_steps.elastic import GANG_FILE, ResumeRefused, merge_node_checkpoints, read_gang
 from grpo_steps.launch import launch
 from grpo_steps.training.cursor import CURSOR_FILE, PROMPTS_LOG
 from grpo_steps.training.job import TrainJob
@@ -31,10 +34,10 @@ ROWS_PER_STEP = 8  # completions per optimizer step over all processes: 2 prompt
 
 
 def _job(workdir, model_path, rows, replay: str, processes: int, deepspeed: bool, resume_from=None,
-         max_steps: int = STEPS, tracking: dict | None = None, **train) -> TrainJob:
+         max_steps: int = STEPS, tracking: dict | None = None, nodes: int = 1, **train) -> TrainJob:
     config = flow_config(train={"max_steps": max_steps, "save_steps": KILL_AT, "processes_per_node": processes,
-                                "deepspeed": deepspeed, "trust_checkpoint": True,
-                                "per_device_train_batch_size": ROWS_PER_STEP // processes, **train},
+                                "num_nodes": nodes, "deepspeed": deepspeed, "trust_checkpoint": True,
+                                "per_device_train_batch_size": ROWS_PER_STEP // (processes * nodes), **train},
                          tracking=tracking or {})
     config["generation"].update(backend="replay", replay_file=replay)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -61,12 +64,31 @@ def data(tmp_path_factory, tiny_tokenizer):
     return root, rows, replay_file(root / "replay.jsonl", rows)
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
-def reference(data, tiny_model_path):
-    """The uninterrupted run: 2 processes under ZeRO-3, 4 steps, a checkpoint at 2 and 4."""
+def gang(data, tiny_model_path) -> list:
+    """The uninterrupted run: a simulated gang of 2 nodes x 1 process under ZeRO-3 (one launcher per node, each in
+    its own directory, as the flow's ``@parallel`` nodes run them), 4 steps, checkpoints at 2 and 4. Its nodes'
+    directories; node 0's holds the log."""
     root, rows, replay = data
-    launch(_job(root / "reference", tiny_model_path, rows, replay, processes=2, deepspeed=True))
-    return root / "reference"
+    nodes = [root / f"node{i}" for i in range(2)]
+    jobs = [_job(d, tiny_model_path, rows, replay, processes=1, deepspeed=True, nodes=2).model_copy(
+        update={"node_index": i}) for i, d in enumerate(nodes)]
+    port = _free_port()
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        for running in [pool.submit(launch, job, node_index=i, main_port=port) for i, job in enumerate(jobs)]:
+            running.result()
+    return nodes
+
+
+@pytest.fixture(scope="module")
+def reference(gang):
+    return gang[0]
 
 
 def _assert_continues(resumed: dict[int, dict], reference: dict[int, dict]) -> None:
@@ -92,12 +114,18 @@ def _assert_prompts_continue(resumed_dir, reference_dir) -> None:
     assert len(trained) == len(set(trained)) == STEPS * ROWS_PER_STEP // 4
 
 
-def test_zero3_on_two_processes_resumed_on_one(data, reference, tiny_model_path, tmp_path, capsys):
+def test_a_two_node_zero3_gang_resumed_on_one_process(data, gang, tiny_model_path, tmp_path, capsys):
+    """The gang's step-2 checkpoints (each node's: its own ZeRO-3 partition, as a gang killed after them leaves them)
+    merged into one and continued by one process: converted once to a Universal Checkpoint kept beside it."""
     root, rows, replay = data
-    checkpoint = tmp_path / "checkpoint-2"
-    shutil.copytree(reference / "out" / f"checkpoint-{KILL_AT}", checkpoint)  # as a killed run left it
-    saved = read_gang(checkpoint)
-    assert (saved.num_nodes, saved.processes_per_node, saved.zero_stage) == (1, 2, 3)
+    reference = gang[0]
+    saved = [node / "out" / f"checkpoint-{KILL_AT}" for node in gang]
+    for rank, node_checkpoint in enumerate(saved):  # each node holds only its own rank's partition
+        assert [p.name[:15] for p in (node_checkpoint / f"global_step{KILL_AT}").glob("*optim_states.pt")] == \
+               [f"zero_pp_rank_{rank}_"]
+    checkpoint = Path(merge_node_checkpoints(saved, tmp_path / "checkpoint-2"))
+    gang_saved = read_gang(checkpoint)
+    assert (gang_saved.num_nodes, gang_saved.processes_per_node, gang_saved.zero_stage) == (2, 1, 3)
     assert json.loads((checkpoint / CURSOR_FILE).read_text())["consumed"]  # the prompts of steps 1-2, by id
     from mlflow import MlflowClient
 
@@ -108,11 +136,11 @@ def test_zero3_on_two_processes_resumed_on_one(data, reference, tiny_model_path,
                resume_from=str(checkpoint), tracking={"tracking_uri": uri})
     launch(job.model_copy(update={"mlflow_run_id": run_id}))
     out = capsys.readouterr().out
-    assert f"[checkpoint] resuming step {KILL_AT} saved by 1 node x 2 processes on 1 node x 1 process " \
+    assert f"[checkpoint] resuming step {KILL_AT} saved by 2 nodes x 1 process on 1 node x 1 process " \
            "(universal conversion " in out, out[-3000:]
     tags = client.get_run(run_id).data.tags
     assert (tags["resume/saved_gang"], tags["resume/gang"], tags["resume/universal"]) == \
-           ("1 node x 2 processes", "1 node x 1 process", "true")
+           ("2 nodes x 1 process", "1 node x 1 process", "true")
     assert float(tags["resume/universal_conversion_s"]) > 0
     assert (checkpoint / "latest_universal").read_text() == f"global_step{KILL_AT}_universal"  # kept beside it
     _assert_continues(_steps(tmp_path / "resumed"), _steps(reference))
