@@ -123,6 +123,20 @@ def refusal(saved: Gang, new: Gang) -> str | None:
     return None
 
 
+def saved_world_size(checkpoint: str | os.PathLike) -> int | None:
+    """Processes that saved a checkpoint, from its files (for checkpoints without :data:`GANG_FILE`): ZeRO partitions
+    (one ``zero_pp_rank_<r>_*optim_states.pt`` per process), else per-process RNG states (``rng_state_<i>.pth``; one
+    ``rng_state.pth`` for a single process); None when neither tells (a node's share of a multi-node gang holds only
+    its own processes' files, so this counts them only)."""
+    checkpoint = Path(checkpoint)
+    tag = zero_tag(checkpoint)
+    ranks = len(list((checkpoint / tag).glob("zero_pp_rank_*optim_states.pt"))) if tag else 0
+    if ranks:
+        return ranks
+    states = len(list(checkpoint.glob("rng_state_*.pth")))
+    return states or (1 if (checkpoint / "rng_state.pth").exists() else None)
+
+
 def zero_tag(checkpoint: Path) -> str | None:
     """The ZeRO checkpoint tag (``global_stepN``) in a trainer checkpoint, or None without DeepSpeed files."""
     latest = checkpoint / "latest"
@@ -215,6 +229,12 @@ def prepare_resume(checkpoint: str | os.PathLike, new: Gang) -> ResumePlan | Non
     checkpoint = Path(checkpoint)
     saved = read_gang(checkpoint)
     if saved is None:
+        world = saved_world_size(checkpoint)
+        # a single node's checkpoint holds every process's files; a node's share of a gang its own processes' only
+        if world not in (None, new.world_size, new.processes_per_node):
+            raise ResumeRefused(f"cannot resume {checkpoint} on {new.world_size} processes: it was saved by {world} "
+                                f"processes before checkpoints recorded their gang ({GANG_FILE}), so it can be "
+                                f"continued only by {world} processes (train.num_nodes x train.processes_per_node)")
         return None
     reason = refusal(saved, new)
     if reason:

@@ -116,3 +116,15 @@ def test_each_new_process_gets_process_0s_rng_state(tmp_path):
     spread_rng_states(tmp_path, 3)  # -> 3: process 2 has no saved stream: process 0's; 1 keeps its own
     assert (tmp_path / "rng_state_2.pth").read_bytes() == (tmp_path / "rng_state_0.pth").read_bytes()
     assert (tmp_path / "rng_state_1.pth").read_bytes() != (tmp_path / "rng_state_0.pth").read_bytes()
+
+
+def test_a_checkpoint_without_its_gang_resumes_only_on_its_own_size(tmp_path):
+    from grpo_steps.elastic import ResumeRefused, prepare_resume
+
+    (tmp_path / "trainer_state.json").write_text('{"global_step": 2}')
+    for i in (0, 1):  # saved by two processes before checkpoints recorded their gang
+        (tmp_path / f"rng_state_{i}.pth").write_bytes(b"")
+    assert prepare_resume(tmp_path, Gang(1, 2, 0, "m", None, "adamw_torch", 2)) is None  # as before: resumed as is
+    with pytest.raises(ResumeRefused, match="saved by 2 processes before checkpoints recorded their gang"):
+        prepare_resume(tmp_path, Gang(1, 1, 0, "m", None, "adamw_torch", 2))
+    assert prepare_resume(tmp_path, Gang(2, 2, 0, "m", None, "adamw_torch", 2)) is None  # a node's share of 2 x 2
