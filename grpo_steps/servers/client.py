@@ -86,8 +86,9 @@ def _session(pool: int = 10) -> requests.Session:
     return session
 
 
-def _cut(holder: list) -> None:
+def _cut(holder: list, cut: threading.Event) -> None:
     """End the connection(s) in ``holder`` (a request past its deadline): its blocked read returns at once."""
+    cut.set()
     for conn in holder:
         sock = getattr(conn, "sock", None)
         if sock is not None:
@@ -291,15 +292,15 @@ class VLLMClient:
         """One request with a total deadline of ``timeout_s`` seconds, body included: a server that trickles bytes
         (each read within the socket timeout) has its connection cut at the deadline."""
         holder: list = []
+        cut = threading.Event()
         _in_flight.holder = holder
-        deadline = threading.Timer(self.timeout_s, _cut, args=(holder,))
+        deadline = threading.Timer(self.timeout_s, _cut, args=(holder, cut))
         deadline.daemon = True
         deadline.start()
-        started = time.monotonic()
         try:
             response = self._http.request(method, f"{self.endpoint}{path}", timeout=self.timeout_s, **kwargs)
         except requests.RequestException as err:
-            if time.monotonic() - started >= self.timeout_s:
+            if cut.is_set():
                 raise GenerationServerError(f"vLLM server {self.endpoint} gave no complete answer on {path} within "
                                             f"{self.timeout_s:.0f} s (a server that trickles its answer)") from err
             raise GenerationServerError(f"vLLM server {self.endpoint} unreachable on {path}: {err}") from err

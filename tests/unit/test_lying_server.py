@@ -134,7 +134,7 @@ def test_a_server_that_trickles_bytes_is_cut_at_the_total_deadline(in_head):
     started = time.monotonic()
     with pytest.raises(GenerationServerError, match="no complete answer"):
         client.complete([[1, 2]], 1, max_tokens=2, temperature=1.0)
-    assert time.monotonic() - started < 6.0
+    assert time.monotonic() - started < 10.0  # 2 s, with room for a loaded machine
     server.stop.set()
 
 
