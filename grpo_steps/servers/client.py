@@ -378,6 +378,21 @@ class VLLMClient:
         common label; GenerationServerError when they differ."""
         return str(self._request("GET", "/weight_info").json()["weight_version"])
 
+    def check_weight_version(self, label: str) -> None:
+        """Raise unless the server (every replica) serves the weights labelled ``label`` (set by
+        :meth:`set_weight_version` after the reload): a replica restarted since then (a Kubernetes pod, on its start-up
+        weights, labelled ``default``) or a server that did not take the reload fails here, before its answers are
+        scored. A label is not a checksum: the training pushes' probe check stays the stronger proof.
+
+        Raises:
+            GenerationServerError: another label, or replicas that disagree (naming each replica's).
+        """
+        served = self.weight_version()
+        if served != label:
+            raise GenerationServerError(f"the generation server {self.endpoint} serves the weights labelled "
+                                        f"{served!r}, not {label!r}: it restarted or did not take the reload; "
+                                        "evaluate again")
+
     @on_every_replica(_slowest)
     def load_lora_adapter(self, name: str, path: str | Path) -> float:
         """Load the PEFT adapter directory ``path`` under the model name ``name`` (vLLM's runtime LoRA loading,
