@@ -86,8 +86,9 @@ def _session(pool: int = 10) -> requests.Session:
     return session
 
 
-def _cut(holder: list) -> None:
+def _cut(holder: list, cut: threading.Event) -> None:
     """End the connection(s) in ``holder`` (a request past its deadline): its blocked read returns at once."""
+    cut.set()
     for conn in holder:
         sock = getattr(conn, "sock", None)
         if sock is not None:
@@ -291,15 +292,15 @@ class VLLMClient:
         """One request with a total deadline of ``timeout_s`` seconds, body included: a server that trickles bytes
         (each read within the socket timeout) has its connection cut at the deadline."""
         holder: list = []
+        cut = threading.Event()
         _in_flight.holder = holder
-        deadline = threading.Timer(self.timeout_s, _cut, args=(holder,))
+        deadline = threading.Timer(self.timeout_s, _cut, args=(holder, cut))
         deadline.daemon = True
         deadline.start()
-        started = time.monotonic()
         try:
             response = self._http.request(method, f"{self.endpoint}{path}", timeout=self.timeout_s, **kwargs)
         except requests.RequestException as err:
-            if time.monotonic() - started >= self.timeout_s:
+            if cut.is_set():
                 raise GenerationServerError(f"vLLM server {self.endpoint} gave no complete answer on {path} within "
                                             f"{self.timeout_s:.0f} s (a server that trickles its answer)") from err
             raise GenerationServerError(f"vLLM server {self.endpoint} unreachable on {path}: {err}") from err
@@ -376,6 +377,21 @@ class VLLMClient:
         """The server's current weight label (``/weight_info``; ``"default"`` until one is set). With replicas: their
         common label; GenerationServerError when they differ."""
         return str(self._request("GET", "/weight_info").json()["weight_version"])
+
+    def check_weight_version(self, label: str) -> None:
+        """Raise unless the server (every replica) serves the weights labelled ``label`` (set by
+        :meth:`set_weight_version` after the reload): a replica restarted since then (a Kubernetes pod, on its start-up
+        weights, labelled ``default``) or a server that did not take the reload fails here, before its answers are
+        scored. A label is not a checksum: the training pushes' probe check stays the stronger proof.
+
+        Raises:
+            GenerationServerError: another label, or replicas that disagree (naming each replica's).
+        """
+        served = self.weight_version()
+        if served != label:
+            raise GenerationServerError(f"the generation server {self.endpoint} serves the weights labelled "
+                                        f"{served!r}, not {label!r}: it restarted or did not take the reload; "
+                                        "evaluate again")
 
     @on_every_replica(_slowest)
     def load_lora_adapter(self, name: str, path: str | Path) -> float:
