@@ -238,9 +238,18 @@ AT_A_GLANCE = {
     "eval_during/pass@1": "at_a_glance/held_out_pass@1",
     "eval_during/accuracy": "at_a_glance/held_out_accuracy",
 }
-"""Curves a reviewer looks at first, logged a second time under ``at_a_glance/`` by :class:`TrackingQueue`: MLflow's
-run page groups charts by the prefix before ``/`` and orders the groups by name (3.17: ``checkpoint``, ``clip_ratio``,
+"""Curves a reviewer looks at first, logged a second time under ``at_a_glance/`` (:func:`with_glance`): MLflow's run
+page groups charts by the prefix before ``/`` and orders the groups by name (3.17: ``checkpoint``, ``clip_ratio``,
 ``completions``, ...), so this group comes first, before TRL's and the pipeline's many others."""
+
+
+def with_glance(metrics: dict[str, float]) -> dict[str, float]:
+    """``metrics`` and a copy of each of :data:`AT_A_GLANCE`'s under its ``at_a_glance/`` name.
+
+    >>> with_glance({"reward": 0.5, "loss": 0.1})
+    {'reward': 0.5, 'loss': 0.1, 'at_a_glance/reward': 0.5}
+    """
+    return {**metrics, **{AT_A_GLANCE[k]: v for k, v in metrics.items() if k in AT_A_GLANCE}}
 
 
 def mlflow_name(key: str) -> str:
@@ -431,7 +440,6 @@ class TrackingQueue:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = {**metrics, **{AT_A_GLANCE[k]: v for k, v in metrics.items() if k in AT_A_GLANCE}}
         self._queue([Metric(mlflow_name(k), float(v), now, step) for k, v in metrics.items()])
 
     def log_table(self, table: dict[str, list], artifact_file: str) -> None:

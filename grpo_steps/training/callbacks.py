@@ -16,6 +16,7 @@ from transformers import TrainerCallback
 
 from grpo_steps import trl_hooks
 from grpo_steps.checkpoints import checkpoint_bytes, checkpoint_name, mark_latest_zero_tag, steps_to_prune
+from grpo_steps.tracking import with_glance
 from grpo_steps.weight_files import require_space
 from rewards import guard
 
@@ -134,7 +135,7 @@ class MLflowMetricsCallback(TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return control
         numeric = {k: float(v) for k, v in logs.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-        self.log({**numeric, self.WATERMARK: state.global_step}, state.global_step)
+        self.log({**with_glance(numeric), self.WATERMARK: state.global_step}, state.global_step)
         return control
 
 
