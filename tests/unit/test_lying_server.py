@@ -2,48 +2,26 @@
 case says (a worker someone else put behind the router, and the other lies of an answer). Each lie must end in a
 :class:`GenerationServerError` that says what is wrong, never in rollouts."""
 
-import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from grpo_steps.servers.client import GenerationServerError, VLLMClient
+from tests.json_server import JSONServer
 
 
-class Liar(ThreadingHTTPServer):
+class Liar(JSONServer):
     """Answers ``answers[path]`` (a dict as JSON) to any request of ``path``; records each request's headers."""
 
-    daemon_threads = True
-
     def __init__(self, answers: dict[str, dict]) -> None:
-        self.answers, self.headers_seen = answers, []
-        liar = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _answer(self) -> None:
-                self.rfile.read(int(self.headers.get("content-length") or 0))
-                liar.headers_seen.append({k.lower(): v for k, v in self.headers.items()})
-                body = json.dumps(liar.answers.get(self.path.split("?")[0], {})).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            do_GET = do_POST = _answer
-
-            def log_message(self, *args) -> None:
-                pass
-
-        super().__init__(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        self.answers = answers
+        super().__init__(lambda path: self.answers.get(path, {}))
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
+    def headers_seen(self) -> list[dict]:
+        return [headers for _, _, headers in self.seen]
 
 
 def _models(*names: str) -> dict:

@@ -3,12 +3,9 @@ network namespace behind :mod:`grpo_steps.servers.router_bridge`, in front of tw
 record what they receive. Another user (a process running as ``nobody``) adds a worker of its own: it must get
 neither a request nor the run's token, while the run's own requests reach the run's workers."""
 
-import json
 import os
 import pwd
 import subprocess
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import psutil
 import pytest
@@ -17,42 +14,17 @@ import requests
 from grpo_steps.config import validate_config
 from grpo_steps.processes import ProcessRef
 from grpo_steps.servers.router import requests_per_replica, start_router
+from tests.json_server import JSONServer
 
 TOKEN = "run-token-for-the-bridge-test"
 
 
-class _Recorder(ThreadingHTTPServer):
+class _Recorder(JSONServer):
     """A stand-in worker on 127.0.0.1 that records every request (path, headers) and answers as a replica."""
 
-    daemon_threads = True
-
     def __init__(self, name: str) -> None:
-        self.name, self.seen = name, []
-        recorder = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _answer(self) -> None:
-                length = int(self.headers.get("content-length") or 0)
-                self.rfile.read(length)
-                recorder.seen.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
-                body = json.dumps({"model": recorder.name, "choices": []}).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            do_GET = do_POST = _answer
-
-            def log_message(self, *args) -> None:
-                pass
-
-        super().__init__(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
+        self.name = name
+        super().__init__(lambda path: {"model": name, "choices": []})
 
     def requests_but_health(self) -> list:
         return [seen for seen in self.seen if seen[1] != "/health"]
