@@ -239,8 +239,9 @@ def test_retain_keeps_what_rebuilds_the_kept_versions(client, s3, prefix):
     for version, state in enumerate(states, start=1):
         writer.publish(state, version)
         writer.commit(version)
-    writer._committed = None  # the publisher's own baseline (6) aside: only what is asked for is kept
-    assert writer.retain([5]) == [1, 2, 3, 6]  # 5 needs its anchor 4
+    assert writer.retain([5]) == [1, 2, 3]  # 5 needs its anchor 4; the publisher keeps its baseline 6 too
+    assert _chain(client, s3, prefix).versions() == [4, 5, 6]
+    assert _chain(client, s3, prefix).retain([5]) == [6]  # another object has no baseline: only what is asked for
     assert _chain(client, s3, prefix).versions() == [4, 5]
     assert _same_bits(_chain(client, s3, prefix).fetch(5), states[4])
 
