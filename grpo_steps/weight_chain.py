@@ -16,12 +16,14 @@ offset and length in that object. The XOR is taken on the weights as served, in 
 did not move has an all-zero XOR, which zstd packs to almost nothing; one that moved a little shares its sign, exponent
 and high mantissa bits with the base, so its XOR has leading zeros too.
 
-Encoding, measured on consecutive optimizer steps of SmolLM2-135M (``bench/weight_delta.py``, docs/benchmarks.md,
-2-core CPU box, 2026-11-27): see the table there. In bf16 about 99 % of the elements are bit-identical from one step
-to the next: XOR+zstd stores the changed ones at ~1-2 bytes each with their positions implicit, where index/value pairs
-cost 4 bytes of index + 2 of value per change (3x more at this density), and in fp32, where nearly every element
-moves, index/value pairs are larger than the tensor itself while the XOR still drops the shared high bits. XOR+zstd is
-never larger than zstd of the tensor by more than a frame header, and needs no density threshold.
+Encoding, measured on the 30 optimizer steps of a real run of SmolLM2-135M on ``configs/local.yaml``
+(``bench/weight_delta.py``, docs/benchmarks.md, 2-core CPU box, 2026-11-27): in bf16 a median 1.4 % of the elements
+change per step and a XOR+zstd delta is a median 2.4 % of the anchor's bytes (5.0 MB vs 210 MB; 10 % after the first
+step, 0.5 % after the last); in fp32 99.6 % change and a delta is 57 % of the anchor (the XOR still drops the shared
+high bits). Index/value pairs cost 4 bytes of index plus the value per changed element: at the measured densities
+1.37 % x 6 B / 2 B = 4.1 % of the raw bf16 bytes (11 MB, vs 5.0 MB for XOR+zstd, which leaves positions implicit in
+runs of zeros) and 99.6 % x 8 B / 4 B = 199 % of the raw fp32 bytes (vs 49 %).
+XOR+zstd also needs no density threshold to switch encodings.
 
 Readers follow ``base`` links from the wanted version back to its anchor (or to the version their local copy holds)
 and apply forward, checking every tensor's SHA-256 after apply; a version whose manifest is absent does not exist, so a
