@@ -16,6 +16,7 @@ start fast. The training process's callbacks are in :mod:`grpo_steps.training.ca
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -75,13 +76,76 @@ class CheckpointNotFound(ValueError):
     """A checkpoint reference (``train.resume_from``) that names nothing usable; the message says why."""
 
 
-def _newest_of_run(run, node_index: int) -> dict | None:
-    """Newest checkpoint (by global step) saved by ``node_index`` in the ``train`` step of ``run``."""
+def newest_common_step(saved: Mapping[int, Iterable[int]], num_nodes: int) -> int | None:
+    """The newest global step that every node ``0..num_nodes-1`` of a gang saved (``saved``: node -> its saved
+    steps), or None. A gang resumes there, every node together: a node's newer checkpoint without its partners'
+    cannot be resumed (ZeRO-3 partitions, per-node trainer state), and nodes that restart from different steps
+    train different weights.
+
+    >>> newest_common_step({0: [2, 4, 6], 1: [2, 4]}, 2)  # killed between node 0's and node 1's save of step 6
+    4
+    >>> newest_common_step({0: [2], 1: []}, 2) is None, newest_common_step({0: [2, 4]}, 1)
+    (True, 4)
+    """
+    steps = [set(saved.get(node, ())) for node in range(num_nodes)]
+    common = set.intersection(*steps) if steps else set()
+    return max(common) if common else None
+
+
+def steps_to_prune(saved: Mapping[int, Iterable[int]], node_index: int, keep: int, num_nodes: int) -> list[int]:
+    """The saved steps of node ``node_index`` that ``train.save_total_limit`` (``keep``) lets it delete: those older
+    than its newest ``keep`` and older than :func:`newest_common_step` of the gang (that step is where every node
+    resumes; a newer one may still become it, while a partner's save is under way). Until every node saved one step,
+    nothing is deleted. Newest first.
+
+    >>> steps_to_prune({0: [2, 4, 6], 1: [2, 4]}, 0, keep=1, num_nodes=2)  # node 1 has not saved 6 yet: keep 4
+    [2]
+    >>> steps_to_prune({0: [2, 4, 6], 1: [2, 4, 6]}, 0, keep=1, num_nodes=2)
+    [4, 2]
+    """
+    common = newest_common_step(saved, num_nodes)
+    mine = sorted(set(saved.get(node_index, ())), reverse=True)
+    return [step for step in mine[keep:] if common is not None and step < common]
+
+
+def _saved_by_node(list_node, num_nodes: int) -> dict[int, dict[int, dict]]:
+    """``{node: {global step: checkpoint}}`` of nodes ``0..num_nodes-1``; ``list_node(name)`` lists a node's
+    checkpoints by its :func:`checkpoint_name` (the nodes of a gang share one checkpoint scope, so each node sees the
+    others' saves)."""
+    return {node: {c["metadata"]["global_step"]: c for c in list_node(checkpoint_name(node))}
+            for node in range(num_nodes)}
+
+
+def _newest_common_checkpoint(saved: dict[int, dict[int, dict]], node_index: int, num_nodes: int) -> dict | None:
+    """Node ``node_index``'s checkpoint at the gang's :func:`newest_common_step`, or None when there is none; says
+    so when a node saved a newer step that the gang cannot use (it died before its partners saved theirs)."""
+    step = newest_common_step({node: list(steps) for node, steps in saved.items()}, num_nodes)
+    if step is None:
+        return None
+    newer = {node: max(steps) for node, steps in saved.items() if steps and max(steps) > step}
+    if newer:
+        print(f"[checkpoint] step {step} is the newest that all {num_nodes} nodes saved; newer saves of one node "
+              f"only are not used: {newer} (node: step)", flush=True)
+    return saved[node_index].get(step)
+
+
+def gang_size_of_run(run) -> int:
+    """Nodes of the ``train`` gang of ``run`` (one Metaflow task per node of a ``@parallel`` step)."""
+    return len(list(run["train"]))
+
+
+def _newest_of_run(run, node_index: int, num_nodes: int | None = None) -> dict | None:
+    """Node ``node_index``'s checkpoint at the newest step that every node of the ``train`` gang of ``run`` saved
+    (``num_nodes``: that gang's size; None: counted from the run)."""
     from metaflow import Checkpoint
 
-    name = checkpoint_name(node_index)
-    saved = {c["key"]: c for task in run["train"] for c in Checkpoint().list(task=task, name=name)}.values()
-    return max(saved, key=lambda c: c["metadata"]["global_step"]) if saved else None
+    num_nodes = gang_size_of_run(run) if num_nodes is None else num_nodes
+    tasks = list(run["train"])
+
+    def list_node(name: str) -> list[dict]:
+        return list({c["key"]: c for task in tasks for c in Checkpoint().list(task=task, name=name)}.values())
+
+    return _newest_common_checkpoint(_saved_by_node(list_node, num_nodes), node_index, num_nodes)
 
 
 def _load(reference, what: str) -> str:
@@ -168,6 +232,31 @@ def parse_reference(reference: str) -> Reference:
     return Reference(reference, "key")
 
 
+def _load_gang(ref: Reference, run, saved_nodes: int) -> str:
+    """The checkpoints every node of ``run``'s gang (``saved_nodes`` nodes) saved of their newest common step, loaded
+    into ``node<i>/`` of this task's checkpoint directory and merged into ``merged/``
+    (:func:`grpo_steps.elastic.merge_node_checkpoints`), for a gang of another number of nodes.
+
+    Raises:
+        CheckpointNotFound: a node of that gang saved no checkpoint.
+    """
+    from metaflow import current
+
+    from grpo_steps.elastic import merge_node_checkpoints
+
+    root = Path(current.checkpoint.directory)
+    loaded = []
+    for node in range(saved_nodes):
+        newest = ref.newest_of_node(run, node)
+        print(f"[checkpoint] loading node {node}'s step {newest['metadata']['global_step']} of run {ref.text} "
+              f"(saved by {saved_nodes} nodes)", flush=True)
+        current.checkpoint.load(newest, path=str(root / f"node{node}"))
+        loaded.append(trainer_checkpoint_in(root / f"node{node}"))
+    if not all(loaded):
+        raise CheckpointNotFound(f"train.resume_from {ref.text!r}: a node's checkpoint holds no trainer state")
+    return merge_node_checkpoints(loaded, root / "merged")
+
+
 def _not_a_reference(reference: str, err: BaseException) -> CheckpointNotFound:
     return CheckpointNotFound(f"train.resume_from {reference!r} is not a directory, a 'FlowName/run_id' pathspec or "
                               f"a checkpoint key in this datastore ({type(err).__name__}: {err})")
@@ -186,7 +275,11 @@ def resolve_reference(reference: str, node_index: int) -> str:
         print(f"[checkpoint] resuming from local directory {ref.path}", flush=True)
         return ref.path
     if ref.kind == "run":
-        newest = ref.newest_of_node(ref.run(), node_index)
+        run = ref.run()
+        saved_nodes = gang_size_of_run(run)
+        if saved_nodes != this_gang_size():  # a resize: every saved node's partitions, in one checkpoint
+            return _load_gang(ref, run, saved_nodes)
+        newest = ref.newest_of_node(run, node_index)
         return _load(newest, f"step {newest['metadata']['global_step']} of run {reference}")
     try:
         return _load(reference, f"checkpoint key {reference}")
@@ -201,7 +294,8 @@ def check_reference(reference: str, num_nodes: int = 1) -> str:
     starts); returns what it names, for the log.
 
     A directory must hold a trainer checkpoint; a ``FlowName/run_id`` pathspec must name a run of this
-    datastore and namespace whose ``train`` step saved a checkpoint for each of the ``num_nodes`` nodes;
+    datastore and namespace whose ``train`` step saved a checkpoint of a common step for each of its gang's nodes
+    (``num_nodes``: this run's, which may differ: :mod:`grpo_steps.elastic`);
     anything else must be a checkpoint key whose metadata is in the datastore.
 
     Raises:
@@ -212,8 +306,10 @@ def check_reference(reference: str, num_nodes: int = 1) -> str:
         return f"local directory {ref.path}"
     if ref.kind == "run":
         run = ref.run()
-        steps = [ref.newest_of_node(run, node)["metadata"]["global_step"] for node in range(num_nodes)]
-        return f"run {reference}, step {steps[0]}" + (f" (nodes: {steps})" if num_nodes > 1 else "")
+        saved_nodes = gang_size_of_run(run)  # the saving gang's nodes; this run's may differ (an elastic resume)
+        steps = [ref.newest_of_node(run, node)["metadata"]["global_step"] for node in range(saved_nodes)]
+        return f"run {reference}, step {steps[0]}" + (f" (nodes: {steps})" if saved_nodes > 1 else "") + \
+            (f", saved by {saved_nodes} nodes, continued on {num_nodes}" if saved_nodes != num_nodes else "")
     from metaflow_extensions.obcheckpoint.plugins.machine_learning_utilities.datastructures import (
         CheckpointArtifact,
     )
@@ -226,11 +322,19 @@ def check_reference(reference: str, num_nodes: int = 1) -> str:
     return f"checkpoint key {reference} ({found.name}, version {found.version_id})"
 
 
+def this_gang_size() -> int:
+    """Nodes of the running ``@parallel`` gang (1 outside one)."""
+    from metaflow import current
+
+    parallel = getattr(current, "parallel", None)
+    return int(getattr(parallel, "num_nodes", 1) or 1)
+
+
 def resume_checkpoint(node_index: int, configured: str | None = None) -> str | None:
     """Trainer checkpoint directory the current ``train`` task continues from, or None (start fresh).
 
-    In order: ``@retry``: this task's newest checkpoint of this node (earlier attempts);
-    ``resume``: the newest checkpoint of the origin run's ``train`` step saved by the same node; else
+    In order: ``@retry``: this node's checkpoint at the newest step that every node of the gang saved (earlier
+    attempts; :func:`newest_common_step`); ``resume``: the same in the origin run's ``train`` step; else
     ``configured`` (``train.resume_from``, see :func:`resolve_reference`). Call inside the ``train``
     step of a flow.
 
@@ -240,9 +344,11 @@ def resume_checkpoint(node_index: int, configured: str | None = None) -> str | N
     from metaflow import Flow, current
 
     if current.retry_count:
-        saved = current.checkpoint.list(name=checkpoint_name(node_index))  # every attempt of this task
-        if saved:
-            newest = max(saved, key=lambda c: c["metadata"]["global_step"])
+        num_nodes = this_gang_size()
+        # every attempt of the gang, every node: the nodes share one checkpoint scope
+        saved = _saved_by_node(lambda name: current.checkpoint.list(name=name), num_nodes)
+        newest = _newest_common_checkpoint(saved, node_index, num_nodes)
+        if newest is not None:
             return _load(newest, f"this task's step {newest['metadata']['global_step']} (retry)")
     if current.origin_run_id:
         newest = _newest_of_run(Flow(current.flow_name)[current.origin_run_id], node_index)

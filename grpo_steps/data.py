@@ -237,6 +237,29 @@ def prepare(cfg: DataConfig, tokenizer, chat_template_kwargs: dict | None = None
     return PreparedData(train=train, eval=evals, stats=stats, dropped=dropped)
 
 
+def check_environments(rows: list[dict[str, Any]], environment: str | dict[str, str] | None) -> None:
+    """Refuse rows that name an environment no factory of ``environment`` (the config's ``environment:``) has: with
+    several named factories each row's ``environment`` column picks one, and an unknown name crashed training at
+    that row's first rollout. One factory (a string) or none: nothing to check.
+
+    >>> check_environments([{"environment": "maze"}], {"maze": "envs:Maze"})
+    >>> check_environments([{"environment": "maze"}, {"environment": "chess"}], {"maze": "envs:Maze"})
+    Traceback (most recent call last):
+    ...
+    grpo_steps.sources.DataError: 1 row(s) name an environment that no factory of environment: has ('chess' ...
+
+    Raises:
+        DataError: naming the first such rows (their split position and name) and the configured names.
+    """
+    if not isinstance(environment, dict):
+        return
+    unknown = [(i, row.get("environment")) for i, row in enumerate(rows) if row.get("environment") not in environment]
+    if unknown:
+        shown = ", ".join(f"{name!r} at row {i}" for i, name in unknown[:5])
+        raise DataError(f"{len(unknown)} row(s) name an environment that no factory of environment: has ({shown}): "
+                        f"name one of {sorted(environment)} in each row's environment column, or add a factory")
+
+
 def _same_columns(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows with the union of all rows' keys, None where a row has none (one table schema)."""
     keys = list(dict.fromkeys(key for row in rows for key in row))

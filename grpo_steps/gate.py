@@ -146,11 +146,26 @@ def contenders(versions, version: str, compared: str | None, current: str | None
             and (str(v.version) in (version, compared) or concurrent(v))]
 
 
+def _champion_version(client, name: str) -> str | None:
+    """The version ``champion`` of ``name`` points to now, or None when there is none."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(client.get_model_version_by_alias(name, "champion").version)
+    except MlflowException:
+        return None
+
+
 def settle_champion(client, name: str, version: str, compared: str | None) -> str | None:
     """Move ``champion`` of ``name`` to the best of :func:`contenders` of ``version`` (whose gate compared with
     ``compared``), re-read, and repeat until stable (at most :data:`SETTLE_ROUNDS` times); a champion that is no
     contender and not revoked was chosen elsewhere (by hand, or by a registrar that compared with another
-    champion) and is left as it is. Tags ``version`` settled. Returns the champion's version as last read."""
+    champion) and is left as it is. Tags ``version`` settled. Returns the champion's version as last read.
+
+    Raises:
+        MlflowException: writing the alias failed and no other registrar had written it meanwhile (the alias reads
+            as before the write: missing rights, a server error), so nothing was settled.
+    """
     from mlflow.exceptions import MlflowException
 
     version, compared, current, fresh = str(version), str(compared) if compared is not None else None, None, None
@@ -170,7 +185,9 @@ def settle_champion(client, name: str, version: str, compared: str | None) -> st
             break
         try:
             client.set_registered_model_alias(name, "champion", best)
-        except MlflowException:  # another registrar created the alias first (a unique-key clash): read again
-            continue
+        except MlflowException:
+            if _champion_version(client, name) == current:
+                raise  # nobody else wrote the alias: not a clash (missing rights, a server error) but a failure
+            continue  # another registrar created the alias first (a unique-key clash): read again
     client.set_model_version_tag(name, version, SETTLED_TAG, "true")
     return current

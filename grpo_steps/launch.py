@@ -69,10 +69,13 @@ def launch(job: TrainJob, *, node_index: int = 0, main_ip: str = "127.0.0.1", ma
     ``main_port`` defaults to :func:`rendezvous_port` of the config and the MLflow run id (shared by the gang).
 
     Raises:
+        ResumeRefused: ``job.resume_from`` cannot be continued by this job (:func:`resume_on_this_gang`), before any
+            training process starts.
         TrainingFailed: the process exited non-zero or was killed (its output went to this process's stdout); the
             message gives the signal and the peak resident memory of its process tree (:func:`failure_message`).
     """
     train = job.config.train
+    job = resume_on_this_gang(job, node_index)
     out = Path(job.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     job_file = out / f"job-node{node_index}.json"
@@ -115,3 +118,29 @@ def failure_message(node_index: int, code: int, peak_bytes: int) -> str:
         return (f"training process on node {node_index} was killed by signal {number} "
                 f"({signal.Signals(number).name}) ({peak}); see the log above")
     return f"training process on node {node_index} exited with code {code} ({peak}); see the log above"
+
+
+def resume_on_this_gang(job: TrainJob, node_index: int = 0) -> TrainJob:
+    """``job``, ready to continue ``job.resume_from`` on its own gang (:func:`grpo_steps.elastic.prepare_resume`):
+    refused with the reason when it cannot; converted once to a Universal Checkpoint when a ZeRO checkpoint was saved
+    by another number of processes (the job then loads that); the resize logged and, on node 0, tagged on the job's
+    MLflow run (``resume/*``).
+
+    Raises:
+        ResumeRefused: another model, LoRA shape, optimizer, ZeRO use or number of prompts per optimizer step.
+    """
+    if not job.resume_from:
+        return job
+    from grpo_steps.elastic import gang_of, prepare_resume
+
+    plan = prepare_resume(job.resume_from, gang_of(job.config))
+    if plan is None:
+        return job
+    print(plan.line(), flush=True)
+    if job.mlflow_run_id and node_index == 0:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=job.config.tracking.tracking_uri)
+        for key, value in plan.tags().items():
+            client.set_tag(job.mlflow_run_id, key, value)
+    return job.model_copy(update={"resume_universal": plan.universal})

@@ -149,8 +149,11 @@ def check_sandbox(cfg: PipelineConfig) -> None:
     (:func:`rewards.sandbox.require_isolation`); where the judge cannot be walled off from the host's files
     (any mode but ``bwrap+audit``), test code from sources other than the shipped ones runs only when the
     reward's options declare it trusted (``trust_test_code: true``). Raises SandboxUnavailable."""
+    from rewards import resolve_reward
+    from rewards.code import code_execution
+
     for spec in cfg.rewards:
-        if spec.name == "code_execution":
+        if resolve_reward(spec.name) is code_execution:  # by registry name or dotted path alike
             from rewards.sandbox import SandboxUnavailable, require_isolation
 
             mode = require_isolation(bool(spec.options.get("allow_weak_isolation", False)))

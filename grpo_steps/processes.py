@@ -2,15 +2,21 @@
 S3 server): each is known by PID *and* create time (psutil), so a recycled PID is never signalled,
 and one polling helper, :func:`wait_until`, serves every wait. Scratch directories a process owns carry an owner
 record (:func:`claim_dir`), so the next run removes those a killed process left (:func:`remove_orphan_dirs`).
+
+A fixed name in a shared directory (the temporary directory, ``/dev/shm``) is a place another user of the host can
+create first: every such name is per user (:func:`private_dir`: ``<name>-<uid>``, mode 0700, owner checked, never a
+link), and files there are opened without following links (:func:`open_private`, :func:`read_private`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import signal
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -23,6 +29,114 @@ import psutil
 
 class PortInUseError(RuntimeError):
     """A configured port is already taken on its host."""
+
+
+class UnsafePathError(RuntimeError):
+    """A path this pipeline uses in a shared directory is not this user's own: a symbolic link, another file type
+    than expected, or owned by another user (someone created it first)."""
+
+
+def private_dir(name: str, parent: str | Path | None = None) -> Path:
+    """This user's own directory ``parent/<name>-<uid>`` (default parent: the temporary directory), created with mode
+    0700 when missing. Per-user names let two users' runs share a host (user B's run used to fail with
+    PermissionError on the directory user A's run had created).
+
+    Raises:
+        UnsafePathError: the name exists as a symbolic link or a file, or as a directory of another user (planted:
+            remove it as root, or point ``TMPDIR`` to a directory of your own).
+    """
+    path = Path(parent or tempfile.gettempdir()) / f"{name}-{os.getuid()}"
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)  # lstat: a planted link to another directory is refused, not followed
+    if not stat.S_ISDIR(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise UnsafePathError(f"{path} is {kind}: the pipeline keeps its files there only in a directory of its own; "
+                              "remove it, or point TMPDIR to a directory of your own")
+    if st.st_uid != os.getuid():
+        raise UnsafePathError(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}): another user "
+                              "created it first; remove it (as root), or point TMPDIR to a directory of your own")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700, follow_symlinks=False)  # ours: made private again (a umask or an older run widened it)
+    return path
+
+
+def open_private(path: str | Path, mode: str = "ab"):
+    """Open ``path`` (``mode``: ``"ab"``, ``"wb"``, ``"a"`` or ``"w"``) as a file object, created with mode 0600 when
+    missing, never through a symbolic link (``O_NOFOLLOW``): a link planted at a log's or a lock's name would make
+    this process append to, or truncate, the file it points to. ``w`` truncates only after the checks.
+
+    Raises:
+        UnsafePathError: ``path`` is a link, not a regular file, or another user's file.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # NONBLOCK: a FIFO cannot hang
+    if mode.startswith("a"):
+        flags |= os.O_APPEND
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENXIO):  # a link (O_NOFOLLOW), a FIFO without a reader
+            raise UnsafePathError(f"{path} is a symbolic link or a FIFO, not a file of this pipeline: "
+                                  "remove it") from None
+        raise
+    try:
+        _check_own_file(fd, path)
+        os.set_blocking(fd, True)
+        if mode.startswith("w"):
+            os.ftruncate(fd, 0)
+        return os.fdopen(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _check_own_file(fd: int, path: str | Path) -> None:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafePathError(f"{path} is not a regular file: remove it")
+    if st.st_uid != os.getuid():
+        raise UnsafePathError(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}): remove it")
+
+
+def read_private(path: str | Path, limit_bytes: int = 1 << 20) -> str:
+    """The text of ``path``, a regular file of this user, read without following a link and without blocking on a
+    FIFO (a FIFO planted at a record's name hung every later step), at most ``limit_bytes`` bytes.
+
+    Raises:
+        FileNotFoundError: no such file.
+        UnsafePathError: a link, a FIFO or another non-regular file, another user's file, or longer than
+            ``limit_bytes``.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UnsafePathError(f"{path} is a symbolic link, not a file of this pipeline: remove it") from None
+        raise
+    with os.fdopen(fd, "rb") as file:
+        _check_own_file(fd, path)
+        data = file.read(limit_bytes + 1)
+    if len(data) > limit_bytes:
+        raise UnsafePathError(f"{path} is longer than {limit_bytes} bytes: not a record of this pipeline")
+    return data.decode(errors="replace")
+
+
+@contextmanager
+def locked_record(folder: str | Path, key: str):
+    """An exclusive lock (``flock``) on ``folder/<key>.lock``, held inside the ``with``; yields the path of the record
+    it guards, ``folder/<key>.json`` (read it with :func:`read_private`, write it with :func:`open_private`). Give a
+    :func:`private_dir` as ``folder``. The lock file is opened without truncation and without following a link.
+
+    Raises:
+        UnsafePathError: the lock is a link, a FIFO or another user's file.
+    """
+    import fcntl
+
+    with open_private(Path(folder) / f"{key}.lock", "ab") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield Path(folder) / f"{key}.json"
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.5) -> bool:
@@ -181,8 +295,8 @@ OWNER_FILE = "owner.json"
 def claim_dir(directory: str | Path, pid: int | None = None) -> None:
     """Record process ``pid`` (default: this one) as the owner of ``directory`` (:data:`OWNER_FILE`)."""
     owner = ProcessRef.of(pid or os.getpid())
-    (Path(directory) / OWNER_FILE).write_text(json.dumps({"pid": owner.pid, "started": owner.started,
-                                                          "host": socket.gethostname()}))
+    with open_private(Path(directory) / OWNER_FILE, "w") as record:
+        record.write(json.dumps({"pid": owner.pid, "started": owner.started, "host": socket.gethostname()}))
 
 
 def remove_orphan_dirs(parent: Path, prefix: str) -> list[Path]:
@@ -190,13 +304,18 @@ def remove_orphan_dirs(parent: Path, prefix: str) -> list[Path]:
     cannot clean up, and RAM-backed ``/dev/shm`` keeps what it left (weights: 1.1-1.6 GB for SmolLM2-135M).
     Directories whose owner still runs, whose owner ran on another host (a pod writing to the same shared volume:
     its processes cannot be seen from here), or without a readable owner record (another run's directory a moment
-    before it writes one), are kept. Returns the removed directories."""
+    before it writes one), are kept. Only directories of this user are looked at (never a link, another user's
+    directory, or a record that is not a small regular file of this user: a FIFO there hung every later step).
+    Returns the removed directories."""
     removed = []
     for directory in sorted(Path(parent).glob(f"{prefix}*")):
         try:
-            owner = json.loads((directory / OWNER_FILE).read_text())
+            st = os.lstat(directory)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue  # a link, a file, or another user's directory: not ours to read or remove
+            owner = json.loads(read_private(directory / OWNER_FILE, limit_bytes=4096))
             ref = ProcessRef(int(owner["pid"]), float(owner["started"]))
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, UnsafePathError):
             continue
         if owner.get("host", socket.gethostname()) != socket.gethostname():
             continue  # records written before hosts were recorded are this machine's

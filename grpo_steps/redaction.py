@@ -25,22 +25,39 @@ from typing import Any
 MASK = "***"
 SECRET_WORDS = frozenset((
     "token", "secret", "password", "passwd", "pwd", "passphrase", "credential", "credentials", "auth",
-    "authorization", "apikey", "signature", "sig", "cookie", "privatekey", "accesskey", "secretkey", "accesstoken"))
+    "authorization", "apikey", "signature", "sig", "cookie", "privatekey", "accesskey", "secretkey", "accesstoken",
+    "jwt", "bearer", "dsn", "webhook", "webhooks", "sessionid", "sessionkey", "connstr", "connectionstring"))
 """A name one of whose words (see :func:`secret_name`) is one of these names a secret."""
 KEY_QUALIFIERS = frozenset(("api", "access", "secret", "private", "client", "account", "master", "signing",
                             "encryption", "auth", "subscription", "x"))
-"""``key`` names a secret alone or after one of these words (``api_key``, ``x-api-key``, ``AccountKey``), not in
-``answer_key`` or ``sort_key``."""
+"""``key`` names a secret after one of these words even before another word (``api_key_value``, ``x-api-key``)."""
+LAST_WORD_SECRETS = frozenset(("key", "pass", "session", "pw"))
+"""These name a secret as a name's last word (``openai_key``, ``AccountKey``, ``db_pass``, ``user_session``), not
+before another word (``pass_at_k``, ``session_id``): see :data:`NOT_SECRET_NAMES` for the exceptions."""
+NOT_SECRET_NAMES = frozenset((
+    "sort_key", "answer_key", "group_key", "cache_key", "dict_key", "hash_key", "partition_key", "primary_key",
+    "foreign_key", "join_key", "label_key", "text_key", "prompt_key", "metric_key", "split_key", "index_key",
+    "column_key", "field_key", "lookup_key", "row_key", "id_key", "dedup_key", "sample_key", "task_key"))
+"""Names ending in ``key`` that name a dictionary or data key, not a credential (compared on their words joined by
+``_``: ``sortKey`` and ``sort-key`` too)."""
+SECRET_ANYWHERE = frozenset(("webhook", "webhooks", "dsn"))
+"""A webhook's URL or a DSN is itself the credential: secret even before a :data:`NOT_SECRET_TAILS` word
+(``webhook_url``, ``sentry_dsn_uri``), unless the name ends in ``env``/``file``/``path`` (where one is found)."""
 NOT_SECRET_TAILS = frozenset(("id", "ids", "count", "counts", "len", "length", "limit", "env", "file", "path", "dir",
                               "column", "columns", "name", "type", "mode", "url", "uri", "endpoint"))
 """A name ending in one of these words names something about a secret, not one (``stop_token_ids``,
 ``hub_token_env``, ``token_url``)."""
 TOKEN_SHAPES = re.compile(
-    r"\b(?:(?:AKIA|ASIA)[0-9A-Z]{16}"  # AWS access key ids (long-term, temporary)
+    r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY( BLOCK)?-----[\s\S]*?(?:-----END [A-Z0-9 ]*-----|$)"  # a PEM key, to its end
+    r"|\b(?:(?:AKIA|ASIA)[0-9A-Z]{16}"  # AWS access key ids (long-term, temporary)
     r"|gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{22,}"  # GitHub tokens
     r"|xox[abposr]-[A-Za-z0-9-]{10,}"  # Slack tokens
+    r"|npm_[A-Za-z0-9]{30,}"  # npm access tokens
+    r"|(?:sk|rk)_(?:live|test)_[0-9A-Za-z]{16,}|whsec_[0-9A-Za-z]{16,}"  # Stripe secret and restricted keys, webhooks
     r"|hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|glpat-[A-Za-z0-9_-]{20,}|AIza[0-9A-Za-z_-]{35}"
-    r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*)")  # a JWT: base64url '{"' header and payload
+    r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*)"  # a JWT: base64url '{"' header and payload
+    r"|https://hooks\.slack\.com/(?:services|workflows|triggers)/[A-Za-z0-9/_-]+"  # a Slack webhook: the URL is the key
+    r"|https://(?:discord(?:app)?\.com)/api/webhooks/[A-Za-z0-9/_-]+")
 """Well-known credential shapes, masked wherever they stand."""
 _SCHEME = r"[a-zA-Z][a-zA-Z0-9+.-]*://"
 _URL = re.compile(rf"\b{_SCHEME}(?:(?!{_SCHEME})[^\s'\"<>`])+")  # ends where another URL starts: [u](u), ?next=u
@@ -67,21 +84,29 @@ def name_words(name: str) -> list[str]:
 
 def secret_name(name: str) -> bool:
     """Whether a flag, key or parameter name names a secret: one of its words (:func:`name_words`) is in
-    :data:`SECRET_WORDS`, or is ``key`` alone or after a :data:`KEY_QUALIFIERS` word; not when it ends in a
-    :data:`NOT_SECRET_TAILS` word.
+    :data:`SECRET_WORDS`, its last word is in :data:`LAST_WORD_SECRETS` (``<word>_key``, ``db_pass``), or ``key``
+    follows a :data:`KEY_QUALIFIERS` word (``api_key_value``); not when it ends in a :data:`NOT_SECRET_TAILS` word
+    (but a :data:`SECRET_ANYWHERE` word), nor for the :data:`NOT_SECRET_NAMES` (``sort_key``).
 
     >>> [secret_name(n) for n in ("--api-key", "HF_TOKEN", "secretAccessKey", "sig", "X-Amz-Credential", "key")]
     [True, True, True, True, True, True]
-    >>> [secret_name(n) for n in ("max_completion_tokens", "stop_token_ids", "--tokenizer", "answer_key")]
+    >>> [secret_name(n) for n in ("openai_key", "db_pass", "webhook_url", "sentry_dsn", "user_pwd", "jwt")]
+    [True, True, True, True, True, True]
+    >>> [secret_name(n) for n in ("max_completion_tokens", "stop_token_ids", "--tokenizer", "answer_key", "sortKey")]
+    [False, False, False, False, False]
+    >>> [secret_name(n) for n in ("pass@1", "pass_at_k", "session_id", "webhook_url_env")]
     [False, False, False, False]
     """
     words = name_words(name)
-    if not words or words[-1] in NOT_SECRET_TAILS:
+    if not words or "_".join(words) in NOT_SECRET_NAMES:
         return False
-    if any(word in SECRET_WORDS for word in words):
+    if any(word in SECRET_ANYWHERE for word in words) and words[-1] not in ("env", "file", "path"):
         return True
-    return any(word == "key" and (len(words) == 1 or (i and words[i - 1] in KEY_QUALIFIERS))
-               for i, word in enumerate(words))
+    if words[-1] in NOT_SECRET_TAILS:
+        return False
+    if any(word in SECRET_WORDS for word in words) or words[-1] in LAST_WORD_SECRETS:
+        return True
+    return any(word == "key" and i and words[i - 1] in KEY_QUALIFIERS for i, word in enumerate(words))
 
 
 def is_secret_flag(arg: str) -> bool:
@@ -126,9 +151,11 @@ def redact_url(url: str) -> str:
 
 def _pair(match: re.Match) -> str:
     value = match["quoted"] if match["quote"] else match["value"]
+    quote = match["quote"] or ""
+    if quote and value and not secret_name(match["key"]):  # "prompt": "connect with password=x": the pairs inside
+        return f"{match['key']}{match['sep']}{quote}{_PAIR.sub(_pair, value)}{quote}"
     if not secret_name(match["key"]) or not value or value == MASK or value.lower() in _SCHEMES:
         return match[0]
-    quote = match["quote"] or ""
     return f"{match['key']}{match['sep']}{quote}{MASK}{quote}"
 
 
@@ -190,6 +217,29 @@ def redact_value(value: Any) -> Any:
     return value
 
 
+def redact_report(report: Any) -> Any:
+    """The evaluation report (the ``evaluate`` step's ``eval_report``: metrics, samples, per-prompt rows) as it may
+    leave the process (a Metaflow artifact, the card): every string and string key redacted (:func:`redact`: a
+    completion or a tool's answer can hold what a tool read), a string under a secret name (a dataset column such as
+    ``api_key``) replaced whole; numbers stay, whatever their key (``pass@1``, a metric of a prompt that says
+    "password"), so the report's figures are exactly the measured ones.
+
+    >>> redact_report({"metrics": {"pass@1": 0.5}, "samples": [{"completion": "password=hunter22", "api_key": "k1"}]})
+    {'metrics': {'pass@1': 0.5}, 'samples': [{'completion': 'password=***', 'api_key': '***'}]}
+    """
+    if isinstance(report, str):
+        return redact(report)
+    if isinstance(report, dict):
+        return {(redact(k) if isinstance(k, str) else k):
+                MASK if isinstance(k, str) and isinstance(v, str) and v and secret_name(k) else redact_report(v)
+                for k, v in report.items()}
+    if isinstance(report, (list, tuple)):
+        if report and all(isinstance(v, str) for v in report):  # a command line a tool ran: --api-key KEY
+            return type(report)(redact_args(list(report)))
+        return type(report)(redact_report(v) for v in report)
+    return report
+
+
 def credential_in(text: str) -> str | None:
     """What credential ``text`` holds inline, or None: ``"URL userinfo"``, ``"a secret URL parameter (NAME)"``,
     ``"a secret flag"``, ``"a token"`` (a ``Bearer`` credential or a :data:`TOKEN_SHAPES` shape). Free text such
@@ -199,6 +249,8 @@ def credential_in(text: str) -> str | None:
     ('URL userinfo', 'a secret flag', None)
     >>> credential_in("https://acct.blob.core.windows.net/c?sv=2022&sig=abc")
     'a secret URL parameter (sig)'
+    >>> credential_in("Server=db;User Id=me;Password=hunter2;"), credential_in("use the key=value format")
+    ('a credential pair (Password=...)', None)
     """
     for match in _URL.finditer(text):
         try:
@@ -207,11 +259,30 @@ def credential_in(text: str) -> str | None:
             return "a URL that does not parse"
         if "@" in parts.netloc:
             return "URL userinfo"
-        for key, value in urllib.parse.parse_qsl(f"{parts.query}&{parts.fragment}", keep_blank_values=True):
-            if value and secret_name(key):
-                return f"a secret URL parameter ({key})"
+        for piece in re.split(r"[&;]", f"{parts.query}&{parts.fragment}&{parts.path}"):  # ;token= too
+            key, _, value = piece.rpartition("/")[2].partition("=")
+            if value and secret_name(urllib.parse.unquote_plus(key)):
+                return f"a secret URL parameter ({urllib.parse.unquote_plus(key)})"
     if any(secret_name(m["flag"]) for m in _FLAG_EQ.finditer(text)) or is_secret_flag(text):
         return "a secret flag"
     if _BEARER.search(text) or TOKEN_SHAPES.search(text):
         return "a token"
+    for match in _ASSIGNED.finditer(text):
+        if strong_secret_name(match["key"]):
+            return f"a credential pair ({match['key']}=...)"
     return None
+
+
+_ASSIGNED = re.compile(r"(?P<key>\b[A-Za-z][\w.-]*)=(?P<value>[^\s&,;\"'}\])]+)")
+"""``name=value`` with no space around ``=``: connection strings (``Password=x;``, ``AccountKey=y``), DSNs, URL
+parameters after ``;``."""
+
+
+def strong_secret_name(name: str) -> bool:
+    """A secret name (:func:`secret_name`) that is not one word of everyday prose (``key``, ``pass``, ``session``):
+    enough to call ``name=value`` inside free text a credential.
+
+    >>> strong_secret_name("Password"), strong_secret_name("AccountKey"), strong_secret_name("key")
+    (True, True, False)
+    """
+    return secret_name(name) and name_words(name) not in (["key"], ["pass"], ["session"], ["sig"], ["auth"])

@@ -19,6 +19,7 @@ from grpo_steps.config import PipelineConfig, validate_config
 from grpo_steps.evaluation.report import card_components  # noqa: F401  (the evaluate step's card)
 from grpo_steps.preflight import refusals
 from grpo_steps.processes import scratch_dir  # noqa: F401  (the train step's working directory)
+from grpo_steps.redaction import redact_report
 from grpo_steps.servers import lifecycle
 from grpo_steps.servers.lifecycle import (  # noqa: F401  (the steps' server lifecycle)
     ensure_server,
@@ -39,7 +40,9 @@ def start(cfg: PipelineConfig, pathspec: str) -> tuple[str, str]:
 
     with refusals("Run refused by start's checks"):
         model_path = preflight.check(cfg)
-    return tracking.open_run(cfg, pathspec), model_path
+    run_id = tracking.open_run(cfg, pathspec)
+    tracking.restrict_local_stores(cfg)  # after open_run, which creates mlflow.db: this user's alone, as .metaflow
+    return run_id, model_path
 
 
 def prepare_data(cfg: PipelineConfig, run_id: str, model_path: str) -> tuple[str, Any]:
@@ -50,7 +53,7 @@ def prepare_data(cfg: PipelineConfig, run_id: str, model_path: str) -> tuple[str
 
     Returns ``(model_path, PreparedData)``: the weights as this step's machine reads them.
     """
-    from grpo_steps.data import mlflow_datasets, prepare
+    from grpo_steps.data import check_environments, mlflow_datasets, prepare
     from grpo_steps.models import load_tokenizer, resolve_model
     from grpo_steps.tools import prompt_tools
 
@@ -60,6 +63,7 @@ def prepare_data(cfg: PipelineConfig, run_id: str, model_path: str) -> tuple[str
     tools = prompt_tools(cfg.tools, cfg.environment, cfg.generation.tool_timeout_s)
     with refusals("Run refused by prepare_data (the data)"):
         data = prepare(cfg.data, tokenizer, cfg.generation.chat_template_kwargs, tools)
+        check_environments(data.train + data.eval, cfg.environment)  # a row naming no factory: refused, not a crash
         if cfg.generation.backend == "recorded":  # every train prompt needs its completions: fail before training
             from grpo_steps.data import RecordedCompletions
 
@@ -144,7 +148,7 @@ def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
         report = evaluate_baseline_and_trained(cfg, run_id=run_id, server=server, base_model=base_model,
                                                trained_model=trained_model, eval_rows=eval_rows, measured=measured)
     log_charts(cfg, run_id, report)
-    return report
+    return redact_report(report)  # the eval_report artifact, redacted as the MLflow tables are (numbers kept)
 
 
 @contextmanager

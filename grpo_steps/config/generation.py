@@ -32,11 +32,32 @@ class RouterConfig(_Section):
     health_check_interval_s: int = Field(5, ge=1)
     """Seconds between the router's health checks of each replica (``--health-check-interval-secs``): a replica
     that stops answering ``/health`` gets no new requests after a few failed checks."""
+    private_network: bool = True
+    """The router the pipeline starts on this machine runs in a network namespace of its own, reached only through a
+    bridge that requires the run's token and refuses the router's admin routes (``/add_worker``: whoever adds a worker
+    receives the token and every rollout; loopback is not private on a shared host). Needs root or unprivileged user
+    namespaces; false: the router listens on ``generation.server.host`` itself, open to every user of the host."""
 
     @field_validator("endpoint")
     @classmethod
     def _router_url(cls, value: str | None) -> str | None:
         return _base_url(value, "generation.server.router.endpoint")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) names this machine's loopback interface.
+
+    >>> is_loopback("127.0.0.1"), is_loopback("::1"), is_loopback("localhost"), is_loopback("0.0.0.0")
+    (True, True, True, False)
+    """
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _base_url(value: str | None, key: str) -> str | None:
@@ -68,7 +89,11 @@ class ServerConfig(_Section):
     router: RouterConfig = RouterConfig()
     """The router in front of the replicas (``replicas`` > 1 or ``endpoints``)."""
     host: str = "127.0.0.1"
-    """Interface the local vLLM server binds to. Keep loopback unless the trainer runs elsewhere."""
+    """Interface the local vLLM server (and the router the pipeline starts) binds to. Keep loopback unless the trainer
+    runs elsewhere; another address needs ``remote_access: true``."""
+    remote_access: bool = False
+    """Declare that a non-loopback ``host`` is meant: the servers then answer every machine that reaches that
+    interface (the run's token still guards each route but ``/health``, and travels in plain HTTP)."""
     port: int = Field(0, ge=0, le=65535)
     """Port of the local server; 0 picks a free one."""
     startup_timeout_s: float = Field(600.0, gt=0)
@@ -110,6 +135,14 @@ class ServerConfig(_Section):
             raise ValueError(f"generation.server.endpoints {urls} must list two or more distinct servers (one "
                              "server: generation.server.endpoint)")
         return urls
+
+    @model_validator(mode="after")
+    def _loopback_unless_declared(self) -> ServerConfig:
+        if not is_loopback(self.host) and not self.remote_access:
+            raise ValueError(f"generation.server.host {self.host!r} is not a loopback address: the local servers would "
+                             "answer every machine that reaches it, and the run's token would cross the network in "
+                             "plain HTTP; keep 127.0.0.1, or set generation.server.remote_access: true to mean it")
+        return self
 
     @model_validator(mode="after")
     def _replicas_agree(self) -> ServerConfig:

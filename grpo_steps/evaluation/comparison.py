@@ -5,6 +5,7 @@ compare directly; an evaluation made during training is taken when the weights r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,21 +33,27 @@ def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: d
     ``eval.baseline.measured`` and ``eval.trained.measured``.
     """
 
+    from transformers import AutoConfig
+
     from grpo_steps import servers, tracking
     from grpo_steps.models import load_tokenizer
 
     generation_server = servers.from_dict(server)
-    client = generation_server.client()
+    # sampled ids past the policy's vocabulary are a lying (or hijacked) server's: refused by the client
+    vocab_size = getattr(AutoConfig.from_pretrained(base_model), "vocab_size", None)
+    client = dataclasses.replace(generation_server.client(), vocab_size=vocab_size)
     tokenizer = load_tokenizer(base_model, cfg.model.chat_template)
     report = {}
     for label, weights in (("baseline", base_model), ("trained", trained_model)):
         with served_policy(cfg, generation_server, client, weights, label):
+            client.check_weight_version(served_label(label))  # a replica restarted since the reload fails here
             earlier = (measured or {}).get(label)
             if same_weights_as(cfg, client, tokenizer, eval_rows, earlier, label):
                 report[label] = {**earlier, "measured": f"training step {earlier['step']}"}
             else:
                 report[label] = {**evaluate_policy(cfg, client, tokenizer, eval_rows, label=label),
                                  "measured": "evaluate"}
+            client.check_weight_version(served_label(label))  # ... or while it answered: its answers are not kept
         # once: after `resume` of a flow killed mid-evaluation the baseline's metrics are in the run already
         tracking.log_metrics_once(cfg, run_id, {f"eval/{label}/{k}": v for k, v in report[label]["metrics"].items()})
     report["gain"] = gain_metrics(report["baseline"]["per_prompt"], report["trained"]["per_prompt"])
@@ -92,6 +99,12 @@ def same_weights_as(cfg: PipelineConfig, client, tokenizer, rows: list[dict], ea
     return same
 
 
+def served_label(label: str) -> str:
+    """The weight label the server carries while it serves the ``evaluate`` step's ``label`` policy (``baseline``,
+    ``trained``), set after each reload (:func:`served_policy`) and checked around each evaluation."""
+    return f"eval-{label}"
+
+
 @contextmanager
 def served_policy(cfg: PipelineConfig, generation_server, client, weights: str, label: str):
     """Make ``client`` sample from ``weights`` while the block runs: full weights are reloaded into the server;
@@ -104,15 +117,18 @@ def served_policy(cfg: PipelineConfig, generation_server, client, weights: str, 
     client.model = client.base_model
     if not is_adapter_dir(weights):
         client.reload_weights(generation_server.stage_weights(weights, label))
+        client.set_weight_version(served_label(label))
         yield
         return
     base = json.loads((Path(weights) / "adapter_config.json").read_text())["base_model_name_or_path"]
     if not generation_server.runtime_lora or not cfg.serves_adapter:
         with scratch_dir() as merged:
             client.reload_weights(generation_server.stage_weights(merge_adapter(base, weights, merged), label))
+        client.set_weight_version(served_label(label))
         yield
         return
     client.reload_weights(generation_server.stage_weights(base, "baseline"))  # the adapter's base under it
+    client.set_weight_version(served_label(label))
     name = adapter_name(client.base_model, "final")
     if name in client.served_adapters():  # left by an earlier attempt of this step
         client.unload_lora_adapter(name)

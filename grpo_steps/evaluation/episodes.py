@@ -196,7 +196,9 @@ class Rollouts:
 
             message = parse_response(self.tokenizer, ids, prefix=prompt_ids + episode.completion_ids, tools=tools)
         else:
-            message = {"role": "assistant", "content": sample["text"]}
+            # the text of the sampled ids, as TRL decodes them for the training rewards (not the server's own text: a
+            # server that lies would choose what is scored)
+            message = {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)}
         episode.messages.append(message)
         episode.completion_ids += ids
         episode.model_tokens += len(ids)

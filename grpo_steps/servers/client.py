@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
+import socket
 import sys
+import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import requests
+import urllib3
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
@@ -51,12 +56,96 @@ class GenerationServerError(RuntimeError):
     """The generation server answered with an error, not at all, or with other weights than pushed."""
 
 
+_in_flight = threading.local()  # the connection the current thread's request runs on (see _TrackedPool)
+
+
+class _TrackedPool(urllib3.HTTPConnectionPool):
+    """A connection pool that tells the requesting thread which connection its request took, so that a request's
+    total deadline (:meth:`VLLMClient._request`) can cut exactly that connection."""
+
+    def _get_conn(self, timeout=None):
+        conn = super()._get_conn(timeout)
+        holder = getattr(_in_flight, "holder", None)
+        if holder is not None:
+            holder.append(conn)
+        return conn
+
+
+class _TrackedHTTPSPool(urllib3.HTTPSConnectionPool):
+    _get_conn = _TrackedPool._get_conn
+
+
 def _session(pool: int = 10) -> requests.Session:
     # Transient connection errors only (the server restarting a socket); bounded.
     retry = Retry(total=3, connect=3, read=0, backoff_factor=0.5, allowed_methods=None, status_forcelist=())
     session = requests.Session()
-    session.mount("http://", HTTPAdapter(max_retries=retry, pool_maxsize=pool))
+    for scheme in ("http://", "https://"):
+        adapter = HTTPAdapter(max_retries=retry, pool_maxsize=pool)
+        adapter.poolmanager.pool_classes_by_scheme = {"http": _TrackedPool, "https": _TrackedHTTPSPool}
+        session.mount(scheme, adapter)
     return session
+
+
+def _cut(holder: list, cut: threading.Event) -> None:
+    """End the connection(s) in ``holder`` (a request past its deadline): its blocked read returns at once."""
+    cut.set()
+    for conn in holder:
+        sock = getattr(conn, "sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed: the request is over anyway
+
+
+PRIVATE_NETWORK_SUFFIXES = (".svc", ".svc.cluster.local")
+"""Host names of a Kubernetes Service inside the cluster (the ``kubernetes`` provider's servers): plain HTTP there stays
+in the cluster network (see docs/security.md for what that leaves open)."""
+
+
+def plain_http_to_another_host(endpoint: str) -> bool:
+    """Whether a request to ``endpoint`` would carry the run's token in clear text off this machine: ``http`` to a host
+    that is neither loopback nor a Kubernetes Service name (:data:`PRIVATE_NETWORK_SUFFIXES`).
+
+    >>> [plain_http_to_another_host(u) for u in ("http://127.0.0.1:8000", "http://vllm.ns.svc:8000",
+    ...                                          "https://gpu.example.com", "http://gpu.example.com:8000")]
+    [False, False, False, True]
+    """
+    from grpo_steps.config.generation import is_loopback
+
+    parts = urllib.parse.urlsplit(endpoint)
+    host = parts.hostname or ""
+    return parts.scheme == "http" and not is_loopback(host) and not host.endswith(PRIVATE_NETWORK_SUFFIXES)
+
+
+def check_choices(body: dict, prompts: int, n: int, vocab_size: int | None) -> list[dict]:
+    """The choices of a ``/v1/completions`` answer for ``prompts`` prompts of ``n`` completions each, in index order,
+    once they are what was asked for: ``prompts * n`` choices with the indices ``0 .. prompts*n-1`` each once, token ids
+    that are integers in ``[0, vocab_size)`` (``vocab_size`` None: not checked), one finite logprob per token id.
+
+    Raises:
+        GenerationServerError: naming the first thing that is wrong (a server that lies, or a hijacked one).
+    """
+    choices = body.get("choices")
+    if not isinstance(choices, list) or len(choices) != prompts * n:
+        count = len(choices) if isinstance(choices, list) else "no"
+        raise GenerationServerError(f"the server answered {count} choices for {prompts} prompt(s) x n={n}")
+    indices = sorted(c.get("index") if isinstance(c.get("index"), int) else -1 for c in choices)
+    if indices != list(range(prompts * n)):
+        raise GenerationServerError(f"the server's choice indices {indices[:8]}... are not 0..{prompts * n - 1} "
+                                    "once each")
+    for choice in choices:
+        ids, logprobs = choice.get("token_ids"), (choice.get("logprobs") or {}).get("token_logprobs")
+        if not isinstance(ids, list) or not isinstance(logprobs, list) or len(ids) != len(logprobs):
+            raise GenerationServerError(f"choice {choice['index']}: token ids and logprobs missing or of unequal "
+                                        "length")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab_size and t >= vocab_size)
+               for t in ids):
+            raise GenerationServerError(f"choice {choice['index']}: a token id outside the vocabulary "
+                                        f"[0, {vocab_size}) in {ids[:16]}")
+        if any(not isinstance(lp, (int, float)) or not math.isfinite(lp) for lp in logprobs):
+            raise GenerationServerError(f"choice {choice['index']}: a logprob that is not a finite number")
+    return sorted(choices, key=lambda c: c["index"])
 
 
 def replica_model_name(index: int) -> str:
@@ -130,14 +219,24 @@ class VLLMClient:
     """Base URLs of the generation replicas behind ``endpoint`` (then a router); empty: ``endpoint`` is the server."""
     replica_logs: tuple[str | None, ...] = ()
     """Each replica's log file where the pipeline started it (its tail goes into a replica's error), else None."""
+    vocab_size: int | None = None
+    """The policy's vocabulary size (its config's ``vocab_size``): sampled token ids at or past it are refused; None:
+    ids are checked only for being non-negative integers."""
 
     def __post_init__(self) -> None:
         self.base_model = self.model  # the base weights' name; ``model`` may become a LoRA adapter's name
         self._http = _session(MAX_CONCURRENT_REQUESTS if self.replicas else 10)
-        self._http.headers.update(auth_headers(self.endpoint))  # the server's per-run token (grpo_steps.servers.auth)
+        headers = auth_headers(self.endpoint)
+        if headers and plain_http_to_another_host(self.endpoint):
+            raise GenerationServerError(
+                f"refusing to send the run's token to {self.endpoint} in plain HTTP (anyone on the network path reads "
+                "it): serve it over https, or reach it through a tunnel on this machine's loopback (ssh -L)")
+        self._http.headers.update(headers)  # the server's per-run token (grpo_steps.servers.auth)
         self._has_extension: bool | None = None  # the server has grpo_steps.vllm_worker's WorkerExtension
-        self._replica_clients = [VLLMClient(e, self.model, self.timeout_s) for e in self.replicas]
+        self._replica_clients = [VLLMClient(e, self.model, self.timeout_s, vocab_size=self.vocab_size)
+                                 for e in self.replicas]
         self._replica_by_name: dict[str, int] | None = None  # see replica_index; asked at the first routed sample
+        self._run_names: set[str] | None = None  # see run_model_names; asked at the first routed sample
         self.load_path: str | None = None
         """How the last reload ran: ``direct`` or ``vllm: <why not direct>`` (see :meth:`reload_weights`)."""
 
@@ -190,10 +289,24 @@ class VLLMClient:
         return "; ".join(dead)
 
     def _request(self, method: str, path: str, **kwargs) -> requests.Response:
+        """One request with a total deadline of ``timeout_s`` seconds, body included: a server that trickles bytes
+        (each read within the socket timeout) has its connection cut at the deadline."""
+        holder: list = []
+        cut = threading.Event()
+        _in_flight.holder = holder
+        deadline = threading.Timer(self.timeout_s, _cut, args=(holder, cut))
+        deadline.daemon = True
+        deadline.start()
         try:
             response = self._http.request(method, f"{self.endpoint}{path}", timeout=self.timeout_s, **kwargs)
         except requests.RequestException as err:
+            if cut.is_set():
+                raise GenerationServerError(f"vLLM server {self.endpoint} gave no complete answer on {path} within "
+                                            f"{self.timeout_s:.0f} s (a server that trickles its answer)") from err
             raise GenerationServerError(f"vLLM server {self.endpoint} unreachable on {path}: {err}") from err
+        finally:
+            deadline.cancel()
+            _in_flight.holder = None
         if response.status_code >= 400:
             raise GenerationServerError(f"vLLM server {path} -> HTTP {response.status_code}: {response.text[:500]}")
         return response
@@ -264,6 +377,21 @@ class VLLMClient:
         """The server's current weight label (``/weight_info``; ``"default"`` until one is set). With replicas: their
         common label; GenerationServerError when they differ."""
         return str(self._request("GET", "/weight_info").json()["weight_version"])
+
+    def check_weight_version(self, label: str) -> None:
+        """Raise unless the server (every replica) serves the weights labelled ``label`` (set by
+        :meth:`set_weight_version` after the reload): a replica restarted since then (a Kubernetes pod, on its start-up
+        weights, labelled ``default``) or a server that did not take the reload fails here, before its answers are
+        scored. A label is not a checksum: the training pushes' probe check stays the stronger proof.
+
+        Raises:
+            GenerationServerError: another label, or replicas that disagree (naming each replica's).
+        """
+        served = self.weight_version()
+        if served != label:
+            raise GenerationServerError(f"the generation server {self.endpoint} serves the weights labelled "
+                                        f"{served!r}, not {label!r}: it restarted or did not take the reload; "
+                                        "evaluate again")
 
     @on_every_replica(_slowest)
     def load_lora_adapter(self, name: str, path: str | Path) -> float:
@@ -367,6 +495,7 @@ class VLLMClient:
             return self._choices(self._post("/v1/completions", json={**body, "prompt": prompt_ids}), len(prompt_ids), n)
         sessions = sessions or [session_id(p) for p in prompt_ids]
         self._replicas_by_name()  # asked once, before the requests' threads read it
+        self.run_model_names()
 
         def one(i: int) -> list[dict]:
             response = self._post("/v1/completions", json={**body, "prompt": [prompt_ids[i]]},
@@ -381,11 +510,28 @@ class VLLMClient:
             dead = self.unhealthy_replicas()
             raise GenerationServerError(f"{err}" + (f" ({dead})" if dead else "")) from err
 
+    def run_model_names(self) -> set[str]:
+        """The ``model`` names an answer may carry: every base name any replica serves (:meth:`served_names`, asked
+        once), the adapter's name (``model``) and the base weights' (``base_model``)."""
+        if self._run_names is None:
+            names = [name for names in self.each(VLLMClient.served_names) for name in names] if self.replicas else []
+            self._run_names = set(names)
+        return self._run_names | {self.model, self.base_model}
+
     def _choices(self, response: requests.Response, prompts: int, n: int) -> list[list[dict]]:
-        body = response.json()
+        try:
+            body = response.json()
+        except ValueError as err:
+            raise GenerationServerError(f"the server's answer is not JSON: {response.text[:200]!r}") from err
+        if self.replicas and body.get("model") not in self.run_model_names():
+            # a worker someone else added to the router answers under a name none of the run's replicas serves
+            raise GenerationServerError(
+                f"the router {self.endpoint} answered as model {str(body.get('model'))[:100]!r}, which none of the "
+                f"run's replicas serves ({sorted(self.run_model_names())}): a server the run did not start is behind "
+                "the router; check its workers (GET /workers) and restart the run's router")
         replica = self.replica_index(body.get("model", ""))
         out: list[list[dict]] = [[] for _ in range(prompts)]
-        for choice in sorted(body["choices"], key=lambda c: c["index"]):
+        for choice in check_choices(body, prompts, n, self.vocab_size):
             out[choice["index"] // n].append({
                 "completion_ids": choice["token_ids"],
                 "logprobs": [float(lp) for lp in choice["logprobs"]["token_logprobs"]],

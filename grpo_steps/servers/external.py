@@ -125,7 +125,27 @@ class ExternalServer(GenerationServer):
                 f"the external generation server {endpoint} returns {mode} (its --logprobs-mode): rollouts need the "
                 f"logprobs of the distribution it samples from (TRL's mismatch correction, the first-batch check); "
                 f"restart it with --logprobs-mode {LOGPROBS_MODE}")
+        warn_if_open(endpoint)
         return cls(endpoint, served_model=served[0], served_names=tuple(served))
 
     def __str__(self) -> str:
         return f"external generation server {self.endpoint} (model {self.served_model!r})"
+
+
+def warn_if_open(endpoint: str) -> bool:
+    """Say loudly (stderr) when the server at ``endpoint`` answers a control route (``/server_info``) without the run's
+    token: whoever reaches it can then load weights into it and choose the answers evaluation scores. Returns whether
+    it is open."""
+    import sys
+
+    try:
+        status = requests.get(f"{endpoint}/server_info", params={"config_format": "json"}, timeout=120).status_code
+    except requests.RequestException:
+        return False  # unreachable now: the next request says so
+    if status != 200:
+        return False
+    print(f"[security] WARNING: the generation server {endpoint} answers without a token: anyone who reaches it can "
+          "load weights into it and choose the answers evaluation scores. Start it with --middleware "
+          "grpo_steps.servers.auth.RunTokenMiddleware and GRPO_SERVER_TOKEN in its environment (and the flow's)",
+          file=sys.stderr, flush=True)
+    return True

@@ -208,28 +208,37 @@ def _as_replica(deployment: dict, service: dict, name: str, replica: str) -> Non
 
 
 def router_args(cfg: PipelineConfig, worker_urls: list[str]) -> list[str]:
-    """Arguments of ``python -m vllm_router.launch_router`` in the router pod: the flags of the router the pipeline
-    runs on a machine (:func:`grpo_steps.servers.router.router_command`), listening on every interface."""
+    """Arguments of ``python -m grpo_steps.servers.router_bridge --pod`` in the router pod: the bridge on every
+    interface (``PORT``, metrics on ``ROUTER_METRICS_PORT``), admitting only clients with the run's token, in front
+    of ``vllm-router`` on the pod's loopback with the flags of the router the pipeline runs on a machine
+    (:func:`grpo_steps.servers.router.router_command`): its admin routes (``/add_worker``) are out of reach even of a
+    pod the NetworkPolicy does not stop (a network plugin that does not enforce NetworkPolicies)."""
+    from grpo_steps.servers import router_bridge
     from grpo_steps.servers.router import router_command
 
     server = cfg.generation.server
-    args = router_command(worker_urls, "0.0.0.0", PORT, policy=cfg.generation.router_policy(cfg.multi_turn),
-                          health_check_interval_s=server.router.health_check_interval_s,
-                          metrics_port=ROUTER_METRICS_PORT)[3:]  # past `python -m vllm_router.launch_router`
-    args[args.index("--prometheus-host") + 1] = "0.0.0.0"  # the run's pods read the metrics through the Service
-    return args
+    inner = router_command(worker_urls, router_bridge.ROUTER_HOST, router_bridge.ROUTER_PORT,
+                           policy=cfg.generation.router_policy(cfg.multi_turn),
+                           health_check_interval_s=server.router.health_check_interval_s,
+                           metrics_port=router_bridge.ROUTER_METRICS_PORT, metrics_host=router_bridge.ROUTER_HOST)
+    return ["--pod", "--host", "0.0.0.0", "--port", str(PORT), "--metrics-host", "0.0.0.0", "--metrics-port",
+            str(ROUTER_METRICS_PORT), "--", "python", *inner[1:]]  # the image's python
 
 
 def render_router(cfg: PipelineConfig, run_id: str, worker_urls: list[str],
                   template: Path = ROUTER_TEMPLATE) -> list[dict]:
     """``[Deployment, Service, NetworkPolicy]`` of the ``vllm-router`` in front of a run's replicas (``worker_urls``:
-    each replica's Service URL), in the flow's image (``resources.train.image``, where vllm-router is installed);
-    only the run's pods reach it (its admin routes, ``/add_worker`` and ``/remove_worker``, take no token)."""
+    each replica's Service URL), in the flow's image (``resources.train.image``, where vllm-router is installed),
+    behind :mod:`grpo_steps.servers.router_bridge` (:func:`router_args`); only the run's pods reach it (the
+    NetworkPolicy), and only with the run's token (the bridge)."""
     name = router_name(run_id)
     text = string.Template(template.read_text()).substitute(
         name=name, namespace=cfg.resources.namespace, run_id=label_value(run_id), image=cfg.resources.train.image,
         port=PORT, metrics_port=ROUTER_METRICS_PORT)
     deployment, service, policy = yaml.safe_load_all(text)
-    deployment["spec"]["template"]["spec"]["containers"][0]["args"] = router_args(cfg, worker_urls)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    container["args"] = router_args(cfg, worker_urls)
+    container["env"] = [{"name": auth.TOKEN_ENV, "valueFrom": {"secretKeyRef": {  # the bridge admits its holders
+        "name": auth_names(run_id)[0], "key": auth.TOKEN_ENV}}}]
     policy["spec"]["ingress"] = [{"from": [run_pods(run_id)]}]
     return [deployment, service, policy]

@@ -82,11 +82,14 @@ def _api(kind: str, apps: Any, core: Any, networking: Any) -> Any:
 
 
 def stop_run(namespace: str, run_id: str, *, apps: Any = None, core: Any = None, networking: Any = None) -> int:
-    """Delete every Deployment, Service, NetworkPolicy, Secret and ConfigMap labelled with this run (its servers or
-    replicas, router, token); returns how many were deleted."""
+    """Delete every Deployment, Service, NetworkPolicy and ConfigMap labelled with this run (its servers or replicas,
+    router) and the run's token Secret, by its name (the flow's Role may not list Secrets: a listing would show every
+    Secret of the namespace); returns how many were deleted."""
     apps, core, networking = _clients(apps, core, networking)
-    deleted = 0
+    deleted = _delete(core, "secret", auth_names(run_id)[0], namespace)
     for kind in KINDS:
+        if kind == "secret":
+            continue  # by name, above
         api = _api(kind, apps, core, networking)
         for obj in getattr(api, f"list_namespaced_{kind}")(namespace, label_selector=run_selector(run_id)).items:
             deleted += _delete(api, kind, obj.metadata.name, namespace)

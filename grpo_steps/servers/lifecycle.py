@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from grpo_steps import servers
 from grpo_steps.config import PipelineConfig
+from grpo_steps.processes import locked_record, open_private, private_dir, read_private
 from grpo_steps.redaction import redact
+
+REPLACEMENTS_DIR = "grpo-vllm-servers"
+"""Name of this user's private directory (under the temporary directory) of the replacement records."""
 
 
 def provision(cfg: PipelineConfig, model_path: str) -> dict:
@@ -47,14 +49,15 @@ def ensure_server(cfg: PipelineConfig, server: dict, model_path: str) -> dict:
     if not current.replaceable:
         raise GenerationServerError(f"{current} is not answering: start it again, then `resume` the run")
     with _shared_replacement(f"{metaflow_run_id()}-{owner.pid}") as record:
-        if record.exists():
-            replacement = servers.from_dict(json.loads(record.read_text()))
+        if record.exists():  # read as a regular file of this user, never through a link or from a FIFO
+            replacement = servers.from_dict(json.loads(read_private(record)))
             if replacement.serves(owner):
                 return replacement.to_dict()
         current.stop()
         print(f"{current} belongs to an earlier run or is not answering: starting a new one", flush=True)
         replacement = provision(cfg, model_path)
-        record.write_text(json.dumps(replacement))
+        with open_private(record, "w") as out:
+            out.write(json.dumps(replacement))
         return replacement
 
 
@@ -62,14 +65,11 @@ def ensure_server(cfg: PipelineConfig, server: dict, model_path: str) -> dict:
 def _shared_replacement(key: str):
     """Exclusive lock for the server that replaces a stale one in a run (``key``: run id and the
     runtime's PID); yields the file that records the replacement. The nodes of a local gang run on this
-    machine under one runtime, so they all compute the same key."""
-    import fcntl
-
-    folder = Path(tempfile.gettempdir()) / "grpo-vllm-servers"
-    folder.mkdir(exist_ok=True)
-    with open(folder / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        yield folder / f"{key}.json"
+    machine under one runtime, so they all compute the same key. Both live in this user's private directory
+    (:func:`grpo_steps.processes.private_dir`): a record another user planted is never trusted, a planted link never
+    followed."""
+    with locked_record(private_dir(REPLACEMENTS_DIR), key) as record:
+        yield record
 
 
 WARM_UP_IDS = list(range(100, 116))

@@ -24,7 +24,9 @@ from grpo_steps.processes import (
     ProcessRef,
     claim_dir,
     log_tail,
+    open_private,
     pick_port,
+    private_dir,
     remove_orphan_dirs,
     wait_until,
 )
@@ -35,7 +37,9 @@ from grpo_steps.servers.client import LOGPROBS_MODE, WORKER_EXTENSION, served_mo
 if TYPE_CHECKING:
     from grpo_steps.config import PipelineConfig, ServerConfig
 
-LOG_DIR = Path(tempfile.gettempdir()) / "grpo-vllm-logs"
+LOG_DIR_NAME = "grpo-vllm-logs"
+"""The servers' and routers' logs go to this user's :func:`grpo_steps.processes.private_dir` of this name
+(``$TMPDIR/grpo-vllm-logs-<uid>``, mode 0700) unless a caller names another directory."""
 IPC_PREFIX = "grpo-vllm-ipc-"
 """Directories (in the temporary directory) holding a server's ZeroMQ IPC sockets, owned by its supervisor."""
 
@@ -113,6 +117,8 @@ def server_environment(server_cfg: ServerConfig, *, token: str, ipc_dir: str, lo
                        base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a local server's process: ``base`` (default this process's) plus the run's token, the
     KV-cache size (``VLLM_CPU_KVCACHE_SPACE``, GiB), runtime LoRA updates with ``lora``, and where its cores are set.
+    Its temporary files (``TMPDIR``; vLLM's ``vllm_dist_*`` file store, left in the shared temporary directory
+    otherwise) go to ``ipc_dir``, the server's private directory, removed when it stops.
 
     On the CPU build (:func:`cpu_build`) the process layout follows the cores:
 
@@ -128,7 +134,8 @@ def server_environment(server_cfg: ServerConfig, *, token: str, ipc_dir: str, lo
     """
     env = dict(os.environ if base is None else base, VLLM_SERVER_DEV_MODE="1",
                VLLM_CPU_KVCACHE_SPACE=str(server_cfg.kv_cache_gib), VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1",
-               VLLM_RPC_BASE_PATH=ipc_dir)
+               VLLM_RPC_BASE_PATH=ipc_dir,
+               TMPDIR=ipc_dir)  # vLLM's torch.distributed file store (vllm_dist_*) goes there, removed at stop
     env[auth.TOKEN_ENV] = token
     if lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
@@ -244,7 +251,7 @@ class LocalServer(GenerationServer):
 
 
 def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int, dtype: str, owner: ProcessRef,
-                log_dir: str | Path = LOG_DIR, max_lora_rank: int | None = None,
+                log_dir: str | Path | None = None, max_lora_rank: int | None = None,
                 token: str | None = None, replica: int | None = None) -> LocalServer:
     """Start a vLLM server on ``server_cfg.host`` and wait until it is healthy.
 
@@ -252,7 +259,8 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
         model_path: directory of the weights to serve.
         server_cfg: a :class:`grpo_steps.config.ServerConfig`.
         owner: the server stops itself ``orphan_grace_s`` s after this process is gone.
-        log_dir: the server's log goes to ``{log_dir}/vllm-{port}.log``.
+        log_dir: the server's log goes to ``{log_dir}/vllm-{port}.log`` (None: :data:`LOG_DIR_NAME`, private), opened
+            without following a link.
         max_lora_rank: serve LoRA adapters up to this rank, loaded at runtime (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``);
             None: no LoRA.
         token: the run's token (replicas share one); None: as described below.
@@ -261,13 +269,15 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
     Raises:
         ServerStartError: port in use, process exited early, or no health within
             ``startup_timeout_s`` seconds; carries the log tail. Nothing is left running.
+        UnsafePathError: the log directory or file is a link or another user's.
     """
     try:
         port = pick_port(server_cfg.host, server_cfg.port)
     except PortInUseError as err:
         raise ServerStartError(str(err)) from None
-    log_path = Path(log_dir) / f"vllm-{port}.log"
+    log_path = Path(log_dir or private_dir(LOG_DIR_NAME)) / f"vllm-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open_private(log_path, "ab")  # first: a link planted at the log's name would make us append to its target
     # the run's token, in the environment only: the one the flow's clients would present (grpo_steps.servers.auth
     # token_for), else a new one; with VLLM_API_KEY set, vLLM's own check of /v1 paths takes the same value
     token = token or os.environ.get(auth.TOKEN_ENV) or os.environ.get("VLLM_API_KEY") or auth.new_token()
@@ -280,7 +290,7 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
                        block_size=CPU_BLOCK_SIZE if cpu_build() else None)
     supervisor = [sys.executable, "-m", "grpo_steps.servers.supervisor", "--owner-pid", str(owner.pid),
                   "--owner-started", repr(owner.started), "--grace-s", str(server_cfg.orphan_grace_s), "--", *cmd]
-    with open(log_path, "ab") as log:
+    with log:
         proc = subprocess.Popen(supervisor, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, cwd=Path(__file__).resolve().parents[2])
     ref = ProcessRef.of(proc.pid)

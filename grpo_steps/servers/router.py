@@ -5,12 +5,18 @@ flow's process is gone), or the router you run (``generation.server.router.endpo
 Rollouts and evaluation reach the replicas through it (``/v1/completions``; the ``Authorization`` header is passed on
 to the replica, whose middleware checks the run's token); the pipeline's control calls (weight reloads, labels, LoRA
 adapters) go to each replica directly. Its Prometheus metrics (requests per replica,
-``vllm_router_processed_requests_total{worker=...}``) are served on a second port of 127.0.0.1. Its admin routes
-(``/add_worker``, ``/remove_worker``) take no token: it binds to ``generation.server.host`` (loopback by default).
+``vllm_router_processed_requests_total{worker=...}``) are served on a second port of 127.0.0.1.
+
+Its admin routes (``/add_worker``, ``/remove_worker``, ``/workers``) take no token, and it passes the client's token on
+to every worker: whoever reaches it could add a worker and receive the token and every rollout, and loopback is not
+private on a shared host. So the router the pipeline starts runs in a network namespace of its own, reached only
+through :mod:`grpo_steps.servers.router_bridge` (the run's token required, admin routes refused);
+``generation.server.router.private_network: false`` turns that off where no namespace can be made.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -19,24 +25,37 @@ from typing import TYPE_CHECKING
 
 import requests
 
-from grpo_steps.processes import PortInUseError, ProcessRef, log_tail, pick_port, wait_until
-from grpo_steps.servers import auth
+from grpo_steps.processes import PortInUseError, ProcessRef, log_tail, open_private, pick_port, private_dir, wait_until
+from grpo_steps.servers import auth, router_bridge
 from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy
-from grpo_steps.servers.local import LOG_DIR, LocalServer
+from grpo_steps.servers.local import LOG_DIR_NAME, LocalServer
 
 if TYPE_CHECKING:
     from grpo_steps.config import PipelineConfig
 
 
 def router_command(worker_urls: list[str], host: str, port: int, *, policy: str, health_check_interval_s: int,
-                   metrics_port: int) -> list[str]:
+                   metrics_port: int, metrics_host: str = "127.0.0.1") -> list[str]:
     """The ``vllm-router`` command line (as a module of this interpreter: the console script's path differs between
     installs)."""
     return [sys.executable, "-m", "vllm_router.launch_router", "--host", host, "--port", str(port),
             "--worker-urls", *worker_urls, "--policy", policy,
             "--health-check-interval-secs", str(health_check_interval_s),
             "--health-failure-threshold", "2",  # a dead replica leaves the rotation after two failed checks
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+            "--prometheus-host", metrics_host, "--prometheus-port", str(metrics_port)]
+
+
+def bridged_router_command(worker_urls: list[str], host: str, port: int, *, policy: str, health_check_interval_s: int,
+                           metrics_port: int) -> list[str]:
+    """The command of a router in a private network namespace behind :mod:`grpo_steps.servers.router_bridge`:
+    clients reach it at ``host:port`` with the run's token (``GRPO_SERVER_TOKEN`` in the bridge's environment), its
+    metrics at ``127.0.0.1:metrics_port``."""
+    inner = router_command(router_bridge.inside_urls(worker_urls), router_bridge.ROUTER_HOST, router_bridge.ROUTER_PORT,
+                           policy=policy, health_check_interval_s=health_check_interval_s,
+                           metrics_port=router_bridge.ROUTER_METRICS_PORT, metrics_host=router_bridge.ROUTER_HOST)
+    workers = [arg for url in worker_urls for arg in ("--worker", url)]
+    return [sys.executable, "-m", "grpo_steps.servers.router_bridge", "--host", host, "--port", str(port),
+            "--metrics-port", str(metrics_port), *workers, "--", *inner]
 
 
 @dataclass(frozen=True)
@@ -68,13 +87,17 @@ class ExternalRouter(GenerationServer):
 
 
 def start_router(cfg: PipelineConfig, worker_urls: list[str], *, owner: ProcessRef, token: str | None,
-                 log_dir: str | Path = LOG_DIR) -> LocalRouter:
+                 log_dir: str | Path | None = None) -> LocalRouter:
     """Start ``vllm-router`` on ``generation.server.host`` in front of ``worker_urls`` and wait until it answers
-    ``/health``; clients of its endpoint present ``token`` (the replicas' token; None: none).
+    ``/health``; clients of its endpoint present ``token`` (the replicas' token; None: none). With
+    ``generation.server.router.private_network`` (the default) the router runs in a network namespace of its own
+    behind :mod:`grpo_steps.servers.router_bridge`, which admits only clients that present ``token`` and refuses the
+    admin routes.
 
     Raises:
         ServerStartError: port in use, the router exited, or no health within
-            ``generation.server.startup_timeout_s`` seconds; carries its log tail. Nothing is left running.
+            ``generation.server.startup_timeout_s`` seconds (also where no private network namespace can be made:
+            the log tail says how to allow one); carries its log tail. Nothing is left running.
     """
     server_cfg, gen = cfg.generation.server, cfg.generation
     try:
@@ -82,14 +105,18 @@ def start_router(cfg: PipelineConfig, worker_urls: list[str], *, owner: ProcessR
         metrics_port = pick_port("127.0.0.1", 0)
     except PortInUseError as err:
         raise ServerStartError(str(err).replace("generation.server.port", "generation.server.router.port")) from None
-    log_path = Path(log_dir) / f"router-{port}.log"
+    log_path = Path(log_dir or private_dir(LOG_DIR_NAME)) / f"router-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = router_command(worker_urls, server_cfg.host, port, policy=gen.router_policy(cfg.multi_turn),
-                         health_check_interval_s=server_cfg.router.health_check_interval_s, metrics_port=metrics_port)
+    command = bridged_router_command if server_cfg.router.private_network else router_command
+    cmd = command(worker_urls, server_cfg.host, port, policy=gen.router_policy(cfg.multi_turn),
+                  health_check_interval_s=server_cfg.router.health_check_interval_s, metrics_port=metrics_port)
     supervisor = [sys.executable, "-m", "grpo_steps.servers.supervisor", "--owner-pid", str(owner.pid),
                   "--owner-started", repr(owner.started), "--grace-s", str(server_cfg.orphan_grace_s), "--", *cmd]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(supervisor, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = {k: v for k, v in os.environ.items() if k != auth.TOKEN_ENV}
+    if token:
+        env[auth.TOKEN_ENV] = token  # the bridge admits the clients that present it (the router never sees it)
+    with open_private(log_path, "ab") as log:  # never through a planted link
+        proc = subprocess.Popen(supervisor, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     ref = ProcessRef.of(proc.pid)
     router = LocalRouter(f"http://{server_cfg.host}:{port}", model="vllm-router", supervisor_pid=ref.pid,
                          supervisor_started=ref.started, owner_pid=owner.pid, owner_started=owner.started,

@@ -15,7 +15,8 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from grpo_steps import trl_hooks
-from grpo_steps.checkpoints import checkpoint_bytes, checkpoint_name, mark_latest_zero_tag
+from grpo_steps.checkpoints import checkpoint_bytes, checkpoint_name, mark_latest_zero_tag, steps_to_prune
+from grpo_steps.tracking import with_glance
 from grpo_steps.weight_files import require_space
 from rewards import guard
 
@@ -34,8 +35,9 @@ class DatastoreCheckpointCallback(TrainerCallback):
             the upload) and ``checkpoint/kept``; None to skip.
     """
 
-    def __init__(self, node_index: int = 0, keep: int | None = None, log_metrics=None) -> None:
+    def __init__(self, node_index: int = 0, keep: int | None = None, log_metrics=None, num_nodes: int = 1) -> None:
         self.node_index, self.keep, self.log_metrics = node_index, keep, log_metrics
+        self.num_nodes = num_nodes  # the gang's size: the step every node saved is never pruned
         self.checkpointer = None  # one Checkpoint for the whole process: its version counter names each save
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
@@ -70,7 +72,9 @@ class DatastoreCheckpointCallback(TrainerCallback):
         return control
 
     def _prune(self) -> int:
-        """Delete this node's datastore checkpoints older than the newest ``keep``; returns how many remain.
+        """Delete this node's datastore checkpoints older than the newest ``keep`` and older than the newest step
+        every node of the gang saved (where a retried or resumed gang restarts,
+        :func:`grpo_steps.checkpoints.steps_to_prune`); returns how many remain.
 
         metaflow-checkpoint 0.2 has no public delete: this uses the write datastore of the task's
         ``Checkpoint`` (pinned ``<0.3`` in pyproject; covered by the flow tests).
@@ -79,14 +83,16 @@ class DatastoreCheckpointCallback(TrainerCallback):
             CheckpointArtifact,
         )
 
-        mine = self.checkpointer.list(name=checkpoint_name(self.node_index))
-        mine.sort(key=lambda c: c["metadata"]["global_step"], reverse=True)
+        saved = {node: {c["metadata"]["global_step"]: c for c in self.checkpointer.list(name=checkpoint_name(node))}
+                 for node in range(self.num_nodes)}
+        deletable = steps_to_prune({node: list(steps) for node, steps in saved.items()}, self.node_index, self.keep,
+                                   self.num_nodes)
         datastore = self.checkpointer._checkpointer._checkpoint_datastore
-        for old in mine[self.keep:]:
-            datastore.delete(CheckpointArtifact.hydrate(old))
-            print(f"[checkpoint] removed step={old['metadata']['global_step']} node={self.node_index} "
+        for step in deletable:
+            datastore.delete(CheckpointArtifact.hydrate(saved[self.node_index][step]))
+            print(f"[checkpoint] removed step={step} node={self.node_index} "
                   f"(train.save_total_limit={self.keep})", flush=True)
-        return min(len(mine), self.keep)
+        return len(saved[self.node_index]) - len(deletable)
 
 
 class MLflowMetricsCallback(TrainerCallback):
@@ -129,7 +135,7 @@ class MLflowMetricsCallback(TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return control
         numeric = {k: float(v) for k, v in logs.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-        self.log({**numeric, self.WATERMARK: state.global_step}, state.global_step)
+        self.log({**with_glance(numeric), self.WATERMARK: state.global_step}, state.global_step)
         return control
 
 

@@ -93,12 +93,17 @@ def build_trainer(job: TrainJob, args, model, tokenizer, started: float):
     from datasets import Dataset
 
     from grpo_steps.tools import environment_factories, tool_functions, trl_environment_factory
+    from grpo_steps.training.gang import GangManifestCallback, SeparateStepCounts
     from grpo_steps.training.zero_signal import mode_for
 
     cfg = job.config
     rows = [json.loads(line) for line in Path(job.train_file).read_text().splitlines() if line.strip()]
     trainer_class, backend_kwargs = backend(job, tokenizer, rows)
     first, of_trainer = callbacks(job, tokenizer, started)
+    cursor = prompt_cursor(job, args, rows)
+    first.insert(0, GangManifestCallback(cfg, cursor))  # writes into each checkpoint before the datastore upload
+    if job.resume_universal:
+        first.append(SeparateStepCounts())
     trainer = trainer_class(
         model=model,
         reward_funcs=reward_functions(cfg),
@@ -113,11 +118,21 @@ def build_trainer(job: TrainJob, args, model, tokenizer, started: float):
         environment_factory=trl_environment_factory(environment_factories(
             cfg.environment, cfg.generation.tool_timeout_s, cfg.generation.max_tool_response_length)),
         zero_signal=mode_for(cfg.train),
+        prompt_cursor=cursor,
         **backend_kwargs,
     )
     for make in of_trainer:  # callbacks that read the trainer itself
         trainer.add_callback(make(trainer))
     return trainer
+
+
+def prompt_cursor(job: TrainJob, args, rows: list[dict]):
+    """The run's :class:`grpo_steps.training.cursor.PromptCursor` over the train rows, at the cursor of
+    ``job.resume_from`` when it holds one (``args``: the ``GRPOConfig``: prompts per generation batch)."""
+    from grpo_steps.training.cursor import PromptCursor, prompt_id, prompts_per_epoch
+
+    per_epoch = prompts_per_epoch(len(rows), args.generation_batch_size // args.num_generations)
+    return PromptCursor.load([prompt_id(row["prompt"]) for row in rows], per_epoch, job.resume_from)
 
 
 def backend(job: TrainJob, tokenizer, rows: list[dict]) -> tuple[type, dict]:
@@ -143,10 +158,16 @@ def backend(job: TrainJob, tokenizer, rows: list[dict]) -> tuple[type, dict]:
             raise ConfigError(f"{COLOCATE_NEEDS_GPU} (this machine has no CUDA device)")
         colocate_environment(cfg)
     elif gen.backend == "vllm" and gen.weight_sync == "disk":
+        import dataclasses
+
+        from transformers import AutoConfig
+
         from grpo_steps.training.generation.server import server_settings
         from grpo_steps.training.trainer import ServerGRPOTrainer
 
-        client = job.generation_server().client()
+        # sampled ids past the policy's vocabulary are a lying (or hijacked) server's: refused by the client
+        vocab_size = getattr(AutoConfig.from_pretrained(job.model_path), "vocab_size", None)
+        client = dataclasses.replace(job.generation_server().client(), vocab_size=vocab_size)
         return ServerGRPOTrainer, {"server": server_settings(cfg, client, tokenizer, rows[0]["prompt"],
                                                              job.output_dir)}
     elif gen.backend == "recorded":
@@ -176,7 +197,8 @@ def callbacks(job: TrainJob, tokenizer, started: float) -> tuple[list, list]:
              *engine_metrics(job)] + ([mlflow_cb] if mlflow_cb else [])  # engine metrics join the logs before MLflow
     if in_metaflow_task():
         first.append(DatastoreCheckpointCallback(job.node_index, keep=cfg.train.save_total_limit,
-                                                 log_metrics=mlflow_cb.log if mlflow_cb else None))
+                                                 log_metrics=mlflow_cb.log if mlflow_cb else None,
+                                                 num_nodes=cfg.train.num_nodes))
     queue = mlflow_cb.queue if mlflow_cb else None  # metrics, curves and tables: one queue, drained at train end
     of_trainer = [partial(eval_during_callback, job, tokenizer=tokenizer, queue=queue)] if cfg.eval.every_steps else []
     if queue and cfg.train.log_completions_steps:

@@ -30,6 +30,7 @@ from transformers import TrainerCallback
 
 from grpo_steps import trl_hooks
 from grpo_steps.config import PipelineConfig
+from grpo_steps.tracking import with_glance
 
 PREFIX = "eval_during"
 """MLflow name prefix of the during-training metrics: ``eval_during/<metric>`` (``pass@k`` is logged as
@@ -122,7 +123,7 @@ class EvalDuringTraining(TrainerCallback):
         metrics[f"{PREFIX}/probe_logprob"] = sum(result["probe_logprobs"])
         metrics[f"{PREFIX}/seconds"] = time.perf_counter() - started
         if self.log is not None:
-            self.log(metrics, step)
+            self.log(with_glance(metrics), step)  # the held-out curves lead the run's charts too
         self.logged_steps.add(step)
         shown = ", ".join(f"{k}={result['metrics'][k]:.3f}" for k in ("accuracy", "pass@1", "format_rate")
                           if k in result["metrics"])

@@ -38,6 +38,7 @@ class TrainJob(BaseModel):
     eval_file: str | None = None  # jsonl of the eval prompts evaluated during training (eval.every_steps)
     eval_split_file: str | None = None  # jsonl of the whole eval split: evaluated at step 0 and at the last step
     # (eval.every_steps), once for the curve and the evaluate step; the results go to {output_dir}/SPLIT_RESULTS
+    resume_universal: bool = False  # resume_from holds a DeepSpeed Universal Checkpoint to load (grpo_steps.elastic)
 
     @field_validator("server")
     @classmethod
@@ -126,10 +127,23 @@ def config_grpo_kwargs(job: TrainJob, on_cpu: bool) -> dict[str, Any]:
     if gen.weight_sync == "nccl":  # TRL's own server mode: generation + NCCL weight transfer (GPUs only)
         kwargs.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=job.generation_server().endpoint)
     if train.deepspeed:
-        from grpo_steps.config import INFRA_DIR
-
-        kwargs["deepspeed"] = str(INFRA_DIR / "deepspeed_zero3.json")
+        kwargs["deepspeed"] = deepspeed_config(job)
     return kwargs
+
+
+def deepspeed_config(job: TrainJob) -> str | dict[str, Any]:
+    """The DeepSpeed config of a job with ``train.deepspeed``: the ZeRO-3 file in ``infra/`` (its path), or, when the
+    job resumes a Universal Checkpoint (``resume_universal``, a resize: :mod:`grpo_steps.elastic`), its contents with
+    ``checkpoint.load_universal`` on (DeepSpeed then reads ``latest_universal``: every parameter whole, re-partitioned
+    over this job's processes)."""
+    import json
+
+    from grpo_steps.config import INFRA_DIR
+
+    path = INFRA_DIR / "deepspeed_zero3.json"
+    if not job.resume_universal:
+        return str(path)
+    return {**json.loads(path.read_text()), "checkpoint": {"load_universal": True}}
 
 
 def check_grpo_keys(cfg: PipelineConfig) -> None:

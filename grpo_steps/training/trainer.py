@@ -30,6 +30,7 @@ from trl import GRPOTrainer
 
 from grpo_steps import trl_hooks
 from grpo_steps.training import correction, shared_prefix
+from grpo_steps.training.cursor import CursorSampler, PromptCursor, log_batch, prompt_id
 from grpo_steps.training.generation.server import PolicyView, ServerGeneration, ServerSettings
 from grpo_steps.training.zero_signal import ZeroSignalMode
 
@@ -46,14 +47,43 @@ class PipelineGRPOTrainer(GRPOTrainer):
     """The optimizer step whose weights generated the latest generation batch. TRL generates from the current policy
     (``hf``, colocate) or syncs it first (``nccl``)."""
 
-    def __init__(self, *args, zero_signal: ZeroSignalMode | None = None, **kwargs):
+    def __init__(self, *args, zero_signal: ZeroSignalMode | None = None, prompt_cursor: PromptCursor | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.zero_signal = zero_signal or ZeroSignalMode()
+        self.prompt_cursor = prompt_cursor
 
     def _sampled_version(self) -> int:
         return self.state.global_step
 
+    def _get_train_sampler(self, dataset=None):
+        base = super()._get_train_sampler(dataset)
+        if self.prompt_cursor is None or (dataset is not None and dataset is not self.train_dataset):
+            return base
+        return CursorSampler(base, self.prompt_cursor, partial(self._resume_skip_positions, len(base)))
+
+    def _resume_skip_positions(self, positions_per_epoch: int) -> int:
+        """Sampler indices transformers' ``Trainer`` skips on resume (``_init_training_state``: the optimizer steps of
+        the resumed epoch, in micro-batches, each ``generation_batch_size`` rows over all processes)."""
+        rows, accumulation = self.args.generation_batch_size, self.args.gradient_accumulation_steps
+        micro_batches = positions_per_epoch // rows
+        per_epoch = max(micro_batches // accumulation + int(micro_batches % accumulation > 0), 1)
+        return (self.state.global_step % per_epoch) * accumulation * rows
+
+    def record_prompts(self, inputs: list[dict]) -> None:
+        """Consume a training generation batch's prompts on the cursor (every process's, gathered: collective) and
+        log their ids (main process)."""
+        from accelerate.utils import gather_object
+
+        ids = list(dict.fromkeys(gather_object(list(dict.fromkeys(prompt_id(x["prompt"]) for x in inputs)))))
+        epoch = self.prompt_cursor.epoch
+        self.prompt_cursor.consume(ids)
+        if self.accelerator.is_main_process:
+            log_batch(self.args.output_dir, self.state.global_step + 1, epoch, ids)
+
     def _generate_and_score_completions(self, inputs):
+        if self.prompt_cursor is not None and self.model.training:
+            self.record_prompts(inputs)
         # the zero-signal modes act on training batches only: an evaluation round is TRL's own
         output = self.zero_signal.generate(self, inputs) if self.model.training else self.generate_round(inputs)
         self.sampled_version = self._sampled_version()

@@ -349,7 +349,7 @@ def test_what_the_mlflow_ui_pages_show(flow_run):
            f"{gain['pass@1_ci95']:.3f}" in note
     assert f"reasoning_gym:{cfg.data.task}" in note and "embedded:tiny-random-qwen2" in note
     assert f"**Quality gate**: {'passed' if run.data.model_version['gate_passed'] else 'not passed'}" in note
-    assert f"(#/models/{version.name}/versions/{version.version})" in note
+    assert f"#/models/{version.name}/versions/{version.version})" in note  # the UI's route, after the server's URL
     assert f"GRPOFlow/{run.id}" in note and "card get" in note
     used = load_config(workdir / "run.yaml")  # test.yaml on the session's server
     assert version.tags["git.commit"] and version.tags["config.sha256"] == used.sha256()

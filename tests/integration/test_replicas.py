@@ -64,9 +64,7 @@ def replica_set(tiny_model_path):
 
 
 def _with_replicas(job, replica_set):
-    client = replica_set.client()
-    return job.model_copy(update={"endpoint": replica_set.endpoint, "replicas": list(client.replicas),
-                                  "replica_logs": list(client.replica_logs)})
+    return job.model_copy(update={"server": replica_set.to_dict()})  # the handle whole: router and replicas
 
 
 def _counts(replica_set) -> list[float]:

@@ -68,6 +68,9 @@ def test_a_local_server_is_kept_by_its_owner_only(tiny_server):
     me = ProcessRef.of(os.getpid())
     assert tiny_server.serves(me)
     assert not tiny_server.serves(ProcessRef(me.pid, me.started + 1.0))  # another runtime (after a resume)
+    # vLLM's torch.distributed file store lives in the server's private directory (removed at stop), not in the shared
+    # temporary directory, where every start used to leave a world-readable vllm_dist_<hex>
+    assert list(Path(tiny_server.ipc_dir).glob("vllm_dist_*"))
 
 
 def test_a_server_that_fails_to_start_reports_its_log(tiny_model_path, tmp_path):

@@ -150,3 +150,53 @@ def test_a_checkpoint_save_that_cannot_fit_is_refused_before_the_trainer_writes(
     (scratch / "checkpoint-2").mkdir()
     (scratch / "checkpoint-2" / "trainer_state.json").write_text("{}")
     assert checkpoint_bytes(scratch, policy) == 2  # measured from the newest checkpoint once there is one
+
+
+# ---- a gang resumes at the newest step every node saved (issue 49, multi-node consistency) ----
+
+def _node_saves(root, saved: dict[int, list[int]]) -> dict[int, list[dict]]:
+    """Real trainer checkpoint directories per node (``root/node<i>/checkpoint-N``) and their datastore listings as
+    metaflow-checkpoint returns them (``metadata``: global step, node index)."""
+    listing = {}
+    for node, steps in saved.items():
+        listing[node] = []
+        for step in steps:
+            path = _trainer_checkpoint(root / f"node{node}" / f"checkpoint-{step}")
+            listing[node].append({"key": str(path), "metadata": {"global_step": step, "node_index": node}})
+    return listing
+
+
+def test_a_gang_killed_between_two_nodes_saves_resumes_at_the_step_both_saved(tmp_path, capsys):
+    from grpo_steps.checkpoints import _newest_common_checkpoint, _saved_by_node
+
+    # node 0 saved step 6, node 1 was killed before its own save of step 6
+    listing = _node_saves(tmp_path, {0: [2, 4, 6], 1: [2, 4]})
+    saved = _saved_by_node(lambda name: listing[int(name.removeprefix("grpo-node"))], 2)
+    picks = [_newest_common_checkpoint(saved, node, 2) for node in (0, 1)]
+    assert [p["metadata"]["global_step"] for p in picks] == [4, 4]  # both nodes, the same step
+    assert [trainer_checkpoint_in(p["key"]) for p in picks] == [str(tmp_path / f"node{n}" / "checkpoint-4")
+                                                                for n in (0, 1)]
+    assert "newer saves of one node only are not used: {0: 6}" in capsys.readouterr().out
+
+
+def test_a_gang_with_a_node_that_never_saved_starts_fresh(tmp_path):
+    from grpo_steps.checkpoints import _newest_common_checkpoint, _saved_by_node
+
+    listing = _node_saves(tmp_path, {0: [2], 1: []})
+    saved = _saved_by_node(lambda name: listing[int(name[-1])], 2)
+    assert _newest_common_checkpoint(saved, 0, 2) is None
+
+
+@pytest.mark.parametrize(("saved", "node", "keep", "deletable"), [
+    ({0: [2, 4, 6], 1: [2, 4]}, 0, 1, [2]),  # node 1 has not saved 6 yet: node 0 keeps 4, the gang's resume step
+    ({0: [2, 4, 6], 1: [2, 4, 6]}, 0, 1, [4, 2]),  # both saved 6: the older ones go
+    ({0: [2, 4, 6], 1: [2, 4, 6]}, 0, 2, [2]),  # keep 2
+    ({0: [2, 4], 1: []}, 0, 1, []),  # until every node saved one step, nothing is deleted
+    ({0: [2, 4, 6, 8], 1: [4]}, 1, 1, []),  # the slow node keeps its only step
+])
+def test_pruning_keeps_the_newest_step_every_node_saved(saved, node, keep, deletable):
+    from grpo_steps.checkpoints import newest_common_step, steps_to_prune
+
+    assert steps_to_prune(saved, node, keep, num_nodes=2) == deletable
+    common = newest_common_step(saved, 2)
+    assert common is None or common not in deletable

@@ -72,6 +72,8 @@ BAD_CONFIGS = [
       "resources": {"train": {"gpu": 8}, "vllm": {"gpu": 1}}}, "use generation.provider 'kubernetes'"),
     ({"resources": {"train": {"gpu": 8}}}, "must equal resources.train.gpu (8)"),
     ({"schedule": {"cron": "0 3 * * ? *"}}, "must have 5 fields"),
+    # a server (and the router the pipeline starts) on a non-loopback interface only when the config says it means it
+    ({"generation": {"server": {"host": "0.0.0.0"}}}, "generation.server.host '0.0.0.0' is not a loopback address"),
     ({"project": "My Project"}, "project"),
     ({"train": {"retries": 11}}, "train.retries"),
     ({"generation": {"backend": "hf", "weight_sync": "nccl"}}, "only applies to backend 'vllm'"),
@@ -152,6 +154,11 @@ def test_bad_configs_are_rejected_with_a_clear_message(data, message):
 def test_yaml_that_is_not_a_mapping_is_rejected():
     with pytest.raises(ConfigError, match="must be a YAML mapping"):
         parse_config("- a\n- b\n")
+
+
+def test_a_non_loopback_server_host_passes_when_declared():
+    assert validate_config({"generation": {"server": {"host": "0.0.0.0", "remote_access": True}}})
+    assert validate_config({"generation": {"server": {"host": "localhost"}}})
 
 
 def test_config_is_immutable():

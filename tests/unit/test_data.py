@@ -503,3 +503,19 @@ def test_every_shipped_config_has_the_rows_it_asks_for(name, tiny_tokenizer):
     data = prepare(data_cfg, tiny_tokenizer)
     assert len(data.eval) == cfg.data.num_eval
     assert len(data.train) == cfg.data.num_train or (cfg.data.allow_smaller_split and len(data.train) > 0)
+
+
+@pytest.mark.parametrize(("rows", "environment", "refused"), [
+    ([{"environment": "maze"}, {"environment": "chess"}], {"maze": "e:M", "chess": "e:C"}, None),  # every name known
+    ([{"environment": "maze"}, {"environment": "go"}], {"maze": "e:M", "chess": "e:C"}, "'go' at row 1"),  # unknown
+    ([{"question": "q"}], {"maze": "e:M", "chess": "e:C"}, "None at row 0"),  # no environment column at all
+    ([{"environment": "anything"}], "e:M", None),  # one factory: rows pick nothing
+])
+def test_rows_that_name_no_configured_environment_are_refused_before_training(rows, environment, refused):
+    from grpo_steps.data import DataError, check_environments
+
+    if refused is None:
+        check_environments(rows, environment)
+    else:
+        with pytest.raises(DataError, match=refused):
+            check_environments(rows, environment)

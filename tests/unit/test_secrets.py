@@ -14,7 +14,7 @@ from grpo_steps.config import (
     TrackingConfig,
     validate_config,
 )
-from grpo_steps.redaction import credential_in, redact, redact_args, redact_value
+from grpo_steps.redaction import credential_in, redact, redact_args, redact_report, redact_value, secret_name
 
 SECRET = "hunter2-s3cr3t"
 
@@ -149,6 +149,31 @@ BATTERY = [
     ({"data": {"system_prompt": f"Bearer {PLANTED}"}}, "data.system_prompt"),  # a bearer credential
     ({"generation": {"server": {"extra_args": [f"hf_{PLANTED}abcdef"]}}}, "generation.server.extra_args"),
     ({"generation": {"server": {"extra_args": ["--hf-token", PLANTED]}}}, "generation.server.extra_args"),
+    # secrets by other names and shapes (issue 49): accepted before
+    ({"rewards": [{"name": "answer_accuracy", "options": {"openai_key": PLANTED}}]}, "options.openai_key"),  # <w>_key
+    ({"data": {"task_options": {"AccountKey": PLANTED}}}, "data.task_options.AccountKey"),
+    ({"data": {"task_options": {"db_pass": PLANTED}}}, "data.task_options.db_pass"),
+    ({"data": {"task_options": {"user_pwd": PLANTED}}}, "data.task_options.user_pwd"),
+    ({"data": {"task_options": {"webhook_url": f"https://example.com/hook/{PLANTED}"}}}, "webhook_url"),
+    ({"data": {"task_options": {"sentry_dsn": f"proj-{PLANTED}"}}}, "data.task_options.sentry_dsn"),
+    ({"data": {"task_options": {"jwt": PLANTED}}}, "data.task_options.jwt"),
+    ({"data": {"task_options": {"bearer": PLANTED}}}, "data.task_options.bearer"),
+    ({"data": {"task_options": {"user_session": PLANTED}}}, "data.task_options.user_session"),
+    ({"data": {"system_prompt": f"connect with password={PLANTED} first"}}, "data.system_prompt"),  # a pair in text
+    ({"data": {"task_options": {"conn": "DefaultEndpointsProtocol=https;AccountName=a;"
+                                        f"AccountKey={PLANTED}==;EndpointSuffix=core.windows.net"}}},
+     "data.task_options.conn"),  # an Azure connection string
+    ({"data": {"task_options": {"conn": f"Server=db;User Id=me;Pwd={PLANTED};"}}}, "data.task_options.conn"),
+    ({"tracking": {"tracking_uri": f"https://mlflow.example.com/api;token={PLANTED}"}}, "tracking"),  # ;token=
+    ({"data": {"task_options": {"note": "npm_" + PLANTED * 2}}}, "data.task_options.note"),  # npm
+    ({"data": {"task_options": {"note": "sk_live_" + PLANTED * 2}}}, "data.task_options.note"),  # Stripe
+    ({"data": {"task_options": {"note": "rk_test_" + PLANTED * 2}}}, "data.task_options.note"),
+    ({"data": {"task_options": {"note": f"https://hooks.slack.com/services/T0000000/B0000000/{PLANTED}"}}},
+     "data.task_options.note"),  # a Slack webhook: the URL is the key
+    ({"data": {"task_options": {"note": f"-----BEGIN RSA PRIVATE KEY-----\nMIIE{PLANTED}\n{PLANTED}==\n"
+                                        "-----END RSA PRIVATE KEY-----"}}}, "data.task_options.note"),  # PEM
+    ({"data": {"task_options": {"note": f"-----BEGIN OPENSSH PRIVATE KEY-----\nb3Bl{PLANTED}"}}},
+     "data.task_options.note"),  # a PEM block cut short
 ]
 
 
@@ -190,6 +215,29 @@ def test_ordinary_names_and_text_are_neither_refused_nor_redacted():
                      "generation": {"stop_token_ids": [2]}})
 
 
+ALLOWED_NAMES = ["sort_key", "answer_key", "sortKey", "group-key", "pass@1", "pass_at_k", "session_id",
+                 "max_completion_tokens", "stop_token_ids", "webhook_url_env", "hub_token_env", "key_column"]
+
+
+@pytest.mark.parametrize("name", ALLOWED_NAMES)
+def test_data_and_metric_names_are_not_secret_names(name):
+    assert not secret_name(name)
+
+
+def test_the_eval_report_is_redacted_keeping_every_figure():
+    report = {"baseline": {"metrics": {"pass@1": 0.25, "accuracy": 0.5}},
+              "trained": {"metrics": {"pass@1": 0.75}, "per_prompt": {"the password prompt": 1.0},
+                          "samples": [{"completion": f"use password={PLANTED} and Bearer {PLANTED}",
+                                       "api_key": PLANTED, "reward": 1.0, "tool": ["--api-key", PLANTED]}]},
+              "gain": {"pass@1": {"mean": 0.5, "ci95": [0.1, 0.9]}}}
+    redacted = redact_report(report)
+    assert PLANTED not in repr(redacted)
+    assert redacted["baseline"] == report["baseline"] and redacted["gain"] == report["gain"]
+    assert redacted["trained"]["metrics"] == {"pass@1": 0.75}
+    assert redacted["trained"]["per_prompt"] == {"the password prompt": 1.0}
+    assert redacted["trained"]["samples"][0]["reward"] == 1.0
+
+
 def test_unparsable_input_is_echoed_redacted_and_the_hash_covers_the_redacted_config():
     with pytest.raises(ConfigError) as err:
         validate_config({"train": {"max_steps": {"token": PLANTED}}})
@@ -202,3 +250,18 @@ def _unvalidated_grpo(grpo: dict) -> PipelineConfig:
     from grpo_steps.config import TrainConfig
 
     return PipelineConfig.model_construct(train=TrainConfig.model_construct(**{**dict(TrainConfig()), "grpo": grpo}))
+
+
+def test_the_local_datastore_and_mlflow_store_become_private(tmp_path, monkeypatch):
+    monkeypatch.delenv("METAFLOW_DATASTORE_SYSROOT_LOCAL", raising=False)
+    (tmp_path / ".metaflow").mkdir(mode=0o755)
+    (tmp_path / "mlflow.db").write_text("")
+    (tmp_path / "mlflow.db").chmod(0o644)
+    (tmp_path / "elsewhere").mkdir(mode=0o755)
+    (tmp_path / "mlartifacts").symlink_to(tmp_path / "elsewhere")  # a link: never followed
+    cfg = validate_config({"tracking": {"artifact_location": "mlartifacts"}})
+    assert sorted(tracking.restrict_local_stores(cfg, str(tmp_path))) == [str(tmp_path / ".metaflow"),
+                                                                         str(tmp_path / "mlflow.db")]
+    assert oct((tmp_path / ".metaflow").stat().st_mode & 0o777) == "0o700"
+    assert oct((tmp_path / "mlflow.db").stat().st_mode & 0o777) == "0o600"
+    assert oct((tmp_path / "elsewhere").stat().st_mode & 0o777) == "0o755"

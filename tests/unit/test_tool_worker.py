@@ -159,3 +159,18 @@ def test_completion_tables_are_redacted(tmp_path):
                        "completions/step_000001.json")
     logged = (tmp_path / "art" / run_id / "artifacts" / "completions" / "step_000001.json").read_text()
     assert secret not in logged and "fine" in logged
+
+
+def test_a_module_a_tool_wrote_into_the_working_directory_never_shadows_the_standard_library(tmp_path, monkeypatch):
+    marker = tmp_path / "shadowed"
+    (tmp_path / "json.py").write_text(f"open({str(marker)!r}, 'w').write('imported')\nraise ImportError('shadow')\n")
+    (tmp_path / "cwd_tools.py").write_text(TEMPLATE.format(kind="", name="triple", body="    return 3 * x"))
+    monkeypatch.chdir(tmp_path)  # a tool module beside the run still imports (after the standard library)
+    monkeypatch.syspath_prepend(str(tmp_path))  # for the schema check here
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    [fn] = tool_functions(["cwd_tools:triple"], 30.0, 4096)
+    try:
+        assert fn(2) == 6
+    finally:
+        fn.worker.close()
+    assert not marker.exists()  # on main the worker (python -m, the cwd first) imported the planted json.py

@@ -58,3 +58,30 @@ def test_a_server_that_does_not_answer_fills_the_backlog_and_flush_says_what_to_
                                      "server within tracking.outage_wait_s=1 s: start it again")
     assert "`resume`" in str(err.value)
     assert not queue.thread.is_alive() or wait_until(lambda: not queue.thread.is_alive(), timeout_s=10)
+
+
+def test_a_refusal_for_good_is_dropped_not_retried_forever(tmp_path):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    queue = TrackingQueue(client, "f" * 32, retry_s=0.1)  # a run the server does not have (HTTP 404)
+    queue.log({"reward": 1.0}, 1)
+    queue.close(timeout_s=30)  # on main: retried every 0.1 s until close gave up (TrackingBacklog)
+    assert queue.dropped == 1 and queue.pending == []
+
+
+def test_the_backlog_is_bounded(monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with socket.socket() as sock:  # a loopback port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    queue = TrackingQueue(MlflowClient(tracking_uri=f"http://127.0.0.1:{port}"), "0" * 32, retry_s=0.2, max_pending=10)
+    for step in range(25):
+        queue.log({"reward": float(step)}, step)
+    queue.log_table(_table(25), "completions/step_000025.json")
+    assert len(queue.pending) <= 10 and queue.dropped == 16  # the oldest points went; the table stays
+    assert queue.pending[0].step == 16
+    with pytest.raises(TrackingBacklog):
+        queue.close(timeout_s=0.5)

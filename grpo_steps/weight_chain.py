@@ -1,0 +1,461 @@
+"""A checked chain of weight versions in S3: a full anchor every K versions and, in between, sparse deltas against the
+last committed version, each version made visible by its manifest, written last.
+
+Layout under the run's prefix ``s3://BUCKET/PREFIX/``::
+
+    manifests/0000000007.json            version 7 exists iff this object exists (written after its data)
+    data/0000000007-<id>/000.zst ...     its payload: each tensor's encoded bytes, one zstd frame per tensor, packed
+                                         into objects of at most ``object_bytes`` (one per push for a delta)
+
+A manifest (JSON) holds the version, its publish ``id`` (a fresh token per publish: a version published again after a
+crash is another version to readers), ``base`` (``{"version", "id"}`` of the version the delta applies to; null for an
+anchor), ``anchor`` (version of the anchor its lineage starts from), ``depth`` (deltas since that anchor), the byte
+count of each object, and per tensor: dtype, shape, SHA-256 of the full tensor after apply, encoding (``zstd``: its
+bytes; ``xor-zstd``: the XOR of its bit pattern with the base's; ``same``: bit-identical to the base, no bytes), key,
+offset and length in that object. The XOR is taken on the weights as served, in the serving dtype: an element that
+did not move has an all-zero XOR, which zstd packs to almost nothing; one that moved a little shares its sign, exponent
+and high mantissa bits with the base, so its XOR has leading zeros too.
+
+Encoding, measured on the 30 optimizer steps of a real run of SmolLM2-135M on ``configs/local.yaml``
+(``bench/weight_delta.py``, docs/benchmarks.md, 2-core CPU box, 2026-11-27): in bf16 a median 1.4 % of the elements
+change per step and a XOR+zstd delta is a median 2.4 % of the anchor's bytes (5.0 MB vs 210 MB; 10 % after the first
+step, 0.5 % after the last); in fp32 99.6 % change and a delta is 57 % of the anchor (the XOR still drops the shared
+high bits). On the same deltas (share of the raw tensor bytes, median): XOR+zstd level 1 1.94 % (bf16) and 48.6 %
+(fp32); index/value pairs (int32 index + value) 4.37 % and 199 %, 3.62 % and 158 % with zstd on top: XOR+zstd leaves the
+positions implicit in runs of zeros. zstd level 3 gained nothing over level 1 (1.95 %, 48.1 %), so level 1 it is.
+XOR+zstd also needs no density threshold to switch encodings.
+
+Readers follow ``base`` links from the wanted version back to its anchor (or to the version their local copy holds)
+and apply forward, checking every tensor's SHA-256 after apply; a version whose manifest is absent does not exist, so a
+publisher killed mid-version leaves nothing visible (its orphaned data is removed by :meth:`WeightChain.retain`).
+The baseline advances only on :meth:`WeightChain.commit` (after every replica has loaded the version): a version that
+was published but not committed is never a base.
+
+Sources of the idea: SkyRL's delta weight sync through object storage (``weight_sync_backend=delta``, ``sync_dir:
+s3://``), slime's per-tensor checksums and refusal of an out-of-order base (``--update-weight-mode delta``), NeMo-RL's
+sparse S3 refit whose baseline advances only after a global commit (``refit_transport: vllm_s3_sparse``).
+
+Pure: torch, zstandard and boto3 (imported lazily), nothing of the project, so a vLLM worker extension can import it.
+S3 calls go through one boto3 client with botocore's own bounded retries (``standard`` mode); there is no retry loop
+here except one re-read of an object whose tensor failed its checksum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMAT = 1
+_MANIFEST = re.compile(r"manifests/(\d{10})\.json$")
+
+
+class ChainError(RuntimeError):
+    """Base of the errors of this module."""
+
+
+class VersionNotFoundError(ChainError, LookupError):
+    """The version has no manifest under the prefix (never published, still being written, or retired)."""
+
+
+class ChainCorruptError(ChainError):
+    """A tensor failed its SHA-256 after apply (or its bytes could not be decoded) twice, the object re-read once in
+    between; the message names the version, the tensor and the object key."""
+
+
+class ChainStoreError(ChainError):
+    """An S3 call failed after botocore's bounded retries; the message names the operation and the key (never
+    credentials)."""
+
+
+def make_client(endpoint_url: str | None = None, *, max_attempts: int = 4, connect_timeout_s: float = 5.0,
+                read_timeout_s: float = 60.0, region: str | None = None, access_key: str | None = None,
+                secret_key: str | None = None):
+    """A boto3 S3 client with botocore's ``standard`` retry mode bounded at ``max_attempts`` attempts per call
+    (connection errors, 5xx and throttling are retried with jittered exponential backoff: 50 ms base, 20 s cap) and the
+    given timeouts (seconds). Credentials: the arguments, else boto3's usual chain (``AWS_*`` environment, profile,
+    instance role); pass them through the environment in a deployment, never on a command line."""
+    import boto3
+    from botocore.config import Config
+
+    config = Config(retries={"mode": "standard", "max_attempts": max_attempts}, connect_timeout=connect_timeout_s,
+                    read_timeout=read_timeout_s, region_name=region or "us-east-1")
+    return boto3.client("s3", endpoint_url=endpoint_url, aws_access_key_id=access_key,
+                        aws_secret_access_key=secret_key, config=config)
+
+
+@dataclass(frozen=True)
+class PublishStats:
+    """What one :meth:`WeightChain.publish` wrote."""
+
+    version: int
+    anchor: bool  # a full anchor (else a delta against ``base``)
+    base: int | None
+    bytes: int  # bytes written to S3: data objects + manifest
+    raw_bytes: int  # bytes of the tensors themselves in the serving dtype (what a full uncompressed push would be)
+    density: float  # fraction of elements whose bits differ from the base (1.0 for an anchor)
+    seconds: float  # wall time of the publish (encode + upload + manifest)
+
+
+@dataclass
+class LocalCopy:
+    """A receiver's weights and the version they are: ``tensors`` (name -> CPU tensor) equal version ``version``
+    (publish ``id``) when ``version`` is set; None while a fetch is changing them or after a failed one (then the next
+    fetch replays from the anchor)."""
+
+    tensors: dict[str, Any] = field(default_factory=dict)
+    version: int | None = None
+    id: str | None = None
+
+
+@dataclass
+class _Baseline:
+    version: int
+    id: str
+    anchor: int
+    depth: int
+    tensors: dict[str, Any]  # name -> contiguous CPU tensor in the serving dtype (a private copy)
+
+
+def _int_view(t):
+    """``t`` (contiguous, flat) viewed as the signed integer type of its element width: the domain of the XOR.
+
+    An element that moved by one unit in the last place differs from its base in the low bits only:
+
+    >>> import torch
+    >>> base = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    >>> moved = torch.tensor([1.0, 2.015625], dtype=torch.bfloat16)  # 2.0 plus one bf16 ulp (2 ** -6)
+    >>> torch.bitwise_xor(_int_view(base), _int_view(moved)).tolist()
+    [0, 1]
+    """
+    import torch
+
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.view(width)
+
+
+def _bytes(t) -> memoryview:
+    """The raw bytes of the contiguous tensor ``t`` (native byte order, no copy)."""
+    import torch
+
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def tensor_sha256(t) -> str:
+    """Hex SHA-256 of the bytes of ``t`` (contiguous CPU tensor) in its own dtype: the checksum of a manifest."""
+    return hashlib.sha256(_bytes(t)).hexdigest()
+
+
+class WeightChain:
+    """The chain of weight versions under ``s3://bucket/prefix/``: publisher and reader in one object.
+
+    ``client``: a boto3 S3 client (:func:`make_client`). ``anchor_every``: K, a full anchor at least every K versions
+    (the first publish of this object is always an anchor). ``dtype``: the serving dtype (a ``torch.dtype``) that
+    tensors are cast to before encoding; None keeps them as given. ``level``: zstd level. ``object_bytes``: the most
+    encoded bytes packed into one data object.
+    """
+
+    def __init__(self, client, bucket: str, prefix: str, *, anchor_every: int = 10, dtype=None, level: int = 1,
+                 object_bytes: int = 64 << 20):
+        if anchor_every < 1:
+            raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
+        self.client, self.bucket, self.prefix = client, bucket, prefix.strip("/") + "/"
+        self.anchor_every, self.dtype, self.level, self.object_bytes = anchor_every, dtype, level, object_bytes
+        self._committed: _Baseline | None = None
+        self._pending: _Baseline | None = None
+
+    # --- S3 calls: every one named by its key when it fails ---
+
+    def _call(self, op: str, key: str, *, missing: Exception | None = None, **kwargs):
+        """``client.<op>`` on ``key`` (``get_object``: returns the body's bytes). A failure after botocore's retries
+        raises :class:`ChainStoreError` naming the key; a missing key raises ``missing`` when given."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            if op == "list_objects_v2":
+                return self.client.list_objects_v2(Bucket=self.bucket, **kwargs)
+            if op == "delete_objects":
+                return self.client.delete_objects(Bucket=self.bucket, **kwargs)
+            answer = getattr(self.client, op)(Bucket=self.bucket, Key=key, **kwargs)
+            return answer["Body"].read() if op == "get_object" else answer  # the body's read fails inside the try
+        except ClientError as err:
+            if missing is not None and err.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                raise missing from None
+            raise ChainStoreError(f"S3 {op} of s3://{self.bucket}/{key} failed after botocore's retries: "
+                                  f"{type(err).__name__}: {err}") from err
+        except BotoCoreError as err:
+            raise ChainStoreError(f"S3 {op} of s3://{self.bucket}/{key} failed after botocore's retries: "
+                                  f"{type(err).__name__}: {err}") from err
+
+    def _get(self, key: str) -> bytes:
+        return self._call("get_object", key)
+
+    def _keys(self, under: str) -> list[str]:
+        keys, token = [], None
+        while True:
+            page = self._call("list_objects_v2", self.prefix + under, Prefix=self.prefix + under,
+                              **({"ContinuationToken": token} if token else {}))
+            keys += [o["Key"] for o in page.get("Contents", [])]
+            if not page.get("IsTruncated"):
+                return keys
+            token = page["NextContinuationToken"]
+
+    def _delete(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            batch = keys[i:i + 1000]
+            answer = self._call("delete_objects", batch[0], Delete={"Objects": [{"Key": k} for k in batch],
+                                                                     "Quiet": True})
+            if answer.get("Errors"):  # DeleteObjects answers 200 and lists the keys it could not delete
+                error = answer["Errors"][0]
+                raise ChainStoreError(f"S3 delete_objects of s3://{self.bucket}/{error['Key']} failed: "
+                                      f"{error.get('Code')}: {error.get('Message')}")
+
+    def _manifest_key(self, version: int) -> str:
+        return f"{self.prefix}manifests/{version:010d}.json"
+
+    # --- publisher ---
+
+    def publish(self, state_dict: dict, version: int) -> PublishStats:
+        """Write version ``version`` of the weights ``state_dict`` (name -> tensor, any device): an anchor when there
+        is no committed baseline or the baseline is K-1 deltas from its anchor, else a sparse delta against the
+        committed baseline; the manifest last. The version is pending until :meth:`commit`; publishing again before
+        that replaces it (the delta is again against the committed baseline).
+
+        Raises:
+            ValueError: ``version`` is not above the committed baseline's, or the names/shapes/dtypes differ from it.
+            ChainStoreError: an S3 call failed (the version is not visible: its manifest is not written).
+        """
+        import torch
+
+        start = time.perf_counter()
+        base = self._committed
+        if base is not None and version <= base.version:
+            raise ValueError(f"version {version} is not after the committed version {base.version}")
+        # a private copy: the baseline of the next delta must not move with the trainer's parameters
+        tensors = {name: t.detach().to("cpu", self.dtype or t.dtype, copy=True).contiguous()
+                   for name, t in state_dict.items()}
+        anchor = base is None or base.depth + 1 >= self.anchor_every
+        if not anchor and (tensors.keys() != base.tensors.keys() or any(
+                t.shape != base.tensors[n].shape or t.dtype != base.tensors[n].dtype for n, t in tensors.items())):
+            raise ValueError("the state dict's names, shapes or dtypes differ from the committed version's")
+        import zstandard
+
+        publish_id = secrets.token_hex(6)
+        data = f"{self.prefix}data/{version:010d}-{publish_id}/"
+        compressor = zstandard.ZstdCompressor(level=self.level)
+        entries, objects, buffer, changed, numel, raw = {}, {}, bytearray(), 0, 0, 0
+
+        def flush() -> None:
+            key = f"{data}{len(objects):03d}.zst"
+            self._call("put_object", key, Body=bytes(buffer))
+            objects[key] = len(buffer)
+            buffer.clear()
+
+        for name, t in tensors.items():
+            flat = t.reshape(-1)
+            entry = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                     "sha256": tensor_sha256(t)}
+            numel, raw = numel + flat.numel(), raw + flat.numel() * t.element_size()
+            if anchor:
+                payload, entry["encoding"] = compressor.compress(_bytes(t)), "zstd"
+                changed += flat.numel()
+            else:
+                xor = torch.bitwise_xor(_int_view(flat), _int_view(base.tensors[name].reshape(-1)))
+                moved = int(torch.count_nonzero(xor))
+                changed += moved
+                payload, entry["encoding"] = (compressor.compress(_bytes(xor)), "xor-zstd") if moved else (b"", "same")
+            if payload:
+                if buffer and len(buffer) + len(payload) > self.object_bytes:
+                    flush()
+                entry.update(key=f"{data}{len(objects):03d}.zst", offset=len(buffer), length=len(payload))
+                buffer += payload
+            entries[name] = entry
+        if buffer:
+            flush()
+        manifest = {"format": FORMAT, "version": version, "id": publish_id,
+                    "base": None if anchor else {"version": base.version, "id": base.id},
+                    "anchor": version if anchor else base.anchor, "depth": 0 if anchor else base.depth + 1,
+                    "created": time.time(), "objects": objects, "tensors": entries}
+        body = json.dumps(manifest).encode()
+        self._call("put_object", self._manifest_key(version), Body=body)  # last: from here on the version exists
+        self._pending = _Baseline(version, publish_id, manifest["anchor"], manifest["depth"], tensors)
+        return PublishStats(version, anchor, None if anchor else base.version, sum(objects.values()) + len(body), raw,
+                            changed / max(numel, 1), time.perf_counter() - start)
+
+    def commit(self, version: int) -> None:
+        """Make the pending version ``version`` the baseline of the next delta (call when every replica serves it:
+        NeMo-RL's commit-then-advance).
+
+        Raises:
+            ValueError: ``version`` is not the pending version.
+        """
+        if self._pending is None or self._pending.version != version:
+            pending = self._pending.version if self._pending else None
+            raise ValueError(f"version {version} is not the pending version (pending: {pending})")
+        self._committed, self._pending = self._pending, None
+
+    # --- reader ---
+
+    def versions(self) -> list[int]:
+        """The visible versions (those with a manifest), ascending."""
+        return sorted(int(m.group(1)) for k in self._keys("manifests/") if (m := _MANIFEST.search(k)))
+
+    def latest_version(self) -> int | None:
+        """The newest visible version, or None when there is none."""
+        found = self.versions()
+        return found[-1] if found else None
+
+    def manifest(self, version: int) -> dict:
+        """The manifest of ``version`` (see the module doc).
+
+        Raises:
+            VersionNotFoundError: it has none.
+            ChainStoreError: S3 failed otherwise.
+        """
+        key = self._manifest_key(version)
+        missing = VersionNotFoundError(f"weight version {version} does not exist (no s3://{self.bucket}/{key})")
+        return json.loads(self._call("get_object", key, missing=missing))
+
+    def lineage(self, version: int, have: LocalCopy | None = None) -> list[dict]:
+        """The manifests to apply, oldest first, to reach ``version``: from its anchor, or from the version after
+        ``have``'s when ``have`` holds a version of this lineage (same version and publish id).
+
+        Raises:
+            VersionNotFoundError: ``version`` or a version it builds on has no manifest (retired too early).
+        """
+        chain = [self.manifest(version)]
+        while chain[-1]["base"] is not None:
+            base = chain[-1]["base"]
+            if have is not None and have.version == base["version"] and have.id == base["id"]:
+                break
+            manifest = self.manifest(base["version"])
+            if manifest["id"] != base["id"]:  # published again after this delta was written: not its base
+                raise VersionNotFoundError(f"weight version {chain[-1]['version']} builds on version "
+                                           f"{base['version']} id {base['id']}, which was replaced by id "
+                                           f"{manifest['id']}")
+            chain.append(manifest)
+        return chain[::-1]
+
+    def fetch(self, version: int, into: LocalCopy | None = None) -> dict:
+        """Bring ``into`` (a new :class:`LocalCopy` when None) to ``version`` and return its tensors (name -> CPU
+        tensor in the serving dtype, shapes as published). Applies only the deltas after the copy's version when it
+        is in the lineage, else replays from the anchor; checks each tensor's SHA-256 after apply. A tensor that fails
+        has its object read once more; failing again raises. While it runs, and after it raises, ``into.version`` is
+        None: a copy is never half one version and labelled as another.
+
+        Raises:
+            VersionNotFoundError: ``version`` (or a version it builds on) does not exist.
+            ChainCorruptError: a tensor failed its checksum twice (names the tensor and the key).
+            ChainStoreError: an S3 call failed after botocore's retries (names the key).
+        """
+        copy = into if into is not None else LocalCopy()
+        if copy.version == version:
+            manifest = self.manifest(version)
+            if manifest["id"] == copy.id:
+                return copy.tensors
+        chain = self.lineage(version, copy)
+        copy.version = copy.id = None  # from here until the last tensor checks, the copy is no version
+        if chain[0]["base"] is None:
+            copy.tensors = {}
+        for manifest in chain:
+            self._apply(manifest, copy.tensors)
+        copy.version, copy.id = version, chain[-1]["id"]
+        return copy.tensors
+
+    def _apply(self, manifest: dict, tensors: dict) -> None:
+        objects: dict[str, bytes] = {}
+        reread: set[str] = set()
+        for name, entry in manifest["tensors"].items():
+            if entry["encoding"] == "same":
+                if tensor_sha256(tensors[name]) != entry["sha256"]:
+                    raise ChainCorruptError(f"weight version {manifest['version']}: tensor {name} is marked unchanged "
+                                            f"but the local copy's differs from its checksum (wrong base)")
+                continue
+            key = entry["key"]
+            while True:
+                if key not in objects:
+                    objects[key] = self._get(key)
+                try:
+                    new = self._decode(manifest, name, entry, objects[key], tensors.get(name))
+                    if tensor_sha256(new) == entry["sha256"]:
+                        break
+                    problem = "its SHA-256 after apply differs from the manifest's"
+                except _Undecodable as err:
+                    problem = str(err)
+                if key in reread:
+                    raise ChainCorruptError(f"weight version {manifest['version']}: tensor {name} refused twice, "
+                                            f"object s3://{self.bucket}/{key} read again in between: {problem}")
+                reread.add(key)
+                del objects[key]  # read the object once more: a transient corruption on the way gets one second chance
+            tensors[name] = new
+
+    def _decode(self, manifest: dict, name: str, entry: dict, blob: bytes, old):
+        """The tensor ``name`` of ``manifest`` from its bytes in the object ``blob`` and (for a delta) ``old``."""
+        import torch
+        import zstandard
+
+        dtype = getattr(torch, entry["dtype"])
+        expected = manifest["objects"][entry["key"]]
+        if len(blob) != expected:
+            raise _Undecodable(f"object has {len(blob)} bytes, the manifest says {expected} (truncated)")
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(blob[entry["offset"]:entry["offset"] + entry["length"]])
+        except zstandard.ZstdError as err:
+            raise _Undecodable(f"zstd could not decode it: {err}") from err
+        numel = 1
+        for n in entry["shape"]:
+            numel *= n
+        if len(raw) != numel * torch.empty(0, dtype=dtype).element_size():
+            raise _Undecodable(f"{len(raw)} bytes decoded for {numel} elements of {entry['dtype']}")
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)
+        if entry["encoding"] == "xor-zstd":
+            if old is None or old.dtype != dtype or old.numel() != numel:
+                raise _Undecodable("the local copy has no tensor of this dtype and size to apply the delta to")
+            flat = torch.bitwise_xor(_int_view(flat), _int_view(old.reshape(-1))).view(dtype)
+        return flat.reshape(entry["shape"])
+
+    # --- retention ---
+
+    def retain(self, keep_versions) -> list[int]:
+        """Delete every version not in ``keep_versions`` and not needed to rebuild one of them (their bases back to
+        the anchor) nor the publisher's committed and pending versions; also every object under the prefix that no
+        kept manifest names (orphans of a killed publish). Manifests go first, so a version disappears before its
+        data. Call from the publisher between publishes. Returns the versions deleted.
+
+        Raises:
+            ChainStoreError: an S3 call failed.
+        """
+        keep = {int(v) for v in keep_versions} | {b.version for b in (self._committed, self._pending) if b}
+        visible = self.versions()
+        needed, manifests = set(), {}
+        for version in sorted(keep & set(visible)):
+            for manifest in self.lineage(version):
+                needed.add(manifest["version"])
+                manifests[manifest["version"]] = manifest
+        gone = [v for v in visible if v not in needed]
+        self._delete([self._manifest_key(v) for v in gone])
+        named = {key for m in manifests.values() for key in m["objects"]}
+        self._delete([k for k in self._keys("data/") if k not in named])
+        return gone
+
+    def delete_prefix(self) -> int:
+        """Delete every object under the prefix (the run's end); returns how many. The publisher forgets its
+        baseline: the next publish is an anchor.
+
+        Raises:
+            ChainStoreError: an S3 call failed.
+        """
+        keys = self._keys("manifests/")
+        self._delete(keys)  # manifests first: no version stays visible without its data
+        rest = self._keys("")
+        self._delete(rest)
+        self._committed = self._pending = None
+        return len(keys) + len(rest)
+
+
+class _Undecodable(Exception):
+    """An object's bytes for one tensor could not be turned into the tensor (internal: retried, then reported)."""
