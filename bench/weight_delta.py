@@ -42,14 +42,14 @@ def collect(config: str, steps: int, out: Path) -> list[Path]:
     from grpo_steps.weight_files import checkpoint_state_dict
 
     class SaveWeights(TrainerCallback):
-        def _save(self, step: int, model) -> None:
+        def save_weights(self, step: int, model) -> None:
             save_file(checkpoint_state_dict(model.state_dict(), model), out / f"step-{step:03d}.safetensors")
 
         def on_train_begin(self, args, state, control, model=None, **_):
-            self._save(0, model)
+            self.save_weights(0, model)
 
         def on_step_end(self, args, state, control, model=None, **_):
-            self._save(state.global_step, model)
+            self.save_weights(state.global_step, model)
 
     base = load_config(config)
     cfg = base.model_validate({**base.model_dump(),
