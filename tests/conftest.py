@@ -38,6 +38,17 @@ def tiny_server(tiny_model_path, tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A real S3-compatible server (SeaweedFS on 127.0.0.1, :mod:`grpo_steps.dev.local_s3`) shared by one test module,
+    stopped at its end by the process it recorded."""
+    from grpo_steps.dev import local_s3
+
+    server = local_s3.start(tmp_path_factory.mktemp("s3"))
+    yield server
+    local_s3.stop(server)
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """``mount(size_bytes) -> Path``: a real size-capped file system (a tmpfs mounted under ``tmp_path``), unmounted

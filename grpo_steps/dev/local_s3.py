@@ -90,7 +90,10 @@ def start(data_dir: str | Path, *, port: int = 0, bucket: str = "grpo", access_k
     log_path = data_dir / "weed.log"
     cmd = [weed_binary(), "mini", f"-dir={data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
            f"-s3.config={config}", f"-s3.port={port}", f"-master.port={ports['master']}",
-           f"-volume.port={ports['volume']}", f"-filer.port={ports['filer']}", "-admin.ui=false", "-webdav=false"]
+           f"-volume.port={ports['volume']}", f"-filer.port={ports['filer']}", "-admin.ui=false", "-webdav=false",
+           # the Iceberg and Lance catalog servers listen on fixed default ports: a second server on this machine (two
+           # test workers' modules at once) died on them; the pipeline uses neither
+           "-s3.port.iceberg=0", "-s3.port.lance=0"]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = LocalS3(f"http://127.0.0.1:{port}", ProcessRef.of(proc.pid), bucket, access_key, secret_key,

@@ -42,15 +42,6 @@ def cfg(config_path):
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    from grpo_steps.dev import local_s3
-
-    server = local_s3.start(tmp_path_factory.mktemp("s3"))
-    yield server
-    local_s3.stop(server)
-
-
-@pytest.fixture(scope="module")
 def rendered(s3, tmp_path_factory, config_path):
     """(WorkflowTemplate dict, train JobSet dict with Argo ``{{...}}`` expressions replaced by ARGO)."""
     metaflow_config = json.loads((REPO_ROOT / "infra" / "metaflow" / "config-k8s-argo.json").read_text())

@@ -17,15 +17,6 @@ pytestmark = pytest.mark.s3
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    from grpo_steps.dev import local_s3
-
-    server = local_s3.start(tmp_path_factory.mktemp("s3"))
-    yield server
-    local_s3.stop(server)
-
-
-@pytest.fixture(scope="module")
 def client(s3):
     from grpo_steps.weight_chain import make_client
 
