@@ -211,8 +211,9 @@ class ServerGeneration:
                 samples = self._sample(self.client, prompts, group)
         completion_ids = [s["completion_ids"] for group_samples in samples for s in group_samples]
         logprobs = [s["logprobs"] for group_samples in samples for s in group_samples]
-        if group > 1 and self.policy is not None:  # a first turn: the generation batch's, sampled now or prefetched
+        if group > 1:  # a first turn: the generation batch's, sampled now or prefetched
             self.sampled_version = version
+        if group > 1 and self.policy is not None:
             self.policy.log("generation/wait_seconds", time.perf_counter() - waited)
             replicas = [s.get("replica") for group_samples in samples for s in group_samples]
             self.ledger.record(key, prompts, replicas, self.policy.log)
@@ -221,8 +222,6 @@ class ServerGeneration:
                     self.first_batch.record(prompts, completion_ids, logprobs, replicas):
                 self.first_batch.check(self.policy.model(), self.policy.accelerator, self.gen, version,
                                        self.policy.step(), self.policy.log)
-        elif group > 1:
-            self.sampled_version = version
         return (prompts, completion_ids, [[[lp] for lp in seq] for seq in logprobs],
                 [[[token] for token in seq] for seq in completion_ids])
 
