@@ -202,6 +202,12 @@ def summary(result: dict) -> dict:
             "first_step": {k: result["history"][0].get(k, float("nan")) for k in FIRST_STEP}}
 
 
+def repo_first_path() -> str:
+    """``PYTHONPATH`` for an arm's process: this repository, then what the bench was given (carried wheels)."""
+    paths = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]
+    return os.pathsep.join(p for p in paths if p)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -233,7 +239,7 @@ def main() -> None:
                             "--steps", str(args.steps), "--shape", args.shape,
                             "--zero3" if args.zero3 else "--no-zero3"]
                            + (["--completion-tokens", str(args.completion_tokens)] if args.completion_tokens else []),
-                           check=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                           check=True, env={**os.environ, "PYTHONPATH": repo_first_path()})
             results[arm] = summary(json.loads((Path(workdir) / f"{arm}.json").read_text()))
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     limit = args.completion_tokens or "the config's"

@@ -163,15 +163,21 @@ def to_universal(checkpoint: str | os.PathLike) -> float | None:
     output = checkpoint / f"{tag}_universal"
     if (checkpoint / "latest_universal").exists() and (output / "zero").is_dir():
         return None
-    from argparse import Namespace
-
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+    import subprocess
+    import sys
 
     started = time.perf_counter()
-    # ds_to_universal's own defaults, with as many extract workers as cores (each holds one rank's optimizer partition)
-    ds_to_universal(Namespace(input_folder=str(checkpoint / tag), output_folder=str(output),
-                              num_extract_workers=max(1, min(4, os.cpu_count() or 1)), num_merge_workers=1,
-                              keep_temp_folder=False, strict=True, inject_missing_state=False))
+    # ds_to_universal's own defaults, with as many extract workers as cores (each holds one rank's optimizer
+    # partition), in a process of its own: its workers are forked, and forking a process that has initialised CUDA
+    # hangs them (on an H200, 2026-11-27: stuck at "Extracting ZeRO fragments" when called in this process)
+    done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                           "--input_folder", str(checkpoint / tag), "--output_folder", str(output),
+                           "--num_extract_workers", str(max(1, min(4, os.cpu_count() or 1))),
+                           "--num_merge_workers", "1"], check=False)
+    if done.returncode != 0:
+        shutil.rmtree(output, ignore_errors=True)  # a half-converted checkpoint is never loaded
+        raise ResumeRefused(f"DeepSpeed's Universal Checkpoint conversion of {checkpoint / tag} failed (exit code "
+                            f"{done.returncode}; its output is above)")
     return time.perf_counter() - started
 
 

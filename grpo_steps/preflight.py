@@ -1,6 +1,7 @@
 """Everything ``start`` checks before anything is written (:func:`check`): the tracking server answers, the model
 resolves (once, handed to every check that reads it), TRL knows the ``train.grpo`` keys, the code sandbox, tools and
-chat template, LoRA targets, local replicas that fit this machine, ``/dev/shm`` room and ``train.resume_from``.
+chat template, LoRA targets, local replicas that fit this machine, the S3 bucket of ``weight_sync: s3``, ``/dev/shm``
+room and ``train.resume_from``.
 
 A refusal is printed as its message alone (:func:`refusals`): Metaflow prints a ``MetaflowException`` as a block
 without the traceback that an ordinary exception gets ("Internal error" and 30 lines ending in the message).
@@ -45,6 +46,7 @@ def check(cfg: PipelineConfig) -> str:
     if cfg.train.peft is not None:
         check_lora_targets(cfg, model_path)
     check_replicas(cfg, model_path)
+    check_weight_store(cfg)
     warning = shm_shortfall(cfg, model_path)
     if warning:
         print(f"[start] warning: {warning}", flush=True)
@@ -64,10 +66,11 @@ def refusal_types() -> tuple[type[BaseException], ...]:
     from grpo_steps.sources import DataError
     from grpo_steps.tools import ToolError
     from grpo_steps.tracking import TrackingUnreachable
+    from grpo_steps.weight_chain import ChainStoreError
     from rewards.sandbox import SandboxUnavailable
 
     return ConfigError, DataError, ToolError, TrackingUnreachable, CheckpointNotFound, SandboxUnavailable, \
-        FileNotFoundError
+        FileNotFoundError, ChainStoreError
 
 
 @contextmanager
@@ -82,6 +85,28 @@ def refusals(headline: str):
     except refusal_types() as err:
         refused = type("Refused", (MetaflowException,), {"headline": headline})  # the block's first line
         raise refused(f"{type(err).__name__}: {err}") from None
+
+
+def check_weight_store(cfg: PipelineConfig) -> None:
+    """With ``generation.weight_sync: s3``: the versions have a place (``generation.s3_sync.url`` or the Metaflow S3
+    datastore) where this process's credentials write (one small object written and deleted, within botocore's
+    retries).
+
+    Raises:
+        ConfigError: no location: names the two ways to give one.
+        ChainStoreError: S3 does not answer or refuses these credentials (names the key).
+    """
+    if cfg.generation.weight_sync != "s3":
+        return
+    from grpo_steps.config import ConfigError
+    from grpo_steps.weight_chain import chain_of, run_store
+
+    store = run_store(cfg.generation.s3_sync, "preflight")
+    if store is None:
+        raise ConfigError("generation.weight_sync 's3' needs a place for the weight versions: set "
+                          "generation.s3_sync.url (s3://bucket/prefix), or run with the Metaflow S3 datastore "
+                          "(METAFLOW_DATASTORE_SYSROOT_S3; e.g. the environment `make s3` prints)")
+    chain_of(store).check_access()
 
 
 def check_replicas(cfg: PipelineConfig, model_path: str) -> None:

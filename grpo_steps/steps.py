@@ -105,13 +105,21 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
                    server=server,
                    resume_from=resume_checkpoint(node_index, cfg.train.resume_from), mlflow_run_id=run_id,
                    node_index=node_index, eval_file=str(eval_file) if eval_file else None,
-                   eval_split_file=str(split_file) if split_file else None)
+                   eval_split_file=str(split_file) if split_file else None, weight_store=weight_store(cfg, run_id))
     warm_up = lifecycle.warm_up(server) if node_index == 0 else None
     with system_metrics(run_id, cfg.tracking.tracking_uri, node_id=f"node{node_index}" if node_index else None):
         launch(job, node_index=node_index, main_ip=main_ip)
     if warm_up is not None:
         warm_up.join()
     return str(output_dir / "final")
+
+
+def weight_store(cfg: PipelineConfig, run_id: str) -> dict | None:
+    """The S3 location of the run's weight versions with ``generation.weight_sync: s3`` (keyed by the MLflow run id,
+    which every step of the run knows), else None."""
+    from grpo_steps.weight_chain import run_store
+
+    return run_store(cfg.generation.s3_sync, run_id) if cfg.generation.weight_sync == "s3" else None
 
 
 def training_evaluations(output_dir: str) -> dict[str, dict]:
@@ -183,12 +191,15 @@ def register(cfg: PipelineConfig, *, run_id: str, model_dir: str, report: dict, 
 
 def finish(cfg: PipelineConfig, run_id: str, server: dict | None, *, report: dict, model_version: dict,
            pathspec: str) -> None:
-    """Stop the server this run started (an ``external`` one keeps running), write the run's description (what a
+    """Stop the server this run started (an ``external`` one keeps running), delete the run's weight versions in S3
+    (``weight_sync: s3``), write the run's description (what a
     reviewer reads first on its MLflow page, :func:`grpo_steps.evaluation.report.run_description`) and close the
     MLflow run."""
     from grpo_steps.evaluation.report import run_description
+    from grpo_steps.weight_chain import remove_run_versions
 
     lifecycle.stop(server)
+    remove_run_versions(weight_store(cfg, run_id))  # what a failed and retried train attempt may have left
     tracking.wait_reachable(cfg, "end")  # the run must not stay RUNNING: wait for the server, or fail for `resume`
     route = f"#/models/{model_version['name']}/versions/{model_version['version']}"
     description = run_description(cfg, report, model_version, run_pathspec=pathspec.rsplit("/", 2)[0],

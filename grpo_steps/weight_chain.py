@@ -167,6 +167,9 @@ class WeightChain:
         self.anchor_every, self.dtype, self.level, self.object_bytes = anchor_every, dtype, level, object_bytes
         self._committed: _Baseline | None = None
         self._pending: _Baseline | None = None
+        self.bytes_read = 0
+        """Bytes of data objects read from S3 by the last :meth:`fetch` that applied a version (manifests not
+        counted)."""
 
     # --- S3 calls: every one named by its key when it fails ---
 
@@ -192,7 +195,9 @@ class WeightChain:
                                   f"{type(err).__name__}: {err}") from err
 
     def _get(self, key: str) -> bytes:
-        return self._call("get_object", key)
+        blob = self._call("get_object", key)
+        self.bytes_read += len(blob)
+        return blob
 
     def _keys(self, under: str) -> list[str]:
         keys, token = [], None
@@ -213,6 +218,17 @@ class WeightChain:
                 error = answer["Errors"][0]
                 raise ChainStoreError(f"S3 delete_objects of s3://{self.bucket}/{error['Key']} failed: "
                                       f"{error.get('Code')}: {error.get('Message')}")
+
+    def check_access(self) -> None:
+        """Write and delete one small object under the prefix, as a publisher must be able to (a ``HeadBucket`` alone
+        was answered for wrong credentials by SeaweedFS).
+
+        Raises:
+            ChainStoreError: S3 refused or did not answer (names the key).
+        """
+        key = f"{self.prefix}access-check"
+        self._call("put_object", key, Body=b"")
+        self._delete([key])
 
     def _manifest_key(self, version: int) -> str:
         return f"{self.prefix}manifests/{version:010d}.json"
@@ -357,6 +373,7 @@ class WeightChain:
             manifest = self.manifest(version)
             if manifest["id"] == copy.id:
                 return copy.tensors
+        self.bytes_read = 0
         chain = self.lineage(version, copy)
         copy.version = copy.id = None  # from here until the last tensor checks, the copy is no version
         if chain[0]["base"] is None:
@@ -459,3 +476,34 @@ class WeightChain:
 
 class _Undecodable(Exception):
     """An object's bytes for one tensor could not be turned into the tensor (internal: retried, then reported)."""
+
+
+# --- a run's location (the flow's steps and the trainer share it) ---
+
+
+def run_store(s3_sync, run_key: str) -> dict | None:
+    """The S3 location of one run's weight versions: ``{"bucket", "prefix", "endpoint_url"}`` (what a server's
+    ``update_info`` names; no credentials) for ``s3_sync`` (a :class:`grpo_steps.config.S3SyncConfig`) and
+    ``run_key`` (e.g. ``GRPOFlow/1764000000000000``), or None when neither ``s3_sync.url`` nor the Metaflow S3 datastore
+    gives a location."""
+    where = s3_sync.location()
+    if where is None:
+        return None
+    bucket, prefix = where
+    return {"bucket": bucket, "prefix": "/".join(p for p in (prefix, run_key.strip("/")) if p),
+            "endpoint_url": s3_sync.endpoint()}
+
+
+def chain_of(store: dict, **kwargs) -> WeightChain:
+    """The :class:`WeightChain` of ``store`` (:func:`run_store`), through a client with botocore's bounded retries
+    (credentials from the environment)."""
+    return WeightChain(make_client(store.get("endpoint_url")), store["bucket"], store["prefix"], **kwargs)
+
+
+def remove_run_versions(store: dict | None) -> int:
+    """Delete every object under a run's prefix (``store``: :func:`run_store`'s; None: nothing). Returns how many.
+
+    Raises:
+        grpo_steps.weight_chain.ChainStoreError: S3 failed after its retries (names the key).
+    """
+    return 0 if store is None else chain_of(store).delete_prefix()

@@ -31,11 +31,23 @@ def tiny_server(tiny_model_path, tmp_path_factory):
     from grpo_steps.processes import ProcessRef
     from grpo_steps.servers.local import start_local
 
-    server = start_local(tiny_model_path, ServerConfig(kv_cache_gib=1, startup_timeout_s=300), max_model_len=1024,
-                         dtype="float32", owner=ProcessRef.of(os.getpid()),
-                         log_dir=tmp_path_factory.mktemp("tiny-server-logs"))
+    with pytest.MonkeyPatch.context() as env:  # as a flow's environment would: credentials for s3 weight pushes
+        for name, value in dev_s3_credentials().items():
+            env.setenv(name, value)
+        server = start_local(tiny_model_path, ServerConfig(kv_cache_gib=1, startup_timeout_s=300),
+                             max_model_len=1024, dtype="float32", owner=ProcessRef.of(os.getpid()),
+                             log_dir=tmp_path_factory.mktemp("tiny-server-logs"))
     yield server
     server.stop()
+
+
+def dev_s3_credentials() -> dict[str, str]:
+    """The credentials every local S3 server of the tests accepts (:mod:`grpo_steps.dev.local_s3`'s development pair,
+    not a secret), as the environment of a process that reads S3 (a vLLM server fetching ``s3`` weight pushes)."""
+    from grpo_steps.dev.local_s3 import DEV_ACCESS_KEY, DEV_SECRET_KEY
+
+    return {"AWS_ACCESS_KEY_ID": DEV_ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": DEV_SECRET_KEY,
+            "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ from grpo_steps.config.generation import (  # noqa: F401
     GenerationConfig,
     ImportanceSamplingConfig,
     MismatchMode,
+    S3SyncConfig,
     ServerConfig,
     StructuredOutputsConfig,
     SyncCheckConfig,

@@ -271,8 +271,54 @@ class ImportanceSamplingConfig(_Section):
         return self.mode != "off"
 
 
+class S3SyncConfig(_Section):
+    """Where and how ``weight_sync: s3`` publishes the weight versions: a chain of full anchors and checked sparse
+    deltas in S3 (:mod:`grpo_steps.weight_chain`), which every replica fetches and loads through vLLM's weight-update
+    protocol (:class:`grpo_steps.vllm_worker.WeightUpdateEngine`). Credentials come from the environment (``AWS_*``,
+    as boto3 reads it; on Kubernetes a Secret, ``resources.s3_secret``), never from this file."""
+
+    url: str | None = None
+    """``s3://bucket/prefix`` under which each run writes its versions (``<url>/<flow>/<run id>/``, removed when the
+    train step ends). Null: ``weight-sync/`` under the Metaflow S3 datastore's root (``METAFLOW_DATASTORE_SYSROOT_S3``,
+    which the flow then needs)."""
+    endpoint_url: str | None = None
+    """The S3 API's URL for an S3-compatible store (SeaweedFS, MinIO); null: ``METAFLOW_S3_ENDPOINT_URL`` when set,
+    else boto3's default (AWS, or ``AWS_ENDPOINT_URL_S3``). The trainer and every server reach it at this URL."""
+    anchor_every: int = Field(10, ge=1)
+    """A full anchor at least every this many versions, sparse deltas against the previous version in between (a
+    replica that joins late replays at most this many versions)."""
+
+    def location(self, environ: dict | None = None) -> tuple[str, str] | None:
+        """``(bucket, prefix)`` of :attr:`url`, or of the Metaflow datastore's root + ``/weight-sync`` when null; None
+        when neither is set. ``environ``: default ``os.environ``."""
+        import os
+
+        url = self.url
+        if url is None:
+            root = (os.environ if environ is None else environ).get("METAFLOW_DATASTORE_SYSROOT_S3")
+            url = root.rstrip("/") + "/weight-sync" if root else None
+        if url is None:
+            return None
+        bucket, _, prefix = url.removeprefix("s3://").partition("/")
+        return bucket, prefix.strip("/")
+
+    def endpoint(self, environ: dict | None = None) -> str | None:
+        """:attr:`endpoint_url`, else ``METAFLOW_S3_ENDPOINT_URL``, else None (boto3's own resolution)."""
+        import os
+
+        return self.endpoint_url or (os.environ if environ is None else environ).get("METAFLOW_S3_ENDPOINT_URL")
+
+    @field_validator("url")
+    @classmethod
+    def _s3_url(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?", value):
+            raise ValueError(f"{value!r} is not an s3://bucket/prefix URL")
+        return value
+
+
 class SyncCheckConfig(_Section):
-    """How the trainer verifies, after each weight push (``disk`` sync), that the server serves the new weights.
+    """How the trainer verifies, after each weight push (``disk`` or ``s3`` sync), that the server serves the new
+    weights.
 
     Every push gets a version (the optimizer step) recorded on the server (``/update_weight_version``)
     and read back (``/weight_info``); a fixed probe sequence is then scored by the server
@@ -393,8 +439,13 @@ class GenerationConfig(_Section):
     """Backend ``recorded``: a JSONL file, one row per prompt, ``{"question": str, "completions": [str, ...]}``;
     ``question`` is the prompt's last message (the ``question`` column of the eval tables), with at
     least ``train.num_generations`` completions. Each group of a prompt gets its first completions."""
-    weight_sync: Literal["disk", "nccl"] = "disk"
-    """How the trained weights reach the server. ``disk`` works everywhere; ``nccl`` needs CUDA."""
+    weight_sync: Literal["disk", "s3", "nccl"] = "disk"
+    """How the trained weights reach the server. ``disk``: safetensors in a directory the trainer and every server
+    read (``sync_dir``; on Kubernetes a ReadWriteMany volume); ``s3``: a chain of full anchors and checked sparse
+    deltas in S3 (``s3_sync``), no shared filesystem; both load through vLLM's weight-update protocol and are verified
+    on every replica. ``nccl``: TRL's NCCL transfer to one server, needs CUDA."""
+    s3_sync: S3SyncConfig = S3SyncConfig()
+    """``weight_sync: s3``: where the versions go and how often a full anchor is written."""
     provider: Literal["local", "kubernetes", "external"] = "local"
     """Who runs the generation server (``grpo_steps/servers/``): ``local``, a child process on this
     machine; ``kubernetes``, a Deployment + Service in the cluster (image and GPUs from
@@ -471,13 +522,19 @@ class GenerationConfig(_Section):
 
     @model_validator(mode="after")
     def _async_on_the_server_path(self) -> GenerationConfig:
-        ours = self.backend == "vllm" and self.mode == "server" and self.weight_sync == "disk"
         for key, on in (("async", self.async_ is not None), ("weight_sync_every", self.weight_sync_every > 1)):
-            if on and not ours:
-                raise ValueError(f"generation.{key} applies to the server rollouts with disk pushes (backend 'vllm', "
-                                 f"mode 'server', weight_sync 'disk'), not to backend {self.backend!r} with mode "
-                                 f"{self.mode!r} and weight_sync {self.weight_sync!r}: remove it or use that path")
+            if on and not self.pushes_to_server:
+                raise ValueError(f"generation.{key} applies to the server rollouts with the pipeline's pushes "
+                                 f"(backend 'vllm', mode 'server', weight_sync 'disk' or 's3'), not to backend "
+                                 f"{self.backend!r} with mode {self.mode!r} and weight_sync {self.weight_sync!r}: "
+                                 "remove it or use that path")
         return self
+
+    @property
+    def pushes_to_server(self) -> bool:
+        """Whether the pipeline's own verified pushes feed the rollouts' server (backend ``vllm``, mode ``server``,
+        ``weight_sync`` ``disk`` or ``s3``)."""
+        return self.backend == "vllm" and self.mode == "server" and self.weight_sync in ("disk", "s3")
 
     @model_validator(mode="after")
     def _async_keeps_the_correction(self) -> GenerationConfig:
@@ -554,9 +611,12 @@ class GenerationConfig(_Section):
 
     @model_validator(mode="after")
     def _nccl_only_with_vllm(self) -> GenerationConfig:
-        if self.backend != "vllm" and self.weight_sync == "nccl":
-            raise ValueError("generation.weight_sync 'nccl' only applies to backend 'vllm'; "
-                             f"use 'disk' with backend '{self.backend}'")
+        if self.backend != "vllm" and self.weight_sync in ("nccl", "s3"):
+            raise ValueError(f"generation.weight_sync {self.weight_sync!r} only applies to backend 'vllm' (the pushes "
+                             f"feed its server); use 'disk' with backend '{self.backend}'")
+        if self.weight_sync == "s3" and self.mode == "colocate":
+            raise ValueError("generation.weight_sync 's3' pushes to a server: mode 'colocate' loads the weights in "
+                             "memory; use mode 'server' or weight_sync 'disk'")
         return self
 
     @model_validator(mode="after")
@@ -592,7 +652,7 @@ class GenerationConfig(_Section):
 
     @model_validator(mode="after")
     def _colocate_loads_in_memory(self) -> GenerationConfig:
-        if self.mode == "colocate" and (self.backend != "vllm" or self.weight_sync != "disk"):
+        if self.mode == "colocate" and (self.backend != "vllm" or self.weight_sync == "nccl"):
             raise ValueError("generation.mode 'colocate' runs vLLM inside the trainer: it needs backend 'vllm' and "
                              "no weight_sync 'nccl' (the weights are loaded in memory)")
         return self

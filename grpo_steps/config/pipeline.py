@@ -208,14 +208,23 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _s3_pushes_full_weights(self) -> PipelineConfig:
+        peft = self.train.peft
+        if self.generation.weight_sync == "s3" and peft is not None and peft.push == "adapter":
+            raise ValueError("generation.weight_sync 's3' pushes full weights through the S3 chain; a LoRA adapter "
+                             "push (train.peft.push: adapter) is loaded from a directory the server reads: set "
+                             "train.peft.push: merged (base + adapter, as full weights) or weight_sync: disk")
+        return self
+
+    @model_validator(mode="after")
     def _eval_during_needs_server_pushes(self) -> PipelineConfig:
         gen, ev = self.generation, self.eval
-        if ev.every_steps and (gen.backend != "vllm" or gen.mode != "server" or gen.weight_sync != "disk"):
+        if ev.every_steps and not gen.pushes_to_server:
             raise ValueError(
                 f"eval.every_steps evaluates during training through the generation server, right after the trainer "
                 f"pushed a step's weights to it: that needs generation.backend 'vllm', mode 'server', weight_sync "
-                f"'disk' (got backend {gen.backend!r}, mode {gen.mode!r}, weight_sync {gen.weight_sync!r}); set "
-                "eval.every_steps: 0 (the evaluate step still compares baseline and trained policy)"
+                f"'disk' or 's3' (got backend {gen.backend!r}, mode {gen.mode!r}, weight_sync {gen.weight_sync!r}); "
+                "set eval.every_steps: 0 (the evaluate step still compares baseline and trained policy)"
             )
         return self
 

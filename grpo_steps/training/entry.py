@@ -157,7 +157,7 @@ def backend(job: TrainJob, tokenizer, rows: list[dict]) -> tuple[type, dict]:
 
             raise ConfigError(f"{COLOCATE_NEEDS_GPU} (this machine has no CUDA device)")
         colocate_environment(cfg)
-    elif gen.backend == "vllm" and gen.weight_sync == "disk":
+    elif gen.pushes_to_server:
         import dataclasses
 
         from transformers import AutoConfig
@@ -169,7 +169,7 @@ def backend(job: TrainJob, tokenizer, rows: list[dict]) -> tuple[type, dict]:
         vocab_size = getattr(AutoConfig.from_pretrained(job.model_path), "vocab_size", None)
         client = dataclasses.replace(job.generation_server().client(), vocab_size=vocab_size)
         return ServerGRPOTrainer, {"server": server_settings(cfg, client, tokenizer, rows[0]["prompt"],
-                                                             job.output_dir)}
+                                                             job.output_dir, job.weight_store)}
     elif gen.backend == "recorded":
         return PipelineGRPOTrainer, {"rollout_func": RecordedRollout(gen.recorded_file, tokenizer, gen)}
     return PipelineGRPOTrainer, {}

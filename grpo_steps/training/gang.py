@@ -30,8 +30,9 @@ class GangManifestCallback(TrainerCallback):
 
 
 def separate_step_counts(optimizer) -> int:
-    """Give each parameter group's Adam state its own ``step`` tensor where several share one; returns how many were
-    separated. DeepSpeed 0.19.8's ZeRO-3 universal load (``load_hp_checkpoint_state_from_checkpoint_dir_stage3``)
+    """Give each parameter group's Adam state its own ``step`` tensor where several share one, on the device torch's
+    Adam expects it (the parameter's for the fused and capturable kernels, else the CPU); returns how many were
+    replaced. DeepSpeed 0.19.8's ZeRO-3 universal load (``load_hp_checkpoint_state_from_checkpoint_dir_stage3``)
     stores the same ``step`` tensor object in the state of every sub-group, and torch's Adam increments it in place
     once per group: with two groups (transformers' decay / no-decay) the count then runs two per optimizer step, and
     the bias correction of the second group is wrong from the first resumed step on (measured: the next step's grad
@@ -41,15 +42,23 @@ def separate_step_counts(optimizer) -> int:
 
     while hasattr(optimizer, "optimizer"):  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer -> torch's
         optimizer = optimizer.optimizer
-    seen, separated = set(), 0
-    for state in optimizer.state.values():
-        step = state.get("step")
-        if torch.is_tensor(step):
-            if id(step) in seen:
-                state["step"] = step.clone()
-                separated += 1
-            seen.add(id(step))
-    return separated
+    seen, changed = set(), 0
+    for group in optimizer.param_groups:
+        # torch's Adam keeps the count on the parameter's device for its fused and capturable kernels, else on the CPU
+        # (Adam._init_group); DeepSpeed's universal load leaves it on the CPU, which the fused kernel refuses (on an
+        # H200, 2026-11-27: "state_steps is on cpu, different from other tensors on cuda:0")
+        on_device = group.get("fused") or group.get("capturable")
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            step = state.get("step")
+            if not torch.is_tensor(step):
+                continue
+            device = param.device if on_device else torch.device("cpu")
+            if id(step) in seen or step.device != device:
+                state["step"] = step.detach().clone().to(device)
+                changed += 1
+            seen.add(id(state["step"]))
+    return changed
 
 
 class SeparateStepCounts(TrainerCallback):
@@ -58,6 +67,6 @@ class SeparateStepCounts(TrainerCallback):
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         if optimizer is not None and separate_step_counts(optimizer) and state.is_world_process_zero:
-            print("[checkpoint] universal load: one Adam step count per parameter group again "
-                  "(DeepSpeed shares one tensor between them)", flush=True)
+            print("[checkpoint] universal load: one Adam step count per parameter group again, on the device its "
+                  "kernel reads it from (DeepSpeed shares one CPU tensor between them)", flush=True)
         return control

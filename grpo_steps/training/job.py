@@ -39,6 +39,9 @@ class TrainJob(BaseModel):
     eval_split_file: str | None = None  # jsonl of the whole eval split: evaluated at step 0 and at the last step
     # (eval.every_steps), once for the curve and the evaluate step; the results go to {output_dir}/SPLIT_RESULTS
     resume_universal: bool = False  # resume_from holds a DeepSpeed Universal Checkpoint to load (grpo_steps.elastic)
+    weight_store: dict[str, Any] | None = None
+    """``generation.weight_sync: s3``: the S3 location of this run's weight versions,
+    ``{"bucket", "prefix", "endpoint_url"}`` (:func:`grpo_steps.weight_chain.run_store`; no credentials)."""
 
     @field_validator("server")
     @classmethod

@@ -23,6 +23,7 @@ from grpo_steps.processes import ProcessRef
 from grpo_steps.servers.client import GenerationServerError, VLLMClient, session_id
 from grpo_steps.servers.router import requests_per_replica
 from grpo_steps.training.entry import run
+from tests.conftest import dev_s3_credentials
 from tests.integration.flowrun import (
     SAVED,
     check_task_run,
@@ -58,7 +59,11 @@ def replica_set(tiny_model_path):
     config["generation"]["server"].update(replicas=2, router={"policy": "consistent_hash"})
     config["train"]["peft"] = {"r": 8, "alpha": 16}  # the replicas load LoRA adapters at run time (and full weights)
     cfg = validate_config(config)
-    replica_set = servers.provision(cfg, tiny_model_path, owner=ProcessRef.of(os.getpid()), run_id="replicas-test")
+    with pytest.MonkeyPatch.context() as env:  # what the flow's environment gives them: S3 credentials for s3 pushes
+        for name, value in dev_s3_credentials().items():
+            env.setenv(name, value)
+        replica_set = servers.provision(cfg, tiny_model_path, owner=ProcessRef.of(os.getpid()),
+                                        run_id="replicas-test")
     yield replica_set
     replica_set.stop()
 
@@ -160,6 +165,136 @@ def test_training_with_async_rollouts_pushes_every_version_to_both_replicas(tmp_
     # prompts of 3 steps all of them land on one replica in 1 run of 32 (it did once in CI), so the spread over both
     # is asserted where there are enough prompts (above, evaluation, and test_resume.py's local flow)
     assert sum(after - b for after, b in zip(_counts(replica_set), before, strict=True)) > 0
+
+
+def _store(s3, name: str) -> dict:
+    return {"bucket": s3.bucket, "prefix": f"weight-sync/{name}", "endpoint_url": s3.endpoint}
+
+
+def _s3_keys(s3, prefix: str) -> list[str]:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=s3.access_key,
+                          aws_secret_access_key=s3.secret_key, region_name="us-east-1")
+    return [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=s3.bucket, Prefix=prefix)
+            for o in page.get("Contents", [])]
+
+
+@pytest.mark.s3
+def test_s3_pushes_with_async_rollouts_reach_both_replicas_and_leave_nothing(tmp_path, tiny_model_path,
+                                                                            tiny_tokenizer, replica_set, s3, capfd,
+                                                                            monkeypatch):
+    """``weight_sync: s3`` with asynchronous rollouts on two replicas: every version is published to the chain (an
+    anchor, then deltas), loaded by both replicas through vLLM's weight-update protocol and verified there (label and
+    probe); the push metrics reach the logs; the run's prefix is empty when training ends."""
+    for name, value in dev_s3_credentials().items():  # the trainer's environment, as the flow's
+        monkeypatch.setenv(name, value)
+    store = _store(s3, "async-run")
+    job = _job(tmp_path, tiny_model_path, tiny_tokenizer, replica_set.endpoint,
+               generation={"async": True, "weight_sync": "s3", "s3_sync": {"anchor_every": 2}})
+    run(_with_replicas(job, replica_set).model_copy(update={"weight_store": store}))
+    out = capfd.readouterr().out
+    verified = VERIFIED.findall(out)
+    assert [int(v[0]) for v in verified] == [0, 1, 2], out[-3000:]
+    assert all(v[2] == v[4] == f"step-{v[0]}" for v in verified)
+    history = _history(tmp_path)
+    assert [h["weight_sync/anchor"] for h in history] == [1.0, 0.0, 1.0]  # anchor_every 2: version 2 is an anchor
+    assert [h["weight_sync/density"] for h in history][0] == 1.0
+    assert 0 < history[1]["weight_sync/bytes"] < history[0]["weight_sync/bytes"]  # a delta is smaller
+    for h in history:
+        assert h["weight_sync/replicas"] == 2.0
+        assert h["weight_sync/raw_bytes"] > 0 and h["weight_sync/load_seconds"] > 0
+        assert h["weight_sync/fetch_seconds"] >= 0
+        assert h["async/staleness"] <= 1
+    assert history[0]["weight_sync/first_batch_logp_diff"] < 1e-3  # the replicas sample from the trainer's weights
+    assert [VLLMClient(m.endpoint).weight_version() for m in replica_set.members] == ["step-2", "step-2"]
+    assert _s3_keys(s3, store["prefix"]) == []
+
+
+@pytest.mark.s3
+def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny_model_path, tiny_tokenizer,
+                                                                   replica_set, s3, monkeypatch):
+    """The chain's receivers on two real replicas: each version's weights serve as the trainer's (probe against the
+    policy's own logprobs); a replica that missed every version replays the chain from the anchor; a corrupted
+    delta is refused by name and a store that does not answer fails by key, both leaving every replica on the weights
+    and label it served."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_steps.data import encode_prompt, to_prompt
+    from grpo_steps.servers.client import version_label
+    from grpo_steps.training.generation.s3 import ChainWeightPush
+    from grpo_steps.training.sampling import policy_logprobs
+    from grpo_steps.weight_chain import tensor_sha256
+
+    for name, value in dev_s3_credentials().items():
+        monkeypatch.setenv(name, value)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
+    first, second = (VLLMClient(m.endpoint) for m in replica_set.members)
+    client = VLLMClient(first.endpoint, replicas=(first.endpoint, second.endpoint))
+    push = ChainWeightPush(client, _store(s3, "receivers"), dtype=torch.float32, anchor_every=10)
+
+    def step() -> dict:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+        return model.state_dict()
+
+    def serves_policy(replica: VLLMClient) -> bool:
+        return max(abs(a - b) for a, b in zip(replica.prompt_logprobs(ids), policy_logprobs(model, ids),
+                                              strict=True)) < 1e-4
+
+    try:
+        only_first = VLLMClient(first.endpoint)  # the second replica misses versions 0-2
+        push.client = only_first
+        for version in range(3):
+            push.push(step(), version, model=model)
+            push.committed(version)
+            assert serves_policy(first)
+        push.client = client
+        parts = push.push(step(), 3, model=model)
+        push.committed(3)
+        assert [r.weight_version() for r in (first, second)] == [version_label(3)] * 2
+        assert serves_policy(first) and serves_policy(second)
+        caught_up, late = (replica.update_report for replica in client.replica_clients())  # as each loaded it
+        assert late["version"] == caught_up["version"] == 3
+        assert late["bytes_read"] > caught_up["bytes_read"] > 0  # the anchor and three deltas vs one delta
+        assert parts["anchor"] == 0.0 and 0 < parts["density"] <= 1
+        # the chain's checksums are the trainer's tensors': what the replicas loaded is what was published
+        manifest = push.chain.manifest(3)
+        from grpo_steps.weight_files import checkpoint_state_dict
+
+        published = checkpoint_state_dict(model.state_dict(), model)
+        assert {n: e["sha256"] for n, e in manifest["tensors"].items()} == {
+            n: tensor_sha256(t.contiguous()) for n, t in published.items()}
+
+        # a corrupted delta: every byte of its data objects flipped; refused by the checksum, nothing loaded
+        import boto3
+
+        raw = boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=s3.access_key,
+                           aws_secret_access_key=s3.secret_key, region_name="us-east-1")
+        served_before = first.prompt_logprobs(ids)
+        stats = push.chain.publish(checkpoint_state_dict(step(), model), 4)
+        assert not stats.anchor
+        for key in push.chain.manifest(4)["objects"]:
+            body = raw.get_object(Bucket=s3.bucket, Key=key)["Body"].read()
+            raw.put_object(Bucket=s3.bucket, Key=key, Body=bytes(b ^ 0xFF for b in body))
+        update = {"s3": push.store, "version": 4}
+        with pytest.raises(GenerationServerError, match=r"tensor .* refused twice"):
+            first.update_weights(update, version_label(4))
+        assert first.weight_version() == version_label(3)
+        assert first.prompt_logprobs(ids) == pytest.approx(served_before, abs=1e-6)
+
+        # a store that does not answer: the update fails naming the key, the replica keeps serving version 3
+        dead = dict(push.store, endpoint_url="http://127.0.0.1:9")  # the discard port: nothing listens
+        with pytest.raises(GenerationServerError, match=r"s3://.*manifests/0000000004\.json"):
+            second.update_weights({"s3": dead, "version": 4}, version_label(4))
+        assert second.weight_version() == version_label(3)
+    finally:
+        push.close()
+        client.reload_weights(tiny_model_path, label="default")
+    assert _s3_keys(s3, push.store["prefix"]) == []
 
 
 def test_multi_turn_tool_rollouts_on_two_replicas(tmp_path, tiny_model_path, tiny_tokenizer, replica_set, capfd):

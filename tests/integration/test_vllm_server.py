@@ -90,11 +90,13 @@ def test_a_server_that_fails_to_start_reports_its_log(tiny_model_path, tmp_path)
 @pytest.fixture(scope="module")
 def foreign_server(tiny_model_path, tmp_path_factory):
     """A server started elsewhere, not as the pipeline starts one: without ``--worker-extension-cls
-    grpo_steps.vllm_worker.WorkerExtension`` and with ``--logprobs-mode raw_logprobs`` (the last of a repeated flag
+    grpo_steps.vllm_worker.WorkerExtension`` (nor ``--weight-transfer-config``) and with ``--logprobs-mode raw_logprobs`` (the last of a repeated flag
     wins). One server for both tests (each vLLM start costs about a minute of this suite's CPU)."""
-    server = start_local(tiny_model_path, ServerConfig(kv_cache_gib=1, startup_timeout_s=300, extra_args=[
-        "--worker-extension-cls", "", "--logprobs-mode", "raw_logprobs"]), max_model_len=256, dtype="float32",
-        owner=ProcessRef.of(os.getpid()), log_dir=tmp_path_factory.mktemp("foreign-server-logs"))
+    with pytest.MonkeyPatch.context() as patch:  # nor the weight-transfer engine that extension registers
+        patch.setattr("grpo_steps.servers.local.weight_transfer_args", lambda: [])
+        server = start_local(tiny_model_path, ServerConfig(kv_cache_gib=1, startup_timeout_s=300, extra_args=[
+            "--logprobs-mode", "raw_logprobs"]), max_model_len=256, dtype="float32",
+            owner=ProcessRef.of(os.getpid()), log_dir=tmp_path_factory.mktemp("foreign-server-logs"))
     yield server
     server.stop()
     assert not Path(server.ipc_dir).exists()  # vLLM's IPC sockets are gone with the server
@@ -122,7 +124,7 @@ def test_a_server_without_the_worker_extension_gets_vllms_reload(foreign_server,
     from transformers import AutoModelForCausalLM
 
     client = foreign_server.client()
-    assert not client.has_worker_extension()
+    assert not client.has_weight_engine()
     ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
     before = client.prompt_logprobs(ids)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
@@ -131,13 +133,13 @@ def test_a_server_without_the_worker_extension_gets_vllms_reload(foreign_server,
             p.add_(torch.randn_like(p) * 0.05)
     client.reload_weights(save_weights(model, tmp_path / "perturbed"))
     assert client.load_path.startswith("vllm: ")
-    assert "was started without --worker-extension-cls" in capsys.readouterr().err
+    assert "was started without --worker-extension-cls" in capsys.readouterr().err  # and the engine
     assert client.prompt_logprobs(ids) != pytest.approx(before, abs=1e-3)  # alive, and on the new weights
     assert any(p.is_socket() for p in Path(foreign_server.ipc_dir).iterdir())  # vLLM's IPC sockets live there
 
 
-def test_the_pipelines_server_has_the_worker_extension(tiny_server):
-    assert tiny_server.client().has_worker_extension()
+def test_the_pipelines_server_loads_through_its_weight_transfer_engine(tiny_server):
+    assert tiny_server.client().has_weight_engine()
 
 
 def test_the_default_cpu_server_runs_its_model_in_the_engine_core_process(tiny_server):
@@ -151,4 +153,4 @@ def test_the_default_cpu_server_runs_its_model_in_the_engine_core_process(tiny_s
     assert [p.name() for p in engine_core.children(recursive=True)] == []  # with cores to bind: VLLM::Worker
     # what the engine core inherited (its own /proc environ is overwritten when it renames itself)
     assert api_server.environ()["OMP_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))
-    assert tiny_server.client().has_worker_extension()
+    assert tiny_server.client().has_weight_engine()

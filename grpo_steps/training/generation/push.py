@@ -96,8 +96,10 @@ class VerifiedPush:
     and the probe's forward); rank 0's failure is raised on every rank.
 
     Args:
-        push: rank 0's :class:`~grpo_steps.training.generation.disk.DiskWeightPush` or
-            :class:`~grpo_steps.training.generation.disk.AdapterPush` (None on the other ranks).
+        push: rank 0's :class:`~grpo_steps.training.generation.disk.DiskWeightPush`,
+            :class:`~grpo_steps.training.generation.disk.AdapterPush` or
+            :class:`~grpo_steps.training.generation.s3.ChainWeightPush` (None on the other ranks); one with a
+            ``committed(version)`` method is told when every replica serves the version.
         probe_ids: the probe sequence's token ids.
         probe_tolerance: nats per token: probe answers closer than this are the same weights.
         probe_policy: whether the policy scores the probe too (:attr:`ServerSettings.probe_policy
@@ -105,7 +107,9 @@ class VerifiedPush:
         merged_lora: ``train.peft.push: merged``: base + adapter merged, pushed as full weights.
         log: the metric sink, ``log(name, value)``: ``weight_sync/gather_seconds``, ``write_seconds`` (fingerprint and
             files), ``reload_seconds``, ``verify_seconds``, ``seconds`` (the four parts), ``version``, ``replicas``,
-            ``probe_logp_diff`` (mean |server - policy| on the probe, nats per token, with ``probe_policy``).
+            ``probe_logp_diff`` (mean |server - policy| on the probe, nats per token, with ``probe_policy``); with
+            ``s3`` sync also ``bytes`` (written to S3), ``raw_bytes``, ``density``, ``anchor``, ``fetch_seconds``
+            and ``load_seconds`` (the slowest replica's).
     """
 
     def __init__(self, push, probe_ids: list[int], probe_tolerance: float, probe_policy: bool, merged_lora: bool,
@@ -152,6 +156,11 @@ class VerifiedPush:
                 gap = self._verify(version, weights, scored)
             except Exception as err:  # noqa: BLE001  (not swallowed: raised on every rank below)
                 error = err
+        if accelerator.is_main_process and error is None and hasattr(self.push, "committed"):
+            try:  # every replica serves the version: the chain's next delta builds on it
+                self.push.committed(version)
+            except Exception as err:  # noqa: BLE001  (not swallowed: raised on every rank below)
+                error = err
         message = broadcast_object_list([None if error is None else f"{type(error).__name__}: {error}"])[0]
         if error is not None:
             raise error
@@ -167,6 +176,9 @@ class VerifiedPush:
         self.log("weight_sync/version", float(version))
         if gap is not None:
             self.log("weight_sync/probe_logp_diff", gap)
+        for name, value in parts.items():  # s3 sync: bytes, density, anchor, fetch and load seconds
+            if name not in ("write_seconds", "reload_seconds"):
+                self.log(f"weight_sync/{name}", value)
 
     def _verify(self, version: int, weights: tuple[float, ...], policy: list[float] | None) -> float | None:
         """Rank 0: check every replica's label and probe, in parallel (see :func:`check_served_version`; each replica

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 
 from grpo_steps.config import GenerationConfig
 from grpo_steps.servers.client import VLLMClient, session_id
-from grpo_steps.training.generation.disk import AdapterPush, DiskWeightPush, sync_root
+from grpo_steps.training.generation.disk import AdapterPush, DiskWeightPush, WeightPush, sync_root
 from grpo_steps.training.generation.first_batch import FirstBatchCheck
 from grpo_steps.training.generation.prefetch import RolloutPrefetcher
 from grpo_steps.training.generation.push import VerifiedPush
 from grpo_steps.training.generation.replica_rows import ReplicaLedger
+from grpo_steps.training.generation.s3 import ChainWeightPush
 
 PROBE_TOKENS = 16
 """Longest probe sequence, tokens: the policy scores it with one extra forward per push (0.1-0.5 s for
@@ -43,7 +44,7 @@ class ServerSettings:
     """The ``generation`` settings sampled with."""
     max_model_len: int
     """The server's context (``model.max_model_len``): a turn's new tokens are capped so prompt + completion fit."""
-    push: DiskWeightPush | AdapterPush | None
+    push: DiskWeightPush | AdapterPush | ChainWeightPush | None
     """Rank 0's weight push (None on the other ranks, and where nothing is pushed)."""
     probe_ids: list[int]
     """The probe sequence's token ids (at most ``PROBE_TOKENS``)."""
@@ -295,25 +296,39 @@ class ServerGeneration:
             self.prefetcher.close()
         if self.settings.push is not None:
             self.settings.push.close()
-            shutil.rmtree(self.settings.push.root, ignore_errors=True)
+            if isinstance(self.settings.push, WeightPush):  # disk sync: the run's sync directory too
+                shutil.rmtree(self.settings.push.root, ignore_errors=True)
 
 
-def server_settings(cfg, client: VLLMClient, tokenizer, probe_prompt, output_dir: str) -> ServerSettings:
+def server_settings(cfg, client: VLLMClient, tokenizer, probe_prompt, output_dir: str,
+                    weight_store: dict | None = None) -> ServerSettings:
     """The :class:`ServerSettings` of a training process for ``cfg`` (a :class:`grpo_steps.config.PipelineConfig`):
     it samples through ``client`` (this rank's client of the server; ``client.base_model`` the served base model
-    name) with ``cfg.generation`` within ``cfg.model.max_model_len`` tokens; rank 0 pushes into a fresh
+    name) with ``cfg.generation`` within ``cfg.model.max_model_len`` tokens. Rank 0 pushes: with ``weight_sync: s3``
+    through the chain at ``weight_store`` (:class:`grpo_steps.training.generation.s3.ChainWeightPush`; the job's
+    :attr:`~grpo_steps.training.job.TrainJob.weight_store`); else into a fresh
     :func:`grpo_steps.training.generation.disk.sync_root` (``generation.sync_dir``, else under ``output_dir``): the
-    adapter alone with ``train.peft.push: adapter``
-    (:class:`grpo_steps.training.generation.disk.AdapterPush`), else full weights; the probe is ``probe_prompt`` (a
-    dataset prompt, chat template applied) cut to ``PROBE_TOKENS`` tokens; tolerances from
-    ``generation.sync_check``."""
+    adapter alone with ``train.peft.push: adapter`` (:class:`grpo_steps.training.generation.disk.AdapterPush`), else
+    full weights. The probe is ``probe_prompt`` (a dataset prompt, chat template applied) cut to ``PROBE_TOKENS``
+    tokens; tolerances from ``generation.sync_check``.
+
+    Raises:
+        ValueError: ``weight_sync: s3`` without ``weight_store``.
+    """
     from accelerate.state import PartialState
 
     from grpo_steps.data import encode_prompt
 
     gen, lora = cfg.generation, cfg.train.peft.push if cfg.train.peft else None
     push = None
-    if PartialState().is_main_process:
+    if PartialState().is_main_process and gen.weight_sync == "s3":
+        import torch
+
+        if weight_store is None:
+            raise ValueError("generation.weight_sync 's3' needs the run's S3 location (TrainJob.weight_store)")
+        push = ChainWeightPush(client, weight_store, dtype=getattr(torch, cfg.model.dtype),
+                               anchor_every=gen.s3_sync.anchor_every)
+    elif PartialState().is_main_process:
         root = sync_root(gen.sync_dir, output_dir)
         push = AdapterPush(client, root, base_model=client.base_model) if lora == "adapter" \
             else DiskWeightPush(client, root)
