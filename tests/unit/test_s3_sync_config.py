@@ -58,6 +58,10 @@ def test_start_checks_the_bucket_answers(s3, monkeypatch):
     for name, value in s3.env().items():
         monkeypatch.setenv(name, value)
     check_weight_store(_cfg())  # the Metaflow datastore's bucket
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
-    with pytest.raises(ChainStoreError, match=f"s3://{s3.bucket}/metaflow/weight-sync/preflight/access-check"):
-        check_weight_store(_cfg())
+    # boto3's default session keeps the credentials it first resolved: a client with the wrong secret, explicitly
+    from grpo_steps.weight_chain import WeightChain, make_client
+
+    wrong = WeightChain(make_client(s3.endpoint, access_key=s3.access_key, secret_key="wrong", max_attempts=1),
+                        s3.bucket, "weight-sync/x")
+    with pytest.raises(ChainStoreError, match=f"s3://{s3.bucket}/weight-sync/x/access-check"):
+        wrong.check_access()
