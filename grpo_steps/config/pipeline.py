@@ -208,6 +208,15 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _s3_pushes_not_yet_on_kubernetes(self) -> PipelineConfig:
+        if self.generation.weight_sync == "s3" and self.generation.provider == "kubernetes":
+            raise ValueError("generation.weight_sync 's3' with provider 'kubernetes' is not available yet: the server "
+                             "pods' vLLM image would need grpo_steps (its weight-transfer engine) and S3 credentials "
+                             "from a Secret; use weight_sync 'disk' with resources.shared_volume_claim, or the local "
+                             "or external provider")
+        return self
+
+    @model_validator(mode="after")
     def _s3_pushes_full_weights(self) -> PipelineConfig:
         peft = self.train.peft
         if self.generation.weight_sync == "s3" and peft is not None and peft.push == "adapter":

@@ -26,7 +26,7 @@ import requests
 from grpo_steps.processes import wait_until
 from grpo_steps.servers.auth import auth_headers
 from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy, start_all
-from grpo_steps.servers.client import LOGPROBS_MODE
+from grpo_steps.servers.client import LOGPROBS_MODE, WEIGHT_TRANSFER_BACKEND, weight_transfer_args
 
 if TYPE_CHECKING:
     from grpo_steps.config import PipelineConfig
@@ -125,6 +125,13 @@ class ExternalServer(GenerationServer):
                 f"the external generation server {endpoint} returns {mode} (its --logprobs-mode): rollouts need the "
                 f"logprobs of the distribution it samples from (TRL's mismatch correction, the first-batch check); "
                 f"restart it with --logprobs-mode {LOGPROBS_MODE}")
+        config = info.json().get("vllm_config") or {}
+        backend = (config.get("weight_transfer_config") or {}).get("backend")
+        if cfg.generation.weight_sync == "s3" and backend != WEIGHT_TRANSFER_BACKEND:
+            raise ServerStartError(
+                f"the external generation server {endpoint} cannot load s3 weight pushes (its weight-transfer backend "
+                f"is {backend!r}): restart it with {' '.join(weight_transfer_args())} (grpo_steps installed beside "
+                "vLLM) and S3 credentials in its environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)")
         warn_if_open(endpoint)
         return cls(endpoint, served_model=served[0], served_names=tuple(served))
 

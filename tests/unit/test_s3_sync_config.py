@@ -13,7 +13,8 @@ def _cfg(**generation):
 
 
 def test_s3_sync_is_a_server_push_with_async_and_intervals():
-    cfg = _cfg(**{"async": {"max_staleness": 2}, "weight_sync_every": 2, "s3_sync": {"url": "s3://bucket/runs", "anchor_every": 5}})
+    cfg = _cfg(**{"async": {"max_staleness": 2}, "weight_sync_every": 2,
+                  "s3_sync": {"url": "s3://bucket/runs", "anchor_every": 5}})
     assert cfg.generation.pushes_to_server
     assert cfg.generation.s3_sync.location() == ("bucket", "runs")
 
@@ -24,6 +25,8 @@ def test_s3_sync_is_a_server_push_with_async_and_intervals():
     ({"generation": {"weight_sync": "s3"}, "train": {"peft": {"r": 8, "alpha": 16}}}, "train.peft.push: merged"),
     ({"generation": {"weight_sync": "s3", "s3_sync": {"url": "/local/dir"}}}, "is not an s3://bucket/prefix URL"),
     ({"generation": {"weight_sync": "s3", "s3_sync": {"anchor_every": 0}}}, "greater than or equal to 1"),
+    ({"generation": {"weight_sync": "s3", "provider": "kubernetes"}, "resources": {"shared_volume_claim": "rwx"}},
+     "not available yet"),
 ])
 def test_what_s3_sync_refuses_names_the_fix(config, says):
     with pytest.raises((ValueError, ConfigError), match=says):
