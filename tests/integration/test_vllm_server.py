@@ -91,7 +91,8 @@ def test_a_server_that_fails_to_start_reports_its_log(tiny_model_path, tmp_path)
 def foreign_server(tiny_model_path, tmp_path_factory):
     """A server started elsewhere, not as the pipeline starts one: without ``--worker-extension-cls
     grpo_steps.vllm_worker.WorkerExtension`` (nor ``--weight-transfer-config``) and with ``--logprobs-mode
-    raw_logprobs`` (the last of a repeated flag wins). One server for both tests (each vLLM start costs about a minute of this suite's CPU)."""
+    raw_logprobs`` (the last of a repeated flag wins). One server for both tests (each vLLM start costs about a
+    minute of this suite's CPU)."""
     with pytest.MonkeyPatch.context() as patch:  # nor the weight-transfer engine that extension registers
         patch.setattr("grpo_steps.servers.local.weight_transfer_args", lambda: [])
         server = start_local(tiny_model_path, ServerConfig(kv_cache_gib=1, startup_timeout_s=300, extra_args=[
