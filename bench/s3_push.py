@@ -1,0 +1,130 @@
+"""Benchmark: seconds per verified weight push, ``disk`` against ``s3`` (issue 47), on 1 or 2 local vLLM replicas.
+
+Both arms load through vLLM's weight-update protocol (:class:`grpo_steps.vllm_worker.WeightUpdateEngine`) and are
+verified as the trainer verifies (every replica's label and probe, :func:`check_served_version`), alternating push by
+push so both see the same load:
+
+- ``disk``: :class:`grpo_steps.training.generation.disk.DiskWeightPush` (safetensors in ``/dev/shm``);
+- ``s3``: :class:`grpo_steps.training.generation.s3.ChainWeightPush` on a local SeaweedFS (an anchor every
+  ``--anchor-every`` versions, XOR+zstd deltas in between), split into anchor and delta pushes.
+
+    .venv/bin/python bench/s3_push.py [--replicas 1] [--pushes 8] [--anchor-every 4] [--dtype float32]
+
+Each push first moves every weight a little (``randn * 1e-4``, as an optimizer step moves them: in float32 nearly
+every element changes, in bfloat16 few do). Prints a Markdown table of medians (seconds) for docs/benchmarks.md; the
+first push of each arm (warm-up) is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_steps.config import ServerConfig
+    from grpo_steps.data import encode_prompt, to_prompt
+    from grpo_steps.dev import local_s3
+    from grpo_steps.models import resolve_model
+    from grpo_steps.processes import ProcessRef
+    from grpo_steps.servers.client import VLLMClient
+    from grpo_steps.servers.local import start_local
+    from grpo_steps.training.generation.disk import DiskWeightPush
+    from grpo_steps.training.generation.push import ProbeRecord, check_served_version
+    from grpo_steps.training.generation.s3 import ChainWeightPush
+    from grpo_steps.weight_files import weights_fingerprint
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="embedded:SmolLM2-135M-Instruct")
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--pushes", type=int, default=8)
+    parser.add_argument("--anchor-every", type=int, default=4)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    model_path = resolve_model(args.model)
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    probe = encode_prompt(tokenizer, to_prompt("Calculate 4 + 4.", "Solve the problem."))[:16]
+    scratch = Path(tempfile.mkdtemp(prefix="grpo-bench-s3-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    s3 = local_s3.start(scratch / "s3")
+    for name, value in s3.env().items():  # the servers fetch with these (their environment), and so does the trainer
+        if name.startswith("AWS_"):
+            os.environ[name] = value
+    handles = []
+    try:
+        for _ in range(args.replicas):
+            handles.append(start_local(model_path, ServerConfig(kv_cache_gib=1, startup_timeout_s=900),
+                                       max_model_len=512, dtype=args.dtype, owner=ProcessRef.of(os.getpid())))
+        endpoints = tuple(h.endpoint for h in handles)
+        client = VLLMClient(endpoints[0], replicas=endpoints if len(endpoints) > 1 else ())
+        store = {"bucket": s3.bucket, "prefix": "weight-sync/bench", "endpoint_url": s3.endpoint}
+        arms = {"disk": DiskWeightPush(client, scratch / "disk"),
+                "s3": ChainWeightPush(client, store, dtype=dtype, anchor_every=args.anchor_every)}
+        rows: dict[str, dict[str, list[float]]] = {}
+        history: dict[str, list[ProbeRecord]] = {}
+        version = 0
+        for push_index in range(args.pushes + 1):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 1e-4)
+            for arm, push in arms.items():
+                start = time.perf_counter()
+                state_dict = model.state_dict()
+                weights = weights_fingerprint(state_dict)
+                parts = push.push(state_dict, version, model=model)
+                pushed = time.perf_counter()
+                for replica in client.replica_clients():
+                    record = ProbeRecord(version, weights, replica.prompt_logprobs(probe))
+                    check_served_version(record, history.get(replica.endpoint, []), push.served_label(replica),
+                                         0.05, step=version + 1)
+                    history[replica.endpoint] = (history.get(replica.endpoint, []) + [record])[-4:]
+                if hasattr(push, "committed"):
+                    push.committed(version)
+                done = time.perf_counter()
+                version += 1
+                if push_index == 0:
+                    continue
+                name = arm if arm == "disk" else f"s3 {'anchor' if parts['anchor'] else 'delta'}"
+                row = rows.setdefault(name, {})
+                for key, value in (("write", parts["write_seconds"]), ("load", parts["reload_seconds"]),
+                                   ("verify", done - pushed), ("total", done - start),
+                                   ("MB", parts.get("bytes", float("nan")) / 1e6),
+                                   ("fetch", parts.get("fetch_seconds", float("nan")))):
+                    row.setdefault(key, []).append(value)
+        arms["s3"].close()
+        arms["disk"].close()
+    finally:
+        for handle in handles:
+            with contextlib.suppress(Exception):
+                handle.stop()
+        local_s3.stop(s3)
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.1f}, model {args.model} in {args.dtype}, {args.replicas} replica(s), "
+          f"{args.pushes} pushes per arm, anchor every {args.anchor_every} (medians)\n")
+    print("| push | n | written, MB | publish / write, s | fetch (in load), s | load (all replicas), s | verify, s | "
+          "total, s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, row in rows.items():
+        med = {k: statistics.median(v) for k, v in row.items()}
+        print(f"| {name} | {len(row['total'])} | {med['MB']:.1f} | {med['write']:.3f} | {med['fetch']:.3f} | "
+              f"{med['load']:.3f} | {med['verify']:.3f} | {med['total']:.3f} |")
+    disk = statistics.median(rows["disk"]["total"])
+    for name in ("s3 anchor", "s3 delta"):
+        if name in rows:
+            print(f"\n{name} / disk (total): {statistics.median(rows[name]['total']) / disk:.2f}")
+
+
+if __name__ == "__main__":
+    main()
