@@ -88,7 +88,7 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
     from grpo_steps.checkpoints import resume_checkpoint
     from grpo_steps.launch import launch
     from grpo_steps.monitor import system_metrics
-    from grpo_steps.training.job import TrainJob
+    from grpo_steps.training.job import WEIGHT_LINEAGE, TrainJob
 
     tracking.wait_reachable(cfg, "train")  # a tracking outage: wait a bounded time, then fail saying `resume`
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
@@ -109,6 +109,9 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
     warm_up = lifecycle.warm_up(server) if node_index == 0 else None
     with system_metrics(run_id, cfg.tracking.tracking_uri, node_id=f"node{node_index}" if node_index else None):
         launch(job, node_index=node_index, main_ip=main_ip)
+    lineage = output_dir / WEIGHT_LINEAGE
+    if node_index == 0 and lineage.is_file():  # s3 sync: what the servers last loaded, for the registered version
+        tracking.set_tags(cfg, run_id, {f"weight_lineage.{k}": v for k, v in json.loads(lineage.read_text()).items()})
     if warm_up is not None:
         warm_up.join()
     return str(output_dir / "final")
@@ -179,13 +182,18 @@ def loaded_policy(reference: dict):
 
 def register(cfg: PipelineConfig, *, run_id: str, model_dir: str, report: dict, pathspec: str,
              dataset_digest: str) -> dict:
-    """Register the trained policy (see :func:`grpo_steps.register.register`)."""
+    """Register the trained policy (see :func:`grpo_steps.register.register`), its version tagged with the SHA-256 of
+    its weight files (``weights.sha256``) and, with ``weight_sync: s3``, the lineage of the last version the servers
+    loaded (``weight_lineage.*``: version, anchor, deltas, digest of its tensors' SHA-256s)."""
     from grpo_steps.register import register as register_version
 
     tracking.wait_reachable(cfg, "register")  # a tracking outage: wait a bounded time, then fail saying `resume`
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
+    from grpo_steps.weight_files import weights_sha256
+
     tags = {"metaflow.pathspec": pathspec, "config.sha256": cfg.sha256(), "dataset.digest": dataset_digest,
-            "git.commit": tracking.git_commit()}
+            "git.commit": tracking.git_commit(), "weights.sha256": weights_sha256(model_dir),
+            **tracking.run_tags(cfg, run_id, prefix="weight_lineage.")}
     return register_version(cfg, run_id, model_dir, report, tags)
 
 

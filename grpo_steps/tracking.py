@@ -294,6 +294,11 @@ def set_tags(cfg: PipelineConfig, run_id: str, tags: dict[str, str]) -> None:
         mlflow_client.log_batch(run_id, tags=batch[i : i + 100])
 
 
+def run_tags(cfg: PipelineConfig, run_id: str, prefix: str = "") -> dict[str, str]:
+    """The flow's run's tags whose names start with ``prefix``."""
+    return {k: v for k, v in client(cfg).get_run(run_id).data.tags.items() if k.startswith(prefix)}
+
+
 def log_metrics_once(cfg: PipelineConfig, run_id: str, metrics: dict[str, float], step: int = 0) -> dict[str, float]:
     """Log the ``metrics`` (name -> value) the run does not hold yet, at ``step``; returns those logged. A step that
     runs again (``resume`` after the flow was killed mid-step) then leaves one point per metric, not two."""

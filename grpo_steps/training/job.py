@@ -61,6 +61,11 @@ class TrainJob(BaseModel):
         return None if self.server is None else from_dict(self.server)
 
 
+WEIGHT_LINEAGE = "weight_lineage.json"
+"""With ``weight_sync: s3``: the lineage of the last version the servers loaded
+(:func:`grpo_steps.training.generation.s3.lineage_of`), as JSON in the job's ``output_dir``; the flow's train step
+puts it in the MLflow run's tags (``weight_lineage.*``), which the registered version copies."""
+
 SPLIT_RESULTS = {"baseline": "baseline_eval.json", "trained": "trained_eval.json"}
 """The evaluations of the whole eval split made during training (:mod:`grpo_steps.training.eval_during`: the base
 weights at step 0, the final policy at the last step), each an :func:`grpo_steps.evaluation.policy.evaluate_policy`

@@ -285,6 +285,15 @@ def test_metrics_params_and_registered_version_in_mlflow(flow_run):
     assert version.tags["metaflow.pathspec"].startswith(f"GRPOFlow/{run.id}/register/")
     assert version.tags["dataset.digest"] == run.data.dataset_digest
     assert run.data.model_version["version"] == str(version.version)
+    # the registered weights' checksum: the SHA-256 of the weight files the registry holds
+    from mlflow.artifacts import download_artifacts
+
+    from grpo_steps.weight_files import weights_sha256
+
+    registered = Path(download_artifacts(f"models:/{version.name}/{version.version}",
+                                         dst_path=str(workdir / "registered"), tracking_uri=cfg.tracking.tracking_uri))
+    (weights_dir,) = {p.parent for p in registered.rglob("*.safetensors")}
+    assert version.tags["weights.sha256"] == weights_sha256(weights_dir)
 
 
 def test_checkpoints_were_saved_to_the_datastore(flow_run):

@@ -209,6 +209,10 @@ def test_s3_pushes_with_async_rollouts_reach_both_replicas_and_leave_nothing(tmp
     assert history[0]["weight_sync/first_batch_logp_diff"] < 1e-3  # the replicas sample from the trainer's weights
     assert [VLLMClient(m.endpoint).weight_version() for m in replica_set.members] == ["step-2", "step-2"]
     assert _s3_keys(s3, store["prefix"]) == []
+    # the last version both replicas loaded, for the registered model's tags (anchor_every 2: version 2 is an anchor)
+    lineage = json.loads((tmp_path / "out" / "weight_lineage.json").read_text())
+    assert {k: lineage[k] for k in ("version", "anchor", "deltas")} == {"version": "2", "anchor": "2", "deltas": "0"}
+    assert re.fullmatch(r"[0-9a-f]{64}", lineage["sha256"])
 
 
 @pytest.mark.s3

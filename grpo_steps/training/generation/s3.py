@@ -16,12 +16,25 @@ removed when training ends (:meth:`ChainWeightPush.close`) and by the flow's ``e
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from grpo_steps.servers.client import VLLMClient, version_label
 from grpo_steps.weight_chain import ChainError, PublishStats, WeightChain, chain_of
+
+
+def lineage_of(manifest: dict) -> dict[str, str]:
+    """What a registered model's tags say of the last version the servers loaded: its ``version``, the ``anchor`` its
+    chain starts from, the ``deltas`` applied since, and ``sha256``, a digest of its per-tensor SHA-256s (in name
+    order; the same weights give the same digest whatever the chain)."""
+    digest = hashlib.sha256("".join(f"{name}:{entry['sha256']};" for name, entry in
+                                    sorted(manifest["tensors"].items())).encode()).hexdigest()
+    return {"version": str(manifest["version"]), "anchor": str(manifest["anchor"]), "deltas": str(manifest["depth"]),
+            "sha256": digest}
 
 
 @dataclass
@@ -38,6 +51,8 @@ class ChainWeightPush:
     store: dict
     dtype: object = None
     anchor_every: int = 10
+    lineage_path: Path | None = None
+    """Where the committed version's lineage is written (JSON, :func:`lineage_of`), for the registered model's tags."""
     chain: WeightChain = field(init=False)
     last: PublishStats | None = field(default=None, init=False)
 
@@ -84,6 +99,8 @@ class ChainWeightPush:
         """Every replica serves ``version`` (verified): it becomes the next delta's base, and the versions it does not
         build on are deleted (S3 failures here are reported on stderr, not raised: the next retain deletes them)."""
         self.chain.commit(version)
+        if self.lineage_path is not None:
+            self.lineage_path.write_text(json.dumps(lineage_of(self.chain.manifest(version))))
         try:
             self.chain.retain({version})
         except ChainError as err:

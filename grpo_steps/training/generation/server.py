@@ -18,6 +18,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from grpo_steps.config import GenerationConfig
 from grpo_steps.servers.client import VLLMClient, session_id
@@ -27,6 +28,7 @@ from grpo_steps.training.generation.prefetch import RolloutPrefetcher
 from grpo_steps.training.generation.push import VerifiedPush
 from grpo_steps.training.generation.replica_rows import ReplicaLedger
 from grpo_steps.training.generation.s3 import ChainWeightPush
+from grpo_steps.training.job import WEIGHT_LINEAGE
 
 PROBE_TOKENS = 16
 """Longest probe sequence, tokens: the policy scores it with one extra forward per push (0.1-0.5 s for
@@ -327,7 +329,8 @@ def server_settings(cfg, client: VLLMClient, tokenizer, probe_prompt, output_dir
         if weight_store is None:
             raise ValueError("generation.weight_sync 's3' needs the run's S3 location (TrainJob.weight_store)")
         push = ChainWeightPush(client, weight_store, dtype=getattr(torch, cfg.model.dtype),
-                               anchor_every=gen.s3_sync.anchor_every)
+                               anchor_every=gen.s3_sync.anchor_every,
+                               lineage_path=Path(output_dir) / WEIGHT_LINEAGE)
     elif PartialState().is_main_process:
         root = sync_root(gen.sync_dir, output_dir)
         push = AdapterPush(client, root, base_model=client.base_model) if lora == "adapter" \
