@@ -275,7 +275,7 @@ class S3SyncConfig(_Section):
     """Where and how ``weight_sync: s3`` publishes the weight versions: a chain of full anchors and checked sparse
     deltas in S3 (:mod:`grpo_steps.weight_chain`), which every replica fetches and loads through vLLM's weight-update
     protocol (:class:`grpo_steps.vllm_worker.WeightUpdateEngine`). Credentials come from the environment (``AWS_*``,
-    as boto3 reads it; on Kubernetes a Secret, ``resources.s3_secret``), never from this file."""
+    as boto3 reads it; on Kubernetes a Secret, ``resources.vllm.s3_secret_name``), never from this file."""
 
     url: str | None = None
     """``s3://bucket/prefix`` under which each run writes its versions (``<url>/<flow>/<run id>/``, removed when the

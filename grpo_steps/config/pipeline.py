@@ -124,9 +124,27 @@ class PipelineConfig(_Section):
 
     @model_validator(mode="after")
     def _kubernetes_needs_a_shared_volume(self) -> PipelineConfig:
-        if self.generation.provider == "kubernetes" and not self.resources.shared_volume_claim:
-            raise ValueError("generation.provider 'kubernetes': the server reloads weights from paths the flow "
-                             "writes; set resources.shared_volume_claim to a ReadWriteMany PVC")
+        """Without ``s3`` sync the server pods load evaluation's weights (and ``disk`` pushes) from files the flow's
+        pods write: a volume both mount. With ``s3`` every weight they load comes through S3."""
+        gen = self.generation
+        if gen.provider == "kubernetes" and gen.weight_sync != "s3" and not self.resources.shared_volume_claim:
+            raise ValueError(f"generation.provider 'kubernetes' with weight_sync {gen.weight_sync!r}: the server "
+                             "reloads weights from paths the flow writes; set resources.shared_volume_claim to a "
+                             "ReadWriteMany PVC, or use weight_sync 's3' (pushes and evaluation weights through S3)")
+        return self
+
+    @model_validator(mode="after")
+    def _kubernetes_servers_start_from_what_they_read(self) -> PipelineConfig:
+        """A server pod starts from ``model.name_or_path``: without the shared volume it cannot read this machine's
+        files (the embedded model, converted on this machine; a relative path; a path under ``/shared``)."""
+        name = self.model.name_or_path
+        if self.generation.provider != "kubernetes" or self.resources.shared_volume_claim:
+            return self
+        if name.startswith(("embedded:", ".", "~")) or on_shared_volume(name):  # embedded: grpo_steps.models' prefix
+            raise ValueError(f"generation.provider 'kubernetes' without resources.shared_volume_claim: the server pods "
+                             f"start from model.name_or_path {name!r}, which they cannot read; use a Hugging Face id "
+                             "(the pods download it) or set resources.shared_volume_claim and put the model under "
+                             f"{SHARED_MOUNT}")
         return self
 
     @model_validator(mode="after")
@@ -208,12 +226,14 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _s3_pushes_not_yet_on_kubernetes(self) -> PipelineConfig:
-        if self.generation.weight_sync == "s3" and self.generation.provider == "kubernetes":
-            raise ValueError("generation.weight_sync 's3' with provider 'kubernetes' is not available yet: the server "
-                             "pods' vLLM image would need grpo_steps (its weight-transfer engine) and S3 credentials "
-                             "from a Secret; use weight_sync 'disk' with resources.shared_volume_claim, or the local "
-                             "or external provider")
+    def _s3_secret_with_s3_on_kubernetes(self) -> PipelineConfig:
+        """The Secret reaches only the server pods of ``s3`` sync on Kubernetes: anywhere else it would be ignored."""
+        gen = self.generation
+        if self.resources.vllm.s3_secret_name is not None and not (gen.weight_sync == "s3"
+                                                                   and gen.provider == "kubernetes"):
+            raise ValueError(f"resources.vllm.s3_secret_name gives the server pods S3 credentials for weight_sync 's3' "
+                             f"with provider 'kubernetes' (got weight_sync {gen.weight_sync!r}, provider "
+                             f"{gen.provider!r}): remove it")
         return self
 
     @model_validator(mode="after")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import posixpath
+import re
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
@@ -183,6 +184,10 @@ class TrainNodeResources(_Section):
     steps run where the flow runs (local runtime); set: every step runs on Kubernetes with it."""
 
 
+SECRET_NAME = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+"""A Kubernetes object name that is a DNS-1123 subdomain (Secrets are named so)."""
+
+
 class VLLMResources(_Section):
     gpu: int = Field(0, ge=0)
     """GPUs of the generation server pod (provider ``kubernetes``); at least
@@ -192,7 +197,26 @@ class VLLMResources(_Section):
     memory_mib: int = Field(16384, ge=512)
     """Memory of the generation server pod, MiB."""
     image: str = "vllm/vllm-openai:v0.32.0"
-    """Image of the generation server pod (provider ``kubernetes``)."""
+    """Image of the generation server pod (provider ``kubernetes``). With ``generation.weight_sync: s3`` it must have
+    ``grpo_steps`` installed beside vLLM (the server loads each version through the pipeline's weight-transfer engine,
+    ``grpo_steps.vllm_worker``, which needs ``zstandard`` and ``boto3`` too), built from the same commit as
+    ``resources.train.image``: see docs/deploy.md, "Weight versions through S3"."""
+    s3_secret_name: str | None = None
+    """``generation.weight_sync: s3`` with provider ``kubernetes``: the name of an existing Secret in
+    ``resources.namespace`` whose keys ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY`` the server pods get as
+    environment variables (``envFrom.secretRef``: the values never appear in the manifests, the command line or the
+    logs); the servers read each weight version from S3 with them. Null: the pods' own identity (an IAM role for the
+    service account, an instance role)."""
+
+    @field_validator("s3_secret_name")
+    @classmethod
+    def _secret_name(cls, value: str | None) -> str | None:
+        # a Secret's name is a DNS-1123 subdomain (Kubernetes' rule); the value is not echoed: it may be a pasted key
+        if value is not None and (len(value) > 253 or not re.fullmatch(SECRET_NAME, value)):
+            raise ValueError("not a Kubernetes Secret name (lowercase letters, digits, '-' and '.', at most 253 "
+                             "characters): name the Secret that holds AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                             "never the keys themselves")
+        return value
 
 
 SHARED_MOUNT = "/shared"
@@ -216,7 +240,8 @@ class ResourcesConfig(_Section):
     """A ReadWriteMany PersistentVolumeClaim mounted at ``/shared`` in every flow pod and in the
     generation server pods: evaluation stages the baseline and trained weights there for the server's
     ``reload_weights``, and ``disk`` weight pushes go there (``generation.sync_dir`` under ``/shared``). Needed by
-    provider ``kubernetes``."""
+    provider ``kubernetes``, except with ``generation.weight_sync: s3`` (pushes and evaluation weights then go through
+    S3; the server pods start from ``model.name_or_path``, a Hugging Face id)."""
     train: TrainNodeResources = TrainNodeResources()
     """Per training node (the ``@parallel`` gang has ``train.num_nodes`` of them)."""
     vllm: VLLMResources = VLLMResources()

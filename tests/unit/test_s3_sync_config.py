@@ -25,12 +25,52 @@ def test_s3_sync_is_a_server_push_with_async_and_intervals():
     ({"generation": {"weight_sync": "s3"}, "train": {"peft": {"r": 8, "alpha": 16}}}, "train.peft.push: merged"),
     ({"generation": {"weight_sync": "s3", "s3_sync": {"url": "/local/dir"}}}, "is not an s3://bucket/prefix URL"),
     ({"generation": {"weight_sync": "s3", "s3_sync": {"anchor_every": 0}}}, "greater than or equal to 1"),
-    ({"generation": {"weight_sync": "s3", "provider": "kubernetes"}, "resources": {"shared_volume_claim": "rwx"}},
-     "not available yet"),
 ])
 def test_what_s3_sync_refuses_names_the_fix(config, says):
     with pytest.raises((ValueError, ConfigError), match=says):
         validate_config(config)
+
+
+def _on_kubernetes(weight_sync: str = "s3", model: str = "Qwen/Qwen2.5-0.5B-Instruct", **vllm) -> dict:
+    return {"model": {"name_or_path": model}, "generation": {"provider": "kubernetes", "weight_sync": weight_sync},
+            "resources": {"train": {"image": "registry.example/grpo:1"}, "vllm": vllm}}
+
+
+def test_s3_sync_on_kubernetes_needs_no_shared_volume():
+    """Pushes and evaluation's weights reach the server pods through S3: no ReadWriteMany volume, and the pods read
+    S3 with the named Secret's keys (or their own identity when none is named)."""
+    cfg = validate_config(_on_kubernetes(s3_secret_name="grpo-s3-credentials"))
+    assert cfg.resources.shared_volume_claim is None
+    assert cfg.resources.vllm.s3_secret_name == "grpo-s3-credentials"
+    assert cfg.flat_params()["resources.vllm.s3_secret_name"] == "grpo-s3-credentials"  # a name, not redacted
+    assert validate_config(_on_kubernetes()).resources.vllm.s3_secret_name is None  # IRSA, instance role
+
+
+@pytest.mark.parametrize(("config", "says"), [
+    # disk and nccl still load evaluation's weights (and disk its pushes) from the shared volume
+    (_on_kubernetes("disk"), "weight_sync 'disk': the server reloads weights from paths the flow writes; set "
+                             "resources.shared_volume_claim"),
+    (_on_kubernetes("disk"), "or use weight_sync 's3' \\(pushes and evaluation weights through S3\\)"),
+    # without the volume the server pods start from model.name_or_path, which must be something they can read
+    (_on_kubernetes(model="embedded:SmolLM2-135M-Instruct"), "use a Hugging Face id"),
+    (_on_kubernetes(model="/shared/models/qwen"), "cannot read"),
+    # the Secret is named, never given: a key pasted there is refused without being echoed
+    (_on_kubernetes(s3_secret_name="Grpo_S3"), "not a Kubernetes Secret name"),
+    ({"resources": {"vllm": {"s3_secret_name": "grpo-s3"}}},
+     "s3_secret_name gives the server pods S3 credentials .* \\(got weight_sync 'disk'"),
+    ({"generation": {"weight_sync": "s3"}, "resources": {"vllm": {"s3_secret_name": "grpo-s3"}}},
+     "provider 'local'\\): remove it"),
+])
+def test_what_s3_sync_on_kubernetes_refuses_names_the_fix(config, says):
+    with pytest.raises(ConfigError, match=says):
+        validate_config(config)
+
+
+def test_a_key_given_as_the_secret_name_is_not_echoed():
+    key = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+    with pytest.raises(ConfigError, match="never the keys themselves") as refused:
+        validate_config(_on_kubernetes(s3_secret_name=key))
+    assert key not in str(refused.value)
 
 
 def test_the_location_defaults_to_the_metaflow_datastore_and_the_endpoint_to_metaflows():
