@@ -23,7 +23,7 @@ import yaml
 
 from grpo_steps.config import INFRA_DIR, SHARED_MOUNT, PipelineConfig
 from grpo_steps.servers import auth
-from grpo_steps.servers.client import LOGPROBS_MODE, served_model_names
+from grpo_steps.servers.client import LOGPROBS_MODE, served_model_names, weight_transfer_args
 
 TEMPLATE = INFRA_DIR / "k8s" / "vllm-server.yaml"
 ROUTER_TEMPLATE = INFRA_DIR / "k8s" / "vllm-router.yaml"
@@ -88,7 +88,9 @@ def server_args(cfg: PipelineConfig, model: str, replica: int | None = None) -> 
 
     Flags for ``nccl`` weight sync are the ones TRL's ``vllm-serve`` wrapper passes (trl/scripts/vllm_serve.py,
     TRL 1.16, for vLLM >= 0.30): ``--enable-scale-out --weight-transfer-config '{"backend":"nccl"}'
-    --logprobs-mode processed_logprobs --max-logprobs -1``, with ``VLLM_SERVER_DEV_MODE=1`` in the template.
+    --logprobs-mode processed_logprobs --max-logprobs -1``, with ``VLLM_SERVER_DEV_MODE=1`` in the template. With
+    ``s3`` sync: the pipeline's weight-transfer engine (:func:`grpo_steps.servers.client.weight_transfer_args`), which
+    the image (``resources.vllm.image``) must have installed beside vLLM.
     """
     gen = cfg.generation
     args = ["--model", model, "--served-model-name", *served_model_names(replica), "--host", "0.0.0.0",
@@ -98,6 +100,8 @@ def server_args(cfg: PipelineConfig, model: str, replica: int | None = None) -> 
     if gen.weight_sync == "nccl":
         args += ["--enable-scale-out", "--weight-transfer-config", json.dumps({"backend": "nccl"}),
                  "--max-logprobs", "-1"]
+    if gen.weight_sync == "s3":  # each push (and evaluation's weights) a version of the S3 chain
+        args += weight_transfer_args()
     if gen.server.enforce_eager:
         args.append("--enforce-eager")
     args += ["--middleware", auth.MIDDLEWARE]  # every route but GET /health needs the run's token
@@ -166,7 +170,9 @@ def render_manifests(cfg: PipelineConfig, run_id: str, model: str, template: Pat
     mounted. No GPU request is written when ``resources.vllm.gpu`` is 0. ``replica``: the Deployment and Service of
     that replica (:func:`replica_name`; its pods carry :data:`REPLICA_LABEL`, which its Service selects); the
     NetworkPolicy is the run's one, over every server pod of the run, admitting the router when
-    ``generation.server.replicas`` > 1.
+    ``generation.server.replicas`` > 1. With ``generation.weight_sync: s3`` and ``resources.vllm.s3_secret_name``,
+    the server container takes that Secret's keys as its environment (``envFrom``: the S3 credentials reach no
+    manifest, argument or log; the container's own ``env`` entries win over a key of the same name).
     """
     res = cfg.resources.vllm
     text = string.Template(template.read_text()).substitute(
@@ -187,7 +193,11 @@ def render_manifests(cfg: PipelineConfig, run_id: str, model: str, template: Pat
     container["env"] += [
         {"name": auth.TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": auth.TOKEN_ENV}}},
         {"name": "PYTHONPATH", "value": AUTH_MOUNT}]  # grpo_steps.servers.auth as a namespace package
+    # (an image with grpo_steps installed, as s3 sync needs, imports the installed package instead: a regular package
+    # wins over a namespace portion wherever it stands on sys.path)
     container["volumeMounts"].append({"name": "grpo-auth", "mountPath": AUTH_MOUNT, "readOnly": True})
+    if res.s3_secret_name:  # s3 sync's AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY for the engine; null: pod identity
+        container["envFrom"] = [{"secretRef": {"name": res.s3_secret_name}}]
     pod["volumes"].append({"name": "grpo-auth", "configMap": {
         "name": config_map_name, "items": [{"key": "auth.py", "path": "grpo_steps/servers/auth.py"}]}})
     claim = cfg.resources.shared_volume_claim

@@ -150,6 +150,56 @@ def test_each_replica_serves_its_own_name_first_then_the_common_one():
         assert args[at + 1:at + 3] == [f"policy@r{replica}", "policy"] and args[at + 3].startswith("--")
 
 
+def s3_cluster_config(**vllm):
+    """``weight_sync: s3`` on the cluster: no shared volume, the server image with grpo_steps installed."""
+    return validate_config({
+        "model": {"name_or_path": "Qwen/Qwen2.5-1.5B-Instruct", "dtype": "bfloat16"},
+        "generation": {"provider": "kubernetes", "weight_sync": "s3",
+                       "s3_sync": {"url": "s3://grpo-weights/sync", "endpoint_url": "http://minio.storage.svc:9000"},
+                       "server": {"startup_timeout_s": 5}},
+        "resources": {"train": {"image": "registry.example/grpo:1"}, "namespace": "ml",
+                      "vllm": {"gpu": 1, "image": "registry.example/grpo-vllm:1", **vllm}},
+    })
+
+
+def test_s3_sync_servers_run_the_engine_and_take_the_named_secrets_keys():
+    """The server pods load each version through the pipeline's engine (its flags, as every server the pipeline starts
+    on a machine) and read S3 with the keys of the Secret the config names, as environment variables: envFrom, so no
+    key is written into the manifest, the arguments or a log. No shared volume is mounted."""
+    from grpo_steps.servers.client import weight_transfer_args
+
+    deployment = k8s_manifests.render_manifests(s3_cluster_config(s3_secret_name="grpo-s3-credentials"), RUN_ID,
+                                                "Qwen/Qwen2.5-1.5B-Instruct")[0]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    at = args.index("--worker-extension-cls")
+    assert args[at:at + 4] == weight_transfer_args()
+    assert json.loads(args[at + 3]) == {"backend": "grpo_steps"} and "--enable-scale-out" not in args
+    assert container["envFrom"] == [{"secretRef": {"name": "grpo-s3-credentials"}}]
+    assert "AWS_" not in json.dumps(container["env"]) and "minio" not in json.dumps(deployment)  # endpoint: per request
+    assert "shared" not in json.dumps(pod["volumes"]) and "/shared" not in json.dumps(container["volumeMounts"])
+    # without a Secret the pods use their own identity (IRSA, an instance role): nothing is mounted
+    container = k8s_manifests.render_manifests(s3_cluster_config(), RUN_ID, "m")[0]["spec"]["template"]["spec"][
+        "containers"][0]
+    assert "envFrom" not in container and "--worker-extension-cls" in container["args"]
+    # disk and nccl servers keep the stock vLLM image's command line
+    for cfg in (cluster_config(), cluster_config(weight_sync="disk", backend="hf")):
+        assert "--worker-extension-cls" not in k8s_manifests.server_args(cfg, "m")
+
+
+def test_an_s3_sync_server_starts_without_a_shared_volume(token_dir):
+    fake = FakeCluster()
+    cfg = s3_cluster_config(s3_secret_name="grpo-s3-credentials")
+    server = KubernetesServer.start(cfg, "/cache/qwen", run_id=RUN_ID, apps=fake, core=fake, networking=fake, poll_s=0)
+    assert server.model == "Qwen/Qwen2.5-1.5B-Instruct"  # the hub id: the pod cannot read this machine's path
+    ((_, deployment),) = fake.deployments.items()
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["envFrom"] == [{"secretRef": {"name": "grpo-s3-credentials"}}]
+    assert [name for _, name in fake.secrets] == [f"vllm-{RUN_ID}-token"]  # the S3 Secret is the user's: never made
+    assert server.stop(apps=fake, core=fake, networking=fake) and not fake.secrets
+
+
 def test_no_gpu_request_when_the_server_has_no_gpu():
     cfg = validate_config({"generation": {"provider": "kubernetes", "backend": "hf"},
                            "resources": {"train": {"image": "grpo:1"}, "vllm": {"gpu": 0}, "shared_volume_claim": "s"}})

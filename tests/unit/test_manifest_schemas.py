@@ -87,3 +87,27 @@ def test_every_object_of_a_run_with_three_replicas_validates():
     assert len({(doc["kind"], doc["metadata"]["name"]) for doc in rendered}) == len(rendered)  # no name clash
     for doc in rendered:
         _valid(doc)
+
+
+@pytest.mark.parametrize("secret", ["grpo-s3-credentials", None], ids=["secret", "pod-identity"])
+def test_every_object_of_an_s3_sync_run_validates(secret):
+    """``weight_sync: s3`` without a shared volume: the servers run the pipeline's engine and, with
+    ``resources.vllm.s3_secret_name``, take that Secret's keys through ``envFrom``; with two replicas and the router."""
+    config = _cluster_config(weight_sync="s3", s3_sync={"url": "s3://grpo-weights/sync"})
+    config["generation"]["server"]["replicas"] = 2
+    config["train"]["gradient_accumulation_steps"] = 8  # the pipeline's rollouts sample whole groups of 8 per process
+    del config["resources"]["shared_volume_claim"]
+    config["resources"]["vllm"].update(image="registry.example/grpo-vllm:1", s3_secret_name=secret)
+    cfg, run_id = validate_config(config), "argo-grpoflow-abc12"
+    servers = [k8s_manifests.render_manifests(cfg, run_id, "Qwen/Qwen2.5-1.5B-Instruct", replica=i)[:2]
+               for i in range(2)]
+    rendered = [*k8s_manifests.render_auth(cfg, run_id, "t" * 43), k8s_manifests.render_manifests(cfg, run_id, "m")[2],
+                *(obj for pair in servers for obj in pair),
+                *k8s_manifests.render_router(cfg, run_id, [f"http://{d['metadata']['name']}.ml.svc:8000"
+                                                           for d, _ in servers])]
+    for deployment, _ in servers:
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        assert "--worker-extension-cls" in container["args"]
+        assert container.get("envFrom") == ([{"secretRef": {"name": secret}}] if secret else None)
+    for doc in rendered:
+        _valid(doc)
