@@ -117,6 +117,22 @@ def resolve_model(name_or_path: str) -> str:
     return name_or_path  # a hub id
 
 
+def weights_dir(model_path: str) -> str:
+    """A local directory holding the ``*.safetensors`` weights of ``model_path`` (:func:`resolve_model`'s): a directory
+    is its own; a hub id, its snapshot in the Hugging Face cache (the safetensors downloaded when they are not there
+    yet). The evaluate step stages the baseline from it: a server cannot be told to load a hub id, and a pod of another
+    step may not have the files the provisioning pod downloaded.
+
+    Raises:
+        huggingface_hub's errors: the hub id does not resolve (no network, gated, misspelled).
+    """
+    if Path(model_path).is_dir():
+        return model_path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model_path, allow_patterns=["*.safetensors", "*.safetensors.index.json"])
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 """Files of which a tokenizer needs one (beside ``tokenizer_config.json``): fast, sentencepiece, BPE or WordPiece."""
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")

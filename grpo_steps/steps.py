@@ -157,7 +157,8 @@ def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
     with system_metrics(run_id, cfg.tracking.tracking_uri):
         report = evaluate_baseline_and_trained(cfg, run_id=run_id, server=server, base_model=base_model,
-                                               trained_model=trained_model, eval_rows=eval_rows, measured=measured)
+                                               trained_model=trained_model, eval_rows=eval_rows, measured=measured,
+                                               weight_store=weight_store(cfg, run_id))
     log_charts(cfg, run_id, report)
     return redact_report(report)  # the eval_report artifact, redacted as the MLflow tables are (numbers kept)
 

@@ -118,6 +118,26 @@ def safetensors_params(model_dir: str | Path) -> int | None:
     return sum(counts) if files else None
 
 
+def read_safetensors(model_dir: str | Path) -> dict:
+    """Every tensor of the ``*.safetensors`` files in ``model_dir`` (name -> CPU tensor, memory-mapped), as the
+    generation server reads a weight directory (the vLLM worker has its own copy of this reader,
+    :func:`grpo_steps.vllm_worker.read_safetensors`: it imports nothing of the flow side).
+
+    Raises:
+        FileNotFoundError: ``model_dir`` holds no ``*.safetensors`` file.
+    """
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} holds no *.safetensors file")
+    tensors = {}
+    for path in files:
+        with safe_open(path, "pt") as handle:
+            tensors.update((name, handle.get_tensor(name)) for name in handle.keys())
+    return tensors
+
+
 def overwrite_safetensors(state_dict: dict, old: str | Path, directory: str | Path, model=None) -> Path | None:
     """Move the push directory ``old`` to ``directory`` and overwrite its ``model.safetensors`` in place with
     ``state_dict`` when the file holds exactly these tensors (names, dtypes, shapes): the bytes a fresh

@@ -17,11 +17,13 @@ from grpo_steps.evaluation.stats import gain_metrics, prompt_key
 
 def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
                                   trained_model: str, eval_rows: list[dict],
-                                  measured: dict[str, dict] | None = None) -> dict:
+                                  measured: dict[str, dict] | None = None, weight_store: dict | None = None) -> dict:
     """Baseline (``base_model``) and trained policy (``trained_model``: full weights or a LoRA adapter) on
     ``eval_rows`` through the same generation server (``server``: a handle of :mod:`grpo_steps.servers`), one after
     the other (:func:`served_policy`); metrics (``eval/<label>/...``, ``eval/gain/...``) and sample tables
-    (``eval/<label>_samples.json``) to the MLflow run ``run_id``.
+    (``eval/<label>_samples.json``) to the MLflow run ``run_id``. ``weight_store``: the run's S3 location with
+    ``generation.weight_sync: s3`` (:func:`grpo_steps.steps.weight_store`), through which the server then gets both
+    policies' weights; None: from files it reads.
 
     ``measured``: evaluations of ``eval_rows`` already made during training (:mod:`grpo_steps.training.eval_during`:
     ``"baseline"`` at step 0, ``"trained"`` at the last step; :func:`grpo_steps.steps.training_evaluations`), each
@@ -45,7 +47,7 @@ def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: d
     tokenizer = load_tokenizer(base_model, cfg.model.chat_template)
     report = {}
     for label, weights in (("baseline", base_model), ("trained", trained_model)):
-        with served_policy(cfg, generation_server, client, weights, label):
+        with served_policy(cfg, generation_server, client, weights, label, weight_store):
             client.check_weight_version(served_label(label))  # a replica restarted since the reload fails here
             earlier = (measured or {}).get(label)
             if same_weights_as(cfg, client, tokenizer, eval_rows, earlier, label):
@@ -93,7 +95,7 @@ def same_weights_as(cfg: PipelineConfig, client, tokenizer, rows: list[dict], ea
            if len(probe.first_logprobs) == len(before) else float("inf"))
     same = gap <= tolerance
     print(f"[eval {label}] {'taken from' if same else 'not taken from'} {at} "
-          f"({len(rows)} prompts): the {label} weights reloaded from disk give its probe "
+          f"({len(rows)} prompts): the {label} weights reloaded give its probe "
           f"{'again' if same else 'no longer'} (mean |logp difference| {gap:.2g} nats/token, tolerance {tolerance:g})",
           flush=True)
     return same
@@ -106,29 +108,32 @@ def served_label(label: str) -> str:
 
 
 @contextmanager
-def served_policy(cfg: PipelineConfig, generation_server, client, weights: str, label: str):
-    """Make ``client`` sample from ``weights`` while the block runs: full weights are reloaded into the server;
-    a LoRA adapter (``train.peft``) is loaded beside the base weights as ``{served}-lora-final`` and requested by
-    that name, then unloaded. A server without runtime LoRA (``runtime_lora``: ``kubernetes``), or a run that pushes
-    merged weights (``train.peft.push: merged``), gets base + adapter merged."""
+def served_policy(cfg: PipelineConfig, generation_server, client, weights: str, label: str,
+                  store: dict | None = None):
+    """Make ``client`` sample from ``weights`` while the block runs: full weights are loaded into every replica from
+    where :meth:`~grpo_steps.servers.base.GenerationServer.stage_update` staged them (a directory the server reads; with
+    ``store``, the run's S3 location under ``weight_sync: s3``, a version in S3), labelled :func:`served_label`. A LoRA
+    adapter (``train.peft``) is loaded beside the base weights as ``{served}-lora-final`` and requested by that name,
+    then unloaded; a server without runtime LoRA (``runtime_lora``: ``kubernetes``), or a run that pushes merged
+    weights (``train.peft.push: merged``, which ``s3`` sync requires), gets base + adapter merged, as full weights."""
     from grpo_steps.lora import adapter_name, is_adapter_dir, merge_adapter
+    from grpo_steps.models import weights_dir
     from grpo_steps.processes import scratch_dir
 
     client.model = client.base_model
     if not is_adapter_dir(weights):
-        client.reload_weights(generation_server.stage_weights(weights, label))
-        client.set_weight_version(served_label(label))
+        client.load_weights(generation_server.stage_update(weights_dir(weights), label, store), served_label(label))
         yield
         return
     base = json.loads((Path(weights) / "adapter_config.json").read_text())["base_model_name_or_path"]
-    if not generation_server.runtime_lora or not cfg.serves_adapter:
+    if not generation_server.runtime_lora or not cfg.serves_adapter or store is not None:
         with scratch_dir() as merged:
-            client.reload_weights(generation_server.stage_weights(merge_adapter(base, weights, merged), label))
-        client.set_weight_version(served_label(label))
+            update = generation_server.stage_update(merge_adapter(base, weights, merged), label, store)
+            client.load_weights(update, served_label(label))  # while the merged directory exists
         yield
         return
-    client.reload_weights(generation_server.stage_weights(base, "baseline"))  # the adapter's base under it
-    client.set_weight_version(served_label(label))
+    # the adapter's base under it, from a directory (adapter pushes are disk sync's: no store)
+    client.load_weights(generation_server.stage_update(weights_dir(base), "baseline"), served_label(label))
     name = adapter_name(client.base_model, "final")
     if name in client.served_adapters():  # left by an earlier attempt of this step
         client.unload_lora_adapter(name)

@@ -107,6 +107,34 @@ class GenerationServer:
         ``baseline``, ``trained``). Servers on this machine read it where it is."""
         return str(weights_dir)
 
+    def stage_update(self, weights_dir: str | Path, label: str, store: dict | None = None) -> dict:
+        """The ``update_info`` from which every replica of this server loads the full weights in ``weights_dir``
+        (:meth:`~grpo_steps.servers.client.VLLMClient.load_weights`; ``label``: ``baseline``, ``trained``), one
+        mechanism for every provider:
+
+        - ``store`` None: ``{"path": ...}``, where the server reads the directory (:meth:`stage_weights`: this
+          machine's files, or a copy on the shared volume);
+        - ``store`` (``weight_sync: s3``: the run's location, :func:`grpo_steps.weight_chain.run_store`): the
+          directory's tensors published as version 0 (an anchor) of a chain of their own under
+          ``<prefix>/eval/<label>`` (:func:`eval_store`; what an earlier attempt left there is deleted first),
+          ``{"s3": <that location>, "version": 0}``: the server needs no file system shared with this machine, and the
+          run's prefix, deleted by the flow's ``end``, holds it.
+
+        Raises:
+            grpo_steps.weight_chain.ChainStoreError: S3 failed after its retries (names the key).
+            FileNotFoundError: ``store`` given and ``weights_dir`` holds no safetensors.
+        """
+        if store is None:
+            return {"path": self.stage_weights(weights_dir, label)}
+        from grpo_steps.weight_chain import chain_of
+        from grpo_steps.weight_files import read_safetensors
+
+        where = eval_store(store, label)
+        chain = chain_of(where)  # the tensors as the files hold them, as a {"path"} load would read them
+        chain.delete_prefix()
+        chain.publish(read_safetensors(weights_dir), 0)
+        return {"s3": where, "version": 0}
+
     @property
     def metrics_endpoint(self) -> str | None:
         """The Prometheus metrics URL of the router in front of the replicas, where the pipeline started one (the
@@ -127,6 +155,17 @@ class GenerationServer:
 
     def __str__(self) -> str:
         return f"{self.provider} generation server {self.endpoint}"
+
+
+def eval_store(store: dict, label: str) -> dict:
+    """Where the ``evaluate`` step publishes its ``label`` weights under a run's weight store (:func:`grpo_steps.
+    weight_chain.run_store`): ``<prefix>/eval/<label>``, beside the training chain's ``manifests/`` and ``data/``, so
+    that deleting the run's prefix deletes it too.
+
+    >>> eval_store({"bucket": "b", "prefix": "weight-sync/run-1", "endpoint_url": None}, "trained")["prefix"]
+    'weight-sync/run-1/eval/trained'
+    """
+    return {**store, "prefix": f"{store['prefix'].rstrip('/')}/eval/{label}"}
 
 
 def start_all(start_one: Callable[[int], GenerationServer], n: int) -> list[GenerationServer]:

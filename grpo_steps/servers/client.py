@@ -361,6 +361,20 @@ class VLLMClient:
             self._post("/resume")
         return time.perf_counter() - start
 
+    @on_every_replica(_slowest)
+    def load_weights(self, update_info: dict, label: str | None = None) -> float:
+        """Load the full weights of ``update_info`` (:meth:`grpo_steps.servers.base.GenerationServer.stage_update`'s)
+        on every replica, in parallel, labelled ``label``: a directory (``{"path"}``) through :meth:`reload_weights`
+        (vLLM's own reload on a server without the pipeline's engine), a version of the S3 chain (``{"s3",
+        "version"}``) through :meth:`update_weights`. Returns the slowest replica's seconds.
+
+        Raises:
+            GenerationServerError: a replica failed the load (named; it keeps the weights and label it had).
+        """
+        if "path" in update_info:
+            return self.reload_weights(update_info["path"], label=label)
+        return self.update_weights(update_info, label)
+
     def update_weights(self, update_info: dict, label: str | None = None) -> float:
         """One weight update through vLLM's weight-update protocol, on this server (not each replica: call it through
         :meth:`each`): ``/pause?mode=wait`` (in-flight requests finish first), ``/start_weight_update``,
