@@ -511,7 +511,7 @@ class GenerationConfig(_Section):
     weight_sync_every: int = Field(1, ge=1)
     """Push the policy to the server every this many optimizer steps (Axolotl's ``vllm_sync_interval``, TRL's async
     ``weight_sync_steps``); in between, rollouts come from the last pushed weights and the mismatch correction
-    weighs the lag. Backend ``vllm``, mode ``server``, ``disk`` sync (TRL's own paths push every step)."""
+    weighs the lag. Backend ``vllm``, mode ``server``, ``disk`` or ``s3`` sync (TRL's own paths push every step)."""
 
     @field_validator("async_", mode="before")
     @classmethod

@@ -66,7 +66,8 @@ class EvalConfig(_Section):
     step 0 and every this many optimizer steps, through the generation server right after it received that
     step's weights, on the first ``during_training_prompts`` eval prompts; logged as ``eval_during/<metric>``
     at the optimizer step. Step 0 evaluates the whole eval split, which the ``evaluate`` step then takes as its
-    baseline (measured once). 0: off. Needs generation.backend 'vllm' in mode 'server' with weight_sync 'disk'."""
+    baseline (measured once). 0: off. Needs generation.backend 'vllm' in mode 'server' with weight_sync 'disk' or
+    's3'."""
     during_training_prompts: int = Field(64, ge=1)
     """Held-out prompts evaluated during training: the first this many of the eval split (a fixed subset);
     at most ``data.num_eval`` (left unset: 64, or ``data.num_eval`` when the split is smaller)."""
