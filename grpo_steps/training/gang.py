@@ -43,21 +43,21 @@ def separate_step_counts(optimizer) -> int:
     while hasattr(optimizer, "optimizer"):  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer -> torch's
         optimizer = optimizer.optimizer
     seen, changed = set(), 0
-    for group in optimizer.param_groups:
-        # torch's Adam keeps the count on the parameter's device for its fused and capturable kernels, else on the CPU
-        # (Adam._init_group); DeepSpeed's universal load leaves it on the CPU, which the fused kernel refuses (on an
-        # H200, 2026-11-27: "state_steps is on cpu, different from other tensors on cuda:0")
-        on_device = group.get("fused") or group.get("capturable")
-        for param in group["params"]:
-            state = optimizer.state.get(param, {})
-            step = state.get("step")
-            if not torch.is_tensor(step):
-                continue
-            device = param.device if on_device else torch.device("cpu")
-            if id(step) in seen or step.device != device:
-                state["step"] = step.detach().clone().to(device)
-                changed += 1
-            seen.add(id(state["step"]))
+    # torch's Adam keeps the count on the parameter's device for its fused and capturable kernels, else on the CPU
+    # (Adam._init_group); DeepSpeed's universal load leaves it on the CPU, which the fused kernel refuses (on an H200,
+    # 2026-11-27: "state_steps is on cpu, different from other tensors on cuda:0"). The state is walked, not the
+    # groups: ZeRO-3 swaps each sub-group's flat partition into param_groups only while it steps it.
+    groups = optimizer.param_groups
+    on_device = any(g.get("fused") or g.get("capturable") for g in groups)
+    for param, state in optimizer.state.items():
+        step = state.get("step")
+        if not torch.is_tensor(step):
+            continue
+        device = param.device if on_device and torch.is_tensor(param) else torch.device("cpu")
+        if id(step) in seen or step.device != device:
+            state["step"] = step.detach().clone().to(device)
+            changed += 1
+        seen.add(id(state["step"]))
     return changed
 
 
