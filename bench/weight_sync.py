@@ -2,8 +2,8 @@
 
 - ``save_pretrained``: the first design, ``save_pretrained`` into one reused directory + vLLM's ``reload_weights``;
 - ``vllm reload``: safetensors into a new ``/dev/shm`` directory (from the third push an older push's file rewritten
-  in place) + vLLM's ``reload_weights`` + the tied-head handle rebuild (``load_weights_from(direct=False)``);
-- ``direct``: the same files, each CPU GEMM handle made straight from the file (``load_weights_from``, the default).
+  in place) + vLLM's ``reload_weights`` + the tied-head handle rebuild (``load_tensors(direct=False)``);
+- ``direct``: the same files, each CPU GEMM handle made straight from the file (``load_tensors``, the default).
 
 Each push is followed by the trainer's check (version label + the server's probe, :func:`check_served_version`); the
 policy's own probe, which runs only when TRL's first-batch check cannot, is timed separately.

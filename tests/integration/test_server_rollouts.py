@@ -101,7 +101,7 @@ def test_first_batch_above_the_limit_stops_the_run(tmp_path, tiny_model_path, ti
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "vllm-reload"])
 def test_a_reload_serves_the_written_weights_tied_head_included(tmp_path, tiny_model_path, tiny_tokenizer,
                                                                  tiny_server, direct):
-    """Both load paths of ``grpo_steps.vllm_worker.WorkerExtension.load_weights_from`` serve the written weights
+    """Both load paths of ``grpo_steps.vllm_worker.load_tensors`` serve the written weights
     (the tiny Qwen2: tied LM head, q/k/v biases): the direct one makes each oneDNN handle from the file; vLLM's
     ``reload_weights`` keeps a tied head's old handle, which the extension then rebuilds."""
     import torch
