@@ -408,9 +408,23 @@ its sampler; the sampler's processed logprobs include them)."""
 
 class AsyncConfig(_Section):
     max_staleness: int = Field(1, ge=1)
-    """Largest lag, in optimizer steps, between the policy that trains on a generation batch and the weights that
-    sampled it; the producer samples that many batches ahead (fewer when ``weight_sync_every`` > 1 or a batch spans
-    several optimizer steps), and a batch found older is dropped (``async/dropped``) and sampled again."""
+    """Largest lag, in optimizer steps, between the policy that trains on a generation batch and the oldest weights
+    that sampled a token of it; the producer samples that many batches ahead (fewer when ``weight_sync_every`` > 1 or
+    a batch spans several optimizer steps)."""
+    in_flight: bool | None = None
+    """Weight pushes that do not stop generation: every replica is paused with vLLM's ``/pause?mode=keep``, updated,
+    and resumed, and the requests in flight go on with the new weights (their KV recomputed), each token's weight
+    version recorded (``async/token_staleness_*``, ``async/spanning_share``). ``false``: a push waits for the request
+    in flight to end (a drain, ``weight_sync/drain_seconds``). ``null`` (default): in flight wherever it can be (full
+    weights pushed to a server that serves vLLM's ``/inference/v1/generate``, started with ``--enable-scale-out`` as
+    the pipeline's servers are), else a drain, said once in the log. ``true``: refused where it cannot be: with
+    ``train.peft.push: adapter`` (a request keeps the adapter it named, so nothing changes under it)."""
+    admission: Literal["admit", "drop"] = "admit"
+    """How ``max_staleness`` is kept. ``admit``: the producer starts a generation batch only while the weights the
+    server holds are at most ``max_staleness`` optimizer steps older than the step that will train on it, so no batch
+    is ever dropped for age (AReaL's and SkyRL's admission control). ``drop``: batches start as soon as queued, and
+    one found older when the trainer takes it is dropped (``async/dropped``) and sampled again from the current
+    weights (this pipeline's behaviour before admission; it biases the data towards fast completions)."""
 
 
 def prefetch_depth(max_staleness: int, steps_per_batch: float, weight_sync_every: int) -> int:

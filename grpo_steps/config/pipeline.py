@@ -343,6 +343,17 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _in_flight_pushes_full_weights(self) -> PipelineConfig:
+        gen = self.generation
+        if gen.async_ is not None and gen.async_.in_flight and self.serves_adapter:
+            raise ValueError("generation.async.in_flight true updates the weights under requests in flight, and "
+                             "train.peft.push 'adapter' loads each version as a new adapter that only new requests "
+                             "name (a request keeps its adapter to the end): set train.peft.push: merged (full "
+                             "weights, updated in flight), or in_flight: false / null (pushes wait for the request in "
+                             "flight)")
+        return self
+
+    @model_validator(mode="after")
     def _async_prefetches_a_batch(self) -> PipelineConfig:
         gen = self.generation
         if gen.async_ is None:

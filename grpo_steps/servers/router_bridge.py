@@ -11,9 +11,9 @@ bytes across, reading nothing but the first request head of a client's connectio
 
 - client -> router: a connection to ``H:P`` is relayed when its first request carries the run's token
   (``Authorization: Bearer <GRPO_SERVER_TOKEN>``; any request when the run has no token) and asks for a path under
-  ``/v1/``; an unauthenticated ``GET /health`` is answered by a ``GET /health`` of its own to the router (nothing
-  else on that connection is relayed); anything else gets 401 or 403 and is closed. Later requests on an admitted
-  connection are not read: only the token's holder opened it.
+  ``/v1/`` or one of :data:`TOKEN_PATHS`; an unauthenticated ``GET /health`` is answered by a ``GET /health`` of its
+  own to the router (nothing else on that connection is relayed); anything else gets 401 or 403 and is closed.
+  Later requests on an admitted connection are not read: only the token's holder opened it.
 - router -> worker k: inside the namespace the router reaches worker k at the address its URL names when that is a
   loopback address (the same URL, so the router's metrics name the replicas' own URLs), else at ``127.1.0.<k+1>``
   and the same port; a listener there is relayed to the worker's real address, resolved on this side.
@@ -59,6 +59,9 @@ HEAD_LIMIT_BYTES = 64 * 1024
 HEAD_TIMEOUT_S = 10.0
 """Seconds a client has to send its first request head (a client that trickles bytes is dropped)."""
 OPEN_PATHS = ("/health", "/liveness", "/readiness")
+TOKEN_PATHS = ("/inference/v1/generate",)
+"""Paths outside ``/v1/`` relayed with the token: vLLM's token-in/token-out sampling route (per-token weight versions,
+:data:`grpo_steps.servers.client.TOKEN_GENERATE_PATH`); not its ``/inference/v1/abort_requests``."""
 """Paths answered without the token (``GET`` only; the answer comes from a request of the bridge's own)."""
 NO_NAMESPACE_EXIT = 3
 """Exit code when no private network namespace can be made here."""
@@ -226,7 +229,7 @@ def admit(head: bytes, token_digest: bytes | None) -> str:
             authorized = scheme.lower() == "bearer" and secrets.compare_digest(
                 hashlib.sha256(given.strip().encode()).digest(), token_digest or b"")
     if authorized:
-        allowed = (path.startswith("/v1/") or path in OPEN_PATHS) and ".." not in path
+        allowed = (path.startswith("/v1/") or path in OPEN_PATHS or path in TOKEN_PATHS) and ".." not in path
         return "relay" if allowed else "403"
     return "health" if method == "GET" and path in OPEN_PATHS else "401"
 

@@ -226,10 +226,10 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
 
     def _prompt_stream(self, max_staleness: int, sync_every: int):
         """``generation.async``'s prompts, asked for by the generation class at the first generation of this attempt
-        (:attr:`grpo_steps.training.generation.server.PolicyView.prompt_stream`): ``(depth, upcoming)``, the
-        generation batches the producer samples ahead and the prompts of the batches TRL's dataloader will yield next
+        (:attr:`grpo_steps.training.generation.server.PolicyView.prompt_stream`): ``(depth, upcoming, step_of)``,
+        the generation batches the producer samples ahead, the prompts of the batches TRL's dataloader will yield next
         (:class:`grpo_steps.training.generation.prefetch.PromptStream`, a second dataloader in the same order, from
-        where a resumed run starts)."""
+        where a resumed run starts) and the optimizer step that trains the batch at a micro-step (admission)."""
         from grpo_steps.config import prefetch_depth
         from grpo_steps.training.generation.prefetch import PromptStream
 
@@ -238,4 +238,4 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         depth = prefetch_depth(max_staleness, every / accumulation, sync_every)
         stream = PromptStream(self.get_train_dataloader(), self.state.global_step, accumulation,
                               partial(trl_hooks.tokenize_prompts, self), every, depth)
-        return depth, stream.after
+        return depth, stream.after, stream.step_of

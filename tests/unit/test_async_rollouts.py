@@ -176,7 +176,8 @@ def test_async_config_forms():
     cfg = validate_config(_config(**{"async": {"max_staleness": 2}, "weight_sync_every": 2}))
     assert (cfg.generation.async_.max_staleness, cfg.generation.weight_sync_every) == (2, 2)
     assert validate_config(_config(**{"async": False})).generation.async_ is None
-    assert cfg.model_dump()["generation"]["async"] == {"max_staleness": 2}  # written back under its key
+    assert cfg.model_dump()["generation"]["async"] == {"max_staleness": 2, "in_flight": None,
+                                                       "admission": "admit"}  # written back under its key
 
 
 def _dies_at_its_first_request():

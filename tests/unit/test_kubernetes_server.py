@@ -175,7 +175,8 @@ def test_s3_sync_servers_run_the_engine_and_take_the_named_secrets_keys():
     args = container["args"]
     at = args.index("--worker-extension-cls")
     assert args[at:at + 4] == weight_transfer_args()
-    assert json.loads(args[at + 3]) == {"backend": "grpo_steps"} and "--enable-scale-out" not in args
+    assert json.loads(args[at + 3]) == {"backend": "grpo_steps"} and args.count("--weight-transfer-config") == 1
+    assert "--enable-scale-out" in args  # vLLM's /inference/v1/generate: per-token weight versions, pushes in flight
     assert container["envFrom"] == [{"secretRef": {"name": "grpo-s3-credentials"}}]
     assert "AWS_" not in json.dumps(container["env"]) and "minio" not in json.dumps(deployment)  # endpoint: per request
     assert "shared" not in json.dumps(pod["volumes"]) and "/shared" not in json.dumps(container["volumeMounts"])

@@ -6,12 +6,18 @@ The design is TRL's ``AsyncGRPOTrainer`` (experimental ``async_grpo``: a rollout
 producer only sends prompts to the server (HTTP; no model, no collective); the prompts, the rewards, the advantages,
 the logprobs and the pushes stay in the training thread. A push (:meth:`RolloutPrefetcher.paused`) waits for the
 request in flight to end and starts no new one until the server holds the new weights, so every batch is sampled by
-exactly one version (a drain, not vLLM's pause/resume: the requests are whole generation batches of a few seconds).
+exactly one version (a drain). With pushes in flight (``generation.async.in_flight``) the push does not wait: the
+server freezes the request and continues it with the new weights (vLLM's ``/pause?mode=keep``), so a batch may hold
+tokens of several versions; its ``version`` is then its oldest token's (``sampled_version`` of the result).
 
 Staleness of a batch = the trainer's optimizer step when it takes the batch - the version (the optimizer step whose
-weights sampled it). A batch with staleness above ``max_staleness`` is dropped (counted) and sampled again from the
-current weights; TRL's mismatch correction (importance sampling against the sampler's logprobs) absorbs the lag of
-the others.
+weights sampled its oldest token). Admission (``generation.async.admission: admit``, AReaL's and SkyRL's rule at the
+granularity of a generation batch): the producer starts a batch only while ``step_of(key) - version() <=
+max_staleness``, ``step_of(key)`` being the optimizer step that will train it, and the server's weights only get newer,
+so no batch is ever too stale when taken. ``drop``: batches start when queued, and one with staleness above
+``max_staleness`` is dropped (counted) and sampled again from the current weights. TRL's mismatch correction
+(importance sampling against the sampler's per-token logprobs, each from the weights that sampled that token) absorbs
+the lag of the others.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class PrefetchedBatch:
     prompts: list[list[int]]
     num_generations: int
     version: int = -1
+    """The weight version when its request started, then (with ``sampled_version``) that of its oldest token."""
     result: Any = None
     error: BaseException | None = None
     started: bool = False
@@ -56,14 +63,16 @@ class PrefetchedBatch:
 
 @dataclass
 class PrefetchStats:
-    """Counters since the last :meth:`RolloutPrefetcher.drain_stats`: seconds the producer had nothing to sample
-    (``producer_idle_s``), seconds the trainer waited for a batch or for the request in flight before a push
-    (``trainer_wait_s``), batches dropped as too stale (``dropped``), batches the trainer asked for that were not
-    prefetched (``missed``: sampled directly), and per taken batch its staleness and the number of batches already
-    sampled ahead of it (``staleness``, ``ready_ahead``)."""
+    """Counters since the last :meth:`RolloutPrefetcher.drain_stats`: seconds the producer sampled nothing
+    (``producer_idle_s``: nothing queued, or held by admission), seconds the trainer waited for a batch or for the
+    request in flight before a push (``trainer_wait_s``), batches dropped as too stale (``dropped``), batches the
+    trainer asked for that were not prefetched (``missed``: sampled directly), and per taken batch its staleness and
+    the number of batches already sampled ahead of it (``staleness``, ``ready_ahead``)."""
 
     producer_idle_s: float = 0.0
     trainer_wait_s: float = 0.0
+    held_s: float = 0.0
+    """Of ``producer_idle_s``, seconds a queued batch waited for admission (newer weights)."""
     dropped: int = 0
     missed: int = 0
     staleness: list[int] = field(default_factory=list)
@@ -79,6 +88,12 @@ class RolloutPrefetcher:
         version: ``version() -> int``: the weight version the server holds now (read when a request starts).
         max_staleness: the largest staleness (optimizer steps) of a batch the trainer takes.
         depth: batches kept queued or sampled ahead of the trainer (:meth:`fill` tops the queue up to it).
+        step_of: ``step_of(key) -> int``, the optimizer step that trains the batch at ``key``: with it, admission
+            (a batch starts only while ``step_of(key) - version() <= max_staleness``; call :meth:`advanced` after
+            each push); None: ``drop`` (batches start when queued; a too stale one is dropped when taken).
+        sampled_version: ``sampled_version(result) -> int | None``, the version of a result's oldest token when a
+            request may span several (pushes in flight); None: the version when it started.
+        in_flight: pushes do not wait for the request in flight (:meth:`paused` waits for nothing).
 
     Raises:
         ValueError: ``max_staleness`` < 0 or ``depth`` < 1.
@@ -98,10 +113,12 @@ class RolloutPrefetcher:
     """
 
     def __init__(self, sample: Callable[[list[list[int]], int], Any], version: Callable[[], int], *,
-                 max_staleness: int, depth: int) -> None:
+                 max_staleness: int, depth: int, step_of: Callable[[int], int] | None = None,
+                 sampled_version: Callable[[Any], int | None] | None = None, in_flight: bool = False) -> None:
         if max_staleness < 0 or depth < 1:
             raise ValueError(f"max_staleness must be >= 0 and depth >= 1, got {max_staleness} and {depth}")
         self.sample, self.version, self.max_staleness, self.depth = sample, version, max_staleness, depth
+        self.step_of, self.sampled_version, self.in_flight = step_of, sampled_version, in_flight
         self.queue: list[PrefetchedBatch] = []
         self.stats = PrefetchStats()
         self._cond = threading.Condition()
@@ -114,16 +131,26 @@ class RolloutPrefetcher:
         self._thread.start()
 
     # ---- producer thread ----
+    def _admitted(self, job: PrefetchedBatch) -> bool:
+        """Whether ``job`` may start now: no admission (``step_of`` None), or the weights the server holds are at most
+        ``max_staleness`` optimizer steps older than the step that trains it."""
+        return self.step_of is None or self.step_of(job.key) - self.version() <= self.max_staleness
+
     def _next_job(self) -> PrefetchedBatch | None:
         """Wait (idle) until a queued batch may start; None when stopping. Called with the condition held."""
         idle_from = time.perf_counter()
+        held_from = None
         while not self._stopping:
             job = next((b for b in self.queue if not b.started), None)
-            if job is not None and not self._paused:
-                self.stats.producer_idle_s += time.perf_counter() - idle_from
+            if job is not None and not self._paused and self._admitted(job):
+                now = time.perf_counter()
+                self.stats.producer_idle_s += now - idle_from
+                self.stats.held_s += now - held_from if held_from is not None else 0.0
                 job.started, self._in_flight = True, True
                 job.version = self.version()
                 return job
+            if job is not None and held_from is None and not self._paused:
+                held_from = time.perf_counter()  # queued, held back until newer weights are pushed
             self._cond.wait()
         return None
 
@@ -136,6 +163,8 @@ class RolloutPrefetcher:
                     return
                 try:
                     job.result = self.sample(job.prompts, job.num_generations)
+                    oldest = self.sampled_version(job.result) if self.sampled_version is not None else None
+                    job.version = job.version if oldest is None else oldest
                 except BaseException as err:  # noqa: BLE001  (handed to the trainer, which raises it)
                     job.error = err
                 with self._cond:
@@ -212,10 +241,22 @@ class RolloutPrefetcher:
         self.stats.staleness.append(staleness)
         return batch
 
+    def advanced(self) -> None:
+        """The server holds newer weights (a push was verified): batches held back by admission may start."""
+        with self._cond:
+            self._cond.notify_all()
+
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """No request in flight while inside (a weight push): waits for the one in flight to end (counted as
-        trainer wait), starts none until the block is left."""
+        trainer wait), starts none until the block is left. With ``in_flight`` it waits for nothing and stops
+        nothing: the server freezes the request in flight itself and continues it with the new weights."""
+        if self.in_flight:
+            try:
+                yield
+            finally:
+                self.advanced()
+            return
         with self._cond:
             self._paused += 1
             waited_from = time.perf_counter()
@@ -271,6 +312,7 @@ class PromptStream:
     def __init__(self, loader, start_step: int, accumulation: int, tokenize: Callable[[list], list[list[int]]],
                  every: int, depth: int) -> None:
         self.every, self.depth, self.tokenize = every, depth, tokenize
+        self.start_step, self.accumulation = start_step, accumulation
         self.ahead: dict[int, list[list[int]]] = {}
         self.next_index = 0
         self.batches = self._micro_batches(loader, start_step, accumulation)
@@ -286,6 +328,11 @@ class PromptStream:
                 if index >= skip:
                     yield rows
             skip, epoch = 0, epoch + 1
+
+    def step_of(self, key: int) -> int:
+        """The optimizer step that trains the generation batch at micro-step ``key`` of this attempt (the trainer's
+        ``global_step`` when TRL generates it: the optimizer steps done before)."""
+        return self.start_step + key // self.accumulation
 
     def after(self, key: int) -> list[tuple[int, list[list[int]]]]:
         """``(key, prompt ids)`` of the next ``depth`` generation batches after the one at micro-step ``key``."""

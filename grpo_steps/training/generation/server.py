@@ -21,7 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_steps.config import GenerationConfig
-from grpo_steps.servers.client import VLLMClient, session_id
+from grpo_steps.servers.client import (
+    TOKEN_GENERATE_ARGS,
+    TOKEN_GENERATE_PATH,
+    GenerationServerError,
+    VLLMClient,
+    label_version,
+    session_id,
+    weight_transfer_args,
+)
 from grpo_steps.training.generation.disk import AdapterPush, DiskWeightPush, WeightPush, sync_root
 from grpo_steps.training.generation.first_batch import FirstBatchCheck
 from grpo_steps.training.generation.prefetch import RolloutPrefetcher
@@ -61,6 +69,10 @@ class ServerSettings:
     adapter merged, :func:`grpo_steps.training.generation.disk.merged_state_dict`, pushed as full weights) or None."""
     max_staleness: int | None = None
     """``generation.async``'s ``max_staleness`` (None: synchronous generation)."""
+    in_flight: bool | None = None
+    """``generation.async.in_flight``: pushes that do not stop generation (None: where the server can)."""
+    admission: str = "admit"
+    """``generation.async.admission``: ``admit`` (batches start only within ``max_staleness``) or ``drop``."""
 
     @property
     def checks_first_batch(self) -> bool:
@@ -92,11 +104,13 @@ class PolicyView:
     """Micro-steps of this attempt: keys the generation batches (one every ``steps_per_generation`` of them)."""
     log: Callable[[str, float], None]
     """Metric sink of the training step (``log(name, value)``)."""
-    prompt_stream: Callable[[int, int], tuple[int, Callable[[int], list[tuple[int, list[list[int]]]]]]] | None = None
-    """``generation.async``: ``prompt_stream(max_staleness, sync_every) -> (depth, upcoming)``, called at the first
-    generation of an attempt: how many generation batches the producer samples ahead, and ``upcoming(key)``, the ``(key,
-    prompt ids)`` of the generation batches after the one at micro-step ``key``
-    (:class:`grpo_steps.training.generation.prefetch.PromptStream`, TRL's dataloader order)."""
+    prompt_stream: Callable[[int, int], tuple[int, Callable[[int], list[tuple[int, list[list[int]]]]],
+                                              Callable[[int], int]]] | None = None
+    """``generation.async``: ``prompt_stream(max_staleness, sync_every) -> (depth, upcoming, step_of)``, called at
+    the first generation of an attempt: how many generation batches the producer samples ahead, ``upcoming(key)``, the
+    ``(key, prompt ids)`` of the generation batches after the one at micro-step ``key``
+    (:class:`grpo_steps.training.generation.prefetch.PromptStream`, TRL's dataloader order), and ``step_of(key)``, the
+    optimizer step that trains the batch at ``key`` (admission)."""
 
 
 class ServerGeneration:
@@ -150,6 +164,12 @@ class ServerGeneration:
         self._served_key = -1  # the generation batch last served from the producer (resample's extra rounds
         # at the same micro-step sample now)
         self._producer_client: VLLMClient | None = None  # the producer thread's own client (its own session)
+        self.in_flight = False
+        """Pushes update the server under the producer's requests (decided when the producer starts)."""
+        self.token_versions: list[list[tuple[int, int, int]]] = []
+        """With pushes in flight: per completion of the latest prefetched first turn, ``(version, start, end)``
+        spans of its tokens (vLLM's ``weight_versions``; a version None where the label was not a push's)."""
+        self._last_take: float | None = None  # when the trainer last took a prefetched batch (idle shares)
         self._episodes: list[list[int]] = []  # the first-turn prompts of the last generation round (their sessions)
 
     def sync_weights(self, force: bool = False) -> None:
@@ -161,8 +181,9 @@ class ServerGeneration:
             self._push()
             return
         waited = time.perf_counter()
-        with self.prefetcher.paused():
-            self.policy.log("weight_sync/drain_seconds", time.perf_counter() - waited)  # the request in flight
+        with self.prefetcher.paused():  # in flight: waits for nothing; the push pauses the server with mode keep
+            if not self.in_flight:
+                self.policy.log("weight_sync/drain_seconds", time.perf_counter() - waited)  # the request in flight
             self._push()
 
     def _push(self) -> None:
@@ -234,14 +255,16 @@ class ServerGeneration:
         (:meth:`~grpo_steps.training.generation.replica_rows.ReplicaLedger.rows`)."""
         return self.ledger.rows(prompt_ids, prompt_mask)
 
-    def _sample(self, client: VLLMClient, prompts: list[list[int]], group: int) -> list[list[dict]]:
+    def _sample(self, client: VLLMClient, prompts: list[list[int]], group: int,
+                versions: bool = False) -> list[list[dict]]:
         """One request for ``prompts`` (whole groups of ``group``): per distinct prompt, ``group`` samples
-        ``{"completion_ids", "logprobs"}``. A follow-up turn's prompt holds the conversation so far: the new tokens
-        are capped so that the longest prompt still fits the server's context, and a prompt that fills it gets an
-        empty turn."""
+        ``{"completion_ids", "logprobs"}`` (``versions``: and ``"versions"``, see
+        :meth:`grpo_steps.servers.client.VLLMClient.complete`). A follow-up turn's prompt holds the conversation so
+        far: the new tokens are capped so that the longest prompt still fits the server's context, and a prompt that
+        fills it gets an empty turn."""
         unique = prompts[::group]
         fits = [i for i, p in enumerate(unique) if len(p) < self.settings.max_model_len]
-        samples: list[list[dict]] = [[{"completion_ids": [], "logprobs": []}] * group for _ in unique]
+        samples: list[list[dict]] = [[{"completion_ids": [], "logprobs": [], "versions": []}] * group for _ in unique]
         if group > 1:
             self._episodes = unique  # the first turns: a follow-up turn's prompt starts with its episode's
         if fits:
@@ -249,7 +272,8 @@ class ServerGeneration:
             sampled = client.complete([unique[i] for i in fits], group,
                                       max_tokens=min(self.gen.max_completion_tokens, room),
                                       temperature=self.gen.temperature, request=self.gen.sampling_request(),
-                                      sessions=[self._session(unique[i]) for i in fits] if client.replicas else None)
+                                      sessions=[self._session(unique[i]) for i in fits] if client.replicas else None,
+                                      versions=versions)
             for i, group_samples in zip(fits, sampled, strict=True):
                 samples[i] = group_samples
         return samples
@@ -262,14 +286,45 @@ class ServerGeneration:
 
     def _start_async(self) -> None:
         """``generation.async``: start the producer thread (its own client of the server), which samples up to
-        ``depth`` generation batches ahead (``policy.prompt_stream``); a batch staler than ``settings.max_staleness``
-        optimizer steps is dropped."""
-        depth, self._upcoming = self.policy.prompt_stream(self.settings.max_staleness, self.settings.sync_every)
+        ``depth`` generation batches ahead (``policy.prompt_stream``), each started only within
+        ``settings.max_staleness`` optimizer steps (``admit``) or dropped when found staler (``drop``); with pushes in
+        flight (:meth:`_pushes_in_flight`) through the route that labels each token with its weight version."""
+        depth, self._upcoming, step_of = self.policy.prompt_stream(self.settings.max_staleness,
+                                                                   self.settings.sync_every)
+        self.in_flight = self._pushes_in_flight()
+        if self.in_flight:
+            self.client.pause_mode = "keep"  # the pushes this rank makes (rank 0) freeze the requests in flight
         self._producer_client = dataclasses.replace(self.client)
         self._producer_client.model, self._producer_client.base_model = self.client.model, self.client.base_model
-        self.prefetcher = RolloutPrefetcher(lambda prompts, group: self._sample(self._producer_client, prompts, group),
-                                            lambda: self.pushed_version, max_staleness=self.settings.max_staleness,
-                                            depth=depth)
+        self.prefetcher = RolloutPrefetcher(
+            lambda prompts, group: self._sample(self._producer_client, prompts, group, versions=self.in_flight),
+            lambda: self.pushed_version, max_staleness=self.settings.max_staleness, depth=depth,
+            step_of=step_of if self.settings.admission == "admit" else None,
+            sampled_version=oldest_version if self.in_flight else None, in_flight=self.in_flight)
+
+    def _pushes_in_flight(self) -> bool:
+        """Whether pushes update the server under the producer's requests: ``settings.in_flight`` true or None, full
+        weights (not an adapter: a request keeps the adapter it named), and a server (every replica) that loads
+        through the pipeline's engine and labels each token's weight version.
+
+        Raises:
+            GenerationServerError: ``in_flight`` true and the server cannot.
+        """
+        if self.settings.in_flight is False or self.settings.lora == "adapter":
+            return False
+        why = None if self.client.serves_token_generate() else \
+            f"the server does not answer {TOKEN_GENERATE_PATH} (start it with {' '.join(TOKEN_GENERATE_ARGS)})"
+        if why is None and not self.client.has_weight_engine():
+            why = "the server does not load through the pipeline's weight-transfer engine (" + \
+                  " ".join(weight_transfer_args()) + ")"
+        if why is None:
+            return True
+        if self.settings.in_flight:
+            raise GenerationServerError(f"generation.async.in_flight is true but {why}: add those flags to the "
+                                        "server's command line, or set in_flight: null (pushes then wait for the "
+                                        "request in flight)")
+        print(f"[async] pushes wait for the request in flight (not in flight): {why}", flush=True)
+        return False
 
     def _take(self, key: int, prompts: list[list[int]], group: int) -> tuple[list[list[dict]] | None, int | None]:
         """The prefetched samples of the generation batch at ``key`` and the version that sampled them, the next
@@ -280,16 +335,39 @@ class ServerGeneration:
         prefetcher.fill(self._upcoming(key), group, current_key=key)
         batch = prefetcher.take(key, prompts, current_version=step)
         stats = prefetcher.drain_stats()
+        now = time.perf_counter()
+        wall, self._last_take = (now - self._last_take if self._last_take is not None else 0.0), now
         for name, value in (("staleness", step - batch.version if batch else 0.0),
                             ("trainer_wait_seconds", stats.trainer_wait_s),
                             ("producer_idle_seconds", stats.producer_idle_s),
+                            ("admission_held_seconds", stats.held_s),
                             ("dropped", stats.dropped), ("missed", stats.missed),
                             ("ready_ahead", stats.ready_ahead[-1] if stats.ready_ahead else 0),
                             ("queue_depth", prefetcher.queued())):
             self.policy.log(f"async/{name}", float(value))
+        if wall > 0:  # shares of the time since the previous batch was taken
+            self.policy.log("async/trainer_idle_share", min(stats.trainer_wait_s / wall, 1.0))
+            self.policy.log("async/generation_idle_share", min(stats.producer_idle_s / wall, 1.0))
         if batch is None:
             return None, self.pushed_version
+        if self.in_flight:
+            self._log_token_versions(batch.result, step)
         return batch.result, batch.version
+
+    def _log_token_versions(self, samples: list[list[dict]], step: int) -> None:
+        """Per-token staleness of a prefetched batch sampled with pushes in flight (``step`` - the version that
+        sampled each token): ``async/token_staleness_mean`` and ``_max`` over its completion tokens,
+        ``async/spanning_share`` (completions whose tokens come from 2 or more versions); :attr:`token_versions`."""
+        self.token_versions = [[(label_version(label), start, end) for label, start, end in s.get("versions", [])]
+                               for group_samples in samples for s in group_samples]
+        ages = [(step - v) * (end - start) for spans in self.token_versions for v, start, end in spans
+                if v is not None]
+        tokens = sum(end - start for spans in self.token_versions for v, start, end in spans if v is not None)
+        oldest = [step - v for spans in self.token_versions for v, _, _ in spans if v is not None]
+        self.policy.log("async/token_staleness_mean", sum(ages) / tokens if tokens else 0.0)
+        self.policy.log("async/token_staleness_max", float(max(oldest, default=0)))
+        spanning = sum(len({v for v, _, _ in spans}) > 1 for spans in self.token_versions)
+        self.policy.log("async/spanning_share", spanning / max(len(self.token_versions), 1))
 
     def close(self) -> None:
         """Stop the producer (waiting for its request in flight), remove this run's sync directory (rank 0; the
@@ -300,6 +378,18 @@ class ServerGeneration:
             self.settings.push.close()
             if isinstance(self.settings.push, WeightPush):  # disk sync: the run's sync directory too
                 shutil.rmtree(self.settings.push.root, ignore_errors=True)
+
+
+def oldest_version(samples: list[list[dict]]) -> int | None:
+    """The oldest push version (:func:`grpo_steps.servers.client.label_version`) that sampled a token of ``samples``
+    (``"versions"`` spans of :meth:`grpo_steps.servers.client.VLLMClient.complete`), None when no span names one.
+
+    >>> oldest_version([[{"versions": [("step-3", 0, 4), ("step-4", 4, 9)]}], [{"versions": [("step-4", 0, 2)]}]])
+    3
+    """
+    versions = [label_version(label) for group_samples in samples for s in group_samples
+                for label, _, _ in s.get("versions", [])]
+    return min((v for v in versions if v is not None), default=None)
 
 
 def server_settings(cfg, client: VLLMClient, tokenizer, probe_prompt, output_dir: str,
@@ -340,4 +430,6 @@ def server_settings(cfg, client: VLLMClient, tokenizer, probe_prompt, output_dir
                           probe_ids=encode_prompt(tokenizer, probe_prompt)[:PROBE_TOKENS],
                           probe_tolerance=probe_tolerance, max_logp_diff=max_logp_diff,
                           sync_every=gen.weight_sync_every, lora=lora,
-                          max_staleness=gen.async_.max_staleness if gen.async_ else None)
+                          max_staleness=gen.async_.max_staleness if gen.async_ else None,
+                          in_flight=gen.async_.in_flight if gen.async_ else None,
+                          admission=gen.async_.admission if gen.async_ else "admit")
