@@ -229,3 +229,60 @@ def test_closing_while_an_error_propagates_waits_briefly_for_a_hung_request(monk
     assert closed is False and time.monotonic() - started < 5  # not STOP_TIMEOUT_S (600 s)
     release.set()
     assert prefetcher.close() is True  # a clean close waits for the request, which now ends
+
+
+def _trained_staleness(seed: int, admission: bool, in_flight: bool = False) -> tuple[list[int], int]:
+    """A stand-in run over random timings: one generation batch per optimizer step, pushes every ``sync_every``
+    steps, the producer allowed ``depth`` batches ahead, more than ``max_staleness`` would permit without admission;
+    requests and training steps of random length; with ``in_flight`` a push lands while a request runs and the request
+    reports the version it started on as its oldest token's. Returns the staleness of every batch trained and the
+    number dropped."""
+    import random
+
+    rng = random.Random(seed)
+    max_staleness = rng.choice([1, 2])
+    sync_every, depth = rng.randint(1, max_staleness), max_staleness + 2
+    served = {"version": 0}
+
+    def sample(prompts, n):
+        started = served["version"]
+        time.sleep(rng.uniform(0, 0.004))
+        return {"oldest": started}
+
+    producer = RolloutPrefetcher(sample, lambda: served["version"], max_staleness=max_staleness, depth=depth,
+                                 step_of=(lambda key: key) if admission else None,
+                                 sampled_version=(lambda result: result["oldest"]) if in_flight else None,
+                                 in_flight=in_flight)
+    trained = []
+    try:
+        for step in range(14):
+            if step % sync_every == 0:
+                with producer.paused():
+                    time.sleep(rng.uniform(0, 0.002))  # the push
+                    served["version"] = step
+                producer.advanced()
+            producer.fill([(k, batch(k)) for k in range(step, step + depth + 1)], num_generations=2,
+                          current_key=step - 1)
+            taken = producer.take(step, batch(step), current_version=step)
+            if taken is not None:
+                trained.append(step - taken.version)
+            time.sleep(rng.uniform(0, 0.003))  # the training step
+        return trained, producer.drain_stats().dropped
+    finally:
+        producer.close()
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_admission_keeps_every_batch_within_max_staleness_over_random_timings(in_flight):
+    """Property over 25 random timings: with admission no trained batch is older than max_staleness and none is
+    dropped. The same timings without admission do drop batches (the bound is admission's doing, not the timings')."""
+    dropped_without = 0
+    for seed in range(25):
+        import random
+
+        bound = random.Random(seed).choice([1, 2])
+        staleness, dropped = _trained_staleness(seed, admission=True, in_flight=in_flight)
+        assert dropped == 0 and len(staleness) == 14, seed
+        assert max(staleness) <= bound, (seed, staleness)
+        dropped_without += _trained_staleness(seed, admission=False, in_flight=in_flight)[1]
+    assert dropped_without > 0
