@@ -6,8 +6,10 @@ server and the trainer get), at the same settings (model, prompts, batch, comple
 
 Arms: ``sync`` (generation and training alternate, both on every core), ``sync-split`` (alternate, server on core 0
 and trainer on core 1), ``async-split`` (overlapped, server on core 0, trainer on core 1: the layout of disaggregated
-GPUs), ``async-shared`` (overlapped, both on every core). Each arm starts its own server. The first step (warm-up,
-and in async the batch nobody sampled ahead) is left out.
+GPUs), ``async-shared`` (overlapped, both on every core); both async arms push in flight
+(``generation.async.in_flight``, the default), and ``async-split-drain`` / ``async-shared-drain`` are the same with
+``in_flight: false`` (each push waits for the producer's request in flight). Each arm starts its own server. The
+first step (warm-up, and in async the batch nobody sampled ahead) is left out.
 
 Prints a Markdown table for docs/benchmarks.md: step time (TRL's ``step_time``: generation, or the wait for it,
 scoring, forward and backward of a step), wall time of the steps after the first, the trainer's wait per step
@@ -43,11 +45,13 @@ WORKED_STEPS = ("Solve the problem. Think step by step and write out every inter
                 "with a final line of the form 'Answer: <number>'.")
 """A system prompt under which SmolLM2 writes long completions (the default one gets ~6-token answers)."""
 
-ARMS = {  # name: (async, server cores, trainer cores)
-    "sync": (False, None, None),
-    "sync-split": (False, [0], [1]),
-    "async-split": (True, [0], [1]),
-    "async-shared": (True, None, None),
+ARMS = {  # name: (async, server cores, trainer cores, pushes in flight)
+    "sync": (False, None, None, False),
+    "sync-split": (False, [0], [1], False),
+    "async-split": (True, [0], [1], True),
+    "async-shared": (True, None, None, True),
+    "async-split-drain": (True, [0], [1], False),
+    "async-shared-drain": (True, None, None, False),
 }
 
 
@@ -81,11 +85,11 @@ def main() -> None:
     rows = prepare(base.data, AutoTokenizer.from_pretrained(model_path)).train
     results = {}
     for arm in args.arms.split(","):
-        overlapped, server_cores, trainer_cores = ARMS[arm]
+        overlapped, server_cores, trainer_cores, in_flight = ARMS[arm]
         gen = base.generation.model_dump()
         gen.update(max_completion_tokens=args.completion_tokens,
                    server={**gen["server"], "cpu_cores": server_cores},
-                   **{"async": {"max_staleness": args.max_staleness} if overlapped else None})
+                   **{"async": {"max_staleness": args.max_staleness, "in_flight": in_flight} if overlapped else None})
         train = {**base.train.model_dump(), "max_steps": args.steps, "save_steps": 10_000, "cpu_cores": trainer_cores}
         cfg = base.model_validate({**base.model_dump(), "generation": gen, "train": train,
                                    "eval": {**base.eval.model_dump(), "every_steps": 0}})
@@ -103,11 +107,12 @@ def main() -> None:
           f"{args.steps} steps (first left out), max {args.completion_tokens} completion tokens, "
           f"max_staleness {args.max_staleness}\n")
     print("| arm | async | server cores | trainer cores | step time, s (mean of steps 2..) | trainer wait, s/step "
-          "| wait share | staleness (mean, max) | completion length, tokens | train runtime, s | ratio to sync |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| wait share | staleness (mean, max) | token staleness mean | spanning share | generation idle share "
+          "| completion length, tokens | train runtime, s | ratio to sync |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     reference = None
     for arm, (history, runtime, _) in results.items():
-        overlapped, server_cores, trainer_cores = ARMS[arm]
+        overlapped, server_cores, trainer_cores, _ = ARMS[arm]
         later = history[1:]
         step = statistics.fmean(h["step_time"] for h in later)
         reference = reference or (step if arm == "sync" else None)
@@ -119,8 +124,15 @@ def main() -> None:
         stale_text = f"{statistics.fmean(stale):.2f}, {max(stale):.0f}"
         length = statistics.fmean(h["completions/mean_length"] for h in later)
         ratio = f"{step / reference:.2f}" if reference else "-"
+
+        def mean(name: str, fmt: str, later=later) -> str:
+            values = [h[name] for h in later if name in h]
+            return format(statistics.fmean(values), fmt) if values else "-"
+
         print(f"| {arm} | {'yes' if overlapped else 'no'} | {server_cores or 'all'} | {trainer_cores or 'all'} | "
-              f"{step:.2f} | {wait:.2f} | {wait / step:.0%} | {stale_text} | {length:.1f} | {runtime:.0f} | {ratio} |")
+              f"{step:.2f} | {wait:.2f} | {wait / step:.0%} | {stale_text} | "
+              f"{mean('async/token_staleness_mean', '.2f')} | {mean('async/spanning_share', '.0%')} | "
+              f"{mean('async/generation_idle_share', '.0%')} | {length:.1f} | {runtime:.0f} | {ratio} |")
 
 
 if __name__ == "__main__":

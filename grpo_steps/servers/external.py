@@ -118,15 +118,24 @@ class ExternalServer(GenerationServer):
         if not served:
             raise ServerStartError(f"the external generation server {endpoint} lists no model on GET /v1/models "
                                    f"(HTTP {models.status_code})")
-        model_config = (info.json().get("vllm_config") or {}).get("model_config") or {}
+        config = info.json().get("vllm_config") or {}
+        backend = (config.get("weight_transfer_config") or {}).get("backend")
+        if cfg.generation.async_ is not None and cfg.generation.async_.in_flight:
+            from grpo_steps.servers.client import TOKEN_GENERATE_ARGS, TOKEN_GENERATE_PATH, VLLMClient
+
+            if backend != WEIGHT_TRANSFER_BACKEND or not VLLMClient(endpoint, served[0]).serves_token_generate():
+                raise ServerStartError(
+                    f"generation.async.in_flight is true, and the external generation server {endpoint} cannot update "
+                    f"weights under requests in flight (it needs {TOKEN_GENERATE_PATH}, per-token weight versions, and "
+                    f"the pipeline's engine): restart it with {' '.join(TOKEN_GENERATE_ARGS + weight_transfer_args())}"
+                    ", or set generation.async.in_flight: null (pushes then wait for the request in flight)")
+        model_config = config.get("model_config") or {}
         mode = model_config.get("logprobs_mode", "raw_logprobs")
         if cfg.generation.backend == "vllm" and mode != LOGPROBS_MODE:
             raise ServerStartError(
                 f"the external generation server {endpoint} returns {mode} (its --logprobs-mode): rollouts need the "
                 f"logprobs of the distribution it samples from (TRL's mismatch correction, the first-batch check); "
                 f"restart it with --logprobs-mode {LOGPROBS_MODE}")
-        config = info.json().get("vllm_config") or {}
-        backend = (config.get("weight_transfer_config") or {}).get("backend")
         if cfg.generation.weight_sync == "s3" and backend != WEIGHT_TRANSFER_BACKEND:
             raise ServerStartError(
                 f"the external generation server {endpoint} cannot load s3 weight pushes (its weight-transfer backend "

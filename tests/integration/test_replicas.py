@@ -206,6 +206,9 @@ def test_s3_pushes_with_async_rollouts_reach_both_replicas_and_leave_nothing(tmp
         assert h["weight_sync/raw_bytes"] > 0 and h["weight_sync/load_seconds"] > 0
         assert h["weight_sync/fetch_seconds"] >= 0
         assert h["async/staleness"] <= 1
+        # pushes in flight on both replicas (pause keep), each token's version from the router's answers
+        assert h["async/dropped"] == 0 and "weight_sync/drain_seconds" not in h
+        assert h["async/token_staleness_max"] <= 1 and 0 <= h["async/spanning_share"] <= 1
     assert history[0]["weight_sync/first_batch_logp_diff"] < 1e-3  # the replicas sample from the trainer's weights
     assert [VLLMClient(m.endpoint).weight_version() for m in replica_set.members] == ["step-2", "step-2"]
     assert _s3_keys(s3, store["prefix"]) == []

@@ -276,12 +276,12 @@ def test_colocate_mode_refuses_to_train_without_a_gpu(tmp_path, tiny_model_path,
 
 
 def test_lora_merged_push_serves_base_plus_adapter(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
-    """``train.peft.push: merged`` on a server without LoRA support (the shared one): every push is verified (label
-    and probe: the server's logprobs are the PEFT policy's), and after the run the server no longer serves the base
-    weights."""
+    """``train.peft.push: merged`` on a server without LoRA support (the shared one), with asynchronous rollouts and
+    pushes in flight: every push is verified (label and probe: the server's logprobs are the PEFT policy's), none waits
+    for the request in flight, and after the run the server no longer serves the base weights."""
     from grpo_steps.data import encode_prompt
 
-    job = _job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint,
+    job = _job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint, generation={"async": True},
                train={"learning_rate": 1e-2, "peft": {"r": 8, "alpha": 16, "push": "merged"}})
     client = VLLMClient(tiny_server.endpoint)
     probe = encode_prompt(tiny_tokenizer, [{"role": "user", "content": "Calculate 1 + 2."}])
@@ -290,7 +290,10 @@ def test_lora_merged_push_serves_base_plus_adapter(tmp_path, tiny_model_path, ti
     run(job)
     history = _history(tmp_path)
     assert [h["weight_sync/version"] for h in history] == [0, 1, 2]
-    assert all(h["sampling/sampling_logp_difference/mean"] < 1e-3 for h in history)
+    assert history[0]["sampling/sampling_logp_difference/mean"] < 1e-3  # sampled by the policy of its step
+    for h in history:  # merged weights are full weights: pushed in flight, each token's version known
+        assert "weight_sync/drain_seconds" not in h and h["async/dropped"] == 0
+        assert h["async/token_staleness_max"] <= 1 and h["weight_sync/probe_logp_diff"] < 1e-3
     assert client.weight_version() == "step-2"
     moved = sum(abs(a - b) for a, b in zip(client.prompt_logprobs(probe), base, strict=True)) / len(base)
     assert moved > 1e-4  # merged adapter weights, not the base model

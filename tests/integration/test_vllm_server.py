@@ -95,6 +95,7 @@ def foreign_server(tiny_model_path, tmp_path_factory):
     minute of this suite's CPU)."""
     with pytest.MonkeyPatch.context() as patch:  # nor the weight-transfer engine that extension registers
         patch.setattr("grpo_steps.servers.local.weight_transfer_args", lambda: [])
+        patch.setattr("grpo_steps.servers.local.TOKEN_GENERATE_ARGS", [])  # nor vLLM's /inference/v1/generate
         server = start_local(tiny_model_path, ServerConfig(kv_cache_gib=1, startup_timeout_s=300, extra_args=[
             "--logprobs-mode", "raw_logprobs"]), max_model_len=256, dtype="float32",
             owner=ProcessRef.of(os.getpid()), log_dir=tmp_path_factory.mktemp("foreign-server-logs"))
@@ -115,6 +116,30 @@ def test_an_external_server_returning_raw_logprobs_is_refused(foreign_server, ti
         foreign_server.endpoint
     ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
     assert foreign_server.client().prompt_logprobs(ids)  # it serves
+
+
+def test_pushes_in_flight_need_the_servers_flags(foreign_server, capsys):
+    """``generation.async.in_flight``: a server without vLLM's token route and the pipeline's engine is refused when
+    it is provisioned with ``in_flight: true`` (naming the flags), and by default (null) its pushes drain, said once."""
+    from grpo_steps.config import GenerationConfig, validate_config
+    from grpo_steps.servers.client import GenerationServerError
+    from grpo_steps.training.generation.server import ServerGeneration, ServerSettings
+
+    external = {"provider": "external", "server": {"endpoint": foreign_server.endpoint}}
+    with pytest.raises(ServerStartError, match="in_flight is true.*--enable-scale-out --worker-extension-cls"):
+        ExternalServer.start(validate_config({"generation": {**external, "async": {"in_flight": True}}}))
+    client = foreign_server.client()
+    assert not client.serves_token_generate()
+
+    def generation(in_flight):
+        return ServerGeneration(ServerSettings(client=client, gen=GenerationConfig(), max_model_len=256, push=None,
+                                               probe_ids=[1], probe_tolerance=1e-3, max_staleness=1,
+                                               in_flight=in_flight))
+
+    assert generation(None)._pushes_in_flight() is False
+    assert "pushes wait for the request in flight" in capsys.readouterr().out
+    with pytest.raises(GenerationServerError, match="in_flight is true but the server does not answer"):
+        generation(True)._pushes_in_flight()
 
 
 def test_a_server_without_the_worker_extension_gets_vllms_reload(foreign_server, tiny_model_path, tiny_tokenizer,
