@@ -338,3 +338,27 @@ def test_the_memory_bound_is_off_with_one_line_where_the_host_allows_none(tmp_pa
     finally:
         subprocess.run(["chattr", "-i", str(read_only)], check=True)
         sandbox_cgroup.memory_parent.cache_clear()  # the next test probes the host again
+
+
+def test_a_run_uid_held_by_a_process_or_delegated_by_the_host_is_skipped(monkeypatch):
+    """``netns+nobody+audit``'s per-run uids: one a running process holds, or one /etc/subuid delegates, is never
+    given to a run (the range was only assumed unused)."""
+    import itertools
+
+    from rewards import sandbox_modes
+
+    block = sandbox_modes.RUN_UID_BASE + (os.getpid() % 65536) * 1024
+    monkeypatch.setattr(sandbox_modes, "_run_counter", itertools.count(7))
+    monkeypatch.setattr(sandbox_modes, "_subordinate_ranges", lambda: ((block + 8, 1),))
+    held = block + 7
+    holder = subprocess.Popen(["setpriv", f"--reuid={held}", f"--regid={held}", "--clear-groups", "sleep", "60"])
+    try:
+        deadline = time.monotonic() + 30
+        while sandbox_modes.uid_in_use(held) is None and time.monotonic() < deadline:  # until setpriv's switch
+            time.sleep(0.01)
+        assert sandbox_modes.uid_in_use(held) == "a running process holds it"
+        assert sandbox_modes.uid_in_use(block + 8) == "/etc/subuid or /etc/subgid delegates it to a user namespace"
+        assert sandbox_modes.run_uid() == block + 9
+    finally:
+        holder.kill()
+        holder.wait()
