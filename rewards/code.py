@@ -92,7 +92,8 @@ def code_execution(
         code_prompt: N prompt codes (HumanEval's ``prompt``: imports, helpers such as ``poly``, the signature), or
             None: run before the program, and by the judge for the tests (which see the program's entry point
             only: a program's own ``poly``, ``range`` or ``abs`` cannot change what the tests call).
-        timeout_s: wall-clock seconds per completion (also its CPU limit, rounded up).
+        timeout_s: wall-clock seconds per completion, from the moment its sandboxes are up (their start-up has a
+            bound of its own, :data:`rewards.sandbox.STARTUP_LIMIT_S`); also its CPU limit, rounded up.
         memory_mib: address-space limit (``RLIMIT_AS``) of each process of a completion's run, MiB.
         memory_per_run_mib: memory of a completion's whole run (its processes' resident pages, page cache and tmpfs
             pages), MiB, where the host allows a memory cgroup per run (:mod:`rewards.sandbox_cgroup`; elsewhere one

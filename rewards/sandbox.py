@@ -28,6 +28,7 @@ import functools
 import json
 import os
 import resource
+import select
 import shutil
 import signal
 import subprocess
@@ -46,6 +47,9 @@ __all__ = ["MODES", "WEAK_MODES", "Isolation", "Limits", "RunResult", "SandboxUn
 
 VIOLATION_EXIT = 86  # the audit hook stopped a forbidden operation
 MEMORY_EXIT = 87  # MemoryError escaped the program (RLIMIT_AS reached)
+STARTUP_LIMIT_S = 60.0
+"""Longest start-up of a run's two sandboxes (launch to the candidate's ``up``) before it counts as a timeout; the
+run's own wall clock (:attr:`Limits.timeout_s`) starts after it."""
 MAX_REPLY_BYTES = 16 * 1024 * 1024
 """Longest reply line of the candidate the judge reads (a larger return value fails the test)."""
 
@@ -77,7 +81,9 @@ class Limits:
     """Per-run limits of the sandbox."""
 
     timeout_s: float = 10.0
-    """Wall-clock seconds before both processes are killed."""
+    """Wall-clock seconds of the run before both processes are killed, counted from the moment both sandboxes are
+    up and the candidate is about to run the row's and the program's code (their start-up, which slows with the
+    host's load, has its own bound, :data:`STARTUP_LIMIT_S`)."""
     cpu_s: int = 10
     """CPU seconds (``RLIMIT_CPU``) of each process; the kernel sends SIGXCPU, then SIGKILL."""
     memory_mib: int = 1024
@@ -234,9 +240,9 @@ def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Li
     # process of the host user nobody); the other modes set it before the exec
     limited = functools.partial(_set_limits, limits, mode != "bwrap+audit", cgroup)
     start = time.perf_counter()
-    to_candidate, from_candidate = os.pipe(), os.pipe()  # (read, write) each
+    to_candidate, from_candidate, started = os.pipe(), os.pipe(), os.pipe()  # (read, write) each
     with cgroup or contextlib.nullcontext(), tempfile.TemporaryFile() as cand_err, \
-            tempfile.TemporaryFile() as judge_err:
+            tempfile.TemporaryFile() as judge_err, tempfile.TemporaryFile() as job_file:
         try:
             candidate, candidate_info = launch(
                 mode, CANDIDATE_SOURCE, tmpfs, cwd=workdir, env={"PATH": MINIMAL_PATH},
@@ -244,25 +250,34 @@ def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Li
                 preexec_fn=limited)
             job = {"code": code, "prelude": prelude, "test": test, "entry_point": entry_point,
                    "nproc": limits.nproc, "to_candidate": to_candidate[1],
-                   "from_candidate": from_candidate[0], "max_reply_bytes": MAX_REPLY_BYTES,
+                   "from_candidate": from_candidate[0], "started": started[1], "max_reply_bytes": MAX_REPLY_BYTES,
                    "violation_exit": VIOLATION_EXIT, "memory_exit": MEMORY_EXIT}
+            job_file.write(json.dumps(job).encode())  # a file, not a pipe: nothing to feed while the clock waits
+            job_file.seek(0)
             # the judge runs the row's tests (a dataset's code) in a sandbox of its own, apart from the program's
             judge, judge_info = launch(
                 mode, JUDGE_SOURCE, tmpfs, env={"PATH": MINIMAL_PATH}, cwd=workdir,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=judge_err, start_new_session=True,
-                pass_fds=(to_candidate[1], from_candidate[0]), preexec_fn=limited)
+                stdin=job_file, stdout=subprocess.PIPE, stderr=judge_err, start_new_session=True,
+                pass_fds=(to_candidate[1], from_candidate[0], started[1]), preexec_fn=limited)
         finally:
-            for fd in (*to_candidate, *from_candidate):
+            for fd in (*to_candidate, *from_candidate, started[1]):
                 os.close(fd)  # the two processes hold their ends; an end left here would hide an exit
+        # the wall clock starts when both sandboxes are up (the judge's byte on `started`, or its end), not at their
+        # launch: start-up (namespaces, mounts, two interpreters) slows with the host's load, the program does not
+        up = select.select([started[0]], [], [], STARTUP_LIMIT_S)[0]
+        os.close(started[0])
         try:
-            out, _ = judge.communicate(json.dumps(job).encode(), timeout=limits.timeout_s)
+            out, _ = judge.communicate(timeout=limits.timeout_s if up else 0)
             timed_out = False
         except subprocess.TimeoutExpired:
             out, timed_out = b"", True
-        try:
-            returncode = candidate.wait(timeout=1.0)  # after a verdict it ends by itself; after a crash it has
-        except subprocess.TimeoutExpired:
-            returncode = None
+        if timed_out:
+            returncode = candidate.poll()  # still running, most likely: its limit is what ended the run
+        else:
+            try:
+                returncode = candidate.wait(timeout=1.0)  # after a verdict it ends by itself; after a crash it has
+            except subprocess.TimeoutExpired:
+                returncode = None
         kill_run(judge, judge_info)
         kill_run(candidate, candidate_info)
         oom_kills = cgroup.oom_kills() if cgroup else 0  # then removed as the `with` ends
