@@ -102,14 +102,17 @@ def _subordinate_ranges() -> tuple[tuple[int, int], ...]:
 
 
 def _process_uids() -> set[int]:
-    """Every uid (real, effective, saved, filesystem) of the host's running processes, from ``/proc/<pid>/status``."""
+    """The uids of the host's running processes as ``/proc/<pid>`` shows them (the owner of the directory: the
+    effective uid; root for a process that is not dumpable, e.g. one started from a setuid program): one ``stat``
+    per process (reading each ``status`` file cost 12x more, ~17 ms a run on a loaded 2-core box)."""
     uids = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as status:
-                uids.update(int(v) for line in status if line.startswith("Uid:") for v in line.split()[1:])
-        except (OSError, ValueError):
-            continue  # ended while read
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if entry.name.isdigit():
+                try:
+                    uids.add(entry.stat(follow_symlinks=False).st_uid)
+                except OSError:
+                    continue  # ended while listed
     return uids
 
 
