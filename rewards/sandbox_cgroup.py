@@ -28,11 +28,12 @@ import itertools
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CgroupParent", "RunCgroup", "memory_parent", "probe"]
+__all__ = ["CgroupParent", "RunCgroup", "forget_probe", "memory_parent", "probe"]
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +116,25 @@ def probe(parent: CgroupParent) -> str | None:
     return None
 
 
-@functools.cache
+_PROBE_LOCK = threading.Lock()
+
+
 def memory_parent() -> CgroupParent | None:
-    """The first of :func:`candidates` where run cgroups can be made (:func:`probe`), probed once per process; None
-    where the host allows none, with one warning line that says the per-run bound is off and why."""
+    """The first of :func:`candidates` where run cgroups can be made (:func:`probe`), probed once per process (the
+    sandbox's worker threads wait for the first probe); None where the host allows none, with one warning line that
+    says the per-run bound is off and why."""
+    with _PROBE_LOCK:
+        return _memory_parent()
+
+
+def forget_probe() -> None:
+    """Make the next :func:`memory_parent` probe the host again (and warn again where the bound is off)."""
+    with _PROBE_LOCK:
+        _memory_parent.cache_clear()
+
+
+@functools.cache
+def _memory_parent() -> CgroupParent | None:
     reasons = []
     try:
         found = candidates()

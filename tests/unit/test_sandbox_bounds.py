@@ -280,10 +280,11 @@ def test_a_run_over_its_memory_bound_scores_zero_and_another_run_is_unaffected(m
 
     parent = memory_parent()
     assert parent is not None, "this host allows a memory cgroup per run (cgroup v1 memory, root): see the log line"
-    hog = HOOK_OFF + ("import os, time\nkids = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
-                      "        held = b'x' * (40 << 20)\n        time.sleep(1)\n        os._exit(0)\n"
-                      "    kids.append(pid)\nfor pid in kids:\n    os.waitpid(pid, 0)\n"
-                      "def f():\n    return 1\n")
+    hog = HOOK_OFF + (  # each child says when it holds its 40 MiB (a killed one closes its pipe): no timing
+        "import os, time\nreads = []\nfor _ in range(4):\n    r, w = os.pipe()\n    if os.fork() == 0:\n"
+        "        held = b'x' * (40 << 20)\n        os.write(w, b'1')\n        time.sleep(60)\n"
+        "    os.close(w)\n    reads.append(r)\nfor r in reads:\n    os.read(r, 1)\n"
+        "def f():\n    return 1\n")
     innocent = "import time\nheld = b'x' * (40 << 20)\ntime.sleep(0.5)\ndef f():\n    return 1\n"
     test = "def check(c):\n    assert c() == 1\n"
     options = {"memory_mib": 512, "memory_per_run_mib": 96, "require_memory_bound": True}
@@ -317,7 +318,7 @@ def test_the_memory_bound_is_off_with_one_line_where_the_host_allows_none(tmp_pa
     subprocess.run(["chattr", "+i", str(read_only)], check=True)  # immutable: not even root can create in it
     parents = [sandbox_cgroup.CgroupParent(str(read_only), 1), sandbox_cgroup.CgroupParent(str(plain), 1)]
     monkeypatch.setattr(sandbox_cgroup, "candidates", lambda: parents)
-    sandbox_cgroup.memory_parent.cache_clear()
+    sandbox_cgroup.forget_probe()
     try:
         with caplog.at_level(logging.WARNING, logger="rewards.sandbox_cgroup"):
             assert run_python("assert 1 + 1 == 2", LIMITS).status == "passed"  # runs on, without the bound
@@ -337,7 +338,7 @@ def test_the_memory_bound_is_off_with_one_line_where_the_host_allows_none(tmp_pa
             preflight.check_sandbox(cfg)
     finally:
         subprocess.run(["chattr", "-i", str(read_only)], check=True)
-        sandbox_cgroup.memory_parent.cache_clear()  # the next test probes the host again
+        sandbox_cgroup.forget_probe()  # the next test probes the host again
 
 
 def test_a_run_uid_held_by_a_process_or_delegated_by_the_host_is_skipped(monkeypatch):
