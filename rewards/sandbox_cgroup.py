@@ -23,6 +23,7 @@ Sources: the kernel's Documentation/admin-guide/cgroup-v2.rst ("Memory", "No Int
 
 from __future__ import annotations
 
+import errno
 import functools
 import itertools
 import logging
@@ -80,10 +81,11 @@ def _under(mount: str, root: str, path: str) -> str | None:
     return os.path.normpath(os.path.join(mount, path[len(root.rstrip("/")):].lstrip("/")))
 
 
-def candidates() -> list[CgroupParent]:
-    """This process's own memory cgroup in each hierarchy that could hold one: v2 first, then v1's ``memory``."""
-    own, found = _own_cgroups(), []
-    for fstype, mount, root, options in _mounts():
+def candidates(proc_cgroup: str = "/proc/self/cgroup", mountinfo: str = "/proc/self/mountinfo") -> list[CgroupParent]:
+    """This process's own memory cgroup in each hierarchy that could hold one: v2 first, then v1's ``memory``
+    (``proc_cgroup``, ``mountinfo``: the files read)."""
+    own, found = _own_cgroups(proc_cgroup), []
+    for fstype, mount, root, options in _mounts(mountinfo):
         if fstype == "cgroup2" and "" in own and (path := _under(mount, root, own[""])):
             found.insert(0, CgroupParent(path, 2))
         elif fstype == "cgroup" and "memory" in options and "memory" in own and \
@@ -103,10 +105,11 @@ def probe(parent: CgroupParent) -> str | None:
         if "memory" not in (_read(base / "cgroup.subtree_control") or "").split():
             try:
                 (base / "cgroup.subtree_control").write_text("+memory")
-            except OSError as err:  # EBUSY: processes of its own (no internal process rule); EACCES: not delegated
-                return (f"cgroup v2 at {base}: cannot enable the memory controller for child cgroups ({err.strerror}; "
-                        "a non-root cgroup with processes of its own cannot: start the pipeline in a delegated "
-                        "cgroup whose processes sit in a leaf below it)")
+            except OSError as err:
+                why = ("it has processes of its own, and a non-root cgroup with processes cannot hand a controller to "
+                       "children (start the pipeline in a delegated cgroup, its processes in a leaf below it)"
+                       if err.errno == errno.EBUSY else err.strerror)  # else EACCES (not delegated), EROFS, ...
+                return f"cgroup v2 at {base}: cannot enable the memory controller for child cgroups: {why}"
         if not os.access(base / "cgroup.procs", os.W_OK):
             return f"cgroup v2 at {base}: cgroup.procs is not writable by this user (no delegated subtree)"
     try:

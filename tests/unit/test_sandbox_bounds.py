@@ -363,3 +363,40 @@ def test_a_run_uid_held_by_a_process_or_delegated_by_the_host_is_skipped(monkeyp
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.mark.parametrize(("cgroup", "mounts", "found"), [
+    # this CI box: cgroup v1 controllers, a v2 hierarchy beside them at /sys/fs/cgroup/unified (hugetlb only)
+    ("4:memory:/process_api/abc\n1:cpu:/\n0::/\n",
+     "40 30 0:35 / /sys/fs/cgroup/memory rw,relatime shared:14 - cgroup cgroup rw,memory\n"
+     "41 30 0:36 / /sys/fs/cgroup/unified rw,relatime shared:15 - cgroup2 cgroup2 rw\n",
+     [("/sys/fs/cgroup/unified", 2), ("/sys/fs/cgroup/memory/process_api/abc", 1)]),
+    # a systemd host on the unified hierarchy alone
+    ("0::/user.slice/user-1000.slice/session-2.scope\n",
+     "35 24 0:30 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:9 - cgroup2 cgroup2 rw,nsdelegate\n",
+     [("/sys/fs/cgroup/user.slice/user-1000.slice/session-2.scope", 2)]),
+    # a container whose mount shows only its own part of the v1 hierarchy (mount root /docker/x)
+    ("5:memory:/docker/x\n",
+     "50 40 0:40 /docker/x /sys/fs/cgroup/memory ro,nosuid - cgroup cgroup rw,memory\n",
+     [("/sys/fs/cgroup/memory", 1)]),
+    ("5:cpu:/\n", "50 40 0:40 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n", []),  # no memory hierarchy
+], ids=["v1-and-unified", "v2-only", "container-v1", "no-memory"])
+def test_the_candidate_cgroups_are_read_from_proc(tmp_path, cgroup, mounts, found):
+    from rewards.sandbox_cgroup import CgroupParent, candidates
+
+    (tmp_path / "cgroup").write_text(cgroup)
+    (tmp_path / "mountinfo").write_text(mounts)
+    assert candidates(str(tmp_path / "cgroup"), str(tmp_path / "mountinfo")) == [CgroupParent(*f) for f in found]
+
+
+def test_a_cgroup_v2_parent_without_the_memory_controller_is_refused_with_its_reason(tmp_path):
+    from rewards.sandbox_cgroup import CgroupParent, probe
+
+    (tmp_path / "cgroup.controllers").write_text("cpu io hugetlb\n")
+    assert "the memory controller is not available there" in probe(CgroupParent(str(tmp_path), 2))
+    (tmp_path / "cgroup.controllers").write_text("cpu memory\n")  # listed, but a plain directory: no memory.max
+    (tmp_path / "cgroup.subtree_control").write_text("")
+    (tmp_path / "cgroup.procs").write_text("")
+    assert "is not a memory cgroup" in probe(CgroupParent(str(tmp_path), 2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cgroup.controllers", "cgroup.procs",
+                                                           "cgroup.subtree_control"]  # the trial one removed
