@@ -17,8 +17,10 @@ sized tmpfs on every world-writable directory; world-readable host files stay re
 process of a run outlives its verdict. ``audit``: a Python audit hook (PEP 578) alone, in-process and defeatable
 by the program: :func:`require_isolation` refuses it unless the caller allows it explicitly.
 
-Always: ``python -I`` in a new session killed whole at the wall-clock limit, an environment of ``PATH`` only, and
-resource limits (``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NPROC``, no core files).
+Always: ``python -I`` in a new session killed whole at the wall-clock limit (counted once both sandboxes are up),
+an environment of ``PATH`` only, and resource limits (``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``,
+``RLIMIT_NPROC``, no core files). Where the host allows it, a memory cgroup per run bounds the run's processes
+together (:mod:`rewards.sandbox_cgroup`, :attr:`Limits.memory_per_run_mib`).
 """
 
 from __future__ import annotations
