@@ -4,6 +4,7 @@ Containment cases run in every strong isolation mode that works here (CI install
 forgery cases (a program trying to make its own verdict) also run in the weak ``audit`` mode, forced.
 """
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -93,7 +94,11 @@ def test_ci_runs_a_strong_mode():
 @pytest.mark.parametrize(("program", "status"), HOSTILE_CASES,  # ids without the random paths: the same in
                          ids=[f"case{i:02d}-{status}" for i, (_, status) in enumerate(HOSTILE_CASES)])  # every worker
 def test_hostile_program_is_contained(program, status, mode):
-    result = run_python(program, SMALL, mode)
+    # a case that must end by itself (a limit other than the wall clock, or its end) gets a wall clock it cannot
+    # race: the growing memory bomb needs ~0.3 s of CPU to reach RLIMIT_AS, 1-1.9 s of wall time at a load average
+    # of 10 on two cores, and read as a timeout past SMALL's 2 s
+    limits = SMALL if status == "timeout" else dataclasses.replace(SMALL, timeout_s=30)
+    result = run_python(program, limits, mode)
     assert result.status == status, (result.detail, result.stderr_tail)
     assert result.seconds < 30  # ended by a limit (the sleeping case would run 60 s); no finer bound: load varies
     assert not MARK.exists() and not HOME_MARK.exists()
