@@ -173,16 +173,26 @@ def check_sandbox(cfg: PipelineConfig) -> None:
     """The code reward's sandbox can contain programs here, or the config accepts the weak mode explicitly
     (:func:`rewards.sandbox.require_isolation`); where the judge cannot be walled off from the host's files
     (any mode but ``bwrap+audit``), test code from sources other than the shipped ones runs only when the
-    reward's options declare it trusted (``trust_test_code: true``). Raises SandboxUnavailable."""
+    reward's options declare it trusted (``trust_test_code: true``); with ``require_memory_bound: true`` the host
+    allows a memory cgroup per run (:func:`rewards.sandbox.check_memory_bound`). Prints the isolation mode and the
+    per-run memory bound (or that it is off). Raises SandboxUnavailable."""
     from rewards import resolve_reward
     from rewards.code import code_execution
 
     for spec in cfg.rewards:
         if resolve_reward(spec.name) is code_execution:  # by registry name or dotted path alike
-            from rewards.sandbox import SandboxUnavailable, require_isolation
+            from rewards.sandbox import Limits, SandboxUnavailable, check_memory_bound, require_isolation
+            from rewards.sandbox_cgroup import memory_parent
 
             mode = require_isolation(bool(spec.options.get("allow_weak_isolation", False)))
             print(f"[sandbox] code_execution isolation: {mode}", flush=True)
+            if spec.options.get("require_memory_bound", False):
+                check_memory_bound()
+            if parent := memory_parent():
+                limits = Limits(memory_mib=spec.options.get("memory_mib", Limits.memory_mib),
+                                memory_per_run_mib=spec.options.get("memory_per_run_mib"))
+                print(f"[sandbox] memory bound per run: {limits.run_memory_mib} MiB (cgroup v{parent.version} under "
+                      f"{parent.path})", flush=True)
             sources = sorted({src.source for src in (cfg.data.mixture or [cfg.data])} - set(SHIPPED_TEST_SOURCES))
             if mode != "bwrap+audit" and sources and not spec.options.get("trust_test_code", False):
                 raise SandboxUnavailable(

@@ -14,7 +14,7 @@ import re
 
 from rewards import guard
 from rewards.extract import completion_text
-from rewards.sandbox import Limits, SandboxUnavailable, require_isolation, run_many
+from rewards.sandbox import Limits, SandboxUnavailable, check_memory_bound, require_isolation, run_many
 
 WALLED_JUDGE = "bwrap+audit"
 """The isolation mode whose judge cannot read the host's files: any test code may run there."""
@@ -76,6 +76,8 @@ def code_execution(
     code_prompt: list | None = None,
     timeout_s: float = 10.0,
     memory_mib: int = 1024,
+    memory_per_run_mib: int | None = None,
+    require_memory_bound: bool = False,
     workers: int | None = None,
     allow_weak_isolation: bool = False,
     trust_test_code: bool = False,
@@ -90,8 +92,15 @@ def code_execution(
         code_prompt: N prompt codes (HumanEval's ``prompt``: imports, helpers such as ``poly``, the signature), or
             None: run before the program, and by the judge for the tests (which see the program's entry point
             only: a program's own ``poly``, ``range`` or ``abs`` cannot change what the tests call).
-        timeout_s: wall-clock seconds per completion (also its CPU limit, rounded up).
-        memory_mib: address-space limit per completion, MiB.
+        timeout_s: wall-clock seconds per completion, from the moment its sandboxes are up (their start-up has a
+            bound of its own, :data:`rewards.sandbox.STARTUP_LIMIT_S`); also its CPU limit, rounded up.
+        memory_mib: address-space limit (``RLIMIT_AS``) of each process of a completion's run, MiB.
+        memory_per_run_mib: memory of a completion's whole run (its processes' resident pages, page cache and tmpfs
+            pages), MiB, where the host allows a memory cgroup per run (:mod:`rewards.sandbox_cgroup`; elsewhere one
+            warning line says it is off and why). None: ``2 * memory_mib``. At least 32 (a run's two interpreters
+            hold ~11 MiB).
+        require_memory_bound: refuse to run where the host allows no memory cgroup per run (the pipeline's
+            ``start`` refuses such a config early).
         workers: sandboxes run at once (None: the CPU count, at most 8).
         allow_weak_isolation: run even where only the ``audit`` isolation mode is available (an in-process hook
             that cannot contain file and environment access); set it in the reward's ``options``.
@@ -102,7 +111,9 @@ def code_execution(
             sandbox of its own) either way.
 
     Raises:
-        SandboxUnavailable: only a weak isolation mode is available and ``allow_weak_isolation`` is false; or rows
+        ValueError: ``memory_per_run_mib`` under 32.
+        SandboxUnavailable: ``require_memory_bound`` where the host allows no memory cgroup per run; only a weak
+            isolation mode is available and ``allow_weak_isolation`` is false; or rows
             carry test code that is neither shipped nor declared trusted where the judge can read the host's files
             (:func:`check_trusted`).
 
@@ -114,12 +125,18 @@ def code_execution(
     ...                test=[test, test, None], entry_point=["sq", "sq", None])
     [1.0, 0.0, None]
     """
+    if memory_per_run_mib is not None and memory_per_run_mib < 32:
+        raise ValueError(f"code_execution: memory_per_run_mib is {memory_per_run_mib}, under the 32 MiB a run's two "
+                         "interpreters need: set it to 32 or more, or leave it unset for 2 * memory_mib")
+    if require_memory_bound:
+        check_memory_bound()
     mode = require_isolation(allow_weak_isolation)
     n = len(completions)
     tests = test if test is not None else [None] * n
     check_trusted(tests, mode, trust_test_code)  # here, not in `start` alone: any name of this function gets here
     entries = entry_point if entry_point is not None else [None] * n
-    limits = Limits(timeout_s=timeout_s, cpu_s=max(1, int(-(-timeout_s // 1))), memory_mib=memory_mib)
+    limits = Limits(timeout_s=timeout_s, cpu_s=max(1, int(-(-timeout_s // 1))), memory_mib=memory_mib,
+                    memory_per_run_mib=memory_per_run_mib)
     todo = [i for i in range(n) if tests[i] and entries[i]]
     preludes = code_prompt if code_prompt is not None else [None] * n
     jobs = [(extract_code(completion_text(completions[i])), tests[i], entries[i], preludes[i]) for i in todo]

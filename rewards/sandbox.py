@@ -17,16 +17,20 @@ sized tmpfs on every world-writable directory; world-readable host files stay re
 process of a run outlives its verdict. ``audit``: a Python audit hook (PEP 578) alone, in-process and defeatable
 by the program: :func:`require_isolation` refuses it unless the caller allows it explicitly.
 
-Always: ``python -I`` in a new session killed whole at the wall-clock limit, an environment of ``PATH`` only, and
-resource limits (``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NPROC``, no core files).
+Always: ``python -I`` in a new session killed whole at the wall-clock limit (counted once both sandboxes are up),
+an environment of ``PATH`` only, and resource limits (``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``,
+``RLIMIT_NPROC``, no core files). Where the host allows it, a memory cgroup per run bounds the run's processes
+together (:mod:`rewards.sandbox_cgroup`, :attr:`Limits.memory_per_run_mib`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import resource
+import select
 import shutil
 import signal
 import subprocess
@@ -37,13 +41,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from rewards.sandbox_cgroup import RunCgroup, memory_parent
 from rewards.sandbox_modes import MINIMAL_PATH, MODES, NAMESPACE_MODES, Isolation, exit_code, kill_run, launch, works
 
 __all__ = ["MODES", "WEAK_MODES", "Isolation", "Limits", "RunResult", "SandboxUnavailable", "default_workers",
-           "isolation", "require_isolation", "run_many", "run_python", "run_tests"]
+           "isolation", "check_memory_bound", "require_isolation", "run_many", "run_python", "run_tests"]
 
 VIOLATION_EXIT = 86  # the audit hook stopped a forbidden operation
 MEMORY_EXIT = 87  # MemoryError escaped the program (RLIMIT_AS reached)
+STARTUP_LIMIT_S = 60.0
+"""Longest start-up of a run's two sandboxes (launch to the candidate's ``up``) before it counts as a timeout; the
+run's own wall clock (:attr:`Limits.timeout_s`) starts after it."""
 MAX_REPLY_BYTES = 16 * 1024 * 1024
 """Longest reply line of the candidate the judge reads (a larger return value fails the test)."""
 
@@ -75,7 +83,9 @@ class Limits:
     """Per-run limits of the sandbox."""
 
     timeout_s: float = 10.0
-    """Wall-clock seconds before both processes are killed."""
+    """Wall-clock seconds of the run before both processes are killed, counted from the moment both sandboxes are
+    up and the candidate is about to run the row's and the program's code (their start-up, which slows with the
+    host's load, has its own bound, :data:`STARTUP_LIMIT_S`)."""
     cpu_s: int = 10
     """CPU seconds (``RLIMIT_CPU``) of each process; the kernel sends SIGXCPU, then SIGKILL."""
     memory_mib: int = 1024
@@ -88,6 +98,17 @@ class Limits:
     tmpfs_mib: int = 32
     """Size of each private tmpfs of a namespace mode (the work directory, ``/tmp``, ``/dev/shm``), MiB: what a
     program can write at all."""
+    memory_per_run_mib: int | None = None
+    """Memory of the whole run (candidate, judge and every process they start: resident pages, page cache, tmpfs
+    pages), MiB, where the host allows a memory cgroup per run (:mod:`rewards.sandbox_cgroup`). None: twice
+    ``memory_mib`` (:attr:`run_memory_mib`)."""
+
+    @property
+    def run_memory_mib(self) -> int:
+        """The per-run bound in MiB: ``memory_per_run_mib``, else ``2 * memory_mib`` (the run's two harness processes
+        each at their ``RLIMIT_AS``: a run that stays within its per-process limits and starts no process is never
+        stopped by it, and ``workers`` runs at once hold at most ``workers * 2 * memory_mib``)."""
+        return self.memory_per_run_mib if self.memory_per_run_mib is not None else 2 * self.memory_mib
 
 
 @dataclass(frozen=True)
@@ -130,8 +151,25 @@ def require_isolation(allow_weak: bool = False) -> Isolation:
     return mode
 
 
-def _set_limits(limits: Limits, nproc: bool = True) -> None:
-    """Runs in the child between fork and exec (``preexec_fn``)."""
+def check_memory_bound() -> None:
+    """Refuse to go on where the host allows no memory cgroup per run (:func:`rewards.sandbox_cgroup.memory_parent`).
+
+    Raises:
+        SandboxUnavailable: no memory cgroup can be made here; names the fixes.
+    """
+    if memory_parent() is None:
+        raise SandboxUnavailable(
+            "code_execution: `require_memory_bound: true`, but this host allows no memory cgroup per run (the reason "
+            "is in the `[sandbox] memory bound per run: off` line above): run as root on a host with the cgroup v1 "
+            "memory controller or cgroup v2, in a delegated cgroup v2 subtree (systemd `Delegate=yes`), or drop "
+            "`require_memory_bound` to run with the per-process RLIMIT_AS only")
+
+
+def _set_limits(limits: Limits, nproc: bool = True, cgroup: RunCgroup | None = None) -> None:
+    """Runs in the child between fork and exec (``preexec_fn``): joins the run's memory cgroup, if any, before
+    anything of the run runs, then sets the resource limits."""
+    if cgroup is not None:
+        cgroup.join()
     mib = 1024 * 1024
     values = [(resource.RLIMIT_CPU, limits.cpu_s), (resource.RLIMIT_AS, limits.memory_mib * mib),
               (resource.RLIMIT_FSIZE, limits.file_mib * mib), (resource.RLIMIT_CORE, 0)]
@@ -142,6 +180,17 @@ def _set_limits(limits: Limits, nproc: bool = True) -> None:
         # the backstop; with soft == hard the kernel would SIGKILL at once, which reads as a crash when the CPU limit
         # comes before the wall-clock one (a loaded machine, a slow judge start)
         resource.setrlimit(which, (value, value + 1) if which == resource.RLIMIT_CPU else (value, value))
+
+
+def _run_cgroup(limits: Limits) -> RunCgroup | None:
+    """A memory cgroup for one run, limited to :attr:`Limits.run_memory_mib`, or None where the host allows none."""
+    parent = memory_parent()
+    if parent is None:
+        return None
+    try:
+        return RunCgroup(parent, limits.run_memory_mib * 1024 * 1024)
+    except OSError as err:
+        raise SandboxUnavailable(f"the run's memory cgroup cannot be created under {parent.path}: {err}") from err
 
 
 def _tail(file) -> str:
@@ -172,7 +221,11 @@ def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Li
     entry point, nothing else of the program's (a program redefining ``range``, ``abs`` or ``poly`` changes
     nothing the tests call).
 
-    ``mode``: the candidate's isolation (None: :func:`isolation`). Returns a :class:`RunResult`.
+    ``mode``: the candidate's isolation (None: :func:`isolation`). Returns a :class:`RunResult`: ``error`` too when
+    the run reached its memory bound (:attr:`Limits.run_memory_mib`) and the kernel killed one of its processes.
+
+    Raises:
+        SandboxUnavailable: the run's memory cgroup cannot be created where the host allowed one at the probe.
 
     >>> run_tests("def f(x): return x * 2", "def check(c): assert c(2) == 4", "f").status
     'passed'
@@ -184,12 +237,14 @@ def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Li
     # the namespace modes write into their own sized tmpfs; only the audit mode needs a directory of the host
     workdir = "/" if contained else tempfile.mkdtemp(prefix="grpo-sandbox-")
     tmpfs = limits.tmpfs_mib * 1024 * 1024
+    cgroup = _run_cgroup(limits)
     # bubblewrap counts RLIMIT_NPROC per run: the harness sets it inside (a limit set here would count every
     # process of the host user nobody); the other modes set it before the exec
-    limited = functools.partial(_set_limits, limits, mode != "bwrap+audit")
+    limited = functools.partial(_set_limits, limits, mode != "bwrap+audit", cgroup)
     start = time.perf_counter()
-    to_candidate, from_candidate = os.pipe(), os.pipe()  # (read, write) each
-    with tempfile.TemporaryFile() as cand_err, tempfile.TemporaryFile() as judge_err:
+    to_candidate, from_candidate, started = os.pipe(), os.pipe(), os.pipe()  # (read, write) each
+    with cgroup or contextlib.nullcontext(), tempfile.TemporaryFile() as cand_err, \
+            tempfile.TemporaryFile() as judge_err, tempfile.TemporaryFile() as job_file:
         try:
             candidate, candidate_info = launch(
                 mode, CANDIDATE_SOURCE, tmpfs, cwd=workdir, env={"PATH": MINIMAL_PATH},
@@ -197,27 +252,37 @@ def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Li
                 preexec_fn=limited)
             job = {"code": code, "prelude": prelude, "test": test, "entry_point": entry_point,
                    "nproc": limits.nproc, "to_candidate": to_candidate[1],
-                   "from_candidate": from_candidate[0], "max_reply_bytes": MAX_REPLY_BYTES,
+                   "from_candidate": from_candidate[0], "started": started[1], "max_reply_bytes": MAX_REPLY_BYTES,
                    "violation_exit": VIOLATION_EXIT, "memory_exit": MEMORY_EXIT}
+            job_file.write(json.dumps(job).encode())  # a file, not a pipe: nothing to feed while the clock waits
+            job_file.seek(0)
             # the judge runs the row's tests (a dataset's code) in a sandbox of its own, apart from the program's
             judge, judge_info = launch(
                 mode, JUDGE_SOURCE, tmpfs, env={"PATH": MINIMAL_PATH}, cwd=workdir,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=judge_err, start_new_session=True,
-                pass_fds=(to_candidate[1], from_candidate[0]), preexec_fn=limited)
+                stdin=job_file, stdout=subprocess.PIPE, stderr=judge_err, start_new_session=True,
+                pass_fds=(to_candidate[1], from_candidate[0], started[1]), preexec_fn=limited)
         finally:
-            for fd in (*to_candidate, *from_candidate):
+            for fd in (*to_candidate, *from_candidate, started[1]):
                 os.close(fd)  # the two processes hold their ends; an end left here would hide an exit
+        # the wall clock starts when both sandboxes are up (the judge's byte on `started`, or its end), not at their
+        # launch: start-up (namespaces, mounts, two interpreters) slows with the host's load, the program does not
+        up = select.select([started[0]], [], [], STARTUP_LIMIT_S)[0]
+        os.close(started[0])
         try:
-            out, _ = judge.communicate(json.dumps(job).encode(), timeout=limits.timeout_s)
+            out, _ = judge.communicate(timeout=limits.timeout_s if up else 0)
             timed_out = False
         except subprocess.TimeoutExpired:
             out, timed_out = b"", True
-        try:
-            returncode = candidate.wait(timeout=1.0)  # after a verdict it ends by itself; after a crash it has
-        except subprocess.TimeoutExpired:
-            returncode = None
+        if timed_out:
+            returncode = candidate.poll()  # still running, most likely: its limit is what ended the run
+        else:
+            try:
+                returncode = candidate.wait(timeout=1.0)  # after a verdict it ends by itself; after a crash it has
+            except subprocess.TimeoutExpired:
+                returncode = None
         kill_run(judge, judge_info)
         kill_run(candidate, candidate_info)
+        oom_kills = cgroup.oom_kills() if cgroup else 0  # then removed as the `with` ends
         if not contained:
             shutil.rmtree(workdir, ignore_errors=True)
         seconds, tail = time.perf_counter() - start, _tail(cand_err)
@@ -225,7 +290,11 @@ def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Li
     returncode = exit_code(returncode)
     verdict = _verdict(out, judge.returncode, judge_tail)
     status: Status
-    if returncode in (VIOLATION_EXIT, MEMORY_EXIT):  # the candidate's own report of why it ended comes first
+    if oom_kills:  # whichever process the kernel chose (a child of the program, or the judge), the run is void
+        status = "error"
+        verdict = {"detail": f"the run reached its memory bound ({limits.run_memory_mib} MiB): the kernel killed "
+                             f"{oom_kills} of its process(es)"}
+    elif returncode in (VIOLATION_EXIT, MEMORY_EXIT):  # the candidate's own report of why it ended comes first
         status = "error"
     elif timed_out or returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
         status = "timeout"

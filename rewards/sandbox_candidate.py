@@ -3,8 +3,9 @@ judge's calls to its functions. Sent as source to ``python -I -S -B -c`` in the 
 :mod:`rewards.sandbox_wire` inlined in place of its import; never imported by the pipeline.
 
 Protocol (one JSON object per line): the judge sends ``{"code", "prelude", "violation_exit", "memory_exit",
-"nproc"}`` on stdin; this process runs the prelude (the prompt's code), then the code, and answers
-``{"names": [top-level callables]}`` (or ``{"load_error": "..."}``), then for each ``{"op": "call", "name",
+"nproc"}`` on stdin; this process answers ``{"up": true}`` (its start-up is over), runs the prelude (the prompt's
+code), then the code, and answers ``{"names": [top-level callables]}`` (or ``{"load_error": "..."}``), then for each
+``{"op": "call", "name",
 "args", "kwargs"}`` ``{"value": wire}`` or ``{"error": type, "message"}``,
 until ``{"op": "exit"}`` or end of input. Nothing this process writes decides a verdict: the judge compares.
 The program's own stdout goes to stderr; the protocol's pipes are private duplicates.
@@ -78,6 +79,7 @@ def main():
 
     sys.addaudithook(_make_hook(_root, _DENY, _PATHS, _WRITE, _job["violation_exit"]))
     del _make_hook
+    _send({"up": True})  # before any of the row's or the program's code: the run's wall clock starts here
     _namespace = {"__name__": "__main__"}
     try:
         # the prompt's code first (HumanEval's helpers and imports, as its own harness runs prompt + completion)

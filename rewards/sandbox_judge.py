@@ -2,8 +2,11 @@
 functions, called through the candidate process, and writes the verdict. Run as ``python -I -B -c`` with
 :mod:`rewards.sandbox_wire` inlined in place of its import; never imported by the pipeline.
 
-Input on stdin: ``{"code", "prelude", "test", "entry_point", "to_candidate", "from_candidate", "max_reply_bytes",
-"violation_exit", "memory_exit", "nproc"}``. The tests' namespace holds the row's ``prelude`` (the prompt's code:
+Input on stdin: ``{"code", "prelude", "test", "entry_point", "to_candidate", "from_candidate", "started",
+"max_reply_bytes", "violation_exit", "memory_exit", "nproc"}``. Once the candidate says it is up (``{"up": true}``,
+before any code of the row or the program), one byte goes to descriptor ``started`` and it is closed: the parent's
+wall clock for the run starts there, not at the launch of the two sandboxes (their start-up depends on the host's
+load). The tests' namespace holds the row's ``prelude`` (the prompt's code:
 HumanEval's helpers such as ``poly`` or ``encode_cyclic``, run here), the test's own names and, of the program,
 the entry point alone, as a proxy: a program that defines ``range``, ``abs``, ``poly`` or ``check`` changes
 nothing the tests call. Every call sends plain data and gets plain data back (:mod:`rewards.sandbox_wire`), and
@@ -85,6 +88,17 @@ def main():
         _tx.write(json.dumps({key: _job[key] for key in ("code", "prelude", "violation_exit", "memory_exit",
                                                           "nproc")}) + "\n")
         _tx.flush()
+        _up = _rx.readline(_job["max_reply_bytes"])
+    except OSError as err:
+        _up = f"{err}"
+    try:
+        os.write(_job["started"], b"s")
+        os.close(_job["started"])
+    except OSError:
+        pass  # the parent is gone: this process is killed with the run
+    if _up != '{"up": true}\n':
+        _finish("crashed", f"the candidate did not start: {_up[:200]!r}")
+    try:
         _line = _rx.readline(_job["max_reply_bytes"])
         _hello = json.loads(_line) if _line.endswith("\n") else {"gone": True}
     except (OSError, ValueError) as err:

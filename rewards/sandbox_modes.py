@@ -24,9 +24,12 @@ process group or ``_posixsubprocess.fork_exec`` change nothing). Exit codes of a
 
 from __future__ import annotations
 
+import functools
+import grp
 import itertools
 import json
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -73,21 +76,88 @@ _NETNS = ('set -e; size=$1; home=$2; stage=$3; uid=$4; shift 4; mount -t tmpfs -
 where to stage it (:func:`_stage`), $4 the run's uid (:func:`run_uid`)."""
 
 RUN_UID_BASE = 1_900_000_000
-"""``netns+nobody+audit`` runs each run as a uid of its own from here on (:func:`run_uid`): ``RLIMIT_NPROC`` counts
-every process of a uid on the host, so with one shared ``nobody`` a fork bomb in one completion (or any process of
-``nobody`` on the host) made the innocent runs beside it fail to start theirs. Assumed unused on the host (no
-passwd entry is needed)."""
+"""``netns+nobody+audit`` runs each run as a uid of its own (:func:`run_uid`), from here to
+``RUN_UID_BASE + 65536 * 1024 - 1`` (1,967,108,095): ``RLIMIT_NPROC`` counts every process of a uid on the host, so
+with one shared ``nobody`` a fork bomb in one completion (or any process of ``nobody`` on the host) made the innocent
+runs beside it fail to start theirs. A uid that the host names or uses is skipped (:func:`uid_in_use`); what is not
+checked: files owned by such a uid outside the run's tmpfs mounts (none is made by the pipeline)."""
 _run_counter = itertools.count()
+
+
+@functools.cache
+def _subordinate_ranges() -> tuple[tuple[int, int], ...]:
+    """``(first, count)`` ranges that ``/etc/subuid`` and ``/etc/subgid`` delegate to users' user namespaces
+    (subuid(5)): a container's processes run on the host as those ids."""
+    ranges = []
+    for path in ("/etc/subuid", "/etc/subgid"):
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError:
+            continue  # no delegation configured
+        for line in lines:
+            parts = line.split(":")
+            if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+                ranges.append((int(parts[1]), int(parts[2])))
+    return tuple(ranges)
+
+
+def _process_uids() -> set[int]:
+    """The uids of the host's running processes as ``/proc/<pid>`` shows them (the owner of the directory: the
+    effective uid; root for a process that is not dumpable, e.g. one started from a setuid program): one ``stat``
+    per process (reading each ``status`` file cost 12x more, ~17 ms a run on a loaded 2-core box)."""
+    uids = set()
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if entry.name.isdigit():
+                try:
+                    uids.add(entry.stat(follow_symlinks=False).st_uid)
+                except OSError:
+                    continue  # ended while listed
+    return uids
+
+
+def uid_in_use(uid: int, process_uids: set[int] | None = None) -> str | None:
+    """Why ``uid`` (used as uid and gid) is not free for a run: the user or group database names it (``pwd``/``grp``,
+    NSS included), ``/etc/subuid``/``/etc/subgid`` delegate it, or a running process holds it (``process_uids``:
+    :func:`_process_uids` already read, None: read now); None when it is free.
+
+    >>> uid_in_use(0)
+    'the user database names it (root)'
+    """
+    try:
+        return f"the user database names it ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        pass  # no such user: as expected
+    try:
+        return f"the group database names it ({grp.getgrgid(uid).gr_name})"
+    except KeyError:
+        pass
+    if any(first <= uid < first + count for first, count in _subordinate_ranges()):
+        return "/etc/subuid or /etc/subgid delegates it to a user namespace"
+    if uid in (process_uids if process_uids is not None else _process_uids()):
+        return "a running process holds it"
+    return None
 
 
 def run_uid() -> int:
     """A uid for one ``netns+nobody+audit`` run: :data:`RUN_UID_BASE` + 1024 per process (by PID) + a counter, so no
-    two runs on the host share one while fewer than 1024 of a process overlap.
+    two runs on the host share one while fewer than 1024 of a process overlap; a uid in use (:func:`uid_in_use`:
+    named by the host, delegated, or held by a running process, another run's included) is skipped.
+
+    Raises:
+        RuntimeError: all 1024 uids of this process's block are in use.
 
     >>> RUN_UID_BASE <= run_uid() < RUN_UID_BASE + 65536 * 1024
     True
     """
-    return RUN_UID_BASE + (os.getpid() % 65536) * 1024 + next(_run_counter) % 1024
+    block = RUN_UID_BASE + (os.getpid() % 65536) * 1024
+    process_uids = _process_uids()
+    for _ in range(1024):
+        uid = block + next(_run_counter) % 1024
+        if uid_in_use(uid, process_uids) is None:
+            return uid
+    raise RuntimeError(f"netns+nobody+audit: every uid from {block} to {block + 1023} is named by the host, delegated "
+                       "to user namespaces or held by a running process: free that range, or install bubblewrap")
 
 
 def python_home() -> str:

@@ -4,6 +4,7 @@ Containment cases run in every strong isolation mode that works here (CI install
 forgery cases (a program trying to make its own verdict) also run in the weak ``audit`` mode, forced.
 """
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -93,9 +94,13 @@ def test_ci_runs_a_strong_mode():
 @pytest.mark.parametrize(("program", "status"), HOSTILE_CASES,  # ids without the random paths: the same in
                          ids=[f"case{i:02d}-{status}" for i, (_, status) in enumerate(HOSTILE_CASES)])  # every worker
 def test_hostile_program_is_contained(program, status, mode):
-    result = run_python(program, SMALL, mode)
+    # a case that must end by itself (a limit other than the wall clock, or its end) gets a wall clock it cannot
+    # race: the growing memory bomb needs ~0.3 s of CPU to reach RLIMIT_AS, 1-1.9 s of wall time at a load average
+    # of 10 on two cores, and read as a timeout past SMALL's 2 s
+    limits = SMALL if status == "timeout" else dataclasses.replace(SMALL, timeout_s=30)
+    result = run_python(program, limits, mode)
     assert result.status == status, (result.detail, result.stderr_tail)
-    assert result.seconds < SMALL.timeout_s + 2
+    assert result.seconds < 30  # ended by a limit (the sleeping case would run 60 s); no finer bound: load varies
     assert not MARK.exists() and not HOME_MARK.exists()
     assert run_python("assert sum(range(4)) == 6", SMALL, mode).status == "passed"  # the next program still runs
 
@@ -114,6 +119,19 @@ def test_a_wrong_program_cannot_forge_a_pass(program, mode):
 @pytest.mark.parametrize("mode", [*STRONG, *WEAK_MODES])
 def test_a_right_program_with_its_hook_off_still_passes(mode):
     assert run_tests(HOOK_OFF + "def add(a, b):\n    return a + b\n", TEST, ENTRY, SMALL, mode).status == "passed"
+
+
+def test_the_wall_clock_starts_when_the_sandboxes_are_up(monkeypatch):
+    """A slow sandbox start-up (the candidate's interpreter 2 s late, as on a loaded host) does not count against the
+    run's 1 s: a quick right program passes (it timed out when the clock started at the launch), and a sleeping one
+    still ends at its limit."""
+    from rewards import sandbox
+
+    monkeypatch.setattr(sandbox, "CANDIDATE_SOURCE", "import time\ntime.sleep(2)\n" + sandbox.CANDIDATE_SOURCE)
+    limits = Limits(timeout_s=1, cpu_s=1, memory_mib=512)
+    result = run_tests("def add(a, b):\n    return a + b\n", TEST, ENTRY, limits)
+    assert result.status == "passed", result
+    assert run_python("import time\ntime.sleep(60)", limits).status == "timeout"
 
 
 def test_strong_modes_hide_the_judge_and_other_processes():

@@ -1,7 +1,8 @@
 """Bounds of the code sandbox that must hold for root, in every namespace mode that works here: a fork bomb
 is capped, a disk filler fills only its own sized tmpfs, no process of a run outlives its verdict (forks,
 ``setsid``, ``_posixsubprocess.fork_exec``; after a normal end and after a timeout), the judge (the dataset's
-test code) cannot read or write the host's files, and the sandbox starts with an interpreter under ``/tmp``.
+test code) cannot read or write the host's files, the sandbox starts with an interpreter under ``/tmp``, and a run
+over its memory bound (a cgroup of its own, where the host allows one) is stopped without touching the run beside it.
 
 The programs turn the audit hook off first (it is defence in depth only): the bounds under test are the ones
 outside the process. The ``audit`` mode (no namespaces; refused unless allowed) only promises the last: its
@@ -263,3 +264,139 @@ def test_start_refuses_untrusted_test_code_where_the_judge_can_read_the_host(mon
             preflight.check_sandbox(cfg)
     else:
         preflight.check_sandbox(cfg)
+
+
+@pytest.mark.parametrize("mode", CONTAINED)
+def test_a_run_over_its_memory_bound_scores_zero_and_another_run_is_unaffected(mode, capsys):
+    """The per-run memory cgroup (this host: cgroup v1, root): a program whose children each stay under their
+    RLIMIT_AS (512 MiB) but together pass the run's 96 MiB is stopped and scores 0 whichever process the kernel
+    killed (here a child: the program itself would pass the tests), while a run beside it holding 40 MiB passes; no
+    run's cgroup is left after."""
+    from grpo_steps import preflight
+    from grpo_steps.config import validate_config
+    from rewards import guard
+    from rewards.code import code_execution
+    from rewards.sandbox_cgroup import PREFIX, memory_parent
+
+    parent = memory_parent()
+    assert parent is not None, "this host allows a memory cgroup per run (cgroup v1 memory, root): see the log line"
+    hog = HOOK_OFF + (  # each child says when it holds its 40 MiB (a killed one closes its pipe): no timing
+        "import os, time\nreads = []\nfor _ in range(4):\n    r, w = os.pipe()\n    if os.fork() == 0:\n"
+        "        held = b'x' * (40 << 20)\n        os.write(w, b'1')\n        time.sleep(60)\n"
+        "    os.close(w)\n    reads.append(r)\nfor r in reads:\n    os.read(r, 1)\n"
+        "def f():\n    return 1\n")
+    innocent = "import time\nheld = b'x' * (40 << 20)\ntime.sleep(0.5)\ndef f():\n    return 1\n"
+    test = "def check(c):\n    assert c() == 1\n"
+    options = {"memory_mib": 512, "memory_per_run_mib": 96, "require_memory_bound": True}
+    errors = guard.counters().get("rewards/code_execution/errors", 0)
+    scores = code_execution([hog, innocent], test=[test, test], entry_point=["f", "f"], timeout_s=8, workers=2,
+                            **options)
+    assert scores == [0.0, 1.0]
+    assert guard.counters()["rewards/code_execution/errors"] == errors + 1
+    assert [d for d in os.listdir(parent.path) if d.startswith(f"{PREFIX}{os.getpid()}-")] == []
+    cfg = validate_config({"data": {"source": "humaneval"}, "rewards": [{"name": "code_execution", "options": options}],
+                           "eval": {"correctness_reward": "code_execution", "format_reward": None}})
+    preflight.check_sandbox(cfg)  # require_memory_bound: allowed here
+    assert f"[sandbox] memory bound per run: 96 MiB (cgroup v{parent.version}" in capsys.readouterr().out
+
+
+def test_the_memory_bound_is_off_with_one_line_where_the_host_allows_none(tmp_path, monkeypatch, caplog):
+    """No writable memory cgroup (a read-only directory; a directory that is no cgroup): one warning line says the
+    bound is off and why, runs go on under their RLIMIT_AS, and `require_memory_bound` is refused in the reward
+    and in `start`."""
+    import logging
+
+    from grpo_steps import preflight
+    from grpo_steps.config import validate_config
+    from rewards import sandbox_cgroup
+    from rewards.code import code_execution
+    from rewards.sandbox import SandboxUnavailable
+
+    read_only, plain = tmp_path / "read-only", tmp_path / "plain"
+    read_only.mkdir()
+    plain.mkdir()
+    subprocess.run(["chattr", "+i", str(read_only)], check=True)  # immutable: not even root can create in it
+    parents = [sandbox_cgroup.CgroupParent(str(read_only), 1), sandbox_cgroup.CgroupParent(str(plain), 1)]
+    monkeypatch.setattr(sandbox_cgroup, "candidates", lambda: parents)
+    sandbox_cgroup.forget_probe()
+    try:
+        with caplog.at_level(logging.WARNING, logger="rewards.sandbox_cgroup"):
+            assert run_python("assert 1 + 1 == 2", LIMITS).status == "passed"  # runs on, without the bound
+            assert run_python("assert 2 + 2 == 4", LIMITS).status == "passed"
+        lines = [r.getMessage() for r in caplog.records if "memory bound per run" in r.getMessage()]
+        assert len(lines) == 1, lines  # once per process
+        assert "off" in lines[0] and "Operation not permitted" in lines[0] and str(read_only) in lines[0], lines
+        assert "is not a memory cgroup" in lines[0], lines
+        assert os.listdir(plain) == []  # the trial directory is removed again
+        test = "def check(c):\n    assert c() == 1\n"
+        with pytest.raises(SandboxUnavailable, match="require_memory_bound: true"):
+            code_execution(["def f(): return 1"], test=[test], entry_point=["f"], require_memory_bound=True)
+        cfg = validate_config({"data": {"source": "humaneval"},
+                               "rewards": [{"name": "code_execution", "options": {"require_memory_bound": True}}],
+                               "eval": {"correctness_reward": "code_execution", "format_reward": None}})
+        with pytest.raises(SandboxUnavailable, match="allows no memory cgroup per run"):
+            preflight.check_sandbox(cfg)
+    finally:
+        subprocess.run(["chattr", "-i", str(read_only)], check=True)
+        sandbox_cgroup.forget_probe()  # the next test probes the host again
+
+
+def test_a_run_uid_held_by_a_process_or_delegated_by_the_host_is_skipped(monkeypatch):
+    """``netns+nobody+audit``'s per-run uids: one a running process holds, or one /etc/subuid delegates, is never
+    given to a run (the range was only assumed unused)."""
+    import itertools
+
+    from rewards import sandbox_modes
+
+    block = sandbox_modes.RUN_UID_BASE + (os.getpid() % 65536) * 1024
+    monkeypatch.setattr(sandbox_modes, "_run_counter", itertools.count(7))
+    monkeypatch.setattr(sandbox_modes, "_subordinate_ranges", lambda: ((block + 8, 1),))
+    held = block + 7
+    holder = subprocess.Popen(["setpriv", f"--reuid={held}", f"--regid={held}", "--clear-groups", "sleep", "60"])
+    try:
+        deadline = time.monotonic() + 30
+        while sandbox_modes.uid_in_use(held) is None and time.monotonic() < deadline:  # until setpriv's switch
+            time.sleep(0.01)
+        assert sandbox_modes.uid_in_use(held) == "a running process holds it"
+        assert sandbox_modes.uid_in_use(block + 8) == "/etc/subuid or /etc/subgid delegates it to a user namespace"
+        assert sandbox_modes.run_uid() == block + 9
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize(("cgroup", "mounts", "found"), [
+    # this CI box: cgroup v1 controllers, a v2 hierarchy beside them at /sys/fs/cgroup/unified (hugetlb only)
+    ("4:memory:/process_api/abc\n1:cpu:/\n0::/\n",
+     "40 30 0:35 / /sys/fs/cgroup/memory rw,relatime shared:14 - cgroup cgroup rw,memory\n"
+     "41 30 0:36 / /sys/fs/cgroup/unified rw,relatime shared:15 - cgroup2 cgroup2 rw\n",
+     [("/sys/fs/cgroup/unified", 2), ("/sys/fs/cgroup/memory/process_api/abc", 1)]),
+    # a systemd host on the unified hierarchy alone
+    ("0::/user.slice/user-1000.slice/session-2.scope\n",
+     "35 24 0:30 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:9 - cgroup2 cgroup2 rw,nsdelegate\n",
+     [("/sys/fs/cgroup/user.slice/user-1000.slice/session-2.scope", 2)]),
+    # a container whose mount shows only its own part of the v1 hierarchy (mount root /docker/x)
+    ("5:memory:/docker/x\n",
+     "50 40 0:40 /docker/x /sys/fs/cgroup/memory ro,nosuid - cgroup cgroup rw,memory\n",
+     [("/sys/fs/cgroup/memory", 1)]),
+    ("5:cpu:/\n", "50 40 0:40 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n", []),  # no memory hierarchy
+], ids=["v1-and-unified", "v2-only", "container-v1", "no-memory"])
+def test_the_candidate_cgroups_are_read_from_proc(tmp_path, cgroup, mounts, found):
+    from rewards.sandbox_cgroup import CgroupParent, candidates
+
+    (tmp_path / "cgroup").write_text(cgroup)
+    (tmp_path / "mountinfo").write_text(mounts)
+    assert candidates(str(tmp_path / "cgroup"), str(tmp_path / "mountinfo")) == [CgroupParent(*f) for f in found]
+
+
+def test_a_cgroup_v2_parent_without_the_memory_controller_is_refused_with_its_reason(tmp_path):
+    from rewards.sandbox_cgroup import CgroupParent, probe
+
+    (tmp_path / "cgroup.controllers").write_text("cpu io hugetlb\n")
+    assert "the memory controller is not available there" in probe(CgroupParent(str(tmp_path), 2))
+    (tmp_path / "cgroup.controllers").write_text("cpu memory\n")  # listed, but a plain directory: no memory.max
+    (tmp_path / "cgroup.subtree_control").write_text("")
+    (tmp_path / "cgroup.procs").write_text("")
+    assert "is not a memory cgroup" in probe(CgroupParent(str(tmp_path), 2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cgroup.controllers", "cgroup.procs",
+                                                           "cgroup.subtree_control"]  # the trial one removed
