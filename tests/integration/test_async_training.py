@@ -31,6 +31,7 @@ def test_async_trains_within_max_staleness_with_verified_pushes(tmp_path, tiny_m
         # pushes in flight (the default on this server): none waits for the request in flight; staleness per token
         assert "weight_sync/drain_seconds" not in h
         assert h["async/token_staleness_max"] <= 2 and h["async/token_staleness_mean"] <= h["async/staleness"]
+        assert h["async/off_policy_in_flight"] <= 2 and h["async/off_policy_in_queue"] <= 2  # admission's bound
     assert [h["async/token_staleness_max"] for h in steps] == [h["async/staleness"] for h in steps]  # oldest token
     for h in (steps[0], steps[2]):
         assert h["weight_sync/probe_logp_diff"] < 1e-3  # the policy's probe checks each push (the policy moves on)

@@ -208,6 +208,13 @@ class RolloutPrefetcher:
         with self._cond:
             return len(self.queue)
 
+    def ages(self, current_version: int) -> tuple[list[int], list[int]]:
+        """Staleness against ``current_version`` of the batches ahead of the trainer, by when each started (its
+        oldest token may be newer): ``(in flight, in queue)``: being sampled, and sampled but not taken yet."""
+        with self._cond:
+            return ([current_version - b.version for b in self.queue if b.started and not b.done],
+                    [current_version - b.version for b in self.queue if b.done])
+
     def take(self, key: int, prompts: list[list[int]], current_version: int) -> PrefetchedBatch | None:
         """The prefetched batch ``key``, waiting for it if it is still being sampled; batches queued before it are
         discarded (the trainer moved past them). None (the caller samples directly, from the current weights) when

@@ -345,6 +345,9 @@ class ServerGeneration:
                             ("ready_ahead", stats.ready_ahead[-1] if stats.ready_ahead else 0),
                             ("queue_depth", prefetcher.queued())):
             self.policy.log(f"async/{name}", float(value))
+        in_flight, in_queue = prefetcher.ages(step)  # prime-rl's off_policy/{in_flight,in_queue}
+        self.policy.log("async/off_policy_in_flight", float(max(in_flight, default=0)))
+        self.policy.log("async/off_policy_in_queue", float(max(in_queue, default=0)))
         if wall > 0:  # shares of the time since the previous batch was taken
             self.policy.log("async/trainer_idle_share", min(stats.trainer_wait_s / wall, 1.0))
             self.policy.log("async/generation_idle_share", min(stats.producer_idle_s / wall, 1.0))
