@@ -83,7 +83,8 @@ def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tag
     Args:
         report: the evaluate step's ``{"baseline": {"metrics", "per_prompt"}, "trained": {"metrics", "per_prompt",
             "prompt_keys"}}``.
-        tags: version tags (``metaflow.pathspec`` of the register task, config hash, dataset digest, git commit).
+        tags: version tags (``metaflow.pathspec`` of the register task, config hash, dataset digest, git commit;
+            ``weight_lineage.*`` with ``s3`` sync, also told in the description).
 
     Returns:
         ``{"name", "version", "aliases", "gate_passed", "gate_reason"}``.
@@ -119,7 +120,9 @@ def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tag
     else:
         reason += f"; champion {'stays version ' + champion if champion else 'not set'}"
     description = version_description(cfg, report, run_url=tracking.run_url(cfg, run_id),
-                                      run_pathspec=tags["metaflow.pathspec"].rsplit("/", 2)[0], gate_reason=reason)
+                                      run_pathspec=tags["metaflow.pathspec"].rsplit("/", 2)[0], gate_reason=reason,
+                                      lineage={k.removeprefix("weight_lineage."): v for k, v in tags.items()
+                                               if k.startswith("weight_lineage.")})
     if len(description) > DESCRIPTION_LIMIT:  # a long mixture's table: keep the head, say where the rest is
         description = description[: DESCRIPTION_LIMIT - len(CUT_NOTE)] + CUT_NOTE
     client.update_model_version(name, version_id, description=description)

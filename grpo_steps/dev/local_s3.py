@@ -69,8 +69,10 @@ def weed_binary() -> str:
 
 
 def start(data_dir: str | Path, *, port: int = 0, bucket: str = "grpo", access_key: str = DEV_ACCESS_KEY,
-          secret_key: str = DEV_SECRET_KEY, timeout_s: float = 60.0) -> LocalS3:
-    """Start ``weed mini`` on 127.0.0.1 with one identity and ``bucket``; wait until S3 answers.
+          secret_key: str = DEV_SECRET_KEY, readers: dict[str, str] | None = None, timeout_s: float = 60.0) -> LocalS3:
+    """Start ``weed mini`` on 127.0.0.1 with one identity (``access_key``/``secret_key``: every action) and ``bucket``;
+    wait until S3 answers. ``readers``: more identities, access key -> secret key, that may only read and list (e.g.
+    a generation server that fetches weight versions with credentials of its own).
 
     Raises:
         S3StartError: it exited or did not answer within ``timeout_s`` (stopped then; log tail in the message).
@@ -83,7 +85,9 @@ def start(data_dir: str | Path, *, port: int = 0, bucket: str = "grpo", access_k
     config = data_dir / "s3.json"
     identity = {"name": "pipeline", "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
                 "actions": ["Admin", "Read", "Write", "List", "Tagging"]}
-    config.write_text(json.dumps({"identities": [identity]}))
+    read_only = [{"name": f"reader-{i}", "credentials": [{"accessKey": key, "secretKey": secret}],
+                  "actions": ["Read", "List"]} for i, (key, secret) in enumerate((readers or {}).items())]
+    config.write_text(json.dumps({"identities": [identity, *read_only]}))
     config.chmod(0o600)
     port = pick_port("127.0.0.1", port)
     ports = {name: pick_port("127.0.0.1", 0) for name in ("master", "volume", "filer")}

@@ -67,10 +67,13 @@ def comparison_table(cfg: PipelineConfig, report: dict) -> str:
 
 
 def version_description(cfg: PipelineConfig, report: dict, *, run_url: str, run_pathspec: str,
-                        gate_reason: str) -> str:
+                        gate_reason: str, lineage: dict[str, str] | None = None) -> str:
     """Markdown of a registered version: task, base model, the baseline-vs-trained table, the quality
-    gate's verdict, per-task pass@1 for mixtures, and where to look (MLflow run, Metaflow run and card: the
-    printed ``card get <run id>/evaluate`` is the form Metaflow's CLI takes). Credentials are redacted."""
+    gate's verdict, per-task pass@1 for mixtures, the weight lineage of an ``s3`` run (``lineage``: the ``version``,
+    ``anchor``, ``deltas`` and ``sha256`` of the last chain version the servers loaded in training,
+    :func:`grpo_steps.training.generation.s3.lineage_of`; None: not said), and where to look (MLflow run, Metaflow run
+    and card: the printed ``card get <run id>/evaluate`` is the form Metaflow's CLI takes). Credentials are
+    redacted."""
     data = cfg.data
     trained = report["trained"]["metrics"]
     lines = [
@@ -92,6 +95,10 @@ def version_description(cfg: PipelineConfig, report: dict, *, run_url: str, run_
         base = report["baseline"]["metrics"]
         lines += [f"| {t} | {_cell(base.get(f'task/{t}/pass@1'))} | {_cell(trained.get(f'task/{t}/pass@1'))} |"
                   for t in tasks]
+    if lineage:
+        lines += ["", f"**Weights through S3** (`generation.weight_sync: s3`): the servers last loaded version "
+                  f"{lineage['version']} in training (anchor {lineage['anchor']} + {lineage['deltas']} deltas, "
+                  f"tensors' SHA-256 digest `{lineage['sha256']}`; tags `weight_lineage.*`)."]
     lines += [
         "",
         f"**MLflow run**: [{run_url}]({run_url}) (training curves, system metrics, charts under Artifacts -> "

@@ -12,6 +12,11 @@ whole flow costs minutes in ``make test``):
   from training's last step, then ``resume``: the evaluation completes once, every metric logged once, one model
   version, the run FINISHED.
 
+The weights reach the server through S3 (``generation.weight_sync: s3``, the chain of grpo_steps/weight_chain.py, on a
+real SeaweedFS): the trainer, ``start``'s access check and ``end``'s removal write with the flow's planted credentials
+(``PLANTED_ENV``'s AWS secret is that S3 server's real secret, so the leak check greps a secret the run used), the
+server reads with the development pair it was started with (a read-only identity there).
+
 The ``local`` provider's whole lifecycle in a flow is covered by tests/integration/test_resume.py."""
 
 import json
@@ -34,6 +39,7 @@ from tests.integration.flowrun import (
     flow_run_id,
     on_server,
     run_flow,
+    s3_keys,
 )
 
 pytestmark = pytest.mark.slow
@@ -42,9 +48,27 @@ EVERY = 2
 OUTAGE_S = 5  # and the ~25 s the tracking server takes to answer again on this machine
 KILL_AT = "[eval trained] taken from the evaluation at training step 4 (8 prompts)"
 """The evaluate step's line at which the flow is killed."""
+WEIGHT_PREFIX = "weight-sync"
 PLANTED_ENV = {"MLFLOW_TRACKING_PASSWORD": "mlflow-Plnt4Vq8Zx", "AWS_SECRET_ACCESS_KEY": "aws-Plnt4Vq8Zx/K9",
                "HF_TOKEN": "hf_Plnt4Vq8ZxabcdefghijklmnopQ"}
 """Credentials in the flow's environment (where they belong): none may reach anything the run writes."""
+FLOW_S3_KEY = "grpo-flow-key"
+"""The access key id that goes with PLANTED_ENV's AWS secret on the weight store (an id, not a secret)."""
+
+
+@pytest.fixture(scope="module")
+def weight_s3(tmp_path_factory):
+    """The run's weight store: a real S3 server (SeaweedFS on 127.0.0.1) whose read-write identity is the flow's planted
+    pair, and which lets the session's tiny server (started with :func:`tests.conftest.dev_s3_credentials`) read."""
+    from grpo_steps.dev import local_s3
+    from tests.conftest import dev_s3_credentials
+
+    dev = dev_s3_credentials()
+    server = local_s3.start(tmp_path_factory.mktemp("weight-s3"), access_key=FLOW_S3_KEY,
+                            secret_key=PLANTED_ENV["AWS_SECRET_ACCESS_KEY"],
+                            readers={dev["AWS_ACCESS_KEY_ID"]: dev["AWS_SECRET_ACCESS_KEY"]})
+    yield server
+    local_s3.stop(server)
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +84,16 @@ class TrackingOutageThenKill:
     SIGKILLs the flow's whole process tree (by the PIDs under the runtime's) at the trained policy's progress line in
     ``evaluate`` (once it has taken the trained policy's evaluation from training). Records when each happened."""
 
-    def __init__(self, server: MlflowServer) -> None:
+    def __init__(self, server: MlflowServer, weight_s3) -> None:
         self.server, self.events, self.timer, self.runtime = server, {}, None, None
+        self.weight_s3, self.pushed_keys, self.killed_keys = weight_s3, [], []
 
     def __call__(self, line: str) -> None:
         import threading
         import time
 
+        if "[train] step 3/" in line and not self.pushed_keys:  # what the pushes put in the store, while training
+            self.pushed_keys = s3_keys(self.weight_s3)
         if "[train] step 1/" in line and "down" not in self.events:
             self.server.stop()
             self.events["down"] = time.monotonic()
@@ -75,6 +102,7 @@ class TrackingOutageThenKill:
         if KILL_AT in line and "killed" not in self.events:
             self._kill_flow()
             self.events["killed"] = time.monotonic()
+            self.killed_keys = s3_keys(self.weight_s3)  # what the killed evaluate attempt left in the store
 
     def _restart(self) -> None:
         import time
@@ -96,7 +124,7 @@ class TrackingOutageThenKill:
 
 
 @pytest.fixture(scope="module")
-def faulted_run(mlflow_server, tiny_server):
+def faulted_run(mlflow_server, tiny_server, weight_s3):
     """Run the flow once (with the tracking outage and the kill above) on the external server, then ``resume``;
     yields (workdir, the resumed metaflow Run, the faults, the killed run's output); flow-output.txt holds both
     runs' output."""
@@ -106,11 +134,15 @@ def faulted_run(mlflow_server, tiny_server):
     # eval.during_training_prompts left unset: its default (64) follows the 8-prompt eval split
     config = on_server(flow_config(CONFIG.name, eval={"every_steps": EVERY},
                                    train={"max_steps": 4, "save_steps": 2, "log_completions_steps": EVERY},
+                                   generation={"weight_sync": "s3", "s3_sync": {
+                                       "url": f"s3://{weight_s3.bucket}/{WEIGHT_PREFIX}",
+                                       "endpoint_url": weight_s3.endpoint}},
                                    tracking={"tracking_uri": mlflow_server.url}), tiny_server)
     # the client gives up on a request after one retry and 5 s (MLflow's defaults retry for minutes): the outage
     # outlasts the client's own retries
-    env = flow_env(**PLANTED_ENV, MLFLOW_HTTP_REQUEST_MAX_RETRIES="1", MLFLOW_HTTP_REQUEST_TIMEOUT="5")
-    faults = TrackingOutageThenKill(mlflow_server)
+    env = flow_env(**PLANTED_ENV, AWS_ACCESS_KEY_ID=FLOW_S3_KEY, MLFLOW_HTTP_REQUEST_MAX_RETRIES="1",
+                   MLFLOW_HTTP_REQUEST_TIMEOUT="5")
+    faults = TrackingOutageThenKill(mlflow_server, weight_s3)
     code, out = run_flow(workdir, env, ["--config", "config", str(config_file(workdir, config)), "run"], faults,
                          started=lambda proc: setattr(faults, "runtime", proc))
     if faults.timer is not None:
@@ -452,6 +484,60 @@ def test_no_extra_reload_during_training(flow_run):
     log = _train_task(run).stdout
     for step in (0, 2, 4):
         assert f"[eval_during] step {step} (step-{step}):" in log
+
+
+def test_every_push_went_through_s3_and_the_registered_version_carries_its_lineage(faulted_run, weight_s3):
+    """``weight_sync: s3`` through a whole run: every push of training published a version in the run's prefix (an
+    anchor, then deltas) that the server loaded and that was verified (label and probe: a push's metrics are logged only
+    then); the train step copied the lineage of the last version the server loaded into the run's tags, and
+    ``register`` onto the version and into its description; after ``end`` nothing is left in the store, though the
+    kill in ``evaluate`` interrupted an attempt that staged weights there."""
+    workdir, run, faults, _ = faulted_run
+    client = _client(workdir)
+    cfg = load_config(workdir / "run.yaml")
+    run_id = run.data.mlflow_run_id
+    prefix = f"{WEIGHT_PREFIX}/{run_id}/"
+    steps = list(range(1, cfg.train.max_steps + 1))
+    # while training: the versions in the store under the run's prefix, manifests written (control for the end)
+    assert f"{prefix}manifests/0000000000.json" in faults.pushed_keys, faults.pushed_keys
+    assert all(key.startswith(prefix) for key in faults.pushed_keys)
+    history = {name: dict(_history(client, run, f"weight_sync/{name}"))
+               for name in ("version", "verify_seconds", "anchor", "bytes", "raw_bytes", "density", "load_seconds")}
+    for name, points in history.items():
+        assert sorted(points) == steps, name  # one verified push before each step's generation
+    assert [history["anchor"][step] for step in steps] == [1.0, 0.0, 0.0, 0.0]  # anchor_every 10: one anchor
+    assert all(0 < history["bytes"][step] < history["bytes"][1] for step in steps[1:])  # deltas, smaller
+    assert history["density"][1] == 1.0
+    assert "[weight-sync] removed" not in _train_task(run).stdout  # one train attempt: nothing left to clear
+    # the lineage: the last version the server loaded in training, here the final policy (version max_steps, pushed
+    # for the evaluation at the last step), run tags copied onto the version; its digest is the registered tensors'
+    lineage = {k: v for k, v in client.get_run(run_id).data.tags.items() if k.startswith("weight_lineage.")}
+    last = cfg.train.max_steps
+    assert {k: v for k, v in lineage.items() if k != "weight_lineage.sha256"} == {
+        "weight_lineage.version": str(last), "weight_lineage.anchor": "0", "weight_lineage.deltas": str(last)}
+    (version,) = client.search_model_versions(f"name = '{cfg.registry.model_name}'")
+    assert {k: v for k, v in version.tags.items() if k.startswith("weight_lineage.")} == lineage
+    from mlflow.artifacts import download_artifacts
+
+    from grpo_steps.training.generation.s3 import lineage_of
+    from grpo_steps.weight_chain import tensor_sha256
+    from grpo_steps.weight_files import read_safetensors
+
+    registered = Path(download_artifacts(f"models:/{version.name}/{version.version}",
+                                         dst_path=str(workdir / "registered-lineage"),
+                                         tracking_uri=cfg.tracking.tracking_uri))
+    (weights_dir,) = {p.parent for p in registered.rglob("*.safetensors")}
+    tensors = {name: {"sha256": tensor_sha256(t.contiguous())} for name, t in read_safetensors(weights_dir).items()}
+    digest = lineage_of({"version": last, "anchor": 0, "depth": last, "tensors": tensors})["sha256"]
+    assert lineage["weight_lineage.sha256"] == digest  # what the server loaded last is what was registered
+    description = client.get_model_version(version.name, version.version).description  # what the version page says
+    assert (f"the servers last loaded version {last} in training (anchor 0 + {last} deltas, tensors' SHA-256 digest "
+            f"`{lineage['weight_lineage.sha256']}`") in description
+    # the killed attempt had staged both policies for evaluate (each a chain of its own under the run's prefix) ...
+    for label in ("baseline", "trained"):
+        assert f"{prefix}eval/{label}/manifests/0000000000.json" in faults.killed_keys, faults.killed_keys
+    # ... and `end` removed the run's versions, those among them: the store is empty
+    assert s3_keys(weight_s3) == []
 
 
 def test_chart_and_card_show_the_curves(flow_run):

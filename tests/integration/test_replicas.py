@@ -2,7 +2,10 @@
 provider, one core each), as the flow's ``provision_vllm`` starts them: requests spread over both, an episode stays on
 one replica, training (asynchronous rollouts, and multi-turn tool rollouts) pushes every version to both and verifies
 each, evaluation spreads its prompts, the LoRA flow on the HumanEval task config (killed and resumed) runs on both,
-and a replica killed mid-run fails the next push naming it, with nothing left running once the set is stopped. The
+and a replica killed mid-run fails the next push naming it, with nothing left running once the set is stopped.
+``weight_sync: s3`` on both: pushes with asynchronous rollouts, the receivers (late join, a corrupted delta, a store
+that does not answer), and the trainer's faults (kill -9 mid-publish, S3 crashing mid-publish, then the resumed
+attempts), on a real SeaweedFS. The
 whole flow on two replicas started by the flow, with a replica killed mid-training and ``@retry`` replacing the set,
 is the local run of tests/integration/test_resume.py."""
 
@@ -19,7 +22,7 @@ import yaml
 
 from grpo_steps import servers
 from grpo_steps.config import REPO_ROOT, load_config, validate_config
-from grpo_steps.processes import ProcessRef
+from grpo_steps.processes import PortInUseError, ProcessRef, wait_until
 from grpo_steps.servers.client import GenerationServerError, VLLMClient, session_id
 from grpo_steps.servers.router import requests_per_replica
 from grpo_steps.training.entry import run
@@ -302,6 +305,172 @@ def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny
         push.close()
         client.reload_weights(tiny_model_path, label="default")
     assert _s3_keys(s3, push.store["prefix"]) == []
+
+
+def _s3_waiting_for(process: int, port: int) -> bool:
+    """Whether a request of ``process`` sits unread at the S3 server listening on 127.0.0.1:``port`` (its bytes in the
+    server side's receive queue, /proc/net/tcp): the frozen server holds the process in that request."""
+    ports = {c.laddr.port for c in psutil.Process(process).net_connections(kind="tcp") if c.raddr
+             and c.raddr.port == port}
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, queues = fields[1], fields[2], fields[4]
+        if (int(local.split(":")[1], 16) == port and int(remote.split(":")[1], 16) in ports
+                and int(queues.split(":")[1], 16) > 0):
+            return True
+    return False
+
+
+class EntryRun:
+    """The training entry (``python -m grpo_steps.training JOB``) as a process of its own, its output read line by
+    line; ``at(line, proc)`` acts on each line (fault injection by the PIDs the test started)."""
+
+    def __init__(self, tmp_path, job, name: str) -> None:
+        self.job_file = tmp_path / f"{name}.json"
+        self.job_file.write_text(job.model_dump_json())
+
+    def __call__(self, at=None) -> tuple[int, str]:
+        import subprocess
+        import sys
+
+        env = {**flow_env(), **dev_s3_credentials()}
+        proc = subprocess.Popen([sys.executable, "-m", "grpo_steps.training", str(self.job_file)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines = []
+        try:
+            for line in proc.stdout:
+                lines.append(line)
+                if at:
+                    at(line, proc)
+            proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        return proc.returncode, "".join(lines)
+
+
+def _freeze_on(s3, marker: str, then, events: dict):
+    """At ``marker``'s line: freeze the S3 server (SIGSTOP to its process group), wait until the training process's
+    next S3 request sits unread at it, then ``then(proc)``."""
+    import time
+
+    port = int(s3.endpoint.rsplit(":", 1)[1])
+
+    def at(line: str, proc) -> None:
+        if marker in line and "frozen" not in events:
+            os.killpg(s3.process.pid, signal.SIGSTOP)
+            events["frozen"] = time.monotonic()
+            assert wait_until(lambda: _s3_waiting_for(proc.pid, port), timeout_s=120, interval_s=0.05)
+            then(proc)
+
+    return at
+
+
+@pytest.mark.s3
+def test_s3_kill_mid_publish_and_an_outage_mid_push_then_resume(tmp_path, tiny_model_path, tiny_tokenizer,
+                                                                 replica_set, local_s3, monkeypatch, capfd):
+    """``weight_sync: s3`` faults of the trainer's side, each in the training entry as its own process on the two
+    replicas and a real SeaweedFS: (1) kill -9 of the training process while it publishes version 1 (held there by a
+    frozen S3): no version 1 becomes visible, the replicas keep serving version 0; (2) resumed from checkpoint 1: what
+    the killed attempt left is removed, the chain starts again with an anchor, and S3 dies while version 2 is being
+    published: the step fails naming the key after botocore's bounded retries, the replicas keep serving version 1;
+    (3) resumed from checkpoint 2 on S3 started again (same port, same data; in this process): the leftovers removed
+    again, version 2 an anchor, 3 a delta, both verified on both replicas, which serve checkpoint 3's policy
+    (logprobs), the lineage's checksums are checkpoint 3's tensors', and nothing is left under the run's prefix."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_steps.data import encode_prompt, to_prompt
+    from grpo_steps.dev import local_s3 as s3_server
+    from grpo_steps.training.generation.s3 import lineage_of
+    from grpo_steps.training.sampling import policy_logprobs
+    from grpo_steps.weight_chain import chain_of, tensor_sha256
+    from grpo_steps.weight_files import checkpoint_state_dict
+
+    for name, value in dev_s3_credentials().items():  # this process reads the chain too
+        monkeypatch.setenv(name, value)
+    s3 = local_s3
+    store = _store(s3, "faults")
+    prefix = f"{store['prefix']}/"
+    job = _with_replicas(_job(tmp_path, tiny_model_path, tiny_tokenizer, replica_set.endpoint,
+                              train={"max_steps": 4, "save_steps": 1, "save_total_limit": 4},
+                              generation={"weight_sync": "s3"}), replica_set).model_copy(update={"weight_store": store})
+    checkpoint = str(tmp_path / "out" / "checkpoint-{}")
+    labels = lambda: [VLLMClient(m.endpoint).weight_version() for m in replica_set.members]  # noqa: E731
+
+    # (1) kill -9 mid-publish: S3 frozen after step 1, the trainer held in version 1's publish, killed there
+    events, killed = {}, []
+
+    def kill(proc) -> None:
+        proc.kill()  # SIGKILL of the training process (our child), mid-publish
+        killed.append(proc.pid)
+        os.killpg(s3.process.pid, signal.SIGCONT)
+
+    code, first = EntryRun(tmp_path, job, "first")(_freeze_on(s3, "[train] step 1/4", kill, events))
+    assert killed and code == -signal.SIGKILL, first[-5000:]
+    assert [int(v[0]) for v in VERIFIED.findall(first)] == [0]
+    assert (Path(checkpoint.format(1)) / "model.safetensors").is_file()
+    left = _s3_keys(s3, prefix)
+    assert f"{prefix}manifests/0000000000.json" in left
+    assert chain_of(store).versions() == [0]  # version 1 never became visible: no manifest
+    assert labels() == ["step-0", "step-0"]
+
+    # (2) resumed from checkpoint 1; S3 dies (SIGKILL) while the trainer waits on it in version 2's publish
+    events = {}
+
+    def outage(proc) -> None:
+        os.killpg(s3.process.pid, signal.SIGKILL)  # the S3 server crashes: the request in flight is reset
+
+    resumed = job.model_copy(update={"resume_from": checkpoint.format(1)})
+    code, second = EntryRun(tmp_path, resumed, "second")(_freeze_on(s3, "[train] step 2/4", outage, events))
+    assert code not in (0, -signal.SIGKILL), second[-5000:]
+    removed = re.search(rf"removed (\d+) objects under s3://{s3.bucket}/{prefix} left by an earlier attempt", second)
+    assert removed and int(removed.group(1)) >= len(left), second[-5000:]  # (+ the frozen put, once S3 went on)
+    assert [int(v[0]) for v in VERIFIED.findall(second)] == [1]
+    assert re.search(rf"ChainStoreError: S3 \w+ of s3://{s3.bucket}/{prefix}\S*0000000002\S* failed after "
+                     "botocore's retries", second), second[-5000:]
+    assert labels() == ["step-1", "step-1"]  # nothing half-loaded
+
+    # (3) S3 back on the same port and data; resumed from checkpoint 2, to the end
+    port = int(s3.endpoint.rsplit(":", 1)[1])
+    restarted = []
+
+    def restart() -> bool:
+        try:  # the port can stay busy for a moment after the crash
+            restarted.append(s3_server.start(Path(s3.log_path).parent, port=port))
+        except (s3_server.S3StartError, PortInUseError):
+            return False
+        return True
+
+    assert wait_until(restart, timeout_s=60, interval_s=1.0), "S3 did not start again"
+    (restarted,) = restarted
+    try:
+        left = _s3_keys(restarted, prefix)
+        assert f"{prefix}manifests/0000000001.json" in left  # the anchor the second attempt verified
+        resumed = job.model_copy(update={"resume_from": checkpoint.format(2)})
+        capfd.readouterr()
+        run(resumed)  # in this process: nothing to kill here, and one interpreter start less
+        out = capfd.readouterr()
+        third = out.out + out.err
+        assert f"removed {len(left)} objects under s3://{s3.bucket}/{prefix} left by an earlier attempt" in third
+        verified = VERIFIED.findall(third)
+        assert [int(v[0]) for v in verified] == [2, 3] and all(v[2] == v[4] == f"step-{v[0]}" for v in verified)
+        anchors = {h["step"]: h["weight_sync/anchor"] for h in _history(tmp_path) if h["step"] > 2}
+        assert anchors == {3: 1.0, 4: 0.0}  # the resumed chain starts with an anchor
+        assert _s3_keys(restarted, prefix) == []
+    finally:
+        s3_server.stop(restarted)
+    # what both replicas serve is checkpoint 3's policy (version 3), and so are the chain's checksums
+    policy = AutoModelForCausalLM.from_pretrained(checkpoint.format(3), dtype=torch.float32)
+    ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
+    for member in replica_set.members:
+        served = VLLMClient(member.endpoint).prompt_logprobs(ids)
+        assert max(abs(a - b) for a, b in zip(served, policy_logprobs(policy, ids), strict=True)) < 1e-4
+    published = checkpoint_state_dict(policy.state_dict(), policy)
+    manifest = {"version": 3, "anchor": 2, "depth": 1,
+                "tensors": {n: {"sha256": tensor_sha256(t.contiguous())} for n, t in published.items()}}
+    assert json.loads((tmp_path / "out" / "weight_lineage.json").read_text()) == lineage_of(manifest)
 
 
 def test_multi_turn_tool_rollouts_on_two_replicas(tmp_path, tiny_model_path, tiny_tokenizer, replica_set, capfd):
