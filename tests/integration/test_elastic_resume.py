@@ -215,22 +215,17 @@ def test_one_plain_process_resumed_on_two(data, reference, tiny_model_path, tmp_
 def test_lora_under_zero3_on_two_processes_resumed_on_one(data, tiny_model_path, tmp_path, capsys):
     """LoRA (``train.peft``) under ZeRO-3: the base weights are frozen (in no optimizer partition) and only the
     adapter's partitions, with their Adam moments, go through the Universal Checkpoint. A 2-process run's step-2
-    checkpoint continued by one process matches the run's own step 3."""
+    checkpoint continued by one process matches the run's own steps 3 and 4 (step 4 after an update made with the
+    converted moments; measured 2026-11-27: at most 4e-7 on loss, 8e-7 on grad norm)."""
     root, rows, recorded = data
     lora = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
-    launch(_job(tmp_path / "two", tiny_model_path, rows, recorded, processes=2, deepspeed=True, max_steps=3,
-                peft=lora))
+    launch(_job(tmp_path / "two", tiny_model_path, rows, recorded, processes=2, deepspeed=True, peft=lora))
     checkpoint = tmp_path / "two" / "out" / f"checkpoint-{KILL_AT}"
     assert read_gang(checkpoint).peft == {"r": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]}
-    launch(_job(tmp_path / "one", tiny_model_path, rows, recorded, processes=1, deepspeed=True, max_steps=3,
-                peft=lora, resume_from=str(checkpoint)))
+    launch(_job(tmp_path / "one", tiny_model_path, rows, recorded, processes=1, deepspeed=True, peft=lora,
+                resume_from=str(checkpoint)))
     out = capsys.readouterr().out
     assert f"[checkpoint] resuming step {KILL_AT} saved by 1 node x 2 processes on 1 node x 1 process (universal " \
            "conversion " in out, out[-3000:]
-    reference, resumed = _steps(tmp_path / "two"), _steps(tmp_path / "one")
-    assert sorted(resumed) == [1, 2, 3]
-    ref, got = reference[3], resumed[3]
-    assert ref["grad_norm"] > 0 and ref["loss"] != 0
-    for key, rel in (("loss", 1e-5), ("grad_norm", 1e-5), ("reward", 1e-6), ("learning_rate", 1e-9)):
-        assert math.isclose(got[key], ref[key], rel_tol=rel), (key, got, ref)
-    assert _prompts(tmp_path / "one") == {3: _prompts(tmp_path / "two")[3]}
+    _assert_continues(_steps(tmp_path / "one"), _steps(tmp_path / "two"))
+    _assert_prompts_continue(tmp_path / "one", tmp_path / "two")
