@@ -1,12 +1,13 @@
-"""Adam's step counts after DeepSpeed's universal load (:func:`grpo_steps.training.gang.separate_step_counts`): one
-count per parameter's state again, and each on the device torch's Adam reads it from: the CPU for the for-each and
-single-tensor kernels, the parameter's device for the fused and capturable ones (torch's ``Adam._init_group``). The
-GPU case is a ``meta`` parameter here: any device other than the CPU shows the choice."""
+"""The optimizer after DeepSpeed's universal load (:mod:`grpo_steps.training.gang`). Adam's step counts
+(:func:`~grpo_steps.training.gang.separate_step_counts`): one count per parameter's state again, and each on the
+device torch's Adam reads it from: the CPU for the for-each and single-tensor kernels, the parameter's device for the
+fused and capturable ones (torch's ``Adam._init_group``); the GPU case is a ``meta`` parameter here: any device other
+than the CPU shows the choice. Each group's own settings (:func:`~grpo_steps.training.gang.restore_group_settings`)."""
 
 import pytest
 import torch
 
-from grpo_steps.training.gang import separate_step_counts
+from grpo_steps.training.gang import restore_group_settings, separate_step_counts
 
 
 class Wrapper:
@@ -66,3 +67,18 @@ def test_a_count_already_on_the_right_device_and_not_shared_is_left_alone():
     kept = [optimizer.state[p]["step"] for p in params]
     assert separate_step_counts(optimizer) == 0
     assert all(optimizer.state[p]["step"] is k for p, k in zip(params, kept, strict=True))
+
+
+def test_each_group_gets_its_own_settings_back_after_the_universal_load():
+    """DeepSpeed 0.19.8's ZeRO-3 universal load gives every group the checkpoint's group 0 settings: the no-decay
+    group (biases, norms) would be decayed."""
+    optimizer, params = _two_groups()
+    saved = [{**g, "params": [i]} for i, g in enumerate(optimizer.state_dict()["param_groups"])]
+    for group in optimizer.param_groups:  # what the load leaves
+        group.update(weight_decay=0.1, betas=(0.5, 0.999))
+    assert restore_group_settings(Wrapper(optimizer), saved) == 3  # group 0's betas, group 1's betas and decay
+    assert [(g["weight_decay"], g["betas"]) for g in optimizer.param_groups] == [(0.1, (0.9, 0.999)),
+                                                                                 (0.0, (0.9, 0.999))]
+    assert [g["params"] for g in optimizer.param_groups] == [[params[0]], [params[1]]]  # the parameters untouched
+    with pytest.raises(ValueError, match="holds 1 optimizer parameter groups, the optimizer 2"):
+        restore_group_settings(optimizer, saved[:1])
