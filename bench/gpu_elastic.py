@@ -30,7 +30,7 @@ ROWS_PER_STEP = 8  # completions per optimizer step over all GPUs: 2 prompts x 4
 
 
 def job(workdir: Path, model_path: str, rows: list[dict], recorded: str, gpus: int, steps: int, kill_at: int,
-        resume_from: str | None = None):
+        resume_from: str | None = None, weight_decay: float = 1.0):
     import yaml
 
     from grpo_steps.config import validate_config
@@ -38,7 +38,8 @@ def job(workdir: Path, model_path: str, rows: list[dict], recorded: str, gpus: i
 
     config = yaml.safe_load((REPO / "configs" / "test.yaml").read_text())
     config["train"].update(max_steps=steps, save_steps=kill_at, processes_per_node=gpus, deepspeed=True,
-                           trust_checkpoint=True, per_device_train_batch_size=ROWS_PER_STEP // gpus)
+                           trust_checkpoint=True, per_device_train_batch_size=ROWS_PER_STEP // gpus,
+                           grpo={"weight_decay": weight_decay})
     config["generation"].update(backend="recorded", recorded_file=recorded)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -58,6 +59,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--kill-at", type=int, default=2, help="the step whose checkpoint is resumed")
     parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument("--weight-decay", type=float, default=1.0,
+                        help="large, so that each parameter group's own settings matter (DeepSpeed 0.19.8's universal "
+                             "load gave every group group 0's: grpo_steps.training.gang.restore_group_settings)")
     parser.add_argument("--force-universal", action="store_true",
                         help="convert and load the Universal Checkpoint even when --from equals --to")
     args = parser.parse_args()
@@ -83,11 +87,12 @@ def main() -> int:
         recorded = root / "recorded.jsonl"
         recorded.write_text("".join(json.dumps({"question": r["prompt"][-1]["content"], "completions": [
             f"Answer: {r['answer']}", str(r["answer"]), "Answer: 1000", "I do not know"]}) + "\n" for r in rows))
-        launch(job(root / "reference", model_path, rows, str(recorded), args.source, args.steps, args.kill_at))
+        launch(job(root / "reference", model_path, rows, str(recorded), args.source, args.steps, args.kill_at,
+                   weight_decay=args.weight_decay))
         checkpoint = root / f"checkpoint-{args.kill_at}"
         shutil.copytree(root / "reference" / "out" / f"checkpoint-{args.kill_at}", checkpoint)
         resumed = job(root / "resumed", model_path, rows, str(recorded), args.target, args.steps, args.kill_at,
-                      resume_from=str(checkpoint))
+                      resume_from=str(checkpoint), weight_decay=args.weight_decay)
         if args.force_universal and args.source == args.target:
             print(f"[bench] universal conversion {to_universal(checkpoint):.1f} s (forced)", flush=True)
             resumed = resumed.model_copy(update={"resume_universal": True})

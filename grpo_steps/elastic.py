@@ -16,7 +16,9 @@ shape, the optimizer and the prompts per optimizer step. :func:`prepare_resume` 
 - prints ``[checkpoint] resuming step N saved by 2 nodes x 1 process on 1 node x 2 processes (universal conversion
   12.3 s)`` and tags the MLflow run (``resume/*``).
 
-Plain DDP, one process and LoRA checkpoints hold full replicas (or the adapter): they need no conversion.
+Plain DDP and one-process checkpoints hold full replicas (of the adapter, with LoRA): they need no conversion. LoRA
+under ZeRO-3 is converted like full training: the optimizer's partitions hold the adapter only (the frozen base is
+the model's).
 
 This module imports neither torch nor DeepSpeed at module level.
 """

@@ -93,7 +93,7 @@ def build_trainer(job: TrainJob, args, model, tokenizer, started: float):
     from datasets import Dataset
 
     from grpo_steps.tools import environment_factories, tool_functions, trl_environment_factory
-    from grpo_steps.training.gang import GangManifestCallback, SeparateStepCounts
+    from grpo_steps.training.gang import GangManifestCallback, RepairUniversalLoad
     from grpo_steps.training.zero_signal import mode_for
 
     cfg = job.config
@@ -103,7 +103,7 @@ def build_trainer(job: TrainJob, args, model, tokenizer, started: float):
     cursor = prompt_cursor(job, args, rows)
     first.insert(0, GangManifestCallback(cfg, cursor))  # writes into each checkpoint before the datastore upload
     if job.resume_universal:
-        first.append(SeparateStepCounts())
+        first.append(RepairUniversalLoad(job.resume_from))
     trainer = trainer_class(
         model=model,
         reward_funcs=reward_functions(cfg),

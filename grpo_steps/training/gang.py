@@ -1,9 +1,11 @@
 """What a checkpoint records for a resume on another gang: the gang that saved it (:data:`grpo_steps.elastic.GANG_FILE`)
 and the prompt cursor (:data:`grpo_steps.training.cursor.CURSOR_FILE`), written into each ``checkpoint-N`` before the
-datastore upload (:class:`grpo_steps.training.callbacks.DatastoreCheckpointCallback`) reads it."""
+datastore upload (:class:`grpo_steps.training.callbacks.DatastoreCheckpointCallback`) reads it; and the repair of
+what DeepSpeed's universal load leaves wrong in the optimizer (:class:`RepairUniversalLoad`)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -61,12 +63,62 @@ def separate_step_counts(optimizer) -> int:
     return changed
 
 
-class SeparateStepCounts(TrainerCallback):
-    """At train begin (after the checkpoint is loaded), :func:`separate_step_counts` of the trainer's optimizer: for a
-    job that loads a Universal Checkpoint (``TrainJob.resume_universal``)."""
+def saved_param_groups(checkpoint: str | os.PathLike) -> list[dict]:
+    """The optimizer's parameter groups (their settings; ``params`` as indices) in the Universal Checkpoint of the
+    trainer checkpoint ``checkpoint`` (``<latest_universal>/zero/optimizer_state.pt``, written by ``ds_to_universal``
+    from the base optimizer's state dict: every group, in order). Unpickled as DeepSpeed itself loads it (a resumed
+    ZeRO checkpoint is trusted: ``train.trust_checkpoint``)."""
+    import torch
+
+    checkpoint = Path(checkpoint)
+    tag = (checkpoint / "latest_universal").read_text().strip()
+    state = torch.load(checkpoint / tag / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False)
+    return state["optimizer_state_dict"]["param_groups"]
+
+
+def restore_group_settings(optimizer, saved_groups: list[dict]) -> int:
+    """Give each parameter group back its own settings (``weight_decay``, ``betas``, ``lr``, ...) from
+    ``saved_groups`` (:func:`saved_param_groups`, group ``i`` for group ``i``); returns how many settings changed.
+    DeepSpeed 0.19.8's ZeRO-3 universal load (``load_hp_checkpoint_state_from_checkpoint_dir_stage3``) copies the
+    settings of the checkpoint's group 0 onto every group: with transformers' decay / no-decay groups, the no-decay
+    parameters (biases, norm weights) are then decayed from the first resumed step on (measured with weight_decay
+    1.0: the second resumed step's grad norm 7.6e-5 relative off, the same process count reloading its own
+    checkpoint). ``optimizer``: the trainer's (accelerate's wrapper of DeepSpeed's, of torch's).
+
+    Raises:
+        ValueError: the checkpoint holds another number of groups than the optimizer (another model or LoRA shape,
+            which :func:`grpo_steps.elastic.refusal` refuses before the run starts).
+    """
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    groups = optimizer.param_groups
+    if len(groups) != len(saved_groups):
+        raise ValueError(f"the Universal Checkpoint holds {len(saved_groups)} optimizer parameter groups, the "
+                         f"optimizer {len(groups)}: it was saved for another model or LoRA shape")
+    changed = 0
+    for group, saved in zip(groups, saved_groups, strict=True):
+        for key, value in saved.items():
+            if key != "params" and group.get(key) != value:
+                group[key] = value
+                changed += 1
+    return changed
+
+
+class RepairUniversalLoad(TrainerCallback):
+    """At train begin (after the checkpoint is loaded), for a job that loads a Universal Checkpoint
+    (``TrainJob.resume_universal``) from ``checkpoint``: each parameter group's own settings back
+    (:func:`restore_group_settings`), then :func:`separate_step_counts` of the trainer's optimizer."""
+
+    def __init__(self, checkpoint: str | os.PathLike) -> None:
+        self.checkpoint = checkpoint
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
-        if optimizer is not None and separate_step_counts(optimizer) and state.is_world_process_zero:
-            print("[checkpoint] universal load: one Adam step count per parameter group again, on the device its "
-                  "kernel reads it from (DeepSpeed shares one CPU tensor between them)", flush=True)
+        if optimizer is None:
+            return control
+        settings = restore_group_settings(optimizer, saved_param_groups(self.checkpoint))
+        counts = separate_step_counts(optimizer)
+        if state.is_world_process_zero and (settings or counts):
+            print(f"[checkpoint] universal load repaired: {settings} parameter-group settings put back (DeepSpeed "
+                  f"gives every group group 0's), {counts} Adam step counts made one per group on the device its "
+                  "kernel reads them from (DeepSpeed shares one CPU tensor)", flush=True)
         return control

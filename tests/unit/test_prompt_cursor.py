@@ -108,6 +108,22 @@ def test_what_cannot_be_resumed_is_refused_with_the_reason(new, reason):
     assert found is None if reason is None else reason in found
 
 
+LORA = {"r": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]}
+
+
+@pytest.mark.parametrize(("peft", "reason"), [
+    (LORA, None),  # the same adapter on another gang: resumable (its ZeRO-3 partitions converted)
+    ({**LORA, "r": 16}, "holds LoRA {'r': 8, 'alpha': 16.0, 'target_modules': ['q_proj', 'v_proj']}, this run's "
+                        "train.peft is {'r': 16"),
+    ({**LORA, "target_modules": ["q_proj"]}, "this run's train.peft is {'r': 8, 'alpha': 16.0, 'target_modules': "
+                                             "['q_proj']}"),
+    (None, "this run's train.peft is none"),
+])
+def test_a_lora_zero3_checkpoint_continues_only_with_its_adapter_shape(peft, reason):
+    found = refusal(Gang(1, 2, 3, "m", LORA, "adamw_torch", 2), Gang(1, 1, 3, "m", peft, "adamw_torch", 2))
+    assert found is None if reason is None else reason in found, found
+
+
 def test_each_new_process_gets_process_0s_rng_state(tmp_path):
     torch.save({"cpu": torch.random.get_rng_state()}, tmp_path / "rng_state_0.pth")
     torch.save({"cpu": torch.zeros(1)}, tmp_path / "rng_state_1.pth")
