@@ -10,7 +10,8 @@ Layout under the run's prefix ``s3://BUCKET/PREFIX/``::
 A manifest (JSON) holds the version, its publish ``id`` (a fresh token per publish: a version published again after a
 crash is another version to readers), ``base`` (``{"version", "id"}`` of the version the delta applies to; null for an
 anchor), ``anchor`` (version of the anchor its lineage starts from), ``depth`` (deltas since that anchor), the byte
-count of each object, and per tensor: dtype, shape, SHA-256 of the full tensor after apply, encoding (``zstd``: its
+count of each object, ``checksum`` (the algorithm, ``xxh3_128``), and per tensor: dtype, shape, ``checksum`` of the
+full tensor after apply, encoding (``zstd``: its
 bytes; ``xor-zstd``: the XOR of its bit pattern with the base's; ``same``: bit-identical to the base, no bytes), key,
 offset and length in that object. The XOR is taken on the weights as served, in the serving dtype: an element that
 did not move has an all-zero XOR, which zstd packs to almost nothing; one that moved a little shares its sign, exponent
@@ -20,13 +21,18 @@ Encoding, measured on the 30 optimizer steps of a real run of SmolLM2-135M on ``
 (``bench/weight_delta.py``, docs/benchmarks.md, 2-core CPU box, 2026-11-27): in bf16 a median 1.4 % of the elements
 change per step and a XOR+zstd delta is a median 2.4 % of the anchor's bytes (5.0 MB vs 210 MB; 10 % after the first
 step, 0.5 % after the last); in fp32 99.6 % change and a delta is 57 % of the anchor (the XOR still drops the shared
-high bits). On the same deltas (share of the raw tensor bytes, median): XOR+zstd level 1 1.94 % (bf16) and 48.6 %
-(fp32); index/value pairs (int32 index + value) 4.37 % and 199 %, 3.62 % and 158 % with zstd on top: XOR+zstd leaves the
-positions implicit in runs of zeros. zstd level 3 gained nothing over level 1 (1.95 %, 48.1 %), so level 1 it is.
-XOR+zstd also needs no density threshold to switch encodings.
+high bits). Index/value pairs (int32 index + value) were 2x larger in bf16 (4.37 % of the raw bytes against 1.94 %) and
+4x slower to make: XOR+zstd leaves the positions implicit in runs of zeros and needs no density threshold; zstd level 3
+gained nothing over level 1.
+
+Speed (docs/benchmarks.md, "The same push after the speed work"): tensors are encoded and decoded on ``threads`` threads
+(numpy's XOR and count, zstd and xxhash release the GIL), data objects upload while the next tensors encode, and no
+push takes fresh memory: a fresh page faults in slower than zstd runs on this VM, so the publisher's private copy goes
+into a retired baseline's tensors, XORs into kept scratch buffers, and a reader decodes into its local copy's tensors,
+XORing a delta in place (and out again when its checksum refuses it).
 
 Readers follow ``base`` links from the wanted version back to its anchor (or to the version their local copy holds)
-and apply forward, checking every tensor's SHA-256 after apply; a version whose manifest is absent does not exist, so a
+and apply forward, checking every tensor's checksum after apply; a version whose manifest is absent does not exist, so a
 publisher killed mid-version leaves nothing visible (its orphaned data is removed by :meth:`WeightChain.retain`).
 The baseline advances only on :meth:`WeightChain.commit` (after every replica has loaded the version): a version that
 was published but not committed is never a base.
@@ -35,7 +41,8 @@ Sources of the idea: SkyRL's delta weight sync through object storage (``weight_
 s3://``), slime's per-tensor checksums and refusal of an out-of-order base (``--update-weight-mode delta``), NeMo-RL's
 sparse S3 refit whose baseline advances only after a global commit (``refit_transport: vllm_s3_sparse``).
 
-Pure: torch, zstandard and boto3 (imported lazily), nothing of the project, so a vLLM worker extension can import it.
+Pure: numpy, torch, zstandard, xxhash and boto3 (all but numpy imported lazily), nothing of the project, so a vLLM
+worker extension can import it.
 S3 calls go through one boto3 client with botocore's own bounded retries (``standard`` mode); there is no retry loop
 here except one re-read of an object whose tensor failed its checksum.
 """
@@ -71,7 +78,7 @@ class VersionNotFoundError(ChainError, LookupError):
 
 
 class ChainCorruptError(ChainError):
-    """A tensor failed its SHA-256 after apply (or its bytes could not be decoded) twice, the object re-read once in
+    """A tensor failed its checksum after apply (or its bytes could not be decoded) twice, the object re-read once in
     between; the message names the version, the tensor and the object key."""
 
 
@@ -478,9 +485,10 @@ class WeightChain:
     def fetch(self, version: int, into: LocalCopy | None = None) -> dict:
         """Bring ``into`` (a new :class:`LocalCopy` when None) to ``version`` and return its tensors (name -> CPU
         tensor in the serving dtype, shapes as published). Applies only the deltas after the copy's version when it
-        is in the lineage, else replays from the anchor; checks each tensor's SHA-256 after apply. A tensor that fails
+        is in the lineage, else replays from the anchor; checks each tensor's checksum after apply. A tensor that fails
         has its object read once more; failing again raises. While it runs, and after it raises, ``into.version`` is
-        None: a copy is never half one version and labelled as another.
+        None: a copy is never half one version and labelled as another. The tensors are the copy's own: the next
+        fetch into the same copy changes them in place.
 
         Raises:
             VersionNotFoundError: ``version`` (or a version it builds on) does not exist.
