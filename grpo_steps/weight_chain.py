@@ -5,7 +5,7 @@ Layout under the run's prefix ``s3://BUCKET/PREFIX/``::
 
     manifests/0000000007.json            version 7 exists iff this object exists (written after its data)
     data/0000000007-<id>/000.zst ...     its payload: each tensor's encoded bytes, one zstd frame per tensor, packed
-                                         into objects of at most ``object_bytes`` (one per push for a delta)
+                                         into objects of at most ``object_bytes`` (16 MB by default)
 
 A manifest (JSON) holds the version, its publish ``id`` (a fresh token per publish: a version published again after a
 crash is another version to readers), ``base`` (``{"version", "id"}`` of the version the delta applies to; null for an
