@@ -8,11 +8,13 @@ push so both see the same load:
 - ``s3``: :class:`grpo_steps.training.generation.s3.ChainWeightPush` on a local SeaweedFS (an anchor every
   ``--anchor-every`` versions, XOR+zstd deltas in between), split into anchor and delta pushes.
 
-    .venv/bin/python bench/s3_push.py [--replicas 1] [--pushes 8] [--anchor-every 4] [--dtype float32]
+    .venv/bin/python bench/s3_push.py [--replicas 1] [--pushes 8] [--anchor-every 4] [--dtype float32] [--changed F]
 
 Each push first moves every weight a little (``randn * 1e-4``, as an optimizer step moves them: in float32 nearly
-every element changes, in bfloat16 few do). Prints a Markdown table of medians (seconds) for docs/benchmarks.md; the
-first push of each arm (warm-up) is left out.
+every element changes, in bfloat16 ~15 % do); with ``--changed F`` only a random fraction ``F`` of the elements
+moves, each by 2 ** -7 of itself (1-2 bfloat16 ulps): ``--changed 0.014`` is the median step of ``make run`` in
+bfloat16 (bench/weight_delta.py, docs/benchmarks.md). Prints a Markdown table of medians (seconds; ``changed``: the
+share of elements whose bits changed) for docs/benchmarks.md; the first push of each arm (warm-up) is left out.
 """
 
 from __future__ import annotations
@@ -50,7 +52,11 @@ def main() -> None:
     parser.add_argument("--pushes", type=int, default=8)
     parser.add_argument("--anchor-every", type=int, default=4)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--changed", type=float, default=None,
+                        help="fraction of elements moved per push (default: all, by randn * 1e-4)")
     args = parser.parse_args()
+    if args.changed is not None and not 0 < args.changed <= 1:
+        parser.error(f"--changed must be in (0, 1], got {args.changed}")
     model_path = resolve_model(args.model)
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
@@ -77,7 +83,11 @@ def main() -> None:
         for push_index in range(args.pushes + 1):
             with torch.no_grad():
                 for p in model.parameters():
-                    p.add_(torch.randn_like(p) * 1e-4)
+                    if args.changed is None:
+                        p.add_(torch.randn_like(p) * 1e-4)
+                    else:
+                        moved = torch.rand(p.shape) < args.changed
+                        p.add_(torch.where(moved, p * torch.randn_like(p).sign() * 2 ** -7, 0))
             for arm, push in arms.items():
                 start = time.perf_counter()
                 state_dict = model.state_dict()
@@ -100,6 +110,7 @@ def main() -> None:
                 for key, value in (("write", parts["write_seconds"]), ("load", parts["reload_seconds"]),
                                    ("verify", done - pushed), ("total", done - start),
                                    ("MB", parts.get("bytes", float("nan")) / 1e6),
+                                   ("changed", parts.get("density", float("nan"))),
                                    ("fetch", parts.get("fetch_seconds", float("nan")))):
                     row.setdefault(key, []).append(value)
         arms["s3"].close()
@@ -112,13 +123,15 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f}, model {args.model} in {args.dtype}, {args.replicas} replica(s), "
-          f"{args.pushes} pushes per arm, anchor every {args.anchor_every} (medians)\n")
-    print("| push | n | written, MB | publish / write, s | fetch (in load), s | load (all replicas), s | verify, s | "
-          "total, s |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"{args.pushes} pushes per arm, anchor every {args.anchor_every}, "
+          f"{'all elements moved' if args.changed is None else f'{args.changed:.1%} of elements moved'} (medians)\n")
+    print("| push | n | written, MB | changed | publish / write, s | fetch (in load), s | load (all replicas), s | "
+          "verify, s | total, s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, row in rows.items():
         med = {k: statistics.median(v) for k, v in row.items()}
-        print(f"| {name} | {len(row['total'])} | {med['MB']:.1f} | {med['write']:.3f} | {med['fetch']:.3f} | "
+        print(f"| {name} | {len(row['total'])} | {med['MB']:.1f} | {med['changed']:.2%} | {med['write']:.3f} | "
+              f"{med['fetch']:.3f} | "
               f"{med['load']:.3f} | {med['verify']:.3f} | {med['total']:.3f} |")
     disk = statistics.median(rows["disk"]["total"])
     for name in ("s3 anchor", "s3 delta"):

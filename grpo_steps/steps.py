@@ -185,7 +185,7 @@ def register(cfg: PipelineConfig, *, run_id: str, model_dir: str, report: dict, 
              dataset_digest: str) -> dict:
     """Register the trained policy (see :func:`grpo_steps.register.register`), its version tagged with the SHA-256 of
     its weight files (``weights.sha256``) and, with ``weight_sync: s3``, the lineage of the last version the servers
-    loaded (``weight_lineage.*``: version, anchor, deltas, digest of its tensors' SHA-256s)."""
+    loaded (``weight_lineage.*``: version, anchor, deltas, digest of its tensors' checksums)."""
     from grpo_steps.register import register as register_version
 
     tracking.wait_reachable(cfg, "register")  # a tracking outage: wait a bounded time, then fail saying `resume`

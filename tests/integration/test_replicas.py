@@ -235,7 +235,7 @@ def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny
     from grpo_steps.servers.client import version_label
     from grpo_steps.training.generation.s3 import ChainWeightPush
     from grpo_steps.training.sampling import policy_logprobs
-    from grpo_steps.weight_chain import tensor_sha256
+    from grpo_steps.weight_chain import tensor_checksum
 
     for name, value in dev_s3_credentials().items():
         monkeypatch.setenv(name, value)
@@ -276,8 +276,9 @@ def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny
         from grpo_steps.weight_files import checkpoint_state_dict
 
         published = checkpoint_state_dict(model.state_dict(), model)
-        assert {n: e["sha256"] for n, e in manifest["tensors"].items()} == {
-            n: tensor_sha256(t.contiguous()) for n, t in published.items()}
+        assert manifest["checksum"] == "xxh3_128"
+        assert {n: e["checksum"] for n, e in manifest["tensors"].items()} == {
+            n: tensor_checksum(t.contiguous()) for n, t in published.items()}
 
         # a corrupted delta: every byte of its data objects flipped; refused by the checksum, nothing loaded
         import boto3

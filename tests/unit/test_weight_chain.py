@@ -120,6 +120,13 @@ def test_uncommitted_version_is_never_a_base(client, s3, prefix):
     assert _same_bits(_chain(client, s3, prefix).fetch(3, into=replica), states[2])
     with pytest.raises(ValueError, match="pending"):
         writer.commit(2)
+    # the publisher reuses the memory of replaced (2) and retired (1) baselines for its private copies: the
+    # committed base is never among them
+    writer.commit(3)
+    for version, state in ((4, states[0]), (5, states[1])):
+        writer.publish(state, version)
+        writer.commit(version)
+        assert _same_bits(_chain(client, s3, prefix).fetch(version, into=replica), state)
 
 
 def _two_versions(client, s3, prefix):
@@ -159,6 +166,73 @@ def test_corrupted_delta_is_refused_after_one_more_read(client, s3, prefix):
     assert copy.version is None  # half-applied: labelled as no version
     client.put_object(Bucket=s3.bucket, Key=key, Body=blob)  # repaired: the next fetch replays from the anchor
     assert _same_bits(reader.fetch(2, into=copy), states[1]) and copy.version == 2
+
+
+class _FlipOnFirstRead:
+    """An S3 client whose first GetObject of ``key`` arrives with one bit flipped at ``position`` (a transient
+    corruption on the way; the stored object is intact)."""
+
+    def __init__(self, client, key: str, position: int):
+        self.client, self.key, self.position, self.flipped = client, key, position, False
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def get_object(self, **kwargs):
+        import io
+
+        answer = self.client.get_object(**kwargs)
+        if kwargs["Key"] == self.key and not self.flipped:
+            self.flipped, body = True, bytearray(answer["Body"].read())
+            body[self.position] ^= 0x01
+            answer["Body"] = io.BytesIO(bytes(body))
+        return answer
+
+
+def test_transient_corruption_is_healed_by_the_second_read(client, s3, prefix):
+    import zstandard
+
+    from grpo_steps.weight_chain import LocalCopy
+
+    writer, states, key, blob = _two_versions(client, s3, prefix)
+    manifest = writer.manifest(2)
+    name, entry = next((n, e) for n, e in manifest["tensors"].items() if e["encoding"] == "xor-zstd")
+    frame = blob[entry["offset"]:entry["offset"] + entry["length"]]
+    good = zstandard.ZstdDecompressor().decompress(frame)
+
+    def still_decodes(i: int) -> bool:  # a flip zstd does not notice: the delta decodes, to wrong bits
+        flipped = bytearray(frame)
+        flipped[i] ^= 0x01
+        try:
+            bad = zstandard.ZstdDecompressor().decompress(bytes(flipped))
+        except zstandard.ZstdError:
+            return False
+        return len(bad) == len(good) and bad != good
+
+    position = entry["offset"] + next(i for i in range(len(frame) - 1, 0, -1) if still_decodes(i))
+    reader = _chain(_FlipOnFirstRead(client, key, position), s3, prefix)
+    copy = LocalCopy()
+    reader.fetch(1, into=copy)
+    # the bad delta is XORed into the copy, refused by the checksum, XORed out again, and the second read applies
+    assert _same_bits(reader.fetch(2, into=copy), states[1]) and copy.version == 2
+
+
+def test_manifest_names_its_checksum_algorithm(client, s3, prefix, monkeypatch):
+    import json
+
+    from grpo_steps import weight_chain
+    from grpo_steps.weight_chain import ChainError
+
+    writer, states, _, _ = _two_versions(client, s3, prefix)
+    assert {writer.manifest(v)["checksum"] for v in (1, 2)} == {"xxh3_128"}
+    monkeypatch.setattr(weight_chain, "CHECKSUM", "sha256")  # a publisher with another algorithm: readers follow it
+    writer.publish(states[0], 3)
+    assert writer.manifest(3)["checksum"] == "sha256"
+    assert _same_bits(_chain(client, s3, prefix).fetch(3), states[0])
+    key = f"{prefix}/manifests/{3:010d}.json"
+    client.put_object(Bucket=s3.bucket, Key=key, Body=json.dumps({**writer.manifest(3), "checksum": "md7"}).encode())
+    with pytest.raises(ChainError, match="unknown checksum algorithm 'md7'"):
+        _chain(client, s3, prefix).fetch(3)
 
 
 def test_truncated_object_is_refused(client, s3, prefix):

@@ -8,7 +8,7 @@ committed version in between; the manifest last). Every replica is told to prefe
 still generates), then loads it: ``/start_weight_update`` -> ``/update_weights {"s3": ..., "version": N}`` ->
 ``/finish_weight_update {"weight_version": "step-N"}`` (:meth:`grpo_steps.servers.client.VLLMClient.update_weights`;
 the replica's :class:`grpo_steps.vllm_worker.WeightUpdateEngine` fetches only the deltas after the version it holds,
-or replays from the anchor when it holds none of them, and checks every tensor's SHA-256 before loading anything).
+or replays from the anchor when it holds none of them, and checks every tensor's checksum before loading anything).
 :class:`grpo_steps.training.generation.push.VerifiedPush` then checks every replica's label and probe; only then is the
 version committed (the base of the next delta) and the versions before its anchor deleted. The run's prefix is
 removed when training ends (:meth:`ChainWeightPush.close`) and by the flow's ``end`` (:func:`remove_run_versions`).
@@ -29,12 +29,14 @@ from grpo_steps.weight_chain import ChainError, PublishStats, WeightChain, chain
 
 def lineage_of(manifest: dict) -> dict[str, str]:
     """What a registered model's tags say of the last version the servers loaded: its ``version``, the ``anchor`` its
-    chain starts from, the ``deltas`` applied since, and ``sha256``, a digest of its per-tensor SHA-256s (in name
-    order; the same weights give the same digest whatever the chain)."""
-    digest = hashlib.sha256("".join(f"{name}:{entry['sha256']};" for name, entry in
+    chain starts from, the ``deltas`` applied since, ``checksum`` (the manifest's per-tensor algorithm, e.g.
+    ``xxh3_128``) and ``sha256``, a SHA-256 digest of its per-tensor checksums (in name order; the same weights give
+    the same digest whatever the chain)."""
+    algorithm = manifest.get("checksum", "sha256")
+    digest = hashlib.sha256("".join(f"{name}:{entry.get('checksum', entry.get('sha256'))};" for name, entry in
                                     sorted(manifest["tensors"].items())).encode()).hexdigest()
     return {"version": str(manifest["version"]), "anchor": str(manifest["anchor"]), "deltas": str(manifest["depth"]),
-            "sha256": digest}
+            "checksum": algorithm, "sha256": digest}
 
 
 @dataclass
