@@ -98,7 +98,8 @@ def version_description(cfg: PipelineConfig, report: dict, *, run_url: str, run_
     if lineage:
         lines += ["", f"**Weights through S3** (`generation.weight_sync: s3`): the servers last loaded version "
                   f"{lineage['version']} in training (anchor {lineage['anchor']} + {lineage['deltas']} deltas, "
-                  f"tensors' SHA-256 digest `{lineage['sha256']}`; tags `weight_lineage.*`)."]
+                  f"SHA-256 digest of its tensors' {lineage.get('checksum', 'sha256')} checksums "
+                  f"`{lineage['sha256']}`; tags `weight_lineage.*`)."]
     lines += [
         "",
         f"**MLflow run**: [{run_url}]({run_url}) (training curves, system metrics, charts under Artifacts -> "

@@ -386,7 +386,7 @@ def test_s3_kill_mid_publish_and_an_outage_mid_push_then_resume(tmp_path, tiny_m
     from grpo_steps.dev import local_s3 as s3_server
     from grpo_steps.training.generation.s3 import lineage_of
     from grpo_steps.training.sampling import policy_logprobs
-    from grpo_steps.weight_chain import chain_of, tensor_sha256
+    from grpo_steps.weight_chain import chain_of, tensor_checksum
     from grpo_steps.weight_files import checkpoint_state_dict
 
     for name, value in dev_s3_credentials().items():  # this process reads the chain too
@@ -469,8 +469,8 @@ def test_s3_kill_mid_publish_and_an_outage_mid_push_then_resume(tmp_path, tiny_m
         served = VLLMClient(member.endpoint).prompt_logprobs(ids)
         assert max(abs(a - b) for a, b in zip(served, policy_logprobs(policy, ids), strict=True)) < 1e-4
     published = checkpoint_state_dict(policy.state_dict(), policy)
-    manifest = {"version": 3, "anchor": 2, "depth": 1,
-                "tensors": {n: {"sha256": tensor_sha256(t.contiguous())} for n, t in published.items()}}
+    manifest = {"version": 3, "anchor": 2, "depth": 1, "checksum": "xxh3_128",
+                "tensors": {n: {"checksum": tensor_checksum(t.contiguous())} for n, t in published.items()}}
     assert json.loads((tmp_path / "out" / "weight_lineage.json").read_text()) == lineage_of(manifest)
 
 
