@@ -129,8 +129,9 @@ class ServerGeneration:
 
     ``sync_weights()`` (every rank, collective under ZeRO-3): a verified push
     (:class:`~grpo_steps.training.generation.push.VerifiedPush`; version = the optimizer step that produced it)
-    every ``settings.sync_every`` optimizer steps; with a producer, it waits for its request in flight first
-    (``weight_sync/drain_seconds``) and lets none start until the push is verified.
+    every ``settings.sync_every`` optimizer steps; with a producer and pushes in flight (:meth:`_pushes_in_flight`)
+    the server freezes the request in flight (``/pause?mode=keep``) and continues it with the new weights, else the
+    push waits for it first (``weight_sync/drain_seconds``) and lets none start until the push is verified.
 
     Metrics (into the step's log): the push's (``weight_sync/*``), ``generation/wait_seconds`` (the trainer's wait for
     a generation batch's first turn), ``weight_sync/first_batch_logp_diff``, and with replicas whose answers say
