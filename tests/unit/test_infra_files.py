@@ -15,7 +15,7 @@ JSONS = sorted((REPO_ROOT / "infra").rglob("*.json"))
 API_VERSIONS = {  # kind -> apiVersion the manifests must use
     "Deployment": "apps/v1", "StatefulSet": "apps/v1", "Service": "v1", "ServiceAccount": "v1",
     "Role": "rbac.authorization.k8s.io/v1", "RoleBinding": "rbac.authorization.k8s.io/v1",
-    "NetworkPolicy": "networking.k8s.io/v1", "Secret": "v1", "ConfigMap": "v1",
+    "NetworkPolicy": "networking.k8s.io/v1", "Secret": "v1", "ConfigMap": "v1", "Namespace": "v1",
 }
 
 
@@ -85,3 +85,29 @@ def test_the_mlflow_server_gets_its_passwords_from_the_environment_and_installs_
     (install,) = re.findall(r"pip install ([^&]+)&&", script)
     packages = [word for word in install.split() if not word.startswith("-")]
     assert packages and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.]*", p) for p in packages), packages
+
+
+def _docs(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((REPO_ROOT / "infra" / "k8s" / name).read_text()) if d is not None]
+
+
+def test_mlflows_secrets_live_where_the_flows_account_has_no_rights():
+    """The flow's Role gets Secrets of its namespace by name (the run's token), and RBAC matches whole names only:
+    MLflow, its Postgres and every Secret they read are in a namespace of their own, which no RoleBinding of the
+    flow's account reaches (nor any ClusterRole); MLflow still answers the flow's namespace, at the configs' URI."""
+    flow_ns = load_config(REPO_ROOT / "configs/multinode.yaml").resources.namespace
+    mlflow = _docs("mlflow.yaml")
+    (namespace,) = [d["metadata"]["name"] for d in mlflow if d["kind"] == "Namespace"]
+    assert namespace != flow_ns
+    assert {d["metadata"].get("namespace") for d in mlflow if d["kind"] != "Namespace"} == {namespace}
+    secrets = json.dumps(mlflow)
+    for name in ("mlflow-postgres", "mlflow-admin", "mlflow-s3-credentials"):
+        assert f'"name": "{name}"' in secrets  # read by MLflow's pods, so created in its namespace
+    rbac = _docs("rbac.yaml")
+    assert not [d for d in rbac if d["kind"].startswith("Cluster")]
+    assert {d["metadata"]["namespace"] for d in rbac} == {flow_ns}
+    (policy,) = [d for d in mlflow if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "mlflow"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": flow_ns}}}]
+    for config in ("configs/multinode.yaml", "configs/gpu-1node.yaml"):
+        assert load_config(REPO_ROOT / config).tracking.tracking_uri == f"http://mlflow.{namespace}.svc:5000"
