@@ -24,9 +24,9 @@ LONG = 300
 """Tokens of the completion in flight: long enough (seconds on the tiny model) for the push to land inside it."""
 
 
-def _running(client) -> float:
+def _engine(client) -> dict[str, float]:
     metrics = requests.get(f"{client.endpoint}/metrics", headers=dict(client._http.headers), timeout=10).text
-    return parse_engine_metrics(metrics).get("requests_running", 0.0)
+    return parse_engine_metrics(metrics)
 
 
 def test_a_push_in_flight_splits_a_completion_between_two_versions(tiny_server, tiny_model_path, tiny_tokenizer,
@@ -51,11 +51,17 @@ def test_a_push_in_flight_splits_a_completion_between_two_versions(tiny_server, 
         sampled["group"] = client.complete([ids], 1, max_tokens=LONG, temperature=1.0, versions=True,
                                            request={"ignore_eos": True})[0]
 
+    produced = _engine(client).get("generation_tokens", 0.0)
     producer = threading.Thread(target=sample)
     producer.start()
-    deadline = time.monotonic() + 60
-    while _running(client) < 1 and time.monotonic() < deadline:  # the request is in the engine's batch
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # the request is in the engine's batch and has sampled a few tokens
+        now = _engine(client)
+        if now.get("requests_running", 0.0) >= 1 and now.get("generation_tokens", 0.0) >= produced + 4:
+            break
         time.sleep(0.05)
+    else:
+        pytest.fail("the long request never started sampling within 300 s")
     client.pause_mode = "keep"
     try:
         client.update_weights({"path": new_dir, "direct": True}, version_label(1))
