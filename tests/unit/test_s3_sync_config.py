@@ -108,3 +108,24 @@ def test_start_checks_the_bucket_answers(s3, monkeypatch):
                         s3.bucket, "weight-sync/x")
     with pytest.raises(ChainStoreError, match=f"s3://{s3.bucket}/weight-sync/x/access-check"):
         wrong.check_access()
+
+
+def test_pushes_in_flight_are_refused_where_the_servers_cannot_take_them():
+    """``generation.async.in_flight: true`` needs full-weight pushes through the pipeline's engine: refused in
+    ``start`` with adapter pushes and on Kubernetes without ``s3`` (the pods run the engine only then); by default
+    (null) both drain instead, and Kubernetes with ``s3`` takes it."""
+    kube_disk = _on_kubernetes("disk")
+    kube_disk["resources"]["shared_volume_claim"] = "grpo-shared"
+    kube_disk["generation"]["sync_dir"] = "/shared/grpo-sync"
+    for config, says in (
+            ({"generation": {"async": {"in_flight": True}}, "train": {"peft": {"r": 8, "alpha": 16}}},
+             "train.peft.push 'adapter'"),
+            ({**kube_disk, "generation": {**kube_disk["generation"], "async": {"in_flight": True}}},
+             "only with weight_sync 's3'")):
+        with pytest.raises((ValueError, ConfigError), match=says):
+            validate_config(config)
+        config["generation"]["async"] = True  # in_flight null: accepted, pushes drain where they cannot be in flight
+        assert validate_config(config).generation.async_.in_flight is None
+    kube_s3 = _on_kubernetes()
+    kube_s3["generation"]["async"] = {"in_flight": True}
+    assert validate_config(kube_s3).generation.async_.in_flight is True
