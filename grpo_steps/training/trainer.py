@@ -18,7 +18,9 @@ methods and attributes (pinned by ``tests/unit/test_trl_contract.py``).
   batch with the weights TRL's separate scoring pass would use (:func:`grpo_steps.training.correction.applies`), the
   trainer skips that pass for training rounds and weighs the correction from the loss's logprobs
   (:class:`grpo_steps.training.correction.LossSideCorrection`, overrides of ``_compute_loss`` and
-  ``_get_per_token_logps_and_entropies``).
+  ``_get_per_token_logps_and_entropies``). With sampling filters that reshape what vLLM samples (``top_k``, ``top_p``,
+  ``min_p``, ``repetition_penalty``), the override of ``_generate`` puts the round's sampler logprobs on the policy's
+  support before TRL reads them (:func:`grpo_steps.training.correction.on_policy_support`).
 """
 
 from __future__ import annotations
@@ -174,9 +176,25 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
             self.vllm_importance_sampling_clip_max, self.args.steps_per_generation, self.replica_mismatch) \
             if correction.applies(self) else None
         self._weighing: dict | None = None  # the micro-batch whose loss is being computed, while it is weighed
+        # filters that reshape what vLLM samples: the sampler's logprobs go on the policy's support before TRL's
+        # correction (or its off-policy mask) reads them (grpo_steps.training.correction.on_policy_support)
+        self.sampling_settings = server.gen
+        self.replays_sampling = server.gen.reshapes_sampling and (
+            self.vllm_importance_sampling_correction or self.off_policy_mask_threshold is not None)
 
     def _sampled_version(self) -> int:
         return self.vllm_generation.sampled_version  # a verified push; with async, the one that sampled the batch
+
+    def _generate(self, prompts):
+        result = super()._generate(prompts)  # TRL's round: the first turns and the tool loop's
+        prompt_ids, completion_ids, tool_mask, _, sampling_logps, *_ = result
+        if not (self.replays_sampling and self.model.training and sampling_logps is not None):
+            return result
+        shifted, shifts = correction.on_policy_support(self.model, self.sampling_settings, prompt_ids,
+                                                       completion_ids, tool_mask, sampling_logps)
+        if shifts:
+            trl_hooks.log_metric(self, "sampling/support_log_mass/mean", sum(shifts) / len(shifts))
+        return (*result[:4], shifted, *result[5:])
 
     def _generate_and_score_completions(self, inputs):
         if self.loss_side_correction is not None and self.model.training:

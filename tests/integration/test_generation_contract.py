@@ -34,16 +34,28 @@ def _rollout(server, tokenizer, group: int = 4, **generation) -> dict:
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids}
 
 
-def test_temperature_and_top_k_train_with_the_first_batch_check_on(tmp_path, tiny_model_path, tiny_tokenizer,
-                                                                   tiny_server):
-    """Axolotl's quick start samples at 0.7; with a top-k filter too the server's logprobs are those of the filtered
-    distribution (processed logprobs), and the policy scores the batch under the same filter: they agree."""
-    run(job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint, train={"max_steps": 2},
-            generation={"temperature": 0.7, "top_k": 5, "repetition_penalty": 1.1}))
+@pytest.mark.parametrize("generation, grpo", [
+    ({"temperature": 0.7, "top_k": 5, "repetition_penalty": 1.1}, {}),  # the correction weighed in the loss
+    ({"temperature": 0.9, "top_p": 0.8, "min_p": 0.02, "importance_sampling": {"mode": "token_mask"}},
+     {"num_iterations": 2}),  # TRL's own scoring pass (two iterations per batch)
+])
+def test_sampling_filters_train_with_the_first_batch_check_on_and_an_unbiased_correction(
+        generation, grpo, tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
+    """Axolotl's quick start samples at 0.7; with filters too the server's logprobs are those of the filtered
+    distribution (processed logprobs), and the policy scores the batch under the same filters: they agree. The
+    mismatch correction compares the sampler's logprobs, put on the policy's support (trl #6789: without that its
+    ratio is the kept mass S of each token, far below 1 here), with the policy's: ratio 1 and no logp difference
+    beyond float32 noise, while the filters kept visibly less than all the mass."""
+    run(job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint,
+            train={"max_steps": 2, "grpo": grpo}, generation=generation))
     steps = history(tmp_path)
-    assert [h["step"] for h in steps] == [1, 2]
+    assert [h["step"] for h in steps] == [1, 2][::grpo.get("num_iterations", 1)]  # the steps that sampled
     for h in steps:
         assert h["weight_sync/first_batch_logp_diff"] < 1e-3  # float32 kernel noise, as at temperature 1
+        assert h["sampling/sampling_logp_difference/mean"] < 1e-3, h
+        assert abs(h["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, h
+        assert h["sampling/importance_sampling_ratio/min"] > 0.99, h  # no token's ratio is its kept mass
+        assert h["sampling/support_log_mass/mean"] < -0.05, h  # the filters dropped > 5 % of the mass on average
 
 
 def test_a_server_sampling_other_settings_is_caught(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server,

@@ -28,6 +28,10 @@ COLOCATE = {"generation": {"mode": "colocate"}, "resources": {"train": {"gpu": 1
     ({"generation": {"structured_outputs": {"choice": []}}}, "at least one non-empty string"),
     ({"generation": {"stop": [""]}}, "empty string"),
     ({"generation": {"stop_token_ids": [-1]}}, "must be token ids"),
+    # TRL's own vLLM paths compare vLLM's filtered logprobs with the policy's unfiltered ones (trl #6789)
+    ({**COLOCATE, "generation": {**COLOCATE["generation"], "top_p": 0.9}}, "every ratio carries the kept mass"),
+    ({"generation": {"weight_sync": "nccl", "min_p": 0.05}, "resources": {"train": {"gpu": 1}}},
+     "Use mode 'server' with weight_sync 'disk' or 's3'"),
     # sampling keys belong to generation, not to train.grpo
     ({"train": {"grpo": {"top_k": 5}}}, "train.grpo.top_k is set by generation.top_k"),
     ({"train": {"grpo": {"min_p": 0.1}}}, "train.grpo.min_p is set by generation.min_p"),
@@ -72,6 +76,7 @@ def test_refused_before_anything_runs(data, named):
     {"eval": {"temperature": 0.0, "num_samples": 1, "k": [1]}},
     {"eval": {"k": [2], "num_samples": 2}},  # pass@1 is reported anyway (the gate's metric)
     {**COLOCATE, "train": {"grpo": {"vllm_gpu_memory_utilization": 0.5, "ds3_gather_for_generation": False}}},
+    {**COLOCATE, "generation": {**COLOCATE["generation"], "top_k": 20, "importance_sampling": {"mode": "off"}}},
     {"generation": {"backend": "hf"}, "train": {"grpo": {"cache_implementation": "static"}}},
     {"data": {"mixture": [{"name": "sums v1.2"}, {"name": "chain-sum_2", "task": "chain_sum"}]}},
 ])
@@ -96,6 +101,7 @@ def test_trls_own_generation_gets_every_setting():
 
     cfg = validate_config({**COLOCATE, "generation": {**COLOCATE["generation"], "temperature": 0.7, "top_k": 20,
                                                       "min_p": 0.05, "repetition_penalty": 1.1, "stop": ["\n\n"],
+                                                      "importance_sampling": {"mode": "off"},
                                                       "structured_outputs": {"choice": ["yes", "no"]},
                                                       "chat_template_kwargs": {"enable_thinking": False}}})
     kwargs = config_grpo_kwargs(TrainJob(config=cfg, model_path="m", train_file="t", output_dir="o"), on_cpu=False)

@@ -41,6 +41,11 @@ def test_mismatch_modes_and_levels_are_trls():
 
 def test_the_vllm_gates_that_server_trainer_opens_are_where_it_expects():
     generate = inspect.getsource(trl.GRPOTrainer._generate)
+    # ServerGRPOTrainer._generate shifts the 5th of the round's 8 outputs, the sampler's logprobs, which TRL reads as
+    # sampling_per_token_logps (on_policy_support): the unpacking it relies on
+    score = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
+    assert ("( prompt_ids_list, completion_ids_list, tool_mask_list, completions, sampling_per_token_logps_list, "
+            "extra_fields, images, tool_images, ) = self._generate(prompts)") in " ".join(score.split())
     assert "if self.use_vllm and self.state.global_step != self._last_loaded_step:" in generate
     assert "self.vllm_generation.sync_weights()" in generate
     assert generate.index("self.vllm_generation.sync_weights()") < generate.index("self.rollout_func(prompts, self)")
