@@ -153,3 +153,35 @@ def test_trls_scoring_pass_stays_where_the_loss_cannot_replace_it(tmp_path, chan
     assert applies(reads({}))  # the default: one iteration, a generation batch per optimizer step, keep
     assert applies(reads({"train": {"zero_signal_groups": "resample"}}))
     assert not applies(reads(change))
+
+
+def test_the_sampler_logprobs_go_on_the_policys_support_token_by_token(tiny_model_path):
+    """``on_policy_support`` adds log pi_T(y) - log q_pi(y) to each policy token's sampler logprob, computed by hand
+    here from the policy's logits with top-k 3 at temperature 0.7 (log of the mass the top 3 keep); tool-answer
+    tokens (tool_mask 0) and tokens vLLM could not score (None) are left as they are."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_steps.config import GenerationConfig
+    from grpo_steps.training.correction import on_policy_support
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, torch_dtype=torch.float32)
+    gen = GenerationConfig(temperature=0.7, top_k=3)
+    prompt, completion = [1, 5, 9, 13], [4, 8, 2, 7, 6]
+    tool_mask = [1, 1, 0, 0, 1]
+    sampler = [-0.5, None, 0.0, 0.0, -1.25]
+    (shifted,), shifts = on_policy_support(model, gen, [prompt], [completion], [tool_mask], [sampler])
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1] / 0.7  # (C, V)
+    full = logits.log_softmax(-1)
+    top3 = logits.topk(3, dim=-1)
+    by_hand = []
+    for t, token in enumerate(completion):
+        kept = torch.full_like(logits[t], float("-inf")).scatter(0, top3.indices[t], top3.values[t])
+        if kept[token] == float("-inf"):  # the sampled token outside the policy's top 3 keeps its logit
+            kept[token] = logits[t, token]
+        by_hand.append(float(full[t, token] - kept.log_softmax(-1)[token]))
+    assert shifted[0] == pytest.approx(-0.5 + by_hand[0], abs=1e-5)
+    assert shifted[1] is None and shifted[2:4] == [0.0, 0.0]
+    assert shifted[4] == pytest.approx(-1.25 + by_hand[4], abs=1e-5)
+    assert shifts == pytest.approx([by_hand[0], by_hand[4]], abs=1e-5)
+    assert all(s < 0 for s in shifts)  # top-k keeps less than the whole mass
