@@ -8,7 +8,9 @@ each from the base weights, against one local vLLM server (started as the pipeli
 ``--logprobs-mode processed_logprobs``), and prints a Markdown table of TRL's mismatch metrics, mean over the steps:
 ``sampling/sampling_logp_difference/mean`` (|sampler logp - policy logp| per token; the policy's logprobs at the
 sampling temperature, without filters), the first-batch check's value (the policy scored under the same filters as
-the sampler) and the importance-sampling ratio. Evaluation during training is turned off.
+the sampler) and the importance-sampling ratio, the mean shift that put the sampler's logprobs on the policy's
+support (``sampling/support_log_mass/mean``, log of the kept mass; set only with filters) and TRL's ``step_time``
+(seconds per step, the shift's forwards included). Evaluation during training is turned off.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from grpo_steps.training.entry import run
 from grpo_steps.training.job import TrainJob
 
 METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
-           "weight_sync/first_batch_logp_diff", "sampling/importance_sampling_ratio/mean", "reward")
+           "weight_sync/first_batch_logp_diff", "sampling/importance_sampling_ratio/mean",
+           "sampling/importance_sampling_ratio/min", "sampling/support_log_mass/mean", "reward", "step_time")
 
 
 def _setting(text: str) -> dict:
