@@ -39,10 +39,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_tiny_flow(workdir: Path) -> None:
+def run_tiny_flow(workdir: Path, config: Path) -> None:
     from tests.integration.flowrun import flow_env, run_flow
 
-    code, out = run_flow(workdir, flow_env(), ["--config", "config", str(REPO / "configs" / "test.yaml"), "run"])
+    code, out = run_flow(workdir, flow_env(), ["--config", "config", str(config.resolve()), "run"])
     if code != 0:
         raise SystemExit(f"the tiny flow failed:\n{out[-4000:]}")
 
@@ -178,13 +178,15 @@ class Browser:
         shutil.rmtree(self.profile, ignore_errors=True)
 
 
-def take(browser: Browser, base: str, routes: dict[str, str], out: Path, settle_s: float) -> None:
-    """Open each route, close the assistant panel, filter the metric charts to the rewards, save the PNG."""
+def take(browser: Browser, base: str, routes: dict[str, str], out: Path, settle_s: float,
+         charts: str = "rewards/") -> None:
+    """Open each route, close the assistant panel, filter the metric charts to names holding ``charts``, save the
+    PNG."""
     for name, route in routes.items():
         browser.open(f"{base}/{route}", settle_s)
         print(f"assistant panel: {browser.evaluate(CLOSE_ASSISTANT)}", flush=True)
         if "/model-metrics" in route:
-            print(f"metric charts: {browser.evaluate(SEARCH_CHARTS % 'rewards/')}", flush=True)  # training curves
+            print(f"metric charts: {browser.evaluate(SEARCH_CHARTS % charts)}", flush=True)  # training curves
             time.sleep(settle_s)
         browser.screenshot(out / name)
         print(f"saved {out / name} ({route}; landed on {browser.evaluate('location.hash')})", flush=True)
@@ -196,6 +198,9 @@ def main(argv: list[str] | None = None) -> None:
                         "tiny flow in a scratch directory")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--settle-s", type=float, default=20.0, help="seconds each page gets to render")
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "test.yaml",
+                        help="the run config of the tiny flow (without --workdir)")
+    parser.add_argument("--charts", default="rewards/", help="the metric charts shown: names holding this text")
     args = parser.parse_args(argv)
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if not chromium:
@@ -203,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="grpo-screens-") as scratch:
         workdir = args.workdir or Path(scratch)
         if args.workdir is None:
-            run_tiny_flow(workdir)
+            run_tiny_flow(workdir, args.config)
         routes = pages(workdir.resolve())
         port = free_port()
         ui = serve_ui(workdir.resolve(), port)
@@ -211,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             args.out.mkdir(parents=True, exist_ok=True)
             browser = Browser(chromium)
-            take(browser, f"http://127.0.0.1:{port}", routes, args.out, args.settle_s)
+            take(browser, f"http://127.0.0.1:{port}", routes, args.out, args.settle_s, args.charts)
         finally:
             if browser is not None:
                 browser.close()

