@@ -2,7 +2,9 @@
 on the server path in training, evaluation runs the same multi-turn episodes for baseline and trained, tool metrics
 and whole conversations reach MLflow, and the registered model renders prompts with the configured chat template.
 A structured-outputs regex makes every turn a calculator call, so each episode is: call, the tool's answer, a second
-call that the iteration bound (1) leaves unexecuted."""
+call that the iteration bound (1) leaves unexecuted. Training runs with ``generation.async`` (as a user turns it on
+with tools): the producer prefetches each batch's first turns (pushes in flight), the trainer's tool loop samples the
+follow-up turns with the weights pushed by then."""
 
 import json
 import re
@@ -24,7 +26,9 @@ def tool_run(tmp_path_factory, tiny_server):
     import yaml
 
     workdir = tmp_path_factory.mktemp("tools")
-    path = config_file(workdir, on_server(yaml.safe_load(CONFIG.read_text()), tiny_server))
+    config = on_server(yaml.safe_load(CONFIG.read_text()), tiny_server)
+    config["generation"]["async"] = {"max_staleness": 1}
+    path = config_file(workdir, config)
     with completed_run(workdir, path) as (run, _):
         yield workdir, run
 
@@ -47,7 +51,16 @@ def test_training_and_evaluation_run_the_tool_loop(tool_run):
     client = MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
     run_id = run.data.mlflow_run_id
     history = {key: [m.value for m in client.get_metric_history(run_id, key)]
-               for key in ("tools/call_frequency", "tools/failure_frequency", "tools/turns_per_episode")}
+               for key in ("tools/call_frequency", "tools/failure_frequency", "tools/turns_per_episode",
+                           "async/staleness", "async/dropped", "async/missed", "async/tool_turn_version_lag",
+                           "async/token_staleness_max")}
+    # asynchronous with tools: first turns prefetched (step 1's sampled by the start weights, then within the bound),
+    # none dropped; every step's follow-up turns sampled now, by weights at most the bound newer than the first's
+    assert len(history["async/staleness"]) == cfg.train.max_steps and max(history["async/staleness"]) <= 1
+    assert history["async/dropped"] == [0.0] * cfg.train.max_steps
+    assert max(history["async/token_staleness_max"]) <= 1  # pushed in flight: per-token versions recorded
+    assert len(history["async/tool_turn_version_lag"]) == cfg.train.max_steps
+    assert all(0 <= lag <= 1 for lag in history["async/tool_turn_version_lag"])
     # every rollout: a call, its answer, a second call the bound leaves unexecuted -> 1 call executed, 2 turns
     assert history["tools/call_frequency"] == [1.0] * cfg.train.max_steps
     assert history["tools/failure_frequency"] == [0.0] * cfg.train.max_steps

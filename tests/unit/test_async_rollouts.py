@@ -164,10 +164,22 @@ def test_async_configs_that_cannot_work_are_refused(generation, train, message):
         validate_config(base)
 
 
-def test_async_with_tools_is_refused():
+class Counter:
+    """An environment for the config check (an importable factory)."""
+
+    def reset(self, **kwargs) -> str:
+        return ""
+
+
+def test_async_takes_tools_and_refuses_environments():
+    """Tools: the producer prefetches first turns, the trainer's tool loop samples the follow-ups. An environment is
+    reset per batch before its first turn, which a producer sampling ahead cannot wait for."""
     base = _config(**{"async": True})
     base["tools"] = ["grpo_steps.tools:calculator"]
-    with pytest.raises(ConfigError, match="generation.async prefetches whole first turns"):
+    assert validate_config(base).generation.async_.max_staleness == 1
+    del base["tools"]
+    base["environment"] = f"{__name__}:Counter"
+    with pytest.raises(ConfigError, match="an environment is reset per batch before its first turn"):
         validate_config(base)
 
 

@@ -226,6 +226,12 @@ class ServerGeneration:
         samples, version, waited = None, self.pushed_version, time.perf_counter()
         training = self.policy is not None and group > 1 and self.policy.model().training
         key = self.policy.micro_step() if self.policy is not None else -1
+        if group > 1:  # the first turns of the round: a follow-up turn's prompt starts with its episode's (sessions)
+            self._episodes = prompts[::group]
+        elif self.prefetcher is not None and self.policy is not None and self.policy.model().training:
+            # a tool loop's follow-up turn, sampled now by the pushed weights; its episode's first turn was
+            # prefetched (sampled_version): the episode crosses that many versions, each token's logprob its own
+            self.policy.log("async/tool_turn_version_lag", float(self.pushed_version - self.sampled_version))
         if training and self.settings.max_staleness is not None and self.prefetcher is None:
             self._start_async()  # the first training generation of this attempt
         if training and self.prefetcher is not None and key != self._served_key:
@@ -266,8 +272,6 @@ class ServerGeneration:
         unique = prompts[::group]
         fits = [i for i, p in enumerate(unique) if len(p) < self.settings.max_model_len]
         samples: list[list[dict]] = [[{"completion_ids": [], "logprobs": [], "versions": []}] * group for _ in unique]
-        if group > 1:
-            self._episodes = unique  # the first turns: a follow-up turn's prompt starts with its episode's
         if fits:
             room = self.settings.max_model_len - max(len(unique[i]) for i in fits)
             sampled = client.complete([unique[i] for i in fits], group,
