@@ -643,8 +643,7 @@ class GenerationConfig(_Section):
     @property
     def filters_logits(self) -> bool:
         """Whether the rollouts sample from more than the temperature-scaled policy (a sampling filter set)."""
-        return (self.top_p < 1 or self.top_k > 0 or self.min_p > 0 or self.repetition_penalty != 1
-                or self.structured_outputs is not None)
+        return self.reshapes_sampling or self.structured_outputs is not None
 
     @model_validator(mode="after")
     def _nccl_only_with_vllm(self) -> GenerationConfig:
