@@ -53,10 +53,10 @@ def test_a_directory_without_a_checkpoint_is_rejected_with_the_reason(tmp_path):
         resolve_reference(str(tmp_path / "empty"), node_index=0)
 
 
-def test_metrics_of_steps_an_earlier_attempt_logged_are_not_logged_again(tmp_path):
+def test_metrics_of_steps_an_earlier_attempt_logged_are_not_logged_again(tmp_path, mlflow_db):
     from mlflow import MlflowClient
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_db
     client = MlflowClient(tracking_uri=uri)
     run_id = client.create_run(client.create_experiment("t")).info.run_id
     first = MLflowMetricsCallback(run_id, uri)

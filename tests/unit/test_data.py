@@ -129,7 +129,7 @@ def test_bad_rows_are_dropped_counted_per_reason_with_their_lines(tmp_path, tiny
     assert "dropped 1 rows with a prompt over data.max_prompt_tokens=100: line 47" in log
 
 
-def test_prepare_data_step_logs_dropped_counts_and_lines_to_mlflow(tmp_path, tiny_model_path, capsys):
+def test_prepare_data_step_logs_dropped_counts_and_lines_to_mlflow(tmp_path, tiny_model_path, capsys, mlflow_db):
     """The step body the flow calls, on a real MLflow store: counts as metrics, first lines as tags."""
     import yaml
 
@@ -140,7 +140,7 @@ def test_prepare_data_step_logs_dropped_counts_and_lines_to_mlflow(tmp_path, tin
     config = yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text())
     config["data"] = {"source": "jsonl", "path": str(path), "num_train": 20, "num_eval": 10, "max_prompt_tokens": 100,
                       "max_unusable_share": 0.2}
-    config["tracking"] = {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}
+    config["tracking"] = {"tracking_uri": mlflow_db}
     cfg = validate_config(config)
     run_id = tracking.open_run(cfg, "GRPOFlow/1/start/1")
     _, data = steps.prepare_data(cfg, run_id, tiny_model_path)

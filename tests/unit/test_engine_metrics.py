@@ -174,7 +174,7 @@ def _job(endpoint: str, run_id: str | None = "run", **config):
                     server={"provider": "external", "endpoint": endpoint}, mlflow_run_id=run_id)
 
 
-def test_rank_0_logs_the_engine_metrics_at_the_trainers_step_in_mlflow(served, tmp_path):
+def test_rank_0_logs_the_engine_metrics_at_the_trainers_step_in_mlflow(served, tmp_path, mlflow_db):
     from mlflow import MlflowClient
     from transformers import TrainerControl, TrainerState
     from transformers.trainer_callback import CallbackHandler
@@ -182,7 +182,7 @@ def test_rank_0_logs_the_engine_metrics_at_the_trainers_step_in_mlflow(served, t
     from grpo_steps.training.callbacks import EngineMetricsCallback, MLflowMetricsCallback
     from grpo_steps.training.entry import callbacks
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_db
     client = MlflowClient(tracking_uri=uri)
     server = served(SERVER_TEXT)
     job = _job(server.url, client.create_run(client.create_experiment("t")).info.run_id,

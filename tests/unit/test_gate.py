@@ -51,7 +51,7 @@ def test_min_improvement_is_bounded_to_0_1(margin):
         validate_config({"registry": {"min_improvement": margin}})
 
 
-def test_settle_reads_again_when_another_registrar_created_the_alias_first(tmp_path):
+def test_settle_reads_again_when_another_registrar_created_the_alias_first(tmp_path, mlflow_db):
     """On SQLite two first writes of ``champion`` race on its unique key: the loser's write raises. It must read
     the alias and the contenders again, not fail the registration."""
     from mlflow import MlflowClient
@@ -79,7 +79,7 @@ def test_settle_reads_again_when_another_registrar_created_the_alias_first(tmp_p
     assert calls == ["2", "2"] and str(client.get_model_version_by_alias("policy", "champion").version) == "2"
 
 
-def test_settle_fails_when_the_alias_write_fails_and_nobody_else_wrote_it(tmp_path):
+def test_settle_fails_when_the_alias_write_fails_and_nobody_else_wrote_it(tmp_path, mlflow_db):
     """Any MLflow error used to count as a clash: a registrar without the right to set aliases ended as if another
     one had won, and the registration reported success."""
     from mlflow import MlflowClient
@@ -138,7 +138,7 @@ def _register(db: str, label: str, scores: list[float], barrier, write_delay_s: 
 @pytest.mark.slow  # two processes importing MLflow, ~15 s a case
 @pytest.mark.parametrize(("better_delay", "weaker_delay"), [(0, 0), (0, 1.5)],
                          ids=["together", "weaker-writes-late"])  # both fail when each registrar just sets the alias
-def test_two_concurrent_registrations_end_with_the_better_as_champion(tmp_path, better_delay, weaker_delay):
+def test_two_concurrent_registrations_end_with_the_better_as_champion(tmp_path, mlflow_db, better_delay, weaker_delay):
     from mlflow import MlflowClient
 
     db = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -231,7 +231,7 @@ def _registrar(tmp_path):
     return register, client
 
 
-def test_after_a_manual_rollback_the_next_registration_does_not_restore_the_rolled_back_version(tmp_path):
+def test_after_a_manual_rollback_the_next_registration_does_not_restore_the_rolled_back_version(tmp_path, mlflow_db):
     register, client = _registrar(tmp_path)
     assert register([0.5] * 10 + [0.0] * 10) == ("1", True, "1")
     assert register([1.0] * 20) == ("2", True, "2")  # v2 beats v1 on every prompt
@@ -244,7 +244,7 @@ def test_after_a_manual_rollback_the_next_registration_does_not_restore_the_roll
     assert register([1.0] * 20) == ("5", True, "5")  # v5 beats it and replaces it
 
 
-def test_without_a_champion_the_new_version_is_judged_on_its_own_comparison_not_the_all_time_best(tmp_path):
+def test_without_a_champion_the_new_version_is_judged_on_its_own_comparison_not_the_all_time_best(tmp_path, mlflow_db):
     register, client = _registrar(tmp_path)
     assert register([1.0] * 20) == ("1", True, "1")  # the all-time best
     client.delete_registered_model_alias("policy", "champion")  # the team clears the alias

@@ -84,7 +84,7 @@ def _unvalidated(tmp_path) -> PipelineConfig:
                                                 experiment_name="grpo", artifact_location=None))
 
 
-def test_mlflow_params_and_tags_hold_no_secret_even_past_validation(tmp_path):
+def test_mlflow_params_and_tags_hold_no_secret_even_past_validation(tmp_path, mlflow_db):
     cfg = _unvalidated(tmp_path)
     assert SECRET not in repr(cfg.flat_params())
     run_id = tracking.open_run(cfg, "GRPOFlow/1/start/1")

@@ -147,12 +147,12 @@ def test_an_environment_tool_in_process_is_cut_and_its_exit_is_an_error():
     assert with_timeout(huge, TIMEOUT_S, 10)(5) == "y" * 5
 
 
-def test_completion_tables_are_redacted(tmp_path):
+def test_completion_tables_are_redacted(tmp_path, mlflow_db):
     import mlflow
 
     from grpo_steps import tracking
 
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    client = mlflow.MlflowClient(tracking_uri=mlflow_db)
     run_id = client.create_run(client.create_experiment("t", artifact_location=str(tmp_path / "art"))).info.run_id
     secret = "hf_" + "A" * 30
     tracking.log_table(client, run_id, {"completion": [f"tool lookup: token={secret}", "fine"], "reward": [1.0, 0.0]},

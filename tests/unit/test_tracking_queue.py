@@ -16,10 +16,10 @@ def _table(step: int) -> dict[str, list]:
     return {"completion": [f"step {step} a", f"step {step} b"], "reward": [1.0, 0.0]}
 
 
-def test_every_step_and_table_once_and_a_held_table_not_appended_again(tmp_path):
+def test_every_step_and_table_once_and_a_held_table_not_appended_again(tmp_path, mlflow_db):
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    client = MlflowClient(tracking_uri=mlflow_db)
     run_id = client.create_run(client.create_experiment("q", artifact_location=str(tmp_path / "art"))).info.run_id
     queue = TrackingQueue(client, run_id, retry_s=0.1)
     for step in (1, 2):
@@ -60,10 +60,10 @@ def test_a_server_that_does_not_answer_fills_the_backlog_and_flush_says_what_to_
     assert not queue.thread.is_alive() or wait_until(lambda: not queue.thread.is_alive(), timeout_s=10)
 
 
-def test_a_refusal_for_good_is_dropped_not_retried_forever(tmp_path):
+def test_a_refusal_for_good_is_dropped_not_retried_forever(tmp_path, mlflow_db):
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    client = MlflowClient(tracking_uri=mlflow_db)
     queue = TrackingQueue(client, "f" * 32, retry_s=0.1)  # a run the server does not have (HTTP 404)
     queue.log({"reward": 1.0}, 1)
     queue.close(timeout_s=30)  # on main: retried every 0.1 s until close gave up (TrackingBacklog)

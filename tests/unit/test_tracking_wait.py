@@ -74,10 +74,10 @@ def test_a_failed_run_whose_tracking_server_is_away_is_reported_not_raised(capsy
             "ends it") in capsys.readouterr().out
 
 
-def test_a_failed_run_is_ended_with_its_status_and_the_failed_tasks(tmp_path, capsys):
+def test_a_failed_run_is_ended_with_its_status_and_the_failed_tasks(tmp_path, capsys, mlflow_db):
     from mlflow import MlflowClient
 
-    cfg = validate_config({"tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}})
+    cfg = validate_config({"tracking": {"tracking_uri": mlflow_db}})
     client = MlflowClient(tracking_uri=cfg.tracking.tracking_uri)
     run_id = client.create_run(client.create_experiment("failed")).info.run_id
     assert tracking.end_failed_run(cfg, run_id, "FAILED", ["GRPOFlow/1/train/4"]) is True
@@ -90,9 +90,9 @@ def test_a_local_store_is_not_waited_for():
                             "end")
 
 
-def test_metrics_of_a_step_run_again_are_logged_once(tmp_path):
+def test_metrics_of_a_step_run_again_are_logged_once(tmp_path, mlflow_db):
     """``evaluate`` run again by ``resume`` (the flow killed mid-evaluation) logs each eval metric once."""
-    cfg = validate_config({"tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}})
+    cfg = validate_config({"tracking": {"tracking_uri": mlflow_db}})
     run_id = tracking.open_run(cfg, "GRPOFlow/1/start/1")
     assert tracking.log_metrics_once(cfg, run_id, {"eval/baseline/pass@1": 0.25}) == {"eval/baseline/pass@1": 0.25}
     again = {"eval/baseline/pass@1": 0.25, "eval/trained/pass@1": 0.5}  # the second attempt got further
