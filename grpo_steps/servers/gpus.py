@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from grpo_steps.config import ConfigError, PipelineConfig
 
@@ -89,8 +90,8 @@ def check_gpu_layout(cfg: PipelineConfig, params: int | None, gpus: list[Gpu]) -
 
     Raises:
         ConfigError: ``generation.server.gpus`` or ``gpu_memory_utilization`` with another provider than ``local``
-            or on a machine without a GPU; a GPU index the machine does not have; fewer GPUs than
-            ``tensor_parallel_size``; more training processes than the GPUs left to them; a shared GPU without
+            or on a machine without a GPU; several replicas; a GPU index the machine does not have; another number
+            of GPUs than ``tensor_parallel_size``; more training processes than the GPUs left to them; a shared GPU without
             ``gpu_memory_utilization``, or one whose fractions oversubscribe it (the numbers in the message).
     """
     server = cfg.generation.server
@@ -108,6 +109,9 @@ def check_gpu_layout(cfg: PipelineConfig, params: int | None, gpus: list[Gpu]) -
     if missing:
         raise ConfigError(f"generation.server.gpus {served}: this machine has no GPU {missing} (nvidia-smi lists "
                           f"{sorted(memory)})")
+    if server.replica_count > 1:
+        raise ConfigError(f"generation.server.replicas {server.replica_count} with generation.server.gpus: one GPU box "
+                          "runs one local server (replicas on GPUs: provider 'kubernetes'); set replicas 1")
     if len(served) != server.tensor_parallel_size:
         raise ConfigError(f"generation.server.gpus {served} lists {len(served)} GPUs for tensor_parallel_size "
                           f"{server.tensor_parallel_size}: give the server one GPU per shard")
@@ -142,11 +146,27 @@ def check_gpu_layout(cfg: PipelineConfig, params: int | None, gpus: list[Gpu]) -
                           "model")
 
 
-def check_this_machine(cfg: PipelineConfig, model_path: str) -> None:
-    """:func:`check_gpu_layout` with this machine's GPUs and the parameter count of the model at ``model_path``
-    (its safetensors headers; a hub id not on disk: None). Raises ConfigError as that does."""
-    if cfg.generation.server.gpus is None and cfg.generation.server.gpu_memory_utilization is None:
-        return
+def policy_params(model_path: str) -> int | None:
+    """The parameter count of the policy at ``model_path``: a directory's safetensors headers, else (a hub id) the
+    headers of its safetensors files on the Hugging Face Hub (a few kilobytes: the server downloads the model
+    anyway). None when neither answers: no network, a gated model without a token."""
     from grpo_steps.weight_files import safetensors_params
 
-    check_gpu_layout(cfg, safetensors_params(model_path), visible_gpus())
+    if Path(model_path).is_dir():
+        return safetensors_params(model_path)
+    try:
+        from huggingface_hub import get_safetensors_metadata
+
+        return sum(get_safetensors_metadata(model_path).parameter_count.values())
+    except Exception as err:  # any failure of the lookup leaves the memory unchecked, said in the log
+        print(f"[start] warning: the size of {model_path!r} is unknown ({type(err).__name__}), so the GPU memory "
+              "of the server and the trainer is not checked", flush=True)
+        return None
+
+
+def check_this_machine(cfg: PipelineConfig, model_path: str) -> None:
+    """:func:`check_gpu_layout` with this machine's GPUs and the parameter count of the policy at ``model_path``
+    (:func:`policy_params`). Raises ConfigError as that does."""
+    if cfg.generation.server.gpus is None and cfg.generation.server.gpu_memory_utilization is None:
+        return
+    check_gpu_layout(cfg, policy_params(model_path), visible_gpus())

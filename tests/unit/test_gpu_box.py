@@ -80,6 +80,10 @@ def test_the_eight_gpu_config_gives_the_server_one_gpu_and_training_the_rest(nvi
         gpus.check_this_machine(cfg, policy_dir)
     with pytest.raises(ConfigError, match=r"no GPU \[5\]"):
         gpus.check_this_machine(_config("gpu-box.yaml", gpus=[5]), policy_dir)
+    with pytest.raises(ConfigError, match=r"lists 2 GPUs for tensor_parallel_size 1"):
+        gpus.check_this_machine(_config("gpu-box.yaml", gpus=[0, 1]), policy_dir)
+    with pytest.raises(ConfigError, match=r"replicas 2 with generation.server.gpus"):
+        gpus.check_this_machine(_config("gpu-box.yaml", replicas=2), policy_dir)
 
 
 def test_the_gpu_keys_are_refused_where_they_cannot_work(tmp_path, monkeypatch, policy_dir):
