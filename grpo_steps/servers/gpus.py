@@ -91,8 +91,8 @@ def check_gpu_layout(cfg: PipelineConfig, params: int | None, gpus: list[Gpu]) -
     Raises:
         ConfigError: ``generation.server.gpus`` or ``gpu_memory_utilization`` with another provider than ``local``
             or on a machine without a GPU; several replicas; a GPU index the machine does not have; another number
-            of GPUs than ``tensor_parallel_size``; more training processes than the GPUs left to them; a shared GPU without
-            ``gpu_memory_utilization``, or one whose fractions oversubscribe it (the numbers in the message).
+            of GPUs than ``tensor_parallel_size``; more training processes than the GPUs left to them; a shared GPU
+            without ``gpu_memory_utilization``, or one whose fractions oversubscribe it (the numbers in the message).
     """
     server = cfg.generation.server
     if server.gpus is None and server.gpu_memory_utilization is None:
