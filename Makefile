@@ -49,8 +49,8 @@ $(STAMP): pyproject.toml uv.lock $(if $(filter cpu,$(ACCEL)),wheels/$(TORCH_CPU_
 	touch $@
 
 # After an edit of pyproject.toml's dependencies: resolve both stacks again into uv.lock (needs PyPI and, for the
-# CPU torch, wheels/ filled by one `make install` on a CPU machine); tests/unit/test_lock.py fails until it is run.
-lock: | $(BIN)/python
+# CPU torch, wheels/ as make install fills it); tests/unit/test_lock.py fails until it is run.
+lock: wheels/$(TORCH_CPU_WHEEL) | $(BIN)/python
 	$(BIN)/python -m pip install --quiet 'uv>=0.9,<1'
 	$(BIN)/uv lock
 

