@@ -141,6 +141,7 @@ def server_environment(server_cfg: ServerConfig, *, token: str, ipc_dir: str, lo
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if server_cfg.gpus is not None:  # one GPU box: the server's own GPUs (grpo_steps/servers/gpus.py, docs/gpu.md)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in server_cfg.gpus)
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers the GPUs as nvidia-smi does (its default: fastest first)
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     cores = sorted(os.sched_getaffinity(0))
     if server_cfg.cpu_cores is not None:

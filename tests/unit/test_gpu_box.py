@@ -100,9 +100,24 @@ def test_the_gpu_keys_are_refused_where_they_cannot_work(tmp_path, monkeypatch, 
 def test_the_server_gets_its_gpus_and_memory_fraction():
     server = load_config(REPO_ROOT / "configs" / "gpu-box-1gpu.yaml").generation.server
     env = server_environment(server, token="t", ipc_dir="/tmp/x", base={})
-    assert env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # nvidia-smi's numbers
     cmd = vllm_command("/m", "127.0.0.1", 8000, max_model_len=64, dtype="bfloat16", enforce_eager=True,
                        extra_args=[], gpu_memory_utilization=server.gpu_memory_utilization)
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.3"
     assert "CUDA_VISIBLE_DEVICES" not in server_environment(load_config(REPO_ROOT / "configs" / "local.yaml")
                                                             .generation.server, token="t", ipc_dir="/x", base={})
+
+
+def test_the_training_processes_get_the_gpus_the_server_leaves(nvidia_smi, tmp_path, monkeypatch):
+    """``launch`` hands the training processes the GPUs :func:`gpus.trainer_devices` gives (the command itself runs
+    no training here: the GPU it would use does not exist, so the launcher is replaced by a recorder)."""
+    from grpo_steps import launch as launch_module
+    from grpo_steps.training.job import TrainJob
+
+    seen = {}
+    monkeypatch.setattr(launch_module, "run_watching_memory", lambda cmd, env: (seen.update(env), (0, 0))[1])
+    nvidia_smi(8)
+    job = TrainJob(config=load_config(REPO_ROOT / "configs" / "gpu-box.yaml"), model_path=str(tmp_path),
+                   train_file=str(tmp_path / "train.jsonl"), output_dir=str(tmp_path / "out"))
+    launch_module.launch(job)
+    assert (seen["CUDA_VISIBLE_DEVICES"], seen["CUDA_DEVICE_ORDER"]) == ("1,2,3,4,5,6,7", "PCI_BUS_ID")
