@@ -165,4 +165,9 @@ def test_every_pod_of_the_workflow_runs_as_the_flows_service_account(rendered):
     for job in jobset["spec"]["replicatedJobs"]:
         assert job["template"]["spec"]["template"]["spec"]["serviceAccountName"] == "grpo-flow"
     assert "resource" in train
-    assert template["spec"].get("serviceAccountName", train.get("serviceAccountName")) in (None, "grpo-flow"), train
+    creator = train.get("serviceAccountName") or template["spec"].get("serviceAccountName")
+    if creator is None:  # Metaflow 2.19 leaves it to Argo's default: deploy.md's one-time steps must set that
+        steps = (REPO_ROOT / "docs" / "deploy.md").read_text()
+        assert "workflowDefaults" in steps and "serviceAccountName: grpo-flow" in steps
+    else:
+        assert creator == "grpo-flow"
