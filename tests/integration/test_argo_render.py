@@ -19,9 +19,11 @@ from grpo_steps.config import REPO_ROOT, SHARED_MOUNT, load_config, on_shared_vo
 pytestmark = pytest.mark.s3
 CONFIG = REPO_ROOT / "configs" / "multinode.yaml"
 REPLICAS = {"generation": {"weight_sync": "disk", "sync_dir": "/shared/grpo-sync", "server": {"replicas": 3}},
-            "train": {"grpo": {"steps_per_generation": 4}}}
-"""What the rendered config changes in multinode.yaml: three generation replicas behind the router, so disk pushes
-through the shared volume, and whole groups of 16 per training process (4 x 4) for the pipeline's rollouts."""
+            "train": {"grpo": {"steps_per_generation": 4}},
+            "resources": {"shared_volume_claim": "grpo-shared", "vllm": {"s3_secret_name": None}}}
+"""What the rendered config changes in multinode.yaml: three generation replicas behind the router, disk pushes
+through the shared volume (infra/k8s/shared-volume.yaml's claim; multinode.yaml itself pushes through S3 and mounts
+none, nor a server Secret), and whole groups of 16 per training process (4 x 4) for the pipeline's rollouts."""
 
 
 def _merged(base: dict, changes: dict) -> dict:
@@ -151,3 +153,21 @@ def test_the_workflow_template_is_one_argo_accepts(rendered):
     assert _key_paths(broken) - _key_paths(WorkflowTemplate.model_validate(broken).model_dump(
         by_alias=True, exclude_none=True, mode="json")) == {".spec.templates[].retryStrategyy",
                                                             ".spec.templates[].retryStrategyy.limit"}
+
+
+def test_every_pod_of_the_workflow_runs_as_the_flows_service_account(rendered):
+    """infra/k8s/rbac.yaml grants its rights to grpo-flow: each template that starts a pod names it (the steps, the
+    JobSet's pods, the exit hook), and so does the template that creates the JobSet, whose pod Argo runs as the
+    workflow's service account (docs/deploy.md, one-time step: Argo's workflowDefaults)."""
+    template, train, jobset = rendered
+    pods = [t for t in template["spec"]["templates"] if "container" in t or "script" in t]
+    assert pods and {t.get("serviceAccountName") for t in pods} == {"grpo-flow"}, [t["name"] for t in pods]
+    for job in jobset["spec"]["replicatedJobs"]:
+        assert job["template"]["spec"]["template"]["spec"]["serviceAccountName"] == "grpo-flow"
+    assert "resource" in train
+    creator = train.get("serviceAccountName") or template["spec"].get("serviceAccountName")
+    if creator is None:  # Metaflow 2.19 leaves it to Argo's default: deploy.md's one-time steps must set that
+        steps = (REPO_ROOT / "docs" / "deploy.md").read_text()
+        assert "workflowDefaults" in steps and "serviceAccountName: grpo-flow" in steps
+    else:
+        assert creator == "grpo-flow"

@@ -16,6 +16,7 @@ API_VERSIONS = {  # kind -> apiVersion the manifests must use
     "Deployment": "apps/v1", "StatefulSet": "apps/v1", "Service": "v1", "ServiceAccount": "v1",
     "Role": "rbac.authorization.k8s.io/v1", "RoleBinding": "rbac.authorization.k8s.io/v1",
     "NetworkPolicy": "networking.k8s.io/v1", "Secret": "v1", "ConfigMap": "v1", "Namespace": "v1",
+    "PersistentVolumeClaim": "v1",
 }
 
 
@@ -39,7 +40,22 @@ def test_every_config_validates(path):
 def test_cluster_configs_target_gpus_and_kubernetes():
     single, multi = load_config(REPO_ROOT / "configs/gpu-1node.yaml"), load_config(REPO_ROOT / "configs/multinode.yaml")
     assert (single.train.num_nodes, single.resources.train.gpu, single.train.deepspeed) == (1, 8, True)
-    assert (multi.train.num_nodes, multi.generation.provider, multi.generation.weight_sync) == (4, "kubernetes", "nccl")
+    assert (multi.train.num_nodes, multi.generation.provider, multi.generation.weight_sync) == (4, "kubernetes", "s3")
+
+
+def test_cluster_configs_push_through_s3_unless_they_name_a_readwritemany_claim():
+    """A cluster config pushes the weights the way that needs no ReadWriteMany volume (`s3`); one that pushes
+    `nccl` or `disk` names its claim, and the shipped claim manifest is the one it names."""
+    claim = next(d for d in _docs("shared-volume.yaml") if d["kind"] == "PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    for path in CONFIGS:
+        cfg = load_config(path)
+        if cfg.generation.provider != "kubernetes":
+            continue
+        if cfg.resources.shared_volume_claim is None:
+            assert cfg.generation.weight_sync == "s3", _rel(path)
+        else:
+            assert cfg.resources.shared_volume_claim == claim["metadata"]["name"], _rel(path)
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=_rel)
@@ -111,3 +127,83 @@ def test_mlflows_secrets_live_where_the_flows_account_has_no_rights():
     assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": flow_ns}}}]
     for config in ("configs/multinode.yaml", "configs/gpu-1node.yaml"):
         assert load_config(REPO_ROOT / config).tracking.tracking_uri == f"http://mlflow.{namespace}.svc:5000"
+
+
+def _locked_versions() -> dict[str, str]:
+    """``{normalized name: version}`` of uv.lock's packages that have one version (the CPU/GPU forks of torch aside).
+    """
+    import tomllib
+
+    seen: dict[str, set[str]] = {}
+    for package in tomllib.loads((REPO_ROOT / "uv.lock").read_text())["package"]:
+        seen.setdefault(package["name"], set()).add(package["version"])
+    return {name: versions.pop() for name, versions in seen.items() if len(versions) == 1}
+
+
+def _normalized(name: str) -> str:
+    import re
+
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _run_lines(dockerfile: str) -> list[str]:
+    """The shell commands of a Dockerfile's RUN instructions, continuation lines joined.
+
+    >>> _run_lines("FROM x\\nRUN apt-get update \\\\\\n && apt-get install -y git\\nCOPY a b\\nRUN uv sync --frozen\\n")
+    ['apt-get update   && apt-get install -y git', 'uv sync --frozen']
+    """
+    import re
+
+    joined = re.sub(r"\\\n", " ", dockerfile)
+    return [line.split(None, 1)[1].strip() for line in joined.splitlines() if line.startswith("RUN ")]
+
+
+def _images() -> dict[str, str]:
+    """Every Dockerfile the project ships or its pages tell a user to write: ``{where: text}``."""
+    import re
+
+    images = {_rel(p): p.read_text() for p in sorted((REPO_ROOT / "infra").glob("Dockerfile*"))}
+    for page in sorted((REPO_ROOT / "docs").glob("*.md")) + [REPO_ROOT / "README.md"]:
+        for i, block in enumerate(re.findall(r"```dockerfile\n(.*?)```", page.read_text(), re.S)):
+            images[f"{_rel(page)}#{i}"] = block
+    return images
+
+
+def test_no_image_lists_its_own_packages():
+    """An image installs the project from uv.lock with its extras (`uv sync --frozen`) and names no Python package
+    itself: a hand-written list forgets the next dependency (deploy.md's server image missed xxhash)."""
+    import re
+
+    images = _images()
+    assert "infra/Dockerfile" in images
+    for where, text in images.items():
+        runs = _run_lines(text)
+        own = [run for run in runs if re.search(r"\b(pip|pip3|conda|mamba|pipx)\b.*\binstall\b|\buv (add|pip)\b", run)]
+        assert not own, f"{where} installs packages of its own: {own}"
+        syncs = [run for run in runs if re.search(r"\buv sync\b", run)]
+        assert syncs and all("--frozen" in s and "--extra gpu" in s for s in syncs), (where, syncs)
+
+
+def test_the_images_uv_and_mlflow_follow_the_lock():
+    """The image's uv is the lock's (it reads the lock's format); MLflow's server runs the client's MLflow, and every
+    package its pod installs that the lock also holds is at the lock's version."""
+    import re
+
+    locked = _locked_versions()
+    (uv_tag,) = re.findall(r"ghcr\.io/astral-sh/uv:(\S+)", (REPO_ROOT / "infra" / "Dockerfile").read_text())
+    assert uv_tag == locked["uv"]
+    (mlflow,) = [d for d in _docs("mlflow.yaml") if d["kind"] == "Deployment" and d["metadata"]["name"] == "mlflow"]
+    (container,) = mlflow["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == f"ghcr.io/mlflow/mlflow:v{locked['mlflow']}"
+    (install,) = re.findall(r"pip install ([^&]+)&&", " ".join(container["args"]))
+    pins = dict(word.split("==") for word in install.split() if "==" in word)
+    shared = {name: version for name, version in pins.items() if _normalized(name) in locked}
+    assert shared and all(locked[_normalized(name)] == version for name, version in shared.items()), shared
+
+
+def test_the_cluster_runs_one_image_built_from_the_lock():
+    """The server pods run the steps' image: it holds vLLM's CUDA wheel at the trainer's version, grpo_steps' weight
+    engine and its dependencies, so no second image can drift from the first."""
+    for config in ("configs/gpu-1node.yaml", "configs/multinode.yaml"):
+        resources = load_config(REPO_ROOT / config).resources
+        assert resources.vllm.image == resources.train.image, config
