@@ -44,7 +44,7 @@ def main() -> None:
     from grpo_steps.training.generation.disk import DiskWeightPush
     from grpo_steps.training.generation.push import ProbeRecord, check_served_version
     from grpo_steps.training.generation.s3 import ChainWeightPush
-    from grpo_steps.weight_files import weights_fingerprint
+    from grpo_steps.weights.files import weights_fingerprint
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded:SmolLM2-135M-Instruct")

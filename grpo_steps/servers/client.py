@@ -35,38 +35,15 @@ from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
 from grpo_steps.servers.auth import auth_headers
+from grpo_steps.weights.server_flags import (
+    TOKEN_GENERATE_PATH,
+    WEIGHT_TRANSFER_BACKEND,
+    WORKER_EXTENSION,
+    weight_transfer_args,
+)
 
 SERVED_MODEL_NAME = "policy"
 """``--served-model-name`` of the servers the pipeline starts (``local``, ``kubernetes``): the name requests carry."""
-LOGPROBS_MODE = "processed_logprobs"
-"""``--logprobs-mode`` of every server rollouts come from: vLLM then returns the logprob of each sampled token under
-the distribution it sampled from (after temperature, penalties, min-p, top-k/top-p), as TRL's mismatch correction and
-the first-batch check need; vLLM's default (``raw_logprobs``) is the model's before any of them."""
-WORKER_EXTENSION = "grpo_steps.vllm_worker.WorkerExtension"
-"""The ``--worker-extension-cls`` of the servers this pipeline starts (:mod:`grpo_steps.vllm_worker`: weight loading
-on CPU, the idle-spin limit, the weight-transfer engine's registration)."""
-WEIGHT_TRANSFER_BACKEND = "grpo_steps"
-"""The ``--weight-transfer-config`` backend of those servers: :class:`grpo_steps.vllm_worker.WeightUpdateEngine`
-(registered under this name when the worker imports :data:`WORKER_EXTENSION`'s module)."""
-
-
-def weight_transfer_args() -> list[str]:
-    """The ``vllm serve`` arguments that make a server load pushed weights through :data:`WEIGHT_TRANSFER_BACKEND`
-    (with ``--worker-extension-cls`` :data:`WORKER_EXTENSION`, which registers it)."""
-    import json
-
-    return ["--worker-extension-cls", WORKER_EXTENSION,
-            "--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND})]
-
-
-TOKEN_GENERATE_PATH = "/inference/v1/generate"
-"""vLLM's token-in/token-out sampling route (``vllm/entrypoints/scale_out/token_in_token_out``): each choice carries
-its token ids, their logprobs and ``weight_versions``, the spans of output tokens each weight version sampled (what an
-in-flight weight update needs); served when ``vllm serve`` runs with :data:`TOKEN_GENERATE_ARGS`."""
-TOKEN_GENERATE_ARGS = ["--enable-scale-out"]
-"""The ``vllm serve`` arguments that serve :data:`TOKEN_GENERATE_PATH` (behind the run's token like every route)."""
-
-
 MAX_CONCURRENT_REQUESTS = 64
 """Requests one routed client has in flight at most (one per prompt; the router and vLLM queue the rest)."""
 
@@ -719,20 +696,3 @@ def token_answer_as_completions(body: dict) -> dict:
         out.append({**choice, "text": None, "versions": spans,
                     "logprobs": {"token_logprobs": [c.get("logprob") for c in content]}})
     return {**body, "choices": out}
-
-
-def version_label(version: int) -> str:
-    """The server-side label of weight version ``version`` (the optimizer step that produced it)."""
-    return f"step-{version}"
-
-
-def label_version(label: str) -> int | None:
-    """The weight version a :func:`version_label` names, or None for any other label (a server's ``default``).
-
-    >>> label_version("step-12"), label_version("default"), label_version("eval-base")
-    (12, None, None)
-    """
-    prefix, _, number = label.partition("-")
-    return int(number) if prefix == "step" and number.isdigit() else None
-
-

@@ -12,7 +12,7 @@ whole flow costs minutes in ``make test``):
   from training's last step, then ``resume``: the evaluation completes once, every metric logged once, one model
   version, the run FINISHED.
 
-The weights reach the server through S3 (``generation.weight_sync: s3``, the chain of grpo_steps/weight_chain.py, on a
+The weights reach the server through S3 (``generation.weight_sync: s3``, the chain of grpo_steps/weights/chain.py, on a
 real SeaweedFS): the trainer, ``start``'s access check and ``end``'s removal write with the flow's planted credentials
 (``PLANTED_ENV``'s AWS secret is that S3 server's real secret, so the leak check greps a secret the run used), the
 server reads with the development pair it was started with (a read-only identity there).
@@ -320,7 +320,7 @@ def test_metrics_params_and_registered_version_in_mlflow(flow_run):
     # the registered weights' checksum: the SHA-256 of the weight files the registry holds
     from mlflow.artifacts import download_artifacts
 
-    from grpo_steps.weight_files import weights_sha256
+    from grpo_steps.weights.files import weights_sha256
 
     registered = Path(download_artifacts(f"models:/{version.name}/{version.version}",
                                          dst_path=str(workdir / "registered"), tracking_uri=cfg.tracking.tracking_uri))
@@ -521,8 +521,8 @@ def test_every_push_went_through_s3_and_the_registered_version_carries_its_linea
     from mlflow.artifacts import download_artifacts
 
     from grpo_steps.training.generation.s3 import lineage_of
-    from grpo_steps.weight_chain import tensor_checksum
-    from grpo_steps.weight_files import read_safetensors
+    from grpo_steps.weights.chain import tensor_checksum
+    from grpo_steps.weights.files import read_safetensors
 
     registered = Path(download_artifacts(f"models:/{version.name}/{version.version}",
                                          dst_path=str(workdir / "registered-lineage"),

@@ -232,10 +232,10 @@ def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.data import encode_prompt, to_prompt
-    from grpo_steps.servers.client import version_label
     from grpo_steps.training.generation.s3 import ChainWeightPush
     from grpo_steps.training.sampling import policy_logprobs
-    from grpo_steps.weight_chain import tensor_checksum
+    from grpo_steps.weights.chain import tensor_checksum
+    from grpo_steps.weights.labels import version_label
 
     for name, value in dev_s3_credentials().items():
         monkeypatch.setenv(name, value)
@@ -273,7 +273,7 @@ def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny
         assert parts["anchor"] == 0.0 and 0 < parts["density"] <= 1
         # the chain's checksums are the trainer's tensors': what the replicas loaded is what was published
         manifest = push.chain.manifest(3)
-        from grpo_steps.weight_files import checkpoint_state_dict
+        from grpo_steps.weights.files import checkpoint_state_dict
 
         published = checkpoint_state_dict(model.state_dict(), model)
         assert manifest["checksum"] == "xxh3_128"
@@ -386,8 +386,8 @@ def test_s3_kill_mid_publish_and_an_outage_mid_push_then_resume(tmp_path, tiny_m
     from grpo_steps.dev import local_s3 as s3_server
     from grpo_steps.training.generation.s3 import lineage_of
     from grpo_steps.training.sampling import policy_logprobs
-    from grpo_steps.weight_chain import chain_of, tensor_checksum
-    from grpo_steps.weight_files import checkpoint_state_dict
+    from grpo_steps.weights.chain import chain_of, tensor_checksum
+    from grpo_steps.weights.files import checkpoint_state_dict
 
     for name, value in dev_s3_credentials().items():  # this process reads the chain too
         monkeypatch.setenv(name, value)

@@ -15,7 +15,7 @@ from grpo_steps.data import encode_prompt, to_prompt
 from grpo_steps.processes import ProcessRef
 from grpo_steps.servers import ExternalServer, ServerStartError
 from grpo_steps.servers.local import start_local
-from grpo_steps.weight_files import save_weights
+from grpo_steps.weights.files import save_weights
 
 pytestmark = pytest.mark.slow
 

@@ -146,7 +146,7 @@ def test_load_weights_takes_a_directory_or_a_chain_version_on_every_replica(monk
 @pytest.fixture
 def store(s3, monkeypatch):
     """The run's weight store on the real S3 server (credentials in the environment, as a server pod gets them)."""
-    from grpo_steps.weight_chain import run_store
+    from grpo_steps.weights.chain import run_store
 
     for name, value in s3.env().items():
         monkeypatch.setenv(name, value)
@@ -155,7 +155,7 @@ def store(s3, monkeypatch):
 
 
 def _keys(store) -> list[str]:
-    from grpo_steps.weight_chain import make_client
+    from grpo_steps.weights.chain import make_client
 
     page = make_client(store["endpoint_url"]).list_objects_v2(Bucket=store["bucket"], Prefix=store["prefix"] + "/")
     return [o["Key"] for o in page.get("Contents", [])]
@@ -171,7 +171,7 @@ def test_with_a_store_the_weights_are_a_version_under_the_runs_eval_prefix(store
     import torch
     from safetensors.torch import load_file
 
-    from grpo_steps.weight_chain import chain_of, remove_run_versions
+    from grpo_steps.weights.chain import chain_of, remove_run_versions
 
     update = server.stage_update(_weights(tmp_path, value=1.0), "trained", store)
     where = {**store, "prefix": f"{store['prefix']}/eval/trained"}

@@ -1,4 +1,4 @@
-"""The checked chain of weight versions (grpo_steps/weight_chain.py) on the project's real S3 server (SeaweedFS):
+"""The checked chain of weight versions (grpo_steps/weights/chain.py) on the project's real S3 server (SeaweedFS):
 round trips, late joiners, corrupted and truncated objects, missing manifests, a publisher killed mid-version,
 retention, the run's prefix removed, and an unreachable endpoint. One server for the module; a prefix per test."""
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.s3
 
 @pytest.fixture(scope="module")
 def client(s3):
-    from grpo_steps.weight_chain import make_client
+    from grpo_steps.weights.chain import make_client
 
     return make_client(s3.endpoint, access_key=s3.access_key, secret_key=s3.secret_key, max_attempts=2)
 
@@ -29,7 +29,7 @@ def prefix(request):
 
 
 def _chain(client, s3, prefix, **kw):
-    from grpo_steps.weight_chain import WeightChain
+    from grpo_steps.weights.chain import WeightChain
 
     return WeightChain(client, s3.bucket, prefix, **kw)
 
@@ -72,7 +72,7 @@ def _keys(client, s3, prefix) -> list[str]:
 def test_chain_round_trips_bit_exactly(client, s3, prefix, dtype):
     import torch
 
-    from grpo_steps.weight_chain import LocalCopy
+    from grpo_steps.weights.chain import LocalCopy
 
     dtype = getattr(torch, dtype)
     states = _training_states(7)
@@ -106,7 +106,7 @@ def test_late_joiner_replays_from_the_newest_anchor(client, s3, prefix):
 
 
 def test_uncommitted_version_is_never_a_base(client, s3, prefix):
-    from grpo_steps.weight_chain import LocalCopy
+    from grpo_steps.weights.chain import LocalCopy
 
     states = _training_states(3)
     writer = _chain(client, s3, prefix, anchor_every=10)
@@ -148,7 +148,7 @@ def _count_gets(client):
 
 
 def test_corrupted_delta_is_refused_after_one_more_read(client, s3, prefix):
-    from grpo_steps.weight_chain import ChainCorruptError, LocalCopy, make_client
+    from grpo_steps.weights.chain import ChainCorruptError, LocalCopy, make_client
 
     writer, states, key, blob = _two_versions(client, s3, prefix)
     manifest = writer.manifest(2)
@@ -192,7 +192,7 @@ class _FlipOnFirstRead:
 def test_transient_corruption_is_healed_by_the_second_read(client, s3, prefix):
     import zstandard
 
-    from grpo_steps.weight_chain import LocalCopy
+    from grpo_steps.weights.chain import LocalCopy
 
     writer, states, key, blob = _two_versions(client, s3, prefix)
     manifest = writer.manifest(2)
@@ -220,8 +220,8 @@ def test_transient_corruption_is_healed_by_the_second_read(client, s3, prefix):
 def test_manifest_names_its_checksum_algorithm(client, s3, prefix, monkeypatch):
     import json
 
-    from grpo_steps import weight_chain
-    from grpo_steps.weight_chain import ChainError
+    from grpo_steps.weights import chain as weight_chain
+    from grpo_steps.weights.chain import ChainError
 
     writer, states, _, _ = _two_versions(client, s3, prefix)
     assert {writer.manifest(v)["checksum"] for v in (1, 2)} == {"xxh3_128"}
@@ -236,7 +236,7 @@ def test_manifest_names_its_checksum_algorithm(client, s3, prefix, monkeypatch):
 
 
 def test_truncated_object_is_refused(client, s3, prefix):
-    from grpo_steps.weight_chain import ChainCorruptError
+    from grpo_steps.weights.chain import ChainCorruptError
 
     _, _, key, blob = _two_versions(client, s3, prefix)
     client.put_object(Bucket=s3.bucket, Key=key, Body=blob[: len(blob) - 7])
@@ -246,7 +246,7 @@ def test_truncated_object_is_refused(client, s3, prefix):
 
 
 def test_version_without_manifest_does_not_exist(client, s3, prefix):
-    from grpo_steps.weight_chain import VersionNotFoundError
+    from grpo_steps.weights.chain import VersionNotFoundError
 
     writer, _, _, _ = _two_versions(client, s3, prefix)
     client.delete_object(Bucket=s3.bucket, Key=f"{prefix}/manifests/{2:010d}.json")
@@ -258,7 +258,7 @@ def test_version_without_manifest_does_not_exist(client, s3, prefix):
 
 _PUBLISHER = textwrap.dedent("""
     import sys, torch
-    from grpo_steps.weight_chain import WeightChain, make_client
+    from grpo_steps.weights.chain import WeightChain, make_client
     endpoint, bucket, prefix = sys.argv[1:4]
     chain = WeightChain(make_client(endpoint), bucket, prefix)
     state = {f"layer{i}.weight": torch.randn(64) for i in range(300)}
@@ -322,7 +322,7 @@ def test_delete_prefix_leaves_nothing_under_the_prefix(client, s3, prefix):
 
 def test_unreachable_endpoint_fails_within_the_bound_naming_the_key(s3, prefix):
     from grpo_steps.processes import pick_port
-    from grpo_steps.weight_chain import ChainStoreError, make_client
+    from grpo_steps.weights.chain import ChainStoreError, make_client
 
     dead = make_client(f"http://127.0.0.1:{pick_port('127.0.0.1', 0)}", access_key=s3.access_key,
                        secret_key=s3.secret_key, max_attempts=3, connect_timeout_s=1)

@@ -9,9 +9,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from grpo_steps.servers.client import GenerationServerError, VLLMClient, version_label
+from grpo_steps.servers.client import GenerationServerError, VLLMClient
 from grpo_steps.training.sampling import policy_logprobs
-from grpo_steps.weight_files import weights_fingerprint
+from grpo_steps.weights.files import weights_fingerprint
+from grpo_steps.weights.labels import version_label
 
 HISTORY = 4
 """Verified pushes remembered per replica to name the version a stale server serves."""
@@ -20,7 +21,7 @@ HISTORY = 4
 @dataclass
 class ProbeRecord:
     """What one push's verification saw: ``weights``, the pushed state dict's
-    :func:`grpo_steps.weight_files.weights_fingerprint`; ``served``, the server's probe logprobs (T-1 floats);
+    :func:`grpo_steps.weights.files.weights_fingerprint`; ``served``, the server's probe logprobs (T-1 floats);
     ``policy``, the policy's on the same probe, or None when the first rollout batch is compared with the policy
     instead (``generation.sync_check.max_logp_diff``)."""
 

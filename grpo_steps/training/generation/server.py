@@ -21,15 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_steps.config import GenerationConfig
-from grpo_steps.servers.client import (
-    TOKEN_GENERATE_ARGS,
-    TOKEN_GENERATE_PATH,
-    GenerationServerError,
-    VLLMClient,
-    label_version,
-    session_id,
-    weight_transfer_args,
-)
+from grpo_steps.servers.client import GenerationServerError, VLLMClient, session_id
 from grpo_steps.training.generation.disk import AdapterPush, DiskWeightPush, WeightPush, sync_root
 from grpo_steps.training.generation.first_batch import FirstBatchCheck
 from grpo_steps.training.generation.prefetch import RolloutPrefetcher
@@ -37,6 +29,8 @@ from grpo_steps.training.generation.push import VerifiedPush
 from grpo_steps.training.generation.replica_rows import ReplicaLedger
 from grpo_steps.training.generation.s3 import ChainWeightPush
 from grpo_steps.training.job import WEIGHT_LINEAGE
+from grpo_steps.weights.labels import label_version
+from grpo_steps.weights.server_flags import TOKEN_GENERATE_ARGS, TOKEN_GENERATE_PATH, weight_transfer_args
 
 PROBE_TOKENS = 16
 """Longest probe sequence, tokens: the policy scores it with one extra forward per push (0.1-0.5 s for
@@ -389,7 +383,7 @@ class ServerGeneration:
 
 
 def oldest_version(samples: list[list[dict]]) -> int | None:
-    """The oldest push version (:func:`grpo_steps.servers.client.label_version`) that sampled a token of ``samples``
+    """The oldest push version (:func:`grpo_steps.weights.labels.label_version`) that sampled a token of ``samples``
     (``"versions"`` spans of :meth:`grpo_steps.servers.client.VLLMClient.complete`), None when no span names one.
 
     >>> oldest_version([[{"versions": [("step-3", 0, 4), ("step-4", 4, 9)]}], [{"versions": [("step-4", 0, 2)]}]])

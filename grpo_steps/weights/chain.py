@@ -649,6 +649,6 @@ def remove_run_versions(store: dict | None) -> int:
     """Delete every object under a run's prefix (``store``: :func:`run_store`'s; None: nothing). Returns how many.
 
     Raises:
-        grpo_steps.weight_chain.ChainStoreError: S3 failed after its retries (names the key).
+        grpo_steps.weights.chain.ChainStoreError: S3 failed after its retries (names the key).
     """
     return 0 if store is None else chain_of(store).delete_prefix()
