@@ -9,6 +9,7 @@ push so both see the same load:
   ``--anchor-every`` versions, XOR+zstd deltas in between), split into anchor and delta pushes.
 
     .venv/bin/python bench/s3_push.py [--replicas 1] [--pushes 8] [--anchor-every 4] [--dtype float32] [--changed F]
+    .venv/bin/python bench/s3_push.py --digests    # the per-tensor checksum's cost per push, no server (issue 56)
 
 Each push first moves every weight a little (``randn * 1e-4``, as an optimizer step moves them: in float32 nearly
 every element changes, in bfloat16 ~15 % do); with ``--changed F`` only a random fraction ``F`` of the elements
@@ -28,6 +29,43 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+
+def digests(model_path: str, threads: int, repeats: int = 3) -> None:
+    """Print the seconds one push spends on per-tensor checksums (the publisher's pass plus one replica's, each over
+    every tensor on ``threads`` threads, as :meth:`grpo_steps.weights.chain.WeightChain.publish` and ``fetch`` run
+    them), per algorithm, for the model in bfloat16 and float32 (median of ``repeats``)."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    import blake3
+    import torch
+    import xxhash
+    from transformers import AutoModelForCausalLM
+
+    from grpo_steps.weights.manifest import tensor_bytes
+
+    algorithms = {"xxh3_128": xxhash.xxh3_128, "blake3": blake3.blake3, "sha256": hashlib.sha256,
+                  "blake2b": hashlib.blake2b}
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.1f}, {threads} threads, median of {repeats}\n")
+    print("| dtype | MB | " + " | ".join(f"{a}, s/push" for a in algorithms) + " |")
+    print("|---|---|" + "---|" * len(algorithms))
+    for dtype in (torch.bfloat16, torch.float32):
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        tensors = [t.detach().contiguous() for t in model.state_dict().values()]
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        cells = []
+        with ThreadPoolExecutor(threads) as pool:
+            for fn in algorithms.values():
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    for _ in range(2):  # the publisher's pass and one replica's
+                        list(pool.map(lambda t, fn=fn: fn(tensor_bytes(t)).hexdigest(), tensors))
+                    times.append(time.perf_counter() - start)
+                cells.append(f"{statistics.median(times):.3f}")
+        print(f"| {str(dtype).removeprefix('torch.')} | {size / 1e6:.0f} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:
@@ -54,7 +92,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--changed", type=float, default=None,
                         help="fraction of elements moved per push (default: all, by randn * 1e-4)")
+    parser.add_argument("--digests", action="store_true",
+                        help="only the per-tensor checksums' cost per push, per algorithm (no server)")
     args = parser.parse_args()
+    if args.digests:
+        digests(resolve_model(args.model), threads=min(8, os.cpu_count() or 1))
+        return
     if args.changed is not None and not 0 < args.changed <= 1:
         parser.error(f"--changed must be in (0, 1], got {args.changed}")
     model_path = resolve_model(args.model)

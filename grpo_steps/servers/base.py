@@ -117,7 +117,8 @@ class GenerationServer:
         - ``store`` (``weight_sync: s3``: the run's location, :func:`grpo_steps.weights.chain.run_store`): the
           directory's tensors published as version 0 (an anchor) of a chain of their own under
           ``<prefix>/eval/<label>`` (:func:`eval_store`; what an earlier attempt left there is deleted first),
-          ``{"s3": <that location>, "version": 0}``: the server needs no file system shared with this machine, and the
+          ``{"s3": <that location>, "version": 0, "sha256": <its manifest's digest>}``: the server needs no file system
+          shared with this machine, and the
           run's prefix, deleted by the flow's ``end``, holds it.
 
         Raises:
@@ -132,8 +133,10 @@ class GenerationServer:
         where = eval_store(store, label)
         chain = chain_of(where)  # the tensors as the files hold them, as a {"path"} load would read them
         chain.delete_prefix()
-        chain.publish(read_safetensors(weights_dir), 0)
-        return {"s3": where, "version": 0}
+        published = chain.publish(read_safetensors(weights_dir), 0)
+        # as a training push: the manifest's digest in the authenticated request, so no writer of the bucket can
+        # make the trained side score other weights
+        return {"s3": where, "version": 0, "sha256": published.sha256}
 
     @property
     def metrics_endpoint(self) -> str | None:

@@ -31,10 +31,11 @@ from grpo_steps.weights.labels import version_label
 def lineage_of(manifest: dict) -> dict[str, str]:
     """What a registered model's tags say of the last version the servers loaded: its ``version``, the ``anchor`` its
     chain starts from, the ``deltas`` applied since, ``checksum`` (the manifest's per-tensor algorithm, e.g.
-    ``xxh3_128``) and ``sha256``, a SHA-256 digest of its per-tensor checksums (in name order; the same weights give
-    the same digest whatever the chain)."""
-    algorithm = manifest.get("checksum", "sha256")
-    digest = hashlib.sha256("".join(f"{name}:{entry.get('checksum', entry.get('sha256'))};" for name, entry in
+    ``blake3``) and ``sha256``, a SHA-256 digest of its per-tensor checksums (in name order; the same weights give
+    the same digest whatever the chain). Every field comes from a manifest the trainer checked
+    (:func:`grpo_steps.weights.chain.check_manifest`: ints and known names only)."""
+    algorithm = manifest["checksum"]
+    digest = hashlib.sha256("".join(f"{name}:{entry['checksum']};" for name, entry in
                                     sorted(manifest["tensors"].items())).encode()).hexdigest()
     return {"version": str(manifest["version"]), "anchor": str(manifest["anchor"]), "deltas": str(manifest["depth"]),
             "checksum": algorithm, "sha256": digest}
@@ -85,7 +86,9 @@ class ChainWeightPush:
         start = time.perf_counter()
         self.last = self.chain.publish(checkpoint_state_dict(state_dict, model), version)
         published = time.perf_counter()
-        update = {"s3": self.store, "version": version}
+        # the manifest's digest rides in the request the run's token authenticates: a writer of the bucket cannot
+        # swap the version the replicas load
+        update = {"s3": self.store, "version": version, "sha256": self.last.sha256}
         replicas = self.client.replica_clients()
         for replica in replicas:  # each starts fetching while it may still be generating
             replica.prefetch_weights(update)
@@ -103,7 +106,7 @@ class ChainWeightPush:
         build on are deleted (S3 failures here are reported on stderr, not raised: the next retain deletes them)."""
         self.chain.commit(version)
         if self.lineage_path is not None:
-            self.lineage_path.write_text(json.dumps(lineage_of(self.chain.manifest(version))))
+            self.lineage_path.write_text(json.dumps(lineage_of(self.chain.manifest(version, self.last.sha256))))
         try:
             self.chain.retain({version})
         except ChainError as err:
