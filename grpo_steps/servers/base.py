@@ -43,6 +43,12 @@ class GenerationServer:
     """Base URL, e.g. ``http://127.0.0.1:8000`` (no trailing slash)."""
     served_model: str = SERVED_MODEL_NAME
     """The model name requests carry (``--served-model-name``)."""
+    capabilities: dict = dataclasses.field(default_factory=dict)
+    """What the server can do, asked once when it is provisioned (:func:`grpo_steps.servers.lifecycle.provision`,
+    :meth:`~grpo_steps.servers.client.VLLMClient.probe_capabilities`) and read by every client of the handle:
+    ``weight_engine`` (loads through the pipeline's weight-transfer engine), ``token_route`` (answers the token-in /
+    token-out route), ``in_flight_updates`` (both: a push may update it under requests in flight). Empty on a handle
+    recorded before it existed: a client then asks when it needs to."""
 
     provider: ClassVar[str] = ""
     """``generation.provider`` value of this class."""
@@ -146,7 +152,8 @@ class GenerationServer:
 
     def client(self, timeout_s: float = 600.0) -> VLLMClient:
         """A client for completions and weight reloads (``timeout_s`` per request, seconds)."""
-        return VLLMClient(self.endpoint, model=self.served_model, timeout_s=timeout_s)
+        return VLLMClient(self.endpoint, model=self.served_model, timeout_s=timeout_s,
+                          capabilities=self.capabilities or None)
 
     def to_dict(self) -> dict[str, Any]:
         """The handle as a plain dict (a Metaflow artifact), ``provider`` included."""

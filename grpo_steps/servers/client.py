@@ -224,6 +224,10 @@ class VLLMClient:
     """How a weight update pauses generation (vLLM's ``/pause?mode=``): ``wait``, the requests in flight finish on the
     old weights first; ``keep``, they are frozen, go on with the new weights after ``/resume`` (their KV recomputed),
     and the update does not wait for them (``generation.async.in_flight``)."""
+    capabilities: dict | None = None
+    """What the server can do as recorded in its handle at provisioning
+    (:attr:`grpo_steps.servers.base.GenerationServer.capabilities`): :meth:`has_weight_engine` and
+    :meth:`serves_token_generate` answer from it without a request; None: they ask the server (once per client)."""
 
     def __post_init__(self) -> None:
         self.base_model = self.model  # the base weights' name; ``model`` may become a LoRA adapter's name
@@ -234,11 +238,12 @@ class VLLMClient:
                 f"refusing to send the run's token to {self.endpoint} in plain HTTP (anyone on the network path reads "
                 "it): serve it over https, or reach it through a tunnel on this machine's loopback (ssh -L)")
         self._http.headers.update(headers)  # the server's per-run token (grpo_steps.servers.auth)
-        self._has_engine: bool | None = None  # the server loads through grpo_steps.vllm_worker's engine
-        self._token_generate: bool | None = None  # the server answers TOKEN_GENERATE_PATH
+        known = self.capabilities or {}
+        self._has_engine: bool | None = known.get("weight_engine")  # loads through grpo_steps.vllm_worker's engine
+        self._token_generate: bool | None = known.get("token_route")  # the server answers TOKEN_GENERATE_PATH
         self.update_report: dict = {}  # the engine's report of the last update_weights
-        self._replica_clients = [VLLMClient(e, self.model, self.timeout_s, vocab_size=self.vocab_size)
-                                 for e in self.replicas]
+        self._replica_clients = [VLLMClient(e, self.model, self.timeout_s, vocab_size=self.vocab_size,
+                                            capabilities=self.capabilities) for e in self.replicas]
         self._replica_by_name: dict[str, int] | None = None  # see replica_index; asked at the first routed sample
         self._run_names: set[str] | None = None  # see run_model_names; asked at the first routed sample
         self.load_path: str | None = None
@@ -432,10 +437,14 @@ class VLLMClient:
         """Whether the server loads weights through :data:`WEIGHT_TRANSFER_BACKEND` (its config, dev route
         ``/server_info``: the worker extension that registers the engine and the weight-transfer backend). Asked
         instead of trying: vLLM 0.32's engine dies on a ``collective_rpc`` of a method its workers do not have
-        (measured: the server closed the connection and stopped)."""
-        config = self.server_config()
-        return ((config.get("parallel_config") or {}).get("worker_extension_cls") == WORKER_EXTENSION
-                and (config.get("weight_transfer_config") or {}).get("backend") == WEIGHT_TRANSFER_BACKEND)
+        (measured: the server closed the connection and stopped). Asked once per client, not at all when the handle
+        recorded it (:attr:`capabilities`)."""
+        if self._has_engine is None:
+            config = self.server_config()
+            self._has_engine = ((config.get("parallel_config") or {}).get("worker_extension_cls") == WORKER_EXTENSION
+                                and (config.get("weight_transfer_config") or {}).get("backend")
+                                == WEIGHT_TRANSFER_BACKEND)
+        return self._has_engine
 
     @on_every_replica(lambda values, _: all(values))
     def serves_token_generate(self) -> bool:
@@ -452,6 +461,13 @@ class VLLMClient:
                     raise
                 self._token_generate = False
         return self._token_generate
+
+    def probe_capabilities(self) -> dict:
+        """Ask the server (every replica) what it can do, once, for its handle
+        (:attr:`grpo_steps.servers.base.GenerationServer.capabilities`): ``{"weight_engine", "token_route",
+        "in_flight_updates"}`` (bools). Two requests per replica: its config and one one-token sample."""
+        engine, route = self.has_weight_engine(), self.serves_token_generate()
+        return {"weight_engine": engine, "token_route": route, "in_flight_updates": engine and route}
 
     @on_every_replica(lambda values, _: values[0])  # the replicas run one command line
     def server_config(self) -> dict:

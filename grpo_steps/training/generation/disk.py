@@ -110,11 +110,17 @@ class WeightPush:
         """The push before this one is no longer served: by default its directory is removed."""
         shutil.rmtree(previous, ignore_errors=True)
 
+    def committed(self, version: int) -> None:
+        """Every replica serves ``version`` (verified): nothing to advance for a directory (the transport protocol,
+        :class:`grpo_steps.training.generation.transport.WeightTransport`)."""
+
     def close(self) -> None:
-        """Remove the last push's directory (the server keeps its weights in memory)."""
+        """Remove the last push's directory and the run's sync directory ``root`` (the server keeps its weights in
+        memory)."""
         if self.current is not None:
             shutil.rmtree(self.current, ignore_errors=True)
             self.current = None
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 @dataclass

@@ -97,10 +97,9 @@ class VerifiedPush:
     and the probe's forward); rank 0's failure is raised on every rank.
 
     Args:
-        push: rank 0's :class:`~grpo_steps.training.generation.disk.DiskWeightPush`,
-            :class:`~grpo_steps.training.generation.disk.AdapterPush` or
-            :class:`~grpo_steps.training.generation.s3.ChainWeightPush` (None on the other ranks); one with a
-            ``committed(version)`` method is told when every replica serves the version.
+        push: rank 0's weight transport (:class:`grpo_steps.training.generation.transport.WeightTransport`, from
+            :func:`~grpo_steps.training.generation.transport.make_transport`; None on the other ranks), told
+            ``committed(version)`` when every replica serves the version.
         probe_ids: the probe sequence's token ids.
         probe_tolerance: nats per token: probe answers closer than this are the same weights.
         probe_policy: whether the policy scores the probe too (:attr:`ServerSettings.probe_policy
@@ -157,7 +156,7 @@ class VerifiedPush:
                 gap = self._verify(version, weights, scored)
             except Exception as err:  # noqa: BLE001  (not swallowed: raised on every rank below)
                 error = err
-        if accelerator.is_main_process and error is None and hasattr(self.push, "committed"):
+        if accelerator.is_main_process and error is None:
             try:  # every replica serves the version: the chain's next delta builds on it
                 self.push.committed(version)
             except Exception as err:  # noqa: BLE001  (not swallowed: raised on every rank below)

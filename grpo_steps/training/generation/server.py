@@ -14,21 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from grpo_steps.config import GenerationConfig
 from grpo_steps.servers.client import GenerationServerError, VLLMClient, session_id
-from grpo_steps.training.generation.disk import AdapterPush, DiskWeightPush, WeightPush, sync_root
 from grpo_steps.training.generation.first_batch import FirstBatchCheck
 from grpo_steps.training.generation.prefetch import RolloutPrefetcher
 from grpo_steps.training.generation.push import VerifiedPush
 from grpo_steps.training.generation.replica_rows import ReplicaLedger
-from grpo_steps.training.generation.s3 import ChainWeightPush
-from grpo_steps.training.job import WEIGHT_LINEAGE
+from grpo_steps.training.generation.transport import WeightTransport, make_transport
 from grpo_steps.weights.labels import label_version
 from grpo_steps.weights.server_flags import TOKEN_GENERATE_ARGS, TOKEN_GENERATE_PATH, weight_transfer_args
 
@@ -48,8 +44,9 @@ class ServerSettings:
     """The ``generation`` settings sampled with."""
     max_model_len: int
     """The server's context (``model.max_model_len``): a turn's new tokens are capped so prompt + completion fit."""
-    push: DiskWeightPush | AdapterPush | ChainWeightPush | None
-    """Rank 0's weight push (None on the other ranks, and where nothing is pushed)."""
+    push: WeightTransport | None
+    """Rank 0's weight transport (:func:`~grpo_steps.training.generation.transport.make_transport`; None on the other
+    ranks, and where nothing is pushed)."""
     probe_ids: list[int]
     """The probe sequence's token ids (at most ``PROBE_TOKENS``)."""
     probe_tolerance: float
@@ -378,8 +375,6 @@ class ServerGeneration:
             self.prefetcher.close()
         if self.settings.push is not None:
             self.settings.push.close()
-            if isinstance(self.settings.push, WeightPush):  # disk sync: the run's sync directory too
-                shutil.rmtree(self.settings.push.root, ignore_errors=True)
 
 
 def oldest_version(samples: list[list[dict]]) -> int | None:
@@ -414,19 +409,7 @@ def server_settings(cfg, client: VLLMClient, tokenizer, probe_prompt, output_dir
     from grpo_steps.data import encode_prompt
 
     gen, lora = cfg.generation, cfg.train.peft.push if cfg.train.peft else None
-    push = None
-    if PartialState().is_main_process and gen.weight_sync == "s3":
-        import torch
-
-        if weight_store is None:
-            raise ValueError("generation.weight_sync 's3' needs the run's S3 location (TrainJob.weight_store)")
-        push = ChainWeightPush(client, weight_store, dtype=getattr(torch, cfg.model.dtype),
-                               anchor_every=gen.s3_sync.anchor_every,
-                               lineage_path=Path(output_dir) / WEIGHT_LINEAGE)
-    elif PartialState().is_main_process:
-        root = sync_root(gen.sync_dir, output_dir)
-        push = AdapterPush(client, root, base_model=client.base_model) if lora == "adapter" \
-            else DiskWeightPush(client, root)
+    push = make_transport(cfg, client, output_dir, weight_store) if PartialState().is_main_process else None
     probe_tolerance, max_logp_diff = gen.sync_check.thresholds(cfg.model.dtype)
     return ServerSettings(client=client, gen=gen, max_model_len=cfg.model.max_model_len, push=push,
                           probe_ids=encode_prompt(tokenizer, probe_prompt)[:PROBE_TOKENS],
