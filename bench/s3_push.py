@@ -10,6 +10,7 @@ push so both see the same load:
 
     .venv/bin/python bench/s3_push.py [--replicas 1] [--pushes 8] [--anchor-every 4] [--dtype float32] [--changed F]
     .venv/bin/python bench/s3_push.py --digests    # the per-tensor checksum's cost per push, no server (issue 56)
+    .venv/bin/python bench/s3_push.py --fetch-rss [--chain-file OLD.py]  # a replica's peak RSS fetching an anchor
 
 Each push first moves every weight a little (``randn * 1e-4``, as an optimizer step moves them: in float32 nearly
 every element changes, in bfloat16 ~15 % do); with ``--changed F`` only a random fraction ``F`` of the elements
@@ -68,6 +69,70 @@ def digests(model_path: str, threads: int, repeats: int = 3) -> None:
         print(f"| {str(dtype).removeprefix('torch.')} | {size / 1e6:.0f} | " + " | ".join(cells) + " |")
 
 
+_FETCH = """
+import importlib.util, resource, sys, time
+path, endpoint, bucket, prefix, version, digest = sys.argv[1:7]
+spec = importlib.util.spec_from_file_location("chain_under_test", path)
+chain = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = chain  # dataclasses look their module up there
+spec.loader.exec_module(chain)
+import torch, zstandard, blake3, boto3  # imported before the baseline: what a server has loaded already
+reader = chain.WeightChain(chain.make_client(endpoint), bucket, prefix)
+reader.versions()  # the client's first request made, before the baseline
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+before = rss()
+start = time.perf_counter()
+copy = chain.LocalCopy()
+kwargs = {"sha256": digest} if "sha256" in chain.WeightChain.fetch.__code__.co_varnames else {}
+reader.fetch(int(version), copy, **kwargs)
+# VmHWM: this process's own peak (ru_maxrss keeps the forking parent's across exec)
+hwm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(before, hwm, rss(), time.perf_counter() - start)
+"""
+
+
+def fetch_rss(model_path: str, dtype_name: str, chain_file: str | None) -> None:
+    """Publish the model as an anchor on a local SeaweedFS, then fetch it in a fresh process with the chain module at
+    ``chain_file`` (default: this tree's) and print the fetch's peak extra resident memory against the model's
+    serving size (the copy's own tensors included)."""
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_steps.dev import local_s3
+    from grpo_steps.weights import chain as weight_chain
+    from grpo_steps.weights.files import checkpoint_state_dict
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype_name))
+    scratch = Path(tempfile.mkdtemp(prefix="grpo-bench-rss-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    s3 = local_s3.start(scratch / "s3")
+    try:
+        env = {**os.environ, **s3.env()}
+        for name, value in s3.env().items():
+            if name.startswith("AWS_"):
+                os.environ[name] = value
+        writer = weight_chain.WeightChain(weight_chain.make_client(s3.endpoint), s3.bucket, "rss")
+        stats = writer.publish(checkpoint_state_dict(model.state_dict(), model), 1)
+        file = chain_file or weight_chain.__file__
+        out = subprocess.run([sys.executable, "-c", _FETCH, file, s3.endpoint, s3.bucket, "rss", "1", stats.sha256],
+                             env=env, capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"the fetch failed: {out.stderr[-2000:]}")
+        out = out.stdout.split()
+        before, peak, after, seconds = int(out[0]), int(out[1]), int(out[2]), float(out[3])
+        print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, load average "
+              f"{os.getloadavg()[0]:.1f}, {Path(file).name}: model {stats.raw_bytes / 1e6:.0f} MB in {dtype_name}, "
+              f"anchor {stats.bytes / 1e6:.0f} MB; fetch {seconds:.2f} s; peak extra RSS "
+              f"{(peak - before) / 1e6:.0f} MB = {(peak - before) / stats.raw_bytes:.2f}x the model; after "
+              f"{(after - before) / 1e6:.0f} MB")
+    finally:
+        local_s3.stop(s3)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -94,7 +159,13 @@ def main() -> None:
                         help="fraction of elements moved per push (default: all, by randn * 1e-4)")
     parser.add_argument("--digests", action="store_true",
                         help="only the per-tensor checksums' cost per push, per algorithm (no server)")
+    parser.add_argument("--fetch-rss", action="store_true",
+                        help="only a replica's peak RSS while it fetches an anchor (no server)")
+    parser.add_argument("--chain-file", default=None, help="with --fetch-rss: another weights/chain.py to measure")
     args = parser.parse_args()
+    if args.fetch_rss:
+        fetch_rss(resolve_model(args.model), args.dtype, args.chain_file)
+        return
     if args.digests:
         digests(resolve_model(args.model), threads=min(8, os.cpu_count() or 1))
         return

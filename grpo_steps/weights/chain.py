@@ -95,6 +95,8 @@ __all__ = ["ChainCorruptError", "ChainError", "ChainRefusedError", "ChainStoreEr
            "tensor_checksum"]  # the errors live in grpo_steps.weights.manifest; readers catch them from here
 
 _MANIFEST = re.compile(r"manifests/(\d{10})\.json$")
+UPLOADS_QUEUED = 4
+"""Data objects a publish holds at most while their PUTs are in flight or queued (2 uploader threads)."""
 
 
 def make_client(endpoint_url: str | None = None, *, max_attempts: int = 4, connect_timeout_s: float = 5.0,
@@ -359,6 +361,11 @@ class WeightChain:
         def flush() -> None:
             key, body = f"{data}{len(objects):03d}.zst", b"".join(parts)
             objects[key] = len(body)
+            # bounded: at most UPLOADS_QUEUED objects wait for their PUT (each up to object_bytes); the encoder
+            # waits for the oldest beyond that, so a slow store holds back encoding, not memory
+            waiting = [p for p in puts if not p.done()]
+            if len(waiting) >= UPLOADS_QUEUED:
+                waiting[0].result()
             puts.append(uploads.submit(self._call, "put_object", key, Body=body))
             parts.clear()
 
@@ -556,28 +563,47 @@ class WeightChain:
         copy.version = copy.id = copy.sha256 = None  # from here until the last tensor checks, the copy is no version
         if chain[0]["base"] is None:
             copy.tensors = {}
-        for manifest in chain:
-            self._apply(manifest, copy.tensors)
+        try:
+            for manifest in chain:
+                self._apply(manifest, copy.tensors)
+        finally:
+            self._trim_scratch()
         copy.version, copy.id, copy.sha256 = version, chain[-1]["id"], sha256
         return copy.tensors
 
+    def _trim_scratch(self) -> None:
+        """Keep one scratch buffer, the largest (a reader's next fetch reuses it for the largest tensor): the
+        others, one per thread that XORed at once, are freed after each fetch."""
+        with self._lock:
+            self._buffers = sorted(self._buffers, key=lambda b: b.nbytes)[-1:]
+
     def _apply(self, manifest: dict, tensors: dict) -> None:
-        """Apply one version's ``manifest`` to ``tensors`` (name -> tensor, changed in place), its objects read and
-        its tensors decoded on ``threads`` threads."""
+        """Apply one version's ``manifest`` to ``tensors`` (name -> tensor, changed in place): its objects read in
+        order, at most ``threads`` reads ahead of the one being decoded, each object's tensors decoded on ``threads``
+        threads as soon as it arrives and the object dropped once they are applied. Host memory beyond the copy itself
+        stays at about ``(threads + 1) * object_bytes`` whatever the model's size (all objects were held at once
+        before)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        algorithm = manifest["checksum"]
-        pool = ThreadPoolExecutor(self.threads)
-        try:  # every read is submitted before any decode that waits for one: none waits on a read not yet started
-            blobs = {key: pool.submit(self._get, key, size) for key, size in manifest["objects"].items()}
-            jobs = [pool.submit(self._apply_tensor, manifest, name, entry, blobs, tensors, algorithm)
-                    for name, entry in manifest["tensors"].items()]
-            for job in jobs:
+        algorithm, by_key, same = manifest["checksum"], {}, []
+        for name, entry in manifest["tensors"].items():
+            (same if entry["encoding"] == "same" else by_key.setdefault(entry["key"], [])).append((name, entry))
+        reads, decodes = ThreadPoolExecutor(self.threads), ThreadPoolExecutor(self.threads)
+        try:
+            checks = [decodes.submit(self._apply_tensor, manifest, n, e, b"", tensors, algorithm) for n, e in same]
+            for key, blob in _ordered(reads, lambda k: self._get(k, manifest["objects"][k]), list(by_key),
+                                      self.threads):
+                for job in [decodes.submit(self._apply_tensor, manifest, n, e, blob, tensors, algorithm)
+                            for n, e in by_key[key]]:
+                    job.result()
+                del blob  # applied: the object's bytes go before the next but one is read
+            for job in checks:
                 job.result()
         finally:
-            pool.shutdown(cancel_futures=True)
+            reads.shutdown(cancel_futures=True)
+            decodes.shutdown(cancel_futures=True)
 
-    def _apply_tensor(self, manifest: dict, name: str, entry: dict, blobs: dict, tensors: dict, algorithm: str):
+    def _apply_tensor(self, manifest: dict, name: str, entry: dict, blob: bytes, tensors: dict, algorithm: str):
         expected = entry["checksum"]
         if entry["encoding"] == "same":
             if tensor_checksum(tensors[name], algorithm) != expected:
@@ -585,7 +611,6 @@ class WeightChain:
                                         f"but the local copy's differs from its checksum (wrong base)")
             return
         key = entry["key"]
-        blob = blobs[key].result()
         for attempt in range(2):
             try:
                 with self._decode(manifest, name, entry, blob, tensors) as undo:
