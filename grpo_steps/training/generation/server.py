@@ -148,6 +148,7 @@ class ServerGeneration:
             if settings.checks_first_batch and policy is not None else None
         self.ledger = ReplicaLedger(len(self.client.replicas))
         self.pushed_version: int | None = None  # None until the first push, which sync_every does not space
+        self.pushed_versions: set[int] = set()  # every version this process pushed: the only labels a span may carry
         self.sampled_version = -1
         """The weight version that sampled the latest first turn (the pushed version, or a prefetched batch's)."""
         self.prefetcher: RolloutPrefetcher | None = None
@@ -182,6 +183,7 @@ class ServerGeneration:
         version = self.policy.step()
         self.push(self.policy, version)
         self.pushed_version = version
+        self.pushed_versions.add(version)
         if self.first_batch is not None:
             self.first_batch.armed()
         if self.settings.lora == "adapter":
@@ -350,6 +352,14 @@ class ServerGeneration:
         if batch is None:
             return None, self.pushed_version
         if self.in_flight:
+            # a span of any other label (a replica restarted mid-request serves "default", another run's step-N) was
+            # sampled by weights this run did not push: the batch is dropped, counted, and sampled again now
+            foreign = foreign_labels(batch.result, self.pushed_versions)
+            self.policy.log("async/foreign_span_batches", float(bool(foreign)))
+            if foreign:
+                print(f"[async] dropped the prefetched batch of step {key}: tokens sampled by weights this run did "
+                      f"not push ({', '.join(foreign[:3])}); sampling it again", flush=True)
+                return None, self.pushed_version
             self._log_token_versions(batch.result, step)
         return batch.result, batch.version
 
@@ -375,6 +385,17 @@ class ServerGeneration:
             self.prefetcher.close()
         if self.settings.push is not None:
             self.settings.push.close()
+
+
+def foreign_labels(samples: list[list[dict]], pushed: set[int]) -> list[str]:
+    """The weight labels of ``samples``' token spans that name no version in ``pushed`` (this run's pushes), sorted.
+
+    >>> foreign_labels([[{"versions": [("step-3", 0, 4), ("default", 4, 9)]}], [{"versions": [("step-9", 0, 2)]}]],
+    ...                {3, 4})
+    ['default', 'step-9']
+    """
+    return sorted({label for group_samples in samples for s in group_samples for label, _, _ in s.get("versions", [])
+                   if label_version(label) not in pushed})
 
 
 def oldest_version(samples: list[list[dict]]) -> int | None:
