@@ -232,7 +232,7 @@ def test_transient_corruption_is_healed_by_the_second_read(client, s3, prefix):
 def test_manifest_names_its_checksum_algorithm(client, s3, prefix, monkeypatch):
     import json
 
-    from grpo_steps.weights import chain as weight_chain
+    from grpo_steps.weights import publisher as weight_chain
     from grpo_steps.weights.chain import ChainError
 
     writer, states, _, _ = _two_versions(client, s3, prefix)
