@@ -132,7 +132,7 @@ def test_pushes_in_flight_need_the_servers_flags(foreign_server, capsys):
     assert not client.serves_token_generate()
 
     def generation(in_flight):
-        return ServerGeneration(ServerSettings(client=client, gen=GenerationConfig(), max_model_len=256, push=None,
+        return ServerGeneration(ServerSettings(client=client, gen=GenerationConfig(), max_model_len=256, transport=None,
                                                probe_ids=[1], probe_tolerance=1e-3, max_staleness=1,
                                                in_flight=in_flight))
 

@@ -44,7 +44,7 @@ class ServerSettings:
     """The ``generation`` settings sampled with."""
     max_model_len: int
     """The server's context (``model.max_model_len``): a turn's new tokens are capped so prompt + completion fit."""
-    push: WeightTransport | None
+    transport: WeightTransport | None
     """Rank 0's weight transport (:func:`~grpo_steps.training.generation.transport.make_transport`; None on the other
     ranks, and where nothing is pushed)."""
     probe_ids: list[int]
@@ -141,8 +141,8 @@ class ServerGeneration:
         self.client, self.gen = settings.client, settings.gen
         """``client``: this rank's client of the server; its ``model`` follows each adapter push (what evaluation
         during training samples from)."""
-        self.push = None if policy is None else VerifiedPush(
-            settings.push, settings.probe_ids, settings.probe_tolerance, settings.probe_policy,
+        self.verified_push = None if policy is None else VerifiedPush(
+            settings.transport, settings.probe_ids, settings.probe_tolerance, settings.probe_policy,
             merged_lora=settings.lora == "merged", log=policy.log)
         self.first_batch = FirstBatchCheck(settings.max_logp_diff, self.client.replicas) \
             if settings.checks_first_batch and policy is not None else None
@@ -181,7 +181,7 @@ class ServerGeneration:
 
     def _push(self) -> None:
         version = self.policy.step()
-        self.push(self.policy, version)
+        self.verified_push(self.policy, version)
         self.pushed_version = version
         self.pushed_versions.add(version)
         if self.first_batch is not None:
@@ -383,8 +383,8 @@ class ServerGeneration:
         server keeps the weights in memory)."""
         if self.prefetcher is not None:
             self.prefetcher.close()
-        if self.settings.push is not None:
-            self.settings.push.close()
+        if self.settings.transport is not None:
+            self.settings.transport.close()
 
 
 def foreign_labels(samples: list[list[dict]], pushed: set[int]) -> list[str]:
@@ -430,9 +430,9 @@ def server_settings(cfg, client: VLLMClient, tokenizer, probe_prompt, output_dir
     from grpo_steps.data import encode_prompt
 
     gen, lora = cfg.generation, cfg.train.peft.push if cfg.train.peft else None
-    push = make_transport(cfg, client, output_dir, weight_store) if PartialState().is_main_process else None
+    transport = make_transport(cfg, client, output_dir, weight_store) if PartialState().is_main_process else None
     probe_tolerance, max_logp_diff = gen.sync_check.thresholds(cfg.model.dtype)
-    return ServerSettings(client=client, gen=gen, max_model_len=cfg.model.max_model_len, push=push,
+    return ServerSettings(client=client, gen=gen, max_model_len=cfg.model.max_model_len, transport=transport,
                           probe_ids=encode_prompt(tokenizer, probe_prompt)[:PROBE_TOKENS],
                           probe_tolerance=probe_tolerance, max_logp_diff=max_logp_diff,
                           sync_every=gen.weight_sync_every, lora=lora,
