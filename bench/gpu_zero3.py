@@ -143,7 +143,7 @@ def server_trainer(arm: str, job, rows: list[dict], reward_funcs: list):
 
     tokenizer = AutoTokenizer.from_pretrained(job.model_path)
     settings = ServerSettings(client=VLLMClient("http://127.0.0.1:9"), gen=job.config.generation,  # never called
-                              max_model_len=job.config.model.max_model_len, push=None, probe_ids=[1, 2],
+                              max_model_len=job.config.model.max_model_len, transport=None, probe_ids=[1, 2],
                               probe_tolerance=0.05)
     trainer = ServerGRPOTrainer(model=job.model_path, reward_funcs=reward_funcs, args=grpo_args(job),
                                 train_dataset=Dataset.from_list(rows), processing_class=tokenizer, server=settings)

@@ -9,6 +9,8 @@ push so both see the same load:
   ``--anchor-every`` versions, XOR+zstd deltas in between), split into anchor and delta pushes.
 
     .venv/bin/python bench/s3_push.py [--replicas 1] [--pushes 8] [--anchor-every 4] [--dtype float32] [--changed F]
+    .venv/bin/python bench/s3_push.py --digests    # the per-tensor checksum's cost per push, no server (issue 56)
+    .venv/bin/python bench/s3_push.py --fetch-rss [--chain-file OLD.py]  # a replica's peak RSS fetching an anchor
 
 Each push first moves every weight a little (``randn * 1e-4``, as an optimizer step moves them: in float32 nearly
 every element changes, in bfloat16 ~15 % do); with ``--changed F`` only a random fraction ``F`` of the elements
@@ -30,6 +32,107 @@ import time
 from pathlib import Path
 
 
+def digests(model_path: str, threads: int, repeats: int = 3) -> None:
+    """Print the seconds one push spends on per-tensor checksums (the publisher's pass plus one replica's, each over
+    every tensor on ``threads`` threads, as :meth:`grpo_steps.weights.chain.WeightChain.publish` and ``fetch`` run
+    them), per algorithm, for the model in bfloat16 and float32 (median of ``repeats``)."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    import blake3
+    import torch
+    import xxhash
+    from transformers import AutoModelForCausalLM
+
+    from grpo_steps.weights.manifest import tensor_bytes
+
+    algorithms = {"xxh3_128": xxhash.xxh3_128, "blake3": blake3.blake3, "sha256": hashlib.sha256,
+                  "blake2b": hashlib.blake2b}
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.1f}, {threads} threads, median of {repeats}\n")
+    print("| dtype | MB | " + " | ".join(f"{a}, s/push" for a in algorithms) + " |")
+    print("|---|---|" + "---|" * len(algorithms))
+    for dtype in (torch.bfloat16, torch.float32):
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        tensors = [t.detach().contiguous() for t in model.state_dict().values()]
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        cells = []
+        with ThreadPoolExecutor(threads) as pool:
+            for fn in algorithms.values():
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    for _ in range(2):  # the publisher's pass and one replica's
+                        list(pool.map(lambda t, fn=fn: fn(tensor_bytes(t)).hexdigest(), tensors))
+                    times.append(time.perf_counter() - start)
+                cells.append(f"{statistics.median(times):.3f}")
+        print(f"| {str(dtype).removeprefix('torch.')} | {size / 1e6:.0f} | " + " | ".join(cells) + " |")
+
+
+_FETCH = """
+import importlib.util, resource, sys, time
+path, endpoint, bucket, prefix, version, digest = sys.argv[1:7]
+spec = importlib.util.spec_from_file_location("chain_under_test", path)
+chain = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = chain  # dataclasses look their module up there
+spec.loader.exec_module(chain)
+import torch, zstandard, blake3, boto3  # imported before the baseline: what a server has loaded already
+reader = chain.WeightChain(chain.make_client(endpoint), bucket, prefix)
+reader.versions()  # the client's first request made, before the baseline
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+before = rss()
+start = time.perf_counter()
+copy = chain.LocalCopy()
+kwargs = {"sha256": digest} if "sha256" in chain.WeightChain.fetch.__code__.co_varnames else {}
+reader.fetch(int(version), copy, **kwargs)
+# VmHWM: this process's own peak (ru_maxrss keeps the forking parent's across exec)
+hwm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(before, hwm, rss(), time.perf_counter() - start)
+"""
+
+
+def fetch_rss(model_path: str, dtype_name: str, chain_file: str | None) -> None:
+    """Publish the model as an anchor on a local SeaweedFS, then fetch it in a fresh process with the chain module at
+    ``chain_file`` (default: this tree's) and print the fetch's peak extra resident memory against the model's
+    serving size (the copy's own tensors included)."""
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_steps.dev import local_s3
+    from grpo_steps.weights import chain as weight_chain
+    from grpo_steps.weights.files import checkpoint_state_dict
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype_name))
+    scratch = Path(tempfile.mkdtemp(prefix="grpo-bench-rss-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    s3 = local_s3.start(scratch / "s3")
+    try:
+        env = {**os.environ, **s3.env()}
+        for name, value in s3.env().items():
+            if name.startswith("AWS_"):
+                os.environ[name] = value
+        writer = weight_chain.WeightChain(weight_chain.make_client(s3.endpoint), s3.bucket, "rss")
+        stats = writer.publish(checkpoint_state_dict(model.state_dict(), model), 1)
+        file = chain_file or weight_chain.__file__
+        out = subprocess.run([sys.executable, "-c", _FETCH, file, s3.endpoint, s3.bucket, "rss", "1", stats.sha256],
+                             env=env, capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"the fetch failed: {out.stderr[-2000:]}")
+        out = out.stdout.split()
+        before, peak, after, seconds = int(out[0]), int(out[1]), int(out[2]), float(out[3])
+        print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, load average "
+              f"{os.getloadavg()[0]:.1f}, {Path(file).name}: model {stats.raw_bytes / 1e6:.0f} MB in {dtype_name}, "
+              f"anchor {stats.bytes / 1e6:.0f} MB; fetch {seconds:.2f} s; peak extra RSS "
+              f"{(peak - before) / 1e6:.0f} MB = {(peak - before) / stats.raw_bytes:.2f}x the model; after "
+              f"{(after - before) / 1e6:.0f} MB")
+    finally:
+        local_s3.stop(s3)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -44,7 +147,7 @@ def main() -> None:
     from grpo_steps.training.generation.disk import DiskWeightPush
     from grpo_steps.training.generation.push import ProbeRecord, check_served_version
     from grpo_steps.training.generation.s3 import ChainWeightPush
-    from grpo_steps.weight_files import weights_fingerprint
+    from grpo_steps.weights.files import weights_fingerprint
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded:SmolLM2-135M-Instruct")
@@ -54,7 +157,18 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--changed", type=float, default=None,
                         help="fraction of elements moved per push (default: all, by randn * 1e-4)")
+    parser.add_argument("--digests", action="store_true",
+                        help="only the per-tensor checksums' cost per push, per algorithm (no server)")
+    parser.add_argument("--fetch-rss", action="store_true",
+                        help="only a replica's peak RSS while it fetches an anchor (no server)")
+    parser.add_argument("--chain-file", default=None, help="with --fetch-rss: another weights/chain.py to measure")
     args = parser.parse_args()
+    if args.fetch_rss:
+        fetch_rss(resolve_model(args.model), args.dtype, args.chain_file)
+        return
+    if args.digests:
+        digests(resolve_model(args.model), threads=min(8, os.cpu_count() or 1))
+        return
     if args.changed is not None and not 0 < args.changed <= 1:
         parser.error(f"--changed must be in (0, 1], got {args.changed}")
     model_path = resolve_model(args.model)

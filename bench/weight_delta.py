@@ -1,4 +1,4 @@
-"""Benchmark: bytes per S3 weight push through the checked chain (:mod:`grpo_steps.weight_chain`), anchor vs sparse
+"""Benchmark: bytes per S3 weight push through the checked chain (:mod:`grpo_steps.weights.chain`), anchor vs sparse
 delta, in fp32 (as served here) and the same weights cast to bf16, over consecutive optimizer steps of a real training
 run; seconds per publish and per fetch+apply; and the encodings compared (XOR+zstd at two levels, index/value pairs).
 
@@ -6,7 +6,7 @@ run; seconds per publish and per fetch+apply; and the encodings compared (XOR+zs
 
 1. Collect: the training entry (``python -m grpo_steps.training``'s ``run``) on ``--config`` with the generation
    server as ``make run`` starts it, for ``--steps`` steps; a callback writes the policy's weights as served (tied
-   weights once, :func:`grpo_steps.weight_files.checkpoint_state_dict`) after every optimizer step into ``--states``
+   weights once, :func:`grpo_steps.weights.files.checkpoint_state_dict`) after every optimizer step into ``--states``
    (kept there; reused when it already holds them).
 2. Measure: a local SeaweedFS S3 server (:mod:`grpo_steps.dev.local_s3`); per dtype, every state published in order
    (``anchor_every`` 10, each committed), a follower fetching each version into its local copy, and a late joiner
@@ -39,7 +39,7 @@ def collect(config: str, steps: int, out: Path) -> list[Path]:
     from grpo_steps.servers.local import start_local
     from grpo_steps.training import entry
     from grpo_steps.training.job import TrainJob
-    from grpo_steps.weight_files import checkpoint_state_dict
+    from grpo_steps.weights.files import checkpoint_state_dict
 
     class SaveWeights(TrainerCallback):
         def save_weights(self, step: int, model) -> None:
@@ -84,7 +84,7 @@ def encodings(pairs: list[tuple[dict, dict]]) -> dict[str, list[float]]:
     import torch
     import zstandard
 
-    from grpo_steps.weight_chain import _int_view
+    from grpo_steps.weights.chain import _int_view
 
     sizes: dict[str, list[float]] = {"xor+zstd-1": [], "xor+zstd-3": [], "index/value": [], "index/value+zstd-1": []}
     z1, z3 = zstandard.ZstdCompressor(level=1), zstandard.ZstdCompressor(level=3)
@@ -111,7 +111,7 @@ def measure(files: list[Path], dtype, s3) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    from grpo_steps.weight_chain import LocalCopy, WeightChain, make_client
+    from grpo_steps.weights.chain import LocalCopy, WeightChain, make_client
 
     client = make_client(s3.endpoint, access_key=s3.access_key, secret_key=s3.secret_key)
     prefix = f"bench/{str(dtype).removeprefix('torch.')}-{time.time_ns()}"

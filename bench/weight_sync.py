@@ -43,7 +43,7 @@ def main() -> None:
         mean_abs_diff,
     )
     from grpo_steps.training.sampling import policy_logprobs
-    from grpo_steps.weight_files import save_weights, weights_fingerprint
+    from grpo_steps.weights.files import save_weights, weights_fingerprint
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded:SmolLM2-135M-Instruct")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from grpo_steps.config import ConfigError, PeftConfig
-from grpo_steps.servers.client import version_label
+from grpo_steps.weights.labels import version_label
 
 
 def adapter_name(served_model: str, version: int | str) -> str:

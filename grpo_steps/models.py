@@ -16,7 +16,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from grpo_steps.weight_files import save_model_dir
+from grpo_steps.weights.files import save_model_dir
 
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED = {

@@ -68,7 +68,7 @@ def refusal_types() -> tuple[type[BaseException], ...]:
     from grpo_steps.sources import DataError
     from grpo_steps.tools import ToolError
     from grpo_steps.tracking import TrackingUnreachable
-    from grpo_steps.weight_chain import ChainStoreError
+    from grpo_steps.weights.chain import ChainStoreError
     from rewards.sandbox import SandboxUnavailable
 
     return ConfigError, DataError, ToolError, TrackingUnreachable, CheckpointNotFound, SandboxUnavailable, \
@@ -101,7 +101,7 @@ def check_weight_store(cfg: PipelineConfig) -> None:
     if cfg.generation.weight_sync != "s3":
         return
     from grpo_steps.config import ConfigError
-    from grpo_steps.weight_chain import chain_of, run_store
+    from grpo_steps.weights.chain import chain_of, run_store
 
     store = run_store(cfg.generation.s3_sync, "preflight")
     if store is None:
@@ -120,7 +120,7 @@ def check_replicas(cfg: PipelineConfig, model_path: str) -> None:
 
     from grpo_steps.config import ConfigError
     from grpo_steps.servers.local import replicas_fit
-    from grpo_steps.weight_files import safetensors_params
+    from grpo_steps.weights.files import safetensors_params
 
     params = safetensors_params(model_path)
     why = replicas_fit(cfg, params or 0, psutil.virtual_memory().total, sorted(os.sched_getaffinity(0)))
@@ -141,7 +141,7 @@ def shm_shortfall(cfg: PipelineConfig, model_path: str) -> str | None:
     (``resources.train.image``; 64 MiB when null), else with this machine's ``/dev/shm``."""
     import shutil
 
-    from grpo_steps.weight_files import safetensors_params
+    from grpo_steps.weights.files import safetensors_params
 
     params = safetensors_params(model_path)
     if not params:

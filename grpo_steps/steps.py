@@ -120,7 +120,7 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
 def weight_store(cfg: PipelineConfig, run_id: str) -> dict | None:
     """The S3 location of the run's weight versions with ``generation.weight_sync: s3`` (keyed by the MLflow run id,
     which every step of the run knows), else None."""
-    from grpo_steps.weight_chain import run_store
+    from grpo_steps.weights.chain import run_store
 
     return run_store(cfg.generation.s3_sync, run_id) if cfg.generation.weight_sync == "s3" else None
 
@@ -190,7 +190,7 @@ def register(cfg: PipelineConfig, *, run_id: str, model_dir: str, report: dict, 
 
     tracking.wait_reachable(cfg, "register")  # a tracking outage: wait a bounded time, then fail saying `resume`
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
-    from grpo_steps.weight_files import weights_sha256
+    from grpo_steps.weights.files import weights_sha256
 
     tags = {"metaflow.pathspec": pathspec, "config.sha256": cfg.sha256(), "dataset.digest": dataset_digest,
             "git.commit": tracking.git_commit(), "weights.sha256": weights_sha256(model_dir),
@@ -205,7 +205,7 @@ def finish(cfg: PipelineConfig, run_id: str, server: dict | None, *, report: dic
     reviewer reads first on its MLflow page, :func:`grpo_steps.evaluation.report.run_description`) and close the
     MLflow run."""
     from grpo_steps.evaluation.report import run_description
-    from grpo_steps.weight_chain import remove_run_versions
+    from grpo_steps.weights.chain import remove_run_versions
 
     lifecycle.stop(server)
     remove_run_versions(weight_store(cfg, run_id))  # what a failed and retried train attempt may have left

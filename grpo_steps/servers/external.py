@@ -26,7 +26,7 @@ import requests
 from grpo_steps.processes import wait_until
 from grpo_steps.servers.auth import auth_headers
 from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy, start_all
-from grpo_steps.servers.client import LOGPROBS_MODE, WEIGHT_TRANSFER_BACKEND, weight_transfer_args
+from grpo_steps.weights.server_flags import LOGPROBS_MODE, WEIGHT_TRANSFER_BACKEND, weight_transfer_args
 
 if TYPE_CHECKING:
     from grpo_steps.config import PipelineConfig
@@ -121,7 +121,8 @@ class ExternalServer(GenerationServer):
         config = info.json().get("vllm_config") or {}
         backend = (config.get("weight_transfer_config") or {}).get("backend")
         if cfg.generation.async_ is not None and cfg.generation.async_.in_flight:
-            from grpo_steps.servers.client import TOKEN_GENERATE_ARGS, TOKEN_GENERATE_PATH, VLLMClient
+            from grpo_steps.servers.client import VLLMClient
+            from grpo_steps.weights.server_flags import TOKEN_GENERATE_ARGS, TOKEN_GENERATE_PATH
 
             if backend != WEIGHT_TRANSFER_BACKEND or not VLLMClient(endpoint, served[0]).serves_token_generate():
                 raise ServerStartError(

@@ -23,7 +23,8 @@ import yaml
 
 from grpo_steps.config import INFRA_DIR, SHARED_MOUNT, PipelineConfig
 from grpo_steps.servers import auth
-from grpo_steps.servers.client import LOGPROBS_MODE, TOKEN_GENERATE_ARGS, served_model_names, weight_transfer_args
+from grpo_steps.servers.client import served_model_names
+from grpo_steps.weights.server_flags import LOGPROBS_MODE, TOKEN_GENERATE_ARGS, weight_transfer_args
 
 TEMPLATE = INFRA_DIR / "k8s" / "vllm-server.yaml"
 ROUTER_TEMPLATE = INFRA_DIR / "k8s" / "vllm-router.yaml"
@@ -89,8 +90,9 @@ def server_args(cfg: PipelineConfig, model: str, replica: int | None = None) -> 
     Flags for ``nccl`` weight sync are the ones TRL's ``vllm-serve`` wrapper passes (trl/scripts/vllm_serve.py,
     TRL 1.16, for vLLM >= 0.30): ``--enable-scale-out --weight-transfer-config '{"backend":"nccl"}'
     --logprobs-mode processed_logprobs --max-logprobs -1``, with ``VLLM_SERVER_DEV_MODE=1`` in the template. With
-    ``s3`` sync: the pipeline's weight-transfer engine (:func:`grpo_steps.servers.client.weight_transfer_args`), which
-    the image (``resources.vllm.image``) must have installed beside vLLM.
+    ``s3`` sync: the pipeline's weight-transfer engine
+    (:func:`grpo_steps.weights.server_flags.weight_transfer_args`), which the image (``resources.vllm.image``) must
+    have installed beside vLLM.
     """
     gen = cfg.generation
     args = ["--model", model, "--served-model-name", *served_model_names(replica), "--host", "0.0.0.0",

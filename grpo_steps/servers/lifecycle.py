@@ -26,7 +26,25 @@ def provision(cfg: PipelineConfig, model_path: str) -> dict:
     backend needs one. Raises ``ServerStartError``."""
     server = servers.provision(cfg, model_path, owner=run_owner(), run_id=metaflow_run_id())
     print(redact(f"[vllm] serving {server.summary()}"), flush=True)
-    return server.to_dict()
+    return record_capabilities(server).to_dict()
+
+
+def record_capabilities(server):
+    """``server`` (a :class:`~grpo_steps.servers.GenerationServer`, frozen) with what it can do, asked once, in its
+    handle (:attr:`~grpo_steps.servers.GenerationServer.capabilities`): the training process and evaluation read it
+    there instead of asking again. A server that cannot answer (no dev routes) keeps an empty record, printed: its
+    clients then ask when they need to and fail there with its error."""
+    import dataclasses
+
+    from grpo_steps.servers.client import GenerationServerError
+
+    try:
+        capabilities = server.client().probe_capabilities()
+    except GenerationServerError as err:
+        print(redact(f"[vllm] could not ask {server.summary()} what it can do: {err}"), flush=True)
+        return server
+    print(f"[vllm] capabilities: {capabilities}", flush=True)
+    return dataclasses.replace(server, capabilities=capabilities)
 
 
 def ensure_server(cfg: PipelineConfig, server: dict, model_path: str) -> dict:

@@ -32,7 +32,8 @@ from grpo_steps.processes import (
 )
 from grpo_steps.servers import auth
 from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy, start_all
-from grpo_steps.servers.client import LOGPROBS_MODE, TOKEN_GENERATE_ARGS, served_model_names, weight_transfer_args
+from grpo_steps.servers.client import served_model_names
+from grpo_steps.weights.server_flags import LOGPROBS_MODE, TOKEN_GENERATE_ARGS, weight_transfer_args
 
 if TYPE_CHECKING:
     from grpo_steps.config import PipelineConfig, ServerConfig

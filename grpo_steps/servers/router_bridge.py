@@ -61,7 +61,7 @@ HEAD_TIMEOUT_S = 10.0
 OPEN_PATHS = ("/health", "/liveness", "/readiness")
 TOKEN_PATHS = ("/inference/v1/generate",)
 """Paths outside ``/v1/`` relayed with the token: vLLM's token-in/token-out sampling route (per-token weight versions,
-:data:`grpo_steps.servers.client.TOKEN_GENERATE_PATH`); not its ``/inference/v1/abort_requests``."""
+:data:`grpo_steps.weights.server_flags.TOKEN_GENERATE_PATH`); not its ``/inference/v1/abort_requests``."""
 """Paths answered without the token (``GET`` only; the answer comes from a request of the bridge's own)."""
 NO_NAMESPACE_EXIT = 3
 """Exit code when no private network namespace can be made here."""

@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 from grpo_steps import trl_hooks
 from grpo_steps.checkpoints import checkpoint_bytes, checkpoint_name, mark_latest_zero_tag, steps_to_prune
 from grpo_steps.tracking import with_glance
-from grpo_steps.weight_files import require_space
+from grpo_steps.weights.files import require_space
 from rewards import guard
 
 

@@ -34,7 +34,7 @@ def average_accumulated_gradients(accelerator, model) -> None:
 
 def check_ranks_agree(accelerator, model, deepspeed: bool) -> None:
     """Raise unless every training process (rank) holds the same policy weights (a digest per tensor,
-    :func:`grpo_steps.weight_files.weights_fingerprint`, gathered). Data parallelism keeps a full copy on each rank
+    :func:`grpo_steps.weights.files.weights_fingerprint`, gathered). Data parallelism keeps a full copy on each rank
     that must stay equal; ZeRO-3 (``deepspeed``: a partition per process) and a single process have nothing to check.
 
     Raises:
@@ -42,7 +42,7 @@ def check_ranks_agree(accelerator, model, deepspeed: bool) -> None:
     """
     if accelerator.num_processes == 1 or deepspeed:
         return
-    from grpo_steps.weight_files import weights_fingerprint
+    from grpo_steps.weights.files import weights_fingerprint
 
     digest = torch.tensor(weights_fingerprint(accelerator.unwrap_model(model).state_dict()),
                           dtype=torch.float64, device=accelerator.device)

@@ -41,7 +41,7 @@ class TrainJob(BaseModel):
     resume_universal: bool = False  # resume_from holds a DeepSpeed Universal Checkpoint to load (grpo_steps.elastic)
     weight_store: dict[str, Any] | None = None
     """``generation.weight_sync: s3``: the S3 location of this run's weight versions,
-    ``{"bucket", "prefix", "endpoint_url"}`` (:func:`grpo_steps.weight_chain.run_store`; no credentials)."""
+    ``{"bucket", "prefix", "endpoint_url"}`` (:func:`grpo_steps.weights.chain.run_store`; no credentials)."""
 
     @field_validator("server")
     @classmethod

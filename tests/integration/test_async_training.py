@@ -54,6 +54,7 @@ def test_async_trains_within_max_staleness_with_verified_pushes(uninterrupted, t
     assert [h.get("weight_sync/version") for h in steps] == [0, None, 2, None]  # pushed at steps 0 and 2 only
     for h in steps:
         assert h["async/dropped"] == 0 and h["async/missed"] == 0  # the producer sampled the batches TRL asked for
+        assert h.get("async/foreign_span_batches", 0.0) == 0.0  # every span a push of this run: none dropped
         assert "sampling/importance_sampling_ratio/mean" in h  # the correction weighs the lag
         # pushes in flight (the default on this server): none waits for the request in flight; staleness per token
         assert "weight_sync/drain_seconds" not in h

@@ -12,7 +12,7 @@ whole flow costs minutes in ``make test``):
   from training's last step, then ``resume``: the evaluation completes once, every metric logged once, one model
   version, the run FINISHED.
 
-The weights reach the server through S3 (``generation.weight_sync: s3``, the chain of grpo_steps/weight_chain.py, on a
+The weights reach the server through S3 (``generation.weight_sync: s3``, the chain of grpo_steps/weights/chain.py, on a
 real SeaweedFS): the trainer, ``start``'s access check and ``end``'s removal write with the flow's planted credentials
 (``PLANTED_ENV``'s AWS secret is that S3 server's real secret, so the leak check greps a secret the run used), the
 server reads with the development pair it was started with (a read-only identity there).
@@ -320,7 +320,7 @@ def test_metrics_params_and_registered_version_in_mlflow(flow_run):
     # the registered weights' checksum: the SHA-256 of the weight files the registry holds
     from mlflow.artifacts import download_artifacts
 
-    from grpo_steps.weight_files import weights_sha256
+    from grpo_steps.weights.files import weights_sha256
 
     registered = Path(download_artifacts(f"models:/{version.name}/{version.version}",
                                          dst_path=str(workdir / "registered"), tracking_uri=cfg.tracking.tracking_uri))
@@ -515,26 +515,26 @@ def test_every_push_went_through_s3_and_the_registered_version_carries_its_linea
     last = cfg.train.max_steps
     assert {k: v for k, v in lineage.items() if k != "weight_lineage.sha256"} == {
         "weight_lineage.version": str(last), "weight_lineage.anchor": "0", "weight_lineage.deltas": str(last),
-        "weight_lineage.checksum": "xxh3_128"}
+        "weight_lineage.checksum": "blake3"}
     (version,) = client.search_model_versions(f"name = '{cfg.registry.model_name}'")
     assert {k: v for k, v in version.tags.items() if k.startswith("weight_lineage.")} == lineage
     from mlflow.artifacts import download_artifacts
 
     from grpo_steps.training.generation.s3 import lineage_of
-    from grpo_steps.weight_chain import tensor_checksum
-    from grpo_steps.weight_files import read_safetensors
+    from grpo_steps.weights.chain import tensor_checksum
+    from grpo_steps.weights.files import read_safetensors
 
     registered = Path(download_artifacts(f"models:/{version.name}/{version.version}",
                                          dst_path=str(workdir / "registered-lineage"),
                                          tracking_uri=cfg.tracking.tracking_uri))
     (weights_dir,) = {p.parent for p in registered.rglob("*.safetensors")}
     tensors = {name: {"checksum": tensor_checksum(t.contiguous())} for name, t in read_safetensors(weights_dir).items()}
-    digest = lineage_of({"version": last, "anchor": 0, "depth": last, "checksum": "xxh3_128",
+    digest = lineage_of({"version": last, "anchor": 0, "depth": last, "checksum": "blake3",
                          "tensors": tensors})["sha256"]
     assert lineage["weight_lineage.sha256"] == digest  # what the server loaded last is what was registered
     description = client.get_model_version(version.name, version.version).description  # what the version page says
     assert (f"the servers last loaded version {last} in training (anchor 0 + {last} deltas, SHA-256 digest of its "
-            f"tensors' xxh3_128 checksums `{lineage['weight_lineage.sha256']}`") in description
+            f"tensors' blake3 checksums `{lineage['weight_lineage.sha256']}`") in description
     # the killed attempt had staged both policies for evaluate (each a chain of its own under the run's prefix) ...
     for label in ("baseline", "trained"):
         assert f"{prefix}eval/{label}/manifests/0000000000.json" in faults.killed_keys, faults.killed_keys

@@ -25,7 +25,7 @@ def _rollout(server, tokenizer, group: int = 4, **generation) -> dict:
     """One first turn of ``group`` completions for each of QUESTIONS, sampled with ``generation`` by the training
     process's generation stand-in, as TRL's generation path calls it."""
     gen = GenerationConfig(max_completion_tokens=12, **generation)
-    sampler = ServerGeneration(ServerSettings(client=server.client(), gen=gen, max_model_len=256, push=None,
+    sampler = ServerGeneration(ServerSettings(client=server.client(), gen=gen, max_model_len=256, transport=None,
                                               probe_ids=[], probe_tolerance=1.0))
     prompts = [encode_prompt(tokenizer, to_prompt(q, "Solve the problem."), gen.chat_template_kwargs)
                for q in QUESTIONS for _ in range(group)]

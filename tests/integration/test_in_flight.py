@@ -12,11 +12,11 @@ import torch
 
 from grpo_steps.config import GenerationConfig
 from grpo_steps.data import encode_prompt, to_prompt
-from grpo_steps.servers.client import version_label
 from grpo_steps.servers.engine_metrics import parse_engine_metrics
 from grpo_steps.training.sampling import processed_logprobs
 from grpo_steps.training.zero_signal.plan import importance_weights
-from grpo_steps.weight_files import save_weights
+from grpo_steps.weights.files import save_weights
+from grpo_steps.weights.labels import version_label
 
 pytestmark = pytest.mark.slow
 

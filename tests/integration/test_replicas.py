@@ -9,6 +9,7 @@ attempts), on a real SeaweedFS. The
 whole flow on two replicas started by the flow, with a replica killed mid-training and ``@retry`` replacing the set,
 is the local run of tests/integration/test_resume.py."""
 
+import hashlib
 import json
 import os
 import re
@@ -226,16 +227,18 @@ def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny
                                                                    replica_set, s3, monkeypatch):
     """The chain's receivers on two real replicas: each version's weights serve as the trainer's (probe against the
     policy's own logprobs); a replica that missed every version replays the chain from the anchor; a corrupted
-    delta is refused by name and a store that does not answer fails by key, both leaving every replica on the weights
-    and label it served."""
+    delta is refused by name, forged manifests (no digest, a swapped one, a self-referencing base, a missing tensor)
+    are refused by what they break, and a store that does not answer fails by key, each leaving the replica on the
+    weights and label it served."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.data import encode_prompt, to_prompt
-    from grpo_steps.servers.client import version_label
     from grpo_steps.training.generation.s3 import ChainWeightPush
     from grpo_steps.training.sampling import policy_logprobs
-    from grpo_steps.weight_chain import tensor_checksum
+    from grpo_steps.weights.chain import tensor_checksum
+    from grpo_steps.weights.files import checkpoint_state_dict
+    from grpo_steps.weights.labels import version_label
 
     for name, value in dev_s3_credentials().items():
         monkeypatch.setenv(name, value)
@@ -272,11 +275,10 @@ def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny
         assert late["bytes_read"] > caught_up["bytes_read"] > 0  # the anchor and three deltas vs one delta
         assert parts["anchor"] == 0.0 and 0 < parts["density"] <= 1
         # the chain's checksums are the trainer's tensors': what the replicas loaded is what was published
-        manifest = push.chain.manifest(3)
-        from grpo_steps.weight_files import checkpoint_state_dict
+        manifest = push.chain.manifest(3, push.last.sha256)
 
         published = checkpoint_state_dict(model.state_dict(), model)
-        assert manifest["checksum"] == "xxh3_128"
+        assert manifest["checksum"] == "blake3"
         assert {n: e["checksum"] for n, e in manifest["tensors"].items()} == {
             n: tensor_checksum(t.contiguous()) for n, t in published.items()}
 
@@ -291,16 +293,41 @@ def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny
         for key in push.chain.manifest(4)["objects"]:
             body = raw.get_object(Bucket=s3.bucket, Key=key)["Body"].read()
             raw.put_object(Bucket=s3.bucket, Key=key, Body=bytes(b ^ 0xFF for b in body))
-        update = {"s3": push.store, "version": 4}
+        update = {"s3": push.store, "version": 4, "sha256": stats.sha256}
         with pytest.raises(GenerationServerError, match=r"tensor .* refused twice"):
             first.update_weights(update, version_label(4))
         assert first.weight_version() == version_label(3)
         assert first.prompt_logprobs(ids) == pytest.approx(served_before, abs=1e-6)
 
+        # forgeries by a writer of the bucket, each refused by the replica's engine before anything is loaded:
+        manifest_key = f"{push.store['prefix']}/manifests/{4:010d}.json"
+        manifest = json.loads(raw.get_object(Bucket=s3.bucket, Key=manifest_key)["Body"].read())
+        forged = json.dumps({**manifest, "base": {**manifest["base"], "version": 4}}).encode()  # a self-reference
+        raw.put_object(Bucket=s3.bucket, Key=manifest_key, Body=forged)
+        refusals = {  # the update request -> what the refusal says
+            "no digest": ({"s3": push.store, "version": 4}, "no manifest sha256"),
+            "the trainer's digest": (update, "is not the one the trainer published"),
+            "the forgery's own digest": ({**update, "sha256": hashlib.sha256(forged).hexdigest()},
+                                         "a delta's base must be .*older than this one"),
+        }
+        # a version missing one tensor (its digest genuine): refused against the served model's checkpoint
+        partial = ChainWeightPush(client, _store(s3, "receivers-partial"), dtype=torch.float32)
+        state = checkpoint_state_dict(model.state_dict(), model)
+        missing = sorted(state)[0]
+        stats = partial.chain.publish({k: v for k, v in state.items() if k != missing}, 0)
+        refusals["a missing tensor"] = ({"s3": partial.store, "version": 0, "sha256": stats.sha256},
+                                        rf"missing \['{re.escape(missing)}'\]")
+        for case, (request, error) in refusals.items():
+            with pytest.raises(GenerationServerError, match=error):
+                first.update_weights(request, version_label(4))
+            assert first.weight_version() == version_label(3), case
+            assert first.prompt_logprobs(ids) == pytest.approx(served_before, abs=1e-6), case
+        partial.close()
+
         # a store that does not answer: the update fails naming the key, the replica keeps serving version 3
         dead = dict(push.store, endpoint_url="http://127.0.0.1:9")  # the discard port: nothing listens
         with pytest.raises(GenerationServerError, match=r"s3://.*manifests/0000000004\.json"):
-            second.update_weights({"s3": dead, "version": 4}, version_label(4))
+            second.update_weights({"s3": dead, "version": 4, "sha256": stats.sha256}, version_label(4))
         assert second.weight_version() == version_label(3)
     finally:
         push.close()
@@ -386,8 +413,8 @@ def test_s3_kill_mid_publish_and_an_outage_mid_push_then_resume(tmp_path, tiny_m
     from grpo_steps.dev import local_s3 as s3_server
     from grpo_steps.training.generation.s3 import lineage_of
     from grpo_steps.training.sampling import policy_logprobs
-    from grpo_steps.weight_chain import chain_of, tensor_checksum
-    from grpo_steps.weight_files import checkpoint_state_dict
+    from grpo_steps.weights.chain import chain_of, tensor_checksum
+    from grpo_steps.weights.files import checkpoint_state_dict
 
     for name, value in dev_s3_credentials().items():  # this process reads the chain too
         monkeypatch.setenv(name, value)
@@ -469,7 +496,7 @@ def test_s3_kill_mid_publish_and_an_outage_mid_push_then_resume(tmp_path, tiny_m
         served = VLLMClient(member.endpoint).prompt_logprobs(ids)
         assert max(abs(a - b) for a, b in zip(served, policy_logprobs(policy, ids), strict=True)) < 1e-4
     published = checkpoint_state_dict(policy.state_dict(), policy)
-    manifest = {"version": 3, "anchor": 2, "depth": 1, "checksum": "xxh3_128",
+    manifest = {"version": 3, "anchor": 2, "depth": 1, "checksum": "blake3",
                 "tensors": {n: {"checksum": tensor_checksum(t.contiguous())} for n, t in published.items()}}
     assert json.loads((tmp_path / "out" / "weight_lineage.json").read_text()) == lineage_of(manifest)
 

@@ -109,7 +109,7 @@ def test_a_reload_serves_the_written_weights_tied_head_included(tmp_path, tiny_m
 
     from grpo_steps.data import encode_prompt, to_prompt
     from grpo_steps.training.sampling import policy_logprobs
-    from grpo_steps.weight_files import write_safetensors
+    from grpo_steps.weights.files import write_safetensors
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     assert model.config.tie_word_embeddings
@@ -349,7 +349,7 @@ def test_a_sync_dir_that_cannot_hold_a_push_fails_before_any_load(tmp_path, tiny
     """``generation.sync_dir`` on a 512 KiB tmpfs, the tiny policy's push ~1.4 MB: the training run fails at its first
     push with an error naming the directory, the bytes and the key; the server was never asked to load (its weight
     label is unchanged) and no push directory is left half-written."""
-    from grpo_steps.weight_files import NoSpaceError
+    from grpo_steps.weights.files import NoSpaceError
 
     sync_dir, client = small_tmpfs(512 * 1024), VLLMClient(tiny_server.endpoint)
     client.set_weight_version("before-the-full-disk")

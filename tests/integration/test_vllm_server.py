@@ -15,7 +15,7 @@ from grpo_steps.data import encode_prompt, to_prompt
 from grpo_steps.processes import ProcessRef
 from grpo_steps.servers import ExternalServer, ServerStartError
 from grpo_steps.servers.local import start_local
-from grpo_steps.weight_files import save_weights
+from grpo_steps.weights.files import save_weights
 
 pytestmark = pytest.mark.slow
 
@@ -132,7 +132,7 @@ def test_pushes_in_flight_need_the_servers_flags(foreign_server, capsys):
     assert not client.serves_token_generate()
 
     def generation(in_flight):
-        return ServerGeneration(ServerSettings(client=client, gen=GenerationConfig(), max_model_len=256, push=None,
+        return ServerGeneration(ServerSettings(client=client, gen=GenerationConfig(), max_model_len=256, transport=None,
                                                probe_ids=[1], probe_tolerance=1e-3, max_staleness=1,
                                                in_flight=in_flight))
 

@@ -133,7 +133,7 @@ def test_a_checkpoint_save_that_cannot_fit_is_refused_before_the_trainer_writes(
 
     from grpo_steps.checkpoints import checkpoint_bytes
     from grpo_steps.training.callbacks import DatastoreCheckpointCallback
-    from grpo_steps.weight_files import NoSpaceError
+    from grpo_steps.weights.files import NoSpaceError
 
     scratch = small_tmpfs(256 * 1024)
     policy = torch.nn.Linear(320, 320, bias=False)  # 102,400 float32 parameters: 400 KiB of weights

@@ -146,7 +146,7 @@ def test_load_weights_takes_a_directory_or_a_chain_version_on_every_replica(monk
 @pytest.fixture
 def store(s3, monkeypatch):
     """The run's weight store on the real S3 server (credentials in the environment, as a server pod gets them)."""
-    from grpo_steps.weight_chain import run_store
+    from grpo_steps.weights.chain import run_store
 
     for name, value in s3.env().items():
         monkeypatch.setenv(name, value)
@@ -155,7 +155,7 @@ def store(s3, monkeypatch):
 
 
 def _keys(store) -> list[str]:
-    from grpo_steps.weight_chain import make_client
+    from grpo_steps.weights.chain import make_client
 
     page = make_client(store["endpoint_url"]).list_objects_v2(Bucket=store["bucket"], Prefix=store["prefix"] + "/")
     return [o["Key"] for o in page.get("Contents", [])]
@@ -171,15 +171,18 @@ def test_with_a_store_the_weights_are_a_version_under_the_runs_eval_prefix(store
     import torch
     from safetensors.torch import load_file
 
-    from grpo_steps.weight_chain import chain_of, remove_run_versions
+    from grpo_steps.weights.chain import ChainRefusedError, chain_of, remove_run_versions
 
     update = server.stage_update(_weights(tmp_path, value=1.0), "trained", store)
     where = {**store, "prefix": f"{store['prefix']}/eval/trained"}
-    assert update == {"s3": where, "version": 0}
+    assert update == {"s3": where, "version": 0, "sha256": update["sha256"]} and len(update["sha256"]) == 64
     json.dumps(update)  # a request body: no credentials, nothing but JSON
     again = server.stage_update(_weights(tmp_path, "retry", value=3.0), "trained", store)  # a retried evaluate
-    assert again == update and chain_of(where).versions() == [0]
-    fetched = chain_of(where).fetch(0)
+    assert again.keys() == update.keys() and again["sha256"] != update["sha256"]  # other weights, another digest
+    assert chain_of(where).versions() == [0]
+    with pytest.raises(ChainRefusedError, match="not the one the trainer published"):  # the first staging's digest
+        chain_of(where).fetch(0, sha256=update["sha256"])
+    fetched = chain_of(where).fetch(0, sha256=again["sha256"])
     expected = load_file(tmp_path / "retry" / "model.safetensors")
     assert fetched.keys() == expected.keys()
     for name, tensor in expected.items():  # the dtypes the files hold (bf16 stays bf16), bits as written

@@ -61,7 +61,7 @@ def trainer(tiny_model_path, tmp_path, mode: str, accumulation: int, loss_side: 
     args = grpo_args(TrainJob(config=cfg, model_path=tiny_model_path, train_file="unused", output_dir=str(tmp_path)))
     client = VLLMClient("http://127.0.0.1:9", replicas=("http://127.0.0.1:9", "http://127.0.0.1:10"))
     server = ServerSettings(client=client, gen=cfg.generation,
-                            max_model_len=256, push=None, probe_ids=[1, 2], probe_tolerance=0.05)  # never called
+                            max_model_len=256, transport=None, probe_ids=[1, 2], probe_tolerance=0.05)  # never called
     length = lambda completions, **_: [float(len(c)) for c in completions]  # noqa: E731  (signal in every group)
     out = ServerGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_path), reward_funcs=[length, length],
                             args=args, train_dataset=Dataset.from_list(PROMPTS),

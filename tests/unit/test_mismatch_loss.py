@@ -35,7 +35,8 @@ def trainers(tiny_model_path, tmp_path_factory):
         common = dict(model=model, reward_funcs=[reward, reward], args=args,
                       train_dataset=dataset, processing_class=tokenizer)
         server = ServerSettings(client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation,
-                                max_model_len=256, push=None, probe_ids=[1, 2], probe_tolerance=0.05)  # never called
+                                max_model_len=256, transport=None, probe_ids=[1, 2],
+                                probe_tolerance=0.05)  # never called
         out[name] = ServerGRPOTrainer(**common, server=server)
         if name == "off":
             out["plain"] = GRPOTrainer(**common)
@@ -100,7 +101,7 @@ def test_trls_prompt_rendering_is_the_pipelines(tiny_model_path, tmp_path):
                            "train": {"per_device_train_batch_size": 2, "num_generations": 2}})
     args = grpo_args(TrainJob(config=cfg, model_path=tiny_model_path, train_file="unused", output_dir=str(tmp_path)))
     server = ServerSettings(client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation,
-                            max_model_len=256, push=None, probe_ids=[1, 2], probe_tolerance=0.05)  # never called
+                            max_model_len=256, transport=None, probe_ids=[1, 2], probe_tolerance=0.05)  # never called
     trainer = ServerGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_path),
                                 reward_funcs=[lambda completions, **_: [0.0] * len(completions)] * 2, args=args,
                                 train_dataset=Dataset.from_list([{"prompt": "x"}] * 2), processing_class=tokenizer,

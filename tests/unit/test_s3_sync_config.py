@@ -74,7 +74,7 @@ def test_a_key_given_as_the_secret_name_is_not_echoed():
 
 
 def test_the_location_defaults_to_the_metaflow_datastore_and_the_endpoint_to_metaflows():
-    from grpo_steps.weight_chain import run_store
+    from grpo_steps.weights.chain import run_store
 
     s3_sync = _cfg().generation.s3_sync
     env = {"METAFLOW_DATASTORE_SYSROOT_S3": "s3://data/metaflow/", "METAFLOW_S3_ENDPOINT_URL": "http://127.0.0.1:1"}
@@ -96,13 +96,13 @@ def test_start_refuses_s3_sync_without_a_place(monkeypatch):
 @pytest.mark.s3
 def test_start_checks_the_bucket_answers(s3, monkeypatch):
     from grpo_steps.preflight import check_weight_store
-    from grpo_steps.weight_chain import ChainStoreError
+    from grpo_steps.weights.chain import ChainStoreError
 
     for name, value in s3.env().items():
         monkeypatch.setenv(name, value)
     check_weight_store(_cfg())  # the Metaflow datastore's bucket
     # boto3's default session keeps the credentials it first resolved: a client with the wrong secret, explicitly
-    from grpo_steps.weight_chain import WeightChain, make_client
+    from grpo_steps.weights.chain import WeightChain, make_client
 
     wrong = WeightChain(make_client(s3.endpoint, access_key=s3.access_key, secret_key="wrong", max_attempts=1),
                         s3.bucket, "weight-sync/x")

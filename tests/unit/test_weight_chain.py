@@ -1,4 +1,4 @@
-"""The checked chain of weight versions (grpo_steps/weight_chain.py) on the project's real S3 server (SeaweedFS):
+"""The checked chain of weight versions (grpo_steps/weights/chain.py) on the project's real S3 server (SeaweedFS):
 round trips, late joiners, corrupted and truncated objects, missing manifests, a publisher killed mid-version,
 retention, the run's prefix removed, and an unreachable endpoint. One server for the module; a prefix per test."""
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.s3
 
 @pytest.fixture(scope="module")
 def client(s3):
-    from grpo_steps.weight_chain import make_client
+    from grpo_steps.weights.chain import make_client
 
     return make_client(s3.endpoint, access_key=s3.access_key, secret_key=s3.secret_key, max_attempts=2)
 
@@ -29,7 +29,7 @@ def prefix(request):
 
 
 def _chain(client, s3, prefix, **kw):
-    from grpo_steps.weight_chain import WeightChain
+    from grpo_steps.weights.chain import WeightChain
 
     return WeightChain(client, s3.bucket, prefix, **kw)
 
@@ -64,6 +64,14 @@ def _same_bits(a: dict, b: dict) -> bool:
                         b[k].reshape(-1).view(width[b[k].element_size()])) for k in a)
 
 
+def _digest(client, s3, prefix, version: int) -> str:
+    """The SHA-256 of version ``version``'s manifest as stored: what the trainer's update request names."""
+    import hashlib
+
+    key = f"{prefix}/manifests/{version:010d}.json"
+    return hashlib.sha256(client.get_object(Bucket=s3.bucket, Key=key)["Body"].read()).hexdigest()
+
+
 def _keys(client, s3, prefix) -> list[str]:
     return [o["Key"] for o in client.list_objects_v2(Bucket=s3.bucket, Prefix=prefix + "/").get("Contents", [])]
 
@@ -72,7 +80,7 @@ def _keys(client, s3, prefix) -> list[str]:
 def test_chain_round_trips_bit_exactly(client, s3, prefix, dtype):
     import torch
 
-    from grpo_steps.weight_chain import LocalCopy
+    from grpo_steps.weights.chain import LocalCopy
 
     dtype = getattr(torch, dtype)
     states = _training_states(7)
@@ -82,7 +90,7 @@ def test_chain_round_trips_bit_exactly(client, s3, prefix, dtype):
         stats = writer.publish(state, version)
         writer.commit(version)
         kinds.append("anchor" if stats.anchor else "delta")
-        got = _chain(client, s3, prefix).fetch(version, into=reader)  # a replica following every push
+        got = _chain(client, s3, prefix).fetch(version, into=reader, sha256=stats.sha256)  # a replica following
         assert _same_bits(got, {k: v.to(dtype) for k, v in state.items()}), f"version {version} differs"
         assert reader.version == version
         if not stats.anchor:
@@ -102,11 +110,12 @@ def test_late_joiner_replays_from_the_newest_anchor(client, s3, prefix):
     assert late.latest_version() == 5
     assert [m["version"] for m in late.lineage(5)] == [4, 5]  # anchors at 1 and 4
     assert [m["version"] for m in late.lineage(3)] == [1, 2, 3]
-    assert _same_bits(late.fetch(5), {k: v.to(torch.bfloat16) for k, v in states[4].items()})
+    expected = {k: v.to(torch.bfloat16) for k, v in states[4].items()}
+    assert _same_bits(late.fetch(5, sha256=_digest(client, s3, prefix, 5)), expected)
 
 
 def test_uncommitted_version_is_never_a_base(client, s3, prefix):
-    from grpo_steps.weight_chain import LocalCopy
+    from grpo_steps.weights.chain import LocalCopy
 
     states = _training_states(3)
     writer = _chain(client, s3, prefix, anchor_every=10)
@@ -116,17 +125,18 @@ def test_uncommitted_version_is_never_a_base(client, s3, prefix):
     stats = writer.publish(states[2], 3)
     assert stats.base == 1
     replica = LocalCopy()
-    _chain(client, s3, prefix).fetch(2, into=replica)  # a replica that did load 2 replays 1 -> 3, not 2 -> 3
-    assert _same_bits(_chain(client, s3, prefix).fetch(3, into=replica), states[2])
+    # a replica that did load 2 replays 1 -> 3, not 2 -> 3
+    _chain(client, s3, prefix).fetch(2, into=replica, sha256=_digest(client, s3, prefix, 2))
+    assert _same_bits(_chain(client, s3, prefix).fetch(3, into=replica, sha256=stats.sha256), states[2])
     with pytest.raises(ValueError, match="pending"):
         writer.commit(2)
     # the publisher reuses the memory of replaced (2) and retired (1) baselines for its private copies: the
     # committed base is never among them
     writer.commit(3)
     for version, state in ((4, states[0]), (5, states[1])):
-        writer.publish(state, version)
+        published = writer.publish(state, version)
         writer.commit(version)
-        assert _same_bits(_chain(client, s3, prefix).fetch(version, into=replica), state)
+        assert _same_bits(_chain(client, s3, prefix).fetch(version, into=replica, sha256=published.sha256), state)
 
 
 def _two_versions(client, s3, prefix):
@@ -148,7 +158,7 @@ def _count_gets(client):
 
 
 def test_corrupted_delta_is_refused_after_one_more_read(client, s3, prefix):
-    from grpo_steps.weight_chain import ChainCorruptError, LocalCopy, make_client
+    from grpo_steps.weights.chain import ChainCorruptError, LocalCopy, make_client
 
     writer, states, key, blob = _two_versions(client, s3, prefix)
     manifest = writer.manifest(2)
@@ -160,12 +170,13 @@ def test_corrupted_delta_is_refused_after_one_more_read(client, s3, prefix):
     gets = _count_gets(reader.client)
     copy = LocalCopy()
     with pytest.raises(ChainCorruptError) as err:
-        reader.fetch(2, into=copy)
+        reader.fetch(2, into=copy, sha256=_digest(client, s3, prefix, 2))
     assert name in str(err.value) and key in str(err.value)
     assert sum(key.endswith(path.split("/", 2)[-1]) for path in gets) == 2  # read, refused, read once more
     assert copy.version is None  # half-applied: labelled as no version
     client.put_object(Bucket=s3.bucket, Key=key, Body=blob)  # repaired: the next fetch replays from the anchor
-    assert _same_bits(reader.fetch(2, into=copy), states[1]) and copy.version == 2
+    assert _same_bits(reader.fetch(2, into=copy, sha256=_digest(client, s3, prefix, 2)), states[1])
+    assert copy.version == 2
 
 
 class _FlipOnFirstRead:
@@ -192,7 +203,7 @@ class _FlipOnFirstRead:
 def test_transient_corruption_is_healed_by_the_second_read(client, s3, prefix):
     import zstandard
 
-    from grpo_steps.weight_chain import LocalCopy
+    from grpo_steps.weights.chain import LocalCopy
 
     writer, states, key, blob = _two_versions(client, s3, prefix)
     manifest = writer.manifest(2)
@@ -212,53 +223,55 @@ def test_transient_corruption_is_healed_by_the_second_read(client, s3, prefix):
     position = entry["offset"] + next(i for i in range(len(frame) - 1, 0, -1) if still_decodes(i))
     reader = _chain(_FlipOnFirstRead(client, key, position), s3, prefix)
     copy = LocalCopy()
-    reader.fetch(1, into=copy)
+    reader.fetch(1, into=copy, sha256=_digest(client, s3, prefix, 1))
     # the bad delta is XORed into the copy, refused by the checksum, XORed out again, and the second read applies
-    assert _same_bits(reader.fetch(2, into=copy), states[1]) and copy.version == 2
+    assert _same_bits(reader.fetch(2, into=copy, sha256=_digest(client, s3, prefix, 2)), states[1])
+    assert copy.version == 2
 
 
 def test_manifest_names_its_checksum_algorithm(client, s3, prefix, monkeypatch):
     import json
 
-    from grpo_steps import weight_chain
-    from grpo_steps.weight_chain import ChainError
+    from grpo_steps.weights import publisher as weight_chain
+    from grpo_steps.weights.chain import ChainError
 
     writer, states, _, _ = _two_versions(client, s3, prefix)
-    assert {writer.manifest(v)["checksum"] for v in (1, 2)} == {"xxh3_128"}
+    assert {writer.manifest(v)["checksum"] for v in (1, 2)} == {"blake3"}
     monkeypatch.setattr(weight_chain, "CHECKSUM", "sha256")  # a publisher with another algorithm: readers follow it
-    writer.publish(states[0], 3)
+    stats = writer.publish(states[0], 3)
     assert writer.manifest(3)["checksum"] == "sha256"
-    assert _same_bits(_chain(client, s3, prefix).fetch(3), states[0])
-    key = f"{prefix}/manifests/{3:010d}.json"
-    client.put_object(Bucket=s3.bucket, Key=key, Body=json.dumps({**writer.manifest(3), "checksum": "md7"}).encode())
-    with pytest.raises(ChainError, match="unknown checksum algorithm 'md7'"):
-        _chain(client, s3, prefix).fetch(3)
+    assert _same_bits(_chain(client, s3, prefix).fetch(3, sha256=stats.sha256), states[0])
+    key, manifest = f"{prefix}/manifests/{3:010d}.json", writer.manifest(3, stats.sha256)
+    for algorithm in ("md7", "xxh3_128"):  # unknown, or not cryptographic: refused even with the trainer's digest
+        client.put_object(Bucket=s3.bucket, Key=key, Body=json.dumps({**manifest, "checksum": algorithm}).encode())
+        with pytest.raises(ChainError, match=f"unknown checksum algorithm '{algorithm}'"):
+            _chain(client, s3, prefix).fetch(3, sha256=_digest(client, s3, prefix, 3))
 
 
 def test_truncated_object_is_refused(client, s3, prefix):
-    from grpo_steps.weight_chain import ChainCorruptError
+    from grpo_steps.weights.chain import ChainCorruptError
 
     _, _, key, blob = _two_versions(client, s3, prefix)
     client.put_object(Bucket=s3.bucket, Key=key, Body=blob[: len(blob) - 7])
     with pytest.raises(ChainCorruptError, match="truncated") as err:
-        _chain(client, s3, prefix).fetch(2)
+        _chain(client, s3, prefix).fetch(2, sha256=_digest(client, s3, prefix, 2))
     assert key in str(err.value)
 
 
 def test_version_without_manifest_does_not_exist(client, s3, prefix):
-    from grpo_steps.weight_chain import VersionNotFoundError
+    from grpo_steps.weights.chain import VersionNotFoundError
 
     writer, _, _, _ = _two_versions(client, s3, prefix)
     client.delete_object(Bucket=s3.bucket, Key=f"{prefix}/manifests/{2:010d}.json")
     reader = _chain(client, s3, prefix)
     assert reader.versions() == [1] and reader.latest_version() == 1
     with pytest.raises(VersionNotFoundError, match="version 2"):
-        reader.fetch(2)
+        reader.fetch(2, sha256="0" * 64)
 
 
 _PUBLISHER = textwrap.dedent("""
     import sys, torch
-    from grpo_steps.weight_chain import WeightChain, make_client
+    from grpo_steps.weights.chain import WeightChain, make_client
     endpoint, bucket, prefix = sys.argv[1:4]
     chain = WeightChain(make_client(endpoint), bucket, prefix)
     state = {f"layer{i}.weight": torch.randn(64) for i in range(300)}
@@ -292,10 +305,10 @@ def test_kill_9_mid_publish_leaves_no_visible_version(client, s3, prefix, tmp_pa
     assert reader.versions() == [1]
     orphans = [k for k in _keys(client, s3, prefix) if f"data/{2:010d}-" in k]
     assert 0 < len(orphans) < 300  # the publish was cut mid-version
-    assert reader.fetch(1)["layer0.weight"].shape == (64,)
+    assert reader.fetch(1, sha256=_digest(client, s3, prefix, 1))["layer0.weight"].shape == (64,)
     reader.retain([1])  # the orphaned data of the killed publish is removed
     assert not [k for k in _keys(client, s3, prefix) if f"data/{2:010d}-" in k]
-    assert reader.fetch(1)["layer0.weight"].shape == (64,)
+    assert reader.fetch(1, sha256=_digest(client, s3, prefix, 1))["layer0.weight"].shape == (64,)
 
 
 def test_retain_keeps_what_rebuilds_the_kept_versions(client, s3, prefix):
@@ -308,7 +321,7 @@ def test_retain_keeps_what_rebuilds_the_kept_versions(client, s3, prefix):
     assert _chain(client, s3, prefix).versions() == [4, 5, 6]
     assert _chain(client, s3, prefix).retain([5]) == [6]  # another object has no baseline: only what is asked for
     assert _chain(client, s3, prefix).versions() == [4, 5]
-    assert _same_bits(_chain(client, s3, prefix).fetch(5), states[4])
+    assert _same_bits(_chain(client, s3, prefix).fetch(5, sha256=_digest(client, s3, prefix, 5)), states[4])
 
 
 def test_delete_prefix_leaves_nothing_under_the_prefix(client, s3, prefix):
@@ -322,7 +335,7 @@ def test_delete_prefix_leaves_nothing_under_the_prefix(client, s3, prefix):
 
 def test_unreachable_endpoint_fails_within_the_bound_naming_the_key(s3, prefix):
     from grpo_steps.processes import pick_port
-    from grpo_steps.weight_chain import ChainStoreError, make_client
+    from grpo_steps.weights.chain import ChainStoreError, make_client
 
     dead = make_client(f"http://127.0.0.1:{pick_port('127.0.0.1', 0)}", access_key=s3.access_key,
                        secret_key=s3.secret_key, max_attempts=3, connect_timeout_s=1)
@@ -333,5 +346,5 @@ def test_unreachable_endpoint_fails_within_the_bound_naming_the_key(s3, prefix):
     assert time.monotonic() - start < 10  # 3 attempts, refused at once, ~50-100 ms of backoff
     assert f"s3://{s3.bucket}/{prefix}/data/{1:010d}-" in str(err.value)
     with pytest.raises(ChainStoreError, match=f"{prefix}/manifests/{1:010d}.json"):
-        chain.fetch(1)
+        chain.fetch(1, sha256="0" * 64)
     assert s3.secret_key not in str(err.value)

@@ -4,7 +4,7 @@ fresh write would, and a file of another layout is never reused."""
 import pytest
 import torch
 
-from grpo_steps.weight_files import overwrite_safetensors, write_safetensors
+from grpo_steps.weights.files import overwrite_safetensors, write_safetensors
 
 
 def _state(seed: int, hidden: int = 8) -> dict:
@@ -112,7 +112,7 @@ def test_a_directory_without_room_is_a_clear_error_naming_it_the_bytes_and_the_k
     import errno
 
     from grpo_steps.training.generation.disk import DiskWeightPush
-    from grpo_steps.weight_files import NoSpaceError
+    from grpo_steps.weights.files import NoSpaceError
 
     root, server = small_tmpfs(256 * 1024), _Server()
     with pytest.raises(NoSpaceError) as err:
@@ -128,7 +128,7 @@ def test_a_disk_that_fills_while_writing_removes_the_partial_push_and_loads_noth
     """Another process fills the disk between the check and the write: the kernel's ENOSPC (through safetensors)
     becomes the same clear error, and the half-written directory is removed."""
     from grpo_steps.training.generation import disk as weight_sync
-    from grpo_steps.weight_files import NoSpaceError
+    from grpo_steps.weights.files import NoSpaceError
 
     monkeypatch.setattr(weight_sync, "require_space", lambda *args, **kwargs: None)  # the check saw room
     root, server = small_tmpfs(256 * 1024), _Server()

@@ -6,7 +6,7 @@ import torch
 
 from grpo_steps.training.generation.disk import GenerationServerError
 from grpo_steps.training.generation.push import ProbeRecord, check_served_version, served_version
-from grpo_steps.weight_files import weights_fingerprint
+from grpo_steps.weights.files import weights_fingerprint
 
 TOL = 0.05
 W0, W1 = (1.0, 2.0), (1.001, 2.0)  # fingerprints of the pushed weights: one optimizer step apart

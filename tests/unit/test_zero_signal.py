@@ -42,8 +42,8 @@ def _trainer(tiny_model_path, tmp_path, mode: str, dataset: list[str], rounds: i
                            "train": {"per_device_train_batch_size": BATCH, "num_generations": GROUP,
                                      "zero_signal_groups": mode, "max_resample_rounds": rounds, **(train or {})}})
     args = grpo_args(TrainJob(config=cfg, model_path=tiny_model_path, train_file="unused", output_dir=str(tmp_path)))
-    server = ServerSettings(client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation, max_model_len=1024, push=None,
-                            probe_ids=[1, 2], probe_tolerance=0.05)
+    server = ServerSettings(client=VLLMClient("http://127.0.0.1:9"), gen=cfg.generation, max_model_len=1024,
+                            transport=None, probe_ids=[1, 2], probe_tolerance=0.05)
     calls = []
 
     def generate(prompts, images=None, num_generations=1, profiler=None):

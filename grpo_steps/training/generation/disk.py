@@ -2,8 +2,8 @@
 loads it.
 
 Rank 0 writes the policy's weights as one safetensors file into a new directory per push under a run-owned
-root (:func:`sync_root`; :func:`grpo_steps.weight_files.write_safetensors`, or
-:func:`grpo_steps.weight_files.overwrite_safetensors` of an older push's file moved there), then has the server
+root (:func:`sync_root`; :func:`grpo_steps.weights.files.write_safetensors`, or
+:func:`grpo_steps.weights.files.overwrite_safetensors` of an older push's file moved there), then has the server
 load it (:meth:`grpo_steps.servers.client.VLLMClient.reload_weights`) and labels it ``step-N``
 (:class:`DiskWeightPush`); with LoRA the adapter alone is written and loaded as a new served model
 (:class:`AdapterPush`), or base + adapter merged (:func:`merged_state_dict`) is pushed as full weights.
@@ -21,8 +21,8 @@ from pathlib import Path
 
 from grpo_steps.lora import adapter_name
 from grpo_steps.processes import OWNER_FILE, ProcessRef, claim_dir, remove_orphan_dirs  # noqa: F401 (re-exported)
-from grpo_steps.servers.client import GenerationServerError, VLLMClient, version_label
-from grpo_steps.weight_files import (
+from grpo_steps.servers.client import GenerationServerError, VLLMClient
+from grpo_steps.weights.files import (
     is_no_space,
     no_space,
     overwrite_safetensors,
@@ -30,6 +30,7 @@ from grpo_steps.weight_files import (
     safetensors_bytes,
     write_safetensors,
 )
+from grpo_steps.weights.labels import version_label
 
 
 @dataclass
@@ -109,11 +110,17 @@ class WeightPush:
         """The push before this one is no longer served: by default its directory is removed."""
         shutil.rmtree(previous, ignore_errors=True)
 
+    def committed(self, version: int) -> None:
+        """Every replica serves ``version`` (verified): nothing to advance for a directory (the transport protocol,
+        :class:`grpo_steps.training.generation.transport.WeightTransport`)."""
+
     def close(self) -> None:
-        """Remove the last push's directory (the server keeps its weights in memory)."""
+        """Remove the last push's directory and the run's sync directory ``root`` (the server keeps its weights in
+        memory)."""
         if self.current is not None:
             shutil.rmtree(self.current, ignore_errors=True)
             self.current = None
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 @dataclass

@@ -4,8 +4,9 @@ settings, or a server without ``--logprobs-mode processed_logprobs`` fails it)."
 
 from __future__ import annotations
 
-from grpo_steps.servers.client import GenerationServerError, version_label
+from grpo_steps.servers.client import GenerationServerError
 from grpo_steps.training.sampling import processed_logprobs
+from grpo_steps.weights.labels import version_label
 
 FIRST_BATCH_COMPLETIONS = 2
 """Completions of the first batch after a push that the policy scores again for the first-batch check, per replica

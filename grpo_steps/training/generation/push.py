@@ -9,9 +9,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from grpo_steps.servers.client import GenerationServerError, VLLMClient, version_label
+from grpo_steps.servers.client import GenerationServerError, VLLMClient
 from grpo_steps.training.sampling import policy_logprobs
-from grpo_steps.weight_files import weights_fingerprint
+from grpo_steps.weights.files import weights_fingerprint
+from grpo_steps.weights.labels import version_label
 
 HISTORY = 4
 """Verified pushes remembered per replica to name the version a stale server serves."""
@@ -20,7 +21,7 @@ HISTORY = 4
 @dataclass
 class ProbeRecord:
     """What one push's verification saw: ``weights``, the pushed state dict's
-    :func:`grpo_steps.weight_files.weights_fingerprint`; ``served``, the server's probe logprobs (T-1 floats);
+    :func:`grpo_steps.weights.files.weights_fingerprint`; ``served``, the server's probe logprobs (T-1 floats);
     ``policy``, the policy's on the same probe, or None when the first rollout batch is compared with the policy
     instead (``generation.sync_check.max_logp_diff``)."""
 
@@ -96,10 +97,9 @@ class VerifiedPush:
     and the probe's forward); rank 0's failure is raised on every rank.
 
     Args:
-        push: rank 0's :class:`~grpo_steps.training.generation.disk.DiskWeightPush`,
-            :class:`~grpo_steps.training.generation.disk.AdapterPush` or
-            :class:`~grpo_steps.training.generation.s3.ChainWeightPush` (None on the other ranks); one with a
-            ``committed(version)`` method is told when every replica serves the version.
+        transport: rank 0's weight transport (:class:`grpo_steps.training.generation.transport.WeightTransport`, from
+            :func:`~grpo_steps.training.generation.transport.make_transport`; None on the other ranks), told
+            ``committed(version)`` when every replica serves the version.
         probe_ids: the probe sequence's token ids.
         probe_tolerance: nats per token: probe answers closer than this are the same weights.
         probe_policy: whether the policy scores the probe too (:attr:`ServerSettings.probe_policy
@@ -112,9 +112,9 @@ class VerifiedPush:
             and ``load_seconds`` (the slowest replica's).
     """
 
-    def __init__(self, push, probe_ids: list[int], probe_tolerance: float, probe_policy: bool, merged_lora: bool,
+    def __init__(self, transport, probe_ids: list[int], probe_tolerance: float, probe_policy: bool, merged_lora: bool,
                  log: Callable[[str, float], None]) -> None:
-        self.push, self.probe_ids, self.probe_tolerance = push, probe_ids, probe_tolerance
+        self.transport, self.probe_ids, self.probe_tolerance = transport, probe_ids, probe_tolerance
         self.probe_policy, self.merged_lora, self.log = probe_policy, merged_lora, log
         self.history: dict[str, list[ProbeRecord]] = {}  # per replica (endpoint): the last HISTORY verified pushes
 
@@ -143,7 +143,7 @@ class VerifiedPush:
         if accelerator.is_main_process:
             try:
                 weights = weights_fingerprint(state_dict)
-                parts = self.push.push(state_dict, version, model=policy_model)
+                parts = self.transport.push(state_dict, version, model=policy_model)
             except Exception as err:  # noqa: BLE001  (not swallowed: raised on every rank below)
                 error = err
         del state_dict
@@ -156,9 +156,9 @@ class VerifiedPush:
                 gap = self._verify(version, weights, scored)
             except Exception as err:  # noqa: BLE001  (not swallowed: raised on every rank below)
                 error = err
-        if accelerator.is_main_process and error is None and hasattr(self.push, "committed"):
+        if accelerator.is_main_process and error is None:
             try:  # every replica serves the version: the chain's next delta builds on it
-                self.push.committed(version)
+                self.transport.committed(version)
             except Exception as err:  # noqa: BLE001  (not swallowed: raised on every rank below)
                 error = err
         message = broadcast_object_list([None if error is None else f"{type(error).__name__}: {error}"])[0]
@@ -187,12 +187,12 @@ class VerifiedPush:
         (naming the replica)."""
         def check(client: VLLMClient) -> tuple[ProbeRecord, str]:
             record = ProbeRecord(version, weights, client.prompt_logprobs(self.probe_ids), policy)
-            label = self.push.served_label(client)
+            label = self.transport.served_label(client)
             check_served_version(record, self.history.get(client.endpoint, []), label, self.probe_tolerance,
                                  step=version + 1)
             return record, label
 
-        client = self.push.client
+        client = self.transport.client
         checked = client.each(check)
         for replica, (record, _) in zip(client.replica_clients(), checked, strict=True):
             self.history[replica.endpoint] = (self.history.get(replica.endpoint, []) + [record])[-HISTORY:]

@@ -2,7 +2,7 @@
 replica through vLLM's weight-update protocol.
 
 Rank 0 publishes the policy's weights, in the serving dtype and under the names a checkpoint file holds
-(:func:`grpo_steps.weight_files.checkpoint_state_dict`), as version N of the run's :class:`grpo_steps.weight_chain.
+(:func:`grpo_steps.weights.files.checkpoint_state_dict`), as version N of the run's :class:`grpo_steps.weights.chain.
 WeightChain` (a full anchor every ``generation.s3_sync.anchor_every`` versions, XOR+zstd deltas against the last
 committed version in between; the manifest last). Every replica is told to prefetch it (a background fetch while it
 still generates), then loads it: ``/start_weight_update`` -> ``/update_weights {"s3": ..., "version": N}`` ->
@@ -23,17 +23,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpo_steps.servers.client import VLLMClient, version_label
-from grpo_steps.weight_chain import ChainError, PublishStats, WeightChain, chain_of
+from grpo_steps.servers.client import VLLMClient
+from grpo_steps.weights.chain import ChainError, PublishStats, WeightChain, chain_of
+from grpo_steps.weights.labels import version_label
 
 
 def lineage_of(manifest: dict) -> dict[str, str]:
     """What a registered model's tags say of the last version the servers loaded: its ``version``, the ``anchor`` its
     chain starts from, the ``deltas`` applied since, ``checksum`` (the manifest's per-tensor algorithm, e.g.
-    ``xxh3_128``) and ``sha256``, a SHA-256 digest of its per-tensor checksums (in name order; the same weights give
-    the same digest whatever the chain)."""
-    algorithm = manifest.get("checksum", "sha256")
-    digest = hashlib.sha256("".join(f"{name}:{entry.get('checksum', entry.get('sha256'))};" for name, entry in
+    ``blake3``) and ``sha256``, a SHA-256 digest of its per-tensor checksums (in name order; the same weights give
+    the same digest whatever the chain). Every field comes from a manifest the trainer checked
+    (:func:`grpo_steps.weights.chain.check_manifest`: ints and known names only)."""
+    algorithm = manifest["checksum"]
+    digest = hashlib.sha256("".join(f"{name}:{entry['checksum']};" for name, entry in
                                     sorted(manifest["tensors"].items())).encode()).hexdigest()
     return {"version": str(manifest["version"]), "anchor": str(manifest["anchor"]), "deltas": str(manifest["depth"]),
             "checksum": algorithm, "sha256": digest}
@@ -44,7 +46,7 @@ class ChainWeightPush:
     """Rank 0's half of ``s3`` sync: :meth:`push` publishes and has every replica load, :meth:`committed` advances
     the baseline once the push is verified, :meth:`close` removes the run's versions.
 
-    ``store``: :func:`grpo_steps.weight_chain.run_store`'s location; ``dtype``: the serving dtype (a
+    ``store``: :func:`grpo_steps.weights.chain.run_store`'s location; ``dtype``: the serving dtype (a
     ``torch.dtype``); ``anchor_every``: ``generation.s3_sync.anchor_every``. Anything a killed earlier attempt of the
     run left under the prefix is deleted first: this attempt's chain starts with an anchor.
     """
@@ -74,17 +76,19 @@ class ChainWeightPush:
         ``anchor`` (1.0 or 0.0), ``fetch_seconds`` and ``load_seconds`` (the slowest replica's, inside the update).
 
         Raises:
-            grpo_steps.weight_chain.ChainStoreError: S3 failed after botocore's retries (names the key; nothing was
+            grpo_steps.weights.chain.ChainStoreError: S3 failed after botocore's retries (names the key; nothing was
                 loaded: the version is invisible without its manifest, or no replica was asked).
             GenerationServerError: a replica failed the update (e.g. a tensor refused twice by its checksum: that
                 replica keeps the weights it served).
         """
-        from grpo_steps.weight_files import checkpoint_state_dict
+        from grpo_steps.weights.files import checkpoint_state_dict
 
         start = time.perf_counter()
         self.last = self.chain.publish(checkpoint_state_dict(state_dict, model), version)
         published = time.perf_counter()
-        update = {"s3": self.store, "version": version}
+        # the manifest's digest rides in the request the run's token authenticates: a writer of the bucket cannot
+        # swap the version the replicas load
+        update = {"s3": self.store, "version": version, "sha256": self.last.sha256}
         replicas = self.client.replica_clients()
         for replica in replicas:  # each starts fetching while it may still be generating
             replica.prefetch_weights(update)
@@ -102,7 +106,7 @@ class ChainWeightPush:
         build on are deleted (S3 failures here are reported on stderr, not raised: the next retain deletes them)."""
         self.chain.commit(version)
         if self.lineage_path is not None:
-            self.lineage_path.write_text(json.dumps(lineage_of(self.chain.manifest(version))))
+            self.lineage_path.write_text(json.dumps(lineage_of(self.chain.manifest(version, self.last.sha256))))
         try:
             self.chain.retain({version})
         except ChainError as err:

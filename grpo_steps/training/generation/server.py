@@ -14,29 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from grpo_steps.config import GenerationConfig
-from grpo_steps.servers.client import (
-    TOKEN_GENERATE_ARGS,
-    TOKEN_GENERATE_PATH,
-    GenerationServerError,
-    VLLMClient,
-    label_version,
-    session_id,
-    weight_transfer_args,
-)
-from grpo_steps.training.generation.disk import AdapterPush, DiskWeightPush, WeightPush, sync_root
+from grpo_steps.servers.client import GenerationServerError, VLLMClient, session_id
 from grpo_steps.training.generation.first_batch import FirstBatchCheck
 from grpo_steps.training.generation.prefetch import RolloutPrefetcher
 from grpo_steps.training.generation.push import VerifiedPush
 from grpo_steps.training.generation.replica_rows import ReplicaLedger
-from grpo_steps.training.generation.s3 import ChainWeightPush
-from grpo_steps.training.job import WEIGHT_LINEAGE
+from grpo_steps.training.generation.transport import WeightTransport, make_transport
+from grpo_steps.weights.labels import label_version
+from grpo_steps.weights.server_flags import TOKEN_GENERATE_ARGS, TOKEN_GENERATE_PATH, weight_transfer_args
 
 PROBE_TOKENS = 16
 """Longest probe sequence, tokens: the policy scores it with one extra forward per push (0.1-0.5 s for
@@ -54,8 +44,9 @@ class ServerSettings:
     """The ``generation`` settings sampled with."""
     max_model_len: int
     """The server's context (``model.max_model_len``): a turn's new tokens are capped so prompt + completion fit."""
-    push: DiskWeightPush | AdapterPush | ChainWeightPush | None
-    """Rank 0's weight push (None on the other ranks, and where nothing is pushed)."""
+    transport: WeightTransport | None
+    """Rank 0's weight transport (:func:`~grpo_steps.training.generation.transport.make_transport`; None on the other
+    ranks, and where nothing is pushed)."""
     probe_ids: list[int]
     """The probe sequence's token ids (at most ``PROBE_TOKENS``)."""
     probe_tolerance: float
@@ -150,13 +141,14 @@ class ServerGeneration:
         self.client, self.gen = settings.client, settings.gen
         """``client``: this rank's client of the server; its ``model`` follows each adapter push (what evaluation
         during training samples from)."""
-        self.push = None if policy is None else VerifiedPush(
-            settings.push, settings.probe_ids, settings.probe_tolerance, settings.probe_policy,
+        self.verified_push = None if policy is None else VerifiedPush(
+            settings.transport, settings.probe_ids, settings.probe_tolerance, settings.probe_policy,
             merged_lora=settings.lora == "merged", log=policy.log)
         self.first_batch = FirstBatchCheck(settings.max_logp_diff, self.client.replicas) \
             if settings.checks_first_batch and policy is not None else None
         self.ledger = ReplicaLedger(len(self.client.replicas))
         self.pushed_version: int | None = None  # None until the first push, which sync_every does not space
+        self.pushed_versions: set[int] = set()  # every version this process pushed: the only labels a span may carry
         self.sampled_version = -1
         """The weight version that sampled the latest first turn (the pushed version, or a prefetched batch's)."""
         self.prefetcher: RolloutPrefetcher | None = None
@@ -189,8 +181,9 @@ class ServerGeneration:
 
     def _push(self) -> None:
         version = self.policy.step()
-        self.push(self.policy, version)
+        self.verified_push(self.policy, version)
         self.pushed_version = version
+        self.pushed_versions.add(version)
         if self.first_batch is not None:
             self.first_batch.armed()
         if self.settings.lora == "adapter":
@@ -359,6 +352,14 @@ class ServerGeneration:
         if batch is None:
             return None, self.pushed_version
         if self.in_flight:
+            # a span of any other label (a replica restarted mid-request serves "default", another run's step-N) was
+            # sampled by weights this run did not push: the batch is dropped, counted, and sampled again now
+            foreign = foreign_labels(batch.result, self.pushed_versions)
+            self.policy.log("async/foreign_span_batches", float(bool(foreign)))
+            if foreign:
+                print(f"[async] dropped the prefetched batch of step {key}: tokens sampled by weights this run did "
+                      f"not push ({', '.join(foreign[:3])}); sampling it again", flush=True)
+                return None, self.pushed_version
             self._log_token_versions(batch.result, step)
         return batch.result, batch.version
 
@@ -382,14 +383,23 @@ class ServerGeneration:
         server keeps the weights in memory)."""
         if self.prefetcher is not None:
             self.prefetcher.close()
-        if self.settings.push is not None:
-            self.settings.push.close()
-            if isinstance(self.settings.push, WeightPush):  # disk sync: the run's sync directory too
-                shutil.rmtree(self.settings.push.root, ignore_errors=True)
+        if self.settings.transport is not None:
+            self.settings.transport.close()
+
+
+def foreign_labels(samples: list[list[dict]], pushed: set[int]) -> list[str]:
+    """The weight labels of ``samples``' token spans that name no version in ``pushed`` (this run's pushes), sorted.
+
+    >>> foreign_labels([[{"versions": [("step-3", 0, 4), ("default", 4, 9)]}], [{"versions": [("step-9", 0, 2)]}]],
+    ...                {3, 4})
+    ['default', 'step-9']
+    """
+    return sorted({label for group_samples in samples for s in group_samples for label, _, _ in s.get("versions", [])
+                   if label_version(label) not in pushed})
 
 
 def oldest_version(samples: list[list[dict]]) -> int | None:
-    """The oldest push version (:func:`grpo_steps.servers.client.label_version`) that sampled a token of ``samples``
+    """The oldest push version (:func:`grpo_steps.weights.labels.label_version`) that sampled a token of ``samples``
     (``"versions"`` spans of :meth:`grpo_steps.servers.client.VLLMClient.complete`), None when no span names one.
 
     >>> oldest_version([[{"versions": [("step-3", 0, 4), ("step-4", 4, 9)]}], [{"versions": [("step-4", 0, 2)]}]])
@@ -420,21 +430,9 @@ def server_settings(cfg, client: VLLMClient, tokenizer, probe_prompt, output_dir
     from grpo_steps.data import encode_prompt
 
     gen, lora = cfg.generation, cfg.train.peft.push if cfg.train.peft else None
-    push = None
-    if PartialState().is_main_process and gen.weight_sync == "s3":
-        import torch
-
-        if weight_store is None:
-            raise ValueError("generation.weight_sync 's3' needs the run's S3 location (TrainJob.weight_store)")
-        push = ChainWeightPush(client, weight_store, dtype=getattr(torch, cfg.model.dtype),
-                               anchor_every=gen.s3_sync.anchor_every,
-                               lineage_path=Path(output_dir) / WEIGHT_LINEAGE)
-    elif PartialState().is_main_process:
-        root = sync_root(gen.sync_dir, output_dir)
-        push = AdapterPush(client, root, base_model=client.base_model) if lora == "adapter" \
-            else DiskWeightPush(client, root)
+    transport = make_transport(cfg, client, output_dir, weight_store) if PartialState().is_main_process else None
     probe_tolerance, max_logp_diff = gen.sync_check.thresholds(cfg.model.dtype)
-    return ServerSettings(client=client, gen=gen, max_model_len=cfg.model.max_model_len, push=push,
+    return ServerSettings(client=client, gen=gen, max_model_len=cfg.model.max_model_len, transport=transport,
                           probe_ids=encode_prompt(tokenizer, probe_prompt)[:PROBE_TOKENS],
                           probe_tolerance=probe_tolerance, max_logp_diff=max_logp_diff,
                           sync_every=gen.weight_sync_every, lora=lora,

@@ -8,9 +8,10 @@ Layout under the run's prefix ``s3://BUCKET/PREFIX/``::
                                          into objects of at most ``object_bytes`` (16 MB by default)
 
 A manifest (JSON) holds the version, its publish ``id`` (a fresh token per publish: a version published again after a
-crash is another version to readers), ``base`` (``{"version", "id"}`` of the version the delta applies to; null for an
-anchor), ``anchor`` (version of the anchor its lineage starts from), ``depth`` (deltas since that anchor), the byte
-count of each object, ``checksum`` (the algorithm, ``xxh3_128``), and per tensor: dtype, shape, ``checksum`` of the
+crash is another version to readers), ``base`` (``{"version", "id", "sha256"}`` of the version the delta applies to,
+``sha256`` the digest of that version's manifest bytes; null for an anchor), ``anchor`` (version of the anchor its
+lineage starts from), ``depth`` (deltas since that anchor), ``anchor_every`` (the most versions from an anchor), the
+byte count of each object, ``checksum`` (the algorithm, ``blake3``), and per tensor: dtype, shape, ``checksum`` of the
 full tensor after apply, encoding (``zstd``: its
 bytes; ``xor-zstd``: the XOR of its bit pattern with the base's; ``same``: bit-identical to the base, no bytes), key,
 offset and length in that object. The XOR is taken on the weights as served, in the serving dtype: an element that
@@ -26,10 +27,21 @@ high bits). Index/value pairs (int32 index + value) were 2x larger in bf16 (4.37
 gained nothing over level 1.
 
 Speed (docs/benchmarks.md, "The same push after the speed work"): tensors are encoded and decoded on ``threads`` threads
-(numpy's XOR and count, zstd and xxhash release the GIL), data objects upload while the next tensors encode, and no
+(numpy's XOR and count, zstd and blake3 release the GIL), data objects upload while the next tensors encode, and no
 push takes fresh memory: a fresh page faults in slower than zstd runs on this VM, so the publisher's private copy goes
 into a retired baseline's tensors, XORs into kept scratch buffers, and a reader decodes into its local copy's tensors,
 XORing a delta in place (and out again when its checksum refuses it).
+
+Only the trainer can choose the weights, though anyone who can write the bucket can write a manifest: the SHA-256 of
+the wanted version's manifest bytes travels in the update request (which the run's token authenticates), each manifest
+names its base's digest, and every per-tensor checksum is BLAKE3 (cryptographic: a writer cannot make other bytes
+with the same checksum). So the lineage a late replica replays is checked link by link back to its anchor, and a
+manifest swapped with a consistent forged payload is refused before a byte of its data is read (vLLM's
+``/weight_checker`` hashes shards with SHA-256 for the same reason). What a manifest says is bounded before it is
+trusted (:func:`check_manifest`): its format, version, links (a base strictly older, one deeper, at most
+``anchor_every`` from the anchor: a forged self-reference cannot loop), keys under the version's own data prefix,
+object sizes equal to what their tensors' frames add up to (and ``ContentLength`` equal to that), each frame at most
+zstd's bound for its tensor, and every field a tag is made of typed.
 
 Readers follow ``base`` links from the wanted version back to its anchor (or to the version their local copy holds)
 and apply forward, checking every tensor's checksum after apply; a version whose manifest is absent does not exist, so a
@@ -41,7 +53,7 @@ Sources of the idea: SkyRL's delta weight sync through object storage (``weight_
 s3://``), slime's per-tensor checksums and refusal of an out-of-order base (``--update-weight-mode delta``), NeMo-RL's
 sparse S3 refit whose baseline advances only after a global commit (``refit_transport: vllm_s3_sparse``).
 
-Pure: numpy, torch, zstandard, xxhash and boto3 (all but numpy imported lazily), nothing of the project, so a vLLM
+Pure: numpy, torch, zstandard, blake3 and boto3 (all but numpy imported lazily), nothing of the project, so a vLLM
 worker extension can import it.
 S3 calls go through one boto3 client with botocore's own bounded retries (``standard`` mode); there is no retry loop
 here except one re-read of an object whose tensor failed its checksum.
@@ -54,37 +66,32 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-FORMAT = 2
-"""Manifest format: 2 names its per-tensor checksum algorithm (``checksum``); 1 had SHA-256 only (still read)."""
-CHECKSUM = "xxh3_128"
-"""The per-tensor checksum algorithm a publish writes (:func:`tensor_checksum`)."""
+from grpo_steps.weights.manifest import (
+    MAX_MANIFEST_BYTES,
+    ChainCorruptError,
+    ChainError,
+    ChainRefusedError,
+    ChainStoreError,
+    VersionNotFoundError,
+    check_manifest,
+    refuse,
+    same_layout,
+    tensor_bytes,
+    tensor_checksum,
+)
+from grpo_steps.weights.publisher import ChainPublisher, PublishStats, _Baseline, _ints, _ordered
+
+__all__ = ["ChainCorruptError", "ChainError", "ChainRefusedError", "ChainStoreError", "LocalCopy", "PublishStats",
+           "VersionNotFoundError", "WeightChain", "chain_of", "make_client", "remove_run_versions", "run_store",
+           "tensor_checksum"]  # the errors live in grpo_steps.weights.manifest; readers catch them from here
+
 _MANIFEST = re.compile(r"manifests/(\d{10})\.json$")
-
-
-class ChainError(RuntimeError):
-    """Base of the errors of this module."""
-
-
-class VersionNotFoundError(ChainError, LookupError):
-    """The version has no manifest under the prefix (never published, still being written, or retired)."""
-
-
-class ChainCorruptError(ChainError):
-    """A tensor failed its checksum after apply (or its bytes could not be decoded) twice, the object re-read once in
-    between; the message names the version, the tensor and the object key."""
-
-
-class ChainStoreError(ChainError):
-    """An S3 call failed after botocore's bounded retries; the message names the operation and the key (never
-    credentials)."""
 
 
 def make_client(endpoint_url: str | None = None, *, max_attempts: int = 4, connect_timeout_s: float = 5.0,
@@ -103,19 +110,6 @@ def make_client(endpoint_url: str | None = None, *, max_attempts: int = 4, conne
                         aws_secret_access_key=secret_key, config=config)
 
 
-@dataclass(frozen=True)
-class PublishStats:
-    """What one :meth:`WeightChain.publish` wrote."""
-
-    version: int
-    anchor: bool  # a full anchor (else a delta against ``base``)
-    base: int | None
-    bytes: int  # bytes written to S3: data objects + manifest
-    raw_bytes: int  # bytes of the tensors themselves in the serving dtype (what a full uncompressed push would be)
-    density: float  # fraction of elements whose bits differ from the base (1.0 for an anchor)
-    seconds: float  # wall time of the publish (encode + upload + manifest)
-
-
 @dataclass
 class LocalCopy:
     """A receiver's weights and the version they are: ``tensors`` (name -> CPU tensor) equal version ``version``
@@ -125,65 +119,7 @@ class LocalCopy:
     tensors: dict[str, Any] = field(default_factory=dict)
     version: int | None = None
     id: str | None = None
-
-
-@dataclass
-class _Baseline:
-    version: int
-    id: str
-    anchor: int
-    depth: int
-    tensors: dict[str, Any]  # name -> contiguous CPU tensor in the serving dtype (a private copy)
-
-
-def _int_view(t):
-    """``t`` (contiguous, flat) viewed as the signed integer type of its element width: the domain of the XOR.
-
-    An element that moved by one unit in the last place differs from its base in the low bits only:
-
-    >>> import torch
-    >>> base = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
-    >>> moved = torch.tensor([1.0, 2.015625], dtype=torch.bfloat16)  # 2.0 plus one bf16 ulp (2 ** -6)
-    >>> torch.bitwise_xor(_int_view(base), _int_view(moved)).tolist()
-    [0, 1]
-    """
-    import torch
-
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.view(width)
-
-
-def _ints(t):
-    """The contiguous CPU tensor ``t`` as a flat numpy array of its element width's integer type (no copy, writable:
-    numpy's XOR and count run single-threaded and without the GIL, in the caller's thread; bfloat16 has no numpy
-    type)."""
-    return _int_view(t.reshape(-1)).numpy()
-
-
-def _bytes(t) -> memoryview:
-    """The raw bytes of the contiguous tensor ``t`` (native byte order, no copy)."""
-    import torch
-
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def tensor_checksum(t, algorithm: str = "xxh3_128") -> str:
-    """Hex digest of the bytes of ``t`` (contiguous CPU tensor) in its own dtype: the per-tensor checksum of a
-    manifest. ``algorithm``: ``xxh3_128`` (what :meth:`WeightChain.publish` writes: XXH3, 128 bits, from the
-    ``xxhash`` package; ~8x faster than SHA-256 here, and made to catch corruption, not an adversary) or ``sha256``
-    (format-1 manifests).
-
-    Raises:
-        ChainError: an algorithm this reader does not know (the manifest was written by a newer publisher).
-    """
-    if algorithm == "xxh3_128":
-        import xxhash
-
-        return xxhash.xxh3_128(_bytes(t)).hexdigest()
-    if algorithm == "sha256":
-        return hashlib.sha256(_bytes(t)).hexdigest()
-    raise ChainError(f"unknown checksum algorithm {algorithm!r} in a manifest (this reader knows xxh3_128 and "
-                     "sha256): update grpo_steps on the reader to the publisher's version")
+    sha256: str | None = None  # its manifest's digest, as the trainer sent it
 
 
 def _zstd_into(frame, out: memoryview) -> None:
@@ -203,18 +139,7 @@ def _zstd_into(frame, out: memoryview) -> None:
         raise _Undecodable(f"{'more than ' if extra else ''}{done} bytes decoded for a tensor of {len(out)} bytes")
 
 
-def _ordered(pool, fn, items: list, window: int):
-    """``(item, fn(item))`` for each of ``items``, computed on ``pool``, in order, at most ``window`` submitted ahead
-    (bounds the memory of results waiting for an earlier, slower one)."""
-    futures = [pool.submit(fn, item) for item in items[:window]]
-    for i in range(len(items)):
-        if i + window < len(items):
-            futures.append(pool.submit(fn, items[i + window]))
-        yield items[i], futures[i].result()
-        futures[i] = None  # drop the result once consumed
-
-
-class WeightChain:
+class WeightChain(ChainPublisher):
     """The chain of weight versions under ``s3://bucket/prefix/``: publisher and reader in one object.
 
     ``client``: a boto3 S3 client (:func:`make_client`). ``anchor_every``: K, a full anchor at least every K versions
@@ -244,9 +169,12 @@ class WeightChain:
 
     # --- S3 calls: every one named by its key when it fails ---
 
-    def _call(self, op: str, key: str, *, missing: Exception | None = None, **kwargs):
-        """``client.<op>`` on ``key`` (``get_object``: returns the body's bytes). A failure after botocore's retries
-        raises :class:`ChainStoreError` naming the key; a missing key raises ``missing`` when given."""
+    def _call(self, op: str, key: str, *, missing: Exception | None = None, size: tuple[int, int] | None = None,
+              **kwargs):
+        """``client.<op>`` on ``key`` (``get_object``: returns the body's bytes, at most ``size[1]``, and refuses an
+        object whose ``ContentLength`` is not ``size[0]`` (-1: any up to ``size[1]``) before reading it). A failure
+        after botocore's retries raises :class:`ChainStoreError` naming the key; a missing key raises ``missing`` when
+        given."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
@@ -255,7 +183,19 @@ class WeightChain:
             if op == "delete_objects":
                 return self.client.delete_objects(Bucket=self.bucket, **kwargs)
             answer = getattr(self.client, op)(Bucket=self.bucket, Key=key, **kwargs)
-            return answer["Body"].read() if op == "get_object" else answer  # the body's read fails inside the try
+            if op != "get_object":
+                return answer
+            expected, cap = size if size is not None else (-1, MAX_MANIFEST_BYTES)
+            length = answer.get("ContentLength")
+            if (expected >= 0 and length != expected) or (length is not None and length > cap):
+                answer["Body"].close()
+                raise ChainCorruptError(f"object s3://{self.bucket}/{key} has {length} bytes, the manifest says "
+                                        f"{expected if expected >= 0 else f'at most {cap}'} (truncated or replaced)")
+            body = answer["Body"].read(cap + 1)  # bounded: a store that sends more than it announced is cut off
+            if (expected >= 0 and len(body) != expected) or len(body) > cap:
+                raise ChainCorruptError(f"object s3://{self.bucket}/{key}: {len(body)} bytes read, the manifest says "
+                                        f"{expected if expected >= 0 else f'at most {cap}'} (truncated or replaced)")
+            return body  # the body's read fails inside the try
         except ClientError as err:
             if missing is not None and err.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 raise missing from None
@@ -265,8 +205,8 @@ class WeightChain:
             raise ChainStoreError(f"S3 {op} of s3://{self.bucket}/{key} failed after botocore's retries: "
                                   f"{type(err).__name__}: {err}") from err
 
-    def _get(self, key: str) -> bytes:
-        blob = self._call("get_object", key)
+    def _get(self, key: str, size: int) -> bytes:
+        blob = self._call("get_object", key, size=(size, size))
         with self._lock:  # reads run on several threads
             self.bytes_read += len(blob)
         return blob
@@ -305,114 +245,6 @@ class WeightChain:
     def _manifest_key(self, version: int) -> str:
         return f"{self.prefix}manifests/{version:010d}.json"
 
-    # --- publisher ---
-
-    def publish(self, state_dict: dict, version: int) -> PublishStats:
-        """Write version ``version`` of the weights ``state_dict`` (name -> tensor, any device): an anchor when there
-        is no committed baseline or the baseline is K-1 deltas from its anchor, else a sparse delta against the
-        committed baseline; the manifest last. The version is pending until :meth:`commit`; publishing again before
-        that replaces it (the delta is again against the committed baseline, and the replaced version can no longer
-        be committed).
-
-        Tensors are encoded on ``threads`` threads (the copy, the XOR, zstd and the checksum all run without the GIL)
-        and each data object is uploaded as soon as it is full, while the next tensors are encoded.
-
-        Raises:
-            ValueError: ``version`` is not above the committed baseline's, or the names/shapes/dtypes differ from it.
-            ChainStoreError: an S3 call failed (the version is not visible: its manifest is not written).
-        """
-        from concurrent.futures import ThreadPoolExecutor
-
-        import torch
-
-        start = time.perf_counter()
-        base = self._committed
-        if base is not None and version <= base.version:
-            raise ValueError(f"version {version} is not after the committed version {base.version}")
-        anchor = base is None or base.depth + 1 >= self.anchor_every
-        if not anchor and (state_dict.keys() != base.tensors.keys() or any(
-                tuple(t.shape) != tuple(base.tensors[n].shape) or (self.dtype or t.dtype) != base.tensors[n].dtype
-                for n, t in state_dict.items())):
-            raise ValueError("the state dict's names, shapes or dtypes differ from the committed version's")
-        # the private copy (the next delta's base must not move with the trainer's parameters) goes into the memory
-        # of a retired baseline when one fits: fresh memory page-faults in at ~1 GB/s on this VM, a copy runs at ~5
-        recycled = {**self._spare, **(self._pending.tensors if self._pending else {})}
-        self._spare, self._pending = {}, None  # a version published again replaces the pending one
-
-        def private(name: str, t):
-            dtype, own = self.dtype or t.dtype, recycled.get(name)
-            if own is None or own.dtype != dtype or own.shape != t.shape:
-                own = torch.empty(t.shape, dtype=dtype)
-            return own
-
-        tensors = {name: private(name, t) for name, t in state_dict.items()}
-        publish_id, algorithm = secrets.token_hex(6), CHECKSUM
-        data = f"{self.prefix}data/{version:010d}-{publish_id}/"
-        entries, objects, parts, puts, changed, numel, raw = {}, {}, [], [], 0, 0, 0
-        pool, uploads = ThreadPoolExecutor(self.threads), ThreadPoolExecutor(2)
-
-        def encode(name: str) -> tuple[dict, bytes, int]:
-            return self._encode(state_dict[name], tensors[name], None if anchor else base.tensors[name], algorithm)
-
-        def flush() -> None:
-            key, body = f"{data}{len(objects):03d}.zst", b"".join(parts)
-            objects[key] = len(body)
-            puts.append(uploads.submit(self._call, "put_object", key, Body=body))
-            parts.clear()
-
-        try:
-            size = 0
-            for name, (entry, payload, moved) in _ordered(pool, encode, list(tensors), 4 * self.threads):
-                numel, raw, changed = numel + tensors[name].numel(), raw + len(_bytes(tensors[name])), changed + moved
-                if payload:
-                    if size and size + len(payload) > self.object_bytes:
-                        flush()
-                        size = 0
-                    entry.update(key=f"{data}{len(objects):03d}.zst", offset=size, length=len(payload))
-                    parts.append(payload)
-                    size += len(payload)
-                entries[name] = entry
-                if any(p.done() and p.exception() for p in puts):
-                    break  # an upload failed: raised below, without encoding the rest
-            if parts:
-                flush()
-            for put in puts:
-                put.result()
-        finally:
-            pool.shutdown(cancel_futures=True)
-            uploads.shutdown(cancel_futures=True)
-        manifest = {"format": FORMAT, "version": version, "id": publish_id, "checksum": algorithm,
-                    "base": None if anchor else {"version": base.version, "id": base.id},
-                    "anchor": version if anchor else base.anchor, "depth": 0 if anchor else base.depth + 1,
-                    "created": time.time(), "objects": objects, "tensors": entries}
-        body = json.dumps(manifest).encode()
-        self._call("put_object", self._manifest_key(version), Body=body)  # last: from here on the version exists
-        self._pending = _Baseline(version, publish_id, manifest["anchor"], manifest["depth"], tensors)
-        return PublishStats(version, anchor, None if anchor else base.version, sum(objects.values()) + len(body), raw,
-                            changed / max(numel, 1), time.perf_counter() - start)
-
-    def _encode(self, source, own, old, algorithm: str) -> tuple[dict, bytes, int]:
-        """One tensor of a publish (on a pool thread): ``source`` copied into ``own`` (its private copy, the serving
-        dtype), its checksum, and its payload: zstd of its bytes (``old`` None: an anchor) or of its XOR with ``old``
-        (empty when nothing moved). Returns (manifest entry, payload, elements that moved)."""
-        import torch
-        import zstandard
-
-        with torch.no_grad():
-            own.copy_(source.detach())
-        entry = {"dtype": str(own.dtype).removeprefix("torch."), "shape": list(own.shape),
-                 "checksum": tensor_checksum(own, algorithm)}
-        compressor = zstandard.ZstdCompressor(level=self.level)
-        if old is None:
-            entry["encoding"] = "zstd"
-            return entry, compressor.compress(_bytes(own)), own.numel()
-        new = _ints(own)
-        with self._scratch(new) as xor:
-            np.bitwise_xor(new, _ints(old), out=xor)
-            moved = int(np.count_nonzero(xor))
-            entry["encoding"] = "xor-zstd" if moved else "same"
-            return entry, compressor.compress(memoryview(xor.view(np.uint8))) if moved else b"", moved
-
     @contextlib.contextmanager
     def _scratch(self, like):
         """A scratch numpy array of ``like``'s dtype and size, from buffers kept between calls (no page faults)."""
@@ -426,20 +258,6 @@ class WeightChain:
             with self._lock:
                 self._buffers.append(buffer)
 
-    def commit(self, version: int) -> None:
-        """Make the pending version ``version`` the baseline of the next delta (call when every replica serves it:
-        NeMo-RL's commit-then-advance).
-
-        Raises:
-            ValueError: ``version`` is not the pending version.
-        """
-        if self._pending is None or self._pending.version != version:
-            pending = self._pending.version if self._pending else None
-            raise ValueError(f"version {version} is not the pending version (pending: {pending})")
-        if self._committed is not None:  # its memory takes the next publish's private copy
-            self._spare = self._committed.tensors
-        self._committed, self._pending = self._pending, None
-
     # --- reader ---
 
     def versions(self) -> list[int]:
@@ -451,38 +269,74 @@ class WeightChain:
         found = self.versions()
         return found[-1] if found else None
 
-    def manifest(self, version: int) -> dict:
-        """The manifest of ``version`` (see the module doc).
+    def manifest(self, version: int, sha256: str | None = None) -> dict:
+        """The manifest of ``version`` (see the module doc), checked against its bounds (:func:`check_manifest`) and,
+        when ``sha256`` is given, against that digest of its bytes.
 
         Raises:
             VersionNotFoundError: it has none.
+            ChainRefusedError: it breaks a bound, or its digest is not ``sha256``.
             ChainStoreError: S3 failed otherwise.
         """
+        return self._manifest(version, sha256)[0]
+
+    def _manifest(self, version: int, sha256: str | None) -> tuple[dict, str]:
+        """(the checked manifest of ``version``, the SHA-256 of its bytes)."""
         key = self._manifest_key(version)
         missing = VersionNotFoundError(f"weight version {version} does not exist (no s3://{self.bucket}/{key})")
-        return json.loads(self._call("get_object", key, missing=missing))
+        body = self._call("get_object", key, missing=missing)  # at most MAX_MANIFEST_BYTES
+        digest = hashlib.sha256(body).hexdigest()
+        if sha256 is not None and digest != sha256:
+            raise refuse(version, f"its manifest s3://{self.bucket}/{key} is not the one the trainer published "
+                                   f"(SHA-256 {digest[:16]}..., the trainer's {sha256[:16]}...)")
+        try:
+            manifest = json.loads(body)
+        except ValueError as err:
+            raise refuse(version, f"its manifest is not JSON: {err}") from None
+        return check_manifest(manifest, version, self.prefix), digest
 
-    def lineage(self, version: int, have: LocalCopy | None = None) -> list[dict]:
+    def lineage(self, version: int, have: LocalCopy | None = None, sha256: str | None = None) -> list[dict]:
         """The manifests to apply, oldest first, to reach ``version``: from its anchor, or from the version after
-        ``have``'s when ``have`` holds a version of this lineage (same version and publish id).
+        ``have``'s when ``have`` holds a version of this lineage (same version, publish id and manifest digest).
+
+        With ``sha256`` (the digest the trainer sent) the whole lineage is authenticated: the wanted manifest by it,
+        each base by the digest its child names. Without it (the publisher's own retention) only the bounds hold. The
+        walk is bounded either way: each base is strictly older and exactly one shallower, at most ``anchor_every``
+        links.
 
         Raises:
             VersionNotFoundError: ``version`` or a version it builds on has no manifest (retired too early).
+            ChainRefusedError: a manifest breaks a bound, a digest, or its base's depth and anchor.
         """
-        chain = [self.manifest(version)]
+        manifest, _ = self._manifest(version, sha256)
+        chain = [manifest]
         while chain[-1]["base"] is not None:
-            base = chain[-1]["base"]
-            if have is not None and have.version == base["version"] and have.id == base["id"]:
+            child, base = chain[-1], chain[-1]["base"]
+            if (have is not None and have.version == base["version"] and have.id == base["id"]
+                    and have.sha256 == base["sha256"]):
+                same_layout(child, {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                                     for n, t in have.tensors.items()}, "the local copy")
                 break
-            manifest = self.manifest(base["version"])
+            manifest, digest = self._manifest(base["version"], None)
             if manifest["id"] != base["id"]:  # published again after this delta was written: not its base
-                raise VersionNotFoundError(f"weight version {chain[-1]['version']} builds on version "
+                raise VersionNotFoundError(f"weight version {child['version']} builds on version "
                                            f"{base['version']} id {base['id']}, which was replaced by id "
                                            f"{manifest['id']}")
+            if digest != base["sha256"]:
+                raise refuse(child["version"], f"its base, version {base['version']}, is not the manifest it was "
+                                                f"built on (SHA-256 {digest[:16]}..., it names "
+                                                f"{base['sha256'][:16]}...): a rewritten lineage")
+            if (manifest["depth"] + 1 != child["depth"] or manifest["anchor"] != child["anchor"]
+                    or manifest["anchor_every"] != child["anchor_every"]):
+                raise refuse(child["version"], f"its base, version {base['version']}, has depth "
+                                                f"{manifest['depth']} and anchor {manifest['anchor']}, it has depth "
+                                                f"{child['depth']} and anchor {child['anchor']}")
+            same_layout(child, {n: (e["dtype"], e["shape"]) for n, e in manifest["tensors"].items()},
+                         f"its base version {base['version']}")
             chain.append(manifest)
         return chain[::-1]
 
-    def fetch(self, version: int, into: LocalCopy | None = None) -> dict:
+    def fetch(self, version: int, into: LocalCopy | None = None, *, sha256: str, layout: dict | None = None) -> dict:
         """Bring ``into`` (a new :class:`LocalCopy` when None) to ``version`` and return its tensors (name -> CPU
         tensor in the serving dtype, shapes as published). Applies only the deltas after the copy's version when it
         is in the lineage, else replays from the anchor; checks each tensor's checksum after apply. A tensor that fails
@@ -490,51 +344,78 @@ class WeightChain:
         None: a copy is never half one version and labelled as another. The tensors are the copy's own: the next
         fetch into the same copy changes them in place.
 
+        Args:
+            sha256: the SHA-256 of ``version``'s manifest bytes, as the trainer published it
+                (:attr:`PublishStats.sha256`, sent in the update request): the lineage is checked against it.
+            layout: ``{name: (dtype or None, shape)}`` of the served model: every manifest must name exactly these
+                tensors (dtype None: any), or the version is refused before anything is read.
+
         Raises:
             VersionNotFoundError: ``version`` (or a version it builds on) does not exist.
-            ChainCorruptError: a tensor failed its checksum twice (names the tensor and the key).
+            ChainRefusedError: a manifest breaks a bound, is not the trainer's, or names other tensors than ``layout``.
+            ChainCorruptError: a tensor failed its checksum twice (names the tensor and the key), or an object's size
+                is not the manifest's.
             ChainStoreError: an S3 call failed after botocore's retries (names the key).
         """
         copy = into if into is not None else LocalCopy()
-        if copy.version == version:
-            manifest = self.manifest(version)
-            if manifest["id"] == copy.id:
-                return copy.tensors
+        if copy.version == version and copy.sha256 == sha256:
+            return copy.tensors
         self.bytes_read = 0
-        chain = self.lineage(version, copy)
-        copy.version = copy.id = None  # from here until the last tensor checks, the copy is no version
+        chain = self.lineage(version, copy, sha256)
+        if layout is not None:
+            for manifest in chain:
+                same_layout(manifest, layout, "the served model")
+        copy.version = copy.id = copy.sha256 = None  # from here until the last tensor checks, the copy is no version
         if chain[0]["base"] is None:
             copy.tensors = {}
-        for manifest in chain:
-            self._apply(manifest, copy.tensors)
-        copy.version, copy.id = version, chain[-1]["id"]
+        try:
+            for manifest in chain:
+                self._apply(manifest, copy.tensors)
+        finally:
+            self._trim_scratch()
+        copy.version, copy.id, copy.sha256 = version, chain[-1]["id"], sha256
         return copy.tensors
 
+    def _trim_scratch(self) -> None:
+        """Keep one scratch buffer, the largest (a reader's next fetch reuses it for the largest tensor): the
+        others, one per thread that XORed at once, are freed after each fetch."""
+        with self._lock:
+            self._buffers = sorted(self._buffers, key=lambda b: b.nbytes)[-1:]
+
     def _apply(self, manifest: dict, tensors: dict) -> None:
-        """Apply one version's ``manifest`` to ``tensors`` (name -> tensor, changed in place), its objects read and
-        its tensors decoded on ``threads`` threads."""
+        """Apply one version's ``manifest`` to ``tensors`` (name -> tensor, changed in place): its objects read in
+        order, at most ``threads`` reads ahead of the one being decoded, each object's tensors decoded on ``threads``
+        threads as soon as it arrives and the object dropped once they are applied. Host memory beyond the copy itself
+        stays at about ``(threads + 1) * object_bytes`` whatever the model's size (all objects were held at once
+        before)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        algorithm = manifest.get("checksum", "sha256")  # format 1 named none: SHA-256 under "sha256"
-        pool = ThreadPoolExecutor(self.threads)
-        try:  # every read is submitted before any decode that waits for one: none waits on a read not yet started
-            blobs = {key: pool.submit(self._get, key) for key in manifest["objects"]}
-            jobs = [pool.submit(self._apply_tensor, manifest, name, entry, blobs, tensors, algorithm)
-                    for name, entry in manifest["tensors"].items()]
-            for job in jobs:
+        algorithm, by_key, same = manifest["checksum"], {}, []
+        for name, entry in manifest["tensors"].items():
+            (same if entry["encoding"] == "same" else by_key.setdefault(entry["key"], [])).append((name, entry))
+        reads, decodes = ThreadPoolExecutor(self.threads), ThreadPoolExecutor(self.threads)
+        try:
+            checks = [decodes.submit(self._apply_tensor, manifest, n, e, b"", tensors, algorithm) for n, e in same]
+            for key, blob in _ordered(reads, lambda k: self._get(k, manifest["objects"][k]), list(by_key),
+                                      self.threads):
+                for job in [decodes.submit(self._apply_tensor, manifest, n, e, blob, tensors, algorithm)
+                            for n, e in by_key[key]]:
+                    job.result()
+                del blob  # applied: the object's bytes go before the next but one is read
+            for job in checks:
                 job.result()
         finally:
-            pool.shutdown(cancel_futures=True)
+            reads.shutdown(cancel_futures=True)
+            decodes.shutdown(cancel_futures=True)
 
-    def _apply_tensor(self, manifest: dict, name: str, entry: dict, blobs: dict, tensors: dict, algorithm: str):
-        expected = entry.get("checksum", entry.get("sha256"))
+    def _apply_tensor(self, manifest: dict, name: str, entry: dict, blob: bytes, tensors: dict, algorithm: str):
+        expected = entry["checksum"]
         if entry["encoding"] == "same":
             if tensor_checksum(tensors[name], algorithm) != expected:
                 raise ChainCorruptError(f"weight version {manifest['version']}: tensor {name} is marked unchanged "
                                         f"but the local copy's differs from its checksum (wrong base)")
             return
         key = entry["key"]
-        blob = blobs[key].result()
         for attempt in range(2):
             try:
                 with self._decode(manifest, name, entry, blob, tensors) as undo:
@@ -547,7 +428,8 @@ class WeightChain:
             if attempt:
                 raise ChainCorruptError(f"weight version {manifest['version']}: tensor {name} refused twice, "
                                         f"object s3://{self.bucket}/{key} read again in between: {problem}")
-            blob = self._get(key)  # read the object once more: a transient corruption on the way gets a second chance
+            # once more: a transient corruption on the way gets a second chance
+            blob = self._get(key, manifest["objects"][key])
 
     @contextlib.contextmanager
     def _decode(self, manifest: dict, name: str, entry: dict, blob: bytes, tensors: dict):
@@ -557,15 +439,12 @@ class WeightChain:
         import torch
 
         dtype = getattr(torch, entry["dtype"])
-        expected = manifest["objects"][entry["key"]]
-        if len(blob) != expected:
-            raise _Undecodable(f"object has {len(blob)} bytes, the manifest says {expected} (truncated)")
         frame = memoryview(blob)[entry["offset"]:entry["offset"] + entry["length"]]
         old, shape = tensors.get(name), tuple(entry["shape"])
         if entry["encoding"] == "zstd":
             if old is None or old.dtype != dtype or tuple(old.shape) != shape:
                 old = torch.empty(shape, dtype=dtype)
-            _zstd_into(frame, _bytes(old))
+            _zstd_into(frame, tensor_bytes(old))
             tensors[name] = old
             yield lambda: None
             return
@@ -578,46 +457,6 @@ class WeightChain:
             _zstd_into(frame, memoryview(xor.view(np.uint8)))
             np.bitwise_xor(target, xor, out=target)
             yield lambda: np.bitwise_xor(target, xor, out=target)
-
-    # --- retention ---
-
-    def retain(self, keep_versions) -> list[int]:
-        """Delete every version not in ``keep_versions`` and not needed to rebuild one of them (their bases back to
-        the anchor) nor the publisher's committed and pending versions; also every object under the prefix that no
-        kept manifest names (orphans of a killed publish). Manifests go first, so a version disappears before its
-        data. Call from the publisher between publishes. Returns the versions deleted.
-
-        Raises:
-            ChainStoreError: an S3 call failed.
-        """
-        keep = {int(v) for v in keep_versions} | {b.version for b in (self._committed, self._pending) if b}
-        visible = self.versions()
-        needed, manifests = set(), {}
-        for version in sorted(keep & set(visible)):
-            for manifest in self.lineage(version):
-                needed.add(manifest["version"])
-                manifests[manifest["version"]] = manifest
-        gone = [v for v in visible if v not in needed]
-        self._delete([self._manifest_key(v) for v in gone])
-        named = {key for m in manifests.values() for key in m["objects"]}
-        self._delete([k for k in self._keys("data/") if k not in named])
-        return gone
-
-    def delete_prefix(self) -> int:
-        """Delete every object under the prefix (the run's end); returns how many. The publisher forgets its
-        baseline: the next publish is an anchor.
-
-        Raises:
-            ChainStoreError: an S3 call failed.
-        """
-        keys = self._keys("manifests/")
-        self._delete(keys)  # manifests first: no version stays visible without its data
-        rest = self._keys("")
-        self._delete(rest)
-        self._committed = self._pending = None
-        self._spare = {}
-        return len(keys) + len(rest)
-
 
 class _Undecodable(Exception):
     """An object's bytes for one tensor could not be turned into the tensor (internal: retried, then reported)."""
@@ -649,6 +488,6 @@ def remove_run_versions(store: dict | None) -> int:
     """Delete every object under a run's prefix (``store``: :func:`run_store`'s; None: nothing). Returns how many.
 
     Raises:
-        grpo_steps.weight_chain.ChainStoreError: S3 failed after its retries (names the key).
+        grpo_steps.weights.chain.ChainStoreError: S3 failed after its retries (names the key).
     """
     return 0 if store is None else chain_of(store).delete_prefix()
