@@ -51,7 +51,7 @@ $(STAMP): pyproject.toml uv.lock $(if $(filter cpu,$(ACCEL)),wheels/$(TORCH_CPU_
 # After an edit of pyproject.toml's dependencies: resolve both stacks again into uv.lock (needs PyPI and, for the
 # CPU torch, wheels/ as make install fills it); tests/unit/test_lock.py fails until it is run.
 lock: wheels/$(TORCH_CPU_WHEEL) | $(BIN)/python
-	$(BIN)/python -m pip install --quiet 'uv>=0.9,<1'
+	$(BIN)/python -m pip install --quiet 'uv==$(UV_VERSION)'  # the lock's own uv: another writes other metadata
 	$(BIN)/uv lock
 
 install: $(STAMP) sandbox

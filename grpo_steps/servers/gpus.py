@@ -150,7 +150,7 @@ def policy_params(model_path: str) -> int | None:
     """The parameter count of the policy at ``model_path``: a directory's safetensors headers, else (a hub id) the
     headers of its safetensors files on the Hugging Face Hub (a few kilobytes: the server downloads the model
     anyway). None when neither answers: no network, a gated model without a token."""
-    from grpo_steps.weight_files import safetensors_params
+    from grpo_steps.weights.files import safetensors_params
 
     if Path(model_path).is_dir():
         return safetensors_params(model_path)
