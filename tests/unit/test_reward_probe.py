@@ -1,0 +1,106 @@
+"""The reward contract probe (grpo_steps/reward_probe.py) and where a reward's module is found (rewards/locate.py):
+each kind of broken reward refused with the function, the row and the fix; a working one described in one line."""
+
+import re
+import sys
+import textwrap
+
+import pytest
+
+from grpo_steps.config import validate_config
+from grpo_steps.config.pipeline import config_file_of_command, with_module_dirs
+from grpo_steps.reward_probe import RewardContractError, probe_rewards
+
+ROWS = [{"prompt": [{"role": "user", "content": f"What is {i} + 2?"}], "answer": str(i + 2)} for i in range(4)]
+
+
+class Chars:
+    """A stand-in tokenizer: one id per character (the probe only needs ``completion_ids`` of the right shape)."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def _config(tmp_path, module: str, **eval_keys):
+    """A config naming ``mine_<test>:score`` (and answer_format), with ``module`` as ``mine_<test>.py`` beside it (a
+    name per test: every test's directory stays on ``sys.path``)."""
+    name = "mine_" + re.sub(r"\W", "_", tmp_path.name)
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(module))
+    data = {"rewards": [{"name": f"{name}:score"}, {"name": "answer_format", "weight": 0.5}],
+            "eval": {"correctness_reward": f"{name}:score", **eval_keys}}
+    return validate_config(with_module_dirs(data, tmp_path / "run.yaml"))
+
+
+def test_a_working_reward_beside_the_config_is_found_and_described_per_probe(tmp_path):
+    cfg = _config(tmp_path, """
+        from rewards.extract import completion_text, extract_answer
+
+        def score(completions, answer, **kwargs):
+            assert isinstance(kwargs["prompts"][0], list) and "completion_ids" in kwargs  # TRL's call
+            return [float(extract_answer(completion_text(c)) == a) for c, a in zip(completions, answer)]
+        """)
+    assert cfg.module_dirs[0] == str(tmp_path)  # the config's directory first
+    lines = probe_rewards(cfg, ROWS, Chars())
+    assert lines[0].endswith(":score: reference/wrong answer per probed row 1/0, 1/0, 1/0")
+    assert lines[1] == "[rewards] answer_format: reference/wrong answer per probed row 1/1, 1/1, 1/1"
+    assert "written as 'Answer: {answer}'" in lines[2]
+
+
+@pytest.mark.parametrize(("module", "message"), [
+    # written for strings: TRL passes message lists
+    ("def score(completions, answer, **kw):\n"
+     "    return [float(c.strip().endswith(a)) for c, a in zip(completions, answer)]",
+     "raised AttributeError: 'list' object has no attribute 'strip'. TRL passes completions as conversational message "
+     "lists"),
+    ("def score(completions, **kw):\n    return [1.0]", "returned 1 values for 3 completions: return a list with one "
+                                                         "score per completion"),
+    ("def score(completions, **kw):\n    return ['1'] * len(completions)", "gave row 0 ('What is 0 + 2?') the "
+                                                                           "reference answer '1' (str)"),
+    # a score in [0, 1): never counted correct at the default eval.correct_at 1.0
+    ("from rewards.answers import answer_accuracy\n"
+     "def score(completions, **kw):\n    return [0.9 * s for s in answer_accuracy(completions, **kw)]",
+     "gave the reference answer of row 0 ('What is 0 + 2?', answer '2'), written as 'Answer: 2', 0.9: less than "
+     "eval.correct_at (1)"),
+    ("def score(completions, **kw):\n    return [1.0] * len(completions)",
+     "gave a wrong answer of row 0 ('What is 0 + 2?', answer '2') 1, as much as the reference answer (1)"),
+])
+def test_a_broken_reward_is_refused_naming_it_the_row_and_the_fix(tmp_path, module, message):
+    cfg = _config(tmp_path, module)
+    with pytest.raises(RewardContractError) as refused:
+        probe_rewards(cfg, ROWS, Chars())
+    assert message in str(refused.value) and ":score'" in str(refused.value)
+
+
+def test_a_lower_correct_at_accepts_a_reward_scoring_below_one(tmp_path):
+    cfg = _config(tmp_path, """
+        from rewards.answers import answer_accuracy
+
+        def score(completions, **kw):
+            return [0.9 * s for s in answer_accuracy(completions, **kw)]
+        """, correct_at=0.9)
+    assert "0.9/0" in probe_rewards(cfg, ROWS, Chars())[0]
+
+
+def test_a_module_in_the_working_directory_is_found_after_the_config_directory(tmp_path, monkeypatch):
+    here, there = tmp_path / "cwd", tmp_path / "configs"
+    here.mkdir(), there.mkdir()
+    (here / "cwd_only_rewards.py").write_text("def score(completions, **kw):\n    return [0.0] * len(completions)\n")
+    monkeypatch.chdir(here)
+    data = with_module_dirs({"rewards": [{"name": "cwd_only_rewards:score"}]}, there / "run.yaml")
+    assert data["module_dirs"] == [str(there), str(here)]
+    assert validate_config(data).rewards[0].name == "cwd_only_rewards:score"
+    index = sys.path.index(str(there))
+    assert sys.path[index + 1] == str(here)  # config directory, then working directory
+    assert index < min(i for i, p in enumerate(sys.path) if p.endswith("site-packages"))  # before installed packages
+
+
+def test_an_unknown_module_names_where_it_was_looked_for(tmp_path):
+    with pytest.raises(Exception) as refused:
+        validate_config(with_module_dirs({"rewards": [{"name": "nowhere_rewards:score"}]}, tmp_path / "run.yaml"))
+    assert "No module named 'nowhere_rewards' in " in str(refused.value) and str(tmp_path) in str(refused.value)
+    assert "a module beside the config file, in the working directory or installed" in str(refused.value)
+
+
+def test_the_config_file_is_taken_from_metaflows_option_before_the_command():
+    assert config_file_of_command(["flow.py", "--config", "config", "/x/my.yaml", "run"]).as_posix() == "/x/my.yaml"
+    assert config_file_of_command(["flow.py", "run"]).name == "local.yaml"  # the flow's default
