@@ -84,7 +84,7 @@ def _checked(name: str, fn: Callable, rows: list[dict], texts: list[str], tokeni
             f"{probe} raised {type(err).__name__}: {err}. TRL passes completions as conversational message lists "
             f"([{{'role': 'assistant', 'content': ...}}]), not strings: read the text with "
             f"rewards.extract.completion_text(completion), and take the dataset columns (answer, ...) and the other "
-            f"arguments as keywords (**kwargs)") from None
+            f"arguments as keyword arguments (docs/your-task.md)") from None
     if not isinstance(scores, list | tuple) or len(scores) != len(texts):
         got = f"{len(scores)} values" if isinstance(scores, list | tuple) else type(scores).__name__
         raise RewardContractError(f"{probe} returned {got} for {len(texts)} completions: return a list with one "
@@ -165,7 +165,8 @@ def probe_rewards(cfg: PipelineConfig, rows: list[dict], tokenizer) -> list[str]
         shown = ", ".join(f"{_fmt(g)}/{_fmt(b)}" for g, b in zip(good, bad, strict=True))
         lines.append(f"[rewards] {spec.name}: reference/wrong answer per probed row {shown}")
     if refusals:
-        raise RewardContractError("\n".join(f"- {message}" for message in refusals))
+        raise RewardContractError(f"{len(refusals)} of the rewards cannot be trained with as they are "
+                                  "(docs/your-task.md):\n" + "\n".join(f"- {message}" for message in refusals))
     lines.append(f"[rewards] probed {len(cfg.rewards)} reward(s) on {len(probed)} rows, reference written as "
                  f"{template.splitlines()[0]!r}... ({time.monotonic() - started:.2f} s)")
     return lines
