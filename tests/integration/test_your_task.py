@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from grpo_steps.config import REPO_ROOT
-from tests.integration.flowrun import FLOW, flow_client, flow_env, model_versions, on_server, run_config
+from tests.integration.flowrun import FLOW, flow_client, flow_env, model_versions, on_server
 
 pytestmark = pytest.mark.slow
 PAGE = REPO_ROOT / "docs" / "your-task.md"
@@ -127,7 +127,7 @@ def test_broken_rewards_are_refused_before_any_server_in_one_block_naming_each_f
 def test_a_module_on_pythonpath_only_is_refused_for_a_kubernetes_run_saying_how_to_ship_it(tmp_path):
     elsewhere, here = tmp_path / "lib", tmp_path / "run"
     elsewhere.mkdir(), here.mkdir()
-    (elsewhere / "far_rewards.py").write_text("def score(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    (elsewhere / "far_rewards.py").write_text("def score(completions, **kw):\n    return [0.0] * len(completions)\n")
     config = yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text())
     config["rewards"] = [{"name": "far_rewards:score"}]
     config["eval"].update(correctness_reward="far_rewards:score", format_reward=None)
