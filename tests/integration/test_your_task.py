@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import yaml
@@ -72,8 +73,7 @@ def test_the_pages_task_trains_evaluates_and_registers_with_its_module_in_the_co
         assert run.successful
         metrics = run["evaluate"].task.data.eval_report["trained"]["metrics"]
         assert "accuracy" in metrics and "reward/my_rewards:exact_minutes" in metrics
-        assert run["register"].task.data.model_version == version.version or str(version.version) in str(
-            run["register"].task.data.model_version)
+        run_version = run["register"].task.data.model_version
         # Metaflow's code package of the run, read back from the datastore (registered with the later steps' tasks)
         code = next(step.task.code for step in run if step.task.code is not None)
         tar = code.tarball
@@ -81,6 +81,13 @@ def test_the_pages_task_trains_evaluates_and_registers_with_its_module_in_the_co
         assert len(shipped) == 1, sorted(m.name for m in tar.getmembers())[:60]
         text = tar.extractfile(shipped[0]).read().decode()
     assert text == (tmp_path / "my-task" / "my_rewards.py").read_text()
+    # the README's Python snippet, as root with no other user name (a container), in the run's directory
+    (snippet,) = [text for lang, text in FENCE.findall((REPO_ROOT / "README.md").read_text()) if lang == "python"]
+    env = {k: v for k, v in flow_env().items() if k not in ("METAFLOW_USER", "SUDO_USER", "USERNAME")}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(snippet) + "print(run.data.model_version)"],
+                          cwd=tmp_path, env={**env, "USER": "root"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert str(run_version) in proc.stdout and str(version.version) in str(run_version)
 
 
 BROKEN = '''
