@@ -20,7 +20,7 @@ from tests.integration.flowrun import FLOW, flow_client, flow_env, model_version
 
 pytestmark = pytest.mark.slow
 PAGE = REPO_ROOT / "docs" / "your-task.md"
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+FENCE = re.compile(r"^[ \t]*```(\w*)\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)  # in list items too
 TINY = {"model": {"name_or_path": "embedded:tiny-random-qwen2", "dtype": "float32", "max_model_len": 256},
         "data": {"max_prompt_tokens": 200},
         "generation": {"max_completion_tokens": 12},
@@ -31,7 +31,7 @@ TINY = {"model": {"name_or_path": "embedded:tiny-random-qwen2", "dtype": "float3
 
 def page_blocks() -> list[tuple[str, str]]:
     """(language, text) of each fenced block of docs/your-task.md, in order."""
-    return [(lang, text) for lang, text in FENCE.findall(PAGE.read_text())]
+    return [(lang, textwrap.dedent(text)) for lang, text in FENCE.findall(PAGE.read_text())]
 
 
 def follow_page(workdir, tiny_server) -> str:

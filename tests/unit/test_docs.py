@@ -14,6 +14,7 @@ import re
 import shlex
 import subprocess
 import sys
+import textwrap
 from functools import cache
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from grpo_steps.config import REPO_ROOT, ConfigError, PipelineConfig, validate_c
 from grpo_steps.config.pipeline import with_module_dirs
 
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+FENCE = re.compile(r"^[ \t]*```(\w*)\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)  # in list items too
 SHELL = {"bash", "sh", "shell"}
 REPO_DIRS = ("configs/", "flows/", "infra/", "docs/", "bench/", "tests/", "grpo_steps/", "rewards/")
 EXTERNAL = {"docker", "kubectl", "curl", "helm", "argo", "cp", "mkdir", "cd", "export", "source", "git", "apt-get",
@@ -35,8 +36,8 @@ MODELS = "~/.cache/grpo-pipeline/models"
 
 
 def blocks(page: Path) -> list[tuple[str, str]]:
-    """(language, text) of each fenced block of ``page``."""
-    return FENCE.findall(page.read_text())
+    """(language, text) of each fenced block of ``page`` (a block in a list item dedented)."""
+    return [(lang, textwrap.dedent(text)) for lang, text in FENCE.findall(page.read_text())]
 
 
 def commands(text: str) -> list[list[str]]:
