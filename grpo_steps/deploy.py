@@ -50,11 +50,14 @@ class OnKubernetes(FlowMutator):
 
     def mutate(self, mutable_flow) -> None:
         """After the command line (``--with kubernetes`` included): a run whose steps leave this machine refuses a
-        user module that no code package or image carries."""
+        user module that no code package or image carries. Checked where the run is launched, not in its steps
+        (a step in a pod imports the module from the unpacked code package, which is no ``module_dirs`` entry)."""
+        if {"step", "init"} & set(sys.argv):  # a task's own process (Metaflow's `step` / `init` commands)
+            return
         remote = any(arg in REMOTE_COMMANDS for arg in sys.argv) or any(
             step.has_decorator("kubernetes") for _, step in mutable_flow.steps)
         if remote:
-            unshipped(self._user_modules)
+            unshipped(getattr(self, "_user_modules", []))
 
     def add_to_package(self):
         """Metaflow's hook for the code package: each user module found in the config's ``module_dirs``, as a
@@ -63,7 +66,7 @@ class OnKubernetes(FlowMutator):
 
         from rewards.locate import origin
 
-        for name in self._user_modules:
+        for name in getattr(self, "_user_modules", []):
             if origin(name) == "module_dirs":
                 yield sys.modules[name], None, ContentType.MODULE_CONTENT
 

@@ -104,3 +104,20 @@ def test_an_unknown_module_names_where_it_was_looked_for(tmp_path):
 def test_the_config_file_is_taken_from_metaflows_option_before_the_command():
     assert config_file_of_command(["flow.py", "--config", "config", "/x/my.yaml", "run"]).as_posix() == "/x/my.yaml"
     assert config_file_of_command(["flow.py", "run"]).name == "local.yaml"  # the flow's default
+
+
+@pytest.mark.parametrize(("correct_at", "accuracy", "pass_at_1"), [(1.0, 0.0, 0.0), (0.9, 0.5, 0.25)])
+def test_eval_correct_at_is_the_score_accuracy_pass_at_k_and_the_gate_count_as_correct(correct_at, accuracy,
+                                                                                        pass_at_1):
+    """A correctness reward scoring a right answer 0.9: nothing is correct at the default 1.0, everything it scores
+    0.9 is at correct_at 0.9 (per_prompt's pass@1 is the gate's metric)."""
+    from grpo_steps.evaluation.policy import per_prompt, prompt_metrics
+    from grpo_steps.evaluation.scoring import Scores
+
+    cfg = validate_config({"eval": {"correct_at": correct_at, "num_samples": 2, "k": [1, 2]}})
+    scores = Scores(sampled={"answer_accuracy": [[0.9, 0.0], [0.0, 0.0]], "answer_format": [[1.0, 1.0], [1.0, 1.0]]},
+                    greedy={"answer_accuracy": [[0.9], [0.0]], "answer_format": [[1.0], [1.0]]},
+                    weights={"answer_accuracy": 1.0, "answer_format": 0.5}, guard={})
+    metrics = prompt_metrics(cfg, 2, scores, [[3, 3], [3, 3]], [0, 1])
+    assert (metrics["accuracy"], metrics["pass@1"]) == (accuracy, pass_at_1)
+    assert per_prompt(cfg, scores)["pass@1"] == [2 * pass_at_1, 0.0]
