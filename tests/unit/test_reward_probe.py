@@ -1,6 +1,7 @@
 """The reward contract probe (grpo_steps/reward_probe.py) and where a reward's module is found (rewards/locate.py):
 each kind of broken reward refused with the function, the row and the fix; a working one described in one line."""
 
+import os
 import re
 import sys
 import textwrap
@@ -121,3 +122,29 @@ def test_eval_correct_at_is_the_score_accuracy_pass_at_k_and_the_gate_count_as_c
     metrics = prompt_metrics(cfg, 2, scores, [[3, 3], [3, 3]], [0, 1])
     assert (metrics["accuracy"], metrics["pass@1"]) == (accuracy, pass_at_1)
     assert per_prompt(cfg, scores)["pass@1"] == [2 * pass_at_1, 0.0]
+
+
+def test_a_tool_beside_the_config_runs_in_its_own_worker_process(tmp_path):
+    """The tool worker (a fresh interpreter, ``python -P``) searches the config's module directories too."""
+    from grpo_steps.tools import tool_functions
+
+    name = "tool_" + re.sub(r"\W", "_", tmp_path.name)
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent('''
+        import os
+
+
+        def where(x: int) -> str:
+            """Which process answers, and twice x.
+
+            Args:
+                x: a number.
+            """
+            return f"{os.getpid()} {2 * x}"
+        '''))
+    cfg = validate_config(with_module_dirs({"tools": [f"{name}:where"]}, tmp_path / "run.yaml"))
+    (tool,) = tool_functions(cfg.tools, 30)
+    try:
+        pid, doubled = tool(x=4).split()
+    finally:
+        tool.worker.close()
+    assert doubled == "8" and int(pid) != os.getpid()
