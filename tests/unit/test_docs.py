@@ -103,13 +103,15 @@ def flow_help(args: list[str]) -> subprocess.CompletedProcess:
 
 def flow_args(tokens: list[str]) -> list[str]:
     """A documented flow command's arguments, made checkable: a config file the reader writes (``my.yaml``) is
-    replaced by configs/test.yaml; ``argo-workflows`` commands stop before the subcommand's own work."""
+    replaced by configs/test.yaml."""
     args = list(tokens)
     for i, token in enumerate(args[:-2]):
         if token == "--config" and not (REPO_ROOT / args[i + 2]).exists():
             args[i + 2] = str(REPO_ROOT / "configs" / "test.yaml")
         elif token == "--config":
             args[i + 2] = str(REPO_ROOT / args[i + 2])
+    if "resume" in args:  # `resume --help` resumes (Metaflow 2.19 runs the command): its options before it, as `run`'s
+        args = [*args[:args.index("resume")], "run"]
     return args
 
 
