@@ -60,14 +60,23 @@ class OnKubernetes(FlowMutator):
             unshipped(getattr(self, "_user_modules", []))
 
     def add_to_package(self):
-        """Metaflow's hook for the code package: each user module found in the config's ``module_dirs``, as a
-        module (importable by its name wherever the package is unpacked)."""
+        """Metaflow's hook for the code package: each user module found in the config's ``module_dirs``, importable
+        by its name wherever the package is unpacked: a single-file module as a module (``MODULE_CONTENT``), a
+        package as its files under the code directory (``CODE_CONTENT``: Metaflow 2.19's ``add_module`` takes a
+        package's ``__file__`` for a single file and would ship its ``__init__.py`` alone, as ``name.py``)."""
         from metaflow.packaging_sys import ContentType
 
-        from rewards.locate import origin
+        from rewards.locate import module_file, origin
 
         for name in getattr(self, "_user_modules", []):
-            if origin(name) == "module_dirs":
+            if origin(name) != "module_dirs":
+                continue
+            found = module_file(sys.modules[name])
+            if found.is_dir():
+                for path in sorted(found.rglob("*")):
+                    if path.is_file() and "__pycache__" not in path.parts:
+                        yield str(path), str(path.relative_to(found.parent)), ContentType.CODE_CONTENT
+            else:
                 yield sys.modules[name], None, ContentType.MODULE_CONTENT
 
 

@@ -148,3 +148,37 @@ def test_a_tool_beside_the_config_runs_in_its_own_worker_process(tmp_path):
     finally:
         tool.worker.close()
     assert doubled == "8" and int(pid) != os.getpid()
+
+
+def test_user_modules_beside_the_config_are_what_the_flow_adds_to_metaflows_code_package(tmp_path):
+    """A single-file module as a module, a package as its files under the code directory; the pipeline's own and
+    registered rewards are not user modules (the whole-flow check reads a run's package: test_your_task.py)."""
+    from metaflow.packaging_sys import ContentType
+
+    from grpo_steps.deploy import OnKubernetes, user_modules
+
+    tag = re.sub(r"\W", "_", tmp_path.name)
+    (tmp_path / f"single_{tag}.py").write_text("def score(completions, **kw):\n    return [0.0] * len(completions)\n")
+    (tmp_path / f"pkg_{tag}" / "sub").mkdir(parents=True)
+    (tmp_path / f"pkg_{tag}" / "__init__.py").write_text("")
+    (tmp_path / f"pkg_{tag}" / "sub" / "__init__.py").write_text("")
+    (tmp_path / f"pkg_{tag}" / "sub" / "tools.py").write_text(textwrap.dedent('''
+        def echo(text: str) -> str:
+            """Echo.
+
+            Args:
+                text: what to say.
+            """
+            return text
+        '''))
+    cfg = validate_config(with_module_dirs({"rewards": [{"name": f"single_{tag}:score"}, {"name": "answer_format"}],
+                                            "tools": [f"pkg_{tag}.sub.tools:echo"],
+                                            "eval": {"correctness_reward": f"single_{tag}:score"}},
+                                           tmp_path / "run.yaml"))
+    mutator = OnKubernetes.__new__(OnKubernetes)  # the hook alone, without a flow class to decorate
+    mutator._user_modules = user_modules(cfg.model_dump(mode="json"))
+    assert mutator._user_modules == [f"pkg_{tag}", f"single_{tag}"]
+    shipped = list(mutator.add_to_package())
+    assert (sys.modules[f"single_{tag}"], None, ContentType.MODULE_CONTENT) in shipped
+    assert sorted(arc for _, arc, kind in shipped if kind == ContentType.CODE_CONTENT) == [
+        f"pkg_{tag}/__init__.py", f"pkg_{tag}/sub/__init__.py", f"pkg_{tag}/sub/tools.py"]
