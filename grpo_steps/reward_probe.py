@@ -34,7 +34,7 @@ PROBE_ROWS = 3
 REFERENCE_FORMATS = (
     "Answer: {answer}",  # the default system prompt's format (answer_format)
     "<think>\nI worked it out.\n</think>\n<answer>\n{answer}\n</answer>",  # think_answer_format
-    "The answer is $\\boxed{{{answer}}}$.",  # math_accuracy's LaTeX
+    "The answer is $\\boxed{{answer}}$.",  # math_accuracy's LaTeX
     "{answer}",
 )
 """Ways of writing a reference answer, tried in order (the first the format reward scores 1 is used)."""
@@ -45,6 +45,15 @@ NOT_PROBED = {"reward_model": "it loads a reward model", "code_execution": "it r
 
 class RewardContractError(ConfigError):
     """A reward that breaks TRL's reward contract or the config's definition of a correct answer."""
+
+
+def written(template: str, answer: str) -> str:
+    """``template`` with ``answer`` in place of ``{answer}`` (other braces are kept as they are).
+
+    >>> written('{"answer": "{answer}"}', "42"), written("{{answer}}", "7")
+    ('{"answer": "42"}', '{7}')
+    """
+    return template.replace("{answer}", answer)
 
 
 def wrong_answer(answer: str) -> str:
@@ -106,13 +115,15 @@ def _question(row: dict) -> str:
 
 def reference_format(cfg: PipelineConfig, rewards: dict[str, Callable], rows: list[dict], answers: list[str],
                      tokenizer) -> str:
-    """The format the task asks for (see the module docstring)."""
+    """The format the task asks for: ``eval.reference_format`` when set, else see the module docstring."""
+    if cfg.eval.reference_format:
+        return cfg.eval.reference_format
     judge = cfg.eval.format_reward if cfg.eval.format_reward in rewards else None
     if judge is None and cfg.eval.correctness_reward not in rewards:
         return REFERENCE_FORMATS[0]
     best, best_score = REFERENCE_FORMATS[0], -math.inf
     for template in REFERENCE_FORMATS:
-        texts = [template.format(answer=a) for a in answers]
+        texts = [written(template, a) for a in answers]
         name = judge or cfg.eval.correctness_reward
         try:
             scores = _call(rewards[name], rows, texts, tokenizer)
@@ -146,8 +157,8 @@ def probe_rewards(cfg: PipelineConfig, rows: list[dict], tokenizer) -> list[str]
     rewards = {spec.name: bind_options(resolve_reward(spec.name), spec.options, spec.name) for spec in cfg.rewards
                if spec.name not in NOT_PROBED}
     template = reference_format(cfg, rewards, probed, answers, tokenizer) if rewards else REFERENCE_FORMATS[0]
-    reference = [template.format(answer=a) for a in answers]
-    wrong = [template.format(answer=wrong_answer(a)) for a in answers]
+    reference = [written(template, a) for a in answers]
+    wrong = [written(template, wrong_answer(a)) for a in answers]
     lines, refusals = [], []
     for spec in cfg.rewards:
         if spec.name in NOT_PROBED:
@@ -181,7 +192,8 @@ def _check_correctness(cfg: PipelineConfig, name: str, rows: list[dict], good: l
                 f"eval.correctness_reward {name!r} gave the reference answer of {where}, written as {shown!r}, "
                 f"{_fmt(g)}: less than eval.correct_at ({at:g}), the score from which held-out accuracy, pass@k "
                 f"and the registry's gate count a completion correct. Return {at:g} for a correct answer, or set "
-                f"eval.correct_at to the score your reward gives one")
+                f"eval.correct_at to the score your reward gives one (eval.reference_format: how your task writes an "
+                f"answer, when it is none of these)")
         if b is not None and b >= g:
             raise RewardContractError(
                 f"eval.correctness_reward {name!r} gave a wrong answer of {where} {_fmt(b)}, as much as the "

@@ -25,7 +25,8 @@ class Chars:
 def _config(tmp_path, module: str, **eval_keys):
     """A config naming ``mine_<test>:score`` (and answer_format), with ``module`` as ``mine_<test>.py`` beside it (a
     name per test: every test's directory stays on ``sys.path``)."""
-    name = "mine_" + re.sub(r"\W", "_", tmp_path.name)
+    tmp_path.mkdir(exist_ok=True)
+    name = "mine_" + re.sub(r"\W", "_", str(tmp_path.relative_to(tmp_path.parent.parent)))
     (tmp_path / f"{name}.py").write_text(textwrap.dedent(module))
     data = {"rewards": [{"name": f"{name}:score"}, {"name": "answer_format", "weight": 0.5}],
             "eval": {"correctness_reward": f"{name}:score", **eval_keys}}
@@ -182,3 +183,24 @@ def test_user_modules_beside_the_config_are_what_the_flow_adds_to_metaflows_code
     assert (sys.modules[f"single_{tag}"], None, ContentType.MODULE_CONTENT) in shipped
     assert sorted(arc for _, arc, kind in shipped if kind == ContentType.CODE_CONTENT) == [
         f"pkg_{tag}/__init__.py", f"pkg_{tag}/sub/__init__.py", f"pkg_{tag}/sub/tools.py"]
+
+
+def test_a_task_format_none_of_the_known_ones_is_given_by_eval_reference_format(tmp_path):
+    """A reward that reads JSON answers gives every known way of writing the reference 0: refused, naming
+    eval.reference_format; accepted once it says how the task writes an answer."""
+    module = """
+        import json
+        from rewards.extract import completion_text
+
+        def score(completions, answer, **kw):
+            def stated(c):
+                try:
+                    return str(json.loads(completion_text(c))["answer"])
+                except (ValueError, KeyError, TypeError):
+                    return None
+            return [float(stated(c) == a) for c, a in zip(completions, answer)]
+        """
+    with pytest.raises(RewardContractError, match="eval.reference_format: how your task writes an answer"):
+        probe_rewards(_config(tmp_path / "a", module), ROWS, Chars())
+    cfg = _config(tmp_path / "b", module, reference_format='{"answer": "{answer}"}')
+    assert "1/0, 1/0, 1/0" in probe_rewards(cfg, ROWS, Chars())[0]
