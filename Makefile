@@ -83,7 +83,8 @@ test-fast: install
 ui: install
 	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///mlflow.db
 
-# A local S3-compatible server (SeaweedFS) on 127.0.0.1:8333 with credentials; prints the exports.
+# A local S3-compatible server (SeaweedFS) on 127.0.0.1:8333, private to this user: fresh keys in .s3/env (0600;
+# `source .s3/env` in the flow's shell), SeaweedFS's own APIs in a network namespace of their own.
 s3: install
 	$(BIN)/python -m grpo_steps.dev.local_s3 serve --dir .s3 --port 8333
 

@@ -6,11 +6,23 @@ A config whose ``resources.train.image`` is set targets a cluster: every step ge
 ``argo-workflows create`` deploys the same. Node sizes come from the ``@resources`` decorator of
 ``train``, which ``@kubernetes`` reads (Metaflow takes the larger of the two). Configs without an
 image (``configs/local.yaml``, ``configs/test.yaml``) leave the flow untouched: steps run locally.
+
+The user's own modules travel with the run: a reward, tool or environment module found in the config's
+``module_dirs`` (the config file's directory, the working directory) is added to Metaflow's code package through the
+mutator's ``add_to_package`` hook (``ContentType.MODULE_CONTENT``: importable by its name in every step of the
+package, on Kubernetes and Argo alike). A module found elsewhere on ``sys.path`` (``PYTHONPATH``) reaches no pod: a
+run whose steps go to Kubernetes (``--with kubernetes``, an image in the config, ``argo-workflows create``) is
+refused before anything starts, saying how to ship it. One from the installed packages must be in the image.
 """
 
 from __future__ import annotations
 
+import sys
+
 from metaflow import FlowMutator
+
+REMOTE_COMMANDS = ("argo-workflows", "step-functions", "airflow")
+"""Metaflow commands that deploy the flow to run its steps elsewhere."""
 
 
 class OnKubernetes(FlowMutator):
@@ -25,6 +37,7 @@ class OnKubernetes(FlowMutator):
         from grpo_steps.config import SHARED_MOUNT
 
         config = dict(mutable_flow.configs).get("config")
+        self._user_modules = user_modules(config) if config is not None else []  # for add_to_package
         if config is None or not config.resources.train.image:
             return
         if config.generation.provider == "kubernetes":
@@ -34,3 +47,69 @@ class OnKubernetes(FlowMutator):
             kwargs["persistent_volume_claims"] = {config.resources.shared_volume_claim: SHARED_MOUNT}
         for _name, mutable_step in mutable_flow.steps:
             mutable_step.add_decorator("kubernetes", deco_kwargs=kwargs)
+
+    def mutate(self, mutable_flow) -> None:
+        """After the command line (``--with kubernetes`` included): a run whose steps leave this machine refuses a
+        user module that no code package or image carries. Checked where the run is launched, not in its steps
+        (a step in a pod imports the module from the unpacked code package, which is no ``module_dirs`` entry)."""
+        if {"step", "init"} & set(sys.argv):  # a task's own process (Metaflow's `step` / `init` commands)
+            return
+        remote = any(arg in REMOTE_COMMANDS for arg in sys.argv) or any(
+            step.has_decorator("kubernetes") for _, step in mutable_flow.steps)
+        if remote:
+            unshipped(getattr(self, "_user_modules", []))
+
+    def add_to_package(self):
+        """Metaflow's hook for the code package: each user module found in the config's ``module_dirs``, importable
+        by its name wherever the package is unpacked: a single-file module as a module (``MODULE_CONTENT``), a
+        package as its files under the code directory (``CODE_CONTENT``: Metaflow 2.19's ``add_module`` takes a
+        package's ``__file__`` for a single file and would ship its ``__init__.py`` alone, as ``name.py``)."""
+        from metaflow.packaging_sys import ContentType
+
+        from rewards.locate import module_file, origin
+
+        for name in getattr(self, "_user_modules", []):
+            if origin(name) != "module_dirs":
+                continue
+            found = module_file(sys.modules[name])
+            if found.is_dir():
+                for path in sorted(found.rglob("*")):
+                    if path.is_file() and "__pycache__" not in path.parts:
+                        yield str(path), str(path.relative_to(found.parent)), ContentType.CODE_CONTENT
+            else:
+                yield sys.modules[name], None, ContentType.MODULE_CONTENT
+
+
+def user_modules(config) -> list[str]:
+    """The top-level modules of the config's dotted reward, tool and environment paths (imported already: the config
+    was validated), leaving out the pipeline's own packages (always in the code package)."""
+    from rewards import REGISTRY
+
+    paths = [spec["name"] for spec in config["rewards"] if spec["name"] not in REGISTRY]
+    paths += list(config["tools"] or [])
+    environment = config["environment"]
+    if isinstance(environment, str):
+        paths.append(environment)
+    elif environment:  # {name: factory} (a ConfigValue mapping)
+        paths += list(environment.values())
+    names = {path.replace(":", ".").split(".")[0] for path in paths}
+    return sorted(names - {"grpo_steps", "rewards"})
+
+
+def unshipped(names: list[str]) -> None:
+    """Refuse modules that a step on another machine could not import.
+
+    Raises:
+        metaflow.exception.MetaflowException: a module found neither in the config's ``module_dirs`` (shipped in
+            the code package) nor in the installed packages (the image's); names the module, its file and the fix.
+    """
+    from metaflow.exception import MetaflowException
+
+    from rewards.locate import module_file, origin
+
+    lost = [f"{name} ({module_file(sys.modules[name])})" for name in names if origin(name) == "elsewhere"]
+    if lost:
+        refused = type("Refused", (MetaflowException,), {"headline": "Run refused: a module the steps cannot import"})
+        raise refused(f"{', '.join(lost)} is found on this machine's Python path only (PYTHONPATH), which no step "
+                      "on Kubernetes has: put the module beside the config file or in the working directory (both "
+                      "travel in Metaflow's code package), or install it in the image (resources.train.image)")

@@ -48,13 +48,15 @@ def start(cfg: PipelineConfig, pathspec: str) -> tuple[str, str]:
 def prepare_data(cfg: PipelineConfig, run_id: str, model_path: str) -> tuple[str, Any]:
     """Prepare the splits with the tokenizer of ``model_path`` (what ``start`` resolved); log the dataset and its stats
     to MLflow (rows dropped per reason as metrics ``data/dropped/<reason>``, where the first ones are as tags of the
-    same names). A refusal (bad rows, a missing file) is printed as its message alone
-    (:func:`grpo_steps.preflight.refusals`).
+    same names). Before any server starts, each reward is called on a few prepared rows and checked against TRL's
+    contract and ``eval.correct_at`` (:func:`grpo_steps.reward_probe.probe_rewards`). A refusal (bad rows, a missing
+    file, a reward that breaks its contract) is printed as its message alone (:func:`grpo_steps.preflight.refusals`).
 
     Returns ``(model_path, PreparedData)``: the weights as this step's machine reads them.
     """
     from grpo_steps.data import check_environments, mlflow_datasets, prepare
     from grpo_steps.models import load_tokenizer, resolve_model
+    from grpo_steps.reward_probe import probe_rewards
     from grpo_steps.tools import prompt_tools
 
     if not Path(model_path).exists():  # a step in another pod (Kubernetes) resolves the embedded model there again
@@ -70,6 +72,10 @@ def prepare_data(cfg: PipelineConfig, run_id: str, model_path: str) -> tuple[str
             recorded = RecordedCompletions(cfg.generation.recorded_file)
             for row in data.train:
                 recorded.completions_for(row["prompt"], cfg.train.num_generations)
+    # the reward contract on a few prepared rows, before any server starts (the rows exist from here on)
+    with refusals("Run refused: a reward breaks TRL's reward contract (checked on prepared rows)"):
+        for line in probe_rewards(cfg, data.train, tokenizer):
+            print(line, flush=True)
     tracking.log_datasets(cfg, run_id, mlflow_datasets(cfg.data, data))
     tracking.log_metrics(cfg, run_id, {f"data/{k}": v for k, v in data.stats.items()})
     tracking.set_tags(cfg, run_id, {f"data/{k}": where for k, where in data.dropped.items()})  # the first lines

@@ -181,9 +181,12 @@ CODE_ROOT = str(Path(__file__).resolve().parents[1])
 def worker_command(path: str, max_chars: int) -> list[str]:
     """The worker's command line. ``python -P``: the working directory is not put first on ``sys.path`` (``-m``
     would put it there, so a ``json.py`` a tool wrote there would shadow the standard library in every later
-    worker); :data:`CODE_ROOT` and the working directory (where a tool's own module may live) come last instead,
-    after the standard library and the installed packages."""
-    boot = (f"import os, sys; sys.path += [{CODE_ROOT!r}, os.getcwd()]; "
+    worker); :data:`CODE_ROOT`, the config's module directories (:func:`rewards.locate.module_dirs`: where a tool's
+    own module lives) and the working directory come last instead, after the standard library and the installed
+    packages."""
+    from rewards.locate import module_dirs
+
+    boot = (f"import os, sys; sys.path += [{CODE_ROOT!r}, *{module_dirs()!r}, os.getcwd()]; "
             f"from grpo_steps.tool_worker import _serve; _serve({path!r}, {int(max_chars)})")
     return [sys.executable, "-P", "-c", boot]
 

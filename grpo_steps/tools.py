@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import importlib.util
 import inspect
 import threading
@@ -46,14 +45,16 @@ def resolve_callable(path: str, key: str) -> Callable:
     Raises:
         ToolError: not importable, or not callable; names ``key``.
     """
-    module_name, sep, attr = path.replace(":", ".").rpartition(".")
+    from rewards.locate import import_attr
+
+    module_name, sep, _ = path.replace(":", ".").rpartition(".")
     if not sep or not module_name:
         raise ToolError(f"{key} {path!r} is not a dotted path 'package.module:function'")
     try:
-        value = getattr(importlib.import_module(module_name), attr)
+        value = import_attr(path)  # the config's directory, the working directory, then the installed packages
     except (ImportError, AttributeError) as err:
-        raise ToolError(f"{key} {path!r} does not import ({err}); give 'package.module:function' on the "
-                          "Python path of the flow") from None
+        raise ToolError(f"{key} {path!r} does not import ({err}); put its module beside the config file or in the "
+                        "working directory, or install it") from None
     if not callable(value):
         raise ToolError(f"{key} {path!r} is not callable")
     return value

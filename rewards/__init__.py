@@ -1,8 +1,9 @@
 """Reward functions in TRL's contract and the name registry the config refers to.
 
 A config names a reward either by its registered name (``answer_accuracy``) or by a dotted path to
-a function in the user's own importable module (``my_pkg.my_rewards:score`` or
-``my_pkg.my_rewards.score``), with keyword ``options`` bound to it and a per-call ``timeout_s``.
+a function in the user's own module (``my_rewards:score`` or ``my_pkg.my_rewards.score``), found beside the config
+file, in the working directory or in the installed packages (:mod:`rewards.locate`), with keyword ``options``
+bound to it and a per-call ``timeout_s``.
 :func:`build_reward` turns such a spec into the callable that BOTH training (``grpo_steps.training``) and
 evaluation (``grpo_steps.evaluation.scoring.score``) call, so the training reward and the eval metric are the same code.
 """
@@ -10,7 +11,6 @@ evaluation (``grpo_steps.evaluation.scoring.score``) call, so the training rewar
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -20,6 +20,7 @@ from rewards.code import code_execution
 from rewards.format import think_answer_format
 from rewards.guard import guarded
 from rewards.length import soft_overlong_punishment
+from rewards.locate import import_attr
 from rewards.math import math_accuracy
 from rewards.reward_model import reward_model
 
@@ -52,11 +53,12 @@ def resolve_reward(name: str) -> Callable[..., list[float | None]]:
     if name in REGISTRY:
         return REGISTRY[name]
     module_name, sep, attr = name.replace(":", ".").rpartition(".")
-    hint = f"known rewards: {', '.join(sorted(REGISTRY))}; or give a dotted path 'package.module:function'"
+    hint = (f"known rewards: {', '.join(sorted(REGISTRY))}; or give a dotted path 'module:function' (a module "
+            "beside the config file, in the working directory or installed)")
     if not sep or not module_name:
         raise UnknownRewardError(f"unknown reward {name!r}; {hint}")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
+        fn = import_attr(name)  # the config's directory, the working directory, then the installed packages
     except (ImportError, AttributeError) as err:
         raise UnknownRewardError(f"unknown reward {name!r} ({err}); {hint}") from None
     if not callable(fn):

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from grpo_steps.config.base import COLOCATE_NEEDS_GPU, ConfigError, _Section
+from grpo_steps.config.base import COLOCATE_NEEDS_GPU, DEFAULT_CONFIG, ConfigError, _Section
 from grpo_steps.config.credentials import credentials_error, find_credentials
 from grpo_steps.config.data import DataConfig, kept_columns
 from grpo_steps.config.generation import GenerationConfig, prefetch_depth
@@ -33,6 +35,12 @@ from grpo_steps.redaction import redact, redact_value
 class PipelineConfig(_Section):
     """The whole run config. Every section has defaults; a YAML file overrides what it names."""
 
+    module_dirs: list[str] = Field(default_factory=lambda: [os.getcwd()])
+    """Directories searched for the modules of dotted reward, tool and environment paths (``my_rewards:score``), in
+    order, before the installed packages. Left unset: the config file's directory, then the working directory the
+    run was started from (filled in when the file is read, absolute, so every step and ``resume`` search the same
+    places). A relative entry is read from the config file's directory. On a cluster (``--with kubernetes``, Argo)
+    the modules found there travel in Metaflow's code package (:mod:`grpo_steps.deploy`)."""
     model: ModelConfig = ModelConfig()
     """The policy: weights, dtype, context length."""
     data: DataConfig = DataConfig()
@@ -68,6 +76,14 @@ class PipelineConfig(_Section):
     project: str = Field("grpo", pattern=r"^[a-z0-9_]+$")
     """Metaflow ``@project`` name: deployments are named ``{project}.{branch}.GRPOFlow`` per branch
     (``--branch``, ``--production``), so branches never overwrite each other."""
+
+    @field_validator("module_dirs")
+    @classmethod
+    def _modules_importable_from(cls, dirs: list[str]) -> list[str]:
+        from rewards.locate import add_module_dirs
+
+        add_module_dirs(dirs)  # before the rules below import the rewards, tools and environment the config names
+        return dirs
 
     @model_validator(mode="after")
     def _no_credentials_in_the_tree(self) -> PipelineConfig:
@@ -456,8 +472,9 @@ class PipelineConfig(_Section):
 
     def sha256(self) -> str:
         """Hex digest of the canonical JSON of the redacted config (identifies a config across runs; a hash of a
-        secret is itself a way to test guesses of it, so it is computed after :func:`redact_value`)."""
-        canonical = json.dumps(redact_value(self.model_dump(mode="json")), sort_keys=True)
+        secret is itself a way to test guesses of it, so it is computed after :func:`redact_value`). ``module_dirs`` is
+        left out: the same config run from another directory is the same config."""
+        canonical = json.dumps(redact_value(self.model_dump(mode="json", exclude={"module_dirs"})), sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     def flat_params(self) -> dict[str, str]:
@@ -536,7 +553,7 @@ def parse_config(text: str) -> dict[str, Any]:
         data = yaml.safe_load(text)
         if data is not None and not isinstance(data, dict):
             raise ConfigError(f"run config must be a YAML mapping, got {type(data).__name__}")
-        return validate_config(data).model_dump(mode="json")
+        return validate_config(with_module_dirs(data, config_file_of_command())).model_dump(mode="json")
     except yaml.YAMLError as err:
         raise InvalidRunConfig(f"not valid YAML: {err}") from None
     except ConfigError as err:
@@ -544,6 +561,31 @@ def parse_config(text: str) -> dict[str, Any]:
 
 
 def load_config(path: str | Path) -> PipelineConfig:
-    """Read and validate a YAML or JSON config file. Raises ConfigError, FileNotFoundError."""
+    """Read and validate a YAML or JSON config file (``module_dirs`` left unset: its directory, then the working
+    directory). Raises ConfigError, FileNotFoundError."""
     path = Path(path)
-    return validate_config(yaml.safe_load(path.read_text()), source=str(path))
+    return validate_config(with_module_dirs(yaml.safe_load(path.read_text()), path), source=str(path))
+
+
+def config_file_of_command(argv: list[str] | None = None) -> Path:
+    """The config file the flow's command line names (``--config config FILE``, Metaflow's option before the
+    command), else the flow's default, :data:`DEFAULT_CONFIG`. Metaflow hands its ``Config`` parser the file's text
+    only: the module directories need the file's place."""
+    argv = sys.argv if argv is None else argv
+    for i, arg in enumerate(argv[:-2]):
+        if arg == "--config" and argv[i + 1] == "config":
+            return Path(argv[i + 2]).resolve()
+    return DEFAULT_CONFIG
+
+
+def with_module_dirs(data: dict[str, Any] | None, config_file: Path) -> dict[str, Any]:
+    """``data`` with ``module_dirs`` absolute: left unset, ``config_file``'s directory then the working directory;
+    relative entries read from ``config_file``'s directory."""
+    data = dict(data or {})
+    base = Path(config_file).resolve().parent
+    dirs = data.get("module_dirs")
+    if dirs is None:
+        dirs = [str(base)] + ([os.getcwd()] if Path(os.getcwd()).resolve() != base else [])
+    elif isinstance(dirs, list):
+        dirs = [str((base / d).resolve()) if isinstance(d, str) else d for d in dirs]
+    return {**data, "module_dirs": dirs}

@@ -56,8 +56,25 @@ class EvalConfig(_Section):
     num_table_rows: int = Field(20, ge=0)
     """Sample completions logged to the MLflow table."""
     correctness_reward: str = "answer_accuracy"
-    """The reward (one of ``rewards``) that defines a correct completion (score 1) for accuracy and pass@k. Left
-    unset: ``answer_accuracy`` when it is configured, else the first of ``rewards``."""
+    """The reward (one of ``rewards``) that defines a correct completion (a score of at least ``correct_at``) for
+    accuracy, pass@k and the registry's gate. Left unset: ``answer_accuracy`` when it is configured, else the first
+    of ``rewards``."""
+    correct_at: float = 1.0
+    """The score of ``correctness_reward`` from which a completion counts as correct (accuracy, pass@k, the gate).
+    ``start`` checks that the reward gives each probed row's reference answer at least this much, and a wrong answer
+    less (:mod:`grpo_steps.reward_probe`)."""
+    reference_format: str | None = None
+    """How that check writes a row's reference answer as a completion, with ``{answer}`` for the answer (e.g.
+    ``'<answer>{answer}</answer>'``); null: the first of ``Answer: {answer}``, the ``<think>``/``<answer>`` tags,
+    a LaTeX box and the bare answer that ``format_reward`` scores 1 (else the one ``correctness_reward``
+    scores highest)."""
+
+    @field_validator("reference_format")
+    @classmethod
+    def _holds_the_answer(cls, value: str | None) -> str | None:
+        if value is not None and "{answer}" not in value:
+            raise ValueError(f"eval.reference_format {value!r} has no {{answer}} where the reference answer goes")
+        return value
     format_reward: str | None = "answer_format"
     """The reward (one of ``rewards``) whose score 1 counts toward ``format_rate``; null for none. Left unset:
     ``answer_format`` when it is configured, else none."""

@@ -9,8 +9,6 @@ from grpo_steps.config import PipelineConfig
 from grpo_steps.evaluation.scoring import Scores, score_evaluation
 from grpo_steps.evaluation.stats import mean_scored, pass_at_k, prompt_key
 
-CORRECTNESS_THRESHOLD = 1.0  # a completion is correct when the correctness reward reaches this
-
 
 def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], label: str = "eval",
                     head: int | None = None) -> dict:
@@ -107,9 +105,9 @@ def per_prompt(cfg: PipelineConfig, scores: Scores, greedy: list[list] | None = 
     (:func:`grpo_steps.evaluation.stats.paired_gain`): ``accuracy`` (greedy, 0/1), ``pass@1`` (share of the samples
     correct), and with multi-turn ``greedy`` episodes ``tool_call`` (whether the greedy episode called a tool: splits
     an accuracy gain by tool use)."""
-    correctness = cfg.eval.correctness_reward
-    out = {"accuracy": [float((g[0] or 0.0) >= CORRECTNESS_THRESHOLD) for g in scores.greedy[correctness]],
-           "pass@1": [mean_scored(float((s or 0.0) >= CORRECTNESS_THRESHOLD) for s in group)
+    correctness, at = cfg.eval.correctness_reward, cfg.eval.correct_at
+    out = {"accuracy": [float((g[0] or 0.0) >= at) for g in scores.greedy[correctness]],
+           "pass@1": [mean_scored(float((s or 0.0) >= at) for s in group)
                       for group in scores.sampled[correctness]]}
     if greedy is not None:
         out["tool_call"] = [float(group[0].tool_calls > 0) for group in greedy]
@@ -126,10 +124,10 @@ def prompt_metrics(cfg: PipelineConfig, n: int, scores: Scores, lengths: list[li
     formatted samples): correctness apart from format, ``reward/<name>`` (mean per reward function over samples),
     ``reward`` (weighted sum, as in training), ``completion_length`` (mean tokens per sample)."""
     greedy_scores, weights = scores.greedy, scores.weights
-    correctness = cfg.eval.correctness_reward
-    correct = [[(s or 0.0) >= CORRECTNESS_THRESHOLD for s in scores.sampled[correctness][i]] for i in keep]
+    correctness, at = cfg.eval.correctness_reward, cfg.eval.correct_at  # correct: a score of at least eval.correct_at
+    correct = [[(s or 0.0) >= at for s in scores.sampled[correctness][i]] for i in keep]
     metrics: dict[str, float] = {
-        "accuracy": mean_scored(float((greedy_scores[correctness][i][0] or 0.0) >= CORRECTNESS_THRESHOLD)
+        "accuracy": mean_scored(float((greedy_scores[correctness][i][0] or 0.0) >= at)
                                 for i in keep),
         "completion_length": mean_scored(length for i in keep for length in lengths[i]),
     }
@@ -141,10 +139,10 @@ def prompt_metrics(cfg: PipelineConfig, n: int, scores: Scores, lengths: list[li
         metrics["format_rate_greedy"] = mean_scored(float(greedy_scores[fmt][i][0] == 1.0) for i in keep)
         # correctness among the completions in the checked format: the gain that is not format
         metrics["accuracy_formatted"] = mean_scored(
-            float((greedy_scores[correctness][i][0] or 0.0) >= CORRECTNESS_THRESHOLD)
+            float((greedy_scores[correctness][i][0] or 0.0) >= at)
             for i in keep if greedy_scores[fmt][i][0] == 1.0)
         metrics["pass@1_formatted"] = mean_scored(
-            float((c or 0.0) >= CORRECTNESS_THRESHOLD)
+            float((c or 0.0) >= at)
             for i in keep for c, f in zip(scores.sampled[correctness][i], scores.sampled[fmt][i], strict=True)
             if f == 1.0)
     total = [0.0] * sum(len(scores.sampled[correctness][i]) for i in keep)

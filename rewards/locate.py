@@ -1,0 +1,105 @@
+"""Where the module of a dotted path (a reward, tool or environment the config names) is found.
+
+A config names its own code as ``module:function`` (or ``package.module.function``). The module is looked up in a
+documented order: the config file's directory, then the working directory the run was started from, then the
+installed packages (``grpo_steps.config``'s ``module_dirs``, filled in when the config file is read). The standard
+library stays first, so a ``json.py`` beside a config cannot shadow it.
+
+:func:`add_module_dirs` puts those directories on ``sys.path`` of this process, just before the installed packages;
+every process that validates the config does so (the flow's steps, the training job, the evaluation), and a tool's
+worker process is started with the same directories (:func:`grpo_steps.tool_worker.worker_command`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import sysconfig
+from pathlib import Path
+from types import ModuleType
+
+_ADDED: list[str] = []
+"""The directories :func:`add_module_dirs` put on ``sys.path`` here, in order."""
+
+
+def _installed_index() -> int:
+    """The index in ``sys.path`` of the first installed-packages directory (site-packages), or its length."""
+    installed = {os.path.realpath(sysconfig.get_path(key)) for key in ("purelib", "platlib")}
+    for i, entry in enumerate(sys.path):
+        if entry and (os.path.realpath(entry) in installed or entry.rstrip("/").endswith(("site-packages",
+                                                                                          "dist-packages"))):
+            return i
+    return len(sys.path)
+
+
+def add_module_dirs(dirs: list[str]) -> None:
+    """Put ``dirs`` (absolute paths) on ``sys.path``, in their order, before the installed packages and after the
+    standard library; a directory already added stays where it is. Directories that do not exist here (a config
+    read on another machine: a cluster step imports from Metaflow's code package instead) are harmless."""
+    for directory in dirs:
+        if directory in _ADDED:
+            continue
+        index = _installed_index()
+        if directory in sys.path:
+            sys.path.remove(directory)
+            index = _installed_index()
+        # after the directories added before: the config's directory first, then the working directory
+        sys.path.insert(index, directory)
+        _ADDED.append(directory)
+    importlib.invalidate_caches()
+
+
+def module_dirs() -> list[str]:
+    """The directories :func:`add_module_dirs` added in this process, in search order."""
+    return list(_ADDED)
+
+
+def import_attr(path: str) -> object:
+    """The object a ``module:name`` or ``module.name`` path names.
+
+    Raises:
+        ValueError: ``path`` has no module part.
+        ImportError, AttributeError: as ``importlib.import_module`` / ``getattr``; an ImportError names the
+            directories searched before the installed packages.
+    """
+    module_name, sep, attr = path.replace(":", ".").rpartition(".")
+    if not sep or not module_name:
+        raise ValueError(f"{path!r} is not a dotted path 'module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and module_name.startswith(err.name):  # the module itself, not one it imports
+            searched = ", ".join(_ADDED) or "no directory"
+            raise ModuleNotFoundError(f"No module named {err.name!r} in {searched} or the installed packages",
+                                      name=err.name) from None
+        raise
+    return getattr(module, attr)
+
+
+def module_file(module: ModuleType) -> Path | None:
+    """The file or package directory that ships ``module``: its top-level package's directory, or the file of a
+    single-file module; None for a built-in or namespace module."""
+    top = sys.modules.get(module.__name__.split(".")[0], module)
+    file = getattr(top, "__file__", None)
+    if not file:
+        return None
+    file = Path(file).resolve()
+    return file.parent if file.name == "__init__.py" else file
+
+
+def origin(module_name: str) -> str:
+    """Where the top-level module of ``module_name`` (imported already) was found: ``"module_dirs"`` (a directory of
+    :func:`module_dirs`: user code, shipped with the run), ``"installed"`` (site-packages or the standard library:
+    the image must hold it), ``"elsewhere"`` (another ``sys.path`` entry, e.g. ``PYTHONPATH``: nothing ships it), or
+    ``"builtin"``."""
+    found = module_file(sys.modules[module_name])
+    if found is None:
+        return "builtin"
+    for directory in _ADDED:
+        if found.is_relative_to(Path(directory).resolve()):
+            return "module_dirs"
+    for key in ("purelib", "platlib", "stdlib", "platstdlib"):
+        if found.is_relative_to(Path(sysconfig.get_path(key)).resolve()):
+            return "installed"
+    return "elsewhere"
