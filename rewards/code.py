@@ -140,10 +140,11 @@ def code_execution(
     todo = [i for i in range(n) if tests[i] and entries[i]]
     preludes = code_prompt if code_prompt is not None else [None] * n
     jobs = [(extract_code(completion_text(completions[i])), tests[i], entries[i], preludes[i]) for i in todo]
-    results = run_many(jobs, limits, workers, mode)
+    # the guard's stop event: at its deadline the runs stop, and the completions scored by then keep their scores
+    results = run_many(jobs, limits, workers, mode, stop=guard.stop_event())
     scores: list[float | None] = [None] * n
     for i, result in zip(todo, results, strict=True):
-        scores[i] = 1.0 if result.status == "passed" else 0.0
+        scores[i] = None if result.status == "cancelled" else 1.0 if result.status == "passed" else 0.0
     guard.record("timeouts", sum(r.status == "timeout" for r in results), default="code_execution")
     guard.record("errors", sum(r.status == "error" for r in results), default="code_execution")
     return scores
