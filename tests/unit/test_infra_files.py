@@ -16,6 +16,8 @@ API_VERSIONS = {  # kind -> apiVersion the manifests must use
     "Deployment": "apps/v1", "StatefulSet": "apps/v1", "Service": "v1", "ServiceAccount": "v1",
     "Role": "rbac.authorization.k8s.io/v1", "RoleBinding": "rbac.authorization.k8s.io/v1",
     "NetworkPolicy": "networking.k8s.io/v1", "Secret": "v1", "ConfigMap": "v1", "Namespace": "v1",
+    "ValidatingAdmissionPolicy": "admissionregistration.k8s.io/v1",
+    "ValidatingAdmissionPolicyBinding": "admissionregistration.k8s.io/v1",
 }
 
 
