@@ -19,7 +19,8 @@ bytes across, reading nothing but the first request head of a client's connectio
 - router -> worker k: inside the namespace the router reaches worker k at the address its URL names when that is a
   loopback address (the same URL, so the router's metrics name the replicas' own URLs), else at ``127.1.0.<k+1>``
   and the same port; a listener there is relayed to the worker's real address, resolved on this side.
-- ``127.0.0.1:M`` -> the router's Prometheus metrics (read-only, no token).
+- ``127.0.0.1:M`` -> the router's Prometheus metrics (read-only, no token): a ``GET /metrics`` head under the same
+  deadline and cap as the clients', at most :data:`MAX_METRICS` relayed at once.
 
 In a Kubernetes pod (``--pod``) the pod's network namespace is already its own: the router listens on the pod's
 loopback (:data:`ROUTER_HOST`) and reaches the replicas' Services itself; the bridge listens on the pod's
@@ -66,6 +67,9 @@ bytes is dropped at this deadline, however often a byte arrives); ``--head-timeo
 MAX_PENDING = 256
 """Connections at most that have not yet shown a complete request head (so not the token); past it the oldest of them
 is closed (``--max-pending``). Admitted connections are not counted: only the token's holder opens them."""
+MAX_METRICS = 8
+"""Metrics connections relayed at once at most (no token: the metrics port answers ``GET /metrics`` to anyone); past
+it a new one is refused with 503."""
 CONNECT_TIMEOUT_S = 10.0
 """Seconds to connect to the router or a worker; a connection, once made, has no timeout."""
 OPEN_PATHS = ("/health", "/liveness", "/readiness")
@@ -260,7 +264,7 @@ class _Bridge:
         self.head_timeout_s, self.max_pending = head_timeout_s, max_pending
         self.inside_port, self.inside_metrics_port = inside_port, inside_metrics_port
         self.pending: dict[int, asyncio.StreamWriter] = {}  # connections without a complete head, oldest first
-        self.tasks: set[asyncio.Task] = set()
+        self.metrics_open = 0  # metrics connections relayed now
 
     async def inside(self, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A connection to ``port`` inside the router's namespace (``--pod``: this pod's own loopback). Raises OSError
@@ -337,12 +341,32 @@ class _Bridge:
         await _relay((reader, writer), upstream)
 
     async def metrics(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """``GET /metrics`` relayed to the router's Prometheus port; its head has the clients' deadline and counts in
+        their cap, and at most :data:`MAX_METRICS` are relayed at once (a scraper needs one)."""
+        self._admit_pending(writer)
         try:
-            upstream = await self.inside(self.inside_metrics_port)
-        except OSError:
+            head = await _read_head(reader, self.head_timeout_s)
+        except (OSError, ValueError):
             writer.transport.abort()
             return
-        await _relay((reader, writer), upstream)
+        finally:
+            self.pending.pop(id(writer), None)
+        request = head.split(b"\r\n", 1)[0].split(b" ")
+        if request[:2] != [b"GET", b"/metrics"] or self.metrics_open >= MAX_METRICS:
+            writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                         if request[:2] == [b"GET", b"/metrics"] else
+                         b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            await _close(writer)
+            return
+        self.metrics_open += 1
+        try:
+            upstream = await self.inside(self.inside_metrics_port)
+            upstream[1].write(head)
+            await _relay((reader, writer), upstream)
+        except OSError:
+            writer.transport.abort()
+        finally:
+            self.metrics_open -= 1
 
 
 async def _close(writer: asyncio.StreamWriter) -> None:

@@ -110,7 +110,7 @@ print(data.count(b"HTTP/1.1 "))
 # --- the bridge alone, in front of a stand-in router (no vllm-router needed) ------------------------------------------
 
 STAND_IN_ROUTER = r"""
-import sys, time
+import sys, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class Handler(BaseHTTPRequestHandler):
@@ -131,6 +131,8 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 ThreadingHTTPServer.daemon_threads = True
+metrics = ThreadingHTTPServer((sys.argv[1], int(sys.argv[3])), Handler)  # the router's Prometheus port
+threading.Thread(target=metrics.serve_forever, daemon=True).start()
 ThreadingHTTPServer((sys.argv[1], int(sys.argv[2])), Handler).serve_forever()
 """
 BODY = bytes(range(256)) * 400
@@ -148,12 +150,15 @@ class _Bridge:
 
     def __init__(self, *, pod: bool, head_timeout_s: float = 2.0, max_pending: int = 100, nofile: int | None = None):
         inside_port = _free_port(router_bridge.ROUTER_HOST) if pod else 8000
-        self.port = _free_port()
+        inside_metrics = _free_port(router_bridge.ROUTER_HOST) if pod else 9000
+        self.port, self.metrics_port = _free_port(), _free_port()
         cmd = [sys.executable, "-m", "grpo_steps.servers.router_bridge", "--host", "127.0.0.1", "--port",
-               str(self.port), "--metrics-port", str(_free_port()), "--head-timeout-s", str(head_timeout_s),
-               "--max-pending", str(max_pending), "--inside-port", str(inside_port)]
+               str(self.port), "--metrics-port", str(self.metrics_port), "--head-timeout-s", str(head_timeout_s),
+               "--max-pending", str(max_pending), "--inside-port", str(inside_port),
+               "--inside-metrics-port", str(inside_metrics)]
         cmd += ["--pod"] if pod else ["--worker", f"http://127.0.0.1:{_free_port()}"]
-        cmd += ["--", sys.executable, "-c", STAND_IN_ROUTER, router_bridge.ROUTER_HOST, str(inside_port)]
+        cmd += ["--", sys.executable, "-c", STAND_IN_ROUTER, router_bridge.ROUTER_HOST, str(inside_port),
+                str(inside_metrics)]
 
         def limit() -> None:
             if nofile:
@@ -266,3 +271,29 @@ def test_the_bridge_survives_running_out_of_descriptors(bridges):
     assert bridge.request().status_code == 200
     bridge.stop()
     assert "out of system resource" in bridge.stderr  # the accept loop met EMFILE, and went on
+
+
+def test_the_metrics_port_relays_get_metrics_only_a_few_at_a_time(bridges):
+    """The token-less metrics port: ``GET /metrics`` relayed, anything else 404; with :data:`MAX_METRICS` scrapers
+    holding their connections, one more gets 503, and once they leave a scrape passes again."""
+    bridge = bridges(pod=True)
+    url = f"http://127.0.0.1:{bridge.metrics_port}"
+    assert requests.get(f"{url}/metrics", timeout=30).content == BODY
+    assert requests.get(f"{url}/workers", timeout=30).status_code == 404
+    held = []
+    for _ in range(router_bridge.MAX_METRICS):  # scrapers that keep their connection open (HTTP/1.1 keep-alive)
+        sock = socket.create_connection(("127.0.0.1", bridge.metrics_port))
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
+        sock.settimeout(30)
+        answer = b""
+        while len(answer) < len(BODY):
+            answer += sock.recv(65536)
+        held.append(sock)
+    assert requests.get(f"{url}/metrics", timeout=30).status_code == 503
+    for sock in held:
+        sock.close()
+    for _ in range(50):  # the bridge sees them close
+        if (answer := requests.get(f"{url}/metrics", timeout=30)).status_code == 200:
+            break
+        time.sleep(0.1)
+    assert answer.status_code == 200
