@@ -42,6 +42,7 @@ def check(cfg: PipelineConfig) -> str:
     model_path = resolve_model(cfg.model.name_or_path)
     check_grpo_keys(cfg)
     check_sandbox(cfg)
+    check_code_reward_deadline(cfg)
     if cfg.tools or cfg.environment or cfg.model.chat_template:
         check_tools(cfg, model_path)
     if cfg.train.peft is not None:
@@ -202,6 +203,39 @@ def check_sandbox(cfg: PipelineConfig) -> None:
                     f"which isolation {mode!r} cannot keep from reading the host's files: install bubblewrap "
                     "(`apt-get install bubblewrap`, where user namespaces are allowed), or, for test code you "
                     "trust, set `trust_test_code: true` in the code_execution reward's options")
+
+
+def check_code_reward_deadline(cfg: PipelineConfig) -> None:
+    """Each code reward's guard (``rewards[].timeout_s``) can hold one training batch of sandbox runs:
+    ``ceil(completions / workers) x (sandbox timeout_s + start-up)``, completions being a training process's
+    generation batch (``per_device_train_batch_size x steps_per_generation``, or ``generation_batch_size / world
+    size``), start-up :data:`rewards.sandbox.STARTUP_ALLOWANCE_S`. A shorter guard gives up on batches whose
+    programs all loop, scoring their unfinished completions None. Raises ConfigError naming the numbers."""
+    import math
+
+    from grpo_steps.config import ConfigError
+    from rewards import resolve_reward
+    from rewards.code import code_execution
+
+    train = cfg.train
+    steps = train.grpo.get("steps_per_generation", train.gradient_accumulation_steps)
+    completions = train.per_device_train_batch_size * steps if isinstance(steps, int) else None
+    if isinstance(train.grpo.get("generation_batch_size"), int):
+        completions = train.grpo["generation_batch_size"] // train.world_size
+    for spec in cfg.rewards:
+        if completions is None or resolve_reward(spec.name) is not code_execution:
+            continue
+        from rewards.sandbox import STARTUP_ALLOWANCE_S, default_workers
+
+        workers = spec.options.get("workers") or default_workers()
+        sandbox_s = float(spec.options.get("timeout_s", 10.0))
+        needed = math.ceil(completions / workers) * (sandbox_s + STARTUP_ALLOWANCE_S)
+        if spec.timeout_s < needed:
+            raise ConfigError(
+                f"rewards: {spec.name}'s timeout_s is {spec.timeout_s:g} s, but one batch of {completions} completions "
+                f"on {workers} sandbox workers can take ceil({completions}/{workers}) x ({sandbox_s:g} s sandbox "
+                f"timeout_s + {STARTUP_ALLOWANCE_S:g} s start-up) = {needed:g} s: set the reward's timeout_s to "
+                f"{math.ceil(needed)} or more, or raise options.workers, or lower options.timeout_s")
 
 
 def check_tools(cfg: PipelineConfig, model_path: str) -> None:

@@ -238,11 +238,23 @@ def pick_port(host: str, port: int) -> int:
         return sock.getsockname()[1]
 
 
-def log_tail(path: str | Path | None, lines: int = 40) -> str:
-    """Last ``lines`` lines of a log file ('' when there is none)."""
+def log_tail(path: str | Path | None, lines: int = 40, max_bytes: int = 1024 * 1024) -> str:
+    """Last ``lines`` lines of a log file ('' when there is none), reading at most its last ``max_bytes`` bytes
+    (a server's log can be large: only the tail is read, never the whole file)."""
     if not path or not Path(path).exists():
         return ""
-    return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    with open(path, "rb") as file:
+        size = file.seek(0, os.SEEK_END)
+        window = 8192
+        while True:  # widen the window from the end until it holds `lines` whole lines, or max_bytes
+            start = max(0, size - min(window, max_bytes))
+            file.seek(start)
+            data = file.read(size - start)
+            if start == 0 or data.count(b"\n") > lines or window >= max_bytes:
+                break
+            window *= 4
+    text = data.decode(errors="replace").splitlines()
+    return "\n".join(text[1:][-lines:] if start > 0 else text[-lines:])  # the first line may be cut: dropped
 
 
 def run_watching_memory(cmd: list[str], env: dict[str, str] | None = None,

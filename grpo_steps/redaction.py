@@ -26,14 +26,16 @@ MASK = "***"
 SECRET_WORDS = frozenset((
     "token", "secret", "password", "passwd", "pwd", "passphrase", "credential", "credentials", "auth",
     "authorization", "apikey", "signature", "sig", "cookie", "privatekey", "accesskey", "secretkey", "accesstoken",
-    "jwt", "bearer", "dsn", "webhook", "webhooks", "sessionid", "sessionkey", "connstr", "connectionstring"))
+    "jwt", "bearer", "dsn", "webhook", "webhooks", "sessionid", "sessionkey", "connstr", "connectionstring", "sas",
+    "otp", "totp", "hotp", "passcode"))
 """A name one of whose words (see :func:`secret_name`) is one of these names a secret."""
 KEY_QUALIFIERS = frozenset(("api", "access", "secret", "private", "client", "account", "master", "signing",
                             "encryption", "auth", "subscription", "x"))
 """``key`` names a secret after one of these words even before another word (``api_key_value``, ``x-api-key``)."""
-LAST_WORD_SECRETS = frozenset(("key", "pass", "session", "pw"))
+LAST_WORD_SECRETS = frozenset(("key", "pass", "session", "pw", "pin", "private"))
 """These name a secret as a name's last word (``openai_key``, ``AccountKey``, ``db_pass``, ``user_session``), not
-before another word (``pass_at_k``, ``session_id``): see :data:`NOT_SECRET_NAMES` for the exceptions."""
+before another word (``pass_at_k``, ``session_id``, ``pin_memory``,
+``private_network``): see :data:`NOT_SECRET_NAMES` for the exceptions."""
 NOT_SECRET_NAMES = frozenset((
     "sort_key", "answer_key", "group_key", "cache_key", "dict_key", "hash_key", "partition_key", "primary_key",
     "foreign_key", "join_key", "label_key", "text_key", "prompt_key", "metric_key", "split_key", "index_key",
@@ -57,7 +59,9 @@ TOKEN_SHAPES = re.compile(
     r"|hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|glpat-[A-Za-z0-9_-]{20,}|AIza[0-9A-Za-z_-]{35}"
     r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*)"  # a JWT: base64url '{"' header and payload
     r"|https://hooks\.slack\.com/(?:services|workflows|triggers)/[A-Za-z0-9/_-]+"  # a Slack webhook: the URL is the key
-    r"|https://(?:discord(?:app)?\.com)/api/webhooks/[A-Za-z0-9/_-]+")
+    r"|https://(?:discord(?:app)?\.com)/api/webhooks/[A-Za-z0-9/_-]+"
+    r"|\bya29\.[0-9A-Za-z_-]{20,}"  # a Google OAuth access token
+    r"|\b(?:bot)?[0-9]{6,12}:AA[0-9A-Za-z_-]{30,}")  # a Telegram bot token (also in api.telegram.org/bot<token>/)
 """Well-known credential shapes, masked wherever they stand."""
 _SCHEME = r"[a-zA-Z][a-zA-Z0-9+.-]*://"
 _URL = re.compile(rf"\b{_SCHEME}(?:(?!{_SCHEME})[^\s'\"<>`])+")  # ends where another URL starts: [u](u), ?next=u
@@ -96,6 +100,8 @@ def secret_name(name: str) -> bool:
     [False, False, False, False, False]
     >>> [secret_name(n) for n in ("pass@1", "pass_at_k", "session_id", "webhook_url_env")]
     [False, False, False, False]
+    >>> [secret_name(n) for n in ("pin", "sas", "connection_string", "private", "otp", "pin_memory", "private_network")]
+    [True, True, True, True, True, False, False]
     """
     words = name_words(name)
     if not words or "_".join(words) in NOT_SECRET_NAMES:
@@ -105,6 +111,8 @@ def secret_name(name: str) -> bool:
     if words[-1] in NOT_SECRET_TAILS:
         return False
     if any(word in SECRET_WORDS for word in words) or words[-1] in LAST_WORD_SECRETS:
+        return True
+    if any(a + b in SECRET_WORDS for a, b in zip(words, words[1:], strict=False)):  # connection_string, access_token
         return True
     return any(word == "key" and i and words[i - 1] in KEY_QUALIFIERS for i, word in enumerate(words))
 
@@ -174,6 +182,7 @@ def redact(text: str) -> str:
     text = _FLAG_SPACE.sub(lambda m: f"{m['flag']}{m['sep']}{MASK}" if secret_name(m["flag"]) else m[0], text)
     text = _BEARER.sub(lambda m: f"{m['scheme']} {MASK}", text)
     text = _PAIR.sub(_pair, text)
+    text = _DSN_USERINFO.sub(lambda m: f"{MASK}@{m[0].rpartition('@')[2]}", text)  # user:password@host, no scheme
     return TOKEN_SHAPES.sub(MASK, text)
 
 
@@ -251,6 +260,8 @@ def credential_in(text: str) -> str | None:
     'a secret URL parameter (sig)'
     >>> credential_in("Server=db;User Id=me;Password=hunter2;"), credential_in("use the key=value format")
     ('a credential pair (Password=...)', None)
+    >>> credential_in("token: x"), credential_in("me:hunter2@db.example.com:5432/app"), credential_in("git@x.org:o/r")
+    ('a credential pair (token: ...)', 'a user:password@host DSN', None)
     """
     for match in _URL.finditer(text):
         try:
@@ -270,6 +281,40 @@ def credential_in(text: str) -> str | None:
     for match in _ASSIGNED.finditer(text):
         if strong_secret_name(match["key"]):
             return f"a credential pair ({match['key']}=...)"
+    if (pair := _WHOLE_PAIR.match(text)) and secret_name(pair["key"]):
+        return f"a credential pair ({pair['key']}: ...)"
+    if _DSN_USERINFO.search(text):
+        return "a user:password@host DSN"
+    return None
+
+
+_DSN_USERINFO = re.compile(r"(?<![\w/.@:-])[A-Za-z0-9._%+-]+:[^\s:@/]+@[A-Za-z0-9.-]+")
+"""``user:password@host`` without a scheme (a DSN as some drivers take it)."""
+_WHOLE_PAIR = re.compile(r"^\s*[\"']?(?P<key>[A-Za-z][\w.-]*)[\"']?\s*[:=]\s*(?P<value>\S.*?)\s*$")
+"""A string that is one ``name: value`` (or ``name=value``) pair: a header line, a YAML line given as a string."""
+_HEX40 = re.compile(r"[0-9a-f]{40}")
+_AWS_SECRET = re.compile(r"(?=[^/]*[A-Z])(?=.*[a-z])(?=.*[0-9])[A-Za-z0-9][A-Za-z0-9/+]{39}")
+HASH_WORDS = frozenset(("sha", "sha1", "sha256", "hash", "digest", "commit", "revision", "rev", "checksum",
+                        "fingerprint", "etag", "version"))
+"""A value under a name with one of these words may be a bare 40-hex string (a git commit, a hub revision)."""
+
+
+def bare_key(name: str, value: str) -> str | None:
+    """What bare key ``value`` (a whole string under config key ``name``) has the shape of, or None: 40 lower-case
+    hex digits (a Weights & Biases API key; not under a hash-like name: :data:`HASH_WORDS`), or 40 characters of
+    ``[A-Za-z0-9/+]`` with upper, lower case and a digit (an AWS secret access key; not under a path-like name).
+
+    >>> hex40 = "0123456789abcdef" * 2 + "01234567"
+    >>> bare_key("project", hex40), bare_key("revision", hex40)
+    ('a bare 40-hex key (the shape of a Weights & Biases API key)', None)
+    >>> bare_key("bucket", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"), bare_key("model", "Qwen/Qwen2.5-0.5B-Instruct")
+    ('a bare AWS secret access key', None)
+    """
+    words = name_words(name)
+    if _HEX40.fullmatch(value) and not HASH_WORDS.intersection(words):
+        return "a bare 40-hex key (the shape of a Weights & Biases API key)"
+    if _AWS_SECRET.fullmatch(value) and not (words and words[-1] in NOT_SECRET_TAILS):
+        return "a bare AWS secret access key"
     return None
 
 

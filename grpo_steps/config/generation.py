@@ -94,6 +94,11 @@ class ServerConfig(_Section):
     remote_access: bool = False
     """Declare that a non-loopback ``host`` is meant: the servers then answer every machine that reaches that
     interface (the run's token still guards each route but ``/health``, and travels in plain HTTP)."""
+    allow_unauthenticated: bool = False
+    """Provider ``external``: accept a server (or replica) that answers its control routes without the run's token.
+    Refused by default: whoever reaches such a server can load weights into it and choose the answers evaluation
+    scores. Start it with ``--middleware grpo_steps.servers.auth.RunTokenMiddleware`` and ``GRPO_SERVER_TOKEN``
+    instead; set this only for a server nobody else can reach."""
     port: int = Field(0, ge=0, le=65535)
     """Port of the local server; 0 picks a free one."""
     startup_timeout_s: float = Field(600.0, gt=0)

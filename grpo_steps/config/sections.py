@@ -38,8 +38,10 @@ class RewardSpec(_Section):
     """Keyword arguments bound to the reward function (e.g. ``{max_completion_len: 64, soft_punish_cache: 16}``
     for ``soft_overlong_punishment``, ``{model: path}`` for ``reward_model``); checked against its signature."""
     timeout_s: float = Field(60.0, gt=0)
-    """Seconds one call of the reward (one batch of completions) may take; past it every completion of the
-    call scores None and ``rewards/<name>/timeouts`` counts it (see ``rewards/guard.py``)."""
+    """Seconds one call of the reward (one batch of completions) may take; past it the completions of the call
+    not scored yet score None (all of them, but for a reward that stops with its guard, as ``code_execution``
+    does: its scored ones keep their scores) and ``rewards/<name>/timeouts`` counts it (see ``rewards/guard.py``).
+    ``start`` refuses a ``code_execution`` guard that cannot hold one training batch of sandbox runs."""
 
 
 class EvalConfig(_Section):

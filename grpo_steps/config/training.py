@@ -274,13 +274,15 @@ class TrainConfig(_Section):
     correction on, which weighs the older sampler's completions, and no ``train.grpo.sync_ref_model``; the buffer
     is in memory only: a resumed run starts with it empty).
     Metrics ``zero_signal/*`` (see :mod:`grpo_steps.training.zero_signal`)."""
-    max_resample_rounds: int = Field(4, ge=2)
-    """``zero_signal_groups: resample``: generation rounds per generation batch at most, the first one included."""
-    replay_buffer_size: int = Field(64, ge=1)
+    max_resample_rounds: int = Field(4, ge=2, le=16)
+    """``zero_signal_groups: resample``: generation rounds per generation batch at most, the first one included (at
+    most 16: each round is a whole generation batch's sampling; past a few rounds a task with no signal needs another
+    curriculum, not more rounds)."""
+    replay_buffer_size: int = Field(64, ge=1, le=4096)
     """``zero_signal_groups: replay``: groups with signal each training process keeps for replay (its own groups;
     the oldest leave first). 64 holds the last 8 generation batches at 8 groups per process; each group is a few
     kilobytes to a few megabytes of CPU memory (token ids and per-token logprobs of ``num_generations``
-    completions)."""
+    completions); at most 4096 (up to gigabytes of CPU memory per process)."""
     replay_max_age: int | None = Field(None, ge=1)
     """``zero_signal_groups: replay``: a buffered group generated more than this many optimizer steps ago is no
     longer replayed (its sampler is too far from the policy; the mismatch correction would mask or clip most of its

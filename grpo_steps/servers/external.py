@@ -142,17 +142,21 @@ class ExternalServer(GenerationServer):
                 f"the external generation server {endpoint} cannot load s3 weight pushes (its weight-transfer backend "
                 f"is {backend!r}): restart it with {' '.join(weight_transfer_args())} (grpo_steps installed beside "
                 "vLLM) and S3 credentials in its environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)")
-        warn_if_open(endpoint)
+        check_open(endpoint, cfg.generation.server.allow_unauthenticated)
         return cls(endpoint, served_model=served[0], served_names=tuple(served))
 
     def __str__(self) -> str:
         return f"external generation server {self.endpoint} (model {self.served_model!r})"
 
 
-def warn_if_open(endpoint: str) -> bool:
-    """Say loudly (stderr) when the server at ``endpoint`` answers a control route (``/server_info``) without the run's
-    token: whoever reaches it can then load weights into it and choose the answers evaluation scores. Returns whether
-    it is open."""
+def check_open(endpoint: str, allowed: bool) -> bool:
+    """Refuse a server at ``endpoint`` that answers a control route (``/server_info``) without the run's token:
+    whoever reaches it can then load weights into it and choose the answers evaluation scores; with ``allowed``
+    (``generation.server.allow_unauthenticated: true``) say so loudly (stderr) instead. Returns whether it is open.
+
+    Raises:
+        ServerStartError: the server is open and ``allowed`` is false; says how to close it.
+    """
     import sys
 
     try:
@@ -161,8 +165,14 @@ def warn_if_open(endpoint: str) -> bool:
         return False  # unreachable now: the next request says so
     if status != 200:
         return False
-    print(f"[security] WARNING: the generation server {endpoint} answers without a token: anyone who reaches it can "
-          "load weights into it and choose the answers evaluation scores. Start it with --middleware "
-          "grpo_steps.servers.auth.RunTokenMiddleware and GRPO_SERVER_TOKEN in its environment (and the flow's)",
-          file=sys.stderr, flush=True)
+    fix = ("Start it with --middleware grpo_steps.servers.auth.RunTokenMiddleware and GRPO_SERVER_TOKEN in its "
+           "environment (and the flow's)")
+    if not allowed:
+        raise ServerStartError(
+            f"the external generation server {endpoint} answers without a token: anyone who reaches it can load "
+            f"weights into it and choose the answers evaluation scores. {fix}; or, for a server nobody else can "
+            "reach, set generation.server.allow_unauthenticated: true")
+    print(f"[security] WARNING: the generation server {endpoint} answers without a token "
+          f"(generation.server.allow_unauthenticated: true): anyone who reaches it can load weights into it and "
+          f"choose the answers evaluation scores. {fix}", file=sys.stderr, flush=True)
     return True

@@ -81,10 +81,23 @@ def _api(kind: str, apps: Any, core: Any, networking: Any) -> Any:
     return {"deployment": apps, "network_policy": networking}.get(kind, core)
 
 
-def stop_run(namespace: str, run_id: str, *, apps: Any = None, core: Any = None, networking: Any = None) -> int:
+def remove_staged(run_id: str, root: str | Path = SHARED_MOUNT) -> bool:
+    """Remove the run's staged evaluation copies (``{root}/grpo/{run_id}``, :meth:`KubernetesServer.stage_weights`)
+    where this pod mounts the shared volume; never through a link. Returns whether there was something to remove."""
+    folder = Path(root) / "grpo" / label_value(run_id)
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    shutil.rmtree(folder)
+    return True
+
+
+def stop_run(namespace: str, run_id: str, *, apps: Any = None, core: Any = None, networking: Any = None,
+             staged_root: str | Path = SHARED_MOUNT) -> int:
     """Delete every Deployment, Service, NetworkPolicy and ConfigMap labelled with this run (its servers or replicas,
     router) and the run's token Secret, by its name (the flow's Role may not list Secrets: a listing would show every
-    Secret of the namespace); returns how many were deleted."""
+    Secret of the namespace), and the run's staged evaluation copies on the shared volume (:func:`remove_staged`);
+    returns how many objects were deleted."""
+    remove_staged(run_id, staged_root)
     apps, core, networking = _clients(apps, core, networking)
     deleted = _delete(core, "secret", auth_names(run_id)[0], namespace)
     for kind in KINDS:

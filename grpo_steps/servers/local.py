@@ -299,7 +299,8 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
                        block_size=CPU_BLOCK_SIZE if cpu_build() else None,
                        gpu_memory_utilization=server_cfg.gpu_memory_utilization)
     supervisor = [sys.executable, "-m", "grpo_steps.servers.supervisor", "--owner-pid", str(owner.pid),
-                  "--owner-started", repr(owner.started), "--grace-s", str(server_cfg.orphan_grace_s), "--", *cmd]
+                  "--owner-started", repr(owner.started), "--grace-s", str(server_cfg.orphan_grace_s),
+                  "--log", str(log_path), "--", *cmd]
     with log:
         proc = subprocess.Popen(supervisor, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, cwd=Path(__file__).resolve().parents[2])

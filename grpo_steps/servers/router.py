@@ -111,7 +111,8 @@ def start_router(cfg: PipelineConfig, worker_urls: list[str], *, owner: ProcessR
     cmd = command(worker_urls, server_cfg.host, port, policy=gen.router_policy(cfg.multi_turn),
                   health_check_interval_s=server_cfg.router.health_check_interval_s, metrics_port=metrics_port)
     supervisor = [sys.executable, "-m", "grpo_steps.servers.supervisor", "--owner-pid", str(owner.pid),
-                  "--owner-started", repr(owner.started), "--grace-s", str(server_cfg.orphan_grace_s), "--", *cmd]
+                  "--owner-started", repr(owner.started), "--grace-s", str(server_cfg.orphan_grace_s),
+                  "--log", str(log_path), "--", *cmd]
     env = {k: v for k, v in os.environ.items() if k != auth.TOKEN_ENV}
     if token:
         env[auth.TOKEN_ENV] = token  # the bridge admits the clients that present it (the router never sees it)

@@ -13,11 +13,14 @@ bytes across, reading nothing but the first request head of a client's connectio
   (``Authorization: Bearer <GRPO_SERVER_TOKEN>``; any request when the run has no token) and asks for a path under
   ``/v1/`` or one of :data:`TOKEN_PATHS`; an unauthenticated ``GET /health`` is answered by a ``GET /health`` of its
   own to the router (nothing else on that connection is relayed); anything else gets 401 or 403 and is closed.
-  Later requests on an admitted connection are not read: only the token's holder opened it.
+  Later requests on an admitted connection are not read: only the token's holder opened it. A client has
+  :data:`HEAD_TIMEOUT_S` in all to send that head, at most :data:`MAX_PENDING` connections wait for theirs (past it
+  the oldest is closed), and an admitted connection has no timeout (a slow answer reaches the client whole).
 - router -> worker k: inside the namespace the router reaches worker k at the address its URL names when that is a
   loopback address (the same URL, so the router's metrics name the replicas' own URLs), else at ``127.1.0.<k+1>``
   and the same port; a listener there is relayed to the worker's real address, resolved on this side.
-- ``127.0.0.1:M`` -> the router's Prometheus metrics (read-only, no token).
+- ``127.0.0.1:M`` -> the router's Prometheus metrics (read-only, no token): a ``GET /metrics`` head under the same
+  deadline and cap as the clients', at most :data:`MAX_METRICS` relayed at once.
 
 In a Kubernetes pod (``--pod``) the pod's network namespace is already its own: the router listens on the pod's
 loopback (:data:`ROUTER_HOST`) and reaches the replicas' Services itself; the bridge listens on the pod's
@@ -32,6 +35,7 @@ has. The keeper also stops the router when this process is gone.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ctypes
 import fcntl
 import hashlib
@@ -45,6 +49,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import urllib.parse
 
 TOKEN_ENV = "GRPO_SERVER_TOKEN"  # as grpo_steps.servers.auth (not imported: this process imports nothing heavy)
@@ -57,7 +62,16 @@ ROUTER_METRICS_PORT = 9000
 HEAD_LIMIT_BYTES = 64 * 1024
 """Longest first request head read from a client; a longer one is refused."""
 HEAD_TIMEOUT_S = 10.0
-"""Seconds a client has to send its first request head (a client that trickles bytes is dropped)."""
+"""Seconds from accepting a client's connection to the end of its first request head, in all (a client that trickles
+bytes is dropped at this deadline, however often a byte arrives); ``--head-timeout-s``."""
+MAX_PENDING = 256
+"""Connections at most that have not yet shown a complete request head (so not the token); past it the oldest of them
+is closed (``--max-pending``). Admitted connections are not counted: only the token's holder opens them."""
+MAX_METRICS = 8
+"""Metrics connections relayed at once at most (no token: the metrics port answers ``GET /metrics`` to anyone); past
+it a new one is refused with 503."""
+CONNECT_TIMEOUT_S = 10.0
+"""Seconds to connect to the router or a worker; a connection, once made, has no timeout."""
 OPEN_PATHS = ("/health", "/liveness", "/readiness")
 TOKEN_PATHS = ("/inference/v1/generate",)
 """Paths outside ``/v1/`` relayed with the token: vLLM's token-in/token-out sampling route (per-token weight versions,
@@ -164,44 +178,41 @@ def _keeper(ctl: socket.socket, workers: list[tuple[str, int]], router_cmd: list
     return router.wait() or 0
 
 
-def _pump(source: socket.socket, sink: socket.socket) -> None:
-    """Copy bytes until ``source`` ends, then end ``sink``'s writing side."""
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy bytes until ``reader`` ends, then end ``writer``'s writing side. No timeout: an admitted connection may
+    wait as long as the router takes to answer (a group of long completions behind others takes minutes)."""
     try:
-        while data := source.recv(65536):
-            sink.sendall(data)
-    except OSError:
-        pass  # either side closed: the other direction ends the relay
-    finally:
-        try:
-            sink.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass  # already closed
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+    except (OSError, RuntimeError):
+        pass  # either side closed (RuntimeError: write_eof on a closing transport): the other direction ends it
 
 
-def _relay(a: socket.socket, b: socket.socket) -> None:
+async def _relay(a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+                 b: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
     """Relay both ways between ``a`` and ``b`` until both directions end, then close both."""
-    other = threading.Thread(target=_pump, args=(b, a), daemon=True)
-    other.start()
-    _pump(a, b)
-    other.join()
-    a.close()
-    b.close()
+    try:
+        await asyncio.gather(_pump(a[0], b[1]), _pump(b[0], a[1]))
+    finally:
+        a[1].close()
+        b[1].close()
 
 
-def _read_head(conn: socket.socket) -> bytes:
-    """The first request head (up to and with the blank line), and whatever else arrived with it. Raises ValueError
-    past :data:`HEAD_LIMIT_BYTES`, OSError (a timeout) past :data:`HEAD_TIMEOUT_S` seconds."""
-    conn.settimeout(HEAD_TIMEOUT_S)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        if len(data) > HEAD_LIMIT_BYTES:
-            raise ValueError("request head too long")
-        chunk = conn.recv(65536)
-        if not chunk:
-            raise ValueError("closed before a request head")
-        data += chunk
-    conn.settimeout(None)
-    return data
+async def _read_head(reader: asyncio.StreamReader, timeout_s: float) -> bytes:
+    """The first request head, up to and with the blank line (what arrived after it stays in ``reader``). Raises
+    ValueError past :data:`HEAD_LIMIT_BYTES` or when the client closes first, TimeoutError when the whole head has
+    not arrived ``timeout_s`` seconds after the connection was accepted (one deadline on the loop's monotonic clock,
+    not one per ``recv``: a client that trickles a byte at a time is dropped at the deadline too)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await reader.readuntil(b"\r\n\r\n")
+    except asyncio.LimitOverrunError as err:
+        raise ValueError("request head too long") from err
+    except asyncio.IncompleteReadError as err:
+        raise ValueError("closed before a request head") from err
 
 
 def admit(head: bytes, token_digest: bytes | None) -> str:
@@ -235,73 +246,166 @@ def admit(head: bytes, token_digest: bytes | None) -> str:
 
 
 class _Bridge:
-    def __init__(self, ctl: socket.socket | None, token: str | None) -> None:
-        self.ctl, self.lock = ctl, threading.Lock()
-        self.token_digest = hashlib.sha256(token.encode()).digest() if token else None
+    """The relays of one bridge, on one asyncio event loop (one thread, however many connections).
 
-    def inside(self, port: int) -> socket.socket:
+    Why asyncio's own server and not an HTTP server library (uvicorn/h11, aiohttp): those parse every request of a
+    connection and write their own answer, and a proxy built on one would re-encode the router's streamed answers;
+    the bridge reads one head, decides, then moves bytes untouched. asyncio (the standard library) gives what the
+    HTTP servers use underneath: a total deadline per head (:func:`asyncio.timeout`, monotonic), no thread per
+    connection, and an accept loop that survives ``EMFILE``/``ENFILE``/``ENOBUFS``/``ENOMEM`` (it pauses accepting
+    for ``asyncio.constants.ACCEPT_RETRY_DELAY`` = 1 s and goes on; other accept errors are logged and the server
+    keeps listening: ``BaseSelectorEventLoop._accept_connection``)."""
+
+    def __init__(self, ctl: socket.socket | None, token: str | None, *, head_timeout_s: float = HEAD_TIMEOUT_S,
+                 max_pending: int = MAX_PENDING, inside_port: int = ROUTER_PORT,
+                 inside_metrics_port: int = ROUTER_METRICS_PORT) -> None:
+        self.ctl, self.lock = ctl, asyncio.Lock()
+        self.token_digest = hashlib.sha256(token.encode()).digest() if token else None
+        self.head_timeout_s, self.max_pending = head_timeout_s, max_pending
+        self.inside_port, self.inside_metrics_port = inside_port, inside_metrics_port
+        self.pending: dict[int, asyncio.StreamWriter] = {}  # connections without a complete head, oldest first
+        self.metrics_open = 0  # metrics connections relayed now
+
+    async def inside(self, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A connection to ``port`` inside the router's namespace (``--pod``: this pod's own loopback). Raises OSError
-        when the keeper could not make it."""
+        when it cannot be made within :data:`CONNECT_TIMEOUT_S`. Only the connecting has a deadline: the connection
+        itself has none (``create_connection(timeout=10)`` on a relayed socket cut every answer slower than 10 s)."""
         if self.ctl is None:
-            return socket.create_connection((ROUTER_HOST, port), timeout=10)
-        with self.lock:  # one request at a time on the keeper's channel
-            self.ctl.sendall(f"{port:05d}".encode())
+            try:
+                return await asyncio.wait_for(asyncio.open_connection(ROUTER_HOST, port), CONNECT_TIMEOUT_S)
+            except TimeoutError as err:
+                raise OSError(f"the router did not accept a connection in {CONNECT_TIMEOUT_S:g} s") from err
+        loop = asyncio.get_running_loop()
+        async with self.lock:  # one request at a time on the keeper's channel
+            await loop.sock_sendall(self.ctl, f"{port:05d}".encode())
+            readable = loop.create_future()
+            loop.add_reader(self.ctl, lambda: readable.done() or readable.set_result(None))
+            try:
+                await asyncio.wait_for(readable, CONNECT_TIMEOUT_S)
+            except TimeoutError as err:
+                raise OSError("the namespace's keeper did not answer") from err
+            finally:
+                loop.remove_reader(self.ctl)
             message, fds, _, _ = socket.recv_fds(self.ctl, 16, 1)
         if message != b"ok" or not fds:
             raise OSError(f"no connection to port {port} in the router's namespace")
-        return socket.socket(fileno=fds[0])
+        return await asyncio.open_connection(sock=socket.socket(fileno=fds[0]))
 
-    def client(self, conn: socket.socket) -> None:
+    def _admit_pending(self, writer: asyncio.StreamWriter) -> None:
+        """Count a connection that has not yet shown its head; past :attr:`max_pending` the oldest such connection is
+        closed (the run's own clients send their head at once: the longest waiter is the likeliest to stall)."""
+        while len(self.pending) >= self.max_pending:
+            oldest = next(iter(self.pending))
+            self.pending.pop(oldest).transport.abort()
+        self.pending[id(writer)] = writer
+
+    async def client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._admit_pending(writer)
         try:
-            head = _read_head(conn)
-        except (OSError, ValueError):
-            conn.close()
+            head = await _read_head(reader, self.head_timeout_s)
+        except (OSError, ValueError):  # TimeoutError is an OSError
+            writer.transport.abort()
             return
+        finally:
+            self.pending.pop(id(writer), None)
         verdict = admit(head, self.token_digest)
         if verdict in ("401", "403"):
             reason = b"the run's token is required" if verdict == "401" else b"only /v1/ and health paths"
             body = b'{"error": "refused by the run\'s router bridge: ' + reason + b'"}'
             status = b"401 Unauthorized" if verdict == "401" else b"403 Forbidden"
-            conn.sendall(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
+            writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
                          + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
-            conn.close()
+            await _close(writer)
             return
         try:
-            upstream = self.inside(ROUTER_PORT)
+            upstream = await self.inside(self.inside_port)
         except OSError:
-            conn.close()
+            writer.transport.abort()
             return
         if verdict == "health":  # a request of our own: nothing the client sent reaches the router
-            upstream.sendall(b"GET /health HTTP/1.1\r\nhost: router\r\nconnection: close\r\n\r\n")
-            _pump(upstream, conn)
-            upstream.close()
-            conn.close()
+            upstream[1].write(b"GET /health HTTP/1.1\r\nhost: router\r\nconnection: close\r\n\r\n")
+            await _pump(upstream[0], writer)
+            upstream[1].close()
+            writer.close()
             return
-        upstream.sendall(head)
-        _relay(conn, upstream)
+        upstream[1].write(head)  # then whatever the client sent after its head, untouched
+        await _relay((reader, writer), upstream)
 
-    def worker(self, conn: socket.socket, target: tuple[str, int]) -> None:
+    async def worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     target: tuple[str, int]) -> None:
         try:
-            upstream = socket.create_connection(target, timeout=10)
-        except OSError:
-            conn.close()
+            upstream = await asyncio.wait_for(asyncio.open_connection(*target), CONNECT_TIMEOUT_S)
+        except (OSError, TimeoutError):
+            writer.transport.abort()
             return
-        upstream.settimeout(None)
-        _relay(conn, upstream)
+        await _relay((reader, writer), upstream)
 
-    def metrics(self, conn: socket.socket) -> None:
+    async def metrics(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """``GET /metrics`` relayed to the router's Prometheus port; its head has the clients' deadline and counts in
+        their cap, and at most :data:`MAX_METRICS` are relayed at once (a scraper needs one)."""
+        self._admit_pending(writer)
         try:
-            upstream = self.inside(ROUTER_METRICS_PORT)
-        except OSError:
-            conn.close()
+            head = await _read_head(reader, self.head_timeout_s)
+        except (OSError, ValueError):
+            writer.transport.abort()
             return
-        _relay(conn, upstream)
+        finally:
+            self.pending.pop(id(writer), None)
+        request = head.split(b"\r\n", 1)[0].split(b" ")
+        if request[:2] != [b"GET", b"/metrics"] or self.metrics_open >= MAX_METRICS:
+            writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                         if request[:2] == [b"GET", b"/metrics"] else
+                         b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            await _close(writer)
+            return
+        self.metrics_open += 1
+        try:
+            upstream = await self.inside(self.inside_metrics_port)
+            upstream[1].write(head)
+            await _relay((reader, writer), upstream)
+        except OSError:
+            writer.transport.abort()
+        finally:
+            self.metrics_open -= 1
 
 
-def _serve(listener: socket.socket, handle, *args) -> None:
-    while True:
-        conn, _ = listener.accept()
-        threading.Thread(target=handle, args=(conn, *args), daemon=True).start()
+async def _close(writer: asyncio.StreamWriter) -> None:
+    try:
+        await writer.drain()
+    except OSError:
+        pass  # the client is gone already
+    writer.close()
+
+
+def _serve(listeners: list[tuple[socket.socket, object]]) -> threading.Thread:
+    """Serve each ``(listening socket, handler)`` on one asyncio event loop in a daemon thread (the main thread waits
+    for the router or the keeper). A handler is ``async (reader, writer)``."""
+    ready = threading.Event()
+
+    async def run() -> None:
+        asyncio.get_running_loop().set_exception_handler(_log_once_in_a_while)
+        for sock, handle in listeners:
+            await asyncio.start_server(handle, sock=sock, limit=HEAD_LIMIT_BYTES)
+        ready.set()
+        await asyncio.Event().wait()  # forever: the process ends when the router does
+
+    thread = threading.Thread(target=asyncio.run, args=(run(),), daemon=True, name="router-bridge")
+    thread.start()
+    ready.wait(30)
+    return thread
+
+
+_last_logged: dict[str, float] = {}
+
+
+def _log_once_in_a_while(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """The event loop's errors, one line per kind every 10 s at most: out of descriptors, asyncio retries ``accept()``
+    up to 100 times a second and would write a traceback each time (a full stderr pipe would then stall the loop)."""
+    message = context.get("message", "event loop error")
+    now = time.monotonic()
+    if now - _last_logged.get(message, -10.0) >= 10.0:
+        _last_logged[message] = now
+        print(f"[router-bridge] {message}: {context.get('exception')!r} (going on)", file=sys.stderr, flush=True)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -312,15 +416,13 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _serve_pod(public: socket.socket, metrics: socket.socket, token: str | None, router_cmd: list[str]) -> int:
+def _serve_pod(public: socket.socket, metrics: socket.socket, bridge: _Bridge, router_cmd: list[str]) -> int:
     """``--pod``: the router as a child on this pod's loopback, the bridge in front; returns the router's exit code
     (SIGTERM, the pod's stop, is passed on to it)."""
     env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, "VLLM_API_KEY")}
     router = subprocess.Popen(router_cmd, env=env)
     signal.signal(signal.SIGTERM, lambda *_: router.terminate())
-    bridge = _Bridge(None, token)
-    threading.Thread(target=_serve, args=(metrics, bridge.metrics), daemon=True).start()
-    threading.Thread(target=_serve, args=(public, bridge.client), daemon=True).start()
+    _serve([(metrics, bridge.metrics), (public, bridge.client)])
     print("[router-bridge] vllm-router on this pod's loopback, reached with the run's token", flush=True)
     return router.wait()
 
@@ -337,14 +439,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pod", action="store_true",
                         help="a Kubernetes pod: its network namespace is already its own; the router listens on its "
                              "loopback and reaches the workers itself (no namespace, no worker relays)")
+    parser.add_argument("--head-timeout-s", type=float, default=HEAD_TIMEOUT_S,
+                        help="seconds a client has, from its connection, to send its whole first request head")
+    parser.add_argument("--max-pending", type=int, default=MAX_PENDING,
+                        help="connections without a complete head at most; past it the oldest is closed")
+    parser.add_argument("--inside-port", type=int, default=ROUTER_PORT,
+                        help="the router's port on the pod's loopback or in its namespace (what ROUTER COMMAND binds)")
+    parser.add_argument("--inside-metrics-port", type=int, default=ROUTER_METRICS_PORT)
     args = parser.parse_args(argv[:split])
     router_cmd = argv[split + 1:]
     if not router_cmd or not (args.worker or args.pod):
         parser.error("give --worker URLs and the router command after --")
     token = os.environ.get(TOKEN_ENV) or None
     public, metrics = _listen(args.host, args.port), _listen(args.metrics_host, args.metrics_port)
+    limits = {"head_timeout_s": args.head_timeout_s, "max_pending": args.max_pending, "inside_port": args.inside_port,
+              "inside_metrics_port": args.inside_metrics_port}
     if args.pod:
-        sys.exit(_serve_pod(public, metrics, token, router_cmd))
+        sys.exit(_serve_pod(public, metrics, _Bridge(None, token, **limits), router_cmd))
     ours, theirs = socket.socketpair()
     inside = inside_addresses(args.worker)
     pid = os.fork()  # before any thread: unshare(CLONE_NEWUSER) refuses a multithreaded process
@@ -359,13 +470,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[router-bridge] {message.decode(errors='replace')}", file=sys.stderr, flush=True)
         os.waitpid(pid, 0)
         sys.exit(NO_NAMESPACE_EXIT)
-    bridge = _Bridge(ours, token)
+    ours.setblocking(False)  # the event loop waits for the keeper's answers
+    bridge = _Bridge(ours, token, **limits)
+    listeners = [(metrics, bridge.metrics), (public, bridge.client)]
     for fd, url in zip(fds, args.worker, strict=True):
         parts = urllib.parse.urlsplit(url)
-        threading.Thread(target=_serve, args=(socket.socket(fileno=fd), bridge.worker,
-                                              (parts.hostname, parts.port or 80)), daemon=True).start()
-    threading.Thread(target=_serve, args=(metrics, bridge.metrics), daemon=True).start()
-    threading.Thread(target=_serve, args=(public, bridge.client), daemon=True).start()
+        target = (parts.hostname, parts.port or 80)
+        listeners.append((socket.socket(fileno=fd),
+                          lambda reader, writer, target=target: bridge.worker(reader, writer, target)))
+    _serve(listeners)
     # a stop reaches the keeper, which stops the router and waits for it; this process exits when the keeper has
     signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGTERM))
     print(f"[router-bridge] vllm-router in a private network namespace, reached at {args.host}:{args.port} with the "

@@ -5,27 +5,56 @@ It runs COMMAND (the vLLM server) in its own process group and stops it when it 
 SIGINT) or when the owner process (the Metaflow runtime, known by PID and create time) has been gone
 for ``grace_s`` seconds, so a crashed or killed run leaves no server behind. A separate module: the
 package's ``__init__`` does not import it, so ``python -m`` runs it cleanly.
+
+With ``--log PATH`` the server's output goes through this process into PATH, rotated by size
+(:class:`logging.handlers.RotatingFileHandler`): past :data:`LOG_MAX_BYTES` the file becomes ``PATH.1`` (the one
+before is dropped) and a new PATH starts, so a server that runs for days holds at most twice that on disk.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import logging.handlers
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from grpo_steps.processes import ProcessRef, wait_until
 
+LOG_MAX_BYTES = 64 * 1024 * 1024
+"""Size of a server log past which it is rotated (``--log-max-bytes``); one older file is kept."""
 
-def supervise(owner: ProcessRef, grace_s: float, cmd: list[str]) -> int:
+
+def _pump_log(stream, path: str, max_bytes: int) -> None:
+    """Copy ``stream`` (the server's output) into ``path``, rotated past ``max_bytes``, line by line (a line is cut at
+    64 KiB), until it ends."""
+    handler = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes, backupCount=1, encoding="utf-8",
+                                                   errors="replace")
+    handler.terminator = ""  # each line keeps its own newline
+    try:
+        for line in iter(lambda: stream.readline(65536), b""):
+            handler.emit(logging.makeLogRecord({"msg": line.decode(errors="replace")}))
+    finally:
+        handler.close()
+
+
+def supervise(owner: ProcessRef, grace_s: float, cmd: list[str], log: str | None = None,
+              log_max_bytes: int = LOG_MAX_BYTES) -> int:
     """Run ``cmd`` in its own process group until it exits, SIGTERM/SIGINT arrives, or ``owner`` is gone
-    for ``grace_s`` seconds; then stop the group (SIGTERM, SIGKILL after 15 s). Returns the exit code."""
+    for ``grace_s`` seconds; then stop the group (SIGTERM, SIGKILL after 15 s). ``log``: the file its output goes
+    to, rotated past ``log_max_bytes`` (None: its output is this process's). Returns the exit code."""
     stopping = []
     for signum in (signal.SIGTERM, signal.SIGINT):  # before the child exists: a stop never orphans it
         signal.signal(signum, lambda *_: stopping.append(True))
-    child = subprocess.Popen(cmd, start_new_session=True)
+    child = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE if log else None,
+                             stderr=subprocess.STDOUT if log else None)
+    pump = threading.Thread(target=_pump_log, args=(child.stdout, log, log_max_bytes), daemon=True) if log else None
+    if pump:
+        pump.start()
     gone_since: list[float] = []
 
     def should_stop() -> bool:
@@ -47,6 +76,8 @@ def supervise(owner: ProcessRef, grace_s: float, cmd: list[str]) -> int:
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
+    if pump:
+        pump.join(timeout=5)  # the rest of the server's output (a process it left may hold the pipe: not forever)
     return child.returncode or 0
 
 
@@ -57,11 +88,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--owner-pid", type=int, required=True)
     parser.add_argument("--owner-started", type=float, required=True, help="the owner's create time (psutil)")
     parser.add_argument("--grace-s", type=float, default=60.0)
+    parser.add_argument("--log", help="file the server's output goes to, rotated by size")
+    parser.add_argument("--log-max-bytes", type=int, default=LOG_MAX_BYTES)
     args = parser.parse_args(argv[:split])
     cmd = argv[split + 1 :]
     if not cmd:
         parser.error("give the server command after --")
-    sys.exit(supervise(ProcessRef(args.owner_pid, args.owner_started), args.grace_s, cmd))
+    sys.exit(supervise(ProcessRef(args.owner_pid, args.owner_started), args.grace_s, cmd, args.log,
+                       args.log_max_bytes))
 
 
 if __name__ == "__main__":

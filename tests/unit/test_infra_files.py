@@ -17,6 +17,8 @@ API_VERSIONS = {  # kind -> apiVersion the manifests must use
     "Role": "rbac.authorization.k8s.io/v1", "RoleBinding": "rbac.authorization.k8s.io/v1",
     "NetworkPolicy": "networking.k8s.io/v1", "Secret": "v1", "ConfigMap": "v1", "Namespace": "v1",
     "PersistentVolumeClaim": "v1",
+    "ValidatingAdmissionPolicy": "admissionregistration.k8s.io/v1",
+    "ValidatingAdmissionPolicyBinding": "admissionregistration.k8s.io/v1",
 }
 
 

@@ -127,6 +127,24 @@ def test_stage_weights_copies_to_the_runs_folder_on_the_shared_volume(tmp_path):
     assert (tmp_path / "shared" / "grpo" / RUN_ID / "trained" / "model.safetensors").read_bytes() == b"w1"
 
 
+def test_the_runs_staged_evaluation_copies_are_removed_with_its_servers(tmp_path):
+    from grpo_steps.servers.kubernetes import stop_run
+
+    src, shared = tmp_path / "final", tmp_path / "shared"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"w1")
+    for label in ("baseline", "trained"):
+        KubernetesServer("http://x", run_id=RUN_ID).stage_weights(str(src), label, root=str(shared))
+    other = shared / "grpo" / "argo-another-run"
+    other.mkdir()
+    fake = FakeCluster()
+    stop_run("ml", RUN_ID, apps=fake, core=fake, networking=fake, staged_root=shared)
+    assert not (shared / "grpo" / RUN_ID).exists() and other.is_dir()  # another run's copies stay
+    (shared / "grpo" / RUN_ID).symlink_to(other)  # a link at the run's folder is not followed
+    stop_run("ml", RUN_ID, apps=fake, core=fake, networking=fake, staged_root=shared)
+    assert other.is_dir() and (shared / "grpo" / RUN_ID).is_symlink()
+
+
 def test_server_args_carry_trl_nccl_flags_only_with_nccl_sync():
     args = k8s_manifests.server_args(cluster_config(), "m")
     flag = {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from grpo_steps.servers.base import ServerStartError
 from grpo_steps.servers.client import GenerationServerError, VLLMClient
 from tests.json_server import JSONServer
 
@@ -128,13 +129,17 @@ def test_the_token_never_goes_in_plain_http_to_another_host(monkeypatch):
     VLLMClient("http://10.255.1.2:8000")  # no token: nothing to leak
 
 
-def test_an_external_server_that_answers_without_a_token_is_named_loudly(capsys):
+def test_an_external_server_that_answers_without_a_token_is_refused_unless_allowed(capsys):
     from grpo_steps.config import validate_config
     from grpo_steps.servers.external import ExternalServer
 
     server = Liar({"/health": {}, "/v1/models": _models("policy"),
                    "/server_info": {"vllm_config": {"model_config": {"logprobs_mode": "processed_logprobs"}}}})
     cfg = validate_config({"generation": {"provider": "external", "server": {"endpoint": server.url}}})
+    with pytest.raises(ServerStartError, match="answers without a token.*allow_unauthenticated: true"):
+        ExternalServer.start(cfg)
+    cfg = validate_config({"generation": {"provider": "external",
+                                          "server": {"endpoint": server.url, "allow_unauthenticated": True}}})
     assert ExternalServer.start(cfg).served_model == "policy"
     assert "answers without a token" in capsys.readouterr().err
     server.shutdown()

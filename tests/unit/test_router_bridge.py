@@ -3,9 +3,16 @@ network namespace behind :mod:`grpo_steps.servers.router_bridge`, in front of tw
 record what they receive. Another user (a process running as ``nobody``) adds a worker of its own: it must get
 neither a request nor the run's token, while the run's own requests reach the run's workers."""
 
+import concurrent.futures
 import os
 import pwd
+import resource
+import signal
+import socket
 import subprocess
+import sys
+import tempfile
+import time
 
 import psutil
 import pytest
@@ -13,6 +20,7 @@ import requests
 
 from grpo_steps.config import validate_config
 from grpo_steps.processes import ProcessRef
+from grpo_steps.servers import router_bridge
 from grpo_steps.servers.router import requests_per_replica, start_router
 from tests.json_server import JSONServer
 
@@ -97,3 +105,195 @@ print(data.count(b"HTTP/1.1 "))
     finally:
         router.stop()
     assert not any(p.is_running() for p in tree)
+
+
+# --- the bridge alone, in front of a stand-in router (no vllm-router needed) ------------------------------------------
+
+STAND_IN_ROUTER = r"""
+import sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def _answer(self):
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        time.sleep(float(self.path.partition("delay=")[2] or 0))  # a slow answer: ?delay=SECONDS
+        body = bytes(range(256)) * 400  # 100 kB, each byte checked at the client
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args):
+        pass
+
+ThreadingHTTPServer.daemon_threads = True
+metrics = ThreadingHTTPServer((sys.argv[1], int(sys.argv[3])), Handler)  # the router's Prometheus port
+threading.Thread(target=metrics.serve_forever, daemon=True).start()
+ThreadingHTTPServer((sys.argv[1], int(sys.argv[2])), Handler).serve_forever()
+"""
+BODY = bytes(range(256)) * 400
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class _Bridge:
+    """``python -m grpo_steps.servers.router_bridge`` in front of :data:`STAND_IN_ROUTER`, as a process of its own
+    (``pod``: the router on this host's 127.2.0.1, as on a pod's loopback; else in a private network namespace)."""
+
+    def __init__(self, *, pod: bool, head_timeout_s: float = 2.0, max_pending: int = 100, nofile: int | None = None):
+        inside_port = _free_port(router_bridge.ROUTER_HOST) if pod else 8000
+        inside_metrics = _free_port(router_bridge.ROUTER_HOST) if pod else 9000
+        self.port, self.metrics_port = _free_port(), _free_port()
+        cmd = [sys.executable, "-m", "grpo_steps.servers.router_bridge", "--host", "127.0.0.1", "--port",
+               str(self.port), "--metrics-port", str(self.metrics_port), "--head-timeout-s", str(head_timeout_s),
+               "--max-pending", str(max_pending), "--inside-port", str(inside_port),
+               "--inside-metrics-port", str(inside_metrics)]
+        cmd += ["--pod"] if pod else ["--worker", f"http://127.0.0.1:{_free_port()}"]
+        cmd += ["--", sys.executable, "-c", STAND_IN_ROUTER, router_bridge.ROUTER_HOST, str(inside_port),
+                str(inside_metrics)]
+
+        def limit() -> None:
+            if nofile:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        self.log = tempfile.TemporaryFile("w+")  # not a pipe: nobody reads it while the test runs
+        self.proc = subprocess.Popen(cmd, env={**os.environ, router_bridge.TOKEN_ENV: TOKEN}, preexec_fn=limit,
+                                     stderr=self.log, start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        for _ in range(300):
+            if self.proc.poll() is not None:
+                break
+            try:
+                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.1)
+        code = self.proc.poll()
+        self.stop()
+        if code == router_bridge.NO_NAMESPACE_EXIT:
+            pytest.skip("no private network namespace here (needs root or unprivileged user namespaces)")
+        raise AssertionError(f"the bridge did not answer /health (exit {code}): {self.stderr}")
+
+    def request(self, path: str = "/v1/completions", token: str | None = TOKEN) -> requests.Response:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return requests.post(f"{self.url}{path}", json={"prompt": [1]}, headers=headers, timeout=60)
+
+    def stop(self) -> None:
+        tree = psutil.Process(self.proc.pid).children(recursive=True) if self.proc.poll() is None else []
+        os.killpg(self.proc.pid, signal.SIGTERM)  # the bridge's own session: the bridge, keeper, stand-in router
+        try:
+            self.proc.wait(timeout=30)
+        finally:
+            for process in psutil.wait_procs(tree, timeout=20)[1]:
+                process.kill()
+        self.log.seek(0)
+        self.stderr = self.log.read()
+
+
+@pytest.fixture
+def bridges():
+    started: list[_Bridge] = []
+    yield lambda **kwargs: started.append(_Bridge(**kwargs)) or started[-1]
+    for bridge in started:
+        if bridge.proc.poll() is None:
+            bridge.stop()
+
+
+def test_an_answer_slower_than_the_connect_timeout_reaches_the_client_whole(bridges):
+    """15 s of the router's: beyond the 10 s connect timeout that once stayed on the relayed socket (``--pod``)."""
+    pod, local = bridges(pod=True), bridges(pod=False)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both modes at once: one 15 s wait
+        answers = list(pool.map(lambda b: b.request("/v1/completions?delay=15"), (pod, local)))
+    assert [(a.status_code, a.content == BODY) for a in answers] == [(200, True), (200, True)]
+
+
+def test_trickling_and_idle_clients_neither_stall_the_run_nor_keep_a_thread(bridges):
+    """200 clients that send nothing, then 200 that trickle a head a byte at a time, against a bridge with a 2 s head
+    deadline and at most 300 connections without a head (the 100 oldest idle ones are closed at once): the run's own
+    requests pass all along, every slow client is closed (trickling does not extend the deadline), and the bridge
+    ends with the threads it began with."""
+    bridge = bridges(pod=True, head_timeout_s=2.0, max_pending=300)
+    process = psutil.Process(bridge.proc.pid)
+    threads_before = process.num_threads()
+    slow = [socket.create_connection(("127.0.0.1", bridge.port)) for _ in range(400)]
+    for sock in slow:
+        sock.setblocking(False)
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n" + b"x-pad: y\r\n" * 1000
+    closed: set[int] = set()
+    statuses, answered = [], False
+    for step in range(100):  # a byte per trickling client every 0.1 s: 10 s, 5 head deadlines
+        for k, sock in enumerate(slow):
+            if k in closed:
+                continue
+            try:
+                if k >= 200:
+                    sock.send(head[step:step + 1])
+                if (data := sock.recv(1)) == b"":
+                    closed.add(k)
+                answered |= bool(data)
+            except BlockingIOError:
+                pass  # nothing to read: still open
+            except OSError:  # reset by the bridge
+                closed.add(k)
+        if step % 10 == 0:
+            statuses.append(bridge.request().status_code)
+        if len(closed) == len(slow):
+            break
+        time.sleep(0.1)
+    for sock in slow:
+        sock.close()
+    assert statuses and set(statuses) == {200}  # the run's requests, between and during the floods
+    assert len(closed) == 400 and not answered  # closed without a byte of answer, the tricklers at the deadline
+    assert bridge.request().status_code == 200 and bridge.request(token="wrong").status_code == 401
+    assert process.num_threads() == threads_before
+
+
+def test_the_bridge_survives_running_out_of_descriptors(bridges):
+    """With 40 descriptors and 60 clients that send nothing, ``accept()`` fails (EMFILE); the bridge pauses accepting
+    and goes on (the old accept loop ended for good), so the run's request is answered once the idle ones time out."""
+    bridge = bridges(pod=True, head_timeout_s=2.0, nofile=40)
+    idle = [socket.create_connection(("127.0.0.1", bridge.port)) for _ in range(60)]
+    try:
+        answer = bridge.request()
+    finally:
+        for sock in idle:
+            sock.close()
+    assert answer.status_code == 200 and answer.content == BODY
+    assert bridge.request().status_code == 200
+    bridge.stop()
+    assert "out of system resource" in bridge.stderr  # the accept loop met EMFILE, and went on
+
+
+def test_the_metrics_port_relays_get_metrics_only_a_few_at_a_time(bridges):
+    """The token-less metrics port: ``GET /metrics`` relayed, anything else 404; with :data:`MAX_METRICS` scrapers
+    holding their connections, one more gets 503, and once they leave a scrape passes again."""
+    bridge = bridges(pod=True)
+    url = f"http://127.0.0.1:{bridge.metrics_port}"
+    assert requests.get(f"{url}/metrics", timeout=30).content == BODY
+    assert requests.get(f"{url}/workers", timeout=30).status_code == 404
+    held = []
+    for _ in range(router_bridge.MAX_METRICS):  # scrapers that keep their connection open (HTTP/1.1 keep-alive)
+        sock = socket.create_connection(("127.0.0.1", bridge.metrics_port))
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
+        sock.settimeout(30)
+        answer = b""
+        while len(answer) < len(BODY):
+            answer += sock.recv(65536)
+        held.append(sock)
+    assert requests.get(f"{url}/metrics", timeout=30).status_code == 503
+    for sock in held:
+        sock.close()
+    for _ in range(50):  # the bridge sees them close
+        if (answer := requests.get(f"{url}/metrics", timeout=30)).status_code == 200:
+            break
+        time.sleep(0.1)
+    assert answer.status_code == 200

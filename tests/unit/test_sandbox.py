@@ -5,12 +5,16 @@ forgery cases (a program trying to make its own verdict) also run in the weak ``
 """
 
 import dataclasses
+import functools
 import json
 import os
 import tempfile
+import threading
+import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from rewards import guard
@@ -199,3 +203,37 @@ def test_the_code_reward_itself_refuses_untrusted_test_code_under_any_name(monke
                   entry_point=[shipped["entry_point"]], timeout_s=5) == [1.0]
     assert reward(["def add(a, b):\n    return a + b\n"], test=[TEST], entry_point=[ENTRY],
                   trust_test_code=True, timeout_s=5) == [1.0]
+
+
+def test_a_guard_timeout_mid_batch_stops_the_sandboxes_and_keeps_the_scores_it_had():
+    """A batch of 2 right programs, then 6 that loop (each allowed 30 s), 2 sandboxes at a time, under a guard of
+    8 s: at the guard's deadline the looping runs are killed and none is launched after it; the right programs keep
+    their 1.0 (not None), the rest score None; 5 s later no process of the batch runs; the next batch runs alone."""
+
+
+    test, entry = "def check(candidate):\n    assert candidate() == 1\n", "f"
+    right, loop = "def f():\n    return 1\n", "def f():\n    while True:\n        pass\n"
+    reward = guard.guarded(functools.partial(code_execution, timeout_s=30, memory_mib=512, workers=2),
+                           "code_stop_test", timeout_s=8)
+    me, seen, sampling = psutil.Process(), set(), threading.Event()
+    before = {child.pid for child in me.children(recursive=True)}  # other tests' servers, in a shared session
+
+    def sample() -> None:  # every process of the batch (our new descendants) while it runs
+        while not sampling.wait(0.2):
+            seen.update(child.pid for child in me.children(recursive=True) if child.pid not in before)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    completions = [right, right, *[loop] * 6]
+    try:
+        scores = reward(completions, test=[test] * 8, entry_point=[entry] * 8)
+    finally:
+        sampling.set()
+        sampler.join()
+    assert scores == [1.0, 1.0] + [None] * 6
+    assert guard.counters()["rewards/code_stop_test/timeouts"] == 1
+    assert seen  # the batch's sandboxes were seen running
+    time.sleep(5)
+    assert not [pid for pid in seen if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert {c.pid for c in me.children(recursive=True)} <= before  # nothing of the given-up batch launched later
+    assert reward([right, right], test=[test] * 2, entry_point=[entry] * 2) == [1.0, 1.0]

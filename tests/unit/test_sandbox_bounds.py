@@ -400,3 +400,25 @@ def test_a_cgroup_v2_parent_without_the_memory_controller_is_refused_with_its_re
     assert "is not a memory cgroup" in probe(CgroupParent(str(tmp_path), 2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cgroup.controllers", "cgroup.procs",
                                                            "cgroup.subtree_control"]  # the trial one removed
+
+
+def test_start_refuses_a_code_reward_guard_that_cannot_hold_one_batch(monkeypatch):
+    """16 completions on 2 workers at 10 s each (+1 s start-up) need 88 s: the default 60 s guard is refused with the
+    numbers; 88 s, or 8 workers (22 s), pass. The shipped humaneval config holds its batch on 2 workers."""
+    from grpo_steps import preflight
+    from grpo_steps.config import ConfigError, load_config, validate_config
+    from rewards import sandbox
+
+    monkeypatch.setattr(sandbox, "default_workers", lambda: 2)
+
+    def cfg(timeout_s: float = 60.0, **options):
+        return validate_config({"rewards": [{"name": "code_execution", "timeout_s": timeout_s, "options": options}],
+                                "train": {"per_device_train_batch_size": 16, "num_generations": 8},
+                                "eval": {"correctness_reward": "code_execution", "format_reward": None}})
+
+    with pytest.raises(ConfigError, match=r"16 completions on 2 sandbox workers .* = 88 s: set the reward's "
+                                          r"timeout_s to 88 or more"):
+        preflight.check_code_reward_deadline(cfg())
+    preflight.check_code_reward_deadline(cfg(88.0))
+    preflight.check_code_reward_deadline(cfg(workers=8))
+    preflight.check_code_reward_deadline(load_config(Path(__file__).parents[2] / "configs/humaneval.yaml"))

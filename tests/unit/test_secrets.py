@@ -174,7 +174,35 @@ BATTERY = [
                                         "-----END RSA PRIVATE KEY-----"}}}, "data.task_options.note"),  # PEM
     ({"data": {"task_options": {"note": f"-----BEGIN OPENSSH PRIVATE KEY-----\nb3Bl{PLANTED}"}}},
      "data.task_options.note"),  # a PEM block cut short
+    # issue 59: names and values still accepted before
+    *[({"data": {"task_options": {name: PLANTED}}}, f"data.task_options.{name}")
+      for name in ("pin", "sas", "connection_string", "private", "otp", "sas_token", "user_pin")],
+    ({"data": {"task_options": {"note": f"https://api.telegram.org/bot123456789:AA{PLANTED}{PLANTED}/sendMessage"}}},
+     "data.task_options.note"),  # a Telegram bot URL: the token is in the path
+    ({"data": {"task_options": {"note": f"ya29.a0{PLANTED}{PLANTED}"}}}, "data.task_options.note"),  # Google OAuth
+    ({"data": {"task_options": {"db": f"me:{PLANTED}@db.example.com:5432/app"}}}, "data.task_options.db"),  # DSN
+    ({"data": {"task_options": {"db": f"postgresql+psycopg://me:{PLANTED}@db/app"}}}, "data.task_options.db"),
+    ({"data": {"task_options": {"header": f"token: {PLANTED}"}}}, "data.task_options.header"),  # a whole pair
+    ({"generation": {"server": {"extra_args": [f"api_key: {PLANTED}"]}}}, "generation.server.extra_args"),
 ]
+BARE_KEYS = ["0123456789abcdef0123456789abcdef01234567",  # 40 hex digits: a Weights & Biases API key
+             "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"]  # an AWS secret access key (AWS's documentation example)
+
+
+@pytest.mark.parametrize("key", BARE_KEYS)
+def test_a_bare_key_is_refused_in_start_without_echoing_it(key):
+    with pytest.raises(ConfigError) as err:
+        validate_config({"data": {"task_options": {"project": key}}})
+    assert "data.task_options.project" in str(err.value) and key not in str(err.value)
+
+
+def test_hashes_paths_and_model_names_are_not_bare_keys():
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    validate_config({"model": {"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"},
+                     "data": {"task_options": {"revision": sha, "commit": sha, "config_sha256": sha,
+                                               "path": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"}},
+                     "train": {"grpo": {"dataloader_pin_memory": True}},
+                     "generation": {"server": {"router": {"private_network": False}}}})
 
 
 @pytest.mark.parametrize(("config", "named"), BATTERY)

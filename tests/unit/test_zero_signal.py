@@ -182,6 +182,8 @@ def test_skip_cuts_the_micro_batches_signal_first_and_the_step_equals_keeps(tiny
      "importance_sampling.mode 'off' has none"),
     ({"train": {"zero_signal_groups": "replay"}, "generation": {"backend": "hf"}}, "backend 'hf'"),
     ({"train": {"zero_signal_groups": "replay", "replay_buffer_size": 0}}, "greater than or equal to 1"),
+    ({"train": {"zero_signal_groups": "replay", "replay_buffer_size": 10**9}}, "less than or equal to 4096"),
+    ({"train": {"zero_signal_groups": "resample", "max_resample_rounds": 10**6}}, "less than or equal to 16"),
     ({"train": {"zero_signal_groups": "replay", "replay_max_age": 0}}, "greater than or equal to 1"),
 ])
 def test_refused_by_the_config(data, named):
