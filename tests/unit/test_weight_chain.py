@@ -16,13 +16,6 @@ import pytest
 pytestmark = pytest.mark.s3
 
 
-@pytest.fixture(scope="module")
-def client(s3):
-    from grpo_steps.weights.chain import make_client
-
-    return make_client(s3.endpoint, access_key=s3.access_key, secret_key=s3.secret_key, max_attempts=2)
-
-
 @pytest.fixture
 def prefix(request):
     return f"runs/{request.node.name.replace('[', '-').rstrip(']')}"
