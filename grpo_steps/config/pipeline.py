@@ -35,7 +35,8 @@ from grpo_steps.redaction import redact, redact_value
 class PipelineConfig(_Section):
     """The whole run config. Every section has defaults; a YAML file overrides what it names."""
 
-    module_dirs: list[str] = Field(default_factory=lambda: [os.getcwd()])
+    module_dirs: list[str] = Field(default_factory=lambda: [os.getcwd()], json_schema_extra={
+        "default_doc": "the config file's directory, then the working directory"})
     """Directories searched for the modules of dotted reward, tool and environment paths (``my_rewards:score``), in
     order, before the installed packages. Left unset: the config file's directory, then the working directory the
     run was started from (filled in when the file is read, absolute, so every step and ``resume`` search the same

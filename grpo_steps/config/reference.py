@@ -158,6 +158,9 @@ def default_text(info: FieldInfo) -> str:
     """The default as YAML would spell it (JSON), ``required`` when the field has none."""
     if info.default is PydanticUndefined and info.default_factory is None:
         return "required"
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    if "default_doc" in extra:  # a default made where the run starts (e.g. its working directory): named, not rendered
+        return str(extra["default_doc"])
     value = info.get_default(call_default_factory=True)
     return json.dumps(to_jsonable_python(value, by_alias=True), ensure_ascii=False)
 

@@ -241,6 +241,7 @@ class VLLMClient:
         known = self.capabilities or {}
         self._has_engine: bool | None = known.get("weight_engine")  # loads through grpo_steps.vllm_worker's engine
         self._token_generate: bool | None = known.get("token_route")  # the server answers TOKEN_GENERATE_PATH
+        self._told_no_engine = False  # stderr said once that vLLM's own reload runs (no weight engine)
         self.update_report: dict = {}  # the engine's report of the last update_weights
         self._replica_clients = [VLLMClient(e, self.model, self.timeout_s, vocab_size=self.vocab_size,
                                             capabilities=self.capabilities) for e in self.replicas]
@@ -335,12 +336,12 @@ class VLLMClient:
         ``reload_weights`` through ``/collective_rpc`` and is told once on stderr; the weight-sync checks stay the
         guard. With replicas: every replica, in parallel; the seconds of the slowest.
         """
-        if self._has_engine is None:
-            self._has_engine = self.has_weight_engine()
-            if not self._has_engine:
-                print(f"[weight-sync] {self.endpoint} was started without {' '.join(weight_transfer_args())}: "
-                      "vLLM's own reload runs, and on CPU a tied LM head keeps its old weights (the first-batch check "
-                      "will report it)", file=sys.stderr)
+        if not self.has_weight_engine() and not self._told_no_engine:
+            # told at the first reload, however the answer was learnt (asked before, or recorded in the handle)
+            self._told_no_engine = True
+            print(f"[weight-sync] {self.endpoint} was started without {' '.join(weight_transfer_args())}: "
+                  "vLLM's own reload runs, and on CPU a tied LM head keeps its old weights (the first-batch check "
+                  "will report it)", file=sys.stderr)
         if self._has_engine:
             return self.update_weights({"path": str(weights_dir), "direct": direct}, label)
         start = time.perf_counter()

@@ -277,8 +277,11 @@ def test_the_external_server_is_still_up_after_the_run_and_serves_the_trained_po
     from grpo_steps.data import encode_prompt
 
     workdir, run = flow_run
+    # what the server can do, asked once when it was provisioned and carried in its handle (issue 56)
+    capabilities = {"weight_engine": True, "token_route": True, "in_flight_updates": True}
     assert run["provision_vllm"].task.data.server == {"provider": "external", "endpoint": tiny_server.endpoint,
-                                                      "served_model": "policy", "served_names": ("policy",)}
+                                                      "served_model": "policy", "served_names": ("policy",),
+                                                      "capabilities": capabilities}
     assert tiny_server.is_ready()  # never stopped by the pipeline
     # it holds what evaluation loaded last (docs/replicas.md says so): the trained policy
     prompt = encode_prompt(tiny_tokenizer, run.data.eval_rows[0]["prompt"])
