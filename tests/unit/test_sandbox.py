@@ -21,6 +21,7 @@ from rewards import guard
 from rewards.code import code_execution
 from rewards.sandbox import MODES, WEAK_MODES, Limits, isolation, run_python, run_tests
 from rewards.sandbox_modes import works
+from tests import variants
 
 SMALL = Limits(timeout_s=2, cpu_s=2, memory_mib=512)
 MARK = Path("/tmp") / f"grpo-sandbox-escape-{uuid.uuid4().hex}"
@@ -94,7 +95,7 @@ def test_ci_runs_a_strong_mode():
     assert isolation() == STRONG[0]
 
 
-@pytest.mark.parametrize("mode", STRONG)
+@pytest.mark.parametrize("mode", variants.each(STRONG))
 @pytest.mark.parametrize(("program", "status"), HOSTILE_CASES,  # ids without the random paths: the same in
                          ids=[f"case{i:02d}-{status}" for i, (_, status) in enumerate(HOSTILE_CASES)])  # every worker
 def test_hostile_program_is_contained(program, status, mode):
@@ -109,7 +110,7 @@ def test_hostile_program_is_contained(program, status, mode):
     assert run_python("assert sum(range(4)) == 6", SMALL, mode).status == "passed"  # the next program still runs
 
 
-@pytest.mark.parametrize("mode", [*STRONG, *WEAK_MODES])
+@pytest.mark.parametrize("mode", variants.each([*STRONG, *WEAK_MODES]))
 @pytest.mark.parametrize("program", FORGERY_CASES, ids=[f"forgery{i:02d}" for i in range(len(FORGERY_CASES))])
 def test_a_wrong_program_cannot_forge_a_pass(program, mode):
     result = run_tests(program, TEST, ENTRY, SMALL, mode)
@@ -120,7 +121,7 @@ def test_a_wrong_program_cannot_forge_a_pass(program, mode):
     MARK.unlink(missing_ok=True)  # the weak mode does not contain writes: that is why it is refused by default
 
 
-@pytest.mark.parametrize("mode", [*STRONG, *WEAK_MODES])
+@pytest.mark.parametrize("mode", variants.each([*STRONG, *WEAK_MODES]))
 def test_a_right_program_with_its_hook_off_still_passes(mode):
     assert run_tests(HOOK_OFF + "def add(a, b):\n    return a + b\n", TEST, ENTRY, SMALL, mode).status == "passed"
 

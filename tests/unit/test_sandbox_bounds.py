@@ -23,6 +23,7 @@ import pytest
 
 from rewards.sandbox import Limits, run_python, run_tests
 from rewards.sandbox_modes import NAMESPACE_MODES, kill_run, launch, python_home, works
+from tests import variants
 
 LIMITS = Limits(timeout_s=8, cpu_s=8, memory_mib=512, nproc=32, tmpfs_mib=16)
 CONTAINED = [mode for mode in NAMESPACE_MODES if works(mode)]
@@ -56,7 +57,7 @@ def _alive(marker: str) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("mode", CONTAINED)
+@pytest.mark.parametrize("mode", variants.each(CONTAINED))
 def test_a_fork_bomb_is_capped_and_gone_after_the_verdict(mode):
     marker = _marker()
     program = SPAWN + (f"n = 0\nfor _ in range(300):\n    try:\n        spawn(['/usr/bin/sleep', '{marker}'])\n"
@@ -66,7 +67,7 @@ def test_a_fork_bomb_is_capped_and_gone_after_the_verdict(mode):
     assert _alive(marker) == []
 
 
-@pytest.mark.parametrize("mode", [*CONTAINED, "audit"])  # audit: its launcher is a child subreaper
+@pytest.mark.parametrize("mode", variants.each([*CONTAINED, "audit"]))  # audit: its launcher is a child subreaper
 @pytest.mark.parametrize("ending", ["verdict", "timeout", "crash"])
 def test_no_child_outlives_the_verdict(mode, ending):
     marker = _marker()
@@ -84,7 +85,7 @@ def test_no_child_outlives_the_verdict(mode, ending):
     assert _alive(marker) == []
 
 
-@pytest.mark.parametrize("mode", CONTAINED)
+@pytest.mark.parametrize("mode", variants.each(CONTAINED))
 def test_the_launchers_end_is_not_the_end_of_the_run(mode):
     """kill_run after a launcher that ended by itself: bubblewrap's monitor exits with the program while the kernel
     is still killing the namespace (caught 11 times in 20 such runs before kill_run read bubblewrap's report)."""
@@ -99,7 +100,7 @@ def test_the_launchers_end_is_not_the_end_of_the_run(mode):
         assert _alive(marker) == []
 
 
-@pytest.mark.parametrize("mode", CONTAINED)
+@pytest.mark.parametrize("mode", variants.each(CONTAINED))
 def test_a_disk_filler_fills_only_its_own_sized_tmpfs(mode):
     marker = f"grpo-filler-{uuid.uuid4().hex}"
     program = HOOK_OFF + (
@@ -118,7 +119,7 @@ def test_a_disk_filler_fills_only_its_own_sized_tmpfs(mode):
         assert not list(Path(host_dir).glob(f"{marker}*")), host_dir
 
 
-@pytest.mark.parametrize("mode", CONTAINED)
+@pytest.mark.parametrize("mode", variants.each(CONTAINED))
 def test_the_judge_cannot_write_the_hosts_files(mode):
     mark = Path("/tmp") / f"grpo-judge-escape-{uuid.uuid4().hex}"
     test = f"def check(c):\n    open({str(mark)!r}, 'w').write('escaped')\n    assert c() == 1\n"
@@ -165,7 +166,7 @@ def _interpreter_under_tmp(root: Path) -> Path:
     return python
 
 
-@pytest.mark.parametrize("mode", CONTAINED)
+@pytest.mark.parametrize("mode", variants.each(CONTAINED))
 def test_the_sandbox_starts_with_an_interpreter_under_tmp(mode):
     root = Path("/tmp") / f"grpo-python-{uuid.uuid4().hex}"
     try:
@@ -183,7 +184,7 @@ def test_the_sandbox_starts_with_an_interpreter_under_tmp(mode):
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.mark.parametrize("mode", CONTAINED)
+@pytest.mark.parametrize("mode", variants.each(CONTAINED))
 def test_a_fork_bomb_ends_with_the_run_in_every_mode_counted_per_run(mode):
     """Two runs at once: one fork bomb does not starve the other (bubblewrap counts processes per user namespace,
     ``netns+nobody+audit`` runs each run as a uid of its own; with one shared ``nobody`` the second run failed)."""
@@ -225,7 +226,7 @@ def _segments() -> set[int]:
     return {int(line.split()[0]) for line in lines}
 
 
-@pytest.mark.parametrize("mode", CONTAINED)
+@pytest.mark.parametrize("mode", variants.each(CONTAINED))
 def test_a_sysv_segment_does_not_outlive_the_run(mode):
     key = uuid.uuid4().int % 2**30 + 1
     program = HOOK_OFF + (
@@ -266,7 +267,7 @@ def test_start_refuses_untrusted_test_code_where_the_judge_can_read_the_host(mon
         preflight.check_sandbox(cfg)
 
 
-@pytest.mark.parametrize("mode", CONTAINED)
+@pytest.mark.parametrize("mode", variants.each(CONTAINED))
 def test_a_run_over_its_memory_bound_scores_zero_and_another_run_is_unaffected(mode, capsys):
     """The per-run memory cgroup (this host: cgroup v1, root): a program whose children each stay under their
     RLIMIT_AS (512 MiB) but together pass the run's 96 MiB is stopped and scores 0 whichever process the kernel
