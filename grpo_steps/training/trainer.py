@@ -245,7 +245,7 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
 
     def _prompt_stream(self, max_staleness: int, sync_every: int):
         """``generation.async``'s prompts, asked for by the generation class at the first generation of this attempt
-        (:attr:`grpo_steps.training.generation.server.PolicyView.prompt_stream`): ``(depth, upcoming, step_of)``,
+        (:attr:`grpo_steps.training.generation.settings.PolicyView.prompt_stream`): ``(depth, upcoming, step_of)``,
         the generation batches the producer samples ahead, the prompts of the batches TRL's dataloader will yield next
         (:class:`grpo_steps.training.generation.prefetch.PromptStream`, a second dataloader in the same order, from
         where a resumed run starts) and the optimizer step that trains the batch at a micro-step (admission)."""
