@@ -6,7 +6,7 @@ methods and attributes (pinned by ``tests/unit/test_trl_contract.py``).
   the completions tables), the tool-turn metric, the zero-signal mode (:mod:`grpo_steps.training.zero_signal`):
   its generation round while training, its micro-batch preparation, its training step; and every scoring of the
   policy or reference model with each distinct prompt forwarded once (:mod:`grpo_steps.training.shared_prefix`).
-- Rollouts from our vLLM server with ``disk`` sync (:class:`ServerGRPOTrainer`): TRL 1.16 samples through
+- Rollouts from our vLLM server, the pipeline's weight pushes (:class:`ServerGRPOTrainer`): TRL 1.16 samples through
   ``self.vllm_generation`` and applies its trainer–inference mismatch correction (importance sampling against the
   sampler's logprobs, the ``sampling/*`` metrics, ``importance_sampling_ratio`` in the loss) only when
   ``self.use_vllm`` is true (``grpo_trainer.py``: ``_generate_single_turn``, ``_generate_and_score_completions``,
@@ -132,8 +132,8 @@ class PipelineGRPOTrainer(GRPOTrainer):
 
 
 class ServerGRPOTrainer(PipelineGRPOTrainer):
-    """``GRPOTrainer`` for rollouts from our vLLM server with ``disk`` weight sync (:class:`ServerGeneration`, built
-    here from ``server`` and what it reads of this trainer).
+    """``GRPOTrainer`` for rollouts from our vLLM server with the pipeline's weight pushes, ``disk`` or ``s3``
+    (:class:`ServerGeneration`, built here from ``server`` and what it reads of this trainer).
 
     Args (besides :class:`PipelineGRPOTrainer`'s):
         args: a ``GRPOConfig`` with ``use_vllm=False`` and the correction in its

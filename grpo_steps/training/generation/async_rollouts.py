@@ -6,7 +6,7 @@ trainer trains (``generation.async``: :class:`AsyncRollouts`, around
 and calls either through the same small interface (:class:`RolloutMode`): ``push_window`` around every push,
 ``pushed`` after it, ``first_turn`` for a first turn, ``follow_up_turn`` for a tool loop's follow-up turn, ``close``.
 
-With pushes in flight (``updates_in_flight``, decided by :func:`pushes_in_flight` when the producer starts) a push does
+With pushes in flight (``updates_in_flight``, decided by :func:`updates_in_flight` when the producer starts) a push does
 not wait for the producer's request: the server freezes it (vLLM's ``/pause?mode=keep``) and continues it with the new
 weights, so a prefetched batch may hold tokens of several versions, each span labelled by vLLM's ``weight_versions``
 (:func:`foreign_labels`, :func:`oldest_version`).
@@ -95,7 +95,7 @@ class AsyncRollouts:
         self.prefetcher: RolloutPrefetcher | None = None
         """The producer (:meth:`_start`); None until the first training generation."""
         self.updates_in_flight = False
-        """Pushes update the server under the producer's requests (:func:`pushes_in_flight`, when it starts)."""
+        """Pushes update the server under the producer's requests (:func:`updates_in_flight`, when it starts)."""
         self.token_versions: list[list[tuple[int | None, int, int]]] = []
         """With pushes in flight: per completion of the latest prefetched first turn, ``(version, start, end)``
         spans of its tokens (vLLM's ``weight_versions``; a version None where the label was not a push's)."""
@@ -156,7 +156,7 @@ class AsyncRollouts:
         each token with its weight version."""
         settings = self.settings
         depth, self._upcoming, step_of = self.policy.prompt_stream(settings.max_staleness, settings.sync_every)
-        self.updates_in_flight = pushes_in_flight(settings)
+        self.updates_in_flight = updates_in_flight(settings)
         if self.updates_in_flight:
             settings.client.pause_mode = "keep"  # the pushes this rank makes (rank 0) freeze the requests in flight
         producer = self._producer_client = dataclasses.replace(settings.client)
@@ -166,7 +166,7 @@ class AsyncRollouts:
             self.pushed_version, max_staleness=settings.max_staleness, depth=depth,
             step_of=step_of if settings.admission == "admit" else None,
             sampled_version=oldest_version if self.updates_in_flight else None,
-            in_flight=self.updates_in_flight)
+            updates_in_flight=self.updates_in_flight)
 
     def _take(self, key: int, prompts: list[list[int]], group: int) -> tuple[Samples, int] | None:
         """The prefetched samples of the generation batch at ``key`` and the version that sampled them, the next
@@ -239,7 +239,7 @@ def rollout_mode(settings: ServerSettings, policy: PolicyView | None, sample: Sa
     return AsyncRollouts(settings, policy, sample, pushed_version)
 
 
-def pushes_in_flight(settings: ServerSettings) -> bool:
+def updates_in_flight(settings: ServerSettings) -> bool:
     """Whether pushes update the server under the producer's requests: ``settings.in_flight`` true or None, full
     weights (not an adapter: a request keeps the adapter it named), and a server (every replica) that loads through
     the pipeline's weight-transfer engine and labels each token's weight version (the capabilities its handle

@@ -1,9 +1,9 @@
-"""Rollouts from our vLLM server with ``disk`` weight sync, as TRL's ``GRPOTrainer`` asks for them: the stand-in
-for TRL's ``VLLMGeneration`` (:class:`ServerGeneration`), with its contract: ``sync_weights`` pushes and verifies the
-policy (:class:`grpo_steps.training.generation.push.VerifiedPush`), ``generate`` samples every turn (the follow-up
-turns of TRL's tool loop included; with ``generation.async`` the first turns come from the producer,
-:mod:`grpo_steps.training.generation.async_rollouts`) and checks the first batch after a push
-(:mod:`grpo_steps.training.generation.first_batch`), ``close`` stops it. Like TRL's ``VLLMGeneration``, it is built
+"""Rollouts from our vLLM server with the pipeline's weight pushes (``disk`` or ``s3``), as TRL's ``GRPOTrainer`` asks
+for them: the stand-in for TRL's ``VLLMGeneration`` (:class:`ServerGeneration`), with its contract:
+``sync_weights`` pushes and verifies the policy (:class:`grpo_steps.training.generation.push.VerifiedPush`),
+``generate`` samples every turn (the follow-up turns of TRL's tool loop included; with ``generation.async`` the first
+turns come from the producer, :mod:`grpo_steps.training.generation.async_rollouts`) and checks the first batch after a
+push (:mod:`grpo_steps.training.generation.first_batch`), ``close`` stops it. Like TRL's ``VLLMGeneration``, it is built
 whole from values (:class:`~grpo_steps.training.generation.settings.ServerSettings`, made by :func:`server_settings`)
 and from what it reads of the training process (:class:`~grpo_steps.training.generation.settings.PolicyView`: the
 model, the accelerator, the step counters, a metric sink), never from the trainer itself; the trainer calls it once
@@ -33,7 +33,7 @@ SmolLM2-135M on the 2 shared CPU cores), enough tokens to see any weight change 
 
 
 class ServerGeneration:
-    """Stands in for TRL's ``VLLMGeneration`` when rollouts come from our server with ``disk`` sync: TRL's
+    """Stands in for TRL's ``VLLMGeneration`` when rollouts come from our server with the pipeline's pushes: TRL's
     ``GRPOTrainer`` calls ``sync_weights()`` whenever the optimizer step changed and ``generate()`` for every turn it
     samples (``_generate_single_turn``: the first turn of each group, and the follow-up turns of its tool loop).
 
@@ -49,7 +49,7 @@ class ServerGeneration:
     ``sync_weights()`` (every rank, collective under ZeRO-3): a verified push
     (:class:`~grpo_steps.training.generation.push.VerifiedPush`; version = the optimizer step that produced it)
     every ``settings.sync_every`` optimizer steps; with a producer and pushes in flight
-    (:func:`~grpo_steps.training.generation.async_rollouts.pushes_in_flight`)
+    (:func:`~grpo_steps.training.generation.async_rollouts.updates_in_flight`)
     the server freezes the request in flight (``/pause?mode=keep``) and continues it with the new weights, else the
     push waits for it first (``weight_sync/drain_seconds``) and lets none start until the push is verified.
 
