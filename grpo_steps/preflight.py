@@ -99,7 +99,7 @@ def check_weight_store(cfg: PipelineConfig) -> None:
         ConfigError: no location: names the two ways to give one.
         ChainStoreError: S3 does not answer or refuses these credentials (names the key).
     """
-    if cfg.generation.weight_sync != "s3":
+    if not cfg.generation.pushes_through_s3:
         return
     from grpo_steps.config import ConfigError
     from grpo_steps.weights.chain import chain_of, run_store

@@ -128,7 +128,7 @@ def weight_store(cfg: PipelineConfig, run_id: str) -> dict | None:
     which every step of the run knows), else None."""
     from grpo_steps.weights.chain import run_store
 
-    return run_store(cfg.generation.s3_sync, run_id) if cfg.generation.weight_sync == "s3" else None
+    return run_store(cfg.generation.s3_sync, run_id) if cfg.generation.pushes_through_s3 else None
 
 
 def training_evaluations(output_dir: str) -> dict[str, dict]:

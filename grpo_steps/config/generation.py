@@ -566,6 +566,19 @@ class GenerationConfig(_Section):
         ``weight_sync`` ``disk`` or ``s3``)."""
         return self.backend == "vllm" and self.mode == "server" and self.weight_sync in ("disk", "s3")
 
+    @property
+    def pushes_through_s3(self) -> bool:
+        """Whether each push is a version of the run's S3 chain (``weight_sync: s3``): the run has a store
+        (:func:`grpo_steps.steps.weight_store`), the servers load through the pipeline's weight-transfer engine."""
+        return self.weight_sync == "s3"
+
+    @property
+    def trl_server_mode(self) -> bool:
+        """Whether TRL's own server mode samples and pushes (``weight_sync: nccl``): TRL's ``VLLMGeneration`` in the
+        training process, its NCCL weight transfer to the one server; no pipeline transport
+        (:func:`grpo_steps.training.generation.transport.make_transport` refuses it: TRL's trainer owns that push)."""
+        return self.weight_sync == "nccl"
+
     @model_validator(mode="after")
     def _async_keeps_the_correction(self) -> GenerationConfig:
         if self.async_ is not None and not self.importance_sampling.enabled:

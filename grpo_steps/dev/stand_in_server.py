@@ -5,26 +5,19 @@ from __future__ import annotations
 
 
 class StandInServer:
-    """What :class:`grpo_steps.training.generation.ServerGeneration` offers TRL's ``GRPOTrainer`` (``settings``,
-    ``prefetcher``, ``sampled_version``, ``sync_weights``, ``check_first_batch``, ``begin_generation_batch``,
-    ``replica_rows``, ``generate``), with the completion
+    """What :class:`grpo_steps.training.generation.server.ServerGeneration` offers TRL's ``GRPOTrainer``
+    (``settings``, ``sampled_version``, ``sync_weights``, ``replica_rows``, ``generate``), with the completion
     and the sampler logprobs of each prompt from :meth:`sample`, returned at once; pushes and checks do nothing.
     Put in place of a ``ServerGRPOTrainer``'s ``vllm_generation`` after its constructor.
 
     Args:
-        settings: the trainer's :class:`grpo_steps.training.generation.ServerSettings` (read by the trainer).
+        settings: the trainer's :class:`grpo_steps.training.generation.settings.ServerSettings` (read by the trainer).
     """
 
     def __init__(self, settings) -> None:
-        self.settings, self.prefetcher, self.sampled_version = settings, None, 0
+        self.settings, self.sampled_version = settings, 0
 
     def sync_weights(self, force: bool = False) -> None:
-        pass
-
-    def check_first_batch(self) -> None:
-        pass
-
-    def begin_generation_batch(self) -> None:
         pass
 
     def replica_of(self, prompt: list[int]) -> int | None:

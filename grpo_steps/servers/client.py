@@ -1,4 +1,4 @@
-"""The vLLM HTTP client: rollouts, evaluation and the ``disk`` weight pushes all talk to the generation server
+"""The vLLM HTTP client: rollouts, evaluation and the weight pushes all talk to the generation server
 through :class:`VLLMClient` (as TRL keeps ``trl/generation/vllm_client.py`` apart from its trainer).
 
 Rollouts and evaluation use the OpenAI-compatible ``/v1/completions`` with token-id prompts, ``n`` samples,
@@ -239,9 +239,10 @@ class VLLMClient:
                 "it): serve it over https, or reach it through a tunnel on this machine's loopback (ssh -L)")
         self._http.headers.update(headers)  # the server's per-run token (grpo_steps.servers.auth)
         known = self.capabilities or {}
-        self._has_engine: bool | None = known.get("weight_engine")  # loads through grpo_steps.vllm_worker's engine
+        # loads through grpo_steps.vllm_worker's weight-transfer engine
+        self._has_weight_engine: bool | None = known.get("weight_engine")
         self._token_generate: bool | None = known.get("token_route")  # the server answers TOKEN_GENERATE_PATH
-        self._told_no_engine = False  # stderr said once that vLLM's own reload runs (no weight engine)
+        self._told_no_weight_engine = False  # stderr said once that vLLM's own reload runs (no weight engine)
         self.update_report: dict = {}  # the engine's report of the last update_weights
         self._replica_clients = [VLLMClient(e, self.model, self.timeout_s, vocab_size=self.vocab_size,
                                             capabilities=self.capabilities) for e in self.replicas]
@@ -336,13 +337,13 @@ class VLLMClient:
         ``reload_weights`` through ``/collective_rpc`` and is told once on stderr; the weight-sync checks stay the
         guard. With replicas: every replica, in parallel; the seconds of the slowest.
         """
-        if not self.has_weight_engine() and not self._told_no_engine:
+        if not self.has_weight_engine() and not self._told_no_weight_engine:
             # told at the first reload, however the answer was learnt (asked before, or recorded in the handle)
-            self._told_no_engine = True
+            self._told_no_weight_engine = True
             print(f"[weight-sync] {self.endpoint} was started without {' '.join(weight_transfer_args())}: "
                   "vLLM's own reload runs, and on CPU a tied LM head keeps its old weights (the first-batch check "
                   "will report it)", file=sys.stderr)
-        if self._has_engine:
+        if self._has_weight_engine:
             return self.update_weights({"path": str(weights_dir), "direct": direct}, label)
         start = time.perf_counter()
         self._post("/pause", params={"mode": "wait"})
@@ -440,12 +441,12 @@ class VLLMClient:
         instead of trying: vLLM 0.32's engine dies on a ``collective_rpc`` of a method its workers do not have
         (measured: the server closed the connection and stopped). Asked once per client, not at all when the handle
         recorded it (:attr:`capabilities`)."""
-        if self._has_engine is None:
+        if self._has_weight_engine is None:
             config = self.server_config()
-            self._has_engine = ((config.get("parallel_config") or {}).get("worker_extension_cls") == WORKER_EXTENSION
-                                and (config.get("weight_transfer_config") or {}).get("backend")
-                                == WEIGHT_TRANSFER_BACKEND)
-        return self._has_engine
+            self._has_weight_engine = (
+                (config.get("parallel_config") or {}).get("worker_extension_cls") == WORKER_EXTENSION
+                and (config.get("weight_transfer_config") or {}).get("backend") == WEIGHT_TRANSFER_BACKEND)
+        return self._has_weight_engine
 
     @on_every_replica(lambda values, _: all(values))
     def serves_token_generate(self) -> bool:
@@ -467,8 +468,9 @@ class VLLMClient:
         """Ask the server (every replica) what it can do, once, for its handle
         (:attr:`grpo_steps.servers.base.GenerationServer.capabilities`): ``{"weight_engine", "token_route",
         "in_flight_updates"}`` (bools). Two requests per replica: its config and one one-token sample."""
-        engine, route = self.has_weight_engine(), self.serves_token_generate()
-        return {"weight_engine": engine, "token_route": route, "in_flight_updates": engine and route}
+        weight_engine, token_route = self.has_weight_engine(), self.serves_token_generate()
+        return {"weight_engine": weight_engine, "token_route": token_route,
+                "in_flight_updates": weight_engine and token_route}
 
     @on_every_replica(lambda values, _: values[0])  # the replicas run one command line
     def server_config(self) -> dict:

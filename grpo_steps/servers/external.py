@@ -137,7 +137,7 @@ class ExternalServer(GenerationServer):
                 f"the external generation server {endpoint} returns {mode} (its --logprobs-mode): rollouts need the "
                 f"logprobs of the distribution it samples from (TRL's mismatch correction, the first-batch check); "
                 f"restart it with --logprobs-mode {LOGPROBS_MODE}")
-        if cfg.generation.weight_sync == "s3" and backend != WEIGHT_TRANSFER_BACKEND:
+        if cfg.generation.pushes_through_s3 and backend != WEIGHT_TRANSFER_BACKEND:
             raise ServerStartError(
                 f"the external generation server {endpoint} cannot load s3 weight pushes (its weight-transfer backend "
                 f"is {backend!r}): restart it with {' '.join(weight_transfer_args())} (grpo_steps installed beside "

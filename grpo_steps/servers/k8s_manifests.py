@@ -100,9 +100,9 @@ def server_args(cfg: PipelineConfig, model: str, replica: int | None = None) -> 
             "--seed", "0",
             "--tensor-parallel-size", str(gen.server.tensor_parallel_size), "--logprobs-mode", LOGPROBS_MODE]
     args += TOKEN_GENERATE_ARGS  # per-token weight versions (pushes in flight); also the nccl path's /update_weights
-    if gen.weight_sync == "nccl":
+    if gen.trl_server_mode:
         args += ["--weight-transfer-config", json.dumps({"backend": "nccl"}), "--max-logprobs", "-1"]
-    if gen.weight_sync == "s3":  # each push (and evaluation's weights) a version of the S3 chain
+    if gen.pushes_through_s3:  # each push (and evaluation's weights) a version of the S3 chain
         args += weight_transfer_args()
     if gen.server.enforce_eager:
         args.append("--enforce-eager")

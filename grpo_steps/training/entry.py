@@ -2,9 +2,9 @@
 
 Runs TRL's ``GRPOTrainer`` on the prepared train split of a :class:`grpo_steps.training.job.TrainJob`. With the
 ``vllm`` backend, rollouts come from the provisioned server through TRL's own generation path onto
-:class:`grpo_steps.training.generation.ServerGeneration`, with ``disk`` weight sync, verified pushes and TRL's
-mismatch correction (:mod:`grpo_steps.training.trainer`); with ``hf``, TRL generates with transformers
-in-process; with ``recorded``, fixed completions come from a file
+:class:`grpo_steps.training.generation.ServerGeneration`, with the pipeline's weight pushes (``disk`` or ``s3``),
+verified, and TRL's mismatch correction (:mod:`grpo_steps.training.trainer`); with ``hf``, TRL generates with
+transformers in-process; with ``recorded``, fixed completions come from a file
 (:class:`grpo_steps.training.rollouts.RecordedRollout`). Metrics go to the MLflow run named by
 ``job.mlflow_run_id`` (each step once, across resumes); checkpoints are written every ``save_steps`` and, inside
 a Metaflow task, saved to the datastore by :class:`grpo_steps.training.callbacks.DatastoreCheckpointCallback`.
@@ -136,7 +136,8 @@ def prompt_cursor(job: TrainJob, args, rows: list[dict]):
 
 
 def backend(job: TrainJob, tokenizer, rows: list[dict]) -> tuple[type, dict]:
-    """The trainer class and its backend arguments for ``generation``: our server with ``disk`` sync
+    """The trainer class and its backend arguments for ``generation``: our server with the pipeline's
+    pushes (``disk`` or ``s3`` sync)
     (:class:`grpo_steps.training.trainer.ServerGRPOTrainer` with its
     :func:`grpo_steps.training.generation.server_settings`; the probe is the first training prompt), TRL's own
     colocated vLLM (GPU only), fixed completions from a file (``recorded``:

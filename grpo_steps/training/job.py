@@ -132,7 +132,7 @@ def config_grpo_kwargs(job: TrainJob, on_cpu: bool) -> dict[str, Any]:
             kwargs["vllm_importance_sampling_mode"] = gen.importance_sampling.mode
     if gen.backend == "vllm" and gen.mode == "colocate":  # TRL's colocate mode: vLLM in this process
         kwargs.update(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=cfg.model.max_model_len)
-    if gen.weight_sync == "nccl":  # TRL's own server mode: generation + NCCL weight transfer (GPUs only)
+    if gen.trl_server_mode:  # generation + NCCL weight transfer inside TRL (GPUs only)
         kwargs.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=job.generation_server().endpoint)
     if train.deepspeed:
         kwargs["deepspeed"] = deepspeed_config(job)

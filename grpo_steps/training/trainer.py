@@ -6,7 +6,7 @@ methods and attributes (pinned by ``tests/unit/test_trl_contract.py``).
   the completions tables), the tool-turn metric, the zero-signal mode (:mod:`grpo_steps.training.zero_signal`):
   its generation round while training, its micro-batch preparation, its training step; and every scoring of the
   policy or reference model with each distinct prompt forwarded once (:mod:`grpo_steps.training.shared_prefix`).
-- Rollouts from our vLLM server with ``disk`` sync (:class:`ServerGRPOTrainer`): TRL 1.16 samples through
+- Rollouts from our vLLM server, the pipeline's weight pushes (:class:`ServerGRPOTrainer`): TRL 1.16 samples through
   ``self.vllm_generation`` and applies its trainer–inference mismatch correction (importance sampling against the
   sampler's logprobs, the ``sampling/*`` metrics, ``importance_sampling_ratio`` in the loss) only when
   ``self.use_vllm`` is true (``grpo_trainer.py``: ``_generate_single_turn``, ``_generate_and_score_completions``,
@@ -132,8 +132,8 @@ class PipelineGRPOTrainer(GRPOTrainer):
 
 
 class ServerGRPOTrainer(PipelineGRPOTrainer):
-    """``GRPOTrainer`` for rollouts from our vLLM server with ``disk`` weight sync (:class:`ServerGeneration`, built
-    here from ``server`` and what it reads of this trainer).
+    """``GRPOTrainer`` for rollouts from our vLLM server with the pipeline's weight pushes, ``disk`` or ``s3``
+    (:class:`ServerGeneration`, built here from ``server`` and what it reads of this trainer).
 
     Args (besides :class:`PipelineGRPOTrainer`'s):
         args: a ``GRPOConfig`` with ``use_vllm=False`` and the correction in its
@@ -245,7 +245,7 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
 
     def _prompt_stream(self, max_staleness: int, sync_every: int):
         """``generation.async``'s prompts, asked for by the generation class at the first generation of this attempt
-        (:attr:`grpo_steps.training.generation.server.PolicyView.prompt_stream`): ``(depth, upcoming, step_of)``,
+        (:attr:`grpo_steps.training.generation.settings.PolicyView.prompt_stream`): ``(depth, upcoming, step_of)``,
         the generation batches the producer samples ahead, the prompts of the batches TRL's dataloader will yield next
         (:class:`grpo_steps.training.generation.prefetch.PromptStream`, a second dataloader in the same order, from
         where a resumed run starts) and the optimizer step that trains the batch at a micro-step (admission)."""

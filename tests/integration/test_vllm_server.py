@@ -123,7 +123,8 @@ def test_pushes_in_flight_need_the_servers_flags(foreign_server, capsys):
     it is provisioned with ``in_flight: true`` (naming the flags), and by default (null) its pushes drain, said once."""
     from grpo_steps.config import GenerationConfig, validate_config
     from grpo_steps.servers.client import GenerationServerError
-    from grpo_steps.training.generation.server import ServerGeneration, ServerSettings
+    from grpo_steps.training.generation.async_rollouts import updates_in_flight
+    from grpo_steps.training.generation.server import ServerSettings
 
     external = {"provider": "external", "server": {"endpoint": foreign_server.endpoint}}
     with pytest.raises(ServerStartError, match="in_flight is true.*--enable-scale-out --worker-extension-cls"):
@@ -131,15 +132,14 @@ def test_pushes_in_flight_need_the_servers_flags(foreign_server, capsys):
     client = foreign_server.client()
     assert not client.serves_token_generate()
 
-    def generation(in_flight):
-        return ServerGeneration(ServerSettings(client=client, gen=GenerationConfig(), max_model_len=256, transport=None,
-                                               probe_ids=[1], probe_tolerance=1e-3, max_staleness=1,
-                                               in_flight=in_flight))
+    def settings(in_flight):
+        return ServerSettings(client=client, gen=GenerationConfig(), max_model_len=256, transport=None, probe_ids=[1],
+                              probe_tolerance=1e-3, max_staleness=1, in_flight=in_flight)
 
-    assert generation(None)._pushes_in_flight() is False
+    assert updates_in_flight(settings(None)) is False
     assert "pushes wait for the request in flight" in capsys.readouterr().out
     with pytest.raises(GenerationServerError, match="in_flight is true but the server does not answer"):
-        generation(True)._pushes_in_flight()
+        updates_in_flight(settings(True))
 
 
 def test_a_server_without_the_worker_extension_gets_vllms_reload(foreign_server, tiny_model_path, tiny_tokenizer,

@@ -230,7 +230,7 @@ def test_closing_while_an_error_propagates_waits_briefly_for_a_hung_request(monk
     release = threading.Event()
     prefetcher = RolloutPrefetcher(lambda prompts, n: release.wait(60), lambda: 0, max_staleness=1, depth=1)
     prefetcher.fill([(0, [[1]])], num_generations=1, current_key=-1)
-    while not prefetcher._in_flight:  # the request hangs in flight
+    while not prefetcher._request_running:  # the request hangs in flight
         time.sleep(0.01)
     started, closed = time.monotonic(), None
     with pytest.raises(ValueError):
@@ -264,7 +264,7 @@ def _trained_staleness(seed: int, admission: bool, in_flight: bool = False) -> t
     producer = RolloutPrefetcher(sample, lambda: served["version"], max_staleness=max_staleness, depth=depth,
                                  step_of=(lambda key: key) if admission else None,
                                  sampled_version=(lambda result: result["oldest"]) if in_flight else None,
-                                 in_flight=in_flight)
+                                 updates_in_flight=in_flight)
     trained = []
     try:
         for step in range(14):

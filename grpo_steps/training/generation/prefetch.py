@@ -93,7 +93,8 @@ class RolloutPrefetcher:
             each push); None: ``drop`` (batches start when queued; a too stale one is dropped when taken).
         sampled_version: ``sampled_version(result) -> int | None``, the version of a result's oldest token when a
             request may span several (pushes in flight); None: the version when it started.
-        in_flight: pushes do not wait for the request in flight (:meth:`paused` waits for nothing).
+        updates_in_flight: pushes do not wait for the request in flight (:meth:`paused` waits for nothing: the
+            server updates the weights under it).
 
     Raises:
         ValueError: ``max_staleness`` < 0 or ``depth`` < 1.
@@ -114,16 +115,17 @@ class RolloutPrefetcher:
 
     def __init__(self, sample: Callable[[list[list[int]], int], Any], version: Callable[[], int], *,
                  max_staleness: int, depth: int, step_of: Callable[[int], int] | None = None,
-                 sampled_version: Callable[[Any], int | None] | None = None, in_flight: bool = False) -> None:
+                 sampled_version: Callable[[Any], int | None] | None = None,
+                 updates_in_flight: bool = False) -> None:
         if max_staleness < 0 or depth < 1:
             raise ValueError(f"max_staleness must be >= 0 and depth >= 1, got {max_staleness} and {depth}")
         self.sample, self.version, self.max_staleness, self.depth = sample, version, max_staleness, depth
-        self.step_of, self.sampled_version, self.in_flight = step_of, sampled_version, in_flight
+        self.step_of, self.sampled_version, self.updates_in_flight = step_of, sampled_version, updates_in_flight
         self.queue: list[PrefetchedBatch] = []
         self.stats = PrefetchStats()
         self._cond = threading.Condition()
         self._paused = 0
-        self._in_flight = False
+        self._request_running = False  # a request of the producer is at the server
         self._stopping = False
         self._last_key = -1
         self._failure: BaseException | None = None
@@ -146,7 +148,7 @@ class RolloutPrefetcher:
                 now = time.perf_counter()
                 self.stats.producer_idle_s += now - idle_from
                 self.stats.held_s += now - held_from if held_from is not None else 0.0
-                job.started, self._in_flight = True, True
+                job.started, self._request_running = True, True
                 job.version = self.version()
                 return job
             if job is not None and held_from is None and not self._paused:
@@ -168,7 +170,7 @@ class RolloutPrefetcher:
                 except BaseException as err:  # noqa: BLE001  (handed to the trainer, which raises it)
                     job.error = err
                 with self._cond:
-                    job.done, self._in_flight = True, False
+                    job.done, self._request_running = True, False
                     self._cond.notify_all()
         except BaseException as err:  # noqa: BLE001  e.g. version() failed: the waiting trainer raises it (_wait_for)
             self._failure = err
@@ -210,7 +212,8 @@ class RolloutPrefetcher:
 
     def ages(self, current_version: int) -> tuple[list[int], list[int]]:
         """Staleness against ``current_version`` of the batches ahead of the trainer, by when each started (its
-        oldest token may be newer): ``(in flight, in queue)``: being sampled, and sampled but not taken yet."""
+        oldest token may be newer): ``(sampling, sampled)``: being sampled (prime-rl's ``off_policy/in_flight``), and
+        sampled but not taken yet (its ``in_queue``)."""
         with self._cond:
             return ([current_version - b.version for b in self.queue if b.started and not b.done],
                     [current_version - b.version for b in self.queue if b.done])
@@ -256,9 +259,9 @@ class RolloutPrefetcher:
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """No request in flight while inside (a weight push): waits for the one in flight to end (counted as
-        trainer wait), starts none until the block is left. With ``in_flight`` it waits for nothing and stops
+        trainer wait), starts none until the block is left. With ``updates_in_flight`` it waits for nothing and stops
         nothing: the server freezes the request in flight itself and continues it with the new weights."""
-        if self.in_flight:
+        if self.updates_in_flight:
             try:
                 yield
             finally:
@@ -268,7 +271,7 @@ class RolloutPrefetcher:
             self._paused += 1
             waited_from = time.perf_counter()
             try:
-                self._wait_for(lambda: not self._in_flight, "the request in flight before a weight push")
+                self._wait_for(lambda: not self._request_running, "the request in flight before a weight push")
             except ProducerDiedError:
                 self._paused -= 1
                 raise

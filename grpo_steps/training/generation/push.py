@@ -103,7 +103,7 @@ class VerifiedPush:
         probe_ids: the probe sequence's token ids.
         probe_tolerance: nats per token: probe answers closer than this are the same weights.
         probe_policy: whether the policy scores the probe too (:attr:`ServerSettings.probe_policy
-            <grpo_steps.training.generation.server.ServerSettings.probe_policy>`).
+            <grpo_steps.training.generation.settings.ServerSettings.probe_policy>`).
         merged_lora: ``train.peft.push: merged``: base + adapter merged, pushed as full weights.
         log: the metric sink, ``log(name, value)``: ``weight_sync/gather_seconds``, ``write_seconds`` (fingerprint and
             files), ``reload_seconds``, ``verify_seconds``, ``seconds`` (the four parts), ``version``, ``replicas``,
@@ -119,7 +119,7 @@ class VerifiedPush:
         self.history: dict[str, list[ProbeRecord]] = {}  # per replica (endpoint): the last HISTORY verified pushes
 
     def __call__(self, policy, version: int) -> None:
-        """Push ``policy``'s weights (a :class:`~grpo_steps.training.generation.server.PolicyView`) as ``version``.
+        """Push ``policy``'s weights (a :class:`~grpo_steps.training.generation.settings.PolicyView`) as ``version``.
 
         Raises:
             GenerationServerError: a replica serves other weights than pushed, or rank 0's push failed.

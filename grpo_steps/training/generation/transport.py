@@ -7,8 +7,9 @@ replica is verified (``committed``), clean up (``close``). Nothing else in the t
 - ``disk``: :class:`~grpo_steps.training.generation.disk.DiskWeightPush` (full weights) or
   :class:`~grpo_steps.training.generation.disk.AdapterPush` (``train.peft.push: adapter``);
 - ``s3``: :class:`~grpo_steps.training.generation.s3.ChainWeightPush`;
-- ``nccl`` is TRL's own server mode (generation and NCCL transfer inside TRL, :mod:`grpo_steps.training.job`), not a
-  transport of this protocol.
+- ``nccl`` is TRL's own server mode (generation and NCCL transfer inside TRL's trainer, chosen in
+  :func:`grpo_steps.training.job.grpo_args` by :attr:`grpo_steps.config.GenerationConfig.trl_server_mode`), not a
+  transport of this protocol: TRL's ``VLLMGeneration.sync_weights`` pushes, so an object here would do nothing.
 """
 
 from __future__ import annotations
@@ -55,16 +56,16 @@ def make_transport(cfg, client: VLLMClient, output_dir: str, weight_store: dict 
         ValueError: ``s3`` without ``weight_store``, or a mode that is not a transport of this protocol (``nccl``).
     """
     gen = cfg.generation
-    if gen.weight_sync == "s3":
+    if not gen.pushes_to_server:  # nccl: TRL's own server mode, whose trainer pushes (GenerationConfig.trl_server_mode)
+        raise ValueError(f"generation.weight_sync {gen.weight_sync!r} has no pipeline transport with backend "
+                         f"{gen.backend!r} and mode {gen.mode!r} (nccl is TRL's own server mode: its trainer pushes)")
+    if gen.pushes_through_s3:
         import torch
 
         if weight_store is None:
             raise ValueError("generation.weight_sync 's3' needs the run's S3 location (TrainJob.weight_store)")
         return ChainWeightPush(client, weight_store, dtype=getattr(torch, cfg.model.dtype),
                                anchor_every=gen.s3_sync.anchor_every, lineage_path=Path(output_dir) / WEIGHT_LINEAGE)
-    if gen.weight_sync != "disk":
-        raise ValueError(f"generation.weight_sync {gen.weight_sync!r} has no pipeline transport (nccl is TRL's own "
-                         "server mode)")
     root = sync_root(gen.sync_dir, output_dir)
     if cfg.train.peft is not None and cfg.train.peft.push == "adapter":
         return AdapterPush(client, root, base_model=client.base_model)
