@@ -5,8 +5,8 @@ The objects are rendered by :mod:`grpo_steps.servers.k8s_manifests` (pure functi
 run's pods to the servers, but a cluster without an enforcing network plugin ignores it, so each server also loads the
 pipeline's token middleware (the run's Secret, holding a fresh per-run token, and a ConfigMap with the middleware's
 module, which the server image lacks; the token reaches the server as ``GRPO_SERVER_TOKEN`` from the Secret, never in
-argv, and the flow's pods read the Secret through the API, :meth:`KubernetesServer.keep_token`, because Metaflow
-fixes a step pod's secrets when the flow is deployed, before the run's Secret exists).
+argv; the flow's later steps take it from the same Secret through ``envFrom``, which the WorkflowTemplate names per
+run, :meth:`KubernetesServer.keep_token`: the flow's account creates and deletes Secrets but never reads one).
 :meth:`KubernetesServer.start` creates them with the official ``kubernetes`` client, waits until the Deployment has
 a ready pod (its readiness probe is ``GET /health``) and returns a handle whose endpoint is the Service's cluster DNS
 name; :meth:`KubernetesServer.start_replicas` does the same for each replica in parallel (one Secret, ConfigMap and
@@ -19,7 +19,7 @@ methods take the client APIs as ``apps``, ``core`` and ``networking`` (default: 
 
 from __future__ import annotations
 
-import base64
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,15 +93,16 @@ def remove_staged(run_id: str, root: str | Path = SHARED_MOUNT) -> bool:
 
 def stop_run(namespace: str, run_id: str, *, apps: Any = None, core: Any = None, networking: Any = None,
              staged_root: str | Path = SHARED_MOUNT) -> int:
-    """Delete every Deployment, Service, NetworkPolicy and ConfigMap labelled with this run (its servers or replicas,
-    router) and the run's token Secret, by its name (the flow's Role may not list Secrets: a listing would show every
-    Secret of the namespace), and the run's staged evaluation copies on the shared volume (:func:`remove_staged`);
-    returns how many objects were deleted."""
+    """Delete every Deployment, Service and NetworkPolicy labelled with this run (its servers or replicas, router),
+    the run's token Secret and middleware ConfigMap, by their names (the flow's Role may neither read nor list
+    Secrets and ConfigMaps, infra/k8s/rbac.yaml), and the run's staged evaluation copies on the shared volume
+    (:func:`remove_staged`); returns how many objects were deleted."""
     remove_staged(run_id, staged_root)
     apps, core, networking = _clients(apps, core, networking)
-    deleted = _delete(core, "secret", auth_names(run_id)[0], namespace)
+    secret_name, config_map_name = auth_names(run_id)
+    deleted = _delete(core, "secret", secret_name, namespace) + _delete(core, "config_map", config_map_name, namespace)
     for kind in KINDS:
-        if kind == "secret":
+        if kind in ("secret", "config_map"):
             continue  # by name, above
         api = _api(kind, apps, core, networking)
         for obj in getattr(api, f"list_namespaced_{kind}")(namespace, label_selector=run_selector(run_id)).items:
@@ -177,7 +178,9 @@ class KubernetesServer(GenerationServer):
         apps, core, networking = _clients(apps, core, networking)
         model = model_path if model_path.startswith(SHARED_MOUNT) else cfg.model.name_or_path
         namespace, timeout_s = cfg.resources.namespace, cfg.generation.server.startup_timeout_s
-        token, endpoints = auth.new_token(), []
+        # a step that replaces the run's server (ensure_server) keeps the run's token, which its pod and the gang's
+        # other pods took from the run's Secret when they started (envFrom) and present before any saved token
+        token, endpoints = os.environ.get(auth.TOKEN_ENV) or auth.new_token(), []
 
         def start_one(i: int) -> KubernetesServer:
             deployment, service, _ = render_manifests(cfg, run_id, model, replica=replicas[i])
@@ -257,12 +260,26 @@ class KubernetesServer(GenerationServer):
         rest = 0 if left else stop_run(self.namespace, self.run_id, apps=apps, core=core, networking=networking)
         return any(own) or rest > 0
 
-    def keep_token(self, *, core: Any = None) -> None:
-        """Read the run's token from its Secret and keep it for this pod's clients (a file only this user reads,
-        :func:`grpo_steps.servers.auth.save_token`): the train and evaluate steps run in pods of their own."""
-        core = core if core is not None else _clients()[1]
-        data = core.read_namespaced_secret(auth_names(self.run_id)[0], self.namespace).data
-        auth.save_token(self.endpoint, base64.b64decode(data[auth.TOKEN_ENV]).decode())
+    def keep_token(self) -> None:
+        """Keep the run's token for this pod's clients (a file only this user reads,
+        :func:`grpo_steps.servers.auth.save_token`): the train and evaluate steps run in pods of their own, which take
+        it from the run's Secret as ``GRPO_SERVER_TOKEN`` (``envFrom`` of :data:`~.k8s_manifests.ARGO_TOKEN_SECRET`,
+        added by :mod:`grpo_steps.deploy`). The API is not asked: the flow's account may not read Secrets, so one
+        run's code cannot read another run's token (infra/k8s/rbac.yaml).
+
+        Raises:
+            RuntimeError: the pod has neither the token in its environment nor a token file for the endpoint (the
+                step of the pod that started the server saved one); says how the token reaches a step.
+        """
+        token = os.environ.get(auth.TOKEN_ENV)
+        if token:
+            auth.save_token(self.endpoint, token)
+        elif auth.token_for(self.endpoint) is None:
+            raise RuntimeError(
+                f"the token of the run's server {self.endpoint} is not in this pod: a step of an Argo run takes it "
+                f"from the run's Secret {auth_names(self.run_id)[0]} as {auth.TOKEN_ENV} (envFrom, added to the train "
+                "and evaluate steps by grpo_steps.deploy at `argo-workflows create`); deploy the flow again with "
+                "this version, or run the steps of a kubernetes-provider run on Argo (infra/k8s/admission.yaml)")
 
     def is_ready(self, *, apps: Any = None) -> bool:
         """True when the Deployment exists and has a ready replica."""

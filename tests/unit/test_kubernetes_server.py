@@ -2,7 +2,6 @@
 in-memory fake of the three client APIs it calls (no cluster is reachable here): rendered manifests,
 readiness wait, cleanup on failure, the handle."""
 
-import base64
 import json
 from pathlib import Path
 from types import SimpleNamespace as NS
@@ -64,7 +63,7 @@ class FakeCluster:
         if verb == "create":
             return lambda namespace, body: store.__setitem__((namespace, body["metadata"]["name"]), body)
         if verb == "list":
-            assert kind != "secret", "the flow's Role grants no list of Secrets (infra/k8s/rbac.yaml)"
+            assert kind not in ("secret", "config_map"), "the flow's Role lists no Secrets, ConfigMaps (rbac.yaml)"
             return lambda namespace, label_selector: self._list(store, namespace, label_selector)
         return lambda name, namespace: self._delete(store, namespace, name)
 
@@ -74,9 +73,8 @@ class FakeCluster:
         ready = self.ready_after is not None and self.reads > self.ready_after and name not in self.never_ready
         return NS(status=NS(ready_replicas=1 if ready else None))
 
-    def read_namespaced_secret(self, name, namespace):  # the API returns base64 data, never stringData
-        body = self.secrets[(namespace, name)]
-        return NS(data={k: base64.b64encode(v.encode()).decode() for k, v in body["stringData"].items()})
+    def read_namespaced_secret(self, name, namespace):
+        raise AssertionError("the flow's Role reads no Secret (infra/k8s/rbac.yaml): a run would read any run's token")
 
     def list_namespaced_pod(self, namespace, label_selector):
         waiting = NS(reason="ImagePullBackOff", message="pull access denied")
@@ -270,7 +268,7 @@ def test_start_timeout_reports_pod_status_and_deletes_what_it_created(token_dir)
     assert not fake.secrets and not fake.config_maps and not list(token_dir.glob("*"))
 
 
-def test_the_flows_role_neither_lists_nor_watches_secrets():
+def test_the_flows_role_never_reads_secrets():
     import yaml
 
     from grpo_steps.config import REPO_ROOT
@@ -278,8 +276,9 @@ def test_the_flows_role_neither_lists_nor_watches_secrets():
     docs = list(yaml.safe_load_all((REPO_ROOT / "infra" / "k8s" / "rbac.yaml").read_text()))
     (role,) = [doc for doc in docs if doc["kind"] == "Role"]
     secret_rules = [rule for rule in role["rules"] if "secrets" in rule["resources"]]
-    assert secret_rules and all(set(rule["verbs"]) <= {"create", "get", "delete"} for rule in secret_rules)
-    assert all(rule["resources"] == ["secrets"] for rule in secret_rules)  # no other kind shares its verbs
+    assert secret_rules and all(set(rule["verbs"]) == {"create", "delete"} for rule in secret_rules)
+    # only the middleware's ConfigMaps share its verbs (neither read: tests/unit/test_run_rights.py)
+    assert all(set(rule["resources"]) <= {"secrets", "configmaps"} for rule in secret_rules)
 
 
 def test_stop_deletes_only_this_runs_objects():
@@ -312,7 +311,7 @@ def test_rendered_network_policy_admits_only_the_runs_pods_and_the_servers_own(r
     assert peers == [run_pods, deployment["spec"]["selector"]["matchLabels"]]
 
 
-def test_the_server_pod_takes_the_runs_token_from_its_secret_never_from_argv(token_dir):
+def test_the_server_pod_takes_the_runs_token_from_its_secret_never_from_argv(token_dir, monkeypatch):
     """A NetworkPolicy is ignored by a cluster without an enforcing network plugin: the server checks the run's
     token itself (the pipeline's middleware, mounted from a ConfigMap since the vLLM image lacks the package)."""
     from grpo_steps.servers import auth
@@ -337,11 +336,17 @@ def test_the_server_pod_takes_the_runs_token_from_its_secret_never_from_argv(tok
     assert volume["configMap"]["items"] == [{"key": "auth.py", "path": "grpo_steps/servers/auth.py"}]
     assert config_map["data"]["auth.py"] == Path(auth.__file__).read_text()
     assert {"name": "PYTHONPATH", "value": k8s_manifests.AUTH_MOUNT} in container["env"]
-    # the clients of this pod present it; a pod of a later step reads it from the Secret
+    # the clients of this pod present it; a pod of a later step takes it from the Secret through its environment
+    # (envFrom, grpo_steps.deploy), never from the API (the fake refuses a read)
     assert auth.token_for(server.endpoint) == token
     auth.forget_token(server.endpoint)
-    assert servers.from_dict(server.to_dict()).keep_token(core=fake) is None
-    assert auth.token_for(server.endpoint) == token
+    later = servers.from_dict(server.to_dict())
+    with pytest.raises(RuntimeError, match=f"{secret['metadata']['name']} as {auth.TOKEN_ENV} \\(envFrom"):
+        later.keep_token()  # neither in the environment nor kept by this pod: says how the token reaches a step
+    monkeypatch.setenv(auth.TOKEN_ENV, token)
+    assert later.keep_token() is None
+    monkeypatch.delenv(auth.TOKEN_ENV)
+    assert auth.token_for(server.endpoint) == token  # kept for this pod's clients
 
 
 def test_the_middleware_loads_from_the_mounted_file_alone(tmp_path):
@@ -508,3 +513,17 @@ def test_a_router_that_never_becomes_ready_is_named_and_nothing_of_the_run_is_le
         servers.provision(replica_config(), "m", owner=None, run_id=RUN_ID)
     assert not cluster.deployments and not cluster.services and not cluster.policies
     assert not cluster.secrets and not cluster.config_maps and not list(token_dir.glob("*"))
+
+
+def test_a_replacement_server_keeps_the_runs_token(monkeypatch):
+    """A step that starts the run's server again (ensure_server, in a pod that took the run's token from its Secret
+    at start, as the gang's other pods did) writes that token into the new Secret: every pod of the run still
+    presents the server's token."""
+    from grpo_steps.servers import auth
+
+    monkeypatch.setenv(auth.TOKEN_ENV, "the-runs-token")
+    fake = FakeCluster()
+    KubernetesServer.start(cluster_config(server={"startup_timeout_s": 5}), "m", run_id=RUN_ID, apps=fake, core=fake,
+                           networking=fake, poll_s=0)
+    ((_, secret),) = fake.secrets.items()
+    assert secret["stringData"] == {auth.TOKEN_ENV: "the-runs-token"}
