@@ -260,26 +260,40 @@ class KubernetesServer(GenerationServer):
         rest = 0 if left else stop_run(self.namespace, self.run_id, apps=apps, core=core, networking=networking)
         return any(own) or rest > 0
 
-    def keep_token(self) -> None:
+    def keep_token(self, *, core: Any = None) -> None:
         """Keep the run's token for this pod's clients (a file only this user reads,
         :func:`grpo_steps.servers.auth.save_token`): the train and evaluate steps run in pods of their own, which take
         it from the run's Secret as ``GRPO_SERVER_TOKEN`` (``envFrom`` of :data:`~.k8s_manifests.ARGO_TOKEN_SECRET`,
-        added by :mod:`grpo_steps.deploy`). The API is not asked: the flow's account may not read Secrets, so one
-        run's code cannot read another run's token (infra/k8s/rbac.yaml).
+        added by :mod:`grpo_steps.deploy`). The flow's account may not read Secrets, so one run's code cannot read
+        another run's token (infra/k8s/rbac.yaml); only a pod with neither that variable nor a kept token (a run of
+        the local runtime, under an account of your own) asks the API.
 
         Raises:
-            RuntimeError: the pod has neither the token in its environment nor a token file for the endpoint (the
-                step of the pod that started the server saved one); says how the token reaches a step.
+            RuntimeError: the token is not in the pod and the account may not read the Secret (403); says how the
+                token reaches a step.
         """
         token = os.environ.get(auth.TOKEN_ENV)
         if token:
             auth.save_token(self.endpoint, token)
-        elif auth.token_for(self.endpoint) is None:
+            return
+        if auth.token_for(self.endpoint) is not None:
+            return  # this pod started the server (provision_vllm) and kept its token
+        import base64
+
+        from kubernetes.client.exceptions import ApiException
+
+        name = auth_names(self.run_id)[0]
+        try:
+            data = (core if core is not None else _clients()[1]).read_namespaced_secret(name, self.namespace).data
+        except ApiException as err:
+            if err.status != 403:
+                raise
             raise RuntimeError(
-                f"the token of the run's server {self.endpoint} is not in this pod: a step of an Argo run takes it "
-                f"from the run's Secret {auth_names(self.run_id)[0]} as {auth.TOKEN_ENV} (envFrom, added to the train "
-                "and evaluate steps by grpo_steps.deploy at `argo-workflows create`); deploy the flow again with "
-                "this version, or run the steps of a kubernetes-provider run on Argo (infra/k8s/admission.yaml)")
+                f"the token of the run's server {self.endpoint} is not in this pod, and its account may not read the "
+                f"run's Secret {name}: a step of an Argo run takes it as {auth.TOKEN_ENV} (envFrom, added to train "
+                "and evaluate by grpo_steps.deploy at `argo-workflows create`: deploy the flow again with this "
+                "version); under grpo-flow, run a kubernetes-provider flow on Argo (docs/deploy.md)") from None
+        auth.save_token(self.endpoint, base64.b64decode(data[auth.TOKEN_ENV]).decode())
 
     def is_ready(self, *, apps: Any = None) -> bool:
         """True when the Deployment exists and has a ready replica."""

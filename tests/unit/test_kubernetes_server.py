@@ -2,6 +2,7 @@
 in-memory fake of the three client APIs it calls (no cluster is reachable here): rendered manifests,
 readiness wait, cleanup on failure, the handle."""
 
+import base64
 import json
 from pathlib import Path
 from types import SimpleNamespace as NS
@@ -54,6 +55,7 @@ class FakeCluster:
         self.secrets: dict[tuple, dict] = {}
         self.config_maps: dict[tuple, dict] = {}
         self.ready_after, self.reads, self.never_ready = ready_after, 0, never_ready
+        self.secret_reads, self.may_read = 0, False
 
     def __getattr__(self, name):
         verb, _, kind = name.partition("_namespaced_")
@@ -74,7 +76,15 @@ class FakeCluster:
         return NS(status=NS(ready_replicas=1 if ready else None))
 
     def read_namespaced_secret(self, name, namespace):
-        raise AssertionError("the flow's Role reads no Secret (infra/k8s/rbac.yaml): a run would read any run's token")
+        """Refused as for the flow's account (infra/k8s/rbac.yaml grants no get on Secrets); ``may_read``: an account
+        of the user's own that may (a run of the local runtime); the API returns base64 data, never stringData."""
+        from kubernetes.client.exceptions import ApiException
+
+        self.secret_reads += 1
+        if not self.may_read:
+            raise ApiException(status=403, reason="Forbidden")
+        body = self.secrets[(namespace, name)]
+        return NS(data={k: base64.b64encode(v.encode()).decode() for k, v in body["stringData"].items()})
 
     def list_namespaced_pod(self, namespace, label_selector):
         waiting = NS(reason="ImagePullBackOff", message="pull access denied")
@@ -341,12 +351,15 @@ def test_the_server_pod_takes_the_runs_token_from_its_secret_never_from_argv(tok
     assert auth.token_for(server.endpoint) == token
     auth.forget_token(server.endpoint)
     later = servers.from_dict(server.to_dict())
-    with pytest.raises(RuntimeError, match=f"{secret['metadata']['name']} as {auth.TOKEN_ENV} \\(envFrom"):
-        later.keep_token()  # neither in the environment nor kept by this pod: says how the token reaches a step
+    with pytest.raises(RuntimeError, match=f"may not read the run's Secret {secret['metadata']['name']}"):
+        later.keep_token(core=fake)  # the flow's account: refused by RBAC; says how the token reaches a step
     monkeypatch.setenv(auth.TOKEN_ENV, token)
-    assert later.keep_token() is None
+    assert later.keep_token(core=fake) is None and fake.secret_reads == 1  # from the environment, not the API
     monkeypatch.delenv(auth.TOKEN_ENV)
     assert auth.token_for(server.endpoint) == token  # kept for this pod's clients
+    auth.forget_token(server.endpoint)
+    fake.may_read = True  # a run of the local runtime under an account of the user's own that may read Secrets
+    assert later.keep_token(core=fake) is None and auth.token_for(server.endpoint) == token
 
 
 def test_the_middleware_loads_from_the_mounted_file_alone(tmp_path):
