@@ -29,7 +29,8 @@ class OnKubernetes(FlowMutator):
     """Add ``@kubernetes(image=config.resources.train.image)`` to every step when the image is set, and
     with ``generation.provider: kubernetes`` an ``@exit_hook`` that deletes a failed run's server (the
     flow file's ``teardown_server``; the hook looks it up in the flow file, so a run orchestrated
-    locally must start from ``flows/``; on Argo it always does)."""
+    locally must start from ``flows/``; on Argo it always does) and, at ``argo-workflows create``, the run's token
+    Secret on the steps that reach its server from pods of their own (:func:`run_token_secrets`)."""
 
     def pre_mutate(self, mutable_flow) -> None:
         from metaflow import exit_hook
@@ -45,8 +46,10 @@ class OnKubernetes(FlowMutator):
         kwargs = {"image": config.resources.train.image, "namespace": config.resources.namespace}
         if config.resources.shared_volume_claim:
             kwargs["persistent_volume_claims"] = {config.resources.shared_volume_claim: SHARED_MOUNT}
-        for _name, mutable_step in mutable_flow.steps:
-            mutable_step.add_decorator("kubernetes", deco_kwargs=kwargs)
+        token = run_token_secrets(config.generation.provider)
+        for name, mutable_step in mutable_flow.steps:
+            secrets = {"secrets": token} if token and name in TOKEN_STEPS else {}
+            mutable_step.add_decorator("kubernetes", deco_kwargs={**kwargs, **secrets})
 
     def mutate(self, mutable_flow) -> None:
         """After the command line (``--with kubernetes`` included): a run whose steps leave this machine refuses a
@@ -78,6 +81,24 @@ class OnKubernetes(FlowMutator):
                         yield str(path), str(path.relative_to(found.parent)), ContentType.CODE_CONTENT
             else:
                 yield sys.modules[name], None, ContentType.MODULE_CONTENT
+
+
+TOKEN_STEPS = ("train", "evaluate")
+"""The steps that reach the run's ``kubernetes`` server from pods of their own (``provision_vllm`` started it and
+keeps the token it made; ``end`` and the exit hook only delete the run's objects)."""
+
+
+def run_token_secrets(provider: str, argv: list[str] | None = None) -> list[str]:
+    """``@kubernetes(secrets=...)`` of :data:`TOKEN_STEPS`: the run's token Secret
+    (:data:`grpo_steps.servers.k8s_manifests.ARGO_TOKEN_SECRET`, named per run by Argo's substitution of
+    ``{{workflow.name}}``), when ``argo-workflows`` deploys a flow whose provider is ``kubernetes``; else none.
+    The kubelet puts the Secret's key in the pod's environment (``GRPO_SERVER_TOKEN``), so the flow's account needs
+    no right to read Secrets, and no run's pod names another run's Secret (the WorkflowTemplate is the deployer's).
+    Metaflow's ``envFrom`` is not optional: a pod of a step before ``provision_vllm`` would wait for the Secret."""
+    from grpo_steps.servers.k8s_manifests import ARGO_TOKEN_SECRET
+
+    argv = sys.argv if argv is None else argv
+    return [ARGO_TOKEN_SECRET] if provider == "kubernetes" and "argo-workflows" in argv else []
 
 
 def user_modules(config) -> list[str]:

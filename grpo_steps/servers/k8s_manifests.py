@@ -110,9 +110,26 @@ def server_args(cfg: PipelineConfig, model: str, replica: int | None = None) -> 
     return args + list(gen.server.extra_args)
 
 
+ARGO_TOKEN_SECRET = "vllm-argo-{{workflow.name}}-token"
+"""The run's token Secret as a WorkflowTemplate names it (Argo substitutes ``{{workflow.name}}`` in every field of a
+template when it runs it): :func:`auth_names` of ``argo-<workflow>``. The steps that reach the server from pods of
+their own take it through ``envFrom`` (:mod:`grpo_steps.deploy`), so the flow's account needs no ``get secrets``."""
+
+
 def auth_names(run_id: str) -> tuple[str, str]:
-    """Names of a run's token Secret and middleware ConfigMap."""
-    name = k8s_name(run_id)[:57].rstrip("-")  # room for the suffixes within 63 characters
+    """Names of a run's token Secret and middleware ConfigMap, ``vllm-<run id>-token`` and ``vllm-<run id>-auth``:
+    DNS subdomain names (lowercase alphanumerics, ``-`` and ``.``, at most 253 characters), the run id kept as it is
+    where it is one, as an Argo run's ``argo-<workflow name>`` always is (:data:`ARGO_TOKEN_SECRET`, and the
+    admission policy's exact names in infra/k8s/admission.yaml); other characters become ``-``.
+
+    >>> auth_names("argo-grpo.user.alice.grpoflow-x7k2p")
+    ('vllm-argo-grpo.user.alice.grpoflow-x7k2p-token', 'vllm-argo-grpo.user.alice.grpoflow-x7k2p-auth')
+    >>> auth_names("Run_1..x")[0]
+    'vllm-run-1.x-token'
+    """
+    name = re.sub(r"[^a-z0-9.-]+", "-", run_id.lower())
+    name = re.sub(r"-*\.[-.]*", ".", name).strip("-.")  # each dot-separated part starts and ends alphanumeric
+    name = f"vllm-{name}"[:246].rstrip("-.")  # room for "-token" within 253 characters
     return f"{name}-token", f"{name}-auth"
 
 

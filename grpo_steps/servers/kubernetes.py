@@ -5,8 +5,8 @@ The objects are rendered by :mod:`grpo_steps.servers.k8s_manifests` (pure functi
 run's pods to the servers, but a cluster without an enforcing network plugin ignores it, so each server also loads the
 pipeline's token middleware (the run's Secret, holding a fresh per-run token, and a ConfigMap with the middleware's
 module, which the server image lacks; the token reaches the server as ``GRPO_SERVER_TOKEN`` from the Secret, never in
-argv, and the flow's pods read the Secret through the API, :meth:`KubernetesServer.keep_token`, because Metaflow
-fixes a step pod's secrets when the flow is deployed, before the run's Secret exists).
+argv; the flow's later steps take it from the same Secret through ``envFrom``, which the WorkflowTemplate names per
+run, :meth:`KubernetesServer.keep_token`: the flow's account creates and deletes Secrets but never reads one).
 :meth:`KubernetesServer.start` creates them with the official ``kubernetes`` client, waits until the Deployment has
 a ready pod (its readiness probe is ``GET /health``) and returns a handle whose endpoint is the Service's cluster DNS
 name; :meth:`KubernetesServer.start_replicas` does the same for each replica in parallel (one Secret, ConfigMap and
@@ -19,7 +19,7 @@ methods take the client APIs as ``apps``, ``core`` and ``networking`` (default: 
 
 from __future__ import annotations
 
-import base64
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,15 +93,16 @@ def remove_staged(run_id: str, root: str | Path = SHARED_MOUNT) -> bool:
 
 def stop_run(namespace: str, run_id: str, *, apps: Any = None, core: Any = None, networking: Any = None,
              staged_root: str | Path = SHARED_MOUNT) -> int:
-    """Delete every Deployment, Service, NetworkPolicy and ConfigMap labelled with this run (its servers or replicas,
-    router) and the run's token Secret, by its name (the flow's Role may not list Secrets: a listing would show every
-    Secret of the namespace), and the run's staged evaluation copies on the shared volume (:func:`remove_staged`);
-    returns how many objects were deleted."""
+    """Delete every Deployment, Service and NetworkPolicy labelled with this run (its servers or replicas, router),
+    the run's token Secret and middleware ConfigMap, by their names (the flow's Role may neither read nor list
+    Secrets and ConfigMaps, infra/k8s/rbac.yaml), and the run's staged evaluation copies on the shared volume
+    (:func:`remove_staged`); returns how many objects were deleted."""
     remove_staged(run_id, staged_root)
     apps, core, networking = _clients(apps, core, networking)
-    deleted = _delete(core, "secret", auth_names(run_id)[0], namespace)
+    secret_name, config_map_name = auth_names(run_id)
+    deleted = _delete(core, "secret", secret_name, namespace) + _delete(core, "config_map", config_map_name, namespace)
     for kind in KINDS:
-        if kind == "secret":
+        if kind in ("secret", "config_map"):
             continue  # by name, above
         api = _api(kind, apps, core, networking)
         for obj in getattr(api, f"list_namespaced_{kind}")(namespace, label_selector=run_selector(run_id)).items:
@@ -177,7 +178,9 @@ class KubernetesServer(GenerationServer):
         apps, core, networking = _clients(apps, core, networking)
         model = model_path if model_path.startswith(SHARED_MOUNT) else cfg.model.name_or_path
         namespace, timeout_s = cfg.resources.namespace, cfg.generation.server.startup_timeout_s
-        token, endpoints = auth.new_token(), []
+        # a step that replaces the run's server (ensure_server) keeps the run's token, which its pod and the gang's
+        # other pods took from the run's Secret when they started (envFrom) and present before any saved token
+        token, endpoints = os.environ.get(auth.TOKEN_ENV) or auth.new_token(), []
 
         def start_one(i: int) -> KubernetesServer:
             deployment, service, _ = render_manifests(cfg, run_id, model, replica=replicas[i])
@@ -258,10 +261,38 @@ class KubernetesServer(GenerationServer):
         return any(own) or rest > 0
 
     def keep_token(self, *, core: Any = None) -> None:
-        """Read the run's token from its Secret and keep it for this pod's clients (a file only this user reads,
-        :func:`grpo_steps.servers.auth.save_token`): the train and evaluate steps run in pods of their own."""
-        core = core if core is not None else _clients()[1]
-        data = core.read_namespaced_secret(auth_names(self.run_id)[0], self.namespace).data
+        """Keep the run's token for this pod's clients (a file only this user reads,
+        :func:`grpo_steps.servers.auth.save_token`): the train and evaluate steps run in pods of their own, which take
+        it from the run's Secret as ``GRPO_SERVER_TOKEN`` (``envFrom`` of :data:`~.k8s_manifests.ARGO_TOKEN_SECRET`,
+        added by :mod:`grpo_steps.deploy`). The flow's account may not read Secrets, so one run's code cannot read
+        another run's token (infra/k8s/rbac.yaml); only a pod with neither that variable nor a kept token (a run of
+        the local runtime, under an account of your own) asks the API.
+
+        Raises:
+            RuntimeError: the token is not in the pod and the account may not read the Secret (403); says how the
+                token reaches a step.
+        """
+        token = os.environ.get(auth.TOKEN_ENV)
+        if token:
+            auth.save_token(self.endpoint, token)
+            return
+        if auth.token_for(self.endpoint) is not None:
+            return  # this pod started the server (provision_vllm) and kept its token
+        import base64
+
+        from kubernetes.client.exceptions import ApiException
+
+        name = auth_names(self.run_id)[0]
+        try:
+            data = (core if core is not None else _clients()[1]).read_namespaced_secret(name, self.namespace).data
+        except ApiException as err:
+            if err.status != 403:
+                raise
+            raise RuntimeError(
+                f"the token of the run's server {self.endpoint} is not in this pod, and its account may not read the "
+                f"run's Secret {name}: a step of an Argo run takes it as {auth.TOKEN_ENV} (envFrom, added to train "
+                "and evaluate by grpo_steps.deploy at `argo-workflows create`: deploy the flow again with this "
+                "version); under grpo-flow, run a kubernetes-provider flow on Argo (docs/deploy.md)") from None
         auth.save_token(self.endpoint, base64.b64decode(data[auth.TOKEN_ENV]).decode())
 
     def is_ready(self, *, apps: Any = None) -> bool:

@@ -171,3 +171,26 @@ def test_every_pod_of_the_workflow_runs_as_the_flows_service_account(rendered):
         assert "workflowDefaults" in steps and "serviceAccountName: grpo-flow" in steps
     else:
         assert creator == "grpo-flow"
+
+
+def test_only_train_and_evaluate_take_the_runs_token_and_the_jobset_passes_the_admission_policy(rendered):
+    """The run's token reaches the steps that reach the server from pods of their own through the kubelet (envFrom of
+    the run's Secret, named per run by Argo's {{workflow.name}}: grpo_steps.deploy), never through the API; the
+    JobSet that Argo creates as the flow's account passes infra/k8s/admission.yaml (mirrored by
+    tests/unit/test_run_rights.py) for its own workflow's pods, and not with another run's token."""
+    from grpo_steps.servers.k8s_manifests import ARGO_TOKEN_SECRET, auth_names
+    from tests.unit.test_run_rights import admitted
+
+    template, train, _ = rendered
+    for spec in template["spec"]["templates"]:
+        if "container" in spec:
+            refs = [f["secretRef"]["name"] for f in spec["container"].get("envFrom") or [] if f.get("secretRef")]
+            assert (ARGO_TOKEN_SECRET in refs) == (spec["name"] == "evaluate"), spec["name"]
+    workflow = "grpo.user.ci.grpoflow-x7k2p"
+    manifest = train["resource"]["manifest"].replace("{{workflow.name}}", workflow)
+    jobset = yaml.safe_load(re.sub(r"\{\{[^}]*\}\}", "ARGO", manifest))
+    for job in jobset["spec"]["replicatedJobs"]:
+        refs = [f["secretRef"]["name"] for f in job["template"]["spec"]["template"]["spec"]["containers"][0]["envFrom"]]
+        assert auth_names(f"argo-{workflow}")[0] in refs
+    assert admitted(jobset, f"{workflow}-train-1234567890")
+    assert not admitted(jobset, "grpo.user.ci.grpoflow-other-train-1234567890")

@@ -55,6 +55,7 @@ class FakeCluster:
         self.secrets: dict[tuple, dict] = {}
         self.config_maps: dict[tuple, dict] = {}
         self.ready_after, self.reads, self.never_ready = ready_after, 0, never_ready
+        self.secret_reads, self.may_read = 0, False
 
     def __getattr__(self, name):
         verb, _, kind = name.partition("_namespaced_")
@@ -64,7 +65,7 @@ class FakeCluster:
         if verb == "create":
             return lambda namespace, body: store.__setitem__((namespace, body["metadata"]["name"]), body)
         if verb == "list":
-            assert kind != "secret", "the flow's Role grants no list of Secrets (infra/k8s/rbac.yaml)"
+            assert kind not in ("secret", "config_map"), "the flow's Role lists no Secrets, ConfigMaps (rbac.yaml)"
             return lambda namespace, label_selector: self._list(store, namespace, label_selector)
         return lambda name, namespace: self._delete(store, namespace, name)
 
@@ -74,7 +75,14 @@ class FakeCluster:
         ready = self.ready_after is not None and self.reads > self.ready_after and name not in self.never_ready
         return NS(status=NS(ready_replicas=1 if ready else None))
 
-    def read_namespaced_secret(self, name, namespace):  # the API returns base64 data, never stringData
+    def read_namespaced_secret(self, name, namespace):
+        """Refused as for the flow's account (infra/k8s/rbac.yaml grants no get on Secrets); ``may_read``: an account
+        of the user's own that may (a run of the local runtime); the API returns base64 data, never stringData."""
+        from kubernetes.client.exceptions import ApiException
+
+        self.secret_reads += 1
+        if not self.may_read:
+            raise ApiException(status=403, reason="Forbidden")
         body = self.secrets[(namespace, name)]
         return NS(data={k: base64.b64encode(v.encode()).decode() for k, v in body["stringData"].items()})
 
@@ -270,7 +278,7 @@ def test_start_timeout_reports_pod_status_and_deletes_what_it_created(token_dir)
     assert not fake.secrets and not fake.config_maps and not list(token_dir.glob("*"))
 
 
-def test_the_flows_role_neither_lists_nor_watches_secrets():
+def test_the_flows_role_never_reads_secrets():
     import yaml
 
     from grpo_steps.config import REPO_ROOT
@@ -278,8 +286,9 @@ def test_the_flows_role_neither_lists_nor_watches_secrets():
     docs = list(yaml.safe_load_all((REPO_ROOT / "infra" / "k8s" / "rbac.yaml").read_text()))
     (role,) = [doc for doc in docs if doc["kind"] == "Role"]
     secret_rules = [rule for rule in role["rules"] if "secrets" in rule["resources"]]
-    assert secret_rules and all(set(rule["verbs"]) <= {"create", "get", "delete"} for rule in secret_rules)
-    assert all(rule["resources"] == ["secrets"] for rule in secret_rules)  # no other kind shares its verbs
+    assert secret_rules and all(set(rule["verbs"]) == {"create", "delete"} for rule in secret_rules)
+    # only the middleware's ConfigMaps share its verbs (neither read: tests/unit/test_run_rights.py)
+    assert all(set(rule["resources"]) <= {"secrets", "configmaps"} for rule in secret_rules)
 
 
 def test_stop_deletes_only_this_runs_objects():
@@ -312,7 +321,7 @@ def test_rendered_network_policy_admits_only_the_runs_pods_and_the_servers_own(r
     assert peers == [run_pods, deployment["spec"]["selector"]["matchLabels"]]
 
 
-def test_the_server_pod_takes_the_runs_token_from_its_secret_never_from_argv(token_dir):
+def test_the_server_pod_takes_the_runs_token_from_its_secret_never_from_argv(token_dir, monkeypatch):
     """A NetworkPolicy is ignored by a cluster without an enforcing network plugin: the server checks the run's
     token itself (the pipeline's middleware, mounted from a ConfigMap since the vLLM image lacks the package)."""
     from grpo_steps.servers import auth
@@ -337,11 +346,20 @@ def test_the_server_pod_takes_the_runs_token_from_its_secret_never_from_argv(tok
     assert volume["configMap"]["items"] == [{"key": "auth.py", "path": "grpo_steps/servers/auth.py"}]
     assert config_map["data"]["auth.py"] == Path(auth.__file__).read_text()
     assert {"name": "PYTHONPATH", "value": k8s_manifests.AUTH_MOUNT} in container["env"]
-    # the clients of this pod present it; a pod of a later step reads it from the Secret
+    # the clients of this pod present it; a pod of a later step takes it from the Secret through its environment
+    # (envFrom, grpo_steps.deploy), never from the API (the fake refuses a read)
     assert auth.token_for(server.endpoint) == token
     auth.forget_token(server.endpoint)
-    assert servers.from_dict(server.to_dict()).keep_token(core=fake) is None
-    assert auth.token_for(server.endpoint) == token
+    later = servers.from_dict(server.to_dict())
+    with pytest.raises(RuntimeError, match=f"may not read the run's Secret {secret['metadata']['name']}"):
+        later.keep_token(core=fake)  # the flow's account: refused by RBAC; says how the token reaches a step
+    monkeypatch.setenv(auth.TOKEN_ENV, token)
+    assert later.keep_token(core=fake) is None and fake.secret_reads == 1  # from the environment, not the API
+    monkeypatch.delenv(auth.TOKEN_ENV)
+    assert auth.token_for(server.endpoint) == token  # kept for this pod's clients
+    auth.forget_token(server.endpoint)
+    fake.may_read = True  # a run of the local runtime under an account of the user's own that may read Secrets
+    assert later.keep_token(core=fake) is None and auth.token_for(server.endpoint) == token
 
 
 def test_the_middleware_loads_from_the_mounted_file_alone(tmp_path):
@@ -508,3 +526,17 @@ def test_a_router_that_never_becomes_ready_is_named_and_nothing_of_the_run_is_le
         servers.provision(replica_config(), "m", owner=None, run_id=RUN_ID)
     assert not cluster.deployments and not cluster.services and not cluster.policies
     assert not cluster.secrets and not cluster.config_maps and not list(token_dir.glob("*"))
+
+
+def test_a_replacement_server_keeps_the_runs_token(monkeypatch):
+    """A step that starts the run's server again (ensure_server, in a pod that took the run's token from its Secret
+    at start, as the gang's other pods did) writes that token into the new Secret: every pod of the run still
+    presents the server's token."""
+    from grpo_steps.servers import auth
+
+    monkeypatch.setenv(auth.TOKEN_ENV, "the-runs-token")
+    fake = FakeCluster()
+    KubernetesServer.start(cluster_config(server={"startup_timeout_s": 5}), "m", run_id=RUN_ID, apps=fake, core=fake,
+                           networking=fake, poll_s=0)
+    ((_, secret),) = fake.secrets.items()
+    assert secret["stringData"] == {auth.TOKEN_ENV: "the-runs-token"}
