@@ -178,5 +178,10 @@ def test_the_default_cpu_server_runs_its_model_in_the_engine_core_process(tiny_s
     (engine_core,) = [p for p in api_server.children() if "EngineCore" in p.name()]  # beside: a resource tracker
     assert [p.name() for p in engine_core.children(recursive=True)] == []  # with cores to bind: VLLM::Worker
     # what the engine core inherited (its own /proc environ is overwritten when it renames itself)
-    assert api_server.environ()["OMP_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))
+    environ = api_server.environ()
+    assert environ["OMP_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))
     assert tiny_server.client().has_weight_engine()
+    # started from an allow-list of the flow's environment (grpo_steps/servers/server_env.py): the S3 keys it reads
+    # the weight chain with (tests/conftest.py starts it for s3 pushes), not the MLflow password the fixture set
+    assert "MLFLOW_TRACKING_PASSWORD" not in environ and not any(name.startswith("MLFLOW_") for name in environ)
+    assert "AWS_SECRET_ACCESS_KEY" in environ and environ["PATH"] == os.environ["PATH"]
