@@ -56,7 +56,7 @@ def _policy_text() -> str:
     return (INFRA / "admission.yaml").read_text()
 
 
-def admitted(obj: dict, pod: str, s3_secret: str = "grpo-s3-credentials") -> bool:
+def admitted(obj: dict, pod: str, s3_secret: str = "grpo-s3-readonly") -> bool:
     """The policy's validations, mirrored: would a request of the flow's account from pod ``pod`` to create (or
     delete) ``obj`` pass?"""
     run = obj["metadata"].get("labels", {}).get(k8s_manifests.RUN_LABEL, "")
@@ -84,7 +84,7 @@ def test_the_mirror_follows_the_policys_rules():
     for fragment in ("variables.pod.startsWith(variables.workflow + '-')", "startsWith('vllm-' + variables.run)",
                      "variables.spec.automountServiceAccountToken == false",
                      "e.valueFrom.secretKeyRef.name == 'vllm-' + variables.run + '-token'",
-                     "f.secretRef.name == 'grpo-s3-credentials'", "has(v.emptyDir) || has(v.persistentVolumeClaim)",
+                     "f.secretRef.name == 'grpo-s3-readonly'", "has(v.emptyDir) || has(v.persistentVolumeClaim)",
                      "v.configMap.name == 'vllm-' + variables.run + '-auth'",
                      "request.operation == 'DELETE' ? oldObject : object"):
         assert fragment in text, fragment
@@ -95,7 +95,7 @@ def _run_objects(run_id: str) -> list[dict]:
     config["generation"]["server"]["replicas"] = 2
     config["train"]["gradient_accumulation_steps"] = 8
     del config["resources"]["shared_volume_claim"]
-    config["resources"]["vllm"].update(image="registry.example/grpo-vllm:1", s3_secret_name="grpo-s3-credentials")
+    config["resources"]["vllm"].update(image="registry.example/grpo-vllm:1", s3_secret_name="grpo-s3-readonly")
     cfg = validate_config(config)
     servers = [k8s_manifests.render_manifests(cfg, run_id, "m", replica=i)[:2] for i in range(2)]
     return [*k8s_manifests.render_auth(cfg, run_id, "t" * 43), k8s_manifests.render_manifests(cfg, run_id, "m")[2],
@@ -128,8 +128,12 @@ def test_a_run_creates_its_own_objects_and_cannot_touch_another_runs():
     mounts["spec"]["template"]["spec"].setdefault("volumes", []).append({"name": "s", "secret": {"secretName": "x"}})
     other_account = yaml.safe_load(yaml.safe_dump(deployment))
     other_account["spec"]["template"]["spec"]["serviceAccountName"] = "grpo-flow"
+    writes = yaml.safe_load(yaml.safe_dump(deployment))  # the flow's own S3 Secret, which writes the chain
+    writes["spec"]["template"]["spec"]["containers"][0]["envFrom"] = [{"secretRef": {"name": "grpo-s3-credentials"}}]
+    assert spec["containers"][0]["envFrom"] == [{"secretRef": {"name": "grpo-s3-readonly"}}]
     assert spec["automountServiceAccountToken"] is False
     assert not admitted(reads, pod) and not admitted(mounts, pod) and not admitted(other_account, pod)
+    assert not admitted(writes, pod)
     assert not admitted(mine[0], "t-local-runtime-pod")  # no Argo workflow: refused
 
 
