@@ -51,6 +51,12 @@ def test_disk_sync_changes_the_served_weights_and_back(tiny_server, tiny_model_p
     assert greedy_logprobs() != pytest.approx(before, abs=1e-4)
     client.reload_weights(tiny_model_path)
     assert greedy_logprobs() == pytest.approx(before, abs=1e-4)
+    # weights in another dtype than the served one (float32): refused, not cast, and the server keeps its weights
+    from grpo_steps.servers.client import GenerationServerError
+
+    with pytest.raises(GenerationServerError, match=r"other dtype \[.* float16 \(served float32\)"):
+        client.reload_weights(save_weights(model.to(torch.float16), tmp_path / "half"))
+    assert greedy_logprobs() == pytest.approx(before, abs=1e-4)
 
 
 def test_a_running_server_is_reached_as_external_and_never_stopped(tiny_server):
