@@ -108,7 +108,10 @@ def test_a_lora_adapter_under_s3_sync_is_evaluated_as_merged_full_weights(tmp_pa
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "base")}))
     (adapter / "adapter_model.safetensors").write_bytes(b"")
 
-    def merge(base, adapter_dir, out_dir):
+    merged_in = []
+
+    def merge(base, adapter_dir, out_dir, dtype=None):
+        merged_in.append(dtype)
         return _weights(tmp_path, "merged", 2.0)
 
     monkeypatch.setattr(lora, "merge_adapter", merge)
@@ -119,6 +122,7 @@ def test_a_lora_adapter_under_s3_sync_is_evaluated_as_merged_full_weights(tmp_pa
         assert client.model == "policy"  # the base name: no adapter was loaded
     ((update, label),) = client.loads
     assert (update["store"], label) == (store, "eval-trained") and update["staged"] == ["model.safetensors"]
+    assert merged_in == [update["dtype"]] == ["float32"]  # merged and published in the serving dtype (model.dtype)
 
 
 def test_load_weights_takes_a_directory_or_a_chain_version_on_every_replica(monkeypatch):
