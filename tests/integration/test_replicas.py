@@ -24,6 +24,7 @@ import yaml
 from grpo_steps import servers
 from grpo_steps.config import REPO_ROOT, load_config, validate_config
 from grpo_steps.processes import PortInUseError, ProcessRef, wait_until
+from grpo_steps.servers import local
 from grpo_steps.servers.client import GenerationServerError, VLLMClient, session_id
 from grpo_steps.servers.router import requests_per_replica
 from grpo_steps.training.entry import run
@@ -66,6 +67,9 @@ def replica_set(tiny_model_path):
     with pytest.MonkeyPatch.context() as env:  # what the flow's environment gives them: S3 credentials for s3 pushes
         for name, value in dev_s3_credentials().items():
             env.setenv(name, value)
+        # the config pushes adapters (disk), whose servers get no S3 keys; these replicas serve the s3 tests too
+        start_local = local.start_local
+        env.setattr(local, "start_local", lambda *args, **kw: start_local(*args, **{**kw, "s3": True}))
         replica_set = servers.provision(cfg, tiny_model_path, owner=ProcessRef.of(os.getpid()),
                                         run_id="replicas-test")
     yield replica_set
