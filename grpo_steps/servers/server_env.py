@@ -10,8 +10,8 @@ where it needs one:
 - S3 keys (``AWS_*``) only for a server of ``generation.weight_sync: s3``, which reads the weight chain with them
   (``grpo_steps.vllm_worker``; the bucket, prefix and endpoint travel in each update request). They are the flow's
   own keys on one machine; on Kubernetes the server pods get a read-only Secret of their own (docs/deploy.md).
-- The Hub token (``HF_TOKEN``, ``HUGGING_FACE_HUB_TOKEN``) only for a server that downloads its model (a hub id, not
-  a local directory).
+- The Hub token (``HF_TOKEN``, ``HUGGING_FACE_HUB_TOKEN``, the file ``HF_TOKEN_PATH``) only for a server that
+  downloads its model (a hub id, not a local directory).
 - A proxy (``HTTP(S)_PROXY``, ``NO_PROXY``; its URL may carry a password) only with one of those two.
 
 Never: ``MLFLOW_*`` (the tracking server's credentials), ``METAFLOW_*``, ``GRPO_*`` (the run's token is set by the
@@ -91,9 +91,9 @@ def allowed_environment(environ: Mapping[str, str] | None = None, *, s3: bool = 
         hub: the server downloads its model from the Hub: keep the Hub's token and the proxies.
 
     Returns:
-        The :data:`KEPT_NAMES`, every ``VLLM_*`` name (:data:`VLLM_PREFIX`), the names under :data:`KEPT_PREFIXES`
-        that do not name a secret (:func:`grpo_steps.redaction.secret_name`: ``HF_TOKEN`` and ``HF_TOKEN_PATH`` are
-        dropped), plus the credentials of ``s3`` and ``hub`` (:data:`HUB_TOKENS` take ``HF_TOKEN_PATH`` along).
+        The :data:`KEPT_NAMES`, every ``VLLM_*`` name (:data:`VLLM_PREFIX`) and the names under :data:`KEPT_PREFIXES`
+        that do not name a secret (:func:`grpo_steps.redaction.secret_name`), but :data:`HUB_TOKENS` only with
+        ``hub``, ``AWS_*`` only with ``s3`` and :data:`PROXIES` only with either.
 
     >>> env = {"PATH": "/bin", "MLFLOW_TRACKING_PASSWORD": "p", "HF_TOKEN": "h", "HF_HOME": "/hf",
     ...        "AWS_SECRET_ACCESS_KEY": "k", "VLLM_API_KEY": "v", "GRPO_SERVER_TOKEN": "t", "HTTPS_PROXY": "http://u:p@proxy:3128"}
