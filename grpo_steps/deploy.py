@@ -12,7 +12,8 @@ The user's own modules travel with the run: a reward, tool or environment module
 mutator's ``add_to_package`` hook (``ContentType.MODULE_CONTENT``: importable by its name in every step of the
 package, on Kubernetes and Argo alike). A module found elsewhere on ``sys.path`` (``PYTHONPATH``) reaches no pod: a
 run whose steps go to Kubernetes (``--with kubernetes``, an image in the config, ``argo-workflows create``) is
-refused before anything starts, saying how to ship it. One from the installed packages must be in the image.
+refused before anything starts, saying how to ship it. One from the installed packages must be in the image. Such a
+run is refused too when the server pods' S3 Secret is one of the flow's own (:func:`server_secret`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class OnKubernetes(FlowMutator):
             step.has_decorator("kubernetes") for _, step in mutable_flow.steps)
         if remote:
             unshipped(getattr(self, "_user_modules", []))
+            config = dict(mutable_flow.configs).get("config")
+            if config is not None:
+                server_secret(config.resources.vllm.s3_secret_name)
 
     def add_to_package(self):
         """Metaflow's hook for the code package: each user module found in the config's ``module_dirs``, importable
@@ -134,3 +138,23 @@ def unshipped(names: list[str]) -> None:
         raise refused(f"{', '.join(lost)} is found on this machine's Python path only (PYTHONPATH), which no step "
                       "on Kubernetes has: put the module beside the config file or in the working directory (both "
                       "travel in Metaflow's code package), or install it in the image (resources.train.image)")
+
+
+def server_secret(name: str | None) -> None:
+    """Refuse, where the run is launched, server pods given the flow's own S3 Secret
+    (:func:`grpo_steps.preflight.check_server_secret`, which ``start`` runs again in its pod).
+
+    Raises:
+        metaflow.exception.MetaflowException: ``name`` is one of Metaflow's configured Secrets; the message names the
+            fix.
+    """
+    from metaflow.exception import MetaflowException
+
+    from grpo_steps.config import ConfigError
+    from grpo_steps.preflight import check_server_secret
+
+    try:
+        check_server_secret(name)
+    except ConfigError as err:
+        refused = type("Refused", (MetaflowException,), {"headline": "Run refused: the server pods' S3 Secret"})
+        raise refused(str(err)) from None

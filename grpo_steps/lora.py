@@ -66,9 +66,10 @@ def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / "adapter_config.json").is_file()
 
 
-def merge_adapter(base_model: str, adapter_dir: str | Path, out_dir: str | Path) -> Path:
+def merge_adapter(base_model: str, adapter_dir: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
     """Base weights + adapter merged (W + alpha/r B A, ``PeftModel.merge_and_unload``) into a plain transformers
-    model saved (safetensors, float32, with the tokenizer of ``adapter_dir``, else of ``base_model``) in ``out_dir``.
+    model saved (safetensors, with the tokenizer of ``adapter_dir``, else of ``base_model``) in ``out_dir``: merged in
+    float32, saved in ``dtype`` (the serving dtype for a server to load: it refuses another; None: float32).
     Returns ``out_dir``."""
     import torch
     from peft import PeftModel
@@ -77,6 +78,8 @@ def merge_adapter(base_model: str, adapter_dir: str | Path, out_dir: str | Path)
     out_dir = Path(out_dir)
     base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    if dtype is not None:
+        merged = merged.to(getattr(torch, dtype))
     merged.save_pretrained(out_dir, safe_serialization=True)
     tokenizer_source = adapter_dir if (Path(adapter_dir) / "tokenizer_config.json").is_file() else base_model
     AutoTokenizer.from_pretrained(str(tokenizer_source)).save_pretrained(out_dir)

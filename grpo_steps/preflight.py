@@ -1,7 +1,7 @@
 """Everything ``start`` checks before anything is written (:func:`check`): the tracking server answers, the model
 resolves (once, handed to every check that reads it), TRL knows the ``train.grpo`` keys, the code sandbox, tools and
-chat template, LoRA targets, local replicas that fit this machine, the S3 bucket of ``weight_sync: s3``, ``/dev/shm``
-room and ``train.resume_from``.
+chat template, LoRA targets, local replicas that fit this machine, the S3 bucket of ``weight_sync: s3`` and the server
+pods' read-only Secret for it, ``/dev/shm`` room and ``train.resume_from``.
 
 A refusal is printed as its message alone (:func:`refusals`): Metaflow prints a ``MetaflowException`` as a block
 without the traceback that an ordinary exception gets ("Internal error" and 30 lines ending in the message).
@@ -26,7 +26,7 @@ def check(cfg: PipelineConfig) -> str:
             is missing: config, tokenizer files, weights).
         ConfigError: ``train.grpo`` keys the installed TRL does not have; ``train.peft.target_modules`` naming no
             linear layer of the model; ``generation.server.replicas`` local servers and the trainer do not fit this
-            machine.
+            machine; ``resources.vllm.s3_secret_name`` naming the flow's own Secret (:func:`check_server_secret`).
         CheckpointNotFound: ``train.resume_from`` names no usable checkpoint.
         SandboxUnavailable: ``code_execution`` is configured where only the weak sandbox mode works, without
             its ``allow_weak_isolation`` option.
@@ -50,6 +50,7 @@ def check(cfg: PipelineConfig) -> str:
     check_replicas(cfg, model_path)
     gpus.check_this_machine(cfg, model_path)  # the server's and the trainer's GPUs (docs/gpu.md)
     check_weight_store(cfg)
+    check_server_secret(cfg.resources.vllm.s3_secret_name)
     warning = shm_shortfall(cfg, model_path)
     if warning:
         print(f"[start] warning: {warning}", flush=True)
@@ -110,6 +111,38 @@ def check_weight_store(cfg: PipelineConfig) -> None:
                           "generation.s3_sync.url (s3://bucket/prefix), or run with the Metaflow S3 datastore "
                           "(METAFLOW_DATASTORE_SYSROOT_S3; e.g. the environment `make s3` prints)")
     chain_of(store).check_access()
+
+
+def flow_secrets() -> set[str]:
+    """The Kubernetes Secrets the flow's own pods get as environment variables: Metaflow's
+    ``METAFLOW_KUBERNETES_SECRETS`` and ``METAFLOW_ARGO_WORKFLOWS_KUBERNETES_SECRETS`` (comma-separated names, from the
+    environment or the Metaflow profile; infra/metaflow/config-k8s-argo.json sets both; Metaflow passes the second into
+    every pod of an Argo run)."""
+    from metaflow import metaflow_config
+
+    lists = (metaflow_config.KUBERNETES_SECRETS, metaflow_config.ARGO_WORKFLOWS_KUBERNETES_SECRETS)
+    return {name.strip() for names in lists for name in (names or "").split(",") if name.strip()}
+
+
+def check_server_secret(name: str | None, flow: set[str] | None = None) -> None:
+    """The generation server pods' S3 Secret (``resources.vllm.s3_secret_name``) is not one of the flow's own
+    (``flow``, default :func:`flow_secrets`): the flow's keys write the datastore and the weight chain, and a server pod
+    runs third-party code (vLLM, the model's code) that only reads the chain. Checked in ``start`` and where a run or a
+    deployment to Kubernetes is launched (:class:`grpo_steps.deploy.OnKubernetes`).
+
+    Raises:
+        ConfigError: ``name`` is one of the flow's Secrets; says how to make a read-only one (docs/deploy.md).
+    """
+    if name is None or name not in (flow_secrets() if flow is None else flow):
+        return
+    from grpo_steps.config import ConfigError
+
+    raise ConfigError(
+        f"resources.vllm.s3_secret_name {name!r} is a Secret of the flow's own pods (METAFLOW_KUBERNETES_SECRETS / "
+        "METAFLOW_ARGO_WORKFLOWS_KUBERNETES_SECRETS), whose keys write the datastore and the weight chain: the server "
+        "pods only read the chain. Give them a Secret of their own with read-only access to generation.s3_sync.url's "
+        "prefix (docs/deploy.md, 'Weight versions through S3': grpo-s3-readonly and its bucket policy), or null to use "
+        "the pods' own identity")
 
 
 def check_replicas(cfg: PipelineConfig, model_path: str) -> None:

@@ -210,8 +210,9 @@ class WeightUpdateEngine(_engine_base()):
     holds; from the newest anchor when it holds none of the lineage: a late-joining or restarted replica), every
     tensor's checksum checked before anything is loaded. A chain version is loaded only when its manifest's digest is
     the one the update request names (:class:`WeightUpdate`), and any version, chain or directory, only when it holds
-    exactly the served model's tensors (names and shapes: :func:`served_layout`; vLLM's in-place reload only warns
-    about a missing one). A fetch that fails leaves the served weights as they were.
+    exactly the served model's tensors (names, shapes and dtypes: :func:`served_layout`; vLLM's in-place reload only
+    warns about a missing one, and its load casts any dtype). A fetch that fails leaves the served weights as they
+    were.
     ``start_weight_update`` and ``finish_weight_update`` have nothing to do (the weights are applied whole in
     ``update_weights``; vLLM's ``finish`` sets the version label)."""
 
@@ -225,7 +226,8 @@ class WeightUpdateEngine(_engine_base()):
         self.copy = LocalCopy()
         self.chains: dict[tuple, object] = {}  # (endpoint, bucket, prefix) -> WeightChain
         self.report: dict = {}
-        self.layout = served_layout(vllm_config)  # {name: (dtype or None, shape)} or None when no file says it
+        # {name: (serving dtype, shape)} and {name: the checkpoint file's dtype}, or None when no file says them
+        self.layout, self.file_dtypes = served_layout(vllm_config)
         self._prefetch: tuple[tuple, threading.Thread, list] | None = None  # (key, thread, [error])
 
     def init_transfer_engine(self, init_info) -> None:
@@ -305,7 +307,7 @@ class WeightUpdateEngine(_engine_base()):
         start = time.perf_counter()
         if info.path is not None:
             tensors, bytes_read, prefetched = read_safetensors(info.path), None, False
-            _check_layout(tensors, self.layout, info.path)
+            _check_layout(tensors, self.layout, info.path, self.file_dtypes)
         elif info.s3 is not None and info.version is not None:
             prefetched = self._join_prefetch() == self._fetch_key(info)
             chain = self._chain(info.s3)
@@ -332,11 +334,13 @@ def _digest(info: WeightUpdate) -> str:
     return info.sha256
 
 
-def served_layout(vllm_config) -> dict | None:
-    """``{name: (None, shape)}`` of the served model's checkpoint tensors, read from the safetensors headers of its
-    directory (``model_config.model``, or its snapshot in the Hugging Face cache); nothing is loaded. Dtypes are left
-    open (None): a push may carry another dtype than the files, which the load casts. None, with a line on stderr, when
-    no such file is found (then a version's tensors are not checked against the model)."""
+def served_layout(vllm_config) -> tuple[dict | None, dict | None]:
+    """``({name: (dtype, shape)}, {name: file dtype})`` of the served model's checkpoint tensors, read from the
+    safetensors headers of its directory (``model_config.model``, or its snapshot in the Hugging Face cache); nothing
+    is loaded. A floating-point tensor's dtype is the serving dtype (``--dtype``, ``model_config.dtype``: vLLM cast the
+    files to it at start-up, and every publisher of a version casts to it: ``model.dtype``); any other keeps the file's.
+    The file dtypes are kept too: a directory may hold the checkpoint's own (:func:`_check_layout`). ``(None, None)``,
+    with a line on stderr, when no such file is found (then a version's tensors are not checked against the model)."""
     import glob
     import os
 
@@ -353,28 +357,58 @@ def served_layout(vllm_config) -> dict | None:
         except Exception as err:  # noqa: BLE001  (reported below: the check is skipped, not the server)
             print(f"[grpo_steps.vllm_worker] no local checkpoint of {model} to check pushed tensors against: {err}",
                   file=sys.stderr)
-            return None
-    layout = {}
+            return None, None
+    serving = dtype_name(vllm_config.model_config.dtype)
+    layout, file_dtypes = {}, {}
     for path in sorted(glob.glob(f"{directory}/*.safetensors")):
         with safe_open(path, "pt") as handle:
-            layout.update((name, (None, tuple(handle.get_slice(name).get_shape()))) for name in handle.keys())
-    return layout or None
+            for name in handle.keys():
+                tensor = handle.get_slice(name)
+                file_dtypes[name] = SAFETENSORS_DTYPE_NAMES.get(tensor.get_dtype(), tensor.get_dtype())
+                floating = tensor.get_dtype() in FLOAT_CODES
+                layout[name] = (serving if floating else file_dtypes[name], tuple(tensor.get_shape()))
+    return (layout, file_dtypes) if layout else (None, None)
 
 
-def _check_layout(tensors: dict, layout: dict | None, source: str) -> None:
-    """Refuse ``tensors`` (a directory's, name -> tensor) unless they are exactly ``layout``'s names and shapes.
+SAFETENSORS_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                           "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+                           "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+"""A safetensors header's dtype code -> the dtype's name as a manifest and ``torch`` name it (huggingface/safetensors
+README, "Format")."""
+FLOAT_CODES = ("F64", "F32", "F16", "BF16")
+"""The codes of the floating-point dtypes vLLM casts to the serving dtype at start-up (not the float8 of a quantized
+checkpoint, which it keeps)."""
+
+
+def dtype_name(dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (a manifest's name of a dtype).
+
+    >>> import torch
+    >>> dtype_name(torch.bfloat16), dtype_name(torch.float32)
+    ('bfloat16', 'float32')
+    """
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_layout(tensors: dict, layout: dict | None, source: str, file_dtypes: dict | None = None) -> None:
+    """Refuse ``tensors`` (a directory's, name -> tensor) unless they are exactly ``layout``'s names and shapes, each in
+    the layout's dtype (the serving dtype) or in the dtype the served checkpoint's file holds (``file_dtypes``: the
+    ``evaluate`` step's baseline is those very files, which vLLM cast at start-up).
 
     Raises:
-        ValueError: a tensor is missing, left over, or of another shape (names three at most).
+        ValueError: a tensor is missing, left over, of another shape or of another dtype (names three at most).
     """
     if layout is None:
         return
     missing, extra = sorted(set(layout) - set(tensors)), sorted(set(tensors) - set(layout))
-    wrong = [n for n in layout.keys() & tensors.keys() if tuple(tensors[n].shape) != tuple(layout[n][1])]
-    if missing or extra or wrong:
+    both = layout.keys() & tensors.keys()
+    wrong = [n for n in both if tuple(tensors[n].shape) != tuple(layout[n][1])]
+    dtypes = [f"{n} {dtype_name(tensors[n].dtype)} (served {layout[n][0]})" for n in sorted(both)
+              if dtype_name(tensors[n].dtype) not in (layout[n][0], (file_dtypes or {}).get(n))]
+    if missing or extra or wrong or dtypes:
         raise ValueError(f"the weights in {source} are not the served model's tensors: missing {missing[:3]}, not in "
-                         f"the model {extra[:3]}, other shape {sorted(wrong)[:3]}; refused, the server keeps the "
-                         "weights it serves")
+                         f"the model {extra[:3]}, other shape {sorted(wrong)[:3]}, other dtype {dtypes[:3]}; refused, "
+                         "the server keeps the weights it serves (publish in model.dtype, the serving dtype)")
 
 
 @dataclass

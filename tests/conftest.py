@@ -46,9 +46,10 @@ def tiny_server(tiny_model_path, tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:  # as a flow's environment would: credentials for s3 weight pushes
         for name, value in dev_s3_credentials().items():
             env.setenv(name, value)
+        env.setenv("MLFLOW_TRACKING_PASSWORD", "not-for-servers")  # which the server must not get (s3: it reads S3)
         server = start_local(tiny_model_path, ServerConfig(kv_cache_gib=1, startup_timeout_s=300),
                              max_model_len=1024, dtype="float32", owner=ProcessRef.of(os.getpid()),
-                             log_dir=tmp_path_factory.mktemp("tiny-server-logs"))
+                             log_dir=tmp_path_factory.mktemp("tiny-server-logs"), s3=True)
     yield server
     server.stop()
 

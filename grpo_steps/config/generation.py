@@ -229,7 +229,7 @@ class ServerConfig(_Section):
         if secret:
             raise ValueError(f"generation.server.extra_args passes a secret inline ({', '.join(secret)}): "
                              "command lines reach logs and MLflow; give vLLM its key as VLLM_API_KEY in the "
-                             "environment instead (a local server inherits the flow's environment)")
+                             "environment instead (a local server keeps the flow's VLLM_* variables)")
         return value
 
     @field_validator("endpoint")

@@ -225,7 +225,10 @@ class VLLMResources(_Section):
     """``generation.weight_sync: s3`` with provider ``kubernetes``: the name of an existing Secret in
     ``resources.namespace`` whose keys ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY`` the server pods get as
     environment variables (``envFrom.secretRef``: the values never appear in the manifests, the command line or the
-    logs); the servers read each weight version from S3 with them. Null: the pods' own identity (an IAM role for the
+    logs); the servers read each weight version from S3 with them. A Secret of their own with read-only access to
+    ``generation.s3_sync.url``'s prefix (docs/deploy.md: ``grpo-s3-readonly`` and its bucket policy); ``start``
+    refuses one of the flow's own Secrets (Metaflow's ``METAFLOW_KUBERNETES_SECRETS``,
+    ``METAFLOW_ARGO_WORKFLOWS_KUBERNETES_SECRETS``), which write. Null: the pods' own identity (an IAM role for the
     service account, an instance role)."""
 
     @field_validator("s3_secret_name")

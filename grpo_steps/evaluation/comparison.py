@@ -122,13 +122,15 @@ def served_policy(cfg: PipelineConfig, generation_server, client, weights: str, 
 
     client.model = client.base_model
     if not is_adapter_dir(weights):
-        client.load_weights(generation_server.stage_update(weights_dir(weights), label, store), served_label(label))
+        client.load_weights(generation_server.stage_update(weights_dir(weights), label, store, cfg.model.dtype),
+                            served_label(label))
         yield
         return
     base = json.loads((Path(weights) / "adapter_config.json").read_text())["base_model_name_or_path"]
     if not generation_server.runtime_lora or not cfg.serves_adapter or store is not None:
         with scratch_dir() as merged:
-            update = generation_server.stage_update(merge_adapter(base, weights, merged), label, store)
+            update = generation_server.stage_update(merge_adapter(base, weights, merged, cfg.model.dtype), label, store,
+                                                    cfg.model.dtype)
             client.load_weights(update, served_label(label))  # while the merged directory exists
         yield
         return

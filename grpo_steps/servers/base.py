@@ -113,7 +113,8 @@ class GenerationServer:
         ``baseline``, ``trained``). Servers on this machine read it where it is."""
         return str(weights_dir)
 
-    def stage_update(self, weights_dir: str | Path, label: str, store: dict | None = None) -> dict:
+    def stage_update(self, weights_dir: str | Path, label: str, store: dict | None = None,
+                     dtype: str | None = None) -> dict:
         """The ``update_info`` from which every replica of this server loads the full weights in ``weights_dir``
         (:meth:`~grpo_steps.servers.client.VLLMClient.load_weights`; ``label``: ``baseline``, ``trained``), one
         mechanism for every provider:
@@ -125,7 +126,9 @@ class GenerationServer:
           ``<prefix>/eval/<label>`` (:func:`eval_store`; what an earlier attempt left there is deleted first),
           ``{"s3": <that location>, "version": 0, "sha256": <its manifest's digest>}``: the server needs no file system
           shared with this machine, and the
-          run's prefix, deleted by the flow's ``end``, holds it.
+          run's prefix, deleted by the flow's ``end``, holds it. ``dtype``: the serving dtype (``model.dtype``) the
+          tensors are published in, as a training push is (a server refuses a version in another dtype); None: as the
+          files hold them.
 
         Raises:
             grpo_steps.weights.chain.ChainStoreError: S3 failed after its retries (names the key).
@@ -133,11 +136,13 @@ class GenerationServer:
         """
         if store is None:
             return {"path": self.stage_weights(weights_dir, label)}
+        import torch
+
         from grpo_steps.weights.chain import chain_of
         from grpo_steps.weights.files import read_safetensors
 
         where = eval_store(store, label)
-        chain = chain_of(where)  # the tensors as the files hold them, as a {"path"} load would read them
+        chain = chain_of(where, dtype=getattr(torch, dtype) if dtype else None)
         chain.delete_prefix()
         published = chain.publish(read_safetensors(weights_dir), 0)
         # as a training push: the manifest's digest in the authenticated request, so no writer of the bucket can

@@ -33,6 +33,7 @@ from grpo_steps.processes import (
 from grpo_steps.servers import auth
 from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy, start_all
 from grpo_steps.servers.client import served_model_names
+from grpo_steps.servers.server_env import allowed_environment
 from grpo_steps.weights.server_flags import LOGPROBS_MODE, TOKEN_GENERATE_ARGS, weight_transfer_args
 
 if TYPE_CHECKING:
@@ -115,9 +116,12 @@ def cpu_build() -> bool:
 
 
 def server_environment(server_cfg: ServerConfig, *, token: str, ipc_dir: str, lora: bool = False,
-                       base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a local server's process: ``base`` (default this process's) plus the run's token, the
-    KV-cache size (``VLLM_CPU_KVCACHE_SPACE``, GiB), runtime LoRA updates with ``lora``, and where its cores are set.
+                       base: dict[str, str] | None = None, s3: bool = False, hub: bool = False) -> dict[str, str]:
+    """The environment of a local server's process: the allow-listed part of ``base`` (default this process's;
+    :func:`grpo_steps.servers.server_env.allowed_environment`: no MLflow credentials, and the S3 keys only with ``s3``,
+    the server reading ``weight_sync: s3`` versions, the Hub token only with ``hub``, a model it downloads) plus the
+    run's token, the KV-cache size (``VLLM_CPU_KVCACHE_SPACE``, GiB), runtime LoRA updates with ``lora``, and where its
+    cores are set.
     Its temporary files (``TMPDIR``; vLLM's ``vllm_dist_*`` file store, left in the shared temporary directory
     otherwise) go to ``ipc_dir``, the server's private directory, removed when it stops.
 
@@ -133,7 +137,7 @@ def server_environment(server_cfg: ServerConfig, *, token: str, ipc_dir: str, lo
       tokens/s (2026-11-27, docs/benchmarks.md "Where a make run's time goes"). Pinned, the single-process worker
       ignores the binding: two replicas pinned to a core each generated 16 tokens/s instead of ~80 (2026-11-26).
     """
-    env = dict(os.environ if base is None else base, VLLM_SERVER_DEV_MODE="1",
+    env = dict(allowed_environment(base, s3=s3, hub=hub), VLLM_SERVER_DEV_MODE="1",
                VLLM_CPU_KVCACHE_SPACE=str(server_cfg.kv_cache_gib), VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1",
                VLLM_RPC_BASE_PATH=ipc_dir,
                TMPDIR=ipc_dir)  # vLLM's torch.distributed file store (vllm_dist_*) goes there, removed at stop
@@ -214,6 +218,7 @@ class LocalServer(GenerationServer):
         index)."""
         return start_local(model_path, server_cfg or cfg.generation.server, max_model_len=cfg.model.max_model_len,
                            dtype=cfg.model.dtype, owner=owner, token=token, replica=replica,
+                           s3=cfg.generation.weight_sync == "s3",
                            max_lora_rank=cfg.train.peft.max_lora_rank if cfg.serves_adapter else None)
 
     @classmethod
@@ -261,8 +266,9 @@ class LocalServer(GenerationServer):
 
 def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int, dtype: str, owner: ProcessRef,
                 log_dir: str | Path | None = None, max_lora_rank: int | None = None,
-                token: str | None = None, replica: int | None = None) -> LocalServer:
-    """Start a vLLM server on ``server_cfg.host`` and wait until it is healthy.
+                token: str | None = None, replica: int | None = None, s3: bool = False) -> LocalServer:
+    """Start a vLLM server on ``server_cfg.host`` and wait until it is healthy, from an allow-listed environment
+    (:func:`server_environment`).
 
     Args:
         model_path: directory of the weights to serve.
@@ -274,6 +280,9 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
             None: no LoRA.
         token: the run's token (replicas share one); None: as described below.
         replica: a replica's index (its own served name first, :func:`grpo_steps.servers.client.served_model_names`).
+        s3: the server loads ``weight_sync: s3`` versions: it gets this process's S3 credentials (``AWS_*``), which
+            it reads the chain with. A ``model_path`` that is no local directory (a hub id the server downloads)
+            gives it the Hub token.
 
     Raises:
         ServerStartError: port in use, process exited early, or no health within
@@ -292,7 +301,8 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
     token = token or os.environ.get(auth.TOKEN_ENV) or os.environ.get("VLLM_API_KEY") or auth.new_token()
     remove_orphan_dirs(Path(tempfile.gettempdir()), IPC_PREFIX)  # of servers whose supervisor was killed
     ipc_dir = tempfile.mkdtemp(prefix=IPC_PREFIX)
-    env = server_environment(server_cfg, token=token, ipc_dir=ipc_dir, lora=max_lora_rank is not None)
+    env = server_environment(server_cfg, token=token, ipc_dir=ipc_dir, lora=max_lora_rank is not None, s3=s3,
+                             hub=not Path(model_path).is_dir())
     cmd = vllm_command(model_path, server_cfg.host, port, max_model_len=max_model_len, dtype=dtype,
                        enforce_eager=server_cfg.enforce_eager, extra_args=server_cfg.extra_args,
                        max_lora_rank=max_lora_rank, replica=replica,

@@ -16,7 +16,6 @@ through :mod:`grpo_steps.servers.router_bridge` (the run's token required, admin
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from grpo_steps.processes import PortInUseError, ProcessRef, log_tail, open_priv
 from grpo_steps.servers import auth, router_bridge
 from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy
 from grpo_steps.servers.local import LOG_DIR_NAME, LocalServer
+from grpo_steps.servers.server_env import allowed_environment
 
 if TYPE_CHECKING:
     from grpo_steps.config import PipelineConfig
@@ -113,7 +113,7 @@ def start_router(cfg: PipelineConfig, worker_urls: list[str], *, owner: ProcessR
     supervisor = [sys.executable, "-m", "grpo_steps.servers.supervisor", "--owner-pid", str(owner.pid),
                   "--owner-started", repr(owner.started), "--grace-s", str(server_cfg.orphan_grace_s),
                   "--log", str(log_path), "--", *cmd]
-    env = {k: v for k, v in os.environ.items() if k != auth.TOKEN_ENV}
+    env = allowed_environment()  # the router reads no S3 and no Hub, and never sees the MLflow credentials
     if token:
         env[auth.TOKEN_ENV] = token  # the bridge admits the clients that present it (the router never sees it)
     with open_private(log_path, "ab") as log:  # never through a planted link

@@ -194,3 +194,21 @@ def test_only_train_and_evaluate_take_the_runs_token_and_the_jobset_passes_the_a
         assert auth_names(f"argo-{workflow}")[0] in refs
     assert admitted(jobset, f"{workflow}-train-1234567890")
     assert not admitted(jobset, "grpo.user.ci.grpoflow-other-train-1234567890")
+
+
+def test_a_deployment_giving_the_server_pods_the_flows_own_secret_is_refused(s3, tmp_path):
+    """multinode.yaml as shipped gives the server pods the read-only grpo-s3-readonly; naming the flow's own
+    grpo-s3-credentials (in infra/metaflow/config-k8s-argo.json's Secrets) is refused where the deployment is made."""
+    metaflow_config = json.loads((REPO_ROOT / "infra" / "metaflow" / "config-k8s-argo.json").read_text())
+    assert "grpo-s3-credentials" in metaflow_config["METAFLOW_KUBERNETES_SECRETS"].split(",")
+    path = tmp_path / "flows-secret.yaml"
+    path.write_text(yaml.safe_dump(_merged(yaml.safe_load(CONFIG.read_text()),
+                                           {"resources": {"vllm": {"s3_secret_name": "grpo-s3-credentials"}}})))
+    env = {**os.environ, **{k: str(v) for k, v in metaflow_config.items()}, **s3.env(), "METAFLOW_USER": "ci"}
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "flows" / "grpo_flow.py"), "--no-pylint", "--config",
+                          "config", str(path), "argo-workflows", "create", "--only-json"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "Run refused: the server pods' S3 Secret" in out.stderr
+    assert "s3_secret_name 'grpo-s3-credentials' is a Secret of the flow's own pods" in out.stderr
+    assert not out.stdout.strip()  # no WorkflowTemplate

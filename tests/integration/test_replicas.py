@@ -24,6 +24,7 @@ import yaml
 from grpo_steps import servers
 from grpo_steps.config import REPO_ROOT, load_config, validate_config
 from grpo_steps.processes import PortInUseError, ProcessRef, wait_until
+from grpo_steps.servers import local
 from grpo_steps.servers.client import GenerationServerError, VLLMClient, session_id
 from grpo_steps.servers.router import requests_per_replica
 from grpo_steps.training.entry import run
@@ -66,6 +67,9 @@ def replica_set(tiny_model_path):
     with pytest.MonkeyPatch.context() as env:  # what the flow's environment gives them: S3 credentials for s3 pushes
         for name, value in dev_s3_credentials().items():
             env.setenv(name, value)
+        # the config pushes adapters (disk), whose servers get no S3 keys; these replicas serve the s3 tests too
+        start_local = local.start_local
+        env.setattr(local, "start_local", lambda *args, **kw: start_local(*args, **{**kw, "s3": True}))
         replica_set = servers.provision(cfg, tiny_model_path, owner=ProcessRef.of(os.getpid()),
                                         run_id="replicas-test")
     yield replica_set
@@ -227,7 +231,8 @@ def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny
                                                                    replica_set, s3, monkeypatch):
     """The chain's receivers on two real replicas: each version's weights serve as the trainer's (probe against the
     policy's own logprobs); a replica that missed every version replays the chain from the anchor; a corrupted
-    delta is refused by name, forged manifests (no digest, a swapped one, a self-referencing base, a missing tensor)
+    delta is refused by name, forged manifests (no digest, a swapped one, a self-referencing base, a missing tensor,
+    a version in another dtype)
     are refused by what they break, and a store that does not answer fails by key, each leaving the replica on the
     weights and label it served."""
     import torch
@@ -317,12 +322,18 @@ def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny
         stats = partial.chain.publish({k: v for k, v in state.items() if k != missing}, 0)
         refusals["a missing tensor"] = ({"s3": partial.store, "version": 0, "sha256": stats.sha256},
                                         rf"missing \['{re.escape(missing)}'\]")
+        # a version in another dtype than the served one (its digest genuine): refused, where the load would cast
+        half = ChainWeightPush(client, _store(s3, "receivers-half"), dtype=torch.float16)
+        stats = half.chain.publish(state, 0)
+        refusals["another dtype"] = ({"s3": half.store, "version": 0, "sha256": stats.sha256},
+                                     r"tensor .* is float16 .*, the served model has float32")
         for case, (request, error) in refusals.items():
             with pytest.raises(GenerationServerError, match=error):
                 first.update_weights(request, version_label(4))
             assert first.weight_version() == version_label(3), case
             assert first.prompt_logprobs(ids) == pytest.approx(served_before, abs=1e-6), case
         partial.close()
+        half.close()
 
         # a store that does not answer: the update fails naming the key, the replica keeps serving version 3
         dead = dict(push.store, endpoint_url="http://127.0.0.1:9")  # the discard port: nothing listens

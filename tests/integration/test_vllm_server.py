@@ -51,6 +51,12 @@ def test_disk_sync_changes_the_served_weights_and_back(tiny_server, tiny_model_p
     assert greedy_logprobs() != pytest.approx(before, abs=1e-4)
     client.reload_weights(tiny_model_path)
     assert greedy_logprobs() == pytest.approx(before, abs=1e-4)
+    # weights in another dtype than the served one (float32): refused, not cast, and the server keeps its weights
+    from grpo_steps.servers.client import GenerationServerError
+
+    with pytest.raises(GenerationServerError, match=r"other dtype \[.* float16 \(served float32\)"):
+        client.reload_weights(save_weights(model.to(torch.float16), tmp_path / "half"))
+    assert greedy_logprobs() == pytest.approx(before, abs=1e-4)
 
 
 def test_a_running_server_is_reached_as_external_and_never_stopped(tiny_server):
@@ -178,5 +184,10 @@ def test_the_default_cpu_server_runs_its_model_in_the_engine_core_process(tiny_s
     (engine_core,) = [p for p in api_server.children() if "EngineCore" in p.name()]  # beside: a resource tracker
     assert [p.name() for p in engine_core.children(recursive=True)] == []  # with cores to bind: VLLM::Worker
     # what the engine core inherited (its own /proc environ is overwritten when it renames itself)
-    assert api_server.environ()["OMP_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))
+    environ = api_server.environ()
+    assert environ["OMP_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))
     assert tiny_server.client().has_weight_engine()
+    # started from an allow-list of the flow's environment (grpo_steps/servers/server_env.py): the S3 keys it reads
+    # the weight chain with (tests/conftest.py starts it for s3 pushes), not the MLflow password the fixture set
+    assert "MLFLOW_TRACKING_PASSWORD" not in environ and not any(name.startswith("MLFLOW_") for name in environ)
+    assert "AWS_SECRET_ACCESS_KEY" in environ and environ["PATH"] == os.environ["PATH"]

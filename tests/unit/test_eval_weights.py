@@ -79,11 +79,11 @@ class RecordingServer(GenerationServer):
 
     runtime_lora = False
 
-    def stage_update(self, weights_dir, label, store=None) -> dict:
+    def stage_update(self, weights_dir, label, store=None, dtype=None) -> dict:
         from pathlib import Path
 
         files = sorted(p.name for p in Path(weights_dir).iterdir())
-        return {"staged": files, "label": label, "store": store}
+        return {"staged": files, "label": label, "store": store, "dtype": dtype}
 
 
 def test_served_policy_loads_full_weights_from_what_the_server_staged(tmp_path):
@@ -93,7 +93,8 @@ def test_served_policy_loads_full_weights_from_what_the_server_staged(tmp_path):
     store = {"bucket": "b", "prefix": "weight-sync/run-1", "endpoint_url": None}
     with served_policy(cfg, RecordingServer("http://x"), client, str(weights), "trained", store):
         assert client.model == "policy"
-    assert client.loads == [({"staged": ["model.safetensors"], "label": "trained", "store": store}, "eval-trained")]
+    assert client.loads == [({"staged": ["model.safetensors"], "label": "trained", "store": store,
+                              "dtype": "float32"}, "eval-trained")]  # published in the serving dtype, model.dtype
 
 
 def test_a_lora_adapter_under_s3_sync_is_evaluated_as_merged_full_weights(tmp_path, monkeypatch):
@@ -107,7 +108,10 @@ def test_a_lora_adapter_under_s3_sync_is_evaluated_as_merged_full_weights(tmp_pa
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "base")}))
     (adapter / "adapter_model.safetensors").write_bytes(b"")
 
-    def merge(base, adapter_dir, out_dir):
+    merged_in = []
+
+    def merge(base, adapter_dir, out_dir, dtype=None):
+        merged_in.append(dtype)
         return _weights(tmp_path, "merged", 2.0)
 
     monkeypatch.setattr(lora, "merge_adapter", merge)
@@ -118,6 +122,7 @@ def test_a_lora_adapter_under_s3_sync_is_evaluated_as_merged_full_weights(tmp_pa
         assert client.model == "policy"  # the base name: no adapter was loaded
     ((update, label),) = client.loads
     assert (update["store"], label) == (store, "eval-trained") and update["staged"] == ["model.safetensors"]
+    assert merged_in == [update["dtype"]] == ["float32"]  # merged and published in the serving dtype (model.dtype)
 
 
 def test_load_weights_takes_a_directory_or_a_chain_version_on_every_replica(monkeypatch):
@@ -187,6 +192,11 @@ def test_with_a_store_the_weights_are_a_version_under_the_runs_eval_prefix(store
     assert fetched.keys() == expected.keys()
     for name, tensor in expected.items():  # the dtypes the files hold (bf16 stays bf16), bits as written
         assert fetched[name].dtype == tensor.dtype and torch.equal(fetched[name], tensor)
+    # in the serving dtype (the evaluate step passes model.dtype): a server refuses another dtype (vllm_worker)
+    served = server.stage_update(_weights(tmp_path, "cast", value=3.0), "trained", store, "float32")
+    cast = chain_of(where).fetch(0, sha256=served["sha256"])
+    assert {t.dtype for t in cast.values()} == {torch.float32}
+    assert torch.equal(cast["model.norm.weight"], expected["model.norm.weight"].float())
     server.stage_update(_weights(tmp_path, "base"), "baseline", store)
     assert {key.split("/eval/")[1].split("/")[0] for key in _keys(store)} == {"baseline", "trained"}
     assert remove_run_versions(store) > 0 and _keys(store) == []

@@ -194,7 +194,7 @@ def test_s3_sync_servers_run_the_engine_and_take_the_named_secrets_keys():
     key is written into the manifest, the arguments or a log. No shared volume is mounted."""
     from grpo_steps.weights.server_flags import weight_transfer_args
 
-    deployment = k8s_manifests.render_manifests(s3_cluster_config(s3_secret_name="grpo-s3-credentials"), RUN_ID,
+    deployment = k8s_manifests.render_manifests(s3_cluster_config(s3_secret_name="grpo-s3-readonly"), RUN_ID,
                                                 "Qwen/Qwen2.5-1.5B-Instruct")[0]
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
@@ -203,7 +203,7 @@ def test_s3_sync_servers_run_the_engine_and_take_the_named_secrets_keys():
     assert args[at:at + 4] == weight_transfer_args()
     assert json.loads(args[at + 3]) == {"backend": "grpo_steps"} and args.count("--weight-transfer-config") == 1
     assert "--enable-scale-out" in args  # vLLM's /inference/v1/generate: per-token weight versions, pushes in flight
-    assert container["envFrom"] == [{"secretRef": {"name": "grpo-s3-credentials"}}]
+    assert container["envFrom"] == [{"secretRef": {"name": "grpo-s3-readonly"}}]
     assert "AWS_" not in json.dumps(container["env"]) and "minio" not in json.dumps(deployment)  # endpoint: per request
     assert "shared" not in json.dumps(pod["volumes"]) and "/shared" not in json.dumps(container["volumeMounts"])
     # without a Secret the pods use their own identity (IRSA, an instance role): nothing is mounted
@@ -217,12 +217,12 @@ def test_s3_sync_servers_run_the_engine_and_take_the_named_secrets_keys():
 
 def test_an_s3_sync_server_starts_without_a_shared_volume(token_dir):
     fake = FakeCluster()
-    cfg = s3_cluster_config(s3_secret_name="grpo-s3-credentials")
+    cfg = s3_cluster_config(s3_secret_name="grpo-s3-readonly")
     server = KubernetesServer.start(cfg, "/cache/qwen", run_id=RUN_ID, apps=fake, core=fake, networking=fake, poll_s=0)
     assert server.model == "Qwen/Qwen2.5-1.5B-Instruct"  # the hub id: the pod cannot read this machine's path
     ((_, deployment),) = fake.deployments.items()
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    assert container["envFrom"] == [{"secretRef": {"name": "grpo-s3-credentials"}}]
+    assert container["envFrom"] == [{"secretRef": {"name": "grpo-s3-readonly"}}]
     assert [name for _, name in fake.secrets] == [f"vllm-{RUN_ID}-token"]  # the S3 Secret is the user's: never made
     assert server.stop(apps=fake, core=fake, networking=fake) and not fake.secrets
 

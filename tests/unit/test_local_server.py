@@ -107,11 +107,16 @@ def test_the_server_runs_with_usage_stats_off_and_its_ipc_sockets_in_a_directory
               f"json.dump({{**dict(os.environ), 'owner': open(os.path.join(d, {OWNER_FILE!r})).read()}}, "
               f"open({str(seen)!r}, 'w')); time.sleep(600)")
     monkeypatch.setattr(local, "vllm_command", lambda *a, **k: [sys.executable, "-c", record])
+    for name in ("MLFLOW_TRACKING_PASSWORD", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN"):  # the flow's credentials
+        monkeypatch.setenv(name, "flow-secret")
     with pytest.raises(ServerStartError, match="not healthy"):
-        start_local("model", ServerConfig(port=0, startup_timeout_s=3), max_model_len=64, dtype="float32",
+        start_local(str(tmp_path), ServerConfig(port=0, startup_timeout_s=3), max_model_len=64, dtype="float32",
                     owner=ProcessRef.of(os.getpid()), log_dir=tmp_path)
     env = json.loads(seen.read_text())
     assert env["VLLM_NO_USAGE_STATS"] == "1" and env["VLLM_DO_NOT_TRACK"] == "1"
+    # a disk-sync server of a local model: none of the flow's credentials, only the run's token
+    assert not {"MLFLOW_TRACKING_PASSWORD", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN"} & env.keys()
+    assert env["GRPO_SERVER_TOKEN"] and env["PATH"] == os.environ["PATH"]
     ipc_dir = env["VLLM_RPC_BASE_PATH"]
     assert os.path.basename(ipc_dir).startswith(local.IPC_PREFIX)
     assert json.loads(env["owner"])["pid"] != os.getpid()  # owned by the supervisor, swept once it is gone
@@ -162,3 +167,36 @@ def test_a_cpu_server_binds_cores_only_where_they_are_set(monkeypatch):
     monkeypatch.setattr(local, "cpu_build", lambda: False)  # a GPU build: vLLM's own layout
     gpu = local.server_environment(ServerConfig(), token="t", ipc_dir="/ipc", base={})
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in gpu and "OMP_NUM_THREADS" not in gpu
+
+
+def test_a_server_gets_an_allow_listed_environment_and_only_the_credentials_it_uses():
+    """The flow's environment holds its MLflow, Hub and S3 credentials: a server keeps what vLLM needs, the S3 keys
+    only when it reads the weight chain (weight_sync s3), the Hub token only when it downloads its model."""
+    from grpo_steps.config import ServerConfig
+    from grpo_steps.servers import local
+
+    flow = {"PATH": "/usr/bin", "HOME": "/home/u", "HF_HOME": "/hf", "CUDA_VISIBLE_DEVICES": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "9", "VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD": "5",  # vLLM's knobs, kept
+            "MLFLOW_TRACKING_URI": "http://mlflow:5000", "MLFLOW_TRACKING_PASSWORD": "m", "MLFLOW_TRACKING_TOKEN": "t",
+            "HF_TOKEN": "h", "HF_TOKEN_PATH": "/secrets/hf",  # a token's file is the token
+            "AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1",
+            "METAFLOW_DATASTORE_SYSROOT_S3": "s3://b/mf", "GRPO_SERVER_TOKEN": "old", "OPENAI_API_KEY": "o",
+            "HTTPS_PROXY": "http://user:pw@proxy:3128", "OMP_NUM_THREADS": "2", "PYTHONPATH": "/rewards"}
+
+    def env(**kw) -> dict[str, str]:
+        return local.server_environment(ServerConfig(), token="run-token", ipc_dir="/ipc", base=flow, **kw)
+
+    disk = env()
+    assert {"PATH", "HOME", "HF_HOME", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTHONPATH",
+            "VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD"} <= disk.keys()
+    assert disk["VLLM_CPU_KVCACHE_SPACE"] == "2"  # the config's, over the flow's
+    assert disk["GRPO_SERVER_TOKEN"] == "run-token"
+    leaked = {k for k in disk if k.startswith(("MLFLOW_", "AWS_", "METAFLOW_", "HF_TOKEN", "HTTPS_", "OPENAI_"))}
+    assert leaked == set()
+    s3 = env(s3=True)
+    assert (s3["AWS_ACCESS_KEY_ID"], s3["AWS_SECRET_ACCESS_KEY"], s3["AWS_DEFAULT_REGION"]) == ("a", "s", "us-east-1")
+    assert s3["HTTPS_PROXY"] == flow["HTTPS_PROXY"]  # S3 behind a proxy
+    assert not {k for k in s3 if k.startswith(("MLFLOW_", "HF_TOKEN"))}
+    hub = env(hub=True)
+    assert (hub["HF_TOKEN"], hub["HF_TOKEN_PATH"]) == ("h", "/secrets/hf")
+    assert not {k for k in hub if k.startswith("AWS_")}

@@ -89,7 +89,7 @@ def test_every_object_of_a_run_with_three_replicas_validates():
         _valid(doc)
 
 
-@pytest.mark.parametrize("secret", ["grpo-s3-credentials", None], ids=["secret", "pod-identity"])
+@pytest.mark.parametrize("secret", ["grpo-s3-readonly", None], ids=["secret", "pod-identity"])
 def test_every_object_of_an_s3_sync_run_validates(secret):
     """``weight_sync: s3`` without a shared volume: the servers run the pipeline's engine and, with
     ``resources.vllm.s3_secret_name``, take that Secret's keys through ``envFrom``; with two replicas and the router."""

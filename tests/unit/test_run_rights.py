@@ -86,7 +86,7 @@ def admitted(obj: dict, pod: str, operation: str = "CREATE") -> bool:
     if kind != "JobSet" and not {"Secret": name == token, "ConfigMap": name == f"vllm-{run}-auth"}.get(
             kind, name.startswith(dns1035[:50])):
         return False
-    env_from = {"grpo-s3-credentials", *(("grpo-mlflow-credentials", token) if kind == "JobSet" else ())}
+    env_from = {"grpo-s3-credentials", "grpo-mlflow-credentials", token} if kind == "JobSet" else {"grpo-s3-readonly"}
     for spec in _pods(obj) if operation != "DELETE" else []:
         if "serviceAccount" in spec or "initContainers" in spec or "ephemeralContainers" in spec:
             return False
@@ -121,7 +121,7 @@ def test_the_mirror_follows_the_policys_rules():
                      "p.automountServiceAccountToken == false",
                      "!has(p.initContainers) && !has(p.ephemeralContainers)",
                      "e.valueFrom.secretKeyRef.name == variables.token",
-                     "['grpo-s3-credentials', 'grpo-mlflow-credentials', variables.token] : ['grpo-s3-credentials']",
+                     "['grpo-s3-credentials', 'grpo-mlflow-credentials', variables.token] : ['grpo-s3-readonly']",
                      "f.secretRef.name in variables.envFromSecrets",
                      "has(v.emptyDir) || has(v.persistentVolumeClaim)",
                      "v.configMap.name == 'vllm-' + variables.run + '-auth'",
@@ -135,7 +135,7 @@ def _run_objects(run_id: str) -> list[dict]:
     config["generation"]["server"]["replicas"] = 2
     config["train"]["gradient_accumulation_steps"] = 8
     del config["resources"]["shared_volume_claim"]
-    config["resources"]["vllm"].update(image="registry.example/grpo-vllm:1", s3_secret_name="grpo-s3-credentials")
+    config["resources"]["vllm"].update(image="registry.example/grpo-vllm:1", s3_secret_name="grpo-s3-readonly")
     cfg = validate_config(config)
     servers = [k8s_manifests.render_manifests(cfg, run_id, "m", replica=i)[:2] for i in range(2)]
     return [*k8s_manifests.render_auth(cfg, run_id, "t" * 43), k8s_manifests.render_manifests(cfg, run_id, "m")[2],
@@ -183,6 +183,7 @@ def test_a_run_creates_its_own_objects_and_cannot_touch_another_runs():
     deployment = next(o for o in mine if o["kind"] == "Deployment")
     spec = deployment["spec"]["template"]["spec"]
     assert spec["automountServiceAccountToken"] is False
+    assert spec["containers"][0]["envFrom"] == [{"secretRef": {"name": "grpo-s3-readonly"}}]
 
     def changed(obj: dict, change) -> dict:
         copy = yaml.safe_load(yaml.safe_dump(obj))
@@ -194,7 +195,9 @@ def test_a_run_creates_its_own_objects_and_cannot_touch_another_runs():
                    lambda p: p["volumes"].append({"name": "s", "secret": {"secretName": "x"}}),
                    lambda p: p.update(serviceAccountName="grpo-flow"),
                    lambda p: p.update(serviceAccount="grpo-flow"),  # the old alias of serviceAccountName
-                   lambda p: p.update(initContainers=[{"name": "i", "image": "x", "env": [theirs_token]}])):
+                   lambda p: p.update(initContainers=[{"name": "i", "image": "x", "env": [theirs_token]}]),
+                   # the flow's own S3 Secret, which writes the chain
+                   lambda p: p["containers"][0].update(envFrom=[{"secretRef": {"name": "grpo-s3-credentials"}}])):
         assert not admitted(changed(deployment, change), POD)
     assert not admitted(mine[0], "t-local-runtime-pod")  # no Argo workflow: refused
     # the longest names Metaflow gives a workflow (45 characters and "-" + 5): the cut names are still the run's

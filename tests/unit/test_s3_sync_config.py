@@ -39,10 +39,10 @@ def _on_kubernetes(weight_sync: str = "s3", model: str = "Qwen/Qwen2.5-0.5B-Inst
 def test_s3_sync_on_kubernetes_needs_no_shared_volume():
     """Pushes and evaluation's weights reach the server pods through S3: no ReadWriteMany volume, and the pods read
     S3 with the named Secret's keys (or their own identity when none is named)."""
-    cfg = validate_config(_on_kubernetes(s3_secret_name="grpo-s3-credentials"))
+    cfg = validate_config(_on_kubernetes(s3_secret_name="grpo-s3-readonly"))
     assert cfg.resources.shared_volume_claim is None
-    assert cfg.resources.vllm.s3_secret_name == "grpo-s3-credentials"
-    assert cfg.flat_params()["resources.vllm.s3_secret_name"] == "grpo-s3-credentials"  # a name, not redacted
+    assert cfg.resources.vllm.s3_secret_name == "grpo-s3-readonly"
+    assert cfg.flat_params()["resources.vllm.s3_secret_name"] == "grpo-s3-readonly"  # a name, not redacted
     assert validate_config(_on_kubernetes()).resources.vllm.s3_secret_name is None  # IRSA, instance role
 
 
@@ -129,3 +129,28 @@ def test_pushes_in_flight_are_refused_where_the_servers_cannot_take_them():
     kube_s3 = _on_kubernetes()
     kube_s3["generation"]["async"] = {"in_flight": True}
     assert validate_config(kube_s3).generation.async_.in_flight is True
+
+
+def test_start_refuses_the_flows_own_secret_for_the_server_pods(monkeypatch):
+    """The flow's Secrets (Metaflow's METAFLOW_KUBERNETES_SECRETS, METAFLOW_ARGO_WORKFLOWS_KUBERNETES_SECRETS, as
+    infra/metaflow/config-k8s-argo.json sets them) write the datastore and the chain: refused for the server pods, which
+    get a read-only Secret of their own (the shipped cluster configs' grpo-s3-readonly) or their own identity."""
+    from metaflow import metaflow_config
+
+    from grpo_steps.config import load_config
+    from grpo_steps.config.base import REPO_ROOT
+    from grpo_steps.preflight import check_server_secret, flow_secrets
+
+    monkeypatch.setattr(metaflow_config, "KUBERNETES_SECRETS", "grpo-s3-credentials,grpo-mlflow-credentials")
+    monkeypatch.setattr(metaflow_config, "ARGO_WORKFLOWS_KUBERNETES_SECRETS", " grpo-argo-s3 ,")
+    assert flow_secrets() == {"grpo-s3-credentials", "grpo-mlflow-credentials", "grpo-argo-s3"}
+    for flows_own in ("grpo-s3-credentials", "grpo-argo-s3"):
+        with pytest.raises(ConfigError, match=f"s3_secret_name '{flows_own}' is a Secret of the flow's own pods.*"
+                                              "read-only access to generation.s3_sync.url's prefix"):
+            check_server_secret(validate_config(_on_kubernetes(s3_secret_name=flows_own)).resources.vllm.s3_secret_name)
+    for shipped in ("multinode.yaml", "gpu-1node.yaml"):  # the documented default passes
+        check_server_secret(load_config(REPO_ROOT / "configs" / shipped).resources.vllm.s3_secret_name)
+    check_server_secret(None)  # the pods' own identity (IRSA)
+    monkeypatch.setattr(metaflow_config, "KUBERNETES_SECRETS", "")
+    monkeypatch.setattr(metaflow_config, "ARGO_WORKFLOWS_KUBERNETES_SECRETS", "")
+    check_server_secret("grpo-s3-credentials")  # no flow Secret configured (a local run): nothing to compare
