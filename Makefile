@@ -76,10 +76,9 @@ run: model
 test: install
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 
-# Unit tests and the config refusals of the command line. Three workers on two cores: much of it waits (sandbox time
-# limits, a 15 s answer through the router bridge, subprocesses, fsyncs), so a third worker fills the cores: 176 s with
-# -n 2, 153 s with -n 3, 150 s with -n 4 (1583 tests, 2026-11-28, docs/benchmarks.md); each worker's start (collecting
-# and importing the suite) costs ~25 CPU s, which caps the gain.
+# The inner loop: unit tests and the config refusals of the command line, each sandbox test in the isolation mode a run
+# here takes (the other modes carry the `variant` marker: make test runs them). Three workers on two cores: much of it
+# waits (sandbox time limits, a 15 s answer through the router bridge, subprocesses, fsyncs).
 test-fast: install
 	$(BIN)/python -m pytest -n 3 -m "not slow and not variant"
 
