@@ -218,7 +218,7 @@ class LocalServer(GenerationServer):
         index)."""
         return start_local(model_path, server_cfg or cfg.generation.server, max_model_len=cfg.model.max_model_len,
                            dtype=cfg.model.dtype, owner=owner, token=token, replica=replica,
-                           s3=cfg.generation.weight_sync == "s3",
+                           s3=cfg.generation.pushes_through_s3,
                            max_lora_rank=cfg.train.peft.max_lora_rank if cfg.serves_adapter else None)
 
     @classmethod
