@@ -32,6 +32,7 @@ import functools
 import multiprocessing
 import os
 import signal
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -48,6 +49,11 @@ def adapter_factory(spec: str, resolve: Callable[[str, str], Callable], key: str
     """The factory ``spec`` names: ``gym:module:Class`` and ``textarena:<id>`` adapted (:class:`GymGame`,
     :class:`TextArenaGame`), else ``resolve(spec, key)`` (a factory in TRL's contract)."""
     if spec.startswith(TEXTARENA):
+        import importlib.util
+
+        if importlib.util.find_spec("textarena") is None:
+            raise ValueError(f"{key} {spec!r} names a TextArena game, and textarena is not installed "
+                              "(pip install textarena)")
         return functools.partial(TextArenaGame, spec[len(TEXTARENA):])
     if spec.startswith(GYM):
         return functools.partial(GymGame, resolve(spec[len(GYM):], key))
@@ -89,6 +95,7 @@ class TextArenaGame(_Game):
         import textarena
 
         self._env = textarena.make(env_id)
+        self._name = env_id
         self._seen = 0
         self._start()
 
@@ -144,6 +151,7 @@ class GymGame(_Game):
 
     def __init__(self, cls: Callable) -> None:
         self._env = cls()
+        self._name = getattr(cls, "__name__", "GymGame")
         self._start()
 
     def reset(self, seed: int | None = None, **row: Any) -> str:
@@ -177,6 +185,22 @@ class GymGame(_Game):
 _CONTEXT = multiprocessing.get_context("forkserver")
 _PRELOAD = ["rewards.locate", __name__]
 """Modules the fork server imports once (each environment's module joins while the server is not running yet)."""
+_MAIN_PATH = "GRPO_ENVIRONMENT_MAIN_PATH"
+"""Where the parent's ``__main__`` script is, for the fork server (see :func:`_adopt_main`)."""
+
+
+def _adopt_main() -> None:
+    """In the fork server: name the parent's main script as this process's ``__main__`` file. multiprocessing's
+    spawn preparation runs the parent's main script again in every worker (a Metaflow step's flow file: Metaflow's
+    import, ~1 s each) unless the worker's ``__main__`` is that file already (``spawn._fixup_main_from_path``); the
+    workers need nothing of it (a ``-m`` main, the trainer's or pytest's, is skipped by multiprocessing itself)."""
+    main = sys.modules.get("__main__")
+    path = os.environ.get(_MAIN_PATH)
+    if path and main is not None and getattr(main, "__file__", None) is None:
+        main.__file__ = path
+
+
+_adopt_main()
 _PROCESSES: weakref.WeakSet = weakref.WeakSet()
 """Every :class:`EnvironmentProcess` with a worker, killed at interpreter exit (no orphan worker)."""
 
@@ -287,8 +311,10 @@ class ProcessEnvironment:
         self._timed_out = False
 
     def reset(self, **row: Any) -> str | None:
-        self._started, self._ended, self._timed_out = time.monotonic(), None, False
-        return self._process.call("reset", self._timeout_s, **row)
+        self._ended, self._timed_out = None, False
+        observation = self._process.call("reset", self._timeout_s, **row)
+        self._started = time.monotonic()  # after the reset: a worker's start is not the episode's time
+        return observation
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self._ended is not None:
@@ -304,9 +330,10 @@ class ProcessEnvironment:
             value = self._process.call(method, limit, *args, **kwargs)
         except TimeoutError:
             over = limit < self._timeout_s  # the episode's clock ran out before the call's own limit
-            self._end(f"over its wall clock of {self._episode_s:g} s (generation.episode_timeout_s)" if over else
+            self._end(f"over its wall clock of {self._episode_s:g} s (generation.episode_timeout_s), in a {method} "
+                      "that was killed" if over else
                       f"{method} took longer than {self._timeout_s:g} s (generation.tool_timeout_s)", over)
-            raise
+            raise TimeoutError(f"the episode is over: {self._ended}; it is scored failed") from None
         return cut_response(value, self._max_chars)
 
     def _end(self, why: str, timed_out: bool) -> None:
@@ -356,7 +383,8 @@ def process_factory(spec: str, probe: Any, methods: list[str], timeout_s: float,
                     max_chars: int) -> type:
     """A class in TRL's environment contract whose instances run environment ``spec`` in a worker process
     (:class:`ProcessEnvironment`), with ``probe``'s tools ``methods`` (names) and its ``get_reward`` when it has
-    one; named as ``probe``'s class (TRL logs an environment's reward under that name)."""
+    one; named as ``probe``'s class, or as the game an adapter plays (TRL logs an environment's reward under its
+    class's name: ``rewards/<name>/mean``)."""
     cls = type(probe)
     members: dict[str, Any] = {name: _forwarder(name, getattr(cls, name)) for name in methods}
     if callable(getattr(probe, "get_reward", None)):
@@ -371,4 +399,7 @@ def process_factory(spec: str, probe: Any, methods: list[str], timeout_s: float,
     if module not in _PRELOAD:
         _PRELOAD.append(module)
     _CONTEXT.set_forkserver_preload(list(_PRELOAD))
-    return type(cls.__name__, (ProcessEnvironment,), members)
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file and getattr(sys.modules["__main__"].__spec__, "name", None) is None:
+        os.environ.setdefault(_MAIN_PATH, os.path.normpath(main_file))  # read by _adopt_main in the fork server
+    return type(getattr(probe, "_name", cls.__name__), (ProcessEnvironment,), members)

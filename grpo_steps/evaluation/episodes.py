@@ -26,8 +26,8 @@ class Episode:
     """One rollout: ``messages`` after the prompt (the assistant's turns and the tools' answers, TRL's format),
     ``completion_ids`` (every token after the prompt: the model's and the tool answers'), ``model_tokens`` (those the
     model sampled), ``first_logprobs`` (logprobs of the first turn's tokens), ``tool_calls`` / ``tool_failures``
-    (calls made / calls that raised, timed out or named no tool), ``turns`` (assistant turns), ``environment``
-    (its instance, or None)."""
+    (calls made / calls that raised, timed out or named no tool), ``turns`` (assistant turns), ``turn_tokens`` (the
+    tokens the model sampled in each turn), ``environment`` (its instance, or None)."""
 
     messages: list[dict] = field(default_factory=list)
     completion_ids: list[int] = field(default_factory=list)
@@ -36,6 +36,7 @@ class Episode:
     tool_calls: int = 0
     tool_failures: int = 0
     turns: int = 0
+    turn_tokens: list[int] = field(default_factory=list)
     environment: Any = None
 
     @property
@@ -203,6 +204,7 @@ class Rollouts:
         episode.completion_ids += ids
         episode.model_tokens += len(ids)
         episode.turns += 1
+        episode.turn_tokens.append(len(ids))
 
     def _tool_round(self, open_episodes: list, temperature: float, request: dict) -> list:
         """Run the tool calls of each episode's last turn, append their answers, sample the next turn; returns the
