@@ -16,17 +16,22 @@ def _outcomes(completions: list, environments: list | None) -> list[dict | None]
     return [getattr(env, "outcome", None) if env is not None else None for env in environments]
 
 
-def game_solved(completions: list, environments: list | None = None, **_columns) -> list[float | None]:
+def game_solved(completions: list, environments: list | None = None, log_metric=None,
+                **_columns) -> list[float | None]:
     """1.0 when the episode solved its game, else 0.0 (an episode ended by a time limit is not solved): the binary
-    success reward of multi-turn game RL (RAGEN's Sokoban/FrozenLake success, TextArena's win).
+    success reward of multi-turn game RL (RAGEN's Sokoban/FrozenLake success, TextArena's win). With TRL's
+    ``log_metric``, also logs ``game/timed_out``: the episodes of the call that ``generation.episode_timeout_s``
+    ended (a count per reward call, which TRL averages over its logging window).
 
     >>> class Env:
     ...     def __init__(self, solved): self.outcome = {"solved": solved, "invalid_moves": 0}
     >>> game_solved(["", "", ""], environments=[Env(True), Env(False), None])
     [1.0, 0.0, None]
     """
-    return [None if o is None or "solved" not in o else float(bool(o["solved"]))
-            for o in _outcomes(completions, environments)]
+    outcomes = _outcomes(completions, environments)
+    if callable(log_metric) and any(o is not None for o in outcomes):
+        log_metric("game/timed_out", float(sum(bool(o and o.get("timed_out")) for o in outcomes)))
+    return [None if o is None or "solved" not in o else float(bool(o["solved"])) for o in outcomes]
 
 
 def game_invalid_moves(completions: list, environments: list | None = None, **_columns) -> list[float | None]:
