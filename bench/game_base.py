@@ -20,6 +20,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/game.yaml")
     parser.add_argument("--rows", type=int, default=32, help="held-out rows evaluated")
+    parser.add_argument("--samples", type=int, default=None, help="eval.num_samples (default: the config's)")
     parser.add_argument("--model", default=None, help="weights to serve (default: the config's model)")
     args = parser.parse_args()
     from grpo_steps import servers
@@ -30,6 +31,9 @@ def main() -> None:
     from grpo_steps.tools import prompt_tools
 
     cfg = load_config(args.config)
+    if args.samples is not None:
+        cfg = validate_config({**cfg.model_dump(mode="json", exclude_unset=True), "eval": {
+            **cfg.eval.model_dump(mode="json", exclude_unset=True), "num_samples": args.samples, "k": [1]}})
     model_path = args.model or resolve_model(cfg.model.name_or_path)
     tokenizer = load_tokenizer(model_path, cfg.model.chat_template)
     tools = prompt_tools(cfg.tools, cfg.environment, cfg.generation.tool_timeout_s)
