@@ -81,8 +81,9 @@ def check_tool(fn: Callable, key: str) -> dict:
 def with_timeout(fn: Callable, seconds: float, max_chars: int = DEFAULT_MAX_TOOL_RESPONSE) -> Callable:
     """``fn`` limited to ``seconds`` of wall clock per call, its answer cut to ``max_chars`` characters
     (:func:`grpo_steps.tool_worker.cut_response`); same name, signature, docstring and (a)sync kind, so it is
-    described to the model as ``fn`` is. In-process: for an environment's methods (tools of ``tools:`` run in a
-    worker process, :func:`tool_functions`).
+    described to the model as ``fn`` is. In-process, for a caller that wraps a function itself (the pipeline's
+    tools of ``tools:`` run in a worker process, :func:`tool_functions`; environments in one each,
+    :mod:`grpo_steps.environments`).
 
     A sync call runs in a daemon thread (it cannot be killed: a tool that hangs forever keeps one thread); an async
     one under ``asyncio.wait_for``. Raises ``TimeoutError`` past the limit, ``RuntimeError`` for a ``SystemExit`` or
