@@ -433,9 +433,10 @@ class PipelineConfig(_Section):
         names = {path.replace(":", ".").rsplit(".", 1)[-1] for path in self.tools}
         for src in self.data.sources():
             for example in src.few_shot:
-                if example.tool_call is not None and example.tool_call.name not in names:
-                    raise ValueError(f"data.few_shot shows a call of tool {example.tool_call.name!r}, which is not "
-                                     f"one of the tools ({sorted(names) or 'none'}): add it to tools or fix the name")
+                for call in example.tool_calls():
+                    if call.name not in names:
+                        raise ValueError(f"data.few_shot shows a call of tool {call.name!r}, which is not one of the "
+                                         f"tools ({sorted(names) or 'none'}): add it to tools or fix the name")
         return self
 
     @model_validator(mode="after")
