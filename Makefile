@@ -13,7 +13,7 @@ CONFIG ?= configs/local.yaml
 # Metaflow's local @parallel starts the gang's other nodes with `python` from PATH: the venv's.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install sandbox model run test test-fast ui s3 lint docs bench bench-gpu gpu-check lock screenshots clean
+.PHONY: install sandbox model run game test test-fast ui s3 lint docs bench bench-gpu gpu-check lock screenshots clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,10 @@ model: install
 
 run: model
 	$(BIN)/python flows/grpo_flow.py --config config $(CONFIG) run
+
+# A game the policy must learn across turns (configs/game.yaml: TextArena's GuessTheNumber-v0, feedback every turn).
+game: model
+	$(BIN)/python flows/grpo_flow.py --config config configs/game.yaml run
 
 # --no-loadscope-reorder: files in the order of tests/conftest.py's LONGEST_FIRST (xdist's default sends the files
 # with the most tests first, which left the minutes-long flow files, one test each, to the end of the run).

@@ -52,20 +52,25 @@ def load_rows(src: SourceConfig, size: int, seed: int) -> list[dict[str, Any]]:
 
 def to_prompt(question: str, system_prompt: str | None, few_shot=()) -> list[dict]:
     """Conversational prompt: optional system message, the ``few_shot`` examples (objects with ``question``,
-    ``completion`` and optionally ``tool_call``) as user/assistant turns -- with a tool call, the assistant's call and
-    the tool's answer (TRL's message format) come before its reply -- then the question as the user message.
+    ``completion`` and optionally ``tool_call``, one call or a list) as user/assistant turns -- with tool calls, each
+    call as an assistant turn followed by the tool's answer (TRL's message format) comes before its reply -- then
+    the question as the user message.
 
     >>> from grpo_steps.config import FewShotExample
     >>> demo = FewShotExample(question="Calculate 2 * 3.", completion="Answer: 6",
     ...                       tool_call={"name": "calculator", "arguments": {"expression": "2 * 3"}, "result": "6"})
     >>> [m["role"] for m in to_prompt("Calculate 4 * 5.", None, [demo])]
     ['user', 'assistant', 'tool', 'assistant', 'user']
+    >>> game = FewShotExample(question="Guess.", completion="I won.", tool_call=[
+    ...     {"name": "move", "arguments": {"action": "[10]"}, "result": "higher"},
+    ...     {"name": "move", "arguments": {"action": "[15]"}, "result": "solved"}])
+    >>> [(m["role"], m.get("content")) for m in to_prompt("Guess.", None, [game])][1:5]
+    [('assistant', ''), ('tool', 'higher'), ('assistant', ''), ('tool', 'solved')]
     """
     messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
     for example in few_shot:
         messages.append({"role": "user", "content": example.question})
-        call = getattr(example, "tool_call", None)
-        if call is not None:
+        for call in example.tool_calls() if hasattr(example, "tool_calls") else []:  # one assistant turn each
             messages += [{"role": "assistant", "content": "", "tool_calls": [
                              {"type": "function", "function": {"name": call.name, "arguments": dict(call.arguments)}}]},
                          {"role": "tool", "name": call.name, "content": call.result}]

@@ -11,8 +11,9 @@ on; an
 answer longer than ``generation.max_tool_response_length`` characters is cut before it is tokenized.
 
 A ``tools:`` function runs in a worker process of its own (:mod:`grpo_steps.tool_worker`), killed at the time
-limit. An environment's methods share their instance's state, which lives in the training process: they run in a
-thread there (:func:`with_timeout`), which a tool that never returns keeps.
+limit. An environment instance, whose methods share its state, lives in a worker process of its own too
+(:mod:`grpo_steps.environments`), killed with its state at a call's limit or its episode's wall clock, which ends
+the episode.
 
 The model's chat template must render a tool-calling exchange: ``model.chat_template`` names one (a template TRL
 ships, e.g. ``qwen2_5``: ChatML with ``<tool_call>``, the turn tokens SmolLM2 uses too) or a Jinja file.
@@ -80,8 +81,9 @@ def check_tool(fn: Callable, key: str) -> dict:
 def with_timeout(fn: Callable, seconds: float, max_chars: int = DEFAULT_MAX_TOOL_RESPONSE) -> Callable:
     """``fn`` limited to ``seconds`` of wall clock per call, its answer cut to ``max_chars`` characters
     (:func:`grpo_steps.tool_worker.cut_response`); same name, signature, docstring and (a)sync kind, so it is
-    described to the model as ``fn`` is. In-process: for an environment's methods (tools of ``tools:`` run in a
-    worker process, :func:`tool_functions`).
+    described to the model as ``fn`` is. In-process, for a caller that wraps a function itself (the pipeline's
+    tools of ``tools:`` run in a worker process, :func:`tool_functions`; environments in one each,
+    :mod:`grpo_steps.environments`).
 
     A sync call runs in a daemon thread (it cannot be killed: a tool that hangs forever keeps one thread); an async
     one under ``asyncio.wait_for``. Raises ``TimeoutError`` past the limit, ``RuntimeError`` for a ``SystemExit`` or
@@ -165,45 +167,38 @@ def environment_methods(instance: Any) -> list[str]:
             if name not in ("reset", "get_reward") and not name.startswith("_")]
 
 
-def timed_factory(factory: Callable, timeout_s: float, max_chars: int = DEFAULT_MAX_TOOL_RESPONSE) -> Callable:
-    """A factory whose instances' tools (:func:`environment_methods`) are limited to ``timeout_s`` seconds and
-    ``max_chars`` characters of answer per call (:func:`with_timeout`; set on the instance, which is where TRL and
-    :mod:`grpo_steps.evaluation.episodes` look them up)."""
-
-    @functools.wraps(factory)
-    def make() -> Any:
-        instance = factory()
-        for name in environment_methods(instance):
-            setattr(instance, name, with_timeout(getattr(instance, name), timeout_s, max_chars))
-        return instance
-
-    return make
-
-
 def environment_factories(spec: str | dict[str, str] | None, timeout_s: float,
-                          max_chars: int = DEFAULT_MAX_TOOL_RESPONSE) -> dict[str | None, Callable] | None:
+                          max_chars: int = DEFAULT_MAX_TOOL_RESPONSE,
+                          episode_s: float | None = None) -> dict[str | None, Callable] | None:
     """The configured environment (``environment:``) as ``{name: factory}`` (``None`` the one name of a single
-    factory), each instance's tools limited to ``timeout_s`` and ``max_chars`` (:func:`timed_factory`); None
-    without one.
+    factory); None without one. Each entry is a factory in TRL's contract, a gymnasium-style class
+    (``gym:module:Class``) or a TextArena game (``textarena:<id>``), adapted by :mod:`grpo_steps.environments`; its
+    instances run in worker processes (:func:`grpo_steps.environments.process_factory`): each call limited to
+    ``timeout_s`` seconds and ``max_chars`` characters of answer, each episode to ``episode_s`` seconds of wall
+    clock from its reset (None: no limit).
 
     Raises:
         ToolError: a factory that does not import, or whose instance has no ``reset`` or a tool without a
             schema.
     """
+    from grpo_steps.environments import adapter_factory, process_factory
+
     if spec is None:
         return None
     named = {None: spec} if isinstance(spec, str) else dict(spec)
     factories = {}
     for name, path in named.items():
         key = "environment" if name is None else f"environment.{name}"
-        factory = resolve_callable(path, key)
-        probe = factory()
+        factory = adapter_factory(path, resolve_callable, key)
+        probe = factory()  # in this process, once: its class's tools and their schemas
         if not callable(getattr(probe, "reset", None)):
             raise ToolError(f"{key} {path!r}: its instances need a reset(**row) method (TRL's environment "
-                              "contract), returning a string appended to the question or None")
-        for method in environment_methods(probe):
+                              "contract), returning a string appended to the question or None; or name a "
+                              "gymnasium-style class as 'gym:module:Class', a TextArena game as 'textarena:<id>'")
+        methods = environment_methods(probe)
+        for method in methods:
             check_tool(getattr(probe, method), f"{key} {path!r}, tool {method!r}")
-        factories[name] = timed_factory(factory, timeout_s, max_chars)
+        factories[name] = process_factory(path, probe, methods, timeout_s, episode_s, max_chars)
     return factories
 
 

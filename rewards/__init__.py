@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from rewards.answers import answer_accuracy, answer_format
 from rewards.code import code_execution
 from rewards.format import think_answer_format
+from rewards.game import game_invalid_moves, game_solved
 from rewards.guard import guarded
 from rewards.length import soft_overlong_punishment
 from rewards.locate import import_attr
@@ -34,6 +35,8 @@ REGISTRY: dict[str, Callable[..., list[float | None]]] = {
     "soft_overlong_punishment": soft_overlong_punishment,
     "code_execution": code_execution,
     "reward_model": reward_model,
+    "game_solved": game_solved,
+    "game_invalid_moves": game_invalid_moves,
 }
 
 # Arguments the trainer or the evaluation passes to every reward: never configurable options.

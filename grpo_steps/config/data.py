@@ -40,8 +40,15 @@ class FewShotExample(_Section):
     """The example's user message, written like the task's questions."""
     completion: str = Field(min_length=1)
     """The reply the policy should imitate, in the format the rewards check (e.g. ``Answer: 42``)."""
-    tool_call: FewShotToolCall | None = None
-    """A tool call the example makes first (a tool-use demonstration); null: none."""
+    tool_call: FewShotToolCall | list[FewShotToolCall] | None = None
+    """A tool call the example makes first (a tool-use demonstration), or a list of calls made one turn after the
+    other, each answer read before the next call (a demonstration across turns, e.g. a game's moves); null: none."""
+
+    def tool_calls(self) -> list[FewShotToolCall]:
+        """The example's calls in order (``tool_call`` as a list)."""
+        if self.tool_call is None:
+            return []
+        return self.tool_call if isinstance(self.tool_call, list) else [self.tool_call]
 
 
 class SourceConfig(_Section):

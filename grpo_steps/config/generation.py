@@ -512,6 +512,10 @@ class GenerationConfig(_Section):
     tool_timeout_s: float = Field(10.0, gt=0)
     """Seconds one tool call may take; past it the call is an error the model sees as the tool's answer (a
     ``tools:`` function's worker process is killed; :mod:`grpo_steps.tool_worker`)."""
+    episode_timeout_s: float | None = Field(None, gt=0)
+    """With an ``environment``: seconds of wall clock an episode may take from its ``reset`` (model turns included);
+    a move past it ends the episode, scored failed (``get_reward`` 0, not solved) and counted
+    (``game/timed_out``). Null: no limit but ``tool_timeout_s`` per call."""
     max_tool_response_length: int = Field(4096, gt=0)
     """Characters of a tool's answer the model sees (verl's ``multi_turn.max_tool_response_length``): a longer
     answer is cut to this many, followed by ``...(truncated)``, before it is tokenized or logged."""

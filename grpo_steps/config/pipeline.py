@@ -58,8 +58,12 @@ class PipelineConfig(_Section):
     environment: str | dict[str, str] | None = None
     """A stateful environment per rollout (TRL's ``environment_factory``): the dotted path of a factory whose
     instances have ``reset(**row) -> str | None``, public methods as tools and optionally ``get_reward() -> float``
-    (an extra reward, weight 1); or ``{name: factory}``, each row naming its environment in an ``environment``
-    column (kept with ``data.columns``). Null: none."""
+    (an extra reward, weight 1); ``gym:module:Class``, a gymnasium-style class (``reset(seed=) -> (obs, info)``,
+    ``step(action) -> (obs, reward, terminated, truncated, info)``), or ``textarena:<id>``, a single-player TextArena
+    game (e.g. ``textarena:GuessTheNumber-v0``), both adapted with one ``move(action)`` tool and seeded by the row's
+    ``seed`` column (``grpo_steps.environments``); or ``{name: factory}``, each row naming its environment in an
+    ``environment`` column (kept with ``data.columns``). Each instance runs in a worker process of its own. Null:
+    none."""
     generation: GenerationConfig = GenerationConfig()
     """Rollouts: backend, server provider, weight sync, sampling."""
     train: TrainConfig = TrainConfig()
@@ -336,11 +340,12 @@ class PipelineConfig(_Section):
 
             tool_functions(self.tools, self.generation.tool_timeout_s)  # raises ConfigError naming the tool
         if self.environment is not None:
+            from grpo_steps.environments import adapter_factory
             from grpo_steps.tools import resolve_callable
 
             named = {"": self.environment} if isinstance(self.environment, str) else self.environment
             for name, path in named.items():
-                resolve_callable(path, f"environment.{name}" if name else "environment")
+                adapter_factory(path, resolve_callable, f"environment.{name}" if name else "environment")
         return self
 
     @model_validator(mode="after")
@@ -428,9 +433,10 @@ class PipelineConfig(_Section):
         names = {path.replace(":", ".").rsplit(".", 1)[-1] for path in self.tools}
         for src in self.data.sources():
             for example in src.few_shot:
-                if example.tool_call is not None and example.tool_call.name not in names:
-                    raise ValueError(f"data.few_shot shows a call of tool {example.tool_call.name!r}, which is not "
-                                     f"one of the tools ({sorted(names) or 'none'}): add it to tools or fix the name")
+                for call in example.tool_calls():
+                    if call.name not in names:
+                        raise ValueError(f"data.few_shot shows a call of tool {call.name!r}, which is not one of the "
+                                         f"tools ({sorted(names) or 'none'}): add it to tools or fix the name")
         return self
 
     @model_validator(mode="after")

@@ -57,6 +57,10 @@ class EvalConfig(_Section):
     ``chat_template_kwargs`` and ``max_completion_tokens`` to every evaluation completion, greedy ones included."""
     num_table_rows: int = Field(20, ge=0)
     """Sample completions logged to the MLflow table."""
+    num_traces: int = Field(4, ge=0)
+    """With tools or an environment: episodes traced in MLflow per evaluated policy (the first sampled episode of
+    each of the first ``num_traces`` prompts; a span per turn: observation, action, reward, tokens;
+    :mod:`grpo_steps.evaluation.traces`). 0: none."""
     correctness_reward: str = "answer_accuracy"
     """The reward (one of ``rewards``) that defines a correct completion (a score of at least ``correct_at``) for
     accuracy, pass@k and the registry's gate. Left unset: ``answer_accuracy`` when it is configured, else the first

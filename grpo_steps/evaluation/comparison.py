@@ -63,6 +63,13 @@ def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: d
     # where each evaluation was made: the numbers of one taken from training are its curve point's
     tracking.set_tags(cfg, run_id, {f"eval.{label}.measured": report[label]["measured"]
                                     for label in ("baseline", "trained")})
+    traced = tracking.run_tags(cfg, run_id, "eval.traced.")
+    for label in ("baseline", "trained"):
+        if report[label].get("traces") and f"eval.traced.{label}" not in traced:  # once, also after a resume
+            from grpo_steps.evaluation.traces import log_traces
+
+            log_traces(cfg, run_id, label, report[label]["traces"])
+            tracking.set_tags(cfg, run_id, {f"eval.traced.{label}": str(len(report[label]["traces"]))})
     mlflow_client = tracking.client(cfg)
     logged = {a.path for a in mlflow_client.list_artifacts(run_id, "eval")}
     for label in ("baseline", "trained"):

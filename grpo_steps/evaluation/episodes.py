@@ -26,8 +26,8 @@ class Episode:
     """One rollout: ``messages`` after the prompt (the assistant's turns and the tools' answers, TRL's format),
     ``completion_ids`` (every token after the prompt: the model's and the tool answers'), ``model_tokens`` (those the
     model sampled), ``first_logprobs`` (logprobs of the first turn's tokens), ``tool_calls`` / ``tool_failures``
-    (calls made / calls that raised, timed out or named no tool), ``turns`` (assistant turns), ``environment``
-    (its instance, or None)."""
+    (calls made / calls that raised, timed out or named no tool), ``turns`` (assistant turns), ``turn_tokens`` (the
+    tokens the model sampled in each turn), ``environment`` (its instance, or None)."""
 
     messages: list[dict] = field(default_factory=list)
     completion_ids: list[int] = field(default_factory=list)
@@ -36,6 +36,7 @@ class Episode:
     tool_calls: int = 0
     tool_failures: int = 0
     turns: int = 0
+    turn_tokens: list[int] = field(default_factory=list)
     environment: Any = None
 
     @property
@@ -72,7 +73,7 @@ class Rollouts:
         self.cfg, self.client, self.tokenizer, self.gen = cfg, client, tokenizer, cfg.generation
         self.tools = tool_functions(cfg.tools, self.gen.tool_timeout_s, self.gen.max_tool_response_length)
         self.factories = environment_factories(cfg.environment, self.gen.tool_timeout_s,
-                                               self.gen.max_tool_response_length)
+                                               self.gen.max_tool_response_length, self.gen.episode_timeout_s)
         self.multi_turn = bool(self.tools or self.factories)
         self.template = rendering_template(tokenizer, self.multi_turn)
         if self.multi_turn:
@@ -203,6 +204,7 @@ class Rollouts:
         episode.completion_ids += ids
         episode.model_tokens += len(ids)
         episode.turns += 1
+        episode.turn_tokens.append(len(ids))
 
     def _tool_round(self, open_episodes: list, temperature: float, request: dict) -> list:
         """Run the tool calls of each episode's last turn, append their answers, sample the next turn; returns the
@@ -281,13 +283,37 @@ def conversation(messages: list[dict]) -> str:
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     """Tool use over ``episodes``: ``tools/call_frequency`` (calls per episode, TRL's definition),
     ``tools/failure_frequency`` (failed calls per call; 0 without calls), ``tools/episodes_with_call`` (share of
-    episodes with at least one call) and ``tools/turns_per_episode`` (assistant turns).
+    episodes with at least one call) and ``tools/turns_per_episode`` (assistant turns); with games, the
+    :func:`game_metrics` too.
 
     >>> episode_metrics([Episode(tool_calls=2, tool_failures=1, turns=3), Episode(turns=1)])["tools/call_frequency"]
     1.0
     """
     calls = sum(e.tool_calls for e in episodes)
-    return {"tools/call_frequency": calls / max(len(episodes), 1),
+    return {**game_metrics(episodes), "tools/call_frequency": calls / max(len(episodes), 1),
             "tools/failure_frequency": sum(e.tool_failures for e in episodes) / calls if calls else 0.0,
             "tools/episodes_with_call": sum(e.tool_calls > 0 for e in episodes) / max(len(episodes), 1),
             "tools/turns_per_episode": sum(e.turns for e in episodes) / max(len(episodes), 1)}
+
+
+def game_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """Over the episodes whose environment keeps an ``outcome`` (the game adapters of
+    :mod:`grpo_steps.environments`; none: ``{}``): ``game/solve_rate`` (0..1), ``game/moves_per_solved`` (moves of a
+    solved episode, mean; NaN when none is solved), ``game/invalid_moves`` (refused moves per episode) and
+    ``game/timed_out`` (episodes ended by ``generation.episode_timeout_s``, a count).
+
+    >>> class Game:
+    ...     def __init__(self, **o): self.outcome = o
+    >>> game_metrics([Episode(environment=Game(solved=True, moves=3, invalid_moves=1, timed_out=False)),
+    ...               Episode(environment=Game(solved=False, moves=6, invalid_moves=0, timed_out=True))])
+    {'game/solve_rate': 0.5, 'game/moves_per_solved': 3.0, 'game/invalid_moves': 0.5, 'game/timed_out': 1.0}
+    """
+    outcomes = [o for o in (getattr(e.environment, "outcome", None) for e in episodes)
+                if isinstance(o, dict) and "solved" in o]
+    if not outcomes:
+        return {}
+    solved = [o for o in outcomes if o["solved"]]
+    return {"game/solve_rate": len(solved) / len(outcomes),
+            "game/moves_per_solved": sum(o.get("moves", 0) for o in solved) / len(solved) if solved else float("nan"),
+            "game/invalid_moves": sum(o.get("invalid_moves", 0) for o in outcomes) / len(outcomes),
+            "game/timed_out": float(sum(bool(o.get("timed_out")) for o in outcomes))}

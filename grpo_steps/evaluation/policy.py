@@ -19,9 +19,10 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
     {"accuracy", "pass@1": [float per prompt]}, "prompt_keys": [str per prompt]}`` (``metrics``: see
     :func:`summarise`; ``probe_logprobs``: greedy logprobs of the first prompt, a fingerprint of the served weights;
     ``per_prompt``: :func:`per_prompt`; ``prompt_keys``: :func:`grpo_steps.evaluation.stats.prompt_key` of each
-    prompt). With ``head``, also ``"head_metrics"``: the same metrics over the first ``head`` prompts alone (from the
-    same completions; the guard's counts stay those of the whole evaluation), so one evaluation serves a curve on a
-    subset and a full baseline (:mod:`grpo_steps.training.eval_during` at step 0).
+    prompt); multi-turn, also ``"traces"`` (:func:`grpo_steps.evaluation.traces.episode_traces`). With ``head``,
+    also ``"head_metrics"``: the same metrics over the first ``head`` prompts alone (from the same completions; the
+    guard's counts stay those of the whole evaluation), so one evaluation serves a curve on a subset and a full
+    baseline (:mod:`grpo_steps.training.eval_during` at step 0).
     """
     from grpo_steps.evaluation.episodes import Rollouts, conversation
 
@@ -42,6 +43,10 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
               "probe_logprobs": greedy[0][0].first_logprobs,
               "per_prompt": per_prompt(cfg, scores, greedy if rollouts.multi_turn else None),
               "prompt_keys": [prompt_key(row["prompt"]) for row in rows]}
+    if rollouts.multi_turn:  # a sample of episodes, turn by turn, for MLflow's traces (while the environments live)
+        from grpo_steps.evaluation.traces import episode_traces
+
+        result["traces"] = episode_traces(cfg, rows, sampled)
     if head is not None:
         result["head_metrics"] = summary(list(range(min(head, len(rows)))))
     return result

@@ -10,7 +10,8 @@ from grpo_steps.config import PipelineConfig
 
 
 def score(cfg: PipelineConfig, rows: list[dict], completions: list[list[str | list[dict]]],
-          completion_ids: list[list[list[int]]] | None = None) -> dict[str, list[list[float | None]]]:
+          completion_ids: list[list[list[int]]] | None = None,
+          environments: list[list] | None = None) -> dict[str, list[list[float | None]]]:
     """Reward of each completion under each configured reward function (the training code path:
     :func:`rewards.build_reward`, options and guard included).
 
@@ -20,6 +21,8 @@ def score(cfg: PipelineConfig, rows: list[dict], completions: list[list[str | li
             rewards in training).
         completion_ids: P lists of completion token ids, shaped like ``completions``, for rewards that
             need lengths in tokens; None: such rewards score None.
+        environments: P lists of the episodes' environment instances, shaped like ``completions``, passed to the
+            rewards as ``environments`` (as TRL passes them in training); None: not passed.
 
     Returns:
         reward name -> P lists of scores (None where the reward does not apply).
@@ -35,6 +38,8 @@ def score(cfg: PipelineConfig, rows: list[dict], completions: list[list[str | li
     prompts = [row["prompt"] for row, texts in zip(rows, completions, strict=True) for _ in texts]
     if completion_ids is not None:
         columns["completion_ids"] = [ids for group in completion_ids for ids in group]
+    if environments is not None:
+        columns["environments"] = [env for group in environments for env in group]
     out = {}
     for spec in cfg.rewards:
         flat = build_reward(spec)(prompts=prompts, completions=flat_completions, **columns)
@@ -93,8 +98,13 @@ def score_evaluation(cfg: PipelineConfig, rows: list[dict], sampled: list[list],
         return [[e.messages if multi_turn else e.text for e in group] for group in groups]
 
     counts_before, scored_before = guard.counters(), guard.scored()
-    sampled_scores = score(cfg, rows, completions_of(sampled), [[e.completion_ids for e in g] for g in sampled])
-    greedy_scores = score(cfg, rows, completions_of(greedy), [[e.completion_ids for e in g] for g in greedy])
+    def environments_of(groups: list[list]) -> list[list] | None:
+        return [[e.environment for e in group] for group in groups] if multi_turn else None
+
+    sampled_scores = score(cfg, rows, completions_of(sampled), [[e.completion_ids for e in g] for g in sampled],
+                           environments_of(sampled))
+    greedy_scores = score(cfg, rows, completions_of(greedy), [[e.completion_ids for e in g] for g in greedy],
+                          environments_of(greedy))
     counts, scored = guard.counters(), guard.scored()
     guard_counts = {}
     for spec in cfg.rewards:

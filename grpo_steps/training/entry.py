@@ -116,7 +116,8 @@ def build_trainer(job: TrainJob, args, model, tokenizer, started: float):
         tools=tool_functions(cfg.tools, cfg.generation.tool_timeout_s,
                              cfg.generation.max_tool_response_length) or None,
         environment_factory=trl_environment_factory(environment_factories(
-            cfg.environment, cfg.generation.tool_timeout_s, cfg.generation.max_tool_response_length)),
+            cfg.environment, cfg.generation.tool_timeout_s, cfg.generation.max_tool_response_length,
+            cfg.generation.episode_timeout_s)),
         zero_signal=mode_for(cfg.train),
         prompt_cursor=cursor,
         **backend_kwargs,

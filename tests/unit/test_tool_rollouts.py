@@ -161,46 +161,31 @@ def test_the_iteration_bound_ends_the_episode(tiny_model_path, tmp_path):
     assert [m["role"] for m in completions[0]] == ["assistant", "tool", "assistant", "tool", "assistant"]
 
 
-class Abacus:
-    """A stateful environment in TRL's contract: ``reset`` sees the row, its public method is the tool, and
-    ``get_reward`` scores what happened during the episode."""
-
-    instances: list = []
-
-    def __init__(self):
-        self.row, self.calls = None, []
-        Abacus.instances.append(self)
-
-    def reset(self, **row) -> str:
-        self.row, self.calls = row, []
-        return f"Use the abacus; the target is {row['target']}."
-
-    def abacus(self, expression: str) -> str:
-        """Evaluate an arithmetic expression on the abacus.
-
-        Args:
-            expression: The expression, e.g. "2 * 3".
-        """
-        from grpo_steps.tools import calculator as shipped
-
-        self.calls.append(expression)
-        return shipped(expression)
-
-    def get_reward(self) -> float:
-        return 2.0 if self.calls and self.row["target"] == "6" else 0.0
-
-
 def test_an_environment_is_reset_with_its_row_and_its_reward_scores_the_episode(tiny_model_path, tmp_path):
     """One environment per rollout: ``reset(**row)`` gets the row (its string joins the question the model sees), the
-    call goes to that rollout's instance, and ``get_reward`` is an extra reward of weight 1 (TRL's contract)."""
-    Abacus.instances.clear()
+    call goes to that rollout's instance (in its worker process: the reward of 2 needs the call and the row held by
+    the same instance), and ``get_reward`` is an extra reward of weight 1 (TRL's contract)."""
     trainer, _, calls = _trainer(tiny_model_path, tmp_path, [CALL % "abacus", "Answer: 6"], tool=None,
-                                 environment=f"{__name__}:Abacus")
+                                 environment="tests.unit.toy_games:Abacus")
     out, completions = _episode(trainer, target="6")
     assert "Use the abacus; the target is 6." in trainer.seen_prompts[0][0]
     assert '"name": "abacus"' in trainer.seen_prompts[0][0]  # its method is rendered as a tool
     assert completions[0][1] == {"role": "tool", "name": "abacus", "content": "6"}
-    used = [env for env in Abacus.instances if env.calls]
-    assert len(used) == GROUP and all(env.calls == ["2 * 3"] and env.row["target"] == "6" for env in used)
     assert trainer._metrics["train"]["rewards/Abacus/mean"][-1] == 2.0
     assert trainer._metrics["train"]["reward"][-1] == 2.0 + 1.0  # answer_reward 1 + the environment's 2
+
+
+MOVE = '<tool_call>\n{"name": "move", "arguments": {"action": "%s"}}\n</tool_call>'
+
+
+def test_a_gymnasium_style_environment_plays_through_trl_without_a_wrapper(tiny_model_path, tmp_path):
+    """``environment: gym:module:Class``: TRL resets it with the row's seed (its observation joins the first prompt),
+    the policy's ``move`` calls reach ``step`` with the action read as an integer (a discrete action space), the
+    game's observation comes back as the tool's answer, and the episode's return is the environment's reward."""
+    trainer, _, calls = _trainer(tiny_model_path, tmp_path, [MOVE % "2", MOVE % "3", "done"], tool=None,
+                                 environment="gym:tests.unit.toy_games:Countdown")
+    out, completions = _episode(trainer, seed=2)  # target 3
+    assert "Guess a number from 1 to 4 (game 2)." in trainer.seen_prompts[0][0]
+    assert '"name": "move"' in trainer.seen_prompts[0][0]
+    assert [m.get("content") for m in completions[0] if m["role"] == "tool"] == ["higher", "right"]
+    assert trainer._metrics["train"]["rewards/Countdown/mean"][-1] == 0.75  # -0.25 then +1

@@ -1,0 +1,405 @@
+"""Environments for ``environment:`` beyond TRL's own contract, and the process every environment runs in.
+
+**Adapters.** ``environment:`` names a factory in TRL's ``environment_factory`` contract (``reset(**row)``, public
+methods that are the tools, optionally ``get_reward()``), or one of two other interfaces, adapted here so the user
+writes no wrapper:
+
+- ``gym:module:Class``: a gymnasium-style class, ``reset(seed=...) -> (observation, info)`` and
+  ``step(action) -> (observation, reward, terminated, truncated, info)`` (Gymnasium's ``Env`` API;
+  https://gymnasium.farama.org/api/env/). Adapted by :class:`GymGame`: the episode's return is its reward.
+- ``textarena:<env id>``: a single-player TextArena game (``textarena.make(id)``, e.g. ``GuessTheNumber-v0``;
+  https://github.com/LeonGuertler/TextArena). Adapted by :class:`TextArenaGame`.
+
+Both give the policy one tool, ``move(action)``, whose answer is what the game says back (the board or the feedback
+of that move); ``reset(**row)`` starts the game seeded by the row's ``seed`` column and returns its first
+observation, which TRL appends to the question. ``outcome`` (a property: TRL exposes methods only) tells the rewards
+of :mod:`rewards.game` whether the episode was solved and how many moves were invalid.
+
+**The process.** Every environment instance lives in a worker process of its own (:class:`EnvironmentProcess`),
+forked from a server that imported the environment's module once (``multiprocessing``'s ``forkserver``: TextArena's
+import takes ~3 s, a fork ~10 ms). The instance's state lives there for the whole episode; each method call crosses
+a pipe and is limited to ``generation.tool_timeout_s``. A call over its limit kills the worker (its process group:
+whatever the environment started) and ends the episode, scored failed: the state of a killed process is gone, and
+the next ``reset`` starts a fresh worker. The episode as a whole is limited to ``generation.episode_timeout_s`` of
+wall clock from its ``reset``: a move or a ``get_reward`` past it ends the episode, scored failed, and
+``outcome["timed_out"]`` counts it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from grpo_steps.tool_worker import cut_response
+
+GYM = "gym:"
+TEXTARENA = "textarena:"
+INVALID_MOVE = "invalid move"
+
+
+def adapter_factory(spec: str, resolve: Callable[[str, str], Callable], key: str) -> Callable:
+    """The factory ``spec`` names: ``gym:module:Class`` and ``textarena:<id>`` adapted (:class:`GymGame`,
+    :class:`TextArenaGame`), else ``resolve(spec, key)`` (a factory in TRL's contract)."""
+    if spec.startswith(TEXTARENA):
+        import importlib.util
+
+        if importlib.util.find_spec("textarena") is None:
+            raise ValueError(f"{key} {spec!r} names a TextArena game, and textarena is not installed "
+                              "(pip install textarena)")
+        return functools.partial(TextArenaGame, spec[len(TEXTARENA):])
+    if spec.startswith(GYM):
+        return functools.partial(GymGame, resolve(spec[len(GYM):], key))
+    return resolve(spec, key)
+
+
+class _Game:
+    """What both adapters share: the move log, ``outcome`` and the end of the episode."""
+
+    def _start(self) -> None:
+        self._done, self._solved, self._invalid, self._return = False, False, 0, 0.0
+        self._steps: list[dict] = []
+
+    def _record(self, action: str, observation: str, reward: float, invalid: bool) -> str:
+        self._invalid += invalid
+        self._return += reward
+        self._steps.append({"action": action, "observation": observation, "reward": reward, "invalid": invalid})
+        return observation
+
+    def _refuse_after_end(self) -> None:
+        if self._done:
+            raise ValueError("the game is over: make no more moves")
+
+    @property
+    def outcome(self) -> dict:
+        """``solved`` (bool), ``moves`` (moves made), ``invalid_moves``, ``return`` (sum of the game's rewards) and
+        ``steps`` (per move: ``action``, ``observation``, ``reward``, ``invalid``)."""
+        return {"solved": self._solved, "moves": len(self._steps), "invalid_moves": self._invalid,
+                "return": self._return, "steps": list(self._steps)}
+
+
+class TextArenaGame(_Game):
+    """A single-player TextArena game in TRL's contract. ``move``'s answer is the text the game added to the player's
+    observation since the last move (the feedback; with ``LLMObservationWrapper``, TextArena's default, the
+    observation is the whole history). Solved: the game ended with reward 1 (TextArena's win). Invalid: the moves
+    TextArena refused (its ``error_allowance``; past it the game ends lost)."""
+
+    def __init__(self, env_id: str) -> None:
+        import textarena
+
+        self._env = textarena.make(env_id)
+        self._name = env_id
+        self._seen = 0
+        self._start()
+
+    def _new_text(self) -> str:
+        _, observation = self._env.get_observation()
+        text, self._seen = observation[self._seen:], len(observation)
+        return text.strip()
+
+    def reset(self, seed: int | None = None, **row: Any) -> str:
+        self._env.reset(num_players=1, seed=seed)
+        self._seen = 0
+        self._start()
+        return "\n" + self._new_text()
+
+    def move(self, action: str) -> str:
+        """Make one move in the game and read what the game answers.
+
+        Args:
+            action: The move, written as the game's rules say.
+        """
+        self._refuse_after_end()
+        done, _ = self._env.step(str(action))
+        state = _unwrapped(self._env).state
+        # TextArena counts a refused move in error_count until the next valid move (SinglePlayerState.step)
+        invalid = bool(getattr(state, "error_count", 0)) and not done
+        reward = 0.0
+        if done:
+            rewards, info = self._env.close()
+            reward = float((rewards or {}).get(0, 0.0))
+            invalid = invalid or bool((info or {}).get(0, {}).get("invalid_move"))
+            self._done, self._solved = True, reward == 1.0
+        text = self._new_text() if not done else _reason(self._env) or ("solved" if self._solved else "game over")
+        return self._record(str(action), text, reward, invalid)
+
+
+def _unwrapped(env: Any) -> Any:
+    while hasattr(env, "env"):
+        env = env.env
+    return env
+
+
+def _reason(env: Any) -> str:
+    info = getattr(_unwrapped(env).state, "game_info", {}) or {}
+    return str(info.get(0, {}).get("reason") or "")
+
+
+class GymGame(_Game):
+    """A gymnasium-style class (``reset(seed=) -> (obs, info)``, ``step(action) -> (obs, reward, terminated,
+    truncated, info)``) in TRL's contract; ``get_reward`` is the episode's return. Observations go to the policy as
+    text (``str``). With a discrete ``action_space`` (one with ``n``), the action is read as an integer. Solved:
+    ``info["solved"]`` when the game says, else terminated with a positive last reward. Invalid: a move
+    ``info["invalid_move"]`` marks, or one the game (or the integer reading) raised ``ValueError`` for."""
+
+    def __init__(self, cls: Callable) -> None:
+        self._env = cls()
+        self._name = getattr(cls, "__name__", "GymGame")
+        self._start()
+
+    def reset(self, seed: int | None = None, **row: Any) -> str:
+        observation, _ = self._env.reset(seed=seed)
+        self._start()
+        return "\n" + str(observation)
+
+    def move(self, action: str) -> str:
+        """Make one move in the game and read what the game answers.
+
+        Args:
+            action: The move, written as the game's rules say.
+        """
+        self._refuse_after_end()
+        try:
+            chosen: Any = int(action) if hasattr(getattr(self._env, "action_space", None), "n") else action
+            observation, reward, terminated, truncated, info = self._env.step(chosen)
+        except ValueError as err:
+            return self._record(str(action), f"{INVALID_MOVE}: {err}", 0.0, True)
+        info = info or {}
+        self._done = bool(terminated or truncated)
+        self._solved = bool(info.get("solved", terminated and reward > 0))
+        return self._record(str(action), str(observation), float(reward), bool(info.get("invalid_move")))
+
+    def get_reward(self) -> float:
+        return self._return
+
+
+# ---------------------------------------------------------------------------------------------- the worker process
+
+_CONTEXT = multiprocessing.get_context("forkserver")
+_PRELOAD = ["rewards.locate", __name__]
+"""Modules the fork server imports once (each environment's module joins while the server is not running yet)."""
+_MAIN_PATH = "GRPO_ENVIRONMENT_MAIN_PATH"
+"""Where the parent's ``__main__`` script is, for the fork server (see :func:`_adopt_main`)."""
+
+
+def _adopt_main() -> None:
+    """In the fork server: name the parent's main script as this process's ``__main__`` file. multiprocessing's
+    spawn preparation runs the parent's main script again in every worker (a Metaflow step's flow file: Metaflow's
+    import, ~1 s each) unless the worker's ``__main__`` is that file already (``spawn._fixup_main_from_path``); the
+    workers need nothing of it (a ``-m`` main, the trainer's or pytest's, is skipped by multiprocessing itself)."""
+    main = sys.modules.get("__main__")
+    path = os.environ.get(_MAIN_PATH)
+    if path and main is not None and getattr(main, "__file__", None) is None:
+        main.__file__ = path
+
+
+_adopt_main()
+_PROCESSES: weakref.WeakSet = weakref.WeakSet()
+"""Every :class:`EnvironmentProcess` with a worker, killed at interpreter exit (no orphan worker)."""
+
+
+def _host(spec: str, dirs: list[str], conn) -> None:
+    """The worker's loop: build the environment, then answer ``(method, args, kwargs)`` requests with
+    ``("value", v)`` or ``("error", "Type: message")`` until the pipe closes."""
+    os.setsid()  # a group of its own: a kill takes whatever the environment started too
+    from rewards.locate import add_module_dirs, import_attr
+
+    add_module_dirs(dirs)
+    instance = adapter_factory(spec, lambda path, key: import_attr(path), "environment")()
+    while True:
+        try:
+            method, args, kwargs = conn.recv()
+        except EOFError:
+            return
+        try:
+            target = getattr(instance, method)
+            value = target(*args, **kwargs) if callable(target) else target
+        except BaseException as err:  # noqa: BLE001 - SystemExit too: the call's error, sent back
+            conn.send(("error", f"{type(err).__name__}: {err}"[:2000]))
+        else:
+            conn.send(("value", value))
+
+
+START_TIMEOUT_S = 120.0
+"""Seconds a worker may take to start and build its environment (added to the first call's limit)."""
+
+
+class EnvironmentProcess:
+    """One environment instance (``spec``, as ``environment:`` names it) in a worker process, started at the first
+    call. :meth:`call` raises ``TimeoutError`` past its limit (the worker is killed), ``RuntimeError`` for what the
+    method raised or a worker that ended; :meth:`close` kills the worker (also at interpreter exit)."""
+
+    def __init__(self, spec: str) -> None:
+        from rewards.locate import module_dirs
+
+        self.spec, self.dirs = spec, module_dirs()
+        self.proc = self.conn = None
+        _PROCESSES.add(self)
+
+    def call(self, method: str, timeout_s: float, *args: Any, **kwargs: Any) -> Any:
+        if self.proc is None:
+            timeout_s += START_TIMEOUT_S
+            self.conn, child = _CONTEXT.Pipe()
+            self.proc = _CONTEXT.Process(target=_host, args=(self.spec, self.dirs, child), daemon=True,
+                                         name=f"environment-{self.spec}")
+            self.proc.start()
+            child.close()
+        try:
+            self.conn.send((method, args, kwargs))
+            # the first call also waits for the worker's start (an import of the environment's module at most)
+            ready = self.conn.poll(timeout_s)
+        except (BrokenPipeError, EOFError, OSError):
+            ready = True
+        if not ready:
+            self.close()
+            raise TimeoutError(f"environment {self.spec!r}: {method} took longer than {timeout_s:g} s; its process "
+                               "was killed and the episode ended")
+        try:
+            kind, value = self.conn.recv()
+        except (EOFError, OSError):
+            code = self.proc.exitcode
+            self.close()
+            raise RuntimeError(f"environment {self.spec!r} ended its process (exit code {code})") from None
+        if kind == "error":
+            raise RuntimeError(f"environment {self.spec!r}: {method} raised {value}")
+        return value
+
+    def close(self) -> None:
+        """Kill the worker and its process group (nothing when none runs)."""
+        proc, conn, self.proc, self.conn = self.proc, self.conn, None, None
+        if proc is None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()  # before its setsid: not a group leader yet
+        proc.join()
+        conn.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+@atexit.register
+def _close_all() -> None:
+    for process in list(_PROCESSES):
+        process.close()
+
+
+class ProcessEnvironment:
+    """The trainer's side of one environment instance: ``reset``, the tools and ``get_reward`` forwarded to its
+    :class:`EnvironmentProcess`, each call limited to the smaller of the tool limit and what is left of the episode's
+    wall clock. Built per ``environment:`` entry by :func:`process_factory` (subclassed with the environment's tool
+    methods, named as its class, as TRL looks them up on the class)."""
+
+    _spec: str = ""
+    _timeout_s: float = 10.0
+    _episode_s: float | None = None
+    _max_chars: int = 4096
+
+    def __init__(self) -> None:
+        self._process = EnvironmentProcess(self._spec)
+        self._started = time.monotonic()
+        self._ended: str | None = None
+        self._timed_out = False
+
+    def reset(self, **row: Any) -> str | None:
+        self._ended, self._timed_out = None, False
+        observation = self._process.call("reset", self._timeout_s, **row)
+        self._started = time.monotonic()  # after the reset: a worker's start is not the episode's time
+        return observation
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self._ended is not None:
+            raise RuntimeError(f"the episode is over ({self._ended}): make no more calls")
+        limit = self._timeout_s
+        if self._episode_s is not None:
+            left = self._episode_s - (time.monotonic() - self._started)
+            if left <= 0:
+                self._end(f"over its wall clock of {self._episode_s:g} s (generation.episode_timeout_s)", True)
+                raise TimeoutError(f"the episode is over: {self._ended}; it is scored failed")
+            limit = min(limit, left)
+        try:
+            value = self._process.call(method, limit, *args, **kwargs)
+        except TimeoutError:
+            over = limit < self._timeout_s  # the episode's clock ran out before the call's own limit
+            self._end(f"over its wall clock of {self._episode_s:g} s (generation.episode_timeout_s), in a {method} "
+                      "that was killed" if over else
+                      f"{method} took longer than {self._timeout_s:g} s (generation.tool_timeout_s)", over)
+            raise TimeoutError(f"the episode is over: {self._ended}; it is scored failed") from None
+        return cut_response(value, self._max_chars)
+
+    def _end(self, why: str, timed_out: bool) -> None:
+        self._ended, self._timed_out = why, timed_out
+        self._process.close()  # the state is gone with it: the episode cannot go on (a later reset starts anew)
+
+    def _close(self) -> None:  # private: TRL would expose a public method as a tool
+        self._process.close()
+
+    @property
+    def outcome(self) -> dict:
+        """The game's own ``outcome`` (:class:`_Game`; ``{}`` for an environment without one), with ``timed_out``
+        (the episode passed its wall clock) and ``ended`` (why the episode was ended early, or None); an episode
+        ended early is not ``solved``."""
+        game: dict = {}
+        if self._ended is None:
+            try:
+                game = self._process.call("outcome", self._timeout_s)
+            except RuntimeError as err:
+                if "AttributeError" not in str(err):  # a TRL-contract environment without one
+                    raise
+        if not isinstance(game, dict):
+            game = {}
+        if self._ended is not None:
+            game["solved"] = False
+        return {**game, "timed_out": self._timed_out, "ended": self._ended}
+
+
+def _forwarder(name: str, original: Callable) -> Callable:
+    @functools.wraps(original)  # same name, signature and docstring: the schema the model reads is the tool's
+    def forward(self: ProcessEnvironment, *args: Any, **kwargs: Any) -> Any:
+        return self._call(name, *args, **kwargs)
+
+    return forward
+
+
+def _reward_forwarder() -> Callable:
+    def get_reward(self: ProcessEnvironment) -> float:
+        if self._ended is not None:
+            return 0.0  # a killed or timed-out episode is scored failed
+        return self._process.call("get_reward", self._timeout_s)
+
+    return get_reward
+
+
+def process_factory(spec: str, probe: Any, methods: list[str], timeout_s: float, episode_s: float | None,
+                    max_chars: int) -> type:
+    """A class in TRL's environment contract whose instances run environment ``spec`` in a worker process
+    (:class:`ProcessEnvironment`), with ``probe``'s tools ``methods`` (names) and its ``get_reward`` when it has
+    one; named as ``probe``'s class, or as the game an adapter plays (TRL logs an environment's reward under its
+    class's name: ``rewards/<name>/mean``)."""
+    cls = type(probe)
+    members: dict[str, Any] = {name: _forwarder(name, getattr(cls, name)) for name in methods}
+    if callable(getattr(probe, "get_reward", None)):
+        members["get_reward"] = _reward_forwarder()
+    members.update(_spec=spec, _timeout_s=timeout_s, _episode_s=episode_s, _max_chars=max_chars,
+                   __doc__=cls.__doc__, __module__=__name__)
+    # the environment's module imported once in the fork server, so that each worker is forked with it imported (a
+    # server already running keeps its preloads: the module is then imported in each worker); a preload that fails
+    # to import is skipped by multiprocessing, and the worker imports it, failing visibly
+    module = ("textarena" if spec.startswith(TEXTARENA) else
+              spec[len(GYM):].replace(":", ".").rpartition(".")[0] if spec.startswith(GYM) else cls.__module__)
+    if module not in _PRELOAD:
+        _PRELOAD.append(module)
+    _CONTEXT.set_forkserver_preload(list(_PRELOAD))
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file and getattr(sys.modules["__main__"].__spec__, "name", None) is None:
+        os.environ.setdefault(_MAIN_PATH, os.path.normpath(main_file))  # read by _adopt_main in the fork server
+    return type(getattr(probe, "_name", cls.__name__), (ProcessEnvironment,), members)

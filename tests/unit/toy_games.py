@@ -1,0 +1,59 @@
+"""Environments of the tests, in a module of their own: an environment's module is imported in the worker processes'
+fork server (grpo_steps/environments.py), and a test module would bring torch and TRL there."""
+
+import time
+
+
+class Abacus:
+    """A stateful environment in TRL's contract: ``reset`` sees the row, its public method is the tool, and
+    ``get_reward`` scores what happened during the episode."""
+
+    def __init__(self):
+        self.row, self.calls = None, []
+
+    def reset(self, **row) -> str:
+        self.row, self.calls = row, []
+        return f"Use the abacus; the target is {row['target']}."
+
+    def abacus(self, expression: str) -> str:
+        """Evaluate an arithmetic expression on the abacus.
+
+        Args:
+            expression: The expression, e.g. "2 * 3".
+        """
+        from grpo_steps.tools import calculator as shipped
+
+        self.calls.append(expression)
+        return shipped(expression)
+
+    def get_reward(self) -> float:
+        return 2.0 if self.calls and self.row["target"] == "6" else 0.0
+
+
+class Countdown:
+    """A gymnasium-style game (``reset(seed=) -> (obs, info)``, ``step(action) -> 5-tuple``), no TRL in sight:
+    guess the seed's number in 1..4."""
+
+    def reset(self, seed=None, options=None):
+        self.target = seed % 4 + 1
+        return f"Guess a number from 1 to 4 (game {seed}).", {}
+
+    def step(self, action):
+        if action == self.target:
+            return "right", 1.0, True, False, {}
+        return ("higher" if action < self.target else "lower"), -0.25, False, False, {"invalid_move": action > 4}
+
+
+Countdown.action_space = type("Discrete", (), {"n": 4})()  # gymnasium.spaces.Discrete's one attribute read
+
+
+class Stuck:
+    """A gymnasium-style game whose move ``"wait"`` never returns; any other move wins."""
+
+    def reset(self, seed=None, options=None):
+        return "Say anything.", {}
+
+    def step(self, action):
+        if action == "wait":
+            time.sleep(600)
+        return "won", 1.0, True, False, {}
