@@ -520,6 +520,7 @@ class TrackingQueue:
                         return
                     if self.failing_since is None:
                         self.failing_since = time.monotonic()
+                        self.cond.notify_all()  # settle() waits for nothing once the server is failing
                         print(f"[mlflow] tracking server not taking metrics ({type(err).__name__}: "
                               f"{redact(str(err))[:200]}); {self._backlog()} queued, retrying every "
                               f"{self.retry_s:g} s", flush=True)
@@ -552,6 +553,13 @@ class TrackingQueue:
                     f"{self._backlog()} did not reach the MLflow tracking server within "
                     f"tracking.outage_wait_s={timeout_s:g} s: start it again (the run's checkpoints are safe) and "
                     "`resume`, or raise tracking.outage_wait_s")
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds until everything queued is sent, unless the tracking server is failing
+        now (then at once). Returns whether nothing is left queued."""
+        with self.cond:
+            return self.cond.wait_for(lambda: not self.pending or self.failing_since is not None, timeout=timeout_s) \
+                and not self.pending
 
     def close(self, timeout_s: float) -> None:
         """:meth:`flush`, then stop the sender thread (also when the flush raised)."""

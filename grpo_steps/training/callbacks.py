@@ -127,6 +127,19 @@ class MLflowMetricsCallback(TrainerCallback):
         if step > self.logged_up_to:
             self.queue.log(metrics, step)
 
+    SAVE_WAIT_S = 60.0
+    """Seconds a checkpoint save waits at most for the queued points to reach a reachable tracking server."""
+
+    def on_save(self, args, state, control, **kwargs):
+        # before the checkpoint (the callback after this one saves it): an attempt that continues from step N trains
+        # from N + 1, so step N's points must be in the run by then, or a kill right after the save leaves N out of
+        # the history for good (the queue lives in this process). A tracking server that is failing is not waited
+        # for: an outage neither stalls nor fails training (a kill in it loses the points still queued)
+        if state.is_world_process_zero and not self.queue.settle(self.SAVE_WAIT_S):
+            print(f"[mlflow] checkpoint step={state.global_step} saved with metric points still queued for the "
+                  "tracking server", flush=True)
+        return control
+
     def on_train_end(self, args, state, control, **kwargs):
         self.queue.close(self.outage_wait_s)  # every step in the run, or TrackingBacklog after outage_wait_s
         return control

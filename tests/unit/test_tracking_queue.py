@@ -25,6 +25,7 @@ def test_every_step_and_table_once_and_a_held_table_not_appended_again(tmp_path,
     for step in (1, 2):
         queue.log({"reward": float(step), "loss": -float(step)}, step)
     queue.log_table(_table(2), "completions/step_000002.json")
+    assert queue.settle(timeout_s=60) and not queue.pending  # what a checkpoint save waits for: all sent
     queue.flush(timeout_s=60)
     queue.log({"reward": 3.0, "loss": -3.0}, 3)
     queue.log_table(_table(2), "completions/step_000002.json")  # as a resumed attempt would: the run holds it
@@ -52,6 +53,7 @@ def test_a_server_that_does_not_answer_fills_the_backlog_and_flush_says_what_to_
         queue.log({"reward": float(step), "loss": -float(step)}, step)
     queue.log_table(_table(5), "completions/step_000005.json")
     assert wait_until(lambda: queue.failing_since is not None, timeout_s=60)  # the sender met the outage
+    assert queue.settle(timeout_s=5) is False  # the points stay queued while the server fails
     with pytest.raises(TrackingBacklog) as err:
         queue.close(timeout_s=1)
     assert str(err.value).startswith("6 metric points (steps 4..6) and 1 tables did not reach the MLflow tracking "
