@@ -357,6 +357,14 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _episode_clock_needs_an_environment(self) -> PipelineConfig:
+        if self.generation.episode_timeout_s is not None and not self.environment:
+            raise ValueError(f"generation.episode_timeout_s {self.generation.episode_timeout_s:g} limits an "
+                             "environment's episodes, and this config has no environment: remove it (a tool call "
+                             "is limited by generation.tool_timeout_s)")
+        return self
+
+    @model_validator(mode="after")
     def _async_rollouts_without_environments(self) -> PipelineConfig:
         # with tools the producer prefetches first turns and the trainer's tool loop samples each follow-up turn
         # after running the calls (grpo_steps.training.generation.server); an environment is reset per batch,

@@ -99,3 +99,17 @@ def test_sampled_episodes_are_traced_in_mlflow_with_a_span_per_turn(mlflow_db):
     assert turns[1].inputs == {"observation": "move: won"} and turns[1].attributes["tokens"] == 4
     assert trace.info.tags["grpo.policy"] == "baseline"
     game._close()
+
+
+def test_an_episode_clock_without_an_environment_is_refused():
+    """``generation.episode_timeout_s`` limits an environment's episodes: a config without one is refused in
+    ``start``, naming the key, rather than accepted and ignored."""
+    from grpo_steps.config import ConfigError
+    from tests.integration.flowrun import flow_config
+
+    config = flow_config(generation={"episode_timeout_s": 30})
+    with pytest.raises(ConfigError, match="generation.episode_timeout_s 30 limits an environment's episodes"):
+        validate_config(config)
+    config["environment"] = "gym:tests.unit.toy_games:Stuck"
+    config["generation"]["max_completion_tokens"] = 12
+    assert validate_config(config).generation.episode_timeout_s == 30
