@@ -25,7 +25,6 @@ from metaflow import (
     config_expr,
     current,
     exit_hook,
-    model,
     parallel,
     project,
     resources,
@@ -83,9 +82,10 @@ class GRPOFlow(FlowSpec):
                disk=config_expr("config.resources.train.disk_mib"))
     @retry(times=config_expr("config.train.retries"), minutes_between_retries=0)
     # load_policy none: grpo_steps.checkpoints.resume_checkpoint picks per node. show_card off: its card's collector
-    # re-rendered the card every few seconds, each render a new Python process (~2 s of CPU) taken from training
+    # re-rendered the card every few seconds, each render a new Python process (~2 s of CPU) taken from training.
+    # No @model: its card cost each train task five card processes (~11 CPU s on 2 cores, 2026-11-28); the final
+    # policy is a checkpoint of its own name (steps.POLICY_CHECKPOINT), loaded with load_model as a model would be
     @checkpoint(load_policy="none", show_card=False)
-    @model
     @parallel
     @step
     def train(self):
@@ -98,13 +98,13 @@ class GRPOFlow(FlowSpec):
                                     node_index=current.parallel.node_index, main_ip=current.parallel.main_ip,
                                     output_dir=workdir, eval_rows=self.eval_rows)
             if current.parallel.node_index == 0:
-                self.policy = current.model.save(final_dir, label="policy", metadata={"run_id": self.mlflow_run_id})
+                self.policy = current.checkpoint.save(final_dir, name=steps.POLICY_CHECKPOINT, latest=False,
+                                                      metadata={"run_id": self.mlflow_run_id})
                 # the base weights (step 0) and the final policy (last step) measured on the whole eval split
                 self.training_evaluations = steps.training_evaluations(workdir)
         self.next(self.evaluate)
 
-    # evaluate and register load the policy with steps.loaded_policy, not @model: its card costs each step two
-    # synchronous card processes at the end
+    # evaluate and register load the policy with steps.loaded_policy (metaflow-checkpoint's load_model)
     @card(type="blank", id="eval")
     @step
     def evaluate(self, inputs):

@@ -27,6 +27,10 @@ from grpo_steps.servers.lifecycle import (  # noqa: F401  (the steps' server lif
     teardown_failed_run,
 )
 
+POLICY_CHECKPOINT = "policy"
+"""Name of the checkpoint that holds the final policy in the ``train`` task (node 0's), beside the training
+checkpoints of each node (:func:`grpo_steps.checkpoints.checkpoint_name`)."""
+
 
 def config_of(config_value: Any) -> PipelineConfig:
     """The typed config from the flow's Metaflow ``Config`` value (already validated by the parser)."""
@@ -171,11 +175,11 @@ def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
 
 @contextmanager
 def loaded_policy(reference: dict):
-    """The final policy ``train`` saved (``reference``: what its ``current.model.save`` returned), copied from the
-    Metaflow datastore into a directory of this process that is removed on exit; yields its path. metaflow-checkpoint's
-    ``load_model``: the datastore ``@model(load=...)`` reads (both resolve it through the same artifact-store context),
-    without ``@model``'s card, which Metaflow renders at the end of each task in two synchronous ``card create``
-    processes (~6 s of CPU and as much of the step's time on the 2-core box, for a card listing one loaded model).
+    """The final policy ``train`` saved (``reference``: what its ``current.checkpoint.save(name=POLICY_CHECKPOINT)``
+    returned), copied from the Metaflow datastore into a directory of this process that is removed on exit; yields its
+    path. metaflow-checkpoint's ``load_model``, which loads checkpoints as it loads ``@model``'s models, without
+    ``@model``: its card costs each step card processes (two synchronous ones at the end of the task, ~6 s of CPU on
+    the 2-core box, for a card listing one loaded model; five in ``train``).
 
     Raises:
         metaflow-checkpoint's errors for a reference the datastore does not hold.

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from grpo_steps.checkpoints import checkpoint_name
 from grpo_steps.config import REPO_ROOT
 
 FLOW = REPO_ROOT / "flows" / "grpo_flow.py"
@@ -138,9 +139,11 @@ def client_in_child(workdir, env: dict, code: str, timeout_s: float = 300):
 
 
 def checkpoint_steps(workdir, env: dict, run_id: str) -> list[int]:
-    """Global steps of the checkpoints the ``train`` task of ``GRPOFlow/run_id`` holds in the datastore."""
+    """Global steps of the training checkpoints the ``train`` task of ``GRPOFlow/run_id`` holds in the datastore (node
+    0's; not the final policy's, :data:`grpo_steps.steps.POLICY_CHECKPOINT`)."""
     return client_in_child(workdir, env, f"t = Flow('GRPOFlow')['{run_id}']['train'].task\n"
-                           "print(sorted(c['metadata']['global_step'] for c in Checkpoint().list(task=t)))")
+                           "print(sorted(c['metadata']['global_step'] "
+                           f"for c in Checkpoint().list(task=t, name='{checkpoint_name(0)}')))")
 
 
 def checkpoint_files(workdir, env: dict, run_id: str, node: int) -> list[str]:
@@ -148,8 +151,8 @@ def checkpoint_files(workdir, env: dict, run_id: str, node: int) -> list[str]:
     the datastore into a scratch directory)."""
     return client_in_child(workdir, env, f"""
 import json, os, tempfile
-saved = [c for t in Flow('GRPOFlow')['{run_id}']['train'] for c in Checkpoint().list(task=t)
-         if c['metadata']['node_index'] == {node}]
+saved = [c for t in Flow('GRPOFlow')['{run_id}']['train']
+         for c in Checkpoint().list(task=t, name='{checkpoint_name(node)}') if c['metadata']['node_index'] == {node}]
 newest = max(saved, key=lambda c: c['metadata']['global_step'])
 d = tempfile.mkdtemp()
 Checkpoint().load(newest, d)

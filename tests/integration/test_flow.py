@@ -27,7 +27,9 @@ from pathlib import Path
 
 import pytest
 
+from grpo_steps.checkpoints import checkpoint_name
 from grpo_steps.config import REPO_ROOT, load_config
+from grpo_steps.steps import POLICY_CHECKPOINT
 from tests.integration.flowrun import (
     STEPS,
     MlflowServer,
@@ -336,9 +338,12 @@ def test_checkpoints_were_saved_to_the_datastore(flow_run):
 
     workdir, run = flow_run
     cfg = load_config(workdir / "run.yaml")  # CONFIG as the run used it
-    saved = Checkpoint().list(task=_train_task(run))
+    saved = Checkpoint().list(task=_train_task(run), name=checkpoint_name(0))
     steps = sorted(c["metadata"]["global_step"] for c in saved)
     assert steps == list(range(cfg.train.save_steps, cfg.train.max_steps + 1, cfg.train.save_steps))
+    # and the final policy, a checkpoint of its own name that evaluate and register loaded (run.data.policy)
+    (policy,) = Checkpoint().list(task=_train_task(run), name=POLICY_CHECKPOINT)
+    assert policy["key"] == run.data.policy["key"] and policy["metadata"] == {"run_id": run.data.mlflow_run_id}
 
 
 def test_what_the_mlflow_ui_pages_show(flow_run):
