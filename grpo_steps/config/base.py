@@ -36,4 +36,4 @@ def distinct_cores(value: list[int] | None, key: str) -> list[int] | None:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)

@@ -13,8 +13,9 @@ What the page holds and where each part comes from:
   key; list items get ``[]`` (``data.mixture[]``). A section starts with its class docstring.
 - **Per field**: the dotted key as written in YAML (the alias where there is one: ``generation.async``), the type
   from the annotation with the bounds of ``Field(ge=..., gt=..., pattern=...)``, the default (``required`` when there
-  is none), and the description: the attribute docstring under the field, which pydantic keeps as
-  ``FieldInfo.description`` (``use_attribute_docstrings`` in :class:`~grpo_steps.config.base._Section`).
+  is none), and the description: the attribute docstring under the field (:func:`attribute_docstrings`; read here,
+  not by pydantic's ``use_attribute_docstrings``, which parsed every config class's source in every process that
+  imports the config, ~0.1-0.2 s of CPU each, for this page alone), or ``Field(description=...)``.
 - **Rules**: every validator pydantic registered on the section's model (``__pydantic_decorators__``: field and
   model validators, inherited ones included), by name, with the first paragraph of its docstring and the refusal
   messages it raises: the text of each ``raise ...Error(<message>)`` in its source, read with :mod:`ast`, a
@@ -95,6 +96,8 @@ class Section:
     fields: list[tuple[str, str, FieldInfo]] = field(default_factory=list)
     """(dotted key, python name, field info) of each field, in declaration order."""
     rules: list[Rule] = field(default_factory=list)
+    docs: dict[str, str] = field(default_factory=dict)
+    """The attribute docstring of each field that has one, by python name (:func:`attribute_docstrings`)."""
 
 
 # ---- types, defaults, descriptions -------------------------------------------------------------------------------
@@ -194,6 +197,20 @@ def first_paragraph(text: str | None) -> str:
 # ---- walking the tree --------------------------------------------------------------------------------------------
 
 
+def attribute_docstrings(model: type[BaseModel]) -> dict[str, str]:
+    """The docstring under each annotated attribute of ``model`` and its bases (a string literal right after
+    ``name: type = ...``, as pydantic's ``use_attribute_docstrings`` reads it, cleaned by :func:`inspect.cleandoc`),
+    by attribute name; a subclass's wins."""
+    docs: dict[str, str] = {}
+    for cls in reversed([c for c in model.__mro__ if issubclass(c, BaseModel) and c is not BaseModel]):
+        (node,) = ast.parse(textwrap.dedent(inspect.getsource(cls))).body
+        for stmt, after in zip(node.body, node.body[1:], strict=False):  # each statement and the next
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(after, ast.Expr) \
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+                docs[stmt.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
 def yaml_key(name: str, info: FieldInfo) -> str:
     return info.alias or name
 
@@ -203,7 +220,7 @@ def sections(root: type[BaseModel] = PipelineConfig) -> list[Section]:
     out: list[Section] = []
 
     def walk(key: str, model: type[BaseModel]) -> None:
-        section = Section(key, model)
+        section = Section(key, model, docs=attribute_docstrings(model))
         out.append(section)
         nested = []
         for name, info in model.model_fields.items():
@@ -422,8 +439,9 @@ def render(root: type[BaseModel] = PipelineConfig) -> str:
         doc = markdown(section.model.__doc__)
         if doc:
             lines += [doc, ""]
-        for dotted, _, info in section.fields:
-            lines += _field_entry(dotted, info, section_keys, refused_by.get(dotted, []))
+        for dotted, name, info in section.fields:
+            lines += _field_entry(dotted, info, info.description or section.docs.get(name), section_keys,
+                                  refused_by.get(dotted, []))
         if section.rules:
             where = f"`{section.key}`" if section.key else "the whole config"
             lines += [f"Rules of {where} (validators of `{section.model.__name__}`):", ""]
@@ -432,14 +450,15 @@ def render(root: type[BaseModel] = PipelineConfig) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def _field_entry(dotted: str, info: FieldInfo, section_keys: set[str], rules_: list[Rule]) -> list[str]:
+def _field_entry(dotted: str, info: FieldInfo, description: str | None, section_keys: set[str],
+                 rules_: list[Rule]) -> list[str]:
     subsection = next((key for key in (dotted, dotted + "[]") if key in section_keys), None)
     default = "the section's defaults" if subsection == dotted and info.default_factory is None \
         else f"`{default_text(info)}`"
     facts = [f"`{type_name(info.annotation)}`", *bounds(info), f"default {default}"]
     lines = [f"### `{dotted}`", "", " · ".join(facts), ""]
-    if info.description:
-        lines += [markdown(info.description), ""]
+    if description:
+        lines += [markdown(description), ""]
     if subsection:
         lines += [f"Section: [`{subsection}`](#{_heading_anchor(subsection)}).", ""]
     if rules_:

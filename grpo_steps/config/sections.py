@@ -112,7 +112,7 @@ class EvalConfig(_Section):
 
 
 class RegistryConfig(_Section):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, validate_by_name=True,
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True,
                               validate_by_alias=True, serialize_by_alias=True)
 
     model_name: str = "grpo-policy"
