@@ -61,8 +61,8 @@ def push_seconds(client, model, probe: list[int], pushes: int = 5) -> float:
         labels = client.each(lambda c: (c.weight_version(), c.prompt_logprobs(probe)))
         times.append(time.perf_counter() - start)
         assert all(label == version_label(version) for label, _ in labels), labels
-    push.close()
-    root.rmdir()
+    push.close()  # removes its directory (root) with the last version
+    assert not root.exists(), root
     return statistics.median(times[1:])
 
 

@@ -123,11 +123,11 @@ class ServerConfig(_Section):
     activations and KV cache (``--gpu-memory-utilization``); null: vLLM's 0.9. On a GPU it shares with training,
     ``start`` checks that the trainer fits in the rest (docs/gpu.md)."""
     cpu_cores: list[int] | list[list[int]] | None = None
-    """Provider ``local`` on CPU: the cores the server's vLLM CPU backend binds its threads to
-    (``VLLM_CPU_OMP_THREADS_BIND``), e.g. ``[0]``; with several replicas a list per replica (``[[0], [1]]``) or one
-    list split evenly among them; null: every core of the flow's process (split evenly among the replicas). With
-    ``generation.async``, give the server and the trainer (``train.cpu_cores``) cores of their own, as disaggregated
-    GPUs are: see docs/benchmarks.md "Asynchronous GRPO" for the layouts measured."""
+    """Provider ``local`` on CPU: the cores the server runs on (its supervisor sets the affinity of the whole server,
+    every process and thread of it, a thread per core), e.g. ``[0]``; with several replicas a list per replica
+    (``[[0], [1]]``) or one list split evenly among them; null: every core of the flow's process (split evenly among
+    the replicas). With ``generation.async``, give the server and the trainer (``train.cpu_cores``) cores of their
+    own, as disaggregated GPUs are: see docs/benchmarks.md "Asynchronous GRPO" for the layouts measured."""
 
     @field_validator("cpu_cores")
     @classmethod

