@@ -36,7 +36,8 @@ def tp_server(tiny_model_path, tmp_path_factory):
 
 
 def _reports(endpoint: str) -> list[dict]:
-    """Every worker's :meth:`grpo_steps.vllm_worker.WorkerExtension.weight_update_report` (the client reads rank 0's)."""
+    """Every worker's :meth:`grpo_steps.vllm_worker.WorkerExtension.weight_update_report` (the client reads rank
+    0's)."""
     answer = requests.post(f"{endpoint}/collective_rpc", json={"method": "weight_update_report"},
                            headers=auth.auth_headers(endpoint), timeout=30)
     answer.raise_for_status()
@@ -79,7 +80,8 @@ def test_s3_pushes_to_a_tensor_parallel_server_are_fetched_once_and_checked_on_b
             assert logprob_gap() < 1e-4  # both ranks hold their shard of the trainer's weights
             first, second = _reports(tp_server.endpoint)
             assert first["version"] == second["version"] == version
-            assert first["copy"] == "shared: fetched here" and second["copy"] == "shared: fetched by rank 0, checked here"
+            assert first["copy"] == "shared: fetched here"
+            assert second["copy"] == "shared: fetched by rank 0, checked here"
             assert first["bytes_read"] > 0 and second["bytes_read"] == 0  # one fetch per server
             assert first["load"].startswith("vllm: tensor parallel")
         # nothing of the shared copy is left in /dev/shm while the server runs: unlinked once both workers mapped it
