@@ -213,7 +213,8 @@ class WeightUpdateEngine(_engine_base()):
     the one the update request names (:class:`WeightUpdate`), and any version, chain or directory, only when it holds
     exactly the served model's tensors (names, shapes and dtypes: :func:`served_layout`; vLLM's in-place reload only
     warns about a missing one, and its load casts any dtype). A fetch that fails leaves the served weights as they
-    were.
+    were. With tensor parallelism the server's workers share one local copy that only rank 0 fetches, and each checks
+    it before loading (:mod:`grpo_steps.weights.shared_copy`).
     ``start_weight_update`` and ``finish_weight_update`` have nothing to do (the weights are applied whole in
     ``update_weights``; vLLM's ``finish`` sets the version label)."""
 

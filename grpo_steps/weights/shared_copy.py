@@ -70,9 +70,8 @@ class SharedCopy:
     def __init__(self, fd: int, layout: dict, path: str) -> None:
         import torch
 
-        self.path, self.offsets = path, packing(layout)[0]
-        size = packing(layout)[1]
-        self._map = mmap.mmap(fd, size)
+        self.offsets, size = packing(layout)
+        self.path, self._map = path, mmap.mmap(fd, size)
         self.nonce = bytes(self._map[:NONCE])
         self.tensors = {}
         for name, (offset, dtype, shape) in self.offsets.items():

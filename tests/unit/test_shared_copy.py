@@ -42,7 +42,8 @@ def _rank(rank: int, out: str, store: dict | None, prefix: str, layout: dict, re
         chain = WeightChain(make_client(store["endpoint_url"], access_key=store["key"], secret_key=store["secret"],
                                         max_attempts=2), store["bucket"], store["prefix"])
         copy = LocalCopy(tensors=dict(shared.tensors))
-    for version, sha256, tamper in requests:
+    for version, sha256, tamper, *own_digest in requests:
+        sha256 = own_digest[0] if own_digest and rank else sha256  # what this rank's own request names
         def fetch(version=version, sha256=sha256, tamper=tamper) -> bytes:
             chain.fetch(version, copy, sha256=sha256, layout=layout)
             if tamper:  # what rank 0 hands over is not what the manifest says (a bug, or a writer of /dev/shm)
@@ -78,7 +79,8 @@ def test_rank_0_fetches_once_and_every_rank_checks_and_refuses_together(client, 
     requests = [(1, digests[1], False),  # the anchor
                 (2, digests[2], False),  # a delta
                 (3, digests[2], False),  # a digest that is not version 3's: the trainer did not publish it
-                (3, digests[3], True)]  # rank 0 hands over a tensor other than the manifest's
+                (3, digests[3], True),  # rank 0 hands over a tensor other than the manifest's
+                (2, digests[2], False, digests[1])]  # rank 1's request names another version's digest than rank 0's
     store = {"endpoint_url": s3.endpoint, "key": s3.access_key, "secret": s3.secret_key, "bucket": s3.bucket,
              "prefix": prefix}
     mp.start_processes(_run, args=(str(tmp_path), store, layout, requests), nprocs=2, start_method="spawn")
@@ -97,6 +99,8 @@ def test_rank_0_fetches_once_and_every_rank_checks_and_refuses_together(client, 
     assert "rank 0 of the tensor-parallel group did not fetch it" in forged[1] and "trainer published" in forged[1]
     tampered = [s["results"][3]["error"] for s in seen]
     assert all("refused by the tensor-parallel group: rank 1" in e and "norm.weight" in e for e in tampered)
+    other = [s["results"][4]["error"] for s in seen]  # rank 1 checks rank 0's manifest against its own request
+    assert all("rank 1" in e and "is not the one the trainer published" in e for e in other)
 
 
 def _run(rank: int, out: str, store: dict, layout: dict, requests: list) -> None:
