@@ -89,8 +89,9 @@ class WorkerExtension:
     def weight_update_report(self) -> dict:
         """What the engine's last ``update_weights`` did (:attr:`WeightUpdateEngine.report`): ``load`` (``direct`` or
         ``vllm: <why>``), ``version``, ``fetch_seconds`` (the wait for its prefetch, if any), ``load_seconds``,
-        ``bytes_read`` (data objects; None from a directory), ``prefetched``; after a failed one ``version`` and
-        ``error`` (the exception's whole message); empty without the engine."""
+        ``bytes_read`` (data objects this worker read; None from a directory, 0 on a tensor-parallel worker that
+        shares rank 0's fetch), ``prefetched``, ``copy`` (:meth:`WeightUpdateEngine._copy_kind`); after a failed one
+        ``version`` and ``error`` (the exception's whole message); empty without the engine."""
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(engine.report) if isinstance(engine, WeightUpdateEngine) else {}
 
@@ -212,7 +213,8 @@ class WeightUpdateEngine(_engine_base()):
     the one the update request names (:class:`WeightUpdate`), and any version, chain or directory, only when it holds
     exactly the served model's tensors (names, shapes and dtypes: :func:`served_layout`; vLLM's in-place reload only
     warns about a missing one, and its load casts any dtype). A fetch that fails leaves the served weights as they
-    were.
+    were. With tensor parallelism the server's workers share one local copy that only rank 0 fetches, and each checks
+    it before loading (:mod:`grpo_steps.weights.shared_copy`).
     ``start_weight_update`` and ``finish_weight_update`` have nothing to do (the weights are applied whole in
     ``update_weights``; vLLM's ``finish`` sets the version label)."""
 
@@ -229,6 +231,9 @@ class WeightUpdateEngine(_engine_base()):
         # {name: (serving dtype, shape)} and {name: the checkpoint file's dtype}, or None when no file says them
         self.layout, self.file_dtypes = served_layout(vllm_config)
         self._prefetch: tuple[tuple, threading.Thread, list] | None = None  # (key, thread, [error])
+        # tensor parallelism: (the TP group's CPU process group, the server's one copy, this worker's rank) once set
+        # up (shared_copy.py), False without one (TP 1, or it could not be set up), None until the first S3 call
+        self._shared: tuple[object, object, int] | bool | None = None
 
     def init_transfer_engine(self, init_info) -> None:
         pass
@@ -241,6 +246,8 @@ class WeightUpdateEngine(_engine_base()):
 
     def shutdown(self) -> None:
         self.copy.tensors, self.copy.version = {}, None
+        if self._shared:
+            self._shared[1].close()
 
     def update_weights(self, update_info: dict) -> None:
         import torch
@@ -260,11 +267,40 @@ class WeightUpdateEngine(_engine_base()):
     def _fetch_key(self, info: WeightUpdate) -> tuple:
         return (info.s3.get("endpoint_url"), info.s3["bucket"], info.s3["prefix"], info.version)
 
+    def _sharing(self) -> tuple[object, object, int] | None:
+        """With tensor parallelism, ``(group, shared copy, rank)``: rank 0 fetches into one copy in shared memory that
+        every worker of the server maps and checks (:mod:`grpo_steps.weights.shared_copy`). Set up at the first S3
+        call, which every worker makes at once (``collective_rpc``: the same calls in the same order on each); None
+        with one worker, or when it cannot be set up (said on stderr: then each worker fetches its own copy)."""
+        if self._shared is None:
+            from vllm.distributed.parallel_state import get_tp_group
+
+            from grpo_steps.weights.shared_copy import share_setup
+
+            group = get_tp_group()
+            self._shared = False
+            if group.world_size > 1:
+                shared, why = share_setup(group.cpu_group, self.layout)
+                if shared is None:
+                    print(f"[grpo_steps.vllm_worker] each of the {group.world_size} tensor-parallel workers fetches "
+                          f"its own copy of each weight version: {why}", file=sys.stderr)
+                else:
+                    self._shared = (group.cpu_group, shared, group.rank_in_group)
+                    if group.rank_in_group == 0:  # the fetch decodes into the shared tensors
+                        from grpo_steps.weights.chain import LocalCopy
+
+                        self.copy = LocalCopy(tensors=dict(shared.tensors))
+        return self._shared or None
+
     def prefetch(self, info: WeightUpdate) -> None:
         """Fetch ``info``'s chain version into the local copy in a background thread (see
-        :meth:`WorkerExtension.prefetch_weights`); a prefetch already running is waited for first."""
+        :meth:`WorkerExtension.prefetch_weights`); a prefetch already running is waited for first. With tensor
+        parallelism only rank 0 fetches (:meth:`_sharing`)."""
         if info.s3 is None or info.version is None:
             raise ValueError("prefetch needs an S3 chain version (s3 and version)")
+        sharing = self._sharing()
+        if sharing is not None and sharing[2] != 0:
+            return
         self._join_prefetch()
         errors: list[BaseException] = []
 
@@ -309,18 +345,43 @@ class WeightUpdateEngine(_engine_base()):
             tensors, bytes_read, prefetched = read_safetensors(info.path), None, False
             _check_layout(tensors, self.layout, info.path, self.file_dtypes)
         elif info.s3 is not None and info.version is not None:
+            sharing, digest = self._sharing(), _digest(info)
             prefetched = self._join_prefetch() == self._fetch_key(info)
             chain = self._chain(info.s3)
-            # a no-op after its prefetch (same version and digest)
-            tensors = chain.fetch(info.version, self.copy, sha256=_digest(info), layout=self.layout)
-            bytes_read = chain.bytes_read  # the prefetch's, when the fetch had nothing left to read
+
+            def fetch() -> bytes:  # a no-op after its prefetch (same version and digest)
+                chain.fetch(info.version, self.copy, sha256=digest, layout=self.layout)
+                return self.copy.manifest
+
+            if sharing is None:
+                fetch()
+                tensors = self.copy.tensors
+            else:
+                from grpo_steps.weights.shared_copy import share_version
+
+                group, shared, rank = sharing
+                try:
+                    tensors = share_version(group, shared, fetch if rank == 0 else None, version=info.version,
+                                            sha256=digest, prefix=chain.prefix, layout=self.layout)
+                except Exception:
+                    self.copy.version = None  # refused by some worker: rank 0's next fetch replays from the anchor
+                    raise
+            # the prefetch's bytes, when the fetch had nothing left to read; none on a worker that shares rank 0's
+            bytes_read = chain.bytes_read if sharing is None or sharing[2] == 0 else 0
         else:
             raise ValueError("update_info needs 'path' (a directory of safetensors) or 's3' and 'version'")
         fetched = time.perf_counter()
         load = load_tensors(self.model, self.vllm_config, tensors, direct=info.direct)
         self.report = {"load": load, "version": info.version, "fetch_seconds": fetched - start,
                        "load_seconds": time.perf_counter() - fetched, "bytes_read": bytes_read,
-                       "prefetched": prefetched}
+                       "prefetched": prefetched, "copy": "files" if info.path is not None else self._copy_kind()}
+
+    def _copy_kind(self) -> str:
+        """Whose copy of a chain version this worker loaded: ``own`` (its own fetch), or with tensor parallelism the
+        server's shared copy (:meth:`_sharing`), ``fetched here`` (rank 0) or ``fetched by rank 0, checked here``."""
+        if not self._shared:
+            return "own"
+        return "shared: fetched here" if self._shared[2] == 0 else "shared: fetched by rank 0, checked here"
 
 
 _register_engine()

@@ -120,6 +120,7 @@ class LocalCopy:
     version: int | None = None
     id: str | None = None
     sha256: str | None = None  # its manifest's digest, as the trainer sent it
+    manifest: bytes | None = None  # that manifest's bytes (what the other workers of a server check: shared_copy.py)
 
 
 def _zstd_into(frame, out: memoryview) -> None:
@@ -280,8 +281,8 @@ class WeightChain(ChainPublisher):
         """
         return self._manifest(version, sha256)[0]
 
-    def _manifest(self, version: int, sha256: str | None) -> tuple[dict, str]:
-        """(the checked manifest of ``version``, the SHA-256 of its bytes)."""
+    def _manifest(self, version: int, sha256: str | None) -> tuple[dict, str, bytes]:
+        """(the checked manifest of ``version``, the SHA-256 of its bytes, its bytes)."""
         key = self._manifest_key(version)
         missing = VersionNotFoundError(f"weight version {version} does not exist (no s3://{self.bucket}/{key})")
         body = self._call("get_object", key, missing=missing)  # at most MAX_MANIFEST_BYTES
@@ -293,7 +294,7 @@ class WeightChain(ChainPublisher):
             manifest = json.loads(body)
         except ValueError as err:
             raise refuse(version, f"its manifest is not JSON: {err}") from None
-        return check_manifest(manifest, version, self.prefix), digest
+        return check_manifest(manifest, version, self.prefix), digest, body
 
     def lineage(self, version: int, have: LocalCopy | None = None, sha256: str | None = None) -> list[dict]:
         """The manifests to apply, oldest first, to reach ``version``: from its anchor, or from the version after
@@ -308,7 +309,11 @@ class WeightChain(ChainPublisher):
             VersionNotFoundError: ``version`` or a version it builds on has no manifest (retired too early).
             ChainRefusedError: a manifest breaks a bound, a digest, or its base's depth and anchor.
         """
-        manifest, _ = self._manifest(version, sha256)
+        return self._lineage(version, have, sha256)[0]
+
+    def _lineage(self, version: int, have: LocalCopy | None, sha256: str | None) -> tuple[list[dict], bytes]:
+        """(:meth:`lineage`, the bytes of ``version``'s manifest)."""
+        manifest, _, body = self._manifest(version, sha256)
         chain = [manifest]
         while chain[-1]["base"] is not None:
             child, base = chain[-1], chain[-1]["base"]
@@ -317,7 +322,7 @@ class WeightChain(ChainPublisher):
                 same_layout(child, {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape))
                                      for n, t in have.tensors.items()}, "the local copy")
                 break
-            manifest, digest = self._manifest(base["version"], None)
+            manifest, digest, _ = self._manifest(base["version"], None)
             if manifest["id"] != base["id"]:  # published again after this delta was written: not its base
                 raise VersionNotFoundError(f"weight version {child['version']} builds on version "
                                            f"{base['version']} id {base['id']}, which was replaced by id "
@@ -334,7 +339,7 @@ class WeightChain(ChainPublisher):
             same_layout(child, {n: (e["dtype"], e["shape"]) for n, e in manifest["tensors"].items()},
                          f"its base version {base['version']}")
             chain.append(manifest)
-        return chain[::-1]
+        return chain[::-1], body
 
     def fetch(self, version: int, into: LocalCopy | None = None, *, sha256: str, layout: dict | None = None) -> dict:
         """Bring ``into`` (a new :class:`LocalCopy` when None) to ``version`` and return its tensors (name -> CPU
@@ -361,19 +366,20 @@ class WeightChain(ChainPublisher):
         if copy.version == version and copy.sha256 == sha256:
             return copy.tensors
         self.bytes_read = 0
-        chain = self.lineage(version, copy, sha256)
+        chain, body = self._lineage(version, copy, sha256)
         if layout is not None:
             for manifest in chain:
                 same_layout(manifest, layout, "the served model")
-        copy.version = copy.id = copy.sha256 = None  # from here until the last tensor checks, the copy is no version
+        copy.version = copy.id = copy.sha256 = copy.manifest = None  # until the last tensor checks, it is no version
         if chain[0]["base"] is None:
-            copy.tensors = {}
+            # an anchor is decoded into the copy's own tensors of its dtype and shape (a shared copy's stay shared)
+            copy.tensors = {n: t for n, t in copy.tensors.items() if n in chain[0]["tensors"]}
         try:
             for manifest in chain:
                 self._apply(manifest, copy.tensors)
         finally:
             self._trim_scratch()
-        copy.version, copy.id, copy.sha256 = version, chain[-1]["id"], sha256
+        copy.version, copy.id, copy.sha256, copy.manifest = version, chain[-1]["id"], sha256, body
         return copy.tensors
 
     def _trim_scratch(self) -> None:

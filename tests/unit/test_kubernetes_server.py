@@ -122,6 +122,9 @@ def test_rendered_deployment_requests_gpus_probes_health_and_carries_the_run_lab
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
     assert {"name": "shared", "persistentVolumeClaim": {"claimName": "grpo-shared"}} in pod["volumes"]
     assert {"name": "shared", "mountPath": "/shared"} in container["volumeMounts"]
+    # /dev/shm holds a tensor-parallel server's one copy of the weights (s3 sync): as large as the memory limit
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": container["resources"]["limits"]["memory"]}
 
 
 def test_stage_weights_copies_to_the_runs_folder_on_the_shared_volume(tmp_path):
