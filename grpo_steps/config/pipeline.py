@@ -365,17 +365,6 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _async_rollouts_without_environments(self) -> PipelineConfig:
-        # with tools the producer prefetches first turns and the trainer's tool loop samples each follow-up turn
-        # after running the calls (grpo_steps.training.generation.server); an environment is reset per batch,
-        # before its first turn, by the trainer, which a producer sampling ahead cannot wait for
-        if self.generation.async_ is not None and self.environment:
-            raise ValueError("generation.async prefetches first turns before the trainer reaches their batch, and an "
-                             "environment is reset per batch before its first turn: remove generation.async with "
-                             "environment (tools work with it)")
-        return self
-
-    @model_validator(mode="after")
     def _in_flight_pushes_full_weights(self) -> PipelineConfig:
         gen = self.generation
         if gen.async_ is not None and gen.async_.in_flight and self.serves_adapter:

@@ -33,6 +33,7 @@ from trl import GRPOTrainer
 from grpo_steps import trl_hooks
 from grpo_steps.training import correction, shared_prefix
 from grpo_steps.training.cursor import CursorSampler, PromptCursor, log_batch, prompt_id
+from grpo_steps.training.generation.episodes_ahead import EpisodesAhead, close_all
 from grpo_steps.training.generation.server import PolicyView, ServerGeneration, ServerSettings
 from grpo_steps.training.zero_signal import ZeroSignalMode
 
@@ -179,6 +180,8 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         # filters that reshape what vLLM samples: the sampler's logprobs go on the policy's support before TRL's
         # correction (or its off-policy mask) reads them (grpo_steps.training.correction.on_policy_support)
         self.sampling_settings = server.gen
+        self.episodes_ahead: EpisodesAhead | None = None
+        """``generation.async`` with ``environment:``: the environments reset ahead (:meth:`_prompt_stream`)."""
         self.replays_sampling = server.gen.reshapes_sampling and (
             self.vllm_importance_sampling_correction or self.off_policy_mask_threshold is not None)
 
@@ -198,6 +201,20 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         return (*result[:4], shifted, *result[5:])
 
     def _generate_and_score_completions(self, inputs):
+        ahead = self.episodes_ahead.take(trl_hooks.micro_step(self)) \
+            if self.episodes_ahead is not None and self.model.training else None
+        if ahead is None:
+            return self._score_round(inputs)
+        # generation.async with an environment: the rows' environments were reset ahead, their observations in the
+        # first prompts the producer sampled; TRL's round plays those instances (its reset with the same row returns
+        # the observation without resetting again), then they are closed with their worker processes
+        with trl_hooks.environment_pools(self, self.episodes_ahead.pools(ahead, inputs)) as pools:
+            try:
+                return self._score_round(inputs)
+            finally:
+                close_all([instance for pool in pools.values() for instance in pool])
+
+    def _score_round(self, inputs):
         if self.loss_side_correction is not None and self.model.training:
             # TRL's gate of its scoring pass, its weights and their metrics (pinned by the contract test): off for
             # this round; the loss's forward weighs each micro-batch instead (_compute_loss below)
@@ -255,6 +272,24 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         accumulation = self.args.gradient_accumulation_steps
         every = self.args.steps_per_generation * self.num_iterations  # micro-steps per generation batch
         depth = prefetch_depth(max_staleness, every / accumulation, sync_every)
-        stream = PromptStream(self.get_train_dataloader(), self.state.global_step, accumulation,
-                              partial(trl_hooks.tokenize_prompts, self), every, depth)
+        if self.environment_factories is not None:  # each batch's environments reset as the stream reads it
+            self.episodes_ahead = EpisodesAhead(self.environment_factories, routed=self._multi_environment)
+        episodes = self.episodes_ahead
+
+        def tokenize(prompts: list, rows: list[dict]) -> list[list[int]]:
+            names = episodes.names(rows) if episodes is not None else None
+            return trl_hooks.tokenize_prompts(self, prompts, names)
+
+        stream = PromptStream(self.get_train_dataloader(), self.state.global_step, accumulation, tokenize, every,
+                              depth, episodes=episodes)
         return depth, stream.after, stream.step_of
+
+    def close_generation(self) -> None:
+        """Stop the generation class (:meth:`ServerGeneration.close`: the producer, the push directory) and close
+        every environment instance: those reset ahead, and TRL's pools (their worker processes killed)."""
+        try:
+            self.vllm_generation.close()
+        finally:
+            if self.episodes_ahead is not None:
+                self.episodes_ahead.close()
+            close_all(trl_hooks.environment_pool_instances(self))

@@ -189,3 +189,40 @@ def test_a_gymnasium_style_environment_plays_through_trl_without_a_wrapper(tiny_
     assert '"name": "move"' in trainer.seen_prompts[0][0]
     assert [m.get("content") for m in completions[0] if m["role"] == "tool"] == ["higher", "right"]
     assert trainer._metrics["train"]["rewards/Countdown/mean"][-1] == 0.75  # -0.25 then +1
+
+
+def test_an_environment_reset_ahead_is_the_one_the_round_plays_then_closed(tiny_model_path, tmp_path):
+    """``generation.async`` with an environment (:mod:`grpo_steps.training.generation.episodes_ahead`): the prompt
+    stream resets a batch's environments ahead and the producer's first prompts are TRL's own for that batch, the
+    observation joined as TRL joins it (the prefetched batch is used, not missed); TRL's round at that key plays
+    those instances (reset once: its reset with the same row does not reset again), then they are closed."""
+    import psutil
+
+    from grpo_steps import trl_hooks
+    from grpo_steps.training.generation.episodes_ahead import EpisodesAhead
+
+    trainer, tokenizer, calls = _trainer(tiny_model_path, tmp_path, [MOVE % "go", "done"] * 2, tool=None,
+                                         environment="tests.unit.toy_games:Board")
+    trainer.episodes_ahead = episodes = EpisodesAhead(trainer.environment_factories, routed=False)
+    rows = [{"prompt": [{"role": "user", "content": "Play."}], "seed": 5}] * GROUP
+    key = trl_hooks.micro_step(trainer)
+    ahead = trl_hooks.tokenize_prompts(trainer, episodes.first_prompts(key, rows), episodes.names(rows))
+    instances = list(episodes.ahead[key])
+    pids = [instance._process.proc.pid for instance in instances]
+    episodes.first_prompts(key + 1, rows)  # the next batch, read ahead from rows TRL will not give it
+    later = [instance._process.proc.pid for instance in episodes.ahead[key + 1]]
+    out = trainer._generate_and_score_completions(rows)
+    completions = list(trainer._logs["completion"])[-GROUP:]
+    assert [tokenizer.decode(ids) for ids in ahead] == trainer.seen_prompts[0]  # the producer's prompts are TRL's
+    assert "Play. The board of game 5 is ready." in trainer.seen_prompts[0][0]
+    assert [m.get("content") for m in completions[0] if m["role"] == "tool"] == ["game 5, reset 1 time(s)"]
+    assert key not in episodes.ahead and all(instance._process.proc is None for instance in instances)
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+    assert out["completion_ids"].shape[0] == GROUP
+    # the stream read other rows than TRL's for the next batch: TRL's reset of its row resets the instance again
+    assert trl_hooks.count_micro_step(trainer) == key + 1
+    trainer._generate_and_score_completions([{**row, "seed": 7} for row in rows])
+    completions = list(trainer._logs["completion"])[-GROUP:]
+    assert [m.get("content") for m in completions[0] if m["role"] == "tool"] == ["game 7, reset 2 time(s)"]
+    assert not episodes.ahead
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in later)
