@@ -365,6 +365,13 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _turn_credit_needs_an_environment(self) -> PipelineConfig:
+        if self.train.turn_credit is not None and not self.environment:
+            raise ValueError(f"train.turn_credit {self.train.turn_credit:g} credits the moves of an environment's "
+                             "game per turn, and this config has no environment: remove it")
+        return self
+
+    @model_validator(mode="after")
     def _in_flight_pushes_full_weights(self) -> PipelineConfig:
         gen = self.generation
         if gen.async_ is not None and gen.async_.in_flight and self.serves_adapter:

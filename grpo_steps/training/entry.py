@@ -119,6 +119,7 @@ def build_trainer(job: TrainJob, args, model, tokenizer, started: float):
             cfg.environment, cfg.generation.tool_timeout_s, cfg.generation.max_tool_response_length,
             cfg.generation.episode_timeout_s)),
         zero_signal=mode_for(cfg.train),
+        turn_credit=cfg.train.turn_credit,
         prompt_cursor=cursor,
         **backend_kwargs,
     )

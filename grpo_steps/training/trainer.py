@@ -31,7 +31,7 @@ import torch
 from trl import GRPOTrainer
 
 from grpo_steps import trl_hooks
-from grpo_steps.training import correction, shared_prefix
+from grpo_steps.training import correction, shared_prefix, turn_credit
 from grpo_steps.training.cursor import CursorSampler, PromptCursor, log_batch, prompt_id
 from grpo_steps.training.generation.episodes_ahead import EpisodesAhead, close_all
 from grpo_steps.training.generation.server import PolicyView, ServerGeneration, ServerSettings
@@ -51,10 +51,12 @@ class PipelineGRPOTrainer(GRPOTrainer):
     (``hf``, colocate) or syncs it first (``nccl``)."""
 
     def __init__(self, *args, zero_signal: ZeroSignalMode | None = None, prompt_cursor: PromptCursor | None = None,
-                 **kwargs):
+                 turn_credit: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.zero_signal = zero_signal or ZeroSignalMode()
         self.prompt_cursor = prompt_cursor
+        self.turn_credit = turn_credit
+        self._turn_rewards: list | None = None  # per rollout of the round being generated (turn_credit)
 
     def _sampled_version(self) -> int:
         return self.state.global_step
@@ -99,14 +101,30 @@ class PipelineGRPOTrainer(GRPOTrainer):
         return self.zero_signal.training_step(self, model, inputs, num_items_in_batch)
 
     def generate_round(self, inputs: list[dict]) -> dict:
-        """TRL's generation round for ``inputs`` (sample, score, advantages), plus the tool-turn metric."""
+        """TRL's generation round for ``inputs`` (sample, score, advantages), plus the tool-turn metric; with
+        ``train.turn_credit``, a training round's advantages per token (:func:`.turn_credit.fold`)."""
+        self._turn_rewards = None
         output = trl_hooks.generate_and_score(PipelineGRPOTrainer, self, inputs)
+        if self.turn_credit and self.model.training and self._turn_rewards is not None and "tool_mask" in output:
+            output["advantages"] = turn_credit.fold(output["advantages"], output["tool_mask"],
+                                                    output["completion_mask"], self._turn_rewards,
+                                                    self.num_generations, self.turn_credit)
         if self.tools:  # TRL logs calls and failures per episode; the assistant turns too (as evaluation does)
             episodes = [c for c in trl_hooks.logged_batch(self)["completion"] if isinstance(c, list)]
             turns = [sum(m.get("role") == "assistant" for m in c) for c in episodes]
             if turns:
                 trl_hooks.log_metric(self, "tools/turns_per_episode", sum(turns) / len(turns))
         return output
+
+    def _generate(self, prompts):
+        result = super()._generate(prompts)  # TRL's round: the first turns and the tool loop's
+        if self.turn_credit and self.model.training and self.environments:
+            # the game's reward of each turn, read while the round's environments hold their episodes
+            from rewards.game import turn_rewards
+
+            self._turn_rewards = [turn_rewards(messages, getattr(environment, "outcome", None))
+                                  for messages, environment in zip(result[3], self.environments, strict=True)]
+        return result
 
     def trl_prepare_inputs(self, generation_batch) -> dict:
         """TRL's ``_prepare_inputs``: generates when a generation batch is due; returns the current micro-batch."""

@@ -113,3 +113,23 @@ def test_an_episode_clock_without_an_environment_is_refused():
     config["environment"] = "gym:tests.unit.toy_games:Stuck"
     config["generation"]["max_completion_tokens"] = 12
     assert validate_config(config).generation.episode_timeout_s == 30
+
+
+def test_per_turn_credit_needs_an_environment_and_per_token_advantages():
+    """``train.turn_credit`` credits an environment's moves per turn, making the advantages per token: refused in
+    ``start`` without an environment, and with the settings that read one advantage per completion."""
+    from grpo_steps.config import ConfigError
+    from tests.integration.flowrun import flow_config
+
+    config = flow_config(train={"turn_credit": 0.5})
+    with pytest.raises(ConfigError, match="train.turn_credit 0.5 credits the moves of an environment's game"):
+        validate_config(config)
+    config["environment"] = "gym:tests.unit.toy_games:Countdown"
+    config["generation"]["max_completion_tokens"] = 12
+    assert validate_config(config).train.turn_credit == 0.5
+    for setting, message in (({"zero_signal_groups": "resample"}, "zero_signal_groups 'resample'"),
+                             ({"off_policy_mask_threshold": 0.5}, "off_policy_mask_threshold"),
+                             ({"loss_type": "vespo"}, "loss_type 'vespo'")):
+        refused = {**config, "train": {**config["train"], **setting}}
+        with pytest.raises(ConfigError, match=f"turn_credit makes the advantages per token, and train.{message}"):
+            validate_config(refused)

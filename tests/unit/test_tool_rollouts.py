@@ -226,3 +226,37 @@ def test_an_environment_reset_ahead_is_the_one_the_round_plays_then_closed(tiny_
     assert [m.get("content") for m in completions[0] if m["role"] == "tool"] == ["game 7, reset 2 time(s)"]
     assert not episodes.ahead
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in later)
+
+
+def test_per_turn_credit_gives_each_turn_the_moves_rewards_from_it_on(tiny_model_path, tmp_path):
+    """``train.turn_credit`` (:mod:`grpo_steps.training.turn_credit`): a gymnasium game's move rewards (-0.25 for a
+    wrong guess, +1 for the right one) become per-token advantages: each turn's tokens get the episode's advantage
+    (0 here: both rollouts of the group are the same episode) plus the group-normalised rewards of its moves and the
+    later ones (DeepSeekMath's process-supervision GRPO); the tool answers and the final turn, which made no move,
+    get none."""
+    trainer, tokenizer, calls = _trainer(tiny_model_path, tmp_path, [MOVE % "2", MOVE % "3", "done"], tool=None,
+                                         environment="gym:tests.unit.toy_games:Countdown")
+    trainer.turn_credit = 1.0
+    out, completions = _episode(trainer, seed=2)  # target 3: "higher" (-0.25), then "right" (+1)
+    assert [m.get("content") for m in completions[0] if m["role"] == "tool"] == ["higher", "right"]
+    advantages = out["advantages"]
+    assert advantages.shape == out["completion_ids"].shape  # (B, T): TRL's loss takes them per token
+    rewards = torch.tensor([-0.25, 1.0, -0.25, 1.0], dtype=torch.float64)  # every turn reward of the group
+    later = ((1.0 - rewards.mean()) / (rewards.std() + 1e-4)).item()  # the second move's, normalised
+    for row in range(GROUP):
+        model = out["tool_mask"][row].bool() & out["completion_mask"][row].bool()
+        spans, start = [], None
+        for t, on in enumerate(model.tolist() + [False]):
+            if on and start is None:
+                start = t
+            elif not on and start is not None:
+                spans.append((start, t))
+                start = None
+        assert len(spans) == 3  # three turns: two moves, then the answer
+        first, second, last = (advantages[row, a:b] for a, b in spans)
+        assert torch.allclose(first, torch.zeros_like(first), atol=1e-4)  # -0.866 + 0.866: the moves to go
+        assert torch.allclose(second, torch.full_like(second, later), atol=1e-4) and later > 0.8
+        assert torch.allclose(last, torch.zeros_like(last))
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop
+    loss = trainer._compute_loss(trainer.model, out)  # TRL's loss over (B, T) advantages
+    assert loss.ndim == 0 and torch.isfinite(loss)
