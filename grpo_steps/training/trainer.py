@@ -226,7 +226,7 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         # generation.async with an environment: the rows' environments were reset ahead, their observations in the
         # first prompts the producer sampled; TRL's round plays those instances (its reset with the same row returns
         # the observation without resetting again), then they are closed with their worker processes
-        with trl_hooks.environment_pools(self, self.episodes_ahead.pools(ahead, inputs)) as pools:
+        with trl_hooks.environment_pools(self, self.episodes_ahead.pools(ahead)) as pools:
             try:
                 return self._score_round(inputs)
             finally:

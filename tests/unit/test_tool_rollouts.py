@@ -207,10 +207,10 @@ def test_an_environment_reset_ahead_is_the_one_the_round_plays_then_closed(tiny_
     rows = [{"prompt": [{"role": "user", "content": "Play."}], "seed": 5}] * GROUP
     key = trl_hooks.micro_step(trainer)
     ahead = trl_hooks.tokenize_prompts(trainer, episodes.first_prompts(key, rows), episodes.names(rows))
-    instances = list(episodes.ahead[key])
+    instances = [instance for _, instance in episodes.ahead[key]]
     pids = [instance._process.proc.pid for instance in instances]
     episodes.first_prompts(key + 1, rows)  # the next batch, read ahead from rows TRL will not give it
-    later = [instance._process.proc.pid for instance in episodes.ahead[key + 1]]
+    later = [instance._process.proc.pid for _, instance in episodes.ahead[key + 1]]
     out = trainer._generate_and_score_completions(rows)
     completions = list(trainer._logs["completion"])[-GROUP:]
     assert [tokenizer.decode(ids) for ids in ahead] == trainer.seen_prompts[0]  # the producer's prompts are TRL's

@@ -52,7 +52,8 @@ class EpisodesAhead:
 
     def __init__(self, factories: dict[str | None, Callable], routed: bool) -> None:
         self.factories, self.routed = factories, routed
-        self.ahead: dict[int, list] = {}
+        self.ahead: dict[int, list[tuple[str | None, Any]]] = {}
+        """Per key, the batch's instances in row order, each with the name of the environment it was made for."""
 
     def names(self, rows: list[dict]) -> list[str | None]:
         """The environment of each row (TRL's ``_batch_environments``)."""
@@ -67,38 +68,38 @@ class EpisodesAhead:
         prompts = [copy.deepcopy(row.get("prompt", EMPTY_PROMPT)) for row in rows]
         if any(name not in self.factories for name in names):
             return prompts
-        close_all(self.ahead.pop(key, []))  # a key read again: its earlier instances go
-        instances: list = []
-        self.ahead[key] = instances  # before the resets: one that raises leaves its predecessors closable
+        close_all([instance for _, instance in self.ahead.pop(key, [])])  # a key read again: its earlier ones go
+        made: list[tuple[str | None, Any]] = []
+        self.ahead[key] = made  # before the resets: one that raises leaves its predecessors closable
         for index, (name, row) in enumerate(zip(names, rows, strict=True)):
-            instances.append(self.factories[name]())
+            made.append((name, self.factories[name]()))
             # the control column is not passed to reset in routed mode (TRL's reset_kwargs)
             kwargs = {k: v for k, v in row.items() if k != "environment"} if self.routed else row
-            prompts[index] = with_observation(prompts[index], instances[-1]._reset_ahead(**copy.deepcopy(kwargs)))
+            prompts[index] = with_observation(prompts[index], made[-1][1]._reset_ahead(**copy.deepcopy(kwargs)))
         return prompts
 
-    def take(self, key: int) -> list | None:
-        """The instances reset ahead for the batch at ``key`` (row order), now the caller's to close; None when
-        that batch was not read ahead."""
+    def take(self, key: int) -> list[tuple[str | None, Any]] | None:
+        """The instances reset ahead for the batch at ``key`` (row order, each with its environment's name), now the
+        caller's to close; None when that batch was not read ahead."""
         return self.ahead.pop(key, None)
 
-    def pools(self, instances: list, rows: list[dict]) -> dict[str | None, list]:
-        """``instances`` (one per row of ``rows``) as TRL's environment pools, ``{name: instances in row order}``:
-        TRL hands each row the next instance of its environment's pool."""
+    def pools(self, made: list[tuple[str | None, Any]]) -> dict[str | None, list]:
+        """:meth:`take`'s instances as TRL's environment pools, ``{name: instances in row order}``, each under the
+        environment it was made for: TRL hands each row the next instance of its row's environment (a row whose
+        environment has none left gets a new one, added to the pool)."""
         pools: dict[str | None, list] = {name: [] for name in self.factories}
-        for name, instance in zip(self.names(rows), instances, strict=False):
-            pools.setdefault(name, []).append(instance)
+        for name, instance in made:
+            pools[name].append(instance)
         return pools
 
     def discard_through(self, key: int) -> None:
         """Close the instances of every batch at or before ``key`` (the trainer moved past them)."""
         for stale in [k for k in self.ahead if k <= key]:
-            close_all(self.ahead.pop(stale))
+            close_all([instance for _, instance in self.ahead.pop(stale)])
 
     def close(self) -> None:
         """Close every instance still kept."""
-        for key in list(self.ahead):
-            close_all(self.ahead.pop(key))
+        self.discard_through(max(self.ahead, default=0))
 
 
 def close_all(instances: list) -> None:
