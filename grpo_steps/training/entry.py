@@ -74,8 +74,11 @@ def run(job: TrainJob) -> str:
     try:
         trainer.train(resume_from_checkpoint=job.resume_from)
     finally:  # stop the async producer, remove the push directory, on success and on failure alike
-        if isinstance(getattr(trainer, "vllm_generation", None), ServerGeneration):  # set on TRL's vLLM paths only
-            trainer.close_generation()  # and the environments' worker processes
+        try:
+            if isinstance(getattr(trainer, "vllm_generation", None), ServerGeneration):  # TRL's vLLM paths only
+                trainer.vllm_generation.close()
+        finally:
+            trainer.close_environments()  # the environments' worker processes
     check_ranks_agree(trainer.accelerator, trainer.model, trainer.is_deepspeed_enabled)
     final = Path(job.output_dir) / "final"
     trainer.save_model(str(final))

@@ -5,7 +5,8 @@ methods and attributes (pinned by ``tests/unit/test_trl_contract.py``).
 - Every backend (:class:`PipelineGRPOTrainer`): the weight version of each generation batch (``sampled_version``, for
   the completions tables), the tool-turn metric, the zero-signal mode (:mod:`grpo_steps.training.zero_signal`):
   its generation round while training, its micro-batch preparation, its training step; and every scoring of the
-  policy or reference model with each distinct prompt forwarded once (:mod:`grpo_steps.training.shared_prefix`).
+  policy or reference model with each distinct prompt forwarded once (:mod:`grpo_steps.training.shared_prefix`);
+  with ``train.turn_credit``, per-token advantages from each turn's move rewards (:mod:`.turn_credit`).
 - Rollouts from our vLLM server, the pipeline's weight pushes (:class:`ServerGRPOTrainer`): TRL 1.16 samples through
   ``self.vllm_generation`` and applies its trainer–inference mismatch correction (importance sampling against the
   sampler's logprobs, the ``sampling/*`` metrics, ``importance_sampling_ratio`` in the loss) only when
@@ -20,7 +21,9 @@ methods and attributes (pinned by ``tests/unit/test_trl_contract.py``).
   (:class:`grpo_steps.training.correction.LossSideCorrection`, overrides of ``_compute_loss`` and
   ``_get_per_token_logps_and_entropies``). With sampling filters that reshape what vLLM samples (``top_k``, ``top_p``,
   ``min_p``, ``repetition_penalty``), the override of ``_generate`` puts the round's sampler logprobs on the policy's
-  support before TRL reads them (:func:`grpo_steps.training.correction.on_policy_support`).
+  support before TRL reads them (:func:`grpo_steps.training.correction.on_policy_support`). With
+  ``generation.async`` and an environment, a batch's round plays the instances reset ahead for its first prompts
+  (:mod:`grpo_steps.training.generation.episodes_ahead`, swapped in for TRL's pools), then closes them.
 """
 
 from __future__ import annotations
@@ -125,6 +128,11 @@ class PipelineGRPOTrainer(GRPOTrainer):
             self._turn_rewards = [turn_rewards(messages, getattr(environment, "outcome", None))
                                   for messages, environment in zip(result[3], self.environments, strict=True)]
         return result
+
+    def close_environments(self) -> None:
+        """Close every environment instance of TRL's pools (their worker processes killed); nothing without
+        ``environment:``."""
+        close_all(trl_hooks.environment_pool_instances(self))
 
     def trl_prepare_inputs(self, generation_batch) -> dict:
         """TRL's ``_prepare_inputs``: generates when a generation batch is due; returns the current micro-batch."""
@@ -302,12 +310,8 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
                               depth, episodes=episodes)
         return depth, stream.after, stream.step_of
 
-    def close_generation(self) -> None:
-        """Stop the generation class (:meth:`ServerGeneration.close`: the producer, the push directory) and close
-        every environment instance: those reset ahead, and TRL's pools (their worker processes killed)."""
-        try:
-            self.vllm_generation.close()
-        finally:
-            if self.episodes_ahead is not None:
-                self.episodes_ahead.close()
-            close_all(trl_hooks.environment_pool_instances(self))
+    def close_environments(self) -> None:
+        """Close every environment instance: those reset ahead (``generation.async``), and TRL's pools."""
+        if self.episodes_ahead is not None:
+            self.episodes_ahead.close()
+        super().close_environments()
