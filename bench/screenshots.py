@@ -7,7 +7,13 @@ run's ``mlflow.db``), serves ``mlflow ui`` on 127.0.0.1 and a free port, and sav
 - ``mlflow-experiment.png``: the experiment's training-runs page (run, status, metrics);
 - ``mlflow-run-overview.png``: the run's Overview, its description first (task, model, held-out gain, gate, links);
 - ``mlflow-run-metrics.png``: the run's model-metrics page, charts filtered to the rewards;
-- ``mlflow-model-version.png``: the registered version's page (description, aliases, tags).
+- ``mlflow-model-version.png``: the registered version's page (description, aliases, tags);
+- ``mlflow-episode-trace.png``: one game episode's trace (:mod:`grpo_steps.evaluation.traces`: a span per turn with
+  the observation, the action, the reward and the tokens), in the run's experiment. The episode is a real TextArena
+  GuessTheNumber-v0 game (seed 7) played by a scripted binary search on the game's feedback, standing in for the
+  policy (no model runs), traced as evaluation traces a sampled episode (:func:`log_episode_trace`).
+
+``--trace-only`` takes the trace page alone, in a scratch store (no flow run).
 
 The UI server is stopped by its process group (started here, in a new session) at the end.
 """
@@ -47,6 +53,21 @@ def run_tiny_flow(workdir: Path, config: Path) -> None:
         raise SystemExit(f"the tiny flow failed:\n{out[-4000:]}")
 
 
+TRACE_PNG = "mlflow-episode-trace.png"
+TRACE_SPAN = "turn 2"
+"""The span the trace screenshot shows: the policy's second move, read from the game's answer to its first."""
+
+
+def newest_run(workdir: Path) -> str:
+    """The id of the newest run of experiment ``grpo`` in ``workdir``'s store."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
+    experiment = client.get_experiment_by_name("grpo")
+    return client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"],
+                              max_results=1)[0].info.run_id
+
+
 def pages(workdir: Path) -> dict[str, str]:
     """UI route of each screenshot, for the newest run and version in ``workdir``'s store."""
     from mlflow import MlflowClient
@@ -66,6 +87,61 @@ def pages(workdir: Path) -> dict[str, str]:
                                   "?workflowType=machine_learning",
         "mlflow-model-version.png": f"#/models/{version.name}/versions/{version.version}",
     }
+
+
+TRACE_SEED = 7
+"""The GuessTheNumber-v0 game of the trace screenshot."""
+
+
+def log_episode_trace(workdir: Path, run_id: str | None = None) -> dict[str, str]:
+    """Play one TextArena GuessTheNumber-v0 game (:data:`TRACE_SEED`) by binary search on its feedback, in the
+    pipeline's environment worker, and log its trace with :mod:`grpo_steps.evaluation.traces` into ``workdir``'s
+    store, linked to ``run_id`` (default: a new run ``episode-trace`` of experiment ``grpo``). Returns the trace
+    page's route."""
+    from mlflow import MlflowClient
+    from transformers import AutoTokenizer
+
+    from grpo_steps.config import validate_config
+    from grpo_steps.dev.tiny_model import TINY
+    from grpo_steps.environments import TEXTARENA
+    from grpo_steps.evaluation.episodes import Episode
+    from grpo_steps.evaluation.traces import episode_traces, log_traces
+    from grpo_steps.models import prepare_embedded
+    from grpo_steps.tools import environment_factories
+
+    uri = f"sqlite:///{workdir}/mlflow.db"
+    cfg = validate_config({"tracking": {"tracking_uri": uri}, "eval": {"num_traces": 1}})
+    client = MlflowClient(tracking_uri=uri)
+    if run_id is None:
+        experiment = client.get_experiment_by_name("grpo")
+        experiment_id = experiment.experiment_id if experiment else client.create_experiment("grpo")
+        run_id = client.create_run(experiment_id, run_name="episode-trace").info.run_id
+        client.set_terminated(run_id)
+    tokenizer = AutoTokenizer.from_pretrained(prepare_embedded(TINY))  # token counts of the turns (a local build)
+    (factory,) = environment_factories(TEXTARENA + "GuessTheNumber-v0", 30.0, 400).values()
+    game = factory()
+    try:
+        observation = game.reset(seed=TRACE_SEED)
+        row = {"prompt": [{"role": "user", "content": f"Game {TRACE_SEED}: play Guess The Number with the move "
+                                                      f"tool.{observation}"}]}
+        messages, tokens, low, high = [], [], 1, 20
+        while not game.outcome["solved"] and len(tokens) < 10:
+            guess = (low + high) // 2
+            call = {"type": "function", "function": {"name": "move", "arguments": {"action": f"[{guess}]"}}}
+            answer = game.move(f"[{guess}]")
+            messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                         {"role": "tool", "name": "move", "content": answer}]
+            tokens.append(len(tokenizer(json.dumps(call["function"]))["input_ids"]))
+            low, high = (guess + 1, high) if "higher" in answer else (low, guess - 1) if "lower" in answer else \
+                (low, high)
+        messages.append({"role": "assistant", "content": "I won."})
+        tokens.append(len(tokenizer("I won.")["input_ids"]))
+        episode = Episode(messages=messages, turns=len(tokens), turn_tokens=tokens, environment=game)
+        (trace_id,) = log_traces(cfg, run_id, "baseline", episode_traces(cfg, [row], [[episode]]))
+    finally:
+        game._close()
+    experiment_id = client.get_run(run_id).info.experiment_id
+    return f"#/experiments/{experiment_id}/traces?selectedEvaluationId={trace_id}"
 
 
 def serve_ui(workdir: Path, port: int) -> subprocess.Popen:
@@ -114,6 +190,15 @@ SEARCH_CHARTS = """(() => {
   input.dispatchEvent(new Event('input', {bubbles: true}));
   return 'filtered';
 })()"""
+
+
+SELECT_SPAN = """(() => {
+  const span = [...document.querySelectorAll('span, div')].find(e => e.children.length === 0 && e.textContent === '%s');
+  if (!span) return 'no span %s';
+  span.click();
+  return 'selected %s';
+})()"""
+"""A trace page opens on its root span: select a turn's span, whose observation and action then show."""
 
 
 class Browser:
@@ -185,6 +270,9 @@ def take(browser: Browser, base: str, routes: dict[str, str], out: Path, settle_
     for name, route in routes.items():
         browser.open(f"{base}/{route}", settle_s)
         print(f"assistant panel: {browser.evaluate(CLOSE_ASSISTANT)}", flush=True)
+        if "/traces" in route:
+            print(f"trace span: {browser.evaluate(SELECT_SPAN % ((TRACE_SPAN,) * 3))}", flush=True)
+            time.sleep(settle_s / 4)
         if "/model-metrics" in route:
             print(f"metric charts: {browser.evaluate(SEARCH_CHARTS % charts)}", flush=True)  # training curves
             time.sleep(settle_s)
@@ -201,15 +289,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "test.yaml",
                         help="the run config of the tiny flow (without --workdir)")
     parser.add_argument("--charts", default="rewards/", help="the metric charts shown: names holding this text")
+    parser.add_argument("--trace-only", action="store_true", help="only the episode trace's page, from a scratch "
+                        "store (no flow run)")
     args = parser.parse_args(argv)
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if not chromium:
         raise SystemExit("headless Chromium not found: apt-get install chromium")
     with tempfile.TemporaryDirectory(prefix="grpo-screens-") as scratch:
         workdir = args.workdir or Path(scratch)
-        if args.workdir is None:
-            run_tiny_flow(workdir, args.config)
-        routes = pages(workdir.resolve())
+        if args.trace_only:
+            routes = {TRACE_PNG: log_episode_trace(workdir.resolve())}
+        else:
+            if args.workdir is None:
+                run_tiny_flow(workdir, args.config)
+            routes = pages(workdir.resolve())
+            routes[TRACE_PNG] = log_episode_trace(workdir.resolve(), run_id=newest_run(workdir.resolve()))
         port = free_port()
         ui = serve_ui(workdir.resolve(), port)
         browser = None

@@ -22,7 +22,9 @@ a pipe and is limited to ``generation.tool_timeout_s``. A call over its limit ki
 whatever the environment started) and ends the episode, scored failed: the state of a killed process is gone, and
 the next ``reset`` starts a fresh worker. The episode as a whole is limited to ``generation.episode_timeout_s`` of
 wall clock from its ``reset``: a move or a ``get_reward`` past it ends the episode, scored failed, and
-``outcome["timed_out"]`` counts it.
+``outcome["timed_out"]`` counts it. With ``generation.async`` an episode may be reset ahead, before the trainer
+reaches its batch (``ProcessEnvironment._reset_ahead``, :mod:`grpo_steps.training.generation.episodes_ahead`); its
+clock then starts when the trainer takes it.
 """
 
 from __future__ import annotations
@@ -309,11 +311,26 @@ class ProcessEnvironment:
         self._started = time.monotonic()
         self._ended: str | None = None
         self._timed_out = False
+        self._ahead: tuple[dict, Any] | None = None  # (row, observation) of a reset made ahead (_reset_ahead)
 
     def reset(self, **row: Any) -> str | None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and _same_row(ahead[0], row):
+            # reset ahead for this very row (generation.async): the episode is the one whose observation the
+            # producer's first prompt holds; its clock starts now, when the trainer plays it (not while queued)
+            self._started = time.monotonic()
+            return ahead[1]
         self._ended, self._timed_out = None, False
         observation = self._process.call("reset", self._timeout_s, **row)
         self._started = time.monotonic()  # after the reset: a worker's start is not the episode's time
+        return observation
+
+    def _reset_ahead(self, **row: Any) -> str | None:  # private: TRL would expose a public method as a tool
+        """``reset(**row)`` now, for a generation batch the trainer reaches later (``generation.async``: its first
+        turn is sampled ahead with the observation in the prompt); the trainer's own ``reset`` with the same row then
+        returns that observation and plays this episode, in this worker, without resetting it again."""
+        observation = self.reset(**row)
+        self._ahead = (row, observation)
         return observation
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -360,6 +377,13 @@ class ProcessEnvironment:
         if self._ended is not None:
             game["solved"] = False
         return {**game, "timed_out": self._timed_out, "ended": self._ended}
+
+
+def _same_row(a: dict, b: dict) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values whose == is not a bool (arrays): not provably the same row
+        return False
 
 
 def _forwarder(name: str, original: Callable) -> Callable:

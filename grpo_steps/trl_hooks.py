@@ -14,10 +14,15 @@ The names, as TRL 1.16 defines them (``trl/trainer/grpo_trainer.py``):
 - ``_last_loaded_step``: the optimizer step whose weights the generation backend holds (TRL pushes when it differs).
 - ``_get_per_token_logps_and_entropies``, ``_tokenize_prompts``, ``_get_tool_suffix_ids``: scoring, prompt encoding
   and the token ids of tool answers.
+- ``_batch_environments``: the environment name of each row of the batch being generated (``_tokenize_prompts``
+  renders each prompt with its environment's tools); ``_environment_pool[name]``: the instances of each environment,
+  handed to a batch's rows in order (``_generate_and_score_completions``, which then calls each one's ``reset``).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 
@@ -118,9 +123,19 @@ def policy_logps(trainer, model, input_ids, attention_mask, logits_to_keep: int,
     return logps
 
 
-def tokenize_prompts(trainer, prompts: list) -> list[list[int]]:
-    """TRL's token ids of ``prompts`` (chat template, tool schemas and template arguments applied)."""
-    prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
+def tokenize_prompts(trainer, prompts: list, environments: list | None = None) -> list[list[int]]:
+    """TRL's token ids of ``prompts`` (chat template, tool schemas and template arguments applied); with
+    ``environment:``, ``environments`` names each prompt's environment (None for a single one), whose tools TRL
+    renders into that prompt (it reads them from the batch it is generating: set for this call, then restored)."""
+    if environments is None or trainer.environment_factories is None:
+        prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
+        return prompt_ids
+    batch = getattr(trainer, "_batch_environments", None)
+    trainer._batch_environments = environments
+    try:
+        prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
+    finally:
+        trainer._batch_environments = batch
     return prompt_ids
 
 
@@ -133,3 +148,20 @@ def tool_suffix_ids(tokenizer, chat_template, chat_template_kwargs: dict, tool_m
     trainer = SimpleNamespace(processing_class=tokenizer, chat_template=chat_template, _is_vlm=False,
                               chat_template_kwargs=chat_template_kwargs, _tokenizer=tokenizer)
     return GRPOTrainer._get_tool_suffix_ids(trainer, tool_messages)
+
+
+@contextlib.contextmanager
+def environment_pools(trainer, pools: dict) -> Iterator[dict]:
+    """TRL's environment pools replaced by ``pools`` (``{name: instances}``) inside the block: the generation round
+    run there hands its rows those instances, in order (adding new ones to ``pools`` when they run short); the
+    trainer's own pools are back after it. Yields ``pools``."""
+    kept, trainer._environment_pool = trainer._environment_pool, pools
+    try:
+        yield pools
+    finally:
+        trainer._environment_pool = kept
+
+
+def environment_pool_instances(trainer) -> list:
+    """Every environment instance of TRL's own pools (empty without ``environment:``)."""
+    return [instance for pool in (getattr(trainer, "_environment_pool", None) or {}).values() for instance in pool]

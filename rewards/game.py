@@ -46,3 +46,34 @@ def game_invalid_moves(completions: list, environments: list | None = None, **_c
     """
     return [None if o is None or "invalid_moves" not in o else -float(o["invalid_moves"]) or 0.0
             for o in _outcomes(completions, environments)]
+
+
+def turn_rewards(messages: list[dict], outcome: dict | None) -> list[float | None] | None:
+    """The game's reward of each assistant turn of an episode (``messages``: TRL's completion, the assistant's turns
+    and the tools' answers): the sum of the rewards of the moves the turn made, in order from the environment's
+    ``outcome["steps"]`` (one per move the game took; a tool answer that is an error made none); None for a turn
+    that made no move. None when the environment keeps no per-move rewards (no ``steps``).
+
+    >>> steps = [{"reward": -0.25}, {"reward": 1.0}]
+    >>> call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "move"}}]}
+    >>> turn_rewards([call, {"role": "tool", "content": "higher"}, call, {"role": "tool", "content": "right"},
+    ...               {"role": "assistant", "content": "done"}], {"steps": steps})
+    [-0.25, 1.0, None]
+    """
+    if not isinstance(outcome, dict) or not outcome.get("steps"):
+        return None
+    steps = iter(outcome["steps"])
+    rewards: list[float | None] = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        answers = []
+        for later in messages[i + 1:]:
+            if later.get("role") != "tool":
+                break
+            answers.append(later)
+        # TRL's answer for a call that raised (grpo_trainer.py, the tool loop): {'error': ...}; the game made no move
+        moves = [next(steps, None) for answer in answers if not str(answer.get("content")).startswith("{'error'")]
+        made = [float(step["reward"]) for step in moves if step is not None]
+        rewards.append(sum(made) if made else None)
+    return rewards

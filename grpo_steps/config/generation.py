@@ -540,8 +540,10 @@ class GenerationConfig(_Section):
     """Asynchronous GRPO (key ``async``; ``true`` or ``{max_staleness: N}``): a background producer samples the next
     generation batches from the server while the trainer trains on the current one, each batch tagged with the
     weight version that sampled it (:mod:`grpo_steps.training.generation.prefetch`); TRL's mismatch correction weighs
-    the lag. Backend ``vllm``, mode ``server``, ``disk`` sync; not with tools or environments. Null/false:
-    generation and training alternate."""
+    the lag. Backend ``vllm``, mode ``server``, ``disk`` or ``s3`` sync. With tools or an environment the producer
+    samples first turns (an environment reset ahead, its observation in the first prompt:
+    :mod:`grpo_steps.training.generation.episodes_ahead`) and the trainer's tool loop samples the follow-up turns with
+    the weights of their time. Null/false: generation and training alternate."""
     weight_sync_every: int = Field(1, ge=1)
     """Push the policy to the server every this many optimizer steps (Axolotl's ``vllm_sync_interval``, TRL's async
     ``weight_sync_steps``); in between, rollouts come from the last pushed weights and the mismatch correction

@@ -365,14 +365,10 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _async_rollouts_without_environments(self) -> PipelineConfig:
-        # with tools the producer prefetches first turns and the trainer's tool loop samples each follow-up turn
-        # after running the calls (grpo_steps.training.generation.server); an environment is reset per batch,
-        # before its first turn, by the trainer, which a producer sampling ahead cannot wait for
-        if self.generation.async_ is not None and self.environment:
-            raise ValueError("generation.async prefetches first turns before the trainer reaches their batch, and an "
-                             "environment is reset per batch before its first turn: remove generation.async with "
-                             "environment (tools work with it)")
+    def _turn_credit_needs_an_environment(self) -> PipelineConfig:
+        if self.train.turn_credit is not None and not self.environment:
+            raise ValueError(f"train.turn_credit {self.train.turn_credit:g} credits the moves of an environment's "
+                             "game per turn, and this config has no environment: remove it")
         return self
 
     @model_validator(mode="after")

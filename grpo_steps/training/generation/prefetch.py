@@ -314,14 +314,18 @@ class PromptStream:
     (``loader``: the trainer's ``get_train_dataloader()``, the same sampler, seed and sharding) from where this attempt
     starts: a resumed run skips the micro-batches its checkpoint trained (``start_step`` optimizer steps of
     ``accumulation`` micro-batches each), as ``Trainer`` does. Each generation batch is keyed by the micro-step at
-    which TRL generates it (0 when the attempt starts; one batch every ``every`` micro-steps); ``tokenize`` gives a
-    batch's prompt ids as TRL encodes them. Read in the training thread (the dataloader may synchronise RNG states
-    across processes). A stream that disagrees with TRL's costs speed, never correctness: the producer's batch then
-    holds other prompts and is not used (``async/missed``)."""
+    which TRL generates it (0 when the attempt starts; one batch every ``every`` micro-steps); ``tokenize(prompts,
+    rows)`` gives a batch's prompt ids as TRL encodes them. With ``episodes``
+    (:class:`~grpo_steps.training.generation.episodes_ahead.EpisodesAhead`, ``environment:``) each batch's
+    environments are reset as it is read and their observations join its prompts; batches the trainer moved past
+    have theirs closed. Read in the training thread (the dataloader may synchronise RNG states across processes). A
+    stream that disagrees with TRL's costs speed, never correctness: the producer's batch then holds other prompts
+    and is not used (``async/missed``)."""
 
-    def __init__(self, loader, start_step: int, accumulation: int, tokenize: Callable[[list], list[list[int]]],
-                 every: int, depth: int) -> None:
-        self.every, self.depth, self.tokenize = every, depth, tokenize
+    def __init__(self, loader, start_step: int, accumulation: int,
+                 tokenize: Callable[[list, list[dict]], list[list[int]]], every: int, depth: int,
+                 episodes=None) -> None:
+        self.every, self.depth, self.tokenize, self.episodes = every, depth, tokenize, episodes
         self.start_step, self.accumulation = start_step, accumulation
         self.ahead: dict[int, list[list[int]]] = {}
         self.next_index = 0
@@ -353,7 +357,11 @@ class PromptStream:
             while self.next_index <= index:
                 rows = next(self.batches)
                 if self.next_index % self.every == 0 and self.next_index > key:
-                    self.ahead[self.next_index] = self.tokenize(copy.deepcopy([row["prompt"] for row in rows]))
+                    prompts = (self.episodes.first_prompts(self.next_index, rows) if self.episodes is not None else
+                               copy.deepcopy([row["prompt"] for row in rows]))
+                    self.ahead[self.next_index] = self.tokenize(prompts, rows)
                 self.next_index += 1
         self.ahead = {k: v for k, v in self.ahead.items() if k > key}
+        if self.episodes is not None:
+            self.episodes.discard_through(key)  # the trainer took the batch at key's own before sampling it
         return [(k, self.ahead[k]) for k in wanted]
