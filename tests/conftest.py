@@ -127,8 +127,8 @@ def small_tmpfs(tmp_path):
 # neither ends the run on a flow file the other could have started earlier. Names are checked by
 # tests/unit/test_suite_order.py.
 LONGEST_FIRST = ("test_resume.py", "test_multinode_local.py", "test_flow.py", "test_replicas.py", "test_tool_flow.py",
-                 "test_your_task.py", "test_server_rollouts.py", "test_elastic_resume.py", "test_bad_inputs.py",
-                 "test_generation_contract.py")
+                 "test_tensor_parallel.py", "test_your_task.py", "test_server_rollouts.py", "test_elastic_resume.py",
+                 "test_bad_inputs.py", "test_async_training.py", "test_generation_contract.py")
 
 
 def pytest_collection_modifyitems(config, items):
