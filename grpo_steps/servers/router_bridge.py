@@ -71,7 +71,7 @@ MAX_METRICS = 8
 """Metrics connections relayed at once at most (no token: the metrics port answers ``GET /metrics`` to anyone); past
 it a new one is refused with 503."""
 CONNECT_TIMEOUT_S = 10.0
-"""Seconds to connect to the router or a worker; a connection, once made, has no timeout."""
+"""Seconds to connect to the router or a worker; a connection, once made, has no timeout (``--connect-timeout-s``)."""
 OPEN_PATHS = ("/health", "/liveness", "/readiness")
 TOKEN_PATHS = ("/inference/v1/generate",)
 """Paths outside ``/v1/`` relayed with the token: vLLM's token-in/token-out sampling route (per-token weight versions,
@@ -157,8 +157,9 @@ class _Bridge:
 
     def __init__(self, ctl: socket.socket | None, token: str | None, *, head_timeout_s: float = HEAD_TIMEOUT_S,
                  max_pending: int = MAX_PENDING, inside_port: int = ROUTER_PORT,
-                 inside_metrics_port: int = ROUTER_METRICS_PORT) -> None:
+                 inside_metrics_port: int = ROUTER_METRICS_PORT, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.ctl, self.lock = ctl, asyncio.Lock()
+        self.connect_timeout_s = connect_timeout_s
         self.token_digest = hashlib.sha256(token.encode()).digest() if token else None
         self.head_timeout_s, self.max_pending = head_timeout_s, max_pending
         self.inside_port, self.inside_metrics_port = inside_port, inside_metrics_port
@@ -167,20 +168,21 @@ class _Bridge:
 
     async def inside(self, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A connection to ``port`` inside the router's namespace (``--pod``: this pod's own loopback). Raises OSError
-        when it cannot be made within :data:`CONNECT_TIMEOUT_S`. Only the connecting has a deadline: the connection
-        itself has none (``create_connection(timeout=10)`` on a relayed socket cut every answer slower than 10 s)."""
+        when it cannot be made within ``connect_timeout_s`` (:data:`CONNECT_TIMEOUT_S`). Only the connecting has a
+        deadline: the connection itself has none (``create_connection(timeout=10)`` on a relayed socket cut every
+        answer slower than 10 s)."""
         if self.ctl is None:
             try:
-                return await asyncio.wait_for(asyncio.open_connection(ROUTER_HOST, port), CONNECT_TIMEOUT_S)
+                return await asyncio.wait_for(asyncio.open_connection(ROUTER_HOST, port), self.connect_timeout_s)
             except TimeoutError as err:
-                raise OSError(f"the router did not accept a connection in {CONNECT_TIMEOUT_S:g} s") from err
+                raise OSError(f"the router did not accept a connection in {self.connect_timeout_s:g} s") from err
         loop = asyncio.get_running_loop()
         async with self.lock:  # one request at a time on the keeper's channel
             await loop.sock_sendall(self.ctl, f"{port:05d}".encode())
             readable = loop.create_future()
             loop.add_reader(self.ctl, lambda: readable.done() or readable.set_result(None))
             try:
-                await asyncio.wait_for(readable, CONNECT_TIMEOUT_S)
+                await asyncio.wait_for(readable, self.connect_timeout_s)
             except TimeoutError as err:
                 raise OSError("the namespace's keeper did not answer") from err
             finally:
@@ -233,7 +235,7 @@ class _Bridge:
     async def worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      target: tuple[str, int]) -> None:
         try:
-            upstream = await asyncio.wait_for(asyncio.open_connection(*target), CONNECT_TIMEOUT_S)
+            upstream = await asyncio.wait_for(asyncio.open_connection(*target), self.connect_timeout_s)
         except (OSError, TimeoutError):
             writer.transport.abort()
             return
@@ -345,6 +347,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--inside-port", type=int, default=ROUTER_PORT,
                         help="the router's port on the pod's loopback or in its namespace (what ROUTER COMMAND binds)")
     parser.add_argument("--inside-metrics-port", type=int, default=ROUTER_METRICS_PORT)
+    parser.add_argument("--connect-timeout-s", type=float, default=CONNECT_TIMEOUT_S,
+                        help="seconds to connect to the router or a worker (a connection, once made, has no timeout)")
     args = parser.parse_args(argv[:split])
     router_cmd = argv[split + 1:]
     if not router_cmd or not (args.worker or args.pod):
@@ -352,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     token = os.environ.get(TOKEN_ENV) or None
     public, metrics = _listen(args.host, args.port), _listen(args.metrics_host, args.metrics_port)
     limits = {"head_timeout_s": args.head_timeout_s, "max_pending": args.max_pending, "inside_port": args.inside_port,
-              "inside_metrics_port": args.inside_metrics_port}
+              "inside_metrics_port": args.inside_metrics_port, "connect_timeout_s": args.connect_timeout_s}
     if args.pod:
         sys.exit(_serve_pod(public, metrics, _Bridge(None, token, **limits), router_cmd))
     ours, theirs = socket.socketpair()

@@ -148,14 +148,15 @@ class _Bridge:
     """``python -m grpo_steps.servers.router_bridge`` in front of :data:`STAND_IN_ROUTER`, as a process of its own
     (``pod``: the router on this host's 127.2.0.1, as on a pod's loopback; else in a private network namespace)."""
 
-    def __init__(self, *, pod: bool, head_timeout_s: float = 2.0, max_pending: int = 100, nofile: int | None = None):
+    def __init__(self, *, pod: bool, head_timeout_s: float = 2.0, max_pending: int = 100, nofile: int | None = None,
+                 connect_timeout_s: float = router_bridge.CONNECT_TIMEOUT_S):
         inside_port = _free_port(router_bridge.ROUTER_HOST) if pod else 8000
         inside_metrics = _free_port(router_bridge.ROUTER_HOST) if pod else 9000
         self.port, self.metrics_port = _free_port(), _free_port()
         cmd = [sys.executable, "-m", "grpo_steps.servers.router_bridge", "--host", "127.0.0.1", "--port",
                str(self.port), "--metrics-port", str(self.metrics_port), "--head-timeout-s", str(head_timeout_s),
                "--max-pending", str(max_pending), "--inside-port", str(inside_port),
-               "--inside-metrics-port", str(inside_metrics)]
+               "--inside-metrics-port", str(inside_metrics), "--connect-timeout-s", str(connect_timeout_s)]
         cmd += ["--pod"] if pod else ["--worker", f"http://127.0.0.1:{_free_port()}"]
         cmd += ["--", sys.executable, "-c", STAND_IN_ROUTER, router_bridge.ROUTER_HOST, str(inside_port),
                 str(inside_metrics)]
@@ -209,10 +210,11 @@ def bridges():
 
 
 def test_an_answer_slower_than_the_connect_timeout_reaches_the_client_whole(bridges):
-    """15 s of the router's: beyond the 10 s connect timeout that once stayed on the relayed socket (``--pod``)."""
-    pod, local = bridges(pod=True), bridges(pod=False)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both modes at once: one 15 s wait
-        answers = list(pool.map(lambda b: b.request("/v1/completions?delay=15"), (pod, local)))
+    """An answer twice the connect timeout in coming (4 s, the timeout 2 s): the connect timeout once stayed on the
+    relayed socket (``--pod``) and cut it."""
+    pod, local = bridges(pod=True, connect_timeout_s=2.0), bridges(pod=False, connect_timeout_s=2.0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both modes at once: one 4 s wait
+        answers = list(pool.map(lambda b: b.request("/v1/completions?delay=4"), (pod, local)))
     assert [(a.status_code, a.content == BODY) for a in answers] == [(200, True), (200, True)]
 
 
