@@ -182,7 +182,7 @@ def shm_shortfall(cfg: PipelineConfig, model_path: str) -> str | None:
         return None
     gen, full = cfg.generation, cfg.train.peft is None or cfg.train.peft.push == "merged"
     weights = params * DTYPE_BYTES[cfg.model.dtype]
-    pushes = weights if full and gen.backend == "vllm" and gen.weight_sync == "disk" and not gen.sync_dir else 0
+    pushes = weights if full and gen.pushes_into_scratch else 0
     checkpoint = weights + 2 * 4 * params if cfg.train.peft is None else 0
     needed = 2 * pushes + 2 * checkpoint
     if cfg.resources.train.image:

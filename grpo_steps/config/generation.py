@@ -579,6 +579,13 @@ class GenerationConfig(_Section):
         return self.weight_sync == "s3"
 
     @property
+    def pushes_into_scratch(self) -> bool:
+        """Whether each push is written into the train step's scratch directory (``/dev/shm`` where the machine has
+        one): the pipeline's ``disk`` pushes without ``generation.sync_dir``
+        (:func:`grpo_steps.training.generation.disk.sync_root`)."""
+        return self.pushes_to_server and self.weight_sync == "disk" and not self.sync_dir
+
+    @property
     def trl_server_mode(self) -> bool:
         """Whether TRL's own server mode samples and pushes (``weight_sync: nccl``): TRL's ``VLLMGeneration`` in the
         training process, its NCCL weight transfer to the one server; no pipeline transport
