@@ -62,8 +62,15 @@ def turn_rewards(messages: list[dict], outcome: dict | None) -> list[float | Non
     """
     if not isinstance(outcome, dict) or not outcome.get("steps"):
         return None
-    steps = iter(outcome["steps"])
-    rewards: list[float | None] = []
+    return [reward for _, _, reward in turn_moves(messages, outcome["steps"])]
+
+
+def turn_moves(messages: list[dict], steps: list[dict]) -> list[tuple[dict, list[dict], float | None]]:
+    """Each assistant turn of ``messages`` with the tools' answers to it and the summed reward of the moves it made:
+    ``(message, answers, reward)``, the reward None where it made none. ``steps`` are the environment's moves in order
+    (``{"reward": ...}``); a turn's calls take them in order, except a call TRL answered with an error
+    (``{'error': ...}``: it raised, the game made no move)."""
+    moves, turns = iter(steps), []
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
@@ -73,7 +80,7 @@ def turn_rewards(messages: list[dict], outcome: dict | None) -> list[float | Non
                 break
             answers.append(later)
         # TRL's answer for a call that raised (grpo_trainer.py, the tool loop): {'error': ...}; the game made no move
-        moves = [next(steps, None) for answer in answers if not str(answer.get("content")).startswith("{'error'")]
-        made = [float(step["reward"]) for step in moves if step is not None]
-        rewards.append(sum(made) if made else None)
-    return rewards
+        made = [next(moves, None) for answer in answers if not str(answer.get("content")).startswith("{'error'")]
+        rewards = [float(step["reward"]) for step in made if step is not None]
+        turns.append((message, answers, sum(rewards) if rewards else None))
+    return turns

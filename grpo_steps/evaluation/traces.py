@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from grpo_steps.config import PipelineConfig
+from rewards.game import turn_moves
 
 MAX_TEXT = 2000
 """Characters of an observation or an action kept in a span (the rest is cut)."""
@@ -40,22 +41,12 @@ def episode_trace(row: dict, episode) -> dict:
     made; None where the environment keeps no steps)."""
     outcome = getattr(episode.environment, "outcome", None)
     outcome = dict(outcome) if isinstance(outcome, dict) else {}
-    steps = iter(outcome.pop("steps", None) or [])
+    steps = outcome.pop("steps", None) or []
     prompt = str(row["prompt"][-1].get("content") or "")
     turns, observation, tokens = [], prompt, iter(episode.turn_tokens)
-    messages = episode.messages
-    for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
-            continue
-        answers = []
-        for later in messages[i + 1:]:
-            if later.get("role") != "tool":
-                break
-            answers.append(later)
-        moves = [next(steps, None) for answer in answers if not str(answer.get("content")).startswith("{'error'")]
-        rewards = [step["reward"] for step in moves if step is not None]
+    for message, answers, reward in turn_moves(episode.messages, steps):
         turns.append({"observation": observation, "action": _action(message), "tokens": next(tokens, 0),
-                      "reward": sum(rewards) if rewards else None})
+                      "reward": reward})
         observation = "\n".join(f"{a.get('name')}: {a.get('content')}" for a in answers)
     return {"prompt": prompt, "outcome": outcome, "turns": turns}
 
