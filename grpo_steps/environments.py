@@ -94,12 +94,15 @@ class TextArenaGame(_Game):
     TextArena refused (its ``error_allowance``; past it the game ends lost)."""
 
     def __init__(self, env_id: str) -> None:
-        import textarena
-
-        self._env = textarena.make(env_id)
         self._name = env_id
+        self._env = self._make()
         self._seen = 0
         self._start()
+
+    def _make(self) -> Any:
+        import textarena
+
+        return textarena.make(self._name)
 
     def _new_text(self) -> str:
         _, observation = self._env.get_observation()
@@ -107,6 +110,10 @@ class TextArenaGame(_Game):
         return text.strip()
 
     def reset(self, seed: int | None = None, **row: Any) -> str:
+        # a new env per episode: TextArena 0.7.4's LLMObservationWrapper keeps every earlier game's messages across
+        # reset, so a reused instance's observation began with the last episode's history (the prompts of one group
+        # then differed, and the policy read another game's moves). textarena.make takes ~0.01 ms.
+        self._env = self._make()
         self._env.reset(num_players=1, seed=seed)
         self._seen = 0
         self._start()

@@ -23,7 +23,8 @@ def _game(spec: str, tool_timeout_s: float = 30, episode_s: float | None = None)
 def test_a_textarena_game_plays_with_its_feedback_and_counts_invalid_moves_and_a_win():
     game = _game(TEXTARENA + "GuessTheNumber-v0")
     assert type(game).__name__ == "GuessTheNumber-v0"
-    assert "Guess The Number" in game.reset(seed=7)
+    first = game.reset(seed=7)
+    assert "Guess The Number" in first
     low, high, answers = 1, 20, []
     answers.append(game.move("twelve"))  # refused: TextArena wants a number
     while not game.outcome["solved"]:  # binary search on the game's feedback
@@ -39,7 +40,9 @@ def test_a_textarena_game_plays_with_its_feedback_and_counts_invalid_moves_and_a
     assert game_solved([""], environments=[game]) == [1.0] and game_invalid_moves([""], environments=[game]) == [-1.0]
     with pytest.raises(RuntimeError, match="the game is over"):
         game.move("[1]")
-    assert "Guess The Number" in game.reset(seed=8) and game.outcome["moves"] == 0  # the same worker, a new game
+    # the same worker, a new game: its observation holds nothing of the game before (TextArena's wrapper keeps it)
+    assert game.reset(seed=7) == first and game.outcome["moves"] == 0
+    assert "Guess The Number" in game.reset(seed=8) and "[Player]" not in game.reset(seed=8)
     game._close()
 
 
