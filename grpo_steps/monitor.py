@@ -13,16 +13,42 @@ def system_metrics(run_id: str, tracking_uri: str, interval_s: float = 5.0, node
     GPU utilisation and memory where a GPU is present, ...) to ``run_id`` every ``interval_s`` seconds
     while the block runs, with MLflow's own monitor (psutil; pynvml for GPUs). Samples are of the whole
     machine (``node_id`` tells machines apart). Steps continue after earlier steps' samples
-    (``resume_logging``)."""
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+    (``resume_logging``). A tracking outage pauses the samples; they go on once the server answers again.
 
-    monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, samples_before_logging=1,
-                                   resume_logging=True, node_id=node_id, tracking_uri=tracking_uri)
+    The environment's ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` overrides ``interval_s`` (MLflow's own rule)."""
+    monitor = _outage_tolerant_monitor()(run_id, sampling_interval=interval_s, samples_before_logging=1,
+                                         resume_logging=True, node_id=node_id, tracking_uri=tracking_uri)
     monitor.start()
     try:
         yield
     finally:
         monitor.finish()
+
+
+def _outage_tolerant_monitor():
+    """MLflow's ``SystemMetricsMonitor`` whose sampling thread outlives a tracking outage: MLflow's loop returns for
+    good at the first failed ``get_run`` (mlflow 3's ``monitor``), so one outage in ``train`` ended the step's system
+    metrics, and a short ``evaluate`` logged none at all (CI, 2026-12-06). Here the loop starts again after one
+    interval until ``finish`` (a run no longer RUNNING is asked again each interval and gets nothing)."""
+    import threading
+
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    class OutageTolerantMonitor(SystemMetricsMonitor):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.finished = threading.Event()
+
+        def monitor(self) -> None:
+            while not self.finished.is_set():
+                super().monitor()
+                self.finished.wait(self.sampling_interval)
+
+        def finish(self) -> None:
+            self.finished.set()
+            super().finish()
+
+    return OutageTolerantMonitor
 
 
 class Progress:

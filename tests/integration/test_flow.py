@@ -111,6 +111,7 @@ class TrackingOutageThenKill:
 
         self.server.start()
         self.events["up"] = time.monotonic()
+        self.events["up_wall_ms"] = time.time() * 1000  # to compare with MLflow's timestamps
 
     def _kill_flow(self) -> None:
         import psutil
@@ -142,8 +143,9 @@ def faulted_run(mlflow_server, tiny_server, weight_s3):
                                    tracking={"tracking_uri": mlflow_server.url}), tiny_server)
     # the client gives up on a request after one retry and 5 s (MLflow's defaults retry for minutes): the outage
     # outlasts the client's own retries
+    # system metrics every second (MLflow's variable), so train samples after the outage whatever the host's speed
     env = flow_env(**PLANTED_ENV, AWS_ACCESS_KEY_ID=FLOW_S3_KEY, MLFLOW_HTTP_REQUEST_MAX_RETRIES="1",
-                   MLFLOW_HTTP_REQUEST_TIMEOUT="5")
+                   MLFLOW_HTTP_REQUEST_TIMEOUT="5", MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1")
     faults = TrackingOutageThenKill(mlflow_server, weight_s3)
     code, out = run_flow(workdir, env, ["--config", "config", str(config_file(workdir, config)), "run"], faults,
                          started=lambda proc: setattr(faults, "runtime", proc))
@@ -201,6 +203,11 @@ def test_training_went_on_through_the_tracking_outage_and_every_step_reached_the
         assert step_keys <= per_step[step], (step, step_keys - per_step[step])
     assert {a.path for a in client.list_artifacts(run_id, "completions")} == {"completions/step_000002.json",
                                                                             "completions/step_000004.json"}
+    # train's system metrics went on after the outage (MLflow's own monitor stopped for good at its first failure)
+    train_end_ms = _train_task(run).finished_at.timestamp() * 1000
+    cpu = client.get_metric_history(run_id, "system/cpu_utilization_percentage")
+    assert [p for p in cpu if faults.events["up_wall_ms"] < p.timestamp < train_end_ms], sorted(
+        p.timestamp for p in cpu)
 
 
 def test_evaluation_killed_then_resumed_completes_once(faulted_run):
