@@ -65,7 +65,7 @@ def run_evaluations(run: str, rows: list[dict]) -> tuple[dict, list[dict]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/game.yaml")
-    parser.add_argument("--rows", type=int, default=None, help="held-out rows evaluated (default: the whole eval split)")
+    parser.add_argument("--rows", type=int, default=None, help="held-out rows (default: all)")
     parser.add_argument("--samples", type=int, default=None, help="eval.num_samples (default: the config's)")
     trained = parser.add_mutually_exclusive_group()
     trained.add_argument("--run", default=None, help="a GRPOFlow run (GRPOFlow/<id>) whose trained policy to evaluate")
