@@ -71,20 +71,22 @@ class OnKubernetes(FlowMutator):
         by its name wherever the package is unpacked: a single-file module as a module (``MODULE_CONTENT``), a
         package as its files under the code directory (``CODE_CONTENT``: Metaflow 2.19's ``add_module`` takes a
         package's ``__file__`` for a single file and would ship its ``__init__.py`` alone, as ``name.py``)."""
+        import importlib
+
         from metaflow.packaging_sys import ContentType
 
-        from rewards.locate import module_file, origin
+        from rewards.locate import origin, top_file
 
         for name in getattr(self, "_user_modules", []):
             if origin(name) != "module_dirs":
                 continue
-            found = module_file(sys.modules[name])
+            found = top_file(name)
             if found.is_dir():
                 for path in sorted(found.rglob("*")):
                     if path.is_file() and "__pycache__" not in path.parts:
                         yield str(path), str(path.relative_to(found.parent)), ContentType.CODE_CONTENT
             else:
-                yield sys.modules[name], None, ContentType.MODULE_CONTENT
+                yield importlib.import_module(name), None, ContentType.MODULE_CONTENT
 
 
 TOKEN_STEPS = ("train", "evaluate")
@@ -106,17 +108,17 @@ def run_token_secrets(provider: str, argv: list[str] | None = None) -> list[str]
 
 
 def user_modules(config) -> list[str]:
-    """The top-level modules of the config's dotted reward, tool and environment paths (imported already: the config
-    was validated), leaving out the pipeline's own packages (always in the code package)."""
+    """The top-level modules of the config's dotted reward, tool and environment paths, leaving out the pipeline's own
+    packages (always in the code package). An environment's adapter prefix is no module: ``gym:module:Class`` names
+    ``module``, ``textarena:<id>`` the installed ``textarena`` (which the launching process need not import)."""
+    from grpo_steps.environments import GYM, TEXTARENA
     from rewards import REGISTRY
 
     paths = [spec["name"] for spec in config["rewards"] if spec["name"] not in REGISTRY]
     paths += list(config["tools"] or [])
     environment = config["environment"]
-    if isinstance(environment, str):
-        paths.append(environment)
-    elif environment:  # {name: factory} (a ConfigValue mapping)
-        paths += list(environment.values())
+    specs = [environment] if isinstance(environment, str) else list((environment or {}).values())  # or {name: spec}
+    paths += ["textarena" if spec.startswith(TEXTARENA) else spec.removeprefix(GYM) for spec in specs]
     names = {path.replace(":", ".").split(".")[0] for path in paths}
     return sorted(names - {"grpo_steps", "rewards"})
 
@@ -130,9 +132,9 @@ def unshipped(names: list[str]) -> None:
     """
     from metaflow.exception import MetaflowException
 
-    from rewards.locate import module_file, origin
+    from rewards.locate import origin, top_file
 
-    lost = [f"{name} ({module_file(sys.modules[name])})" for name in names if origin(name) == "elsewhere"]
+    lost = [f"{name} ({top_file(name)})" for name in names if origin(name) == "elsewhere"]
     if lost:
         refused = type("Refused", (MetaflowException,), {"headline": "Run refused: a module the steps cannot import"})
         raise refused(f"{', '.join(lost)} is found on this machine's Python path only (PYTHONPATH), which no step "

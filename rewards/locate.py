@@ -88,18 +88,34 @@ def module_file(module: ModuleType) -> Path | None:
     return file.parent if file.name == "__init__.py" else file
 
 
+def top_file(module_name: str) -> Path | None:
+    """:func:`module_file` of the module ``module_name``, imported or not (an unimported one is located by
+    ``importlib.util.find_spec``, without running it); None for a built-in or namespace module, or one not found."""
+    if module_name in sys.modules:
+        return module_file(sys.modules[module_name])
+    import importlib.util
+
+    spec = importlib.util.find_spec(module_name.split(".")[0])
+    if spec is None or not spec.has_location or not spec.origin:
+        return None
+    file = Path(spec.origin).resolve()
+    return file.parent if file.name == "__init__.py" else file
+
+
 def origin(module_name: str) -> str:
-    """Where the top-level module of ``module_name`` (imported already) was found: ``"module_dirs"`` (a directory of
+    """Where the top-level module of ``module_name`` (imported or not) is found: ``"module_dirs"`` (a directory of
     :func:`module_dirs`: user code, shipped with the run), ``"installed"`` (site-packages or the standard library:
     the image must hold it), ``"elsewhere"`` (another ``sys.path`` entry, e.g. ``PYTHONPATH``: nothing ships it), or
-    ``"builtin"``."""
-    found = module_file(sys.modules[module_name])
+    ``"builtin"`` (also: not found)."""
+    found = top_file(module_name)
     if found is None:
         return "builtin"
-    for directory in _ADDED:
-        if found.is_relative_to(Path(directory).resolve()):
-            return "module_dirs"
+    # installed first: a virtualenv inside the working directory (`make`'s .venv, a run started from the checkout)
+    # holds site-packages under a module_dirs entry, and its packages are the image's, not the run's to ship
     for key in ("purelib", "platlib", "stdlib", "platstdlib"):
         if found.is_relative_to(Path(sysconfig.get_path(key)).resolve()):
             return "installed"
+    for directory in _ADDED:
+        if found.is_relative_to(Path(directory).resolve()):
+            return "module_dirs"
     return "elsewhere"

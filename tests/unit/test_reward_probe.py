@@ -185,6 +185,30 @@ def test_user_modules_beside_the_config_are_what_the_flow_adds_to_metaflows_code
         f"pkg_{tag}/__init__.py", f"pkg_{tag}/sub/__init__.py", f"pkg_{tag}/sub/tools.py"]
 
 
+def test_an_environments_adapter_prefix_is_no_module_the_code_package_looks_for(tmp_path):
+    """``gym:module:Class`` ships ``module`` (beside the config); ``textarena:<id>`` names the installed textarena,
+    which is neither shipped nor refused, and need not be imported where the run is launched (configs/game.yaml's
+    code package failed with KeyError 'textarena' before)."""
+    from metaflow.packaging_sys import ContentType
+
+    from grpo_steps.deploy import OnKubernetes, unshipped, user_modules
+    from rewards.locate import add_module_dirs, origin
+
+    tag = re.sub(r"\W", "_", tmp_path.name)
+    (tmp_path / f"board_{tag}.py").write_text("class Board:\n    pass\n")
+    add_module_dirs([str(tmp_path), os.getcwd()])  # the working directory holds make's .venv: installed all the same
+    mutator = OnKubernetes.__new__(OnKubernetes)  # the hook alone, without a flow class to decorate
+    mutator._user_modules = user_modules({"rewards": [], "tools": None, "environment": f"gym:board_{tag}:Board"})
+    assert mutator._user_modules == [f"board_{tag}"] and f"board_{tag}" not in sys.modules
+    ((module, arcname, kind),) = mutator.add_to_package()
+    assert module is sys.modules[f"board_{tag}"] and (arcname, kind) == (None, ContentType.MODULE_CONTENT)
+    games = {"play": "textarena:GuessTheNumber-v0", "other": f"gym:board_{tag}:Board"}
+    mutator._user_modules = user_modules({"rewards": [], "tools": None, "environment": games})
+    assert mutator._user_modules == [f"board_{tag}", "textarena"] and origin("textarena") == "installed"
+    assert [arcname for _, arcname, _ in mutator.add_to_package()] == [None]  # the board module alone
+    unshipped(mutator._user_modules)  # nothing refused: one shipped, one installed
+
+
 def test_a_task_format_none_of_the_known_ones_is_given_by_eval_reference_format(tmp_path):
     """A reward that reads JSON answers gives every known way of writing the reference 0: refused, naming
     eval.reference_format; accepted once it says how the task writes an answer."""
