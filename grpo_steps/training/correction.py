@@ -43,11 +43,13 @@ def loss_mask(batch: dict) -> torch.Tensor:
 
 
 def on_policy_support(model, gen, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-                      tool_mask: list[list[int]] | None, sampling_logps: list[list[float | None]], group: int
-                      ) -> tuple[list[list[float | None]], list[float]]:
+                      tool_mask: list[list[int]] | None, sampling_logps: list[list[float | None]], group: int,
+                      grammar=None) -> tuple[list[list[float | None]], list[float]]:
     """The sampler's logprobs of a generation round put on the support TRL scores the policy on, for rollouts
     sampled with truncating or reshaping filters (``generation.top_k`` / ``top_p`` / ``min_p`` /
-    ``repetition_penalty``, :attr:`grpo_steps.config.GenerationConfig.reshapes_sampling`).
+    ``repetition_penalty``, :attr:`grpo_steps.config.GenerationConfig.reshapes_sampling`) or under a grammar
+    (``generation.structured_outputs``: ``grammar``, a :class:`grpo_steps.training.grammar.GrammarReplay`, replayed
+    turn by turn: the tools' answers between turns are no policy tokens).
 
     vLLM returns each token's logprob under the distribution it sampled from (processed logprobs: renormalised over
     the tokens the filters keep), TRL the policy's over the whole vocabulary at the temperature, so without this the
@@ -80,7 +82,8 @@ def on_policy_support(model, gen, prompt_ids: list[list[int]], completion_ids: l
         if len(prompts) != group or any(p != prompts[0] for p in prompts):
             raise ValueError(f"rows {start}..{start + len(prompts) - 1} of the generation round are not one group of "
                              f"{group} completions of one prompt")
-        group_shifts = support_shifts(model, prompts[0], completion_ids[start:start + group], gen)
+        own = tool_mask[start:start + group] if tool_mask is not None else None
+        group_shifts = support_shifts(model, prompts[0], completion_ids[start:start + group], gen, grammar, own)
         for i, shift in enumerate(group_shifts, start):
             mask = tool_mask[i] if tool_mask is not None else [1] * len(completion_ids[i])
             row = []

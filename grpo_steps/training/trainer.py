@@ -38,6 +38,7 @@ from grpo_steps.training import correction, shared_prefix, turn_credit
 from grpo_steps.training.cursor import CursorSampler, PromptCursor, log_batch, prompt_id
 from grpo_steps.training.generation.episodes_ahead import EpisodesAhead, close_all
 from grpo_steps.training.generation.server import PolicyView, ServerGeneration, ServerSettings
+from grpo_steps.training.grammar import GrammarReplay
 from grpo_steps.training.zero_signal import ZeroSignalMode
 
 
@@ -208,8 +209,12 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         self.sampling_settings = server.gen
         self.episodes_ahead: EpisodesAhead | None = None
         """``generation.async`` with ``environment:``: the environments reset ahead (:meth:`_prompt_stream`)."""
-        self.replays_sampling = server.gen.reshapes_sampling and (
+        self.replays_sampling = server.gen.filters_logits and (
             self.vllm_importance_sampling_correction or self.off_policy_mask_threshold is not None)
+        # structured outputs: the grammar replayed on the policy's logits, turn by turn (grpo_steps.training.grammar)
+        self.grammar = GrammarReplay(self.processing_class, self.model.config.vocab_size, server.gen,
+                                     getattr(self.model, "generation_config", None)) \
+            if self.replays_sampling and server.gen.structured_outputs is not None else None
 
     def _sampled_version(self) -> int:
         return self.vllm_generation.sampled_version  # a verified push; with async, the one that sampled the batch
@@ -221,9 +226,12 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
             return result
         shifted, shifts = correction.on_policy_support(self.model, self.sampling_settings, prompt_ids,
                                                        completion_ids, tool_mask, sampling_logps,
-                                                       self.num_generations)
+                                                       self.num_generations, self.grammar)
         if shifts:
             trl_hooks.log_metric(self, "sampling/support_log_mass/mean", sum(shifts) / len(shifts))
+        if self.grammar is not None:  # turns the replay could not follow (a server with another grammar backend)
+            trl_hooks.log_metric(self, "sampling/grammar_diverged_turns", float(self.grammar.diverged))
+            self.grammar.diverged = 0
         return (*result[:4], shifted, *result[5:])
 
     def _generate_and_score_completions(self, inputs):

@@ -94,15 +94,24 @@ def test_a_regex_constrains_every_completion(tiny_server, tiny_tokenizer):
     assert all(re.fullmatch(pattern, text) for text in texts), texts
 
 
-def test_training_with_structured_outputs_checks_the_push_by_its_probe(tmp_path, tiny_model_path, tiny_tokenizer,
-                                                                      tiny_server):
-    """The grammar renormalises what the server samples over the tokens it allows, which the policy cannot know:
-    the batch is not compared, the push's probe is scored by the policy instead (and agrees)."""
+@pytest.mark.parametrize("structured", [{"choice": ["Answer: 5", "Answer: 6", "5", "6"]},
+                                        {"regex": "Answer: [0-9]{1,2}"}])
+def test_training_with_structured_outputs_checks_the_push_by_its_probe_and_replays_the_grammar(
+        structured, tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
+    """The grammar renormalises what the server samples over the tokens it allows: the batch is not compared, the
+    push's probe is scored by the policy instead (and agrees). The mismatch correction replays the grammar on the
+    policy's logits (grpo_steps.training.grammar): its ratio is 1, where without the replay it was the allowed mass
+    of every token (configs/game.yaml: a mean of 1.5e-5, nothing trained), and the replay followed every turn the
+    real server sampled (xgrammar, as vLLM's backend compiles it)."""
     run(job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint, train={"max_steps": 1},
-            generation={"structured_outputs": {"choice": ["Answer: 5", "Answer: 6", "5", "6"]}}))
+            generation={"structured_outputs": structured}))
     (h,) = history(tmp_path)
     assert "weight_sync/first_batch_logp_diff" not in h
     assert h["weight_sync/probe_logp_diff"] < 1e-3
+    assert h["sampling/grammar_diverged_turns"] == 0
+    assert abs(h["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, h
+    assert h["sampling/importance_sampling_ratio/min"] > 0.99, h
+    assert h["sampling/support_log_mass/mean"] < -0.5, h  # the grammar allowed far less than the policy's mass
 
 
 def test_a_chat_template_argument_appears_in_the_rendered_prompt(tiny_server, tiny_tokenizer):
