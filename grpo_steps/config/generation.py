@@ -670,14 +670,15 @@ class GenerationConfig(_Section):
 
     @model_validator(mode="after")
     def _trls_own_vllm_keeps_no_filter_under_the_correction(self) -> GenerationConfig:
-        if self.trl_samples_with_vllm and self.reshapes_sampling and self.importance_sampling.enabled:
+        if self.trl_samples_with_vllm and self.filters_logits and self.importance_sampling.enabled:
             raise ValueError(
                 f"generation.mode {self.mode!r} with weight_sync {self.weight_sync!r} samples through TRL's own vLLM, "
                 "whose mismatch correction compares vLLM's logprobs over the tokens top_k / top_p / min_p keep (and "
-                "after repetition_penalty) with the policy's over the whole vocabulary: every ratio carries the kept "
-                "mass (trl #6789), not a mismatch. Use mode 'server' with weight_sync 'disk' or 's3' (the pipeline "
-                "replays the filters on the policy's logits), or set generation.importance_sampling.mode: off, or "
-                "drop the filters (top_k 0, top_p 1, min_p 0, repetition_penalty 1)")
+                "after repetition_penalty, or that structured_outputs allows) with the policy's over the whole "
+                "vocabulary: every ratio carries the kept mass (trl #6789), not a mismatch. Use mode 'server' with "
+                "weight_sync 'disk' or 's3' (the pipeline replays the filters and the grammar on the policy's "
+                "logits), or set generation.importance_sampling.mode: off, or drop the filters (top_k 0, top_p 1, "
+                "min_p 0, repetition_penalty 1, no structured_outputs)")
         return self
 
     @property

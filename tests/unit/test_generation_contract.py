@@ -32,6 +32,8 @@ COLOCATE = {"generation": {"mode": "colocate"}, "resources": {"train": {"gpu": 1
     ({**COLOCATE, "generation": {**COLOCATE["generation"], "top_p": 0.9}}, "every ratio carries the kept mass"),
     ({"generation": {"weight_sync": "nccl", "min_p": 0.05}, "resources": {"train": {"gpu": 1}}},
      "Use mode 'server' with weight_sync 'disk' or 's3'"),
+    ({**COLOCATE, "generation": {**COLOCATE["generation"], "structured_outputs": {"regex": "[0-9]+"}}},
+     "or that structured_outputs allows"),  # the grammar's allowed mass, which only the server path replays
     # sampling keys belong to generation, not to train.grpo
     ({"train": {"grpo": {"top_k": 5}}}, "train.grpo.top_k is set by generation.top_k"),
     ({"train": {"grpo": {"min_p": 0.1}}}, "train.grpo.min_p is set by generation.min_p"),
