@@ -10,8 +10,8 @@ share of samples solved, ``pass@1``).
         [--run GRPOFlow/<id> | --model PATH] [--out results.json]
 
 ``--run`` reads the final policy that run's ``train`` saved (its checkpoint ``policy``) from the Metaflow datastore of
-the working directory, as the flow's ``evaluate`` does, and takes the base and trained policies' scores from that
-run's own evaluation (its ``eval_report``, the same eval split): only the one-move evaluation runs here.
+the working directory, as the flow's ``evaluate`` does. All three policies are evaluated here, one after another on
+the same rows with the same settings (the run's own evaluations ran beside its training).
 """
 
 from __future__ import annotations
@@ -41,25 +41,6 @@ def trained_policy(stack: ExitStack, run: str) -> str:
 
     namespace(None)
     return stack.enter_context(loaded_policy(Run(run).data.policy))
-
-
-def run_evaluations(run: str, rows: list[dict]) -> tuple[dict, list[dict]]:
-    """The base and trained policies' evaluations that the flow run ``run`` made of its eval split (its
-    ``eval_report``), as ``{"base": ..., "trained": ...}``, and the rows they scored (the first of ``rows``).
-
-    Raises:
-        SystemExit: the run scored other prompts than these rows (another config or data).
-    """
-    from metaflow import Run, namespace
-
-    from grpo_steps.evaluation.stats import prompt_key
-
-    namespace(None)
-    report = Run(run).data.eval_report
-    keys = report["trained"]["prompt_keys"]
-    if keys != [prompt_key(row["prompt"]) for row in rows[: len(keys)]] or report["baseline"]["prompt_keys"] != keys:
-        raise SystemExit(f"{run} evaluated other prompts than --config's eval split: pass the run's config")
-    return {"base": report["baseline"], "trained": report["trained"]}, rows[: len(keys)]
 
 
 def main() -> None:
@@ -94,8 +75,6 @@ def main() -> None:
         # without a trained policy: the base policy, with feedback and limited to one move
         plan = [("base", base_path, cfg), ("trained", trained_path, cfg), ("trained, one move", trained_path, one_move)
                 ] if trained_path else [("base", base_path, cfg), ("base, one move", base_path, one_move)]
-        if args.run:  # the run's own evaluation of both policies on its eval split: measured once, not again here
-            results, rows = run_evaluations(args.run, rows)
         for path in dict.fromkeys(p for label, p, _ in plan if label not in results):
             server = servers.provision(cfg, path, owner=run_owner(), run_id=f"game-bench-{os.getpid()}")
             try:

@@ -53,10 +53,14 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
 
 
 def sample(cfg: PipelineConfig, rollouts, rows: list[dict], label: str) -> tuple[list[list], list[list]]:
-    """``eval.num_samples`` episodes per row at ``eval.temperature`` and one greedy episode per row, every request at
-    the server at once (:meth:`grpo_steps.evaluation.episodes.Rollouts.sample_together`), in chunks of rows with a
-    progress line (``[eval <label>] done/total prompts rate eta``) as each chunk is answered. Returns
-    ``(sampled, greedy)``: P lists of N episodes, P lists of 1."""
+    """``eval.num_samples`` episodes per row at ``eval.temperature`` and one greedy episode per row, in chunks of rows
+    with a progress line (``[eval <label>] done/total prompts rate eta``) as each chunk is answered. Single-turn: every
+    request at the server at once (:meth:`grpo_steps.evaluation.episodes.Rollouts.sample_together`). Multi-turn: chunk
+    after chunk, each chunk's episodes reset, played to their end and closed before the next chunk's start, so an
+    episode's wall clock (``generation.episode_timeout_s``, from its reset) counts its own turns, not the turns of
+    every other episode of the evaluation (all at once, configs/game.yaml's 320 episodes took 792 s and 192 of the
+    256 sampled ones ran past their 300 s: scored failed, 2026-12-06). Returns ``(sampled, greedy)``: P lists of N
+    episodes, P lists of 1."""
     from grpo_steps.monitor import Progress
 
     n = cfg.eval.num_samples
@@ -73,10 +77,19 @@ def sample(cfg: PipelineConfig, rollouts, rows: list[dict], label: str) -> tuple
         if not pending[index // 2]:
             progress.update(len(chunks[index // 2]))
 
-    print(f"[eval {label}] {len(rows)} prompts x {n} sampled + 1 greedy completions requested at once, in "
-          f"{len(chunks)} chunks: a line as each chunk is answered", flush=True)
-    results = rollouts.sample_together([request for chunk in chunks for request in (
-        (chunk, n, cfg.eval.temperature, True), (chunk, 1, 0.0, False))], on_first_turn=answered)
+    requests = [request for chunk in chunks for request in (
+        (chunk, n, cfg.eval.temperature, True), (chunk, 1, 0.0, False))]
+    if rollouts.multi_turn:
+        print(f"[eval {label}] {len(rows)} prompts x {n} sampled + 1 greedy episodes, in {len(chunks)} chunks played "
+              "one after another: a line as each chunk ends", flush=True)
+        results = []
+        for i in range(len(chunks)):
+            results += rollouts.sample_together(requests[2 * i:2 * i + 2])
+            progress.update(len(chunks[i]))
+    else:
+        print(f"[eval {label}] {len(rows)} prompts x {n} sampled + 1 greedy completions requested at once, in "
+              f"{len(chunks)} chunks: a line as each chunk is answered", flush=True)
+        results = rollouts.sample_together(requests, on_first_turn=answered)
     return ([group for result in results[0::2] for group in result],
             [group for result in results[1::2] for group in result])
 

@@ -236,3 +236,43 @@ def test_evaluation_requests_its_sampled_and_greedy_completions_at_once(tiny_ser
     assert all(len(e.first_logprobs) == e.model_tokens > 0 for group in sampled for e in group)
     assert [[e.completion_ids for e in group] for group in greedy] == [[e.completion_ids for e in group]
                                                                       for group in alone]
+
+
+def test_an_evaluation_with_an_environment_plays_its_chunks_one_after_another(tiny_server, tiny_model_path,
+                                                                             monkeypatch):
+    """Multi-turn evaluation resets a chunk's environments only once the chunk before has played its last turn, so an
+    episode's wall clock (``generation.episode_timeout_s``, from its reset) counts its own chunk's turns: all at once,
+    configs/game.yaml's 320 episodes took 792 s and 192 of 256 ran past their 300 s (scored failed, 2026-12-06)."""
+    import time
+
+    from grpo_steps.config import validate_config
+    from grpo_steps.evaluation.episodes import Rollouts
+    from grpo_steps.evaluation.policy import sample
+    from grpo_steps.models import load_tokenizer
+
+    move = '<tool_call>\n{"name": "move", "arguments": {"action": "1"}}\n</tool_call>'
+    cfg = validate_config({
+        "model": {"name_or_path": "embedded:tiny-random-qwen2", "dtype": "float32", "max_model_len": 1024,
+                  "chat_template": "qwen2_5"},
+        "data": {"source": "jsonl", "path": "games.jsonl", "answer_column": None, "columns": ["seed"]},
+        "environment": "tests.unit.toy_games:Board", "rewards": [{"name": "game_solved"}],
+        "eval": {"format_reward": None, "correctness_reward": "game_solved", "num_samples": 1, "k": [1]},
+        "generation": {"max_completion_tokens": 240, "max_tool_calling_iterations": 2, "episode_timeout_s": 120,
+                       "structured_outputs": {"regex": move.replace("{", r"\{").replace("}", r"\}")}}})
+    tokenizer = load_tokenizer(tiny_model_path, "qwen2_5")
+    rows = [{"prompt": [{"role": "user", "content": f"Game {seed}: play."}], "seed": seed} for seed in range(16)]
+    rounds: list[tuple[float, set[int]]] = []  # when each tool round ended, and the episodes it played
+    tool_round = Rollouts._tool_round
+
+    def recorded(self, open_episodes, *args):
+        still_open = tool_round(self, open_episodes, *args)
+        rounds.append((time.monotonic(), {id(e) for e, _, _ in open_episodes}))
+        return still_open
+
+    monkeypatch.setattr(Rollouts, "_tool_round", recorded)
+    sampled, greedy = sample(cfg, Rollouts(cfg, tiny_server.client(), tokenizer), rows, "chunks")
+    assert all(e.environment.outcome["solved"] for group in sampled + greedy for e in group)  # each moved, reset once
+    first, second = ([e for group in sampled[a:b] + greedy[a:b] for e in group] for a, b in ((0, 8), (8, 16)))
+    assert {i for _, played in rounds for i in played} == {id(e) for e in first + second}  # 16 rows: 2 chunks of 8
+    last_round_of_first = max(t for t, played in rounds if played & {id(e) for e in first})
+    assert min(e.environment._started for e in second) > last_round_of_first  # reset after the first chunk ended
