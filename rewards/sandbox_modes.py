@@ -328,7 +328,10 @@ def kill_run(proc: subprocess.Popen, info: int | None = None, wait_s: float = 10
         if info is not None:
             os.close(info)
     if init is not None and proc.poll() is None:
-        os.kill(init, signal.SIGKILL)  # the launcher is its parent and alive: not reaped, so the PID is the init's
+        try:
+            os.kill(init, signal.SIGKILL)  # the launcher is its parent and alive: not reaped, so the PID is the init's
+        except ProcessLookupError:
+            pass  # the init exited and its launcher reaped it between the two checks (make test, 2026-12-06)
     if init is None and proc.poll() is None:
         proc.terminate()  # the reaper (or a namespace launcher that already lost its init) clears its children
         try:
