@@ -24,7 +24,9 @@ BODIES = {  # tool name -> body; each becomes `def name(x: int)` with a docstrin
     "hang": "time.sleep(3600)",  # sleeps
     "spin": "while True:\n    x += 1",  # keeps a core busy
     "regex": "return int(bool(re.match(r'(a+)+$', 'a' * 64 + 'b')))",  # holds the GIL in C for a very long time
-    "spawn_and_hang": "subprocess.Popen(['sleep', '3599'])\ntime.sleep(3600)",  # a child, then hangs
+    # a child, then hangs; the child's argument names this test process (3599.<pid> s), so that another xdist
+    # worker's sleeper is not taken for one this process left behind
+    "spawn_and_hang": f"subprocess.Popen(['sleep', '3599.{os.getpid()}'])\ntime.sleep(3600)",
     "leave": "sys.exit(x)",
     "interrupt": "raise KeyboardInterrupt('from the tool')",
     "hard_exit": "os._exit(x)",
@@ -63,7 +65,8 @@ def _descendants() -> set[int]:
 
 
 def _sleepers() -> list[int]:
-    return [p.pid for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "3599"]]
+    """Sleepers of this test process's ``spawn_and_hang``, wherever they are now (an orphan is no descendant)."""
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", f"3599.{os.getpid()}"]]
 
 
 @pytest.mark.parametrize(("name", "error", "message"), [
