@@ -199,7 +199,7 @@ def start(data_dir: str | Path, *, port: int = 0, bucket: str = "grpo", access_k
            f"-volume.port={ports['volume']}", f"-filer.port={ports['filer']}", "-admin.ui=false", "-webdav=false",
            # the Iceberg and Lance catalog servers listen on fixed default ports: a second server on this machine (two
            # test workers' modules at once) died on them; the pipeline uses neither
-           "-s3.port.iceberg=0", "-s3.port.lance=0"]
+           "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.preStopSeconds=0"]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     relay = S3Relay(port, sockets / "s3.sock") if private else None
@@ -218,7 +218,7 @@ def start(data_dir: str | Path, *, port: int = 0, bucket: str = "grpo", access_k
             return False
         return True
 
-    if wait_until(bucket_ready, timeout_s, interval_s=1.0):
+    if wait_until(bucket_ready, timeout_s, interval_s=0.2):
         return server
     stop(server)
     raise S3StartError(f"local S3 not ready after {timeout_s:.0f} s; log {log_path}:\n{log_tail(log_path)}")
