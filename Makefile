@@ -84,7 +84,9 @@ test: install
 # here takes (the other modes carry the `variant` marker: make test runs them). Three workers on two cores: much of it
 # waits (sandbox time limits, a 15 s answer through the router bridge, subprocesses, fsyncs). --dist worksteal: an idle
 # worker takes tests queued on a busy one, so no worker ends the run alone (2026-12-06, pytest's time, one after
-# another: xdist's default `load` 132.6 and 124.9 s, worksteal 117.1, 127.1 and 114.7 s).
+# another: xdist's default `load` 132.6 and 124.9 s, worksteal 117.1, 127.1 and 114.7 s). A fourth worker costs more
+# than it gains: each one imports torch, transformers and TRL at collection (~8 CPU s). Back to back on 2026-12-07:
+# -n 5 and -n 6 119.1 and 124.0 s against -n 3's 107.8 s; later -n 4 101.5 s against -n 3's 95.4 s.
 test-fast: install
 	$(BIN)/python -m pytest -n 3 --dist worksteal -m "not slow and not variant"
 
