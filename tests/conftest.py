@@ -1,4 +1,3 @@
-import gc
 import os
 import shutil
 import sys
@@ -135,13 +134,6 @@ LONGEST_FIRST = ("test_resume.py", "test_multinode_local.py", "test_flow.py", "t
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept otherwise
-
-
-def pytest_collection_finish(session):
-    # Collection imported torch, transformers, TRL, MLflow: millions of objects that live as long as the process. Out
-    # of the collector's sight (as vLLM freezes its engine's start-up objects), the full collections tests trigger no
-    # longer walk them: 12-16 a worker in `make test-fast`, 3.2-6.9 s of a worker's CPU (2026-12-07, 2-core box).
-    gc.freeze()
 
 
 # What `make test` prints at its end besides pytest's own summary: how many assert statements of the test modules

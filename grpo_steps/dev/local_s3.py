@@ -199,7 +199,10 @@ def start(data_dir: str | Path, *, port: int = 0, bucket: str = "grpo", access_k
            f"-volume.port={ports['volume']}", f"-filer.port={ports['filer']}", "-admin.ui=false", "-webdav=false",
            # the Iceberg and Lance catalog servers listen on fixed default ports: a second server on this machine (two
            # test workers' modules at once) died on them; the pipeline uses neither
-           "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.preStopSeconds=0"]
+           "-s3.port.iceberg=0", "-s3.port.lance=0",
+           # the pre-stop wait lets a master steer writes to other volumes; the one volume here has none (a stop 2.2 ->
+           # 1.2 s: every test module's server, every S3 outage of test_resume)
+           "-volume.preStopSeconds=0"]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     relay = S3Relay(port, sockets / "s3.sock") if private else None

@@ -10,13 +10,13 @@ import json
 import os
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 
 import psutil
 import pytest
 
-from grpo_steps.processes import wait_until
 from rewards import guard
 from rewards.code import code_execution
 from rewards.sandbox import MODES, WEAK_MODES, Limits, isolation, run_python, run_tests
@@ -209,7 +209,9 @@ def test_the_code_reward_itself_refuses_untrusted_test_code_under_any_name(monke
 def test_a_guard_timeout_mid_batch_stops_the_sandboxes_and_keeps_the_scores_it_had():
     """A batch of 2 right programs, then 6 that loop (each allowed 30 s), 2 sandboxes at a time, under a guard of
     8 s: at the guard's deadline the looping runs are killed and none is launched after it; the right programs keep
-    their 1.0 (not None), the rest score None; within 5 s no process of the batch runs; the next batch runs alone."""
+    their 1.0 (not None), the rest score None; 5 s later no process of the batch runs; the next batch runs alone."""
+
+
     test, entry = "def check(candidate):\n    assert candidate() == 1\n", "f"
     right, loop = "def f():\n    return 1\n", "def f():\n    while True:\n        pass\n"
     reward = guard.guarded(functools.partial(code_execution, timeout_s=30, memory_mib=512, workers=2),
@@ -232,18 +234,7 @@ def test_a_guard_timeout_mid_batch_stops_the_sandboxes_and_keeps_the_scores_it_h
     assert scores == [1.0, 1.0] + [None] * 6
     assert guard.counters()["rewards/code_stop_test/timeouts"] == 1
     assert seen  # the batch's sandboxes were seen running
-
-    def running() -> list[int]:
-        alive = []
-        for pid in seen:
-            try:
-                if psutil.Process(pid).status() != "zombie":
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        return alive
-
-    wait_until(lambda: not running(), timeout_s=5, interval_s=0.1)  # stopped within 5 s, not only after them
-    assert not running()
+    time.sleep(5)
+    assert not [pid for pid in seen if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     assert {c.pid for c in me.children(recursive=True)} <= before  # nothing of the given-up batch launched later
     assert reward([right, right], test=[test] * 2, entry_point=[entry] * 2) == [1.0, 1.0]
