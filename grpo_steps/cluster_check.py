@@ -89,9 +89,10 @@ def secret_specs(cfg: PipelineConfig, profile: dict) -> list[SecretSpec]:
         specs.append(SecretSpec(ns, reader, AWS_KEYS, f"kubectl -n {ns} create secret generic {reader} --from-literal="
                                 "AWS_ACCESS_KEY_ID=... --from-literal=AWS_SECRET_ACCESS_KEY=... with the keys of "
                                 f"infra/s3/weights-read-policy.json ({STEPS} 2)"))
-    if profile.get("METAFLOW_DEFAULT_METADATA") == "service":
-        specs.append(SecretSpec(ns, "grpo-metaflow-postgres", ("password",),
-                                f"kubectl -n {ns} create secret generic grpo-metaflow-postgres "
+    metadata_ns = metadata_namespace(profile)
+    if metadata_ns:
+        specs.append(SecretSpec(metadata_ns, "metaflow-postgres", ("password",),
+                                f"kubectl -n {metadata_ns} create secret generic metaflow-postgres "
                                 f"--from-literal=password=... ({STEPS} 5)"))
     mlflow_ns = mlflow_namespace(cfg)
     if mlflow_ns:
@@ -102,11 +103,26 @@ def secret_specs(cfg: PipelineConfig, profile: dict) -> list[SecretSpec]:
     return specs
 
 
-def mlflow_namespace(cfg: PipelineConfig) -> str | None:
-    """The namespace of ``tracking.tracking_uri`` when it is a cluster Service (``http://<svc>.<ns>.svc:port``)."""
-    host = urlsplit(cfg.tracking.tracking_uri).hostname or ""
-    parts = host.split(".")
+def service_namespace(url: str) -> str | None:
+    """The namespace of a cluster Service's URL (``http://<svc>.<ns>.svc:port``), else None.
+
+    >>> service_namespace("http://mlflow.grpo-mlflow.svc:5000"), service_namespace("http://127.0.0.1:5000")
+    ('grpo-mlflow', None)
+    """
+    parts = (urlsplit(url).hostname or "").split(".")
     return parts[1] if len(parts) >= 3 and parts[2] == "svc" else None
+
+
+def mlflow_namespace(cfg: PipelineConfig) -> str | None:
+    """The namespace of ``tracking.tracking_uri``'s Service, None when it is not one."""
+    return service_namespace(cfg.tracking.tracking_uri)
+
+
+def metadata_namespace(profile: dict) -> str | None:
+    """The namespace of the metadata service the profile's pods record runs in (METAFLOW_SERVICE_INTERNAL_URL)."""
+    if profile.get("METAFLOW_DEFAULT_METADATA") != "service":
+        return None
+    return service_namespace(profile.get("METAFLOW_SERVICE_INTERNAL_URL") or profile.get("METAFLOW_SERVICE_URL", ""))
 
 
 def check_namespace(core, ns: str, account: str) -> list[Check]:
@@ -234,9 +250,10 @@ def check_deployments(apps, core, cfg: PipelineConfig, profile: dict, argo_ns: s
     service account."""
     from kubernetes.client.exceptions import ApiException
 
-    ns, wanted = cfg.resources.namespace, []
-    if profile.get("METAFLOW_DEFAULT_METADATA") == "service":
-        wanted.append((ns, "metaflow-metadata", f"kubectl apply -f infra/k8s/metaflow-metadata.yaml ({STEPS} 5)"))
+    wanted = []
+    if metadata_namespace(profile):
+        wanted.append((metadata_namespace(profile), "metaflow-metadata",
+                       f"kubectl apply -f infra/k8s/metaflow-metadata.yaml ({STEPS} 5)"))
     if mlflow_namespace(cfg):
         wanted.append((mlflow_namespace(cfg), "mlflow", f"kubectl apply -f infra/k8s/mlflow.yaml ({STEPS} 4)"))
     wanted.append((argo_ns, "workflow-controller", "install Argo Workflows (3.5 or newer) in namespace "
@@ -325,7 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     if not profile_path.exists():
         profile_path = REPO_ROOT / "infra" / "metaflow" / "config-k8s-argo.json"
         print(f"note: no {args.profile}: checking against {profile_path.relative_to(REPO_ROOT)}")
-    kube_config.load_kube_config(context=args.context)
+    try:
+        kube_config.load_kube_config(context=args.context)
+    except kube_config.ConfigException as err:
+        print(f"FAIL  kube context: {err} -> point KUBECONFIG at the cluster's kubeconfig, or pass --context")
+        return 1
     checks = run_checks(k8s.ApiClient(), load_config(args.config), json.loads(profile_path.read_text()),
                         args.argo_namespace)
     for check in checks:

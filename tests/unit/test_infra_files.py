@@ -88,14 +88,20 @@ def test_the_profile_records_runs_in_the_shipped_metadata_service():
     """With local metadata a run made in pods is invisible to ``Flow(...)``, ``card get``, ``resume`` and
     ``train.resume_from`` elsewhere: the profile names Metaflow's metadata service, the pods reach it at the Service
     of infra/k8s/metaflow-metadata.yaml (Metaflow hands METAFLOW_SERVICE_INTERNAL_URL to the pods), and a laptop at
-    the port-forward of docs/deploy.md."""
+    the port-forward of docs/deploy.md. Its Postgres password lives in a namespace of its own, out of the flow's
+    account's reach (as MLflow's), and the service answers the flow's namespace."""
     mf = json.loads((REPO_ROOT / "infra/metaflow/config-k8s-argo.json").read_text())
     assert mf["METAFLOW_DEFAULT_METADATA"] == "service"
     docs = _docs("metaflow-metadata.yaml")
     (service,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "metaflow-metadata"]
     (port,) = service["spec"]["ports"]
     namespace = service["metadata"]["namespace"]
-    assert namespace == mf["METAFLOW_KUBERNETES_NAMESPACE"]
+    flow_ns = mf["METAFLOW_KUBERNETES_NAMESPACE"]
+    assert namespace != flow_ns and {d["metadata"]["name"] for d in docs if d["kind"] == "Namespace"} == {namespace}
+    assert {d["metadata"]["namespace"] for d in _docs("rbac.yaml")} == {flow_ns}
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "metaflow-metadata"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": flow_ns}}}]
     assert mf["METAFLOW_SERVICE_INTERNAL_URL"] == f"http://metaflow-metadata.{namespace}.svc:{port['port']}"
     assert mf["METAFLOW_SERVICE_URL"] == f"http://127.0.0.1:{port['port']}"
     (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
@@ -108,7 +114,7 @@ def test_the_profile_records_runs_in_the_shipped_metadata_service():
     assert db_env["MF_METADATA_DB_HOST"] == database["spec"]["serviceName"]
     page = (REPO_ROOT / "docs/deploy.md").read_text()
     assert "kubectl apply -f infra/k8s/metaflow-metadata.yaml" in page
-    assert "port-forward svc/metaflow-metadata 8080:8080" in page
+    assert f"kubectl -n {namespace} port-forward svc/metaflow-metadata 8080:8080" in page
 
 
 def test_the_mlflow_server_gets_its_passwords_from_the_environment_and_installs_nothing():
