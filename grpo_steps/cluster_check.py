@@ -349,11 +349,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     checks = run_checks(k8s.ApiClient(), load_config(args.config), json.loads(profile_path.read_text()),
                         args.argo_namespace)
-    for check in checks:
-        print(check.line())
+    print("\n".join(report(checks)))
+    return 1 if any(not c.ok for c in checks) else 0
+
+
+def report(checks: list[Check]) -> list[str]:
+    """What ``make cluster-check`` prints: a line per check, then how many passed."""
     failed = sum(not c.ok for c in checks)
-    print(f"{len(checks) - failed} of {len(checks)} checks passed")
-    return 1 if failed else 0
+    return [check.line() for check in checks] + [f"{len(checks) - failed} of {len(checks)} checks passed"]
 
 
 if __name__ == "__main__":

@@ -73,8 +73,9 @@ def _doctor(recorded: dict, endpoint: str) -> tuple[int, list[str], RecordedApiS
     profile = {**json.loads((REPO_ROOT / "infra/metaflow/config-k8s-argo.json").read_text()),
                "METAFLOW_S3_ENDPOINT_URL": endpoint}
     checks = cluster_check.run_checks(api_client, load_config(REPO_ROOT / "configs/multinode.yaml"), profile)
-    lines = [check.line() for check in checks]
+    lines = cluster_check.report(checks)
     print("\n".join(lines))  # as `make cluster-check` prints them (pytest -s shows them)
+    assert lines[-1] == f"{len(checks) - sum(not c.ok for c in checks)} of {len(checks)} checks passed"
     return sum(not c.ok for c in checks), lines, server
 
 
@@ -135,3 +136,11 @@ def test_read_only_keys_that_write_fail_and_the_object_is_removed(bucket):
     s3 = boto3.client("s3", endpoint_url=bucket.endpoint, aws_access_key_id=FLOW_KEYS[0],
                       aws_secret_access_key=FLOW_KEYS[1], region_name="us-east-1")
     assert s3.list_objects_v2(Bucket="grpo-metaflow").get("KeyCount", 0) == 0
+
+
+def test_without_a_kube_context_it_says_how_to_name_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
+    assert cluster_check.main(["--profile", str(tmp_path / "none.json")]) == 1
+    out = capsys.readouterr().out
+    assert "checking against infra/metaflow/config-k8s-argo.json" in out
+    assert "FAIL  kube context:" in out and "-> point KUBECONFIG at the cluster's kubeconfig, or pass --context" in out
