@@ -189,25 +189,18 @@ def get_or_create_experiment(mlflow_client, name: str, artifact_location: str | 
         return experiment.experiment_id
 
 
-def _location_key(location: str) -> str:
-    """``location`` comparable with what MLflow stored: a path as its absolute ``file://`` URI, no trailing slash.
-
-    >>> _location_key("s3://b/mlflow/"), _location_key("/tmp/a"), _location_key("file:///tmp/a")
-    ('s3://b/mlflow', 'file:///tmp/a', 'file:///tmp/a')
-    """
-    if "://" not in location and not location.startswith("file:"):
-        location = Path(location).resolve().as_uri()
-    return location.rstrip("/")
-
-
 def check_artifact_location(experiment, artifact_location: str | None) -> None:
     """Refuse ``tracking.artifact_location`` when ``experiment`` (an existing MLflow experiment) keeps its artifacts
-    elsewhere: MLflow reads the location at creation only.
+    elsewhere: MLflow reads the location at creation only. A path compares as its absolute ``file://`` URI.
 
     Raises:
         ConfigError: the two locations differ (both named, and the two ways out).
     """
-    if artifact_location is None or _location_key(artifact_location) == _location_key(experiment.artifact_location):
+    def key(location: str) -> str:
+        return (location if "://" in location or location.startswith("file:")
+                else Path(location).resolve().as_uri()).rstrip("/")
+
+    if artifact_location is None or key(artifact_location) == key(experiment.artifact_location):
         return
     raise ConfigError(f"tracking.artifact_location {redact(artifact_location)!r}: the experiment "
                       f"{experiment.name!r} keeps its artifacts at {redact(experiment.artifact_location)!r}, and "
