@@ -13,7 +13,8 @@ CONFIG ?= configs/local.yaml
 # Metaflow's local @parallel starts the gang's other nodes with `python` from PATH: the venv's.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install sandbox model run game test test-fast ui s3 lint docs bench bench-gpu gpu-check lock screenshots clean
+.PHONY: install sandbox model run game test test-fast ui s3 lint docs bench bench-gpu gpu-check lock screenshots clean \
+        cluster-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -92,6 +93,13 @@ test-fast: install
 
 ui: install
 	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///mlflow.db
+
+# A doctor for the cluster of docs/deploy.md, before the first deploy: the current kube context through the kubernetes
+# client (no kubectl), the bucket with the keys of the flow's Secrets; changes nothing; one line per check with its fix
+# (grpo_steps/cluster_check.py). CLUSTER_CONFIG: the config to deploy; the profile is ~/.metaflowconfig/config_k8s.json.
+CLUSTER_CONFIG ?= configs/multinode.yaml
+cluster-check: install
+	$(BIN)/python -m grpo_steps.cluster_check --config $(CLUSTER_CONFIG)
 
 # A local S3-compatible server (SeaweedFS) on 127.0.0.1:8333, private to this user: fresh keys in .s3/env (0600;
 # `source .s3/env` in the flow's shell), SeaweedFS's own APIs in a network namespace of their own.

@@ -86,11 +86,12 @@ def launch(job: TrainJob, *, node_index: int = 0, main_ip: str = "127.0.0.1", ma
                              node_index=node_index, main_ip=main_ip, main_port=main_port,
                              deepspeed_config=deepspeed_config)
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
-    if job.config.generation.provider == "local" and job.config.generation.server.gpus is not None:
-        from grpo_steps.servers.gpus import trainer_devices, visible_gpus
+    from grpo_steps.servers.gpus import places_gpus, trainer_devices, visible_gpus
 
+    gpus = visible_gpus() if job.config.generation.provider == "local" else []
+    if gpus and places_gpus(job.config, gpus):
         # one GPU box: the GPUs the server leaves, or its own when it has them all (docs/gpu.md)
-        full_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in trainer_devices(job.config, visible_gpus()))
+        full_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in trainer_devices(job.config, gpus))
         full_env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the indices are nvidia-smi's, as the server's are
     code, peak = run_watching_memory(cmd, env=full_env)
     if code != 0:

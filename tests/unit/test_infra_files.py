@@ -84,10 +84,44 @@ def test_metaflow_config_points_at_s3_and_kubernetes():
     assert mf["METAFLOW_KUBERNETES_NAMESPACE"] == load_config(REPO_ROOT / "configs/multinode.yaml").resources.namespace
 
 
-def test_the_mlflow_server_gets_its_passwords_from_the_environment_and_installs_pinned_packages():
+def test_the_profile_records_runs_in_the_shipped_metadata_service():
+    """With local metadata a run made in pods is invisible to ``Flow(...)``, ``card get``, ``resume`` and
+    ``train.resume_from`` elsewhere: the profile names Metaflow's metadata service, the pods reach it at the Service
+    of infra/k8s/metaflow-metadata.yaml (Metaflow hands METAFLOW_SERVICE_INTERNAL_URL to the pods), and a laptop at
+    the port-forward of docs/deploy.md. Its Postgres password lives in a namespace of its own, out of the flow's
+    account's reach (as MLflow's), and the service answers the flow's namespace."""
+    mf = json.loads((REPO_ROOT / "infra/metaflow/config-k8s-argo.json").read_text())
+    assert mf["METAFLOW_DEFAULT_METADATA"] == "service"
+    docs = _docs("metaflow-metadata.yaml")
+    (service,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "metaflow-metadata"]
+    (port,) = service["spec"]["ports"]
+    namespace = service["metadata"]["namespace"]
+    flow_ns = mf["METAFLOW_KUBERNETES_NAMESPACE"]
+    assert namespace != flow_ns and {d["metadata"]["name"] for d in docs if d["kind"] == "Namespace"} == {namespace}
+    assert {d["metadata"]["namespace"] for d in _docs("rbac.yaml")} == {flow_ns}
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "metaflow-metadata"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": flow_ns}}}]
+    assert mf["METAFLOW_SERVICE_INTERNAL_URL"] == f"http://metaflow-metadata.{namespace}.svc:{port['port']}"
+    assert mf["METAFLOW_SERVICE_URL"] == f"http://127.0.0.1:{port['port']}"
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    images = {c["image"] for c in pod["containers"] + pod["initContainers"]}
+    assert len(images) == 1 and images.pop().startswith("netflixoss/metaflow_metadata_service:v")
+    (database,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    db_env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert db_env["MF_METADATA_DB_HOST"] == database["spec"]["serviceName"]
+    page = (REPO_ROOT / "docs/deploy.md").read_text()
+    assert "kubectl apply -f infra/k8s/metaflow-metadata.yaml" in page
+    assert f"kubectl -n {namespace} port-forward svc/metaflow-metadata 8080:8080" in page
+
+
+def test_the_mlflow_server_gets_its_passwords_from_the_environment_and_installs_nothing():
     """Kubernetes writes a ``$(VAR)`` reference into the container's argv (visible in the pod spec and ``ps``):
-    the passwords are expanded by the shell at run time and reach mlflow through its environment; every package
-    installed at start has an exact version."""
+    the passwords are expanded by the shell at run time and reach mlflow through its environment. The pod installs
+    nothing at start (its image holds MLflow and its packages: it needs no package index), and its artifact bucket is
+    the ConfigMap value docs/deploy.md has the user set."""
     import re
 
     import yaml
@@ -100,9 +134,13 @@ def test_the_mlflow_server_gets_its_passwords_from_the_environment_and_installs_
     assert "POSTGRES_PASSWORD" in secret_env and "MLFLOW_ADMIN_PASSWORD" in secret_env
     assert not [name for name in secret_env if f"$({name})" in script]  # no Kubernetes expansion into argv
     assert "--backend-store-uri" not in script and "export MLFLOW_BACKEND_STORE_URI=" in script
-    (install,) = re.findall(r"pip install ([^&]+)&&", script)
-    packages = [word for word in install.split() if not word.startswith("-")]
-    assert packages and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.]*", p) for p in packages), packages
+    assert not re.search(r"\b(pip|uv|conda)\b", script), script
+    (setting,) = [e["valueFrom"]["configMapKeyRef"] for e in container["env"]
+                  if e["name"] == "MLFLOW_ARTIFACTS_DESTINATION"]
+    assert '--artifacts-destination "$MLFLOW_ARTIFACTS_DESTINATION"' in script and "s3://" not in script
+    page = (REPO_ROOT / "docs/deploy.md").read_text()
+    assert re.search(rf"kubectl -n grpo-mlflow create configmap {setting['name']} \\\n? *--from-literal="
+                     rf"{setting['key']}=s3://", page), setting
 
 
 def _docs(name: str) -> list[dict]:
@@ -183,24 +221,31 @@ def test_no_image_lists_its_own_packages():
         own = [run for run in runs if re.search(r"\b(pip|pip3|conda|mamba|pipx)\b.*\binstall\b|\buv (add|pip)\b", run)]
         assert not own, f"{where} installs packages of its own: {own}"
         syncs = [run for run in runs if re.search(r"\buv sync\b", run)]
-        assert syncs and all("--frozen" in s and "--extra gpu" in s for s in syncs), (where, syncs)
+        assert syncs and all("--frozen" in s and ("--extra gpu" in s or "--only-group mlflow-server" in s)
+                             for s in syncs), (where, syncs)
 
 
 def test_the_images_uv_and_mlflow_follow_the_lock():
-    """The image's uv is the lock's (it reads the lock's format); MLflow's server runs the client's MLflow, and every
-    package its pod installs that the lock also holds is at the lock's version."""
+    """The images' uv is the lock's (it reads the lock's format); MLflow's server is infra/Dockerfile's ``mlflow``
+    target, uv.lock's ``mlflow-server`` group (the client's MLflow, one version of each package in the lock), named
+    in mlflow.yaml at the project's version; ``docker build`` without a target still builds the flow's image."""
     import re
+    import tomllib
 
     locked = _locked_versions()
     (uv_tag,) = re.findall(r"ghcr\.io/astral-sh/uv:(\S+)", (REPO_ROOT / "infra" / "Dockerfile").read_text())
     assert uv_tag == locked["uv"]
+    dockerfile = (REPO_ROOT / "infra" / "Dockerfile").read_text()
+    assert re.search(r"^FROM \S+ AS mlflow$", dockerfile, re.M)
+    assert re.findall(r"^FROM \S+ AS (\S+)$", dockerfile, re.M)[-1] == "flow"  # docker build's default: the flow's
+    group = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["dependency-groups"]["mlflow-server"]
+    names = {_normalized(re.split(r"[<>=!~;\[ ]", spec, maxsplit=1)[0]) for spec in group}
+    assert {"mlflow", "psycopg2-binary", "boto3", "flask-wtf"} <= names <= set(locked)  # one version each: the client's
     (mlflow,) = [d for d in _docs("mlflow.yaml") if d["kind"] == "Deployment" and d["metadata"]["name"] == "mlflow"]
     (container,) = mlflow["spec"]["template"]["spec"]["containers"]
-    assert container["image"] == f"ghcr.io/mlflow/mlflow:v{locked['mlflow']}"
-    (install,) = re.findall(r"pip install ([^&]+)&&", " ".join(container["args"]))
-    pins = dict(word.split("==") for word in install.split() if "==" in word)
-    shared = {name: version for name, version in pins.items() if _normalized(name) in locked}
-    assert shared and all(locked[_normalized(name)] == version for name, version in shared.items()), shared
+    version = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert re.fullmatch(rf"\S+/grpo-mlflow:{re.escape(version)}", container["image"]), container["image"]
+    assert f"--target mlflow -t {container['image']}" in (REPO_ROOT / "docs/deploy.md").read_text()
 
 
 def test_the_cluster_runs_one_image_built_from_the_lock():
