@@ -3,9 +3,10 @@
 Loaded from YAML by the flow's Metaflow ``Config`` (see :func:`parse_config`) or by
 :func:`load_config` for the training entry point run on its own. Unknown keys and wrong types
 are rejected with a message naming the key and how to fix it. One module per part of the tree: :mod:`.data`,
-:mod:`.generation`, :mod:`.training`, :mod:`.sections` (model, rewards, eval, registry, tracking, resources,
-schedule) and :mod:`.pipeline` (the whole tree, the rules that span sections, loading); every public name is
-importable from here.
+:mod:`.generation` (its server and router in :mod:`.serving`, its weight sync in :mod:`.weight_sync`),
+:mod:`.training`, :mod:`.sections` (model, rewards, eval, registry, tracking, resources, schedule) and
+:mod:`.pipeline` (the whole tree, the rules that span sections, loading); every public name is importable from
+here.
 """
 
 from grpo_steps.config.base import (  # noqa: F401
@@ -29,16 +30,10 @@ from grpo_steps.config.data import (  # noqa: F401
 )
 from grpo_steps.config.generation import (  # noqa: F401
     CONSTRAINTS,
-    MISMATCH_MODES,
     SAMPLING_FILTERS,
     AsyncConfig,
     GenerationConfig,
-    ImportanceSamplingConfig,
-    MismatchMode,
-    S3SyncConfig,
-    ServerConfig,
     StructuredOutputsConfig,
-    SyncCheckConfig,
     prefetch_depth,
 )
 from grpo_steps.config.pipeline import (  # noqa: F401
@@ -61,6 +56,7 @@ from grpo_steps.config.sections import (  # noqa: F401
     VLLMResources,
     on_shared_volume,
 )
+from grpo_steps.config.serving import RouterConfig, ServerConfig  # noqa: F401
 from grpo_steps.config.training import (  # noqa: F401
     GRPO_ARGS_SET_BY,
     GRPO_KEYS_REPLACED,
@@ -75,4 +71,11 @@ from grpo_steps.config.training import (  # noqa: F401
     PeftConfig,
     TrainConfig,
     grpo_key_owner_error,
+)
+from grpo_steps.config.weight_sync import (  # noqa: F401
+    MISMATCH_MODES,
+    ImportanceSamplingConfig,
+    MismatchMode,
+    S3SyncConfig,
+    SyncCheckConfig,
 )

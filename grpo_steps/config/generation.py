@@ -1,368 +1,17 @@
-"""The ``generation`` section: backend, server provider, weight sync, sampling settings, and the checks of each push
-(mismatch correction, sync verification)."""
+"""The ``generation`` section: backend, server provider, sampling settings, asynchronous generation, and the rules
+that span them. The server and router settings are in :mod:`.serving`; where ``s3`` sync writes and how each push is
+checked (sync verification, mismatch correction) in :mod:`.weight_sync`."""
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from grpo_steps.config.base import _Section, distinct_cores
-from grpo_steps.redaction import credential_in, is_secret_flag, redact
-
-RouterPolicy = Literal["consistent_hash", "round_robin", "power_of_two", "cache_aware"]
-
-
-class RouterConfig(_Section):
-    """The router in front of several generation replicas (``generation.server.replicas`` > 1): vLLM's own
-    ``vllm-router`` (PyPI), started next to the replicas by the provider, or yours (``endpoint``). Rollouts and
-    evaluation requests go through it; weight pushes go to every replica directly."""
-
-    policy: RouterPolicy | Literal["auto"] = "auto"
-    """``vllm-router --policy``: ``consistent_hash`` keeps every request of an episode (one ``X-Session-ID`` per group)
-    on one replica, so multi-turn rollouts reuse its prefix cache; ``round_robin`` spreads requests evenly;
-    ``power_of_two`` and ``cache_aware`` are the router's load- and cache-aware policies. ``auto``:
-    ``consistent_hash`` with tools or an environment (multi-turn), else ``round_robin``."""
-    port: int = Field(0, ge=0, le=65535)
-    """Port of the router the pipeline starts (on ``generation.server.host``); 0 picks a free one."""
-    endpoint: str | None = None
-    """Provider ``external``: base URL of the router you run in front of ``generation.server.endpoints``; null: the
-    pipeline starts a ``vllm-router`` on 127.0.0.1 in front of them."""
-    health_check_interval_s: int = Field(5, ge=1)
-    """Seconds between the router's health checks of each replica (``--health-check-interval-secs``): a replica
-    that stops answering ``/health`` gets no new requests after a few failed checks."""
-    private_network: bool = True
-    """The router the pipeline starts on this machine runs in a network namespace of its own, reached only through a
-    bridge that requires the run's token and refuses the router's admin routes (``/add_worker``: whoever adds a worker
-    receives the token and every rollout; loopback is not private on a shared host). Needs root or unprivileged user
-    namespaces; false: the router listens on ``generation.server.host`` itself, open to every user of the host."""
-
-    @field_validator("endpoint")
-    @classmethod
-    def _router_url(cls, value: str | None) -> str | None:
-        return _base_url(value, "generation.server.router.endpoint")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or ``localhost``) names this machine's loopback interface.
-
-    >>> is_loopback("127.0.0.1"), is_loopback("::1"), is_loopback("localhost"), is_loopback("0.0.0.0")
-    (True, True, True, False)
-    """
-    import ipaddress
-
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def _base_url(value: str | None, key: str) -> str | None:
-    """A server's base URL without a trailing slash; raises ValueError naming ``key`` for credentials in the URL or
-    another scheme than http(s)."""
-    if value is None:
-        return None
-    if credential_in(value):
-        raise ValueError(f"{key} {redact(value)!r} holds credentials ({credential_in(value)}): remove them; the "
-                         "pipeline presents the server's token from the environment (GRPO_SERVER_TOKEN, or "
-                         "VLLM_API_KEY for a server started with vLLM's --api-key)")
-    if not value.startswith(("http://", "https://")):
-        raise ValueError(f"{key} {value!r} must be a base URL such as http://127.0.0.1:8000")
-    return value.rstrip("/")
-
-
-class ServerConfig(_Section):
-    endpoint: str | None = None
-    """Provider ``external``: base URL of the vLLM server you run, e.g. ``http://127.0.0.1:8000``
-    (started with ``VLLM_SERVER_DEV_MODE=1``; it must read the weight directories this machine writes). With
-    several replicas use ``endpoints`` instead."""
-    replicas: int = Field(1, ge=1)
-    """Generation replicas (vLLM servers) behind a router (``router``): ``local`` starts this many processes,
-    ``kubernetes`` this many server pods; ``external`` takes them from ``endpoints``. Rollouts and evaluation spread
-    over them; every weight push goes to each replica and is verified on each. 1: one server, no router."""
-    endpoints: list[str] | None = None
-    """Provider ``external`` with several replicas: the base URL of each vLLM server you run (weight pushes reach
-    each directly; requests go through ``router.endpoint``, or a router the pipeline starts)."""
-    router: RouterConfig = RouterConfig()
-    """The router in front of the replicas (``replicas`` > 1 or ``endpoints``)."""
-    host: str = "127.0.0.1"
-    """Interface the local vLLM server (and the router the pipeline starts) binds to. Keep loopback unless the trainer
-    runs elsewhere; another address needs ``remote_access: true``."""
-    remote_access: bool = False
-    """Declare that a non-loopback ``host`` is meant: the servers then answer every machine that reaches that
-    interface (the run's token still guards each route but ``/health``, and travels in plain HTTP)."""
-    allow_unauthenticated: bool = False
-    """Provider ``external``: accept a server (or replica) that answers its control routes without the run's token.
-    Refused by default: whoever reaches such a server can load weights into it and choose the answers evaluation
-    scores. Start it with ``--middleware grpo_steps.servers.auth.RunTokenMiddleware`` and ``GRPO_SERVER_TOKEN``
-    instead; set this only for a server nobody else can reach."""
-    port: int = Field(0, ge=0, le=65535)
-    """Port of the local server; 0 picks a free one."""
-    startup_timeout_s: float = Field(600.0, gt=0)
-    """Seconds to wait for ``/health`` before failing (with the server's log tail for ``local``)."""
-    kv_cache_gib: int = Field(2, ge=1)
-    """KV-cache size of the CPU backend (``VLLM_CPU_KVCACHE_SPACE``), GiB."""
-    enforce_eager: bool = True
-    """Start with ``-O0`` (no compilation): 36-66 s instead of minutes on CPU."""
-    extra_args: list[str] = Field(default_factory=list)
-    """More ``vllm serve`` arguments, passed as is."""
-    orphan_grace_s: float = Field(60.0, gt=0)
-    """The server stops itself this many seconds after the flow process that owns it is gone."""
-    tensor_parallel_size: int = Field(1, ge=1)
-    """GPUs one vLLM replica shards the model over (``--tensor-parallel-size``); 1 on CPU."""
-    gpus: list[int] | None = None
-    """Provider ``local`` on a GPU machine (docs/gpu.md): the GPU indices (``nvidia-smi``'s) the server runs on, its
-    ``CUDA_VISIBLE_DEVICES``; the training processes get the machine's other GPUs, or share these when none is left
-    (one GPU: set ``gpu_memory_utilization``). null: vLLM's default device, the trainer's own choice. ``start``
-    refuses it without a GPU."""
-    gpu_memory_utilization: float | None = Field(None, gt=0, lt=1)
-    """Provider ``local`` on a GPU machine: the fraction of each of the server's GPUs it takes for weights,
-    activations and KV cache (``--gpu-memory-utilization``); null: vLLM's 0.9. On a GPU it shares with training,
-    ``start`` checks that the trainer fits in the rest (docs/gpu.md)."""
-    cpu_cores: list[int] | list[list[int]] | None = None
-    """Provider ``local`` on CPU: the cores the server runs on (its supervisor sets the affinity of the whole server,
-    every process and thread of it, a thread per core), e.g. ``[0]``; with several replicas a list per replica
-    (``[[0], [1]]``) or one list split evenly among them; null: every core of the flow's process (split evenly among
-    the replicas). With ``generation.async``, give the server and the trainer (``train.cpu_cores``) cores of their
-    own, as disaggregated GPUs are: see docs/benchmarks.md "Asynchronous GRPO" for the layouts measured."""
-
-    @field_validator("cpu_cores")
-    @classmethod
-    def _cores_distinct(cls, value: list[int] | list[list[int]] | None) -> list[int] | list[list[int]] | None:
-        if value and isinstance(value[0], list):
-            distinct_cores([c for cores in value for c in cores], "generation.server.cpu_cores")
-            if any(not cores for cores in value):
-                raise ValueError(f"generation.server.cpu_cores {value}: every replica needs at least one core")
-            return value
-        return distinct_cores(value, "generation.server.cpu_cores")
-
-    @field_validator("endpoints")
-    @classmethod
-    def _endpoints_are_urls(cls, value: list[str] | None) -> list[str] | None:
-        if value is None:
-            return None
-        urls = [_base_url(url, f"generation.server.endpoints[{i}]") for i, url in enumerate(value)]
-        if len(urls) < 2 or len(set(urls)) != len(urls):
-            raise ValueError(f"generation.server.endpoints {urls} must list two or more distinct servers (one "
-                             "server: generation.server.endpoint)")
-        return urls
-
-    @model_validator(mode="after")
-    def _loopback_unless_declared(self) -> ServerConfig:
-        if not is_loopback(self.host) and not self.remote_access:
-            raise ValueError(f"generation.server.host {self.host!r} is not a loopback address: the local servers would "
-                             "answer every machine that reaches it, and the run's token would cross the network in "
-                             "plain HTTP; keep 127.0.0.1, or set generation.server.remote_access: true to mean it")
-        return self
-
-    @model_validator(mode="after")
-    def _replicas_agree(self) -> ServerConfig:
-        if self.endpoints is not None and self.replicas not in (1, len(self.endpoints)):
-            raise ValueError(f"generation.server.replicas ({self.replicas}) differs from the "
-                             f"{len(self.endpoints)} generation.server.endpoints: remove replicas (it is taken from "
-                             "the list) or list as many endpoints")
-        if self.endpoint is not None and self.endpoints is not None:
-            raise ValueError("generation.server.endpoint and generation.server.endpoints both set: one server takes "
-                             "endpoint; several take endpoints (and router.endpoint for a router you run)")
-        if isinstance(self.cpu_cores, list) and self.cpu_cores and isinstance(self.cpu_cores[0], list) \
-                and len(self.cpu_cores) != self.replica_count:
-            raise ValueError(f"generation.server.cpu_cores lists cores for {len(self.cpu_cores)} replicas, not "
-                             f"{self.replica_count} (generation.server.replicas): one list per replica, or one flat "
-                             "list split evenly")
-        return self
-
-    @property
-    def replica_count(self) -> int:
-        """How many generation replicas the run has (``endpoints`` when given, else ``replicas``)."""
-        return len(self.endpoints) if self.endpoints is not None else self.replicas
-
-    def replica_cores(self, available: list[int]) -> list[list[int] | None]:
-        """The cores of each replica: ``cpu_cores`` per replica, or that list (else ``available``, this process's
-        cores) split into ``replica_count`` contiguous, near-equal parts; ``[None]`` for one replica without
-        ``cpu_cores`` (every core of the flow's process).
-
-        >>> ServerConfig(replicas=2).replica_cores([0, 1, 2])
-        [[0, 1], [2]]
-        >>> ServerConfig(replicas=2, cpu_cores=[[1], [0]]).replica_cores([0, 1])
-        [[1], [0]]
-
-        Raises:
-            ValueError: fewer cores than replicas (names the numbers and the keys to change).
-        """
-        cores = self.cpu_cores
-        if cores and isinstance(cores[0], list):
-            return [list(c) for c in cores]
-        n = self.replica_count
-        if n == 1:
-            return [list(cores) if cores else None]
-        pool = list(cores) if cores else sorted(available)
-        if len(pool) < n:
-            where = "generation.server.cpu_cores" if cores else "this machine's cores available to the flow"
-            raise ValueError(f"generation.server.replicas {n} needs at least one core per replica, but {where} "
-                             f"give {len(pool)} ({pool}): lower generation.server.replicas or give more cores")
-        size, extra = divmod(len(pool), n)
-        out, start = [], 0
-        for i in range(n):
-            end = start + size + (1 if i < extra else 0)
-            out.append(pool[start:end])
-            start = end
-        return out
-
-    @field_validator("endpoint")
-    @classmethod
-    def _endpoint_has_no_credentials(cls, value: str | None) -> str | None:
-        if value is not None and credential_in(value):
-            raise ValueError(f"generation.server.endpoint {redact(value)!r} holds credentials "
-                             f"({credential_in(value)}): remove them; the pipeline presents the server's token "
-                             "from the environment (GRPO_SERVER_TOKEN, or VLLM_API_KEY for a server started with "
-                             "vLLM's --api-key)")
-        return value
-
-    @field_validator("extra_args")
-    @classmethod
-    def _extra_args_hold_no_secret(cls, value: list[str]) -> list[str]:
-        secret = [arg.split("=", 1)[0] if is_secret_flag(arg) else f"argument {i} ({credential_in(arg)})"
-                  for i, arg in enumerate(value) if is_secret_flag(arg) or credential_in(arg)]  # never the value
-        if secret:
-            raise ValueError(f"generation.server.extra_args passes a secret inline ({', '.join(secret)}): "
-                             "command lines reach logs and MLflow; give vLLM its key as VLLM_API_KEY in the "
-                             "environment instead (a local server keeps the flow's VLLM_* variables)")
-        return value
-
-    @field_validator("endpoint")
-    @classmethod
-    def _http_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("http://", "https://")):
-            raise ValueError(f"generation.server.endpoint {value!r} must be a base URL such as http://127.0.0.1:8000")
-        return value.rstrip("/") if value else value
-
-
-MismatchMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
-
-
-MISMATCH_MODES: tuple[str, ...] = get_args(MismatchMode)
-"""TRL 1.16's ``GRPOConfig.vllm_importance_sampling_mode`` values (checked against TRL by the same test)."""
-
-
-class ImportanceSamplingConfig(_Section):
-    """Trainer–inference mismatch correction of sampled rollouts (TRL's ``vllm_importance_sampling_*``).
-
-    The sampler (vLLM) and the policy (the trainer) compute slightly different token probabilities (other
-    kernels, stale weights); the loss is reweighted by ``rho = pi_policy(token) / pi_sampler(token)`` (per
-    token, or its product over the completion per sequence), then truncated (clipped into
-    ``[clip_min, clip_max]``) or masked (0 outside). Source: TRL 1.16 ``GRPOTrainer._generate_and_score_completions``
-    and ``_compute_loss``; the truncated-IS scheme of Yao et al., "Your efficient RL framework secretly brings
-    you off-policy RL training" (2025). Applies to backend ``vllm`` (server or colocate); ``hf`` samples with
-    the policy itself and ``recorded`` has no sampling distribution, so neither is corrected."""
-
-    mode: MismatchMode | Literal["off"] = "sequence_mask"
-    """``{token,sequence}_{truncate,mask}``: ratio per token or per completion, clipped or masked; ``off``:
-    no correction and no ``sampling/*`` metrics. Default: TRL's (``sequence_mask``)."""
-    clip_max: float | None = Field(3.0, gt=0)
-    """Upper bound C_max of the ratio (TRL's ``vllm_importance_sampling_clip_max``, default 3.0); null: none."""
-    clip_min: float | None = Field(None, ge=0)
-    """Lower bound C_min of the ratio (TRL's ``vllm_importance_sampling_clip_min``); null: none."""
-
-    @model_validator(mode="after")
-    def _clip_min_below_clip_max(self) -> ImportanceSamplingConfig:
-        if self.clip_min is not None and self.clip_max is not None and self.clip_min >= self.clip_max:
-            raise ValueError(f"generation.importance_sampling.clip_min ({self.clip_min}) must be below clip_max "
-                             f"({self.clip_max})")
-        return self
-
-    @model_validator(mode="after")
-    def _truncation_has_a_bound(self) -> ImportanceSamplingConfig:
-        if self.mode.endswith("_truncate") and self.clip_min is None and self.clip_max is None:
-            raise ValueError(f"generation.importance_sampling.mode {self.mode!r} clips the ratio: set clip_max "
-                             "and/or clip_min")
-        return self
-
-    @property
-    def enabled(self) -> bool:
-        return self.mode != "off"
-
-
-class S3SyncConfig(_Section):
-    """Where and how ``weight_sync: s3`` publishes the weight versions: a chain of full anchors and checked sparse
-    deltas in S3 (:mod:`grpo_steps.weights.chain`), which every replica fetches and loads through vLLM's weight-update
-    protocol (:class:`grpo_steps.vllm_worker.WeightUpdateEngine`). Credentials come from the environment (``AWS_*``,
-    as boto3 reads it; on Kubernetes a Secret, ``resources.vllm.s3_secret_name``), never from this file."""
-
-    url: str | None = None
-    """``s3://bucket/prefix`` under which each run writes its versions (``<url>/<flow>/<run id>/``, removed when the
-    train step ends). Null: ``weight-sync/`` under the Metaflow S3 datastore's root (``METAFLOW_DATASTORE_SYSROOT_S3``,
-    which the flow then needs)."""
-    endpoint_url: str | None = None
-    """The S3 API's URL for an S3-compatible store (SeaweedFS, MinIO); null: ``METAFLOW_S3_ENDPOINT_URL`` when set,
-    else boto3's default (AWS, or ``AWS_ENDPOINT_URL_S3``). The trainer and every server reach it at this URL."""
-    anchor_every: int = Field(10, ge=1)
-    """A full anchor at least every this many versions, sparse deltas against the previous version in between (a
-    replica that joins late replays at most this many versions)."""
-
-    def location(self, environ: dict | None = None) -> tuple[str, str] | None:
-        """``(bucket, prefix)`` of :attr:`url`, or of the Metaflow datastore's root + ``/weight-sync`` when null; None
-        when neither is set. ``environ``: default ``os.environ``."""
-        import os
-
-        url = self.url
-        if url is None:
-            root = (os.environ if environ is None else environ).get("METAFLOW_DATASTORE_SYSROOT_S3")
-            url = root.rstrip("/") + "/weight-sync" if root else None
-        if url is None:
-            return None
-        bucket, _, prefix = url.removeprefix("s3://").partition("/")
-        return bucket, prefix.strip("/")
-
-    def endpoint(self, environ: dict | None = None) -> str | None:
-        """:attr:`endpoint_url`, else ``METAFLOW_S3_ENDPOINT_URL``, else None (boto3's own resolution)."""
-        import os
-
-        return self.endpoint_url or (os.environ if environ is None else environ).get("METAFLOW_S3_ENDPOINT_URL")
-
-    @field_validator("url")
-    @classmethod
-    def _s3_url(cls, value: str | None) -> str | None:
-        if value is not None and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?", value):
-            raise ValueError(f"{value!r} is not an s3://bucket/prefix URL")
-        return value
-
-
-class SyncCheckConfig(_Section):
-    """How the trainer verifies, after each weight push (``disk`` or ``s3`` sync), that the server serves the new
-    weights.
-
-    Every push gets a version (the optimizer step) recorded on the server (``/update_weight_version``)
-    and read back (``/weight_info``); a fixed probe sequence is then scored by the server
-    (``prompt_logprobs``), which must not answer it exactly as for an earlier push of other weights, and the
-    first rollout batch's mean |logp difference| is compared with ``max_logp_diff``. Where that comparison
-    cannot run (importance sampling off, or ``max_logp_diff: null``) the policy scores the probe too and the
-    two must agree within ``probe_tolerance``. A failed check stops training with ``GenerationServerError``."""
-
-    probe_tolerance: float | Literal["auto"] = "auto"
-    """Mean |server logp - policy logp| over the probe's tokens (nats per token) above which the server is
-    taken to serve other weights than the version just pushed (checked when the first batch is not). ``auto``:
-    1e-3 when ``model.dtype`` is float32 (measured kernel noise 1e-8..1e-5), 0.05 for 16-bit weights."""
-    max_logp_diff: float | Literal["auto"] | None = "auto"
-    """Largest mean |sampling logp - policy logp| (nats per token) of the first batch after a push
-    (TRL's ``sampling/sampling_logp_difference/mean``); null: not checked. Needs importance sampling on.
-    ``auto``: 1e-3 for float32 (measured 4e-7..2e-5; a stale tied LM head gave 5e-3), 0.5 for 16-bit."""
-
-    @field_validator("probe_tolerance", "max_logp_diff")
-    @classmethod
-    def _positive(cls, value: Any) -> Any:
-        if isinstance(value, float | int) and value <= 0:
-            raise ValueError("must be > 0 (or 'auto')")
-        return value
-
-    def thresholds(self, dtype: str) -> tuple[float, float | None]:
-        """(probe tolerance, first-batch limit) in nats per token for a policy served in ``dtype``."""
-        exact = dtype == "float32"
-        probe = (1e-3 if exact else 0.05) if self.probe_tolerance == "auto" else self.probe_tolerance
-        first = (1e-3 if exact else 0.5) if self.max_logp_diff == "auto" else self.max_logp_diff
-        return float(probe), None if first is None else float(first)
+from grpo_steps.config.base import _Section
+from grpo_steps.config.serving import ServerConfig
+from grpo_steps.config.weight_sync import ImportanceSamplingConfig, S3SyncConfig, SyncCheckConfig
 
 
 class StructuredOutputsConfig(_Section):
@@ -451,6 +100,7 @@ def prefetch_depth(max_staleness: int, steps_per_batch: float, weight_sync_every
     >>> prefetch_depth(1, 1, 1), prefetch_depth(2, 1, 1), prefetch_depth(2, 1, 2), prefetch_depth(1, 2, 1)
     (1, 2, 1, 0)
     """
+    # the staleness left once the weights' own lag between pushes is spent, in whole batches
     return int((max_staleness - (weight_sync_every - 1)) // steps_per_batch)
 
 
@@ -459,6 +109,7 @@ CONSTRAINTS = ("stop", "stop_token_ids", "structured_outputs")
 
 
 class GenerationConfig(_Section):
+    # `async` is a Python keyword: the field is async_, read and written as `async` (its alias) in YAML
     model_config = ConfigDict(validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
 
     backend: Literal["vllm", "hf", "recorded"] = "vllm"
@@ -552,9 +203,9 @@ class GenerationConfig(_Section):
     @field_validator("async_", mode="before")
     @classmethod
     def _async_true_is_defaults(cls, value: Any) -> Any:
-        if value is True:
+        if value is True:  # `async: true`: on, with AsyncConfig's defaults
             return {}
-        return None if value is False else value
+        return None if value is False else value  # `async: false` is off, as null is
 
     @model_validator(mode="after")
     def _async_on_the_server_path(self) -> GenerationConfig:
@@ -617,6 +268,7 @@ class GenerationConfig(_Section):
     def _sampling_keys_on_the_backend(self) -> GenerationConfig:
         if self.backend == "recorded":
             fields = type(self).model_fields
+            # a key differs from its default (call_default_factory: stop and stop_token_ids default to a new [])
             changed = [key for key in ("temperature", *SAMPLING_FILTERS, *CONSTRAINTS)
                        if getattr(self, key) != fields[key].get_default(call_default_factory=True)]
             if changed:
@@ -644,6 +296,7 @@ class GenerationConfig(_Section):
         >>> GenerationConfig(structured_outputs={"choice": ["yes", "no"]}).sampling_request(filters=False)
         {'structured_outputs': {'choice': ['yes', 'no']}}
         """
+        # neutral values sent too: a filter left out takes the model's generation_config.json value on the server
         out: dict[str, Any] = {key: getattr(self, key) for key in SAMPLING_FILTERS} if filters else {}
         if self.stop:
             out["stop"] = list(self.stop)
@@ -662,10 +315,11 @@ class GenerationConfig(_Section):
     @property
     def reshapes_sampling(self) -> bool:
         """Whether a sampling filter makes vLLM sample from another distribution than the temperature-scaled
-        policy's, one the trainer can replay from the policy's logits (``top_k``, ``top_p``, ``min_p``,
+        policy's, one the trainer can re-apply on the policy's logits (``top_k``, ``top_p``, ``min_p``,
         ``repetition_penalty``; not structured outputs, whose grammar state is the server's): the mismatch
         correction then puts the sampler's logprobs on the policy's support first
         (:func:`grpo_steps.training.correction.on_policy_support`)."""
+        # each filter away from its neutral value (top_p 1, top_k 0, min_p 0, repetition_penalty 1: vLLM's no-ops)
         return self.top_p < 1 or self.top_k > 0 or self.min_p > 0 or self.repetition_penalty != 1
 
     @model_validator(mode="after")
@@ -676,7 +330,7 @@ class GenerationConfig(_Section):
                 "whose mismatch correction compares vLLM's logprobs over the tokens top_k / top_p / min_p keep (and "
                 "after repetition_penalty, or that structured_outputs allows) with the policy's over the whole "
                 "vocabulary: every ratio carries the kept mass (trl #6789), not a mismatch. Use mode 'server' with "
-                "weight_sync 'disk' or 's3' (the pipeline replays the filters and the grammar on the policy's "
+                "weight_sync 'disk' or 's3' (the pipeline re-applies the filters and the grammar on the policy's "
                 "logits), or set generation.importance_sampling.mode: off, or drop the filters (top_k 0, top_p 1, "
                 "min_p 0, repetition_penalty 1, no structured_outputs)")
         return self

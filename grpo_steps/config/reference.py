@@ -453,7 +453,9 @@ def render(root: type[BaseModel] = PipelineConfig) -> str:
 def _field_entry(dotted: str, info: FieldInfo, description: str | None, section_keys: set[str],
                  rules_: list[Rule]) -> list[str]:
     subsection = next((key for key in (dotted, dotted + "[]") if key in section_keys), None)
-    default = "the section's defaults" if subsection == dotted and info.default_factory is None \
+    # a section defaulting to an instance of its model is that model's defaults; one defaulting to None (``async``,
+    # ``train.peft``: off until set) or required shows that value, as any other field does
+    default = "the section's defaults" if subsection == dotted and isinstance(info.default, BaseModel) \
         else f"`{default_text(info)}`"
     facts = [f"`{type_name(info.annotation)}`", *bounds(info), f"default {default}"]
     lines = [f"### `{dotted}`", "", " · ".join(facts), ""]

@@ -34,31 +34,48 @@ def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: d
     ``"measured"`` says where it was measured (``"training step N"`` or ``"evaluate"``), also the run's tags
     ``eval.baseline.measured`` and ``eval.trained.measured``.
     """
-
-    from transformers import AutoConfig
-
     from grpo_steps import servers, tracking
     from grpo_steps.models import load_tokenizer
 
     generation_server = servers.from_dict(server)
-    # sampled ids past the policy's vocabulary are a lying (or hijacked) server's: refused by the client
-    vocab_size = getattr(AutoConfig.from_pretrained(base_model), "vocab_size", None)
-    client = dataclasses.replace(generation_server.client(), vocab_size=vocab_size)
+    client = _vocabulary_checked(generation_server.client(), base_model)
     tokenizer = load_tokenizer(base_model, cfg.model.chat_template)
     report = {}
     for label, weights in (("baseline", base_model), ("trained", trained_model)):
         with served_policy(cfg, generation_server, client, weights, label, weight_store):
             client.check_weight_version(served_label(label))  # a replica restarted since the reload fails here
-            earlier = (measured or {}).get(label)
-            if same_weights_as(cfg, client, tokenizer, eval_rows, earlier, label):
-                report[label] = {**earlier, "measured": f"training step {earlier['step']}"}
-            else:
-                report[label] = {**evaluate_policy(cfg, client, tokenizer, eval_rows, label=label),
-                                 "measured": "evaluate"}
+            report[label] = _measure(cfg, client, tokenizer, eval_rows, (measured or {}).get(label), label)
             client.check_weight_version(served_label(label))  # ... or while it answered: its answers are not kept
         # once: after `resume` of a flow killed mid-evaluation the baseline's metrics are in the run already
         tracking.log_metrics_once(cfg, run_id, {f"eval/{label}/{k}": v for k, v in report[label]["metrics"].items()})
     report["gain"] = gain_metrics(report["baseline"]["per_prompt"], report["trained"]["per_prompt"])
+    _record(cfg, run_id, report)
+    return report
+
+
+def _vocabulary_checked(client, base_model: str):
+    """``client`` refusing sampled ids past the policy's vocabulary (``base_model``'s ``vocab_size``): a lying (or
+    hijacked) server's."""
+    from transformers import AutoConfig
+
+    return dataclasses.replace(client, vocab_size=getattr(AutoConfig.from_pretrained(base_model), "vocab_size", None))
+
+
+def _measure(cfg: PipelineConfig, client, tokenizer, rows: list[dict], earlier: dict | None, label: str) -> dict:
+    """``label``'s evaluation of ``rows`` with the weights the server holds: ``earlier`` (made during training) when
+    it evaluated the same weights (:func:`same_weights_as`), else measured now; ``"measured"`` says where."""
+    if same_weights_as(cfg, client, tokenizer, rows, earlier, label):
+        return {**earlier, "measured": f"training step {earlier['step']}"}
+    return {**evaluate_policy(cfg, client, tokenizer, rows, label=label), "measured": "evaluate"}
+
+
+def _record(cfg: PipelineConfig, run_id: str, report: dict) -> None:
+    """The comparison's gain metrics (``eval/gain/...``), tags, traces and sample tables on the MLflow run
+    ``run_id``, each once (a retried or resumed step finds them there): where each evaluation was made
+    (``eval.<label>.measured``), the episodes' traces (:func:`grpo_steps.evaluation.traces.log_traces`, tagged
+    ``eval.traced.<label>``) and ``eval/<label>_samples.json`` (text cells redacted)."""
+    from grpo_steps import tracking
+
     tracking.log_metrics_once(cfg, run_id, {f"eval/gain/{k}": v for k, v in report["gain"].items()})
     # where each evaluation was made: the numbers of one taken from training are its curve point's
     tracking.set_tags(cfg, run_id, {f"eval.{label}.measured": report[label]["measured"]
@@ -77,7 +94,6 @@ def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: d
         if samples and path not in logged:  # MLflow appends to an existing table: a retried step logs it once
             table = {key: [s[key] for s in samples] for key in samples[0]}
             tracking.log_table(mlflow_client, run_id, table, path)  # text cells redacted
-    return report
 
 
 def same_weights_as(cfg: PipelineConfig, client, tokenizer, rows: list[dict], earlier: dict | None,
@@ -87,7 +103,7 @@ def same_weights_as(cfg: PipelineConfig, client, tokenizer, rows: list[dict], ea
     prompts, and the greedy completion of the first one (its probe) sampled again as long and with logprobs within
     ``generation.sync_check``'s probe tolerance (mean |difference|, nats per token).
     Prints which it is (``[eval <label>] ...``)."""
-    from grpo_steps.evaluation.episodes import Rollouts
+    from grpo_steps.evaluation.episodes import EpisodeSampler
 
     if earlier is None:
         return False
@@ -95,7 +111,7 @@ def same_weights_as(cfg: PipelineConfig, client, tokenizer, rows: list[dict], ea
     if earlier.get("prompt_keys") != [prompt_key(row["prompt"]) for row in rows]:
         print(f"[eval {label}] {at} has other prompts: measuring the {label} policy", flush=True)
         return False
-    probe = Rollouts(cfg, client, tokenizer).sample(rows[:1], 1, temperature=0.0, filters=False)[0][0]
+    probe = EpisodeSampler(cfg, client, tokenizer).sample(rows[:1], 1, temperature=0.0, filters=False)[0][0]
     tolerance, _ = cfg.generation.sync_check.thresholds(cfg.model.dtype)
     before = earlier["probe_logprobs"]
     gap = (sum(abs(a - b) for a, b in zip(probe.first_logprobs, before, strict=True)) / max(len(before), 1)

@@ -58,8 +58,8 @@ def rendering_template(tokenizer, multi_turn: bool) -> str | None:
     return None if is_chat_template_prefix_preserving(tokenizer) else get_training_chat_template(tokenizer)
 
 
-class Rollouts:
-    """Rollouts of the weights the server holds for evaluation: :meth:`sample` gives ``n`` episodes per row.
+class EpisodeSampler:
+    """Samples episodes of the weights the server holds for evaluation: :meth:`sample` gives ``n`` per row.
 
     Args:
         cfg: the run config (``generation``: sampling, tools' limits; ``tools``; ``environment``).

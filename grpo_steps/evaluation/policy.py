@@ -24,26 +24,26 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
     guard's counts stay those of the whole evaluation), so one evaluation serves a curve on a subset and a full
     baseline (:mod:`grpo_steps.training.eval_during` at step 0).
     """
-    from grpo_steps.evaluation.episodes import Rollouts, conversation
+    from grpo_steps.evaluation.episodes import EpisodeSampler, conversation
 
-    rollouts = Rollouts(cfg, client, tokenizer)
-    sampled, greedy = sample(cfg, rollouts, rows, label)
-    scores = score_evaluation(cfg, rows, sampled, greedy, rollouts.multi_turn)
+    sampler = EpisodeSampler(cfg, client, tokenizer)
+    sampled, greedy = sample(cfg, sampler, rows, label)
+    scores = score_evaluation(cfg, rows, sampled, greedy, sampler.multi_turn)
     lengths = [[e.model_tokens for e in group] for group in sampled]
 
     def summary(keep: list[int]) -> dict[str, float]:
-        return summarise(cfg, rows, scores, lengths, keep, episodes=(sampled, greedy) if rollouts.multi_turn else None)
+        return summarise(cfg, rows, scores, lengths, keep, episodes=(sampled, greedy) if sampler.multi_turn else None)
 
     samples = [{"question": row["prompt"][-1]["content"], "answer": row.get("answer"),
-                "completion": conversation(sampled[i][0].messages) if rollouts.multi_turn else sampled[i][0].text,
+                "completion": conversation(sampled[i][0].messages) if sampler.multi_turn else sampled[i][0].text,
                 **{name: scores.sampled[name][i][0] for name in scores.sampled}}
                for i, row in enumerate(rows[: cfg.eval.num_table_rows])]
     result = {"metrics": summary(list(range(len(rows)))), "samples": samples,
               # a fingerprint of the weights the server holds: greedy logprobs of the first prompt's completion
               "probe_logprobs": greedy[0][0].first_logprobs,
-              "per_prompt": per_prompt(cfg, scores, greedy if rollouts.multi_turn else None),
+              "per_prompt": per_prompt(cfg, scores, greedy if sampler.multi_turn else None),
               "prompt_keys": [prompt_key(row["prompt"]) for row in rows]}
-    if rollouts.multi_turn:  # a sample of episodes, turn by turn, for MLflow's traces (while the environments live)
+    if sampler.multi_turn:  # a sample of episodes, turn by turn, for MLflow's traces (while the environments live)
         from grpo_steps.evaluation.traces import episode_traces
 
         result["traces"] = episode_traces(cfg, rows, sampled)
@@ -52,15 +52,15 @@ def evaluate_policy(cfg: PipelineConfig, client, tokenizer, rows: list[dict], la
     return result
 
 
-def sample(cfg: PipelineConfig, rollouts, rows: list[dict], label: str) -> tuple[list[list], list[list]]:
-    """``eval.num_samples`` episodes per row at ``eval.temperature`` and one greedy episode per row, in chunks of rows
-    with a progress line (``[eval <label>] done/total prompts rate eta``) as each chunk is answered. Single-turn: every
-    request at the server at once (:meth:`grpo_steps.evaluation.episodes.Rollouts.sample_together`). Multi-turn: chunk
-    after chunk, each chunk's episodes reset, played to their end and closed before the next chunk's start, so an
-    episode's wall clock (``generation.episode_timeout_s``, from its reset) counts its own turns, not the turns of
-    every other episode of the evaluation (all at once, configs/game.yaml's 320 episodes took 792 s and 192 of the
-    256 sampled ones ran past their 300 s: scored failed, 2026-12-06). Returns ``(sampled, greedy)``: P lists of N
-    episodes, P lists of 1."""
+def sample(cfg: PipelineConfig, sampler, rows: list[dict], label: str) -> tuple[list[list], list[list]]:
+    """``eval.num_samples`` episodes per row at ``eval.temperature`` and one greedy episode per row from ``sampler`` (an
+    :class:`~grpo_steps.evaluation.episodes.EpisodeSampler`), in chunks of rows with a progress line (``[eval <label>]
+    done/total prompts rate eta``) as each chunk is answered. Single-turn: every request at the server at once
+    (:meth:`~grpo_steps.evaluation.episodes.EpisodeSampler.sample_together`). Multi-turn: chunk after chunk, each
+    chunk's episodes reset, played to their end and closed before the next chunk's start, so an episode's wall clock
+    (``generation.episode_timeout_s``, from its reset) counts its own turns, not the turns of every other episode of
+    the evaluation (all at once, configs/game.yaml's 320 episodes took 792 s and 192 of the 256 sampled ones ran past
+    their 300 s: scored failed, 2026-12-06). Returns ``(sampled, greedy)``: P lists of N episodes, P lists of 1."""
     from grpo_steps.monitor import Progress
 
     n = cfg.eval.num_samples
@@ -79,17 +79,17 @@ def sample(cfg: PipelineConfig, rollouts, rows: list[dict], label: str) -> tuple
 
     requests = [request for chunk in chunks for request in (
         (chunk, n, cfg.eval.temperature, True), (chunk, 1, 0.0, False))]
-    if rollouts.multi_turn:
+    if sampler.multi_turn:
         print(f"[eval {label}] {len(rows)} prompts x {n} sampled + 1 greedy episodes, in {len(chunks)} chunks played "
               "one after another: a line as each chunk ends", flush=True)
         results = []
         for i in range(len(chunks)):
-            results += rollouts.sample_together(requests[2 * i:2 * i + 2])
+            results += sampler.sample_together(requests[2 * i:2 * i + 2])
             progress.update(len(chunks[i]))
     else:
         print(f"[eval {label}] {len(rows)} prompts x {n} sampled + 1 greedy completions requested at once, in "
               f"{len(chunks)} chunks: a line as each chunk is answered", flush=True)
-        results = rollouts.sample_together(requests, on_first_turn=answered)
+        results = sampler.sample_together(requests, on_first_turn=answered)
     return ([group for result in results[0::2] for group in result],
             [group for result in results[1::2] for group in result])
 

@@ -89,12 +89,7 @@ def version_description(cfg: PipelineConfig, report: dict, *, run_url: str, run_
         "",
         f"**Quality gate**: {gate_reason}.",
     ]
-    tasks = sorted({key.split("/")[1] for key in trained if key.startswith("task/")})
-    if tasks:
-        lines += ["", "| task | baseline pass@1 | trained pass@1 |", "|---|---:|---:|"]
-        base = report["baseline"]["metrics"]
-        lines += [f"| {t} | {_cell(base.get(f'task/{t}/pass@1'))} | {_cell(trained.get(f'task/{t}/pass@1'))} |"
-                  for t in tasks]
+    lines += _task_table(report["baseline"]["metrics"], trained)
     if lineage:
         lines += ["", f"**Weights through S3** (`generation.weight_sync: s3`): the servers last loaded version "
                   f"{lineage['version']} in training (anchor {lineage['anchor']} + {lineage['deltas']} deltas, "
@@ -109,6 +104,17 @@ def version_description(cfg: PipelineConfig, report: dict, *, run_url: str, run_
     ]
     return redact("\n".join(lines))
 
+
+
+def _task_table(base: dict[str, float], trained: dict[str, float]) -> list[str]:
+    """Markdown lines of a mixture's per-task pass@1 (``task/<name>/pass@1`` in the baseline's and the trained
+    policy's metrics), after a blank line; none without per-task metrics."""
+    tasks = sorted({key.split("/")[1] for key in trained if key.startswith("task/")})
+    if not tasks:
+        return []
+    return ["", "| task | baseline pass@1 | trained pass@1 |", "|---|---:|---:|",
+            *(f"| {t} | {_cell(base.get(f'task/{t}/pass@1'))} | {_cell(trained.get(f'task/{t}/pass@1'))} |"
+              for t in tasks)]
 
 def task_text(cfg: PipelineConfig) -> str:
     """The run's task in a few words: ``reasoning_gym:<task>``, ``<source> <path>``, or the mixture's parts."""

@@ -109,7 +109,7 @@ def plain_http_to_another_host(endpoint: str) -> bool:
     ...                                          "https://gpu.example.com", "http://gpu.example.com:8000")]
     [False, False, False, True]
     """
-    from grpo_steps.config.generation import is_loopback
+    from grpo_steps.config.serving import is_loopback
 
     parts = urllib.parse.urlsplit(endpoint)
     host = parts.hostname or ""

@@ -20,6 +20,8 @@ TRL's loss reads ``importance_sampling_ratio``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from grpo_steps.training.zero_signal.plan import importance_weights
@@ -48,14 +50,14 @@ def on_policy_support(model, gen, prompt_ids: list[list[int]], completion_ids: l
     """The sampler's logprobs of a generation round put on the support TRL scores the policy on, for rollouts
     sampled with truncating or reshaping filters (``generation.top_k`` / ``top_p`` / ``min_p`` /
     ``repetition_penalty``, :attr:`grpo_steps.config.GenerationConfig.reshapes_sampling`) or under a grammar
-    (``generation.structured_outputs``: ``grammar``, a :class:`grpo_steps.training.grammar.GrammarReplay`, replayed
+    (``generation.structured_outputs``: ``grammar``, a :class:`grpo_steps.training.grammar.GrammarMask`, re-applied
     turn by turn: the tools' answers between turns are no policy tokens).
 
     vLLM returns each token's logprob under the distribution it sampled from (processed logprobs: renormalised over
     the tokens the filters keep), TRL the policy's over the whole vocabulary at the temperature, so without this the
     ratio exp(policy - sampler) carries the kept mass S of every position (its mean is S: trl #6789, 0.986 at top-k
     50 and 0.602 at top-p 0.8 in make run's task, docs/benchmarks.md). Each policy token's sampler logprob gets
-    :func:`grpo_steps.training.sampling.support_shifts` added (log pi_T - log q_pi, the filters replayed on the
+    :func:`grpo_steps.training.sampling.support_shifts` added (log pi_T - log q_pi, the filters re-applied on the
     policy's logits), so the correction weighs q_pi / q_sampler, which is 1 where the sampler holds the policy's
     weights, and TRL's off-policy mask and ``sampling/*`` metrics read the same shifted values.
 
@@ -95,6 +97,23 @@ def on_policy_support(model, gen, prompt_ids: list[list[int]], completion_ids: l
                     row.append(lp)
             shifted.append(row)
     return shifted, shifts
+
+
+def reapply_filters(model, gen, result: tuple, group: int, grammar, log: Callable[[str, float], None]) -> tuple:
+    """TRL's ``_generate`` output ``result`` (prompt ids, completion ids, tool mask, ..., the sampler's logprobs
+    fifth) with the sampler's logprobs put on the policy's support (:func:`on_policy_support`: the filters, and
+    ``grammar``'s mask, re-applied on ``model``'s logits). Logs (``log(name, value)``) the mean shift
+    ``sampling/support_log_mass/mean`` and, with a grammar, ``sampling/grammar_diverged_turns``: the turns its mask
+    could not follow (a server with another grammar backend), counted since the last round."""
+    prompt_ids, completion_ids, tool_mask, _, sampling_logps, *_ = result
+    shifted, shifts = on_policy_support(model, gen, prompt_ids, completion_ids, tool_mask, sampling_logps, group,
+                                        grammar)
+    if shifts:
+        log("sampling/support_log_mass/mean", sum(shifts) / len(shifts))
+    if grammar is not None:
+        log("sampling/grammar_diverged_turns", float(grammar.diverged))
+        grammar.diverged = 0
+    return (*result[:4], shifted, *result[5:])
 
 
 REPLICA_ROWS = "sampling_replica"
@@ -138,6 +157,22 @@ class ReplicaMismatch:
         return {f"sampling/replica{i}/sampling_logp_difference/mean": sums[i] / counts[i]
                 for i in range(self.replicas) if counts[i]}
 
+
+
+def attribute_replicas(output: dict, rows: torch.Tensor, mismatch: ReplicaMismatch, carried: bool,
+                       accelerator) -> dict[str, float]:
+    """Which replica sampled each row of the generation batch ``output`` (``rows`` (B,) int64, -1: not known). With
+    ``carried`` (the loss weighs the correction: :class:`LossSideCorrection`) the rows go with the batch into the loss
+    under :data:`REPLICA_ROWS`, which weighs the mismatch per replica, and nothing is returned; on TRL's own path the
+    per-replica mismatch of TRL's scoring pass is counted and returned now (:meth:`ReplicaMismatch.metrics`: a
+    collective, every process calls it)."""
+    if carried:
+        output[REPLICA_ROWS] = rows
+        return {}
+    if "old_per_token_logps" not in output or "sampling_per_token_logps" not in output:
+        return {}
+    mismatch.add(output, output["old_per_token_logps"], rows)
+    return mismatch.metrics(accelerator)
 
 class LossSideCorrection:
     """The mismatch weights and TRL's ``sampling/*`` metrics of a generation batch, micro-batch by micro-batch.

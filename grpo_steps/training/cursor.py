@@ -157,3 +157,30 @@ def log_batch(output_dir: str | os.PathLike, step: int, epoch: int, ids: list[st
     """Append a training generation batch's prompt ids to :data:`PROMPTS_LOG` (main process)."""
     with open(Path(output_dir) / PROMPTS_LOG, "a") as log:
         log.write(json.dumps({"step": step, "epoch": epoch, "ids": ids}) + "\n")
+
+
+def resume_skip_positions(positions_per_epoch: int, rows: int, accumulation: int, global_step: int) -> int:
+    """Sampler indices transformers' ``Trainer`` skips on resume (``_init_training_state``: the optimizer steps of
+    the resumed epoch, in micro-batches, each ``rows`` = ``generation_batch_size`` rows over all processes;
+    ``accumulation``: ``gradient_accumulation_steps``; ``global_step``: the optimizer steps the checkpoint trained).
+
+    >>> resume_skip_positions(16, 2, 2, 5)  # 8 micro-batches = 4 optimizer steps an epoch; step 5 is the 2nd of one
+    4
+    """
+    micro_batches = positions_per_epoch // rows
+    per_epoch = max(micro_batches // accumulation + int(micro_batches % accumulation > 0), 1)
+    return (global_step % per_epoch) * accumulation * rows
+
+
+def record_prompts(cursor: PromptCursor, inputs: list[dict], output_dir: str | os.PathLike, step: int,
+                   main_process: bool) -> None:
+    """Consume a training generation batch's prompts (``inputs``: this process's rows) on ``cursor``, every
+    process's gathered (a collective: every process calls it), and log their ids at optimizer step ``step`` into
+    ``output_dir`` (:func:`log_batch`, ``main_process`` only)."""
+    from accelerate.utils import gather_object
+
+    ids = list(dict.fromkeys(gather_object(list(dict.fromkeys(prompt_id(x["prompt"]) for x in inputs)))))
+    epoch = cursor.epoch
+    cursor.consume(ids)
+    if main_process:
+        log_batch(output_dir, step, epoch, ids)

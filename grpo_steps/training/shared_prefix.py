@@ -143,3 +143,17 @@ def _copy_of_layers(cache):
     view = copy.copy(cache)
     view.layers = [copy.copy(layer) for layer in cache.layers]
     return view
+
+
+def chunked_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                                batch_size: int | None, compute_entropy: bool
+                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`logps_and_entropies` of ``input_ids`` (B, P + C) in TRL's chunks of ``batch_size`` rows (None: one
+    chunk), scored one after the other as TRL's per-token scoring does: ``(logps (B, C), entropies (B, C) or None
+    without compute_entropy)``."""
+    batch_size = batch_size or input_ids.size(0)
+    scored = [logps_and_entropies(model, input_ids[start:start + batch_size], attention_mask[start:start + batch_size],
+                                  logits_to_keep)
+              for start in range(0, input_ids.size(0), batch_size)]
+    entropies = torch.cat([e for _, e in scored]) if compute_entropy else None
+    return torch.cat([logps for logps, _ in scored]), entropies

@@ -30,15 +30,15 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 from trl import GRPOTrainer
 
 from grpo_steps import trl_hooks
 from grpo_steps.training import correction, shared_prefix, turn_credit
-from grpo_steps.training.cursor import CursorSampler, PromptCursor, log_batch, prompt_id
+from grpo_steps.training.cursor import CursorSampler, PromptCursor, record_prompts, resume_skip_positions
 from grpo_steps.training.generation.episodes_ahead import EpisodesAhead, close_all
+from grpo_steps.training.generation.prefetch import prompt_stream
 from grpo_steps.training.generation.server import PolicyView, ServerGeneration, ServerSettings
-from grpo_steps.training.grammar import GrammarReplay
+from grpo_steps.training.grammar import GrammarMask
 from grpo_steps.training.zero_signal import ZeroSignalMode
 
 
@@ -69,30 +69,13 @@ class PipelineGRPOTrainer(GRPOTrainer):
         base = super()._get_train_sampler(dataset)
         if self.prompt_cursor is None or (dataset is not None and dataset is not self.train_dataset):
             return base
-        return CursorSampler(base, self.prompt_cursor, partial(self._resume_skip_positions, len(base)))
-
-    def _resume_skip_positions(self, positions_per_epoch: int) -> int:
-        """Sampler indices transformers' ``Trainer`` skips on resume (``_init_training_state``: the optimizer steps of
-        the resumed epoch, in micro-batches, each ``generation_batch_size`` rows over all processes)."""
-        rows, accumulation = self.args.generation_batch_size, self.args.gradient_accumulation_steps
-        micro_batches = positions_per_epoch // rows
-        per_epoch = max(micro_batches // accumulation + int(micro_batches % accumulation > 0), 1)
-        return (self.state.global_step % per_epoch) * accumulation * rows
-
-    def record_prompts(self, inputs: list[dict]) -> None:
-        """Consume a training generation batch's prompts on the cursor (every process's, gathered: collective) and
-        log their ids (main process)."""
-        from accelerate.utils import gather_object
-
-        ids = list(dict.fromkeys(gather_object(list(dict.fromkeys(prompt_id(x["prompt"]) for x in inputs)))))
-        epoch = self.prompt_cursor.epoch
-        self.prompt_cursor.consume(ids)
-        if self.accelerator.is_main_process:
-            log_batch(self.args.output_dir, self.state.global_step + 1, epoch, ids)
+        return CursorSampler(base, self.prompt_cursor, lambda: resume_skip_positions(
+            len(base), self.args.generation_batch_size, self.args.gradient_accumulation_steps, self.state.global_step))
 
     def _generate_and_score_completions(self, inputs):
-        if self.prompt_cursor is not None and self.model.training:
-            self.record_prompts(inputs)
+        if self.prompt_cursor is not None and self.model.training:  # collective: every process's prompts gathered
+            record_prompts(self.prompt_cursor, inputs, self.args.output_dir, self.state.global_step + 1,
+                           self.accelerator.is_main_process)
         # the zero-signal modes act on training batches only: an evaluation round is TRL's own
         output = self.zero_signal.generate(self, inputs) if self.model.training else self.generate_round(inputs)
         self.sampled_version = self._sampled_version()
@@ -113,11 +96,9 @@ class PipelineGRPOTrainer(GRPOTrainer):
             output["advantages"] = turn_credit.fold(output["advantages"], output["tool_mask"],
                                                     output["completion_mask"], self._turn_rewards,
                                                     self.num_generations, self.turn_credit)
-        if self.tools:  # TRL logs calls and failures per episode; the assistant turns too (as evaluation does)
-            episodes = [c for c in trl_hooks.logged_batch(self)["completion"] if isinstance(c, list)]
-            turns = [sum(m.get("role") == "assistant" for m in c) for c in episodes]
-            if turns:
-                trl_hooks.log_metric(self, "tools/turns_per_episode", sum(turns) / len(turns))
+        turns = turn_credit.turns_per_episode(trl_hooks.logged_batch(self)["completion"]) if self.tools else None
+        if turns is not None:  # TRL logs calls and failures per episode; the assistant turns too (as evaluation does)
+            trl_hooks.log_metric(self, "tools/turns_per_episode", turns)
         return output
 
     def _generate(self, prompts):
@@ -151,12 +132,8 @@ class PipelineGRPOTrainer(GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra_inputs)
-        batch_size = batch_size or input_ids.size(0)  # TRL's chunks, scored one after the other as TRL does
-        scored = [shared_prefix.logps_and_entropies(model, input_ids[start:start + batch_size],
-                                                    attention_mask[start:start + batch_size], logits_to_keep)
-                  for start in range(0, input_ids.size(0), batch_size)]
-        entropies = torch.cat([e for _, e in scored]) if compute_entropy else None
-        return torch.cat([logps for logps, _ in scored]), entropies, None
+        return (*shared_prefix.chunked_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                           batch_size, compute_entropy), None)
 
 
 class ServerGRPOTrainer(PipelineGRPOTrainer):
@@ -209,30 +186,22 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         self.sampling_settings = server.gen
         self.episodes_ahead: EpisodesAhead | None = None
         """``generation.async`` with ``environment:``: the environments reset ahead (:meth:`_prompt_stream`)."""
-        self.replays_sampling = server.gen.filters_logits and (
+        self.reapplies_sampling = server.gen.filters_logits and (
             self.vllm_importance_sampling_correction or self.off_policy_mask_threshold is not None)
-        # structured outputs: the grammar replayed on the policy's logits, turn by turn (grpo_steps.training.grammar)
-        self.grammar = GrammarReplay(self.processing_class, self.model.config.vocab_size, server.gen,
-                                     getattr(self.model, "generation_config", None)) \
-            if self.replays_sampling and server.gen.structured_outputs is not None else None
+        # structured outputs: the grammar's mask re-applied on the policy's logits, turn by turn (training.grammar)
+        self.grammar = GrammarMask(self.processing_class, self.model.config.vocab_size, server.gen,
+                                   getattr(self.model, "generation_config", None)) \
+            if self.reapplies_sampling and server.gen.structured_outputs is not None else None
 
     def _sampled_version(self) -> int:
         return self.vllm_generation.sampled_version  # a verified push; with async, the one that sampled the batch
 
     def _generate(self, prompts):
         result = super()._generate(prompts)  # TRL's round: the first turns and the tool loop's
-        prompt_ids, completion_ids, tool_mask, _, sampling_logps, *_ = result
-        if not (self.replays_sampling and self.model.training and sampling_logps is not None):
+        if not (self.reapplies_sampling and self.model.training and result[4] is not None):  # [4]: sampler logprobs
             return result
-        shifted, shifts = correction.on_policy_support(self.model, self.sampling_settings, prompt_ids,
-                                                       completion_ids, tool_mask, sampling_logps,
-                                                       self.num_generations, self.grammar)
-        if shifts:
-            trl_hooks.log_metric(self, "sampling/support_log_mass/mean", sum(shifts) / len(shifts))
-        if self.grammar is not None:  # turns the replay could not follow (a server with another grammar backend)
-            trl_hooks.log_metric(self, "sampling/grammar_diverged_turns", float(self.grammar.diverged))
-            self.grammar.diverged = 0
-        return (*result[:4], shifted, *result[5:])
+        return correction.reapply_filters(self.model, self.sampling_settings, result, self.num_generations,
+                                          self.grammar, partial(trl_hooks.log_metric, self))
 
     def _generate_and_score_completions(self, inputs):
         ahead = self.episodes_ahead.take(trl_hooks.micro_step(self)) \
@@ -259,21 +228,13 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
                 self.vllm_importance_sampling_correction = True
         else:
             output = super()._generate_and_score_completions(inputs)
-        if self.replica_mismatch is not None and self.model.training:
-            self._attribute_replicas(output)
-        return output
-
-    def _attribute_replicas(self, output: dict) -> None:
-        """Which replica sampled each row of the generation batch ``output``: carried with the rows into the loss,
-        which weighs the mismatch per replica (:class:`grpo_steps.training.correction.LossSideCorrection`), or, on
-        TRL's own path, the per-replica mismatch of TRL's scoring pass logged now."""
-        rows = self.vllm_generation.replica_rows(output["prompt_ids"], output["prompt_mask"])
-        if self.loss_side_correction is not None:
-            output[correction.REPLICA_ROWS] = rows
-        elif "old_per_token_logps" in output and "sampling_per_token_logps" in output:
-            self.replica_mismatch.add(output, output["old_per_token_logps"], rows)
-            for name, value in self.replica_mismatch.metrics(self.accelerator).items():
+        if self.replica_mismatch is not None and self.model.training:  # which replica sampled each row
+            rows = self.vllm_generation.replica_rows(output["prompt_ids"], output["prompt_mask"])
+            for name, value in correction.attribute_replicas(output, rows, self.replica_mismatch,
+                                                             self.loss_side_correction is not None,
+                                                             self.accelerator).items():
                 trl_hooks.log_metric(self, name, value)
+        return output
 
     def _compute_loss(self, model, inputs):
         if self.loss_side_correction is not None and self.model.training and "importance_sampling_ratio" not in inputs:
@@ -295,28 +256,14 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         return result
 
     def _prompt_stream(self, max_staleness: int, sync_every: int):
-        """``generation.async``'s prompts, asked for by the generation class at the first generation of this attempt
-        (:attr:`grpo_steps.training.generation.settings.PolicyView.prompt_stream`): ``(depth, upcoming, step_of)``,
-        the generation batches the producer samples ahead, the prompts of the batches TRL's dataloader will yield next
-        (:class:`grpo_steps.training.generation.prefetch.PromptStream`, a second dataloader in the same order, from
-        where a resumed run starts) and the optimizer step that trains the batch at a micro-step (admission)."""
-        from grpo_steps.config import prefetch_depth
-        from grpo_steps.training.generation.prefetch import PromptStream
-
-        accumulation = self.args.gradient_accumulation_steps
-        every = self.args.steps_per_generation * self.num_iterations  # micro-steps per generation batch
-        depth = prefetch_depth(max_staleness, every / accumulation, sync_every)
+        """``generation.async``'s prompts, asked for by the generation class at the first generation of this attempt:
+        :func:`grpo_steps.training.generation.prefetch.prompt_stream` over a second dataloader in TRL's order, from
+        where a resumed run starts."""
         if self.environment_factories is not None:  # each batch's environments reset as the stream reads it
             self.episodes_ahead = EpisodesAhead(self.environment_factories, routed=self._multi_environment)
-        episodes = self.episodes_ahead
-
-        def tokenize(prompts: list, rows: list[dict]) -> list[list[int]]:
-            names = episodes.names(rows) if episodes is not None else None
-            return trl_hooks.tokenize_prompts(self, prompts, names)
-
-        stream = PromptStream(self.get_train_dataloader(), self.state.global_step, accumulation, tokenize, every,
-                              depth, episodes=episodes)
-        return depth, stream.after, stream.step_of
+        return prompt_stream(self.get_train_dataloader(), self.state.global_step, self.args.gradient_accumulation_steps,
+                             self.args.steps_per_generation * self.num_iterations,  # micro-steps per generation batch
+                             max_staleness, sync_every, partial(trl_hooks.tokenize_prompts, self), self.episodes_ahead)
 
     def close_environments(self) -> None:
         """Close every environment instance: those reset ahead (``generation.async``), and TRL's pools."""

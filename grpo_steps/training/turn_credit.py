@@ -85,3 +85,14 @@ def fold(advantages: torch.Tensor, tool_mask: torch.Tensor, completion_mask: tor
                 to_go += reward
                 out[i, start:end] += weight * to_go
     return out
+
+
+def turns_per_episode(completions: list) -> float | None:
+    """Mean assistant turns per episode of a generation batch's logged completions (TRL's ``completion`` column: an
+    episode is a list of messages; plain text completions are left out); None without episodes.
+
+    >>> turns_per_episode([[{"role": "assistant"}, {"role": "tool"}, {"role": "assistant"}], "text"])
+    2.0
+    """
+    turns = [sum(m.get("role") == "assistant" for m in c) for c in completions if isinstance(c, list)]
+    return sum(turns) / len(turns) if turns else None

@@ -141,9 +141,9 @@ def test_async_with_an_environment_samples_ahead_with_the_reset_observation_in_t
     # the follow-up turns of step 2's episodes, whose first turn version 0 sampled ahead, were sampled after the push
     # of version 1: with the weights of their time
     assert steps[1]["async/staleness"] == 1 and steps[1]["async/tool_turn_version_lag"] == 1
-    # the move's regex replayed on the policy's logits, turn by turn around the board's answers: the correction
+    # the move's regex re-applied on the policy's logits, turn by turn around the board's answers: the correction
     # weighs the versions' difference (none here: every group solved, no gradient), not the grammar's allowed mass
-    # (e^-10.8 a token on average, 2026-12-06: the ratio was that before the replay)
+    # (e^-10.8 a token on average, 2026-12-06: the ratio was that before the grammar was re-applied)
     for h in steps:
         assert h["sampling/grammar_diverged_turns"] == 0 and h["sampling/support_log_mass/mean"] < -1, h
         assert abs(h["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, h

@@ -96,12 +96,12 @@ def test_a_regex_constrains_every_completion(tiny_server, tiny_tokenizer):
 
 @pytest.mark.parametrize("structured", [{"choice": ["Answer: 5", "Answer: 6", "5", "6"]},
                                         {"regex": "Answer: [0-9]{1,2}"}])
-def test_training_with_structured_outputs_checks_the_push_by_its_probe_and_replays_the_grammar(
+def test_training_with_structured_outputs_checks_the_push_by_its_probe_and_reapplies_the_grammar(
         structured, tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
     """The grammar renormalises what the server samples over the tokens it allows: the batch is not compared, the
-    push's probe is scored by the policy instead (and agrees). The mismatch correction replays the grammar on the
-    policy's logits (grpo_steps.training.grammar): its ratio is 1, where without the replay it was the allowed mass
-    of every token (configs/game.yaml: a mean of 1.5e-5, nothing trained), and the replay followed every turn the
+    push's probe is scored by the policy instead (and agrees). The mismatch correction re-applies the grammar on
+    the policy's logits (grpo_steps.training.grammar): its ratio is 1, where without that it was the allowed mass
+    of every token (configs/game.yaml: a mean of 1.5e-5, nothing trained), and the mask followed every turn the
     real server sampled (xgrammar, as vLLM's backend compiles it)."""
     run(job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint, train={"max_steps": 1},
             generation={"structured_outputs": structured}))
@@ -210,19 +210,19 @@ def test_an_evaluation_has_every_chunks_requests_at_the_server_at_once(tiny_serv
 
 
 def test_evaluation_requests_its_sampled_and_greedy_completions_at_once(tiny_server, tiny_tokenizer, monkeypatch):
-    """``Rollouts.sample_together`` has both first-turn requests at the server at the same time (each waits at a
+    """``EpisodeSampler.sample_together`` has both first-turn requests at the server at the same time (each waits at a
     barrier for the other before it is sent: one after the other, the first would wait in vain), and returns what
-    :meth:`~grpo_steps.evaluation.episodes.Rollouts.sample` returns for each (greedy: the same completions)."""
+    :meth:`~grpo_steps.evaluation.episodes.EpisodeSampler.sample` returns for each (greedy: the same completions)."""
     import threading
 
     from grpo_steps.config import REPO_ROOT, load_config
-    from grpo_steps.evaluation.episodes import Rollouts
+    from grpo_steps.evaluation.episodes import EpisodeSampler
     from grpo_steps.servers.client import VLLMClient
 
     cfg = load_config(REPO_ROOT / "configs" / "test.yaml")
     rows = [{"prompt": to_prompt(q, "Solve the problem.")} for q in QUESTIONS]
-    rollouts = Rollouts(cfg, tiny_server.client(), tiny_tokenizer)
-    alone = rollouts.sample(rows, 1, temperature=0.0, filters=False)
+    sampler = EpisodeSampler(cfg, tiny_server.client(), tiny_tokenizer)
+    alone = sampler.sample(rows, 1, temperature=0.0, filters=False)
     both_sent = threading.Barrier(2, timeout=60)
     complete = VLLMClient.complete
 
@@ -231,7 +231,7 @@ def test_evaluation_requests_its_sampled_and_greedy_completions_at_once(tiny_ser
         return complete(self, *args, **kwargs)
 
     monkeypatch.setattr(VLLMClient, "complete", complete_when_both_are_sent)
-    sampled, greedy = rollouts.sample_together([(rows, 3, 1.0, True), (rows, 1, 0.0, False)])
+    sampled, greedy = sampler.sample_together([(rows, 3, 1.0, True), (rows, 1, 0.0, False)])
     assert [len(group) for group in sampled] == [3] * len(rows) and [len(group) for group in greedy] == [1] * len(rows)
     assert all(len(e.first_logprobs) == e.model_tokens > 0 for group in sampled for e in group)
     assert [[e.completion_ids for e in group] for group in greedy] == [[e.completion_ids for e in group]
@@ -246,7 +246,7 @@ def test_an_evaluation_with_an_environment_plays_its_chunks_one_after_another(ti
     import time
 
     from grpo_steps.config import validate_config
-    from grpo_steps.evaluation.episodes import Rollouts
+    from grpo_steps.evaluation.episodes import EpisodeSampler
     from grpo_steps.evaluation.policy import sample
     from grpo_steps.models import load_tokenizer
 
@@ -262,15 +262,15 @@ def test_an_evaluation_with_an_environment_plays_its_chunks_one_after_another(ti
     tokenizer = load_tokenizer(tiny_model_path, "qwen2_5")
     rows = [{"prompt": [{"role": "user", "content": f"Game {seed}: play."}], "seed": seed} for seed in range(16)]
     rounds: list[tuple[float, set[int]]] = []  # when each tool round ended, and the episodes it played
-    tool_round = Rollouts._tool_round
+    tool_round = EpisodeSampler._tool_round
 
     def recorded(self, open_episodes, *args):
         still_open = tool_round(self, open_episodes, *args)
         rounds.append((time.monotonic(), {id(e) for e, _, _ in open_episodes}))
         return still_open
 
-    monkeypatch.setattr(Rollouts, "_tool_round", recorded)
-    sampled, greedy = sample(cfg, Rollouts(cfg, tiny_server.client(), tokenizer), rows, "chunks")
+    monkeypatch.setattr(EpisodeSampler, "_tool_round", recorded)
+    sampled, greedy = sample(cfg, EpisodeSampler(cfg, tiny_server.client(), tokenizer), rows, "chunks")
     assert all(e.environment.outcome["solved"] for group in sampled + greedy for e in group)  # each moved, reset once
     first, second = ([e for group in sampled[a:b] + greedy[a:b] for e in group] for a, b in ((0, 8), (8, 16)))
     assert {i for _, played in rounds for i in played} == {id(e) for e in first + second}  # 16 rows: 2 chunks of 8

@@ -139,7 +139,7 @@ def test_faults_then_kill_then_a_new_run_from_its_checkpoint_on_the_local_datast
     newest checkpoint by ``train.resume_from`` finishes the training (on the session's server). (``resume`` after a
     kill: the S3 test below, test_flow.py's kill in evaluate, the gang's and LoRA's tests.) The rollouts come from a
     server whose sampler moved on, so the losses are not compared here: ``test_multinode_local`` compares them on
-    replayed completions."""
+    recorded completions (backend recorded)."""
     env, faults = flow_env(), ServerAndTrainerFaults()
     config = _config()
     config["train"]["retries"] = 2

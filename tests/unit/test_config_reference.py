@@ -2,6 +2,7 @@
 rendering says about each field and rule comes from the models."""
 
 import pytest
+from pydantic import BaseModel
 
 from grpo_steps.config import ModelConfig, PipelineConfig
 from grpo_steps.config.reference import COMMAND, PAGE, render, stale, tree
@@ -49,6 +50,33 @@ def test_every_field_is_on_the_page_with_type_default_and_description(page):
     assert "### `data.mixture[].weight`" in page and "### `rewards[].timeout_s`" in page  # list items
     assert "### `train.peft.r`" in page  # an optional section
 
+
+
+def _entry(page: str, key: str) -> str:
+    """The first line of facts under ``### `key``` (type, bounds, default)."""
+    return page.split(f"### `{key}`\n\n", 1)[1].split("\n", 1)[0]
+
+
+def test_an_optional_section_off_by_default_renders_its_null_default(page):
+    """A section whose default is None (``generation.async``, ``train.peft``, ``generation.structured_outputs``: off
+    until set) shows ``null``, never "the section's defaults", which would say it is on; a section defaulting to an
+    instance of its model shows "the section's defaults"."""
+    section_keys = {section.key for section in SECTIONS}
+    checked = {None: 0, "instance": 0}
+    for section in SECTIONS:
+        for dotted, _, info in section.fields:
+            if dotted not in section_keys:
+                continue
+            facts = _entry(page, dotted)
+            if info.default is None:
+                assert facts.endswith(" · default `null`"), f"{dotted}: {facts}"
+                checked[None] += 1
+            elif isinstance(info.default, BaseModel):
+                assert facts.endswith(" · default the section's defaults"), f"{dotted}: {facts}"
+                checked["instance"] += 1
+    assert checked[None] >= 3 and checked["instance"] >= 10, checked
+    for key in ("generation.async", "train.peft", "generation.structured_outputs"):
+        assert _entry(page, key).endswith(" · default `null`"), _entry(page, key)
 
 def test_rules_name_the_fields_they_read(page):
     # a cross-section rule reading through local names (train, res = self.train, self.resources)

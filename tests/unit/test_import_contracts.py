@@ -37,6 +37,8 @@ def test_the_contracts_hold():
     ("grpo_steps/servers/client.py", "import grpo_steps.steps", "Layers from the step bodies"),
     # inside the training process: the job (imported by the flow) pulling in the trainer and TRL
     ("grpo_steps/training/job.py", "import grpo_steps.training.trainer", "Layers inside the training process"),
+    # inside the servers: the HTTP client reaching up into a provider
+    ("grpo_steps/servers/client.py", "import grpo_steps.servers.local", "Layers inside the generation servers"),
 ])
 def test_a_forbidden_import_breaks_a_contract(tmp_path, module, line, broken):
     for package in ("grpo_steps", "rewards"):

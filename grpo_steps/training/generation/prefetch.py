@@ -365,3 +365,26 @@ class PromptStream:
         if self.episodes is not None:
             self.episodes.discard_through(key)  # the trainer took the batch at key's own before sampling it
         return [(k, self.ahead[k]) for k in wanted]
+
+
+def prompt_stream(loader, start_step: int, accumulation: int, every: int, max_staleness: int, sync_every: int,
+                  tokenize_prompts: Callable[[list, list[str] | None], list[list[int]]], episodes=None
+                  ) -> tuple[int, Callable[[int], list], Callable[[int], int]]:
+    """``generation.async``'s prompts, as the generation class asks for them at the first generation of an attempt
+    (:attr:`grpo_steps.training.generation.settings.PolicyView.prompt_stream`): ``(depth, upcoming, step_of)``, the
+    generation batches the producer samples ahead (:func:`grpo_steps.config.prefetch_depth`), the prompts of the
+    batches TRL's dataloader will yield next (:meth:`PromptStream.after`, from ``loader``, a second training dataloader
+    in the same order, from optimizer step ``start_step``) and the optimizer step that trains the batch at a
+    micro-step (:meth:`PromptStream.step_of`, admission). ``every``: micro-steps per generation batch
+    (``steps_per_generation x num_iterations``); ``accumulation``: ``gradient_accumulation_steps``;
+    ``tokenize_prompts(prompts, environment names or None)``: TRL's encoding; ``episodes``: the environments reset
+    ahead (``environment:``), or None."""
+    from grpo_steps.config import prefetch_depth
+
+    depth = prefetch_depth(max_staleness, every / accumulation, sync_every)
+
+    def tokenize(prompts: list, rows: list[dict]) -> list[list[int]]:
+        return tokenize_prompts(prompts, episodes.names(rows) if episodes is not None else None)
+
+    stream = PromptStream(loader, start_step, accumulation, tokenize, every, depth, episodes=episodes)
+    return depth, stream.after, stream.step_of

@@ -48,7 +48,7 @@ class ServerSettings:
     @property
     def checks_first_batch(self) -> bool:
         """Whether the first batch after a push is scored by the policy: only with a limit, and not with structured
-        outputs, which renormalise over the tokens a grammar allows (this check does not replay the grammar; the
+        outputs, which renormalise over the tokens a grammar allows (this check does not re-apply the grammar; the
         mismatch correction does, :mod:`grpo_steps.training.grammar`)."""
         return self.max_logp_diff is not None and self.gen.structured_outputs is None
 
