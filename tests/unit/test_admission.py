@@ -353,9 +353,10 @@ def test_another_runs_objects_and_secrets_stay_out_of_reach(mine):
     assert not decide(unlabelled, pod=f"{MINE}-train-1").allowed
     other_account = changed(recorded_jobset(), lambda j: _pods(j)[1].update(serviceAccountName="argo"))
     assert not decide(other_account, pod=f"{MINE}-train-1").allowed
-    foreign_secret = changed(recorded_jobset(), lambda j: _pods(j)[0]["containers"][0]["envFrom"].append(
-        {"secretRef": {"name": "grpo-mlflow-admin"}}))
-    assert not decide(foreign_secret, pod=f"{MINE}-train-1").allowed
+    for secret in (k8s_manifests.auth_names(f"argo-{THEIRS}")[0], "grpo-mlflow-admin"):  # any other Secret
+        foreign = changed(recorded_jobset(), lambda j, s=secret: _pods(j)[0]["containers"][0]["envFrom"].append(
+            {"secretRef": {"name": s}}))
+        assert not decide(foreign, pod=f"{MINE}-train-1").allowed, secret
 
 
 def test_the_longest_workflow_names_keep_their_objects():
