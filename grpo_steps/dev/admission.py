@@ -99,10 +99,16 @@ def _last_index_of(s: str, sub: str, end: int | None = None) -> int:
     return s.rfind(sub, 0, len(s) if end is None else end + len(sub))
 
 
+def _ascii(s: str, upper: bool) -> str:
+    """``lowerAscii``/``upperAscii``: only ASCII letters change case."""
+    return "".join((c.upper() if upper else c.lower()) if c.isascii() else c for c in s)
+
+
 KUBERNETES_FUNCTIONS: dict[str, Callable[..., Any]] = {
     name: _string_function(function) for name, function in {
         "replace": _replace, "substring": _substring, "split": _split, "join": _join, "indexOf": _index_of,
-        "lastIndexOf": _last_index_of, "lowerAscii": str.lower, "upperAscii": str.upper, "trim": str.strip,
+        "lastIndexOf": _last_index_of, "lowerAscii": lambda s: _ascii(s, False),
+        "upperAscii": lambda s: _ascii(s, True), "trim": str.strip,
         "charAt": lambda s, i: s[i:i + 1] if 0 <= i <= len(s) else s[i]}.items()}
 """Kubernetes' CEL string extensions (cel-go ``ext.Strings`` v2, in every Kubernetes CEL environment since 1.27)
 missing from cel-python's standard functions, by the name an expression calls (``s.replace('.', '-')``)."""

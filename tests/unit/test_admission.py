@@ -208,6 +208,22 @@ def test_every_function_the_policy_calls_is_cel_or_provided():
         assert admission.called_functions(expression) <= known, expression
 
 
+STATIC = [(path.name, doc) for path in sorted((REPO_ROOT / "infra" / "k8s").glob("*.yaml"))
+          if path.name not in (k8s_manifests.TEMPLATE.name, k8s_manifests.ROUTER_TEMPLATE.name)
+          for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+@pytest.mark.parametrize(("name", "doc"), STATIC, ids=[f"{n}:{d['kind']}" for n, d in STATIC])
+def test_the_shipped_manifests_are_the_administrators_and_out_of_the_flows_reach(name, doc):
+    """infra/k8s/ is applied once by an administrator (docs/deploy.md), whom the policy leaves to RBAC; the flow's
+    account is refused each one of a kind the policy matches, even made in the flow's own namespace (MLflow's)."""
+    admin = admission.admit(POLICY, doc, "CREATE", "kubernetes-admin", namespace=doc["metadata"].get("namespace"))
+    assert admin.allowed and not admin.applied
+    if doc["kind"] in ("ConfigMap", "Secret", "Service", "Deployment", "StatefulSet", "Job", "NetworkPolicy"):
+        decision = decide(changed(doc, lambda d: d["metadata"].update(namespace="grpo")))
+        assert decision.applied and not decision.allowed, name
+
+
 def test_the_policy_applies_to_the_flows_account_in_its_namespace_only():
     secret = k8s_manifests.render_auth(cluster_config(), f"argo-{THEIRS}", "t" * 43)[0]
     assert not decide(secret).allowed
@@ -397,3 +413,27 @@ def test_the_evaluator_follows_kubernetes_semantics():
         admission.admit(docs, config_map(), "UPDATE", "u")
     with pytest.raises(ValueError, match="no ValidatingAdmissionPolicyBinding"):
         admission.admit([policy], config_map(), "CREATE", "u")
+
+
+@pytest.mark.parametrize(("expression", "value"), [
+    ("'vllm-argo-a.b'.replace('.', '-')", "vllm-argo-a-b"),
+    ("'a.b.c'.replace('.', '', 1)", "ab.c"),
+    ("'argo-wf'.substring(5)", "wf"),
+    ("'argo-wf'.substring(0, 4)", "argo"),
+    ("'a,b,c'.split(',')", ["a", "b", "c"]),
+    ("'a,b,c'.split(',', 2)", ["a", "b,c"]),
+    ("['x', 'y'].join(', ')", "x, y"),
+    ("'ÀB'.lowerAscii()", "Àb"),
+    ("'  x '.trim()", "x"),
+    ("'abcb'.indexOf('b')", 1),
+    ("'abcb'.lastIndexOf('b')", 3),
+    ("'abc'.charAt(1)", "b"),
+])
+def test_the_kubernetes_string_extensions_answer_as_cel_go_does(expression, value):
+    """cel-go ext.Strings, the library Kubernetes loads, case by case (its own documented examples' shapes)."""
+    assert admission.evaluate(expression, {}) == value
+
+
+def test_a_string_extension_out_of_range_is_an_error():
+    assert isinstance(admission.evaluate("'abc'.substring(2, 5)", {}), Exception)
+
