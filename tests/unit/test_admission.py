@@ -224,6 +224,21 @@ def test_the_shipped_manifests_are_the_administrators_and_out_of_the_flows_reach
         assert decision.applied and not decision.allowed, name
 
 
+def test_deploy_md_runs_the_local_runtime_under_an_account_the_policy_leaves_to_rbac():
+    """docs/deploy.md's local-runtime `run`, every step in a pod: under grpo-flow the policy refuses its objects (no
+    Argo workflow), so the page runs it under an account of its own, which the policy does not bind."""
+    text = (REPO_ROOT / "docs" / "deploy.md").read_text()
+    (account,) = re.findall(r"^METAFLOW_KUBERNETES_SERVICE_ACCOUNT=(\S+) python flows/grpo_flow.py .* run$", text,
+                            re.MULTILINE)
+    assert account != "grpo-flow" and f"create serviceaccount {account}" in text
+    made = [*k8s_manifests.render_auth(cluster_config(), "1733561234567890", "t" * 43),  # a local run's id
+            *k8s_manifests.render_manifests(cluster_config(), "1733561234567890", "m")]
+    for obj in made:
+        assert not decide(obj, pod="t-5f3a9c2e-provision-vllm-1").allowed, obj["kind"]
+        own = admission.admit(POLICY, obj, "CREATE", f"system:serviceaccount:grpo:{account}", "t-5f3a9c2e-1")
+        assert own.allowed and not own.applied
+
+
 def test_the_policy_applies_to_the_flows_account_in_its_namespace_only():
     secret = k8s_manifests.render_auth(cluster_config(), f"argo-{THEIRS}", "t" * 43)[0]
     assert not decide(secret).allowed
