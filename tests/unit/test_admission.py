@@ -58,7 +58,7 @@ def cluster_config(name: str = "multinode.yaml", changes: dict | None = None):
 
 class AdmittingCluster(FakeCluster):
     """test_kubernetes_server's fake API, asking the policy before each create and delete as the pod ``pod`` sends
-    it; a refusal is the API's 403 with the policy's messages. ``asked``: (kind, name, operation, allowed)."""
+    it; a refusal is the API's 403 with the policy's messages. ``asked``: (kind, name, operation, decision)."""
 
     def __init__(self, pod: str) -> None:
         super().__init__()
@@ -80,17 +80,17 @@ class AdmittingCluster(FakeCluster):
 
     def _ask(self, body: dict, operation: str) -> None:
         decision = decide(body, operation, self.pod)
-        self.asked.append((body["kind"], body["metadata"]["name"], operation, decision.allowed))
+        self.asked.append((body["kind"], body["metadata"]["name"], operation, decision))
         if not decision.allowed:
             raise ApiException(status=403, reason="; ".join(decision.messages))
 
 
 @functools.cache
 def run_objects(name: str = "multinode.yaml", replicas: bool = False,
-                workflow: str = MINE) -> tuple[list[dict], tuple[tuple[str, str, str, bool], ...]]:
+                workflow: str = MINE) -> tuple[list[dict], tuple[tuple[str, str, str, admission.Decision], ...]]:
     """Every object the provider creates for the run of ``workflow`` with the shipped cluster config ``name`` (with
     :data:`REPLICAS`), provision_vllm's pod asking, then deletes by ``stop``, the end step's pod asking: (the objects,
-    what was asked: kind, name, operation, allowed). Made once per module; callers change copies only."""
+    what was asked: kind, name, operation, decision). Made once per module; callers change copies only."""
     cluster = AdmittingCluster(f"{workflow}-provision-vllm-1234567890")
     with pytest.MonkeyPatch.context() as patch, tempfile.TemporaryDirectory() as tokens:
         patch.setattr(kubernetes, "_clients", lambda apps=None, core=None, networking=None: (cluster,) * 3)
@@ -164,12 +164,13 @@ def test_every_object_a_run_makes_is_admitted_created_updated_and_deleted(name, 
     made, asked = run_objects(name, replicas)
     kinds = sorted(kind for kind, _, operation, _ in asked if operation == "CREATE")
     assert set(kinds) == {"Secret", "ConfigMap", "NetworkPolicy", "Deployment", "Service"}
-    assert all(allowed for *_, allowed in asked), asked
+    assert all(d.allowed and d.applied for *_, d in asked), asked  # applied: the policy did look at each
     assert sorted(k for k, _, op, _ in asked if op == "DELETE") == kinds  # each deleted again, admitted
     if replicas:  # three replicas and the router: 4 Deployments, 4 Services, 2 NetworkPolicies
         assert (kinds.count("Deployment"), kinds.count("Service"), kinds.count("NetworkPolicy")) == (4, 4, 2)
     for obj in made:  # an UPDATE by its own run (the provider makes none; RBAC grants none but the JobSet's patch)
-        assert decide(obj, "UPDATE", old=obj).allowed, obj["metadata"]["name"]
+        update = decide(obj, "UPDATE", old=obj)
+        assert update.allowed and update.applied, obj["metadata"]["name"]
         assert not decide(obj, "CREATE", f"{THEIRS}-provision-vllm-1").allowed  # no pod of another workflow
 
 
@@ -178,7 +179,8 @@ def test_the_train_steps_jobset_as_rendered_is_admitted_for_its_own_workflows_po
     assert jobset["metadata"]["name"] == "js-a1b2c30"
     creator = f"{MINE}-train-1234567890"  # Argo's resource-template pod, as grpo-flow
     for operation, old in (("CREATE", None), ("UPDATE", jobset), ("DELETE", None)):
-        assert decide(jobset, operation, creator, old).allowed, decide(jobset, operation, creator, old).messages
+        decision = decide(jobset, operation, creator, old)
+        assert decision.allowed and decision.applied, (operation, decision.messages)
     retried = fill_argo(RECORDED_JOBSET.read_text(), MINE, retries=2)  # a retry's JobSet: js-<entropy>2
     assert retried["metadata"]["name"] == "js-a1b2c32" and decide(retried, pod=creator).allowed
     assert not decide(jobset, pod=f"{THEIRS}-train-1234567890").allowed
@@ -284,7 +286,8 @@ def test_a_workload_whose_pods_wear_another_runs_labels_is_refused(mine):
         workload = changed(deployment, lambda d, k=kind, g=group: d.update(kind=k, apiVersion=g))
         if kind == "Job":
             workload["spec"].pop("selector")  # a Job's selector is the API's own
-        assert decide(workload).allowed, (kind, decide(workload).messages)
+        decision = decide(workload)
+        assert decision.allowed and decision.applied, (kind, decision.messages)
         moved = changed(workload, lambda d: _their_labels(d["spec"]["template"]["metadata"]["labels"]))
         assert not decide(moved).allowed, kind
 
@@ -297,7 +300,8 @@ def test_a_service_or_network_policy_reaching_another_runs_pods_or_outside_is_re
                          "LoadBalancer": lambda s: s["spec"].update(type="LoadBalancer"),
                          "externalIPs": lambda s: s["spec"].update(externalIPs=["203.0.113.7"])}.items():
         assert not decide(changed(service, change)).allowed, what
-    assert decide(changed(service, lambda s: s["spec"].update(type="ClusterIP"))).allowed  # as defaulted
+    defaulted = decide(changed(service, lambda s: s["spec"].update(type="ClusterIP")))  # as the API defaults it
+    assert defaulted.allowed and defaulted.applied
     # a policy of this run that opens another run's servers to every pod
     opened = changed(policy, lambda p: (_their_labels(p["spec"]["podSelector"]["matchLabels"]),
                                         p["spec"].update(ingress=[{}])))
@@ -355,7 +359,7 @@ def test_host_access_and_foreign_images_are_refused_in_every_workload(attack, mi
         assert len(decision.messages) == 1, decision.messages  # refused by its own rule, named in the message
     dropped = changed(mine["deployment"], lambda o: _pods(o)[0]["containers"][0].update(
         securityContext={"capabilities": {"drop": ["ALL"]}, "privileged": False}))
-    assert decide(dropped).allowed  # what baseline allows stays allowed
+    assert decide(dropped).allowed and decide(dropped).applied  # what baseline allows stays allowed
 
 
 # --- the earlier rules ------------------------------------------------------------------------------------------------
@@ -393,7 +397,7 @@ def test_another_runs_objects_and_secrets_stay_out_of_reach(mine):
 def test_the_longest_workflow_names_keep_their_objects():
     """The longest names Metaflow gives a workflow (45 characters and "-" + 5): the cut names are still the run's."""
     _, asked = run_objects(replicas=True, workflow="grpo.user.a-very-long-user-name.grpoflow-12345-x7k2p")
-    assert asked and all(allowed for *_, allowed in asked), asked
+    assert asked and all(d.allowed and d.applied for *_, d in asked), asked
 
 
 # --- the evaluator itself ---------------------------------------------------------------------------------------------
