@@ -284,8 +284,10 @@ def test_a_workload_whose_pods_wear_another_runs_labels_is_refused(mine):
         assert any("must carry its own run's label" in m for m in decision.messages), (what, decision.messages)
     for kind, group in (("StatefulSet", "apps/v1"), ("Job", "batch/v1")):  # every workload the policy matches
         workload = changed(deployment, lambda d, k=kind, g=group: d.update(kind=k, apiVersion=g))
-        if kind == "Job":
-            workload["spec"].pop("selector")  # a Job's selector is the API's own
+        if kind == "Job":  # the selector the API generates for a Job before admission
+            workload["spec"]["selector"] = {"matchLabels": {"batch.kubernetes.io/controller-uid": "0c6a"}}
+            chosen = changed(workload, lambda d: d["spec"].update(manualSelector=True))
+            assert not decide(chosen).allowed  # a selector of its own choosing must pin the run
         decision = decide(workload)
         assert decision.allowed and decision.applied, (kind, decision.messages)
         moved = changed(workload, lambda d: _their_labels(d["spec"]["template"]["metadata"]["labels"]))
