@@ -182,10 +182,12 @@ def test_every_pod_of_the_workflow_runs_as_the_flows_service_account(rendered):
 def test_only_train_and_evaluate_take_the_runs_token_and_the_jobset_passes_the_admission_policy(rendered):
     """The run's token reaches the steps that reach the server from pods of their own through the kubelet (envFrom of
     the run's Secret, named per run by Argo's {{workflow.name}}: grpo_steps.deploy), never through the API; the
-    JobSet that Argo creates as the flow's account passes infra/k8s/admission.yaml (mirrored by
-    tests/unit/test_run_rights.py) for its own workflow's pods, and not with another run's token."""
+    JobSet that Argo creates as the flow's account, its parameters filled as Argo fills them, passes
+    infra/k8s/admission.yaml (evaluated by a real CEL engine, tests/unit/test_admission.py) for its own workflow's
+    pods, and not for another run's; it is the JobSet recorded for the unit tests (tests/unit/data/train-jobset.yaml,
+    trimmed of what varies per render)."""
     from grpo_steps.servers.k8s_manifests import ARGO_TOKEN_SECRET, auth_names
-    from tests.unit.test_run_rights import admitted
+    from tests.unit.test_admission import RECORDED_JOBSET, decide, fill_argo, trimmed
 
     template, train, _ = rendered
     for spec in template["spec"]["templates"]:
@@ -193,13 +195,18 @@ def test_only_train_and_evaluate_take_the_runs_token_and_the_jobset_passes_the_a
             refs = [f["secretRef"]["name"] for f in spec["container"].get("envFrom") or [] if f.get("secretRef")]
             assert (ARGO_TOKEN_SECRET in refs) == (spec["name"] == "evaluate"), spec["name"]
     workflow = "grpo.user.ci.grpoflow-x7k2p"
-    manifest = train["resource"]["manifest"].replace("{{workflow.name}}", workflow)
-    jobset = yaml.safe_load(re.sub(r"\{\{[^}]*\}\}", "ARGO", manifest))
+    manifest = train["resource"]["manifest"]
+    recorded = RECORDED_JOBSET.read_text()
+    assert trimmed(manifest) == recorded[recorded.index("apiVersion:"):], "rewrite the recorded JobSet from trimmed()"
+    jobset = fill_argo(manifest, workflow)
     for job in jobset["spec"]["replicatedJobs"]:
         refs = [f["secretRef"]["name"] for f in job["template"]["spec"]["template"]["spec"]["containers"][0]["envFrom"]]
         assert auth_names(f"argo-{workflow}")[0] in refs
-    assert admitted(jobset, f"{workflow}-train-1234567890")
-    assert not admitted(jobset, "grpo.user.ci.grpoflow-other-train-1234567890")
+    for operation in ("CREATE", "DELETE"):
+        decision = decide(jobset, operation, f"{workflow}-train-1234567890")
+        assert decision.allowed and decision.applied, decision.messages
+    assert not decide(jobset, pod="grpo.user.ci.grpoflow-other-train-1234567890").allowed
+    assert not decide(fill_argo(manifest, "grpo.user.ci.grpoflow-other"), pod=f"{workflow}-train-1234567890").allowed
 
 
 def test_every_pod_records_its_run_in_the_metadata_service(rendered):
