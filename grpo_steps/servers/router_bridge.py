@@ -54,9 +54,11 @@ from grpo_steps.servers.router_netns import (  # the namespace and its keeper; t
     ROUTER_METRICS_PORT,  # noqa: F401  (re-exported: grpo_steps.servers.router, k8s_manifests)
     ROUTER_PORT,
     TOKEN_ENV,
+    channel,
     inside_addresses,
     inside_urls,  # noqa: F401  (re-exported: grpo_steps.servers.router)
     keeper,
+    request,
 )
 
 HEAD_LIMIT_BYTES = 64 * 1024
@@ -159,7 +161,8 @@ class _Bridge:
                  max_pending: int = MAX_PENDING, inside_port: int = ROUTER_PORT,
                  inside_metrics_port: int = ROUTER_METRICS_PORT, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.ctl, self.lock = ctl, asyncio.Lock()
-        self.connect_timeout_s = connect_timeout_s
+        self.requests = 0  # requests sent to the keeper so far: the next one's id
+        self.connect_timeout_s = connect_timeout_s  # also the wait for the keeper's answer (it has half of it)
         self.token_digest = hashlib.sha256(token.encode()).digest() if token else None
         self.head_timeout_s, self.max_pending = head_timeout_s, max_pending
         self.inside_port, self.inside_metrics_port = inside_port, inside_metrics_port
@@ -178,19 +181,49 @@ class _Bridge:
                 raise OSError(f"the router did not accept a connection in {self.connect_timeout_s:g} s") from err
         loop = asyncio.get_running_loop()
         async with self.lock:  # one request at a time on the keeper's channel
-            await loop.sock_sendall(self.ctl, f"{port:05d}".encode())
-            readable = loop.create_future()
-            loop.add_reader(self.ctl, lambda: readable.done() or readable.set_result(None))
+            self.requests += 1
+            sent = request(port, self.requests)
+            await loop.sock_sendall(self.ctl, sent)
             try:
-                await asyncio.wait_for(readable, self.connect_timeout_s)
+                async with asyncio.timeout(self.connect_timeout_s):
+                    while True:
+                        message, conn = await self._answer(loop)
+                        if message[2:] == sent[5:]:
+                            break
+                        # an answer to a request already given up on (the keeper was late): dropped, never relayed
+                        if conn is not None:
+                            conn.close()
             except TimeoutError as err:
                 raise OSError("the namespace's keeper did not answer") from err
-            finally:
-                loop.remove_reader(self.ctl)
-            message, fds, _, _ = socket.recv_fds(self.ctl, 16, 1)
-        if message != b"ok" or not fds:
+        if message[:2] != b"ok" or conn is None:
+            if conn is not None:
+                conn.close()
             raise OSError(f"no connection to port {port} in the router's namespace")
-        return await asyncio.open_connection(sock=socket.socket(fileno=fds[0]))
+        try:
+            peer = conn.getpeername()
+        except OSError:
+            peer = None
+        if peer != (ROUTER_HOST, port):  # the socket relayed must be the one asked for, whatever the channel said
+            conn.close()
+            raise OSError(f"the keeper relayed a connection to {peer}, not to {ROUTER_HOST}:{port}")
+        return await asyncio.open_connection(sock=conn)
+
+    async def _answer(self, loop: asyncio.AbstractEventLoop) -> tuple[bytes, socket.socket | None]:
+        """The keeper's next answer and the socket it carries (None: none; every descriptor received beyond the first
+        is closed at once)."""
+        readable = loop.create_future()
+        loop.add_reader(self.ctl, lambda: readable.done() or readable.set_result(None))
+        try:
+            await readable
+        finally:
+            loop.remove_reader(self.ctl)
+        message, fds, _, _ = socket.recv_fds(self.ctl, 64, 2)
+        socks = [socket.socket(fileno=fd) for fd in fds]
+        for extra in socks[1:]:
+            extra.close()
+        if not message:  # the keeper is gone (the channel's end)
+            raise OSError("the namespace's keeper is gone")
+        return message, (socks[0] if socks else None)
 
     def _admit_pending(self, writer: asyncio.StreamWriter) -> None:
         """Count a connection that has not yet shown its head; past :attr:`max_pending` the oldest such connection is
@@ -359,14 +392,15 @@ def main(argv: list[str] | None = None) -> None:
               "inside_metrics_port": args.inside_metrics_port, "connect_timeout_s": args.connect_timeout_s}
     if args.pod:
         sys.exit(_serve_pod(public, metrics, _Bridge(None, token, **limits), router_cmd))
-    ours, theirs = socket.socketpair()
+    ours, theirs = channel()
     inside = inside_addresses(args.worker)
     pid = os.fork()  # before any thread: unshare(CLONE_NEWUSER) refuses a multithreaded process
     if pid == 0:
         ours.close()
         public.close()
         metrics.close()
-        os._exit(keeper(theirs, inside, router_cmd))
+        # the keeper gives up on a connection in half the bridge's wait for its answer
+        os._exit(keeper(theirs, inside, router_cmd, args.connect_timeout_s / 2))
     theirs.close()
     message, fds, _, _ = socket.recv_fds(ours, 4096, len(inside))
     if message != b"ok":

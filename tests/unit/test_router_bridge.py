@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -121,6 +122,7 @@ class Handler(BaseHTTPRequestHandler):
         time.sleep(float(self.path.partition("delay=")[2] or 0))  # a slow answer: ?delay=SECONDS
         body = bytes(range(256)) * 400  # 100 kB, each byte checked at the client
         self.send_response(200)
+        self.send_header("x-port", str(self.server.server_address[1]))  # which of the router's ports answered
         self.send_header("content-length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -299,3 +301,35 @@ def test_the_metrics_port_relays_get_metrics_only_a_few_at_a_time(bridges):
             break
         time.sleep(0.1)
     assert answer.status_code == 200
+
+
+def _established_to(pid: int, port: int) -> int:
+    """Established TCP connections to ``port`` in the network namespace of process ``pid`` (its /proc/PID/net/tcp)."""
+    rows = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+    return sum(row.split()[1].endswith(f":{port:04X}") and row.split()[3] == "01" for row in rows)
+
+
+def test_a_late_answer_of_the_keeper_never_sends_a_metrics_client_to_the_routers_main_port(bridges):
+    """The keeper (the process that connects inside the router's namespace) stopped past the bridge's connect timeout
+    (1 s): the run's request is given up, then the keeper answers it late, with a connection to the router's main
+    port. A token-less ``GET /metrics`` after that must reach the metrics port, and the run's next request the main
+    port: the late answer is dropped by its id. (The bridge once took each answer for the next request: the metrics
+    client got the router's main port, where ``/add_worker`` answers anyone, and the channel stayed one behind.)"""
+    bridge = bridges(pod=False, connect_timeout_s=1.0)
+    keeper_process = psutil.Process(bridge.proc.pid).children()[0]
+    router_process = next(p for p in keeper_process.children(recursive=True) if "-c" in p.cmdline())
+    keeper_process.suspend()  # SIGSTOP: the keeper reads nothing and answers nothing
+    try:
+        with pytest.raises(requests.ConnectionError):  # given up after the connect timeout: the client is cut
+            bridge.request()
+    finally:
+        keeper_process.resume()
+    for _ in range(300):  # the keeper answers the request it was sent: a connection to the router's main port
+        if _established_to(router_process.pid, 8000):
+            break
+        time.sleep(0.05)
+    assert _established_to(router_process.pid, 8000)
+    scrape = requests.get(f"http://127.0.0.1:{bridge.metrics_port}/metrics", timeout=30)
+    assert (scrape.status_code, scrape.headers["x-port"]) == (200, "9000")
+    answer = bridge.request()
+    assert (answer.status_code, answer.headers["x-port"], answer.content == BODY) == (200, "8000", True)
