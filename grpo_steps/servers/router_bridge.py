@@ -44,10 +44,9 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 import urllib.parse
 
+from grpo_steps.loopback import ForeignListenerError, Pending, check_ours, pump, relay, serve
 from grpo_steps.servers.router_netns import (  # the namespace and its keeper; the constants are this module's too
     NO_NAMESPACE_EXIT,
     ROUTER_HOST,
@@ -79,29 +78,6 @@ TOKEN_PATHS = ("/inference/v1/generate",)
 """Paths outside ``/v1/`` relayed with the token: vLLM's token-in/token-out sampling route (per-token weight versions,
 :data:`grpo_steps.weights.server_flags.TOKEN_GENERATE_PATH`); not its ``/inference/v1/abort_requests``."""
 """Paths answered without the token (``GET`` only; the answer comes from a request of the bridge's own)."""
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Copy bytes until ``reader`` ends, then end ``writer``'s writing side. No timeout: an admitted connection may
-    wait as long as the router takes to answer (a group of long completions behind others takes minutes)."""
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
-    except (OSError, RuntimeError):
-        pass  # either side closed (RuntimeError: write_eof on a closing transport): the other direction ends it
-
-
-async def _relay(a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-                 b: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
-    """Relay both ways between ``a`` and ``b`` until both directions end, then close both."""
-    try:
-        await asyncio.gather(_pump(a[0], b[1]), _pump(b[0], a[1]))
-    finally:
-        a[1].close()
-        b[1].close()
-
-
 async def _read_head(reader: asyncio.StreamReader, timeout_s: float) -> bytes:
     """The first request head, up to and with the blank line (what arrived after it stays in ``reader``). Raises
     ValueError past :data:`HEAD_LIMIT_BYTES` or when the client closes first, TimeoutError when the whole head has
@@ -164,9 +140,9 @@ class _Bridge:
         self.requests = 0  # requests sent to the keeper so far: the next one's id
         self.connect_timeout_s = connect_timeout_s  # also the wait for the keeper's answer (it has half of it)
         self.token_digest = hashlib.sha256(token.encode()).digest() if token else None
-        self.head_timeout_s, self.max_pending = head_timeout_s, max_pending
+        self.head_timeout_s = head_timeout_s
         self.inside_port, self.inside_metrics_port = inside_port, inside_metrics_port
-        self.pending: dict[int, asyncio.StreamWriter] = {}  # connections without a complete head, oldest first
+        self.pending = Pending(max_pending)  # connections without a complete head
         self.metrics_open = 0  # metrics connections relayed now
 
     async def inside(self, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -225,23 +201,15 @@ class _Bridge:
             raise OSError("the namespace's keeper is gone")
         return message, (socks[0] if socks else None)
 
-    def _admit_pending(self, writer: asyncio.StreamWriter) -> None:
-        """Count a connection that has not yet shown its head; past :attr:`max_pending` the oldest such connection is
-        closed (the run's own clients send their head at once: the longest waiter is the likeliest to stall)."""
-        while len(self.pending) >= self.max_pending:
-            oldest = next(iter(self.pending))
-            self.pending.pop(oldest).transport.abort()
-        self.pending[id(writer)] = writer
-
     async def client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._admit_pending(writer)
+        self.pending.add(writer)
         try:
             head = await _read_head(reader, self.head_timeout_s)
         except (OSError, ValueError):  # TimeoutError is an OSError
             writer.transport.abort()
             return
         finally:
-            self.pending.pop(id(writer), None)
+            self.pending.remove(writer)
         verdict = admit(head, self.token_digest)
         if verdict in ("401", "403"):
             reason = b"the run's token is required" if verdict == "401" else b"only /v1/ and health paths"
@@ -258,33 +226,43 @@ class _Bridge:
             return
         if verdict == "health":  # a request of our own: nothing the client sent reaches the router
             upstream[1].write(b"GET /health HTTP/1.1\r\nhost: router\r\nconnection: close\r\n\r\n")
-            await _pump(upstream[0], writer)
+            await pump(upstream[0], writer)
             upstream[1].close()
             writer.close()
             return
         upstream[1].write(head)  # then whatever the client sent after its head, untouched
-        await _relay((reader, writer), upstream)
+        await relay((reader, writer), upstream)
 
     async def worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      target: tuple[str, int]) -> None:
+        """The router's connection to a worker, relayed to the worker's real address; a worker on this host's
+        loopback must be this user's (the router passes the run's token on): another user's listener on a replica's
+        port (the replica gone) gets nothing."""
         try:
             upstream = await asyncio.wait_for(asyncio.open_connection(*target), self.connect_timeout_s)
         except (OSError, TimeoutError):
             writer.transport.abort()
             return
-        await _relay((reader, writer), upstream)
+        try:
+            check_ours(upstream[1].get_extra_info("socket"), f"worker {target[0]}:{target[1]}")
+        except ForeignListenerError as err:
+            print(f"[router-bridge] {err}", file=sys.stderr, flush=True)
+            upstream[1].transport.abort()
+            writer.transport.abort()
+            return
+        await relay((reader, writer), upstream)
 
     async def metrics(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """``GET /metrics`` relayed to the router's Prometheus port; its head has the clients' deadline and counts in
         their cap, and at most :data:`MAX_METRICS` are relayed at once (a scraper needs one)."""
-        self._admit_pending(writer)
+        self.pending.add(writer)
         try:
             head = await _read_head(reader, self.head_timeout_s)
         except (OSError, ValueError):
             writer.transport.abort()
             return
         finally:
-            self.pending.pop(id(writer), None)
+            self.pending.remove(writer)
         request = head.split(b"\r\n", 1)[0].split(b" ")
         if request[:2] != [b"GET", b"/metrics"] or self.metrics_open >= MAX_METRICS:
             writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
@@ -296,7 +274,7 @@ class _Bridge:
         try:
             upstream = await self.inside(self.inside_metrics_port)
             upstream[1].write(head)
-            await _relay((reader, writer), upstream)
+            await relay((reader, writer), upstream)
         except OSError:
             writer.transport.abort()
         finally:
@@ -309,37 +287,6 @@ async def _close(writer: asyncio.StreamWriter) -> None:
     except OSError:
         pass  # the client is gone already
     writer.close()
-
-
-def _serve(listeners: list[tuple[socket.socket, object]]) -> threading.Thread:
-    """Serve each ``(listening socket, handler)`` on one asyncio event loop in a daemon thread (the main thread waits
-    for the router or the keeper). A handler is ``async (reader, writer)``."""
-    ready = threading.Event()
-
-    async def run() -> None:
-        asyncio.get_running_loop().set_exception_handler(_log_once_in_a_while)
-        for sock, handle in listeners:
-            await asyncio.start_server(handle, sock=sock, limit=HEAD_LIMIT_BYTES)
-        ready.set()
-        await asyncio.Event().wait()  # forever: the process ends when the router does
-
-    thread = threading.Thread(target=asyncio.run, args=(run(),), daemon=True, name="router-bridge")
-    thread.start()
-    ready.wait(30)
-    return thread
-
-
-_last_logged: dict[str, float] = {}
-
-
-def _log_once_in_a_while(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-    """The event loop's errors, one line per kind every 10 s at most: out of descriptors, asyncio retries ``accept()``
-    up to 100 times a second and would write a traceback each time (a full stderr pipe would then stall the loop)."""
-    message = context.get("message", "event loop error")
-    now = time.monotonic()
-    if now - _last_logged.get(message, -10.0) >= 10.0:
-        _last_logged[message] = now
-        print(f"[router-bridge] {message}: {context.get('exception')!r} (going on)", file=sys.stderr, flush=True)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -356,7 +303,7 @@ def _serve_pod(public: socket.socket, metrics: socket.socket, bridge: _Bridge, r
     env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, "VLLM_API_KEY")}
     router = subprocess.Popen(router_cmd, env=env)
     signal.signal(signal.SIGTERM, lambda *_: router.terminate())
-    _serve([(metrics, bridge.metrics), (public, bridge.client)])
+    serve([(metrics, bridge.metrics), (public, bridge.client)], "router-bridge", limit=HEAD_LIMIT_BYTES)
     print("[router-bridge] vllm-router on this pod's loopback, reached with the run's token", flush=True)
     return router.wait()
 
@@ -415,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
         target = (parts.hostname, parts.port or 80)
         listeners.append((socket.socket(fileno=fd),
                           lambda reader, writer, target=target: bridge.worker(reader, writer, target)))
-    _serve(listeners)
+    serve(listeners, "router-bridge", limit=HEAD_LIMIT_BYTES)
     # a stop reaches the keeper, which stops the router and waits for it; this process exits when the keeper has
     signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGTERM))
     print(f"[router-bridge] vllm-router in a private network namespace, reached at {args.host}:{args.port} with the "
