@@ -1,7 +1,8 @@
 """Loopback is not private on a shared host: what the pipeline's relays and clients share about it. Standard library
 only (the router bridge's process imports nothing heavy).
 
-- :func:`check_ours`: before the run's token goes to a port on this host, the listener there must be this user's. A
+- :func:`check_ours`: before the run's token goes to a port on this host, the listener there must be this user's (or
+  root's). A
   connection's other end is a socket of whoever listens; the kernel lists it in ``/proc/net/tcp`` (``tcp6``) with its
   owner's uid, which an accepted socket takes from its listener (``sk_uid``, copied at the handshake, also while the
   connection waits in the accept queue). The same question systemd's socket activation asks before it trusts a
@@ -73,14 +74,14 @@ def is_loopback(host: str) -> bool:
 
 
 def check_ours(sock: socket.socket, what: str) -> None:
-    """Raise :class:`ForeignListenerError` when ``sock`` is connected to a loopback port whose listener is not this
-    user's (a port another user bound after ours was gone, or before we came); other peers pass (the network's own
-    security: TLS, the cluster). ``what``: the server's name in the message."""
+    """Raise :class:`ForeignListenerError` when ``sock`` is connected to a loopback port whose listener is neither
+    this user's nor root's (a port another user bound after ours was gone, or before we came); other peers pass (the
+    network's own security: TLS, the cluster). ``what``: the server's name in the message."""
     peer = sock.getpeername()[0]
     if not is_loopback(peer):
         return
     owner = peer_uid(sock)
-    if owner != os.getuid():
+    if owner not in (os.getuid(), 0):  # root reads this user's memory anyway (and runs docker-proxy's ports)
         raise ForeignListenerError(
             f"{what} at {peer}:{sock.getpeername()[1]} is served by "
             f"{'a listener the kernel no longer lists' if owner is None else f'uid {owner}'}, not by this user "
