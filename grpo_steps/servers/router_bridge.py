@@ -12,7 +12,8 @@ bytes across, reading nothing but the first request head of a client's connectio
 - client -> router: a connection to ``H:P`` is relayed when its first request carries the run's token
   (``Authorization: Bearer <GRPO_SERVER_TOKEN>``; any request when the run has no token) and asks for a path under
   ``/v1/`` or one of :data:`TOKEN_PATHS`; an unauthenticated ``GET /health`` is answered by a ``GET /health`` of its
-  own to the router (nothing else on that connection is relayed); anything else gets 401 or 403 and is closed.
+  own to the router (nothing else on that connection is relayed; its answer within the head's deadline, at most
+  :data:`MAX_HEALTH` at once); anything else gets 401 or 403 and is closed.
   Later requests on an admitted connection are not read: only the token's holder opened it. A client has
   :data:`HEAD_TIMEOUT_S` in all to send that head, at most :data:`MAX_PENDING` connections wait for theirs (past it
   the oldest is closed), and an admitted connection has no timeout (a slow answer reaches the client whole).
@@ -46,7 +47,7 @@ import subprocess
 import sys
 import urllib.parse
 
-from grpo_steps.loopback import ForeignListenerError, Pending, check_ours, pump, relay, serve
+from grpo_steps.loopback import ForeignListenerError, Pending, check_ours, relay, serve
 from grpo_steps.servers.router_netns import (  # the namespace and its keeper; the constants are this module's too
     NO_NAMESPACE_EXIT,
     ROUTER_HOST,
@@ -71,6 +72,10 @@ is closed (``--max-pending``). Admitted connections are not counted: only the to
 MAX_METRICS = 8
 """Metrics connections relayed at once at most (no token: the metrics port answers ``GET /metrics`` to anyone); past
 it a new one is refused with 503."""
+MAX_HEALTH = 8
+"""Token-less health checks answered at once at most (each makes a connection to the router); past it 503."""
+HEALTH_ANSWER_LIMIT = 1 << 20
+"""Bytes of the router's health answer passed on at most (vllm-router's is a few bytes)."""
 CONNECT_TIMEOUT_S = 10.0
 """Seconds to connect to the router or a worker; a connection, once made, has no timeout (``--connect-timeout-s``)."""
 OPEN_PATHS = ("/health", "/liveness", "/readiness")
@@ -144,6 +149,7 @@ class _Bridge:
         self.inside_port, self.inside_metrics_port = inside_port, inside_metrics_port
         self.pending = Pending(max_pending)  # connections without a complete head
         self.metrics_open = 0  # metrics connections relayed now
+        self.health_open = 0  # token-less health checks being answered now
 
     async def inside(self, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A connection to ``port`` inside the router's namespace (``--pod``: this pod's own loopback). Raises OSError
@@ -219,19 +225,44 @@ class _Bridge:
                          + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
             await _close(writer)
             return
+        if verdict == "health":
+            await self.health(writer)
+            return
         try:
             upstream = await self.inside(self.inside_port)
         except OSError:
             writer.transport.abort()
             return
-        if verdict == "health":  # a request of our own: nothing the client sent reaches the router
-            upstream[1].write(b"GET /health HTTP/1.1\r\nhost: router\r\nconnection: close\r\n\r\n")
-            await pump(upstream[0], writer)
-            upstream[1].close()
-            writer.close()
-            return
         upstream[1].write(head)  # then whatever the client sent after its head, untouched
         await relay((reader, writer), upstream)
+
+    async def health(self, writer: asyncio.StreamWriter) -> None:
+        """A token-less health check, answered by a ``GET /health`` of the bridge's own (nothing the client sent
+        reaches the router): the router's answer, at most :data:`HEALTH_ANSWER_LIMIT` bytes, within
+        ``head_timeout_s`` (else the client's connection is closed without one); at most :data:`MAX_HEALTH` at once,
+        past it 503 (a health check had no bound once its head was read: token-less clients could hold router
+        connections without end)."""
+        if self.health_open >= MAX_HEALTH:
+            writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            await _close(writer)
+            return
+        self.health_open += 1
+        upstream = None
+        try:
+            async with asyncio.timeout(self.head_timeout_s):
+                upstream = await self.inside(self.inside_port)
+                upstream[1].write(b"GET /health HTTP/1.1\r\nhost: router\r\nconnection: close\r\n\r\n")
+                answer = b""
+                while len(answer) < HEALTH_ANSWER_LIMIT and (data := await upstream[0].read(65536)):
+                    answer += data
+            writer.write(answer[:HEALTH_ANSWER_LIMIT])
+            await _close(writer)
+        except OSError:  # TimeoutError too: no answer in time
+            writer.transport.abort()
+        finally:
+            self.health_open -= 1
+            if upstream is not None:
+                upstream[1].transport.abort()
 
     async def worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      target: tuple[str, int]) -> None:

@@ -111,7 +111,7 @@ print(data.count(b"HTTP/1.1 "))
 # --- the bridge alone, in front of a stand-in router (no vllm-router needed) ------------------------------------------
 
 STAND_IN_ROUTER = r"""
-import sys, threading, time
+import os, sys, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class Handler(BaseHTTPRequestHandler):
@@ -120,6 +120,8 @@ class Handler(BaseHTTPRequestHandler):
     def _answer(self):
         self.rfile.read(int(self.headers.get("content-length") or 0))
         time.sleep(float(self.path.partition("delay=")[2] or 0))  # a slow answer: ?delay=SECONDS
+        if self.path == "/health" and len(sys.argv) > 4 and os.path.exists(sys.argv[4]):
+            time.sleep(30)  # a router whose health check hangs while the file sys.argv[4] exists
         body = bytes(range(256)) * 400  # 100 kB, each byte checked at the client
         self.send_response(200)
         self.send_header("x-port", str(self.server.server_address[1]))  # which of the router's ports answered
@@ -151,7 +153,7 @@ class _Bridge:
     (``pod``: the router on this host's 127.2.0.1, as on a pod's loopback; else in a private network namespace)."""
 
     def __init__(self, *, pod: bool, head_timeout_s: float = 2.0, max_pending: int = 100, nofile: int | None = None,
-                 connect_timeout_s: float = router_bridge.CONNECT_TIMEOUT_S):
+                 connect_timeout_s: float = router_bridge.CONNECT_TIMEOUT_S, slow_health: str = ""):
         inside_port = _free_port(router_bridge.ROUTER_HOST) if pod else 8000
         inside_metrics = _free_port(router_bridge.ROUTER_HOST) if pod else 9000
         self.port, self.metrics_port = _free_port(), _free_port()
@@ -161,7 +163,7 @@ class _Bridge:
                "--inside-metrics-port", str(inside_metrics), "--connect-timeout-s", str(connect_timeout_s)]
         cmd += ["--pod"] if pod else ["--worker", f"http://127.0.0.1:{_free_port()}"]
         cmd += ["--", sys.executable, "-c", STAND_IN_ROUTER, router_bridge.ROUTER_HOST, str(inside_port),
-                str(inside_metrics)]
+                str(inside_metrics), slow_health]
 
         def limit() -> None:
             if nofile:
@@ -333,3 +335,31 @@ def test_a_late_answer_of_the_keeper_never_sends_a_metrics_client_to_the_routers
     assert (scrape.status_code, scrape.headers["x-port"]) == (200, "9000")
     answer = bridge.request()
     assert (answer.status_code, answer.headers["x-port"], answer.content == BODY) == (200, "8000", True)
+
+
+def test_token_less_health_checks_are_bounded_in_number_and_time(bridges, tmp_path):
+    """A router whose health check hangs (30 s): a token-less ``GET /health`` is closed at the head deadline (2 s)
+    without an answer, and past :data:`MAX_HEALTH` at once a new one gets 503 at once (they once held a router
+    connection each for as long as the router took); once the router answers again, so does the bridge."""
+    flag = tmp_path / "slow-health"
+    bridge = bridges(pod=True, head_timeout_s=2.0, slow_health=str(flag))
+    flag.touch()
+    held = []
+    for _ in range(router_bridge.MAX_HEALTH):
+        sock = socket.create_connection(("127.0.0.1", bridge.port))
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        held.append(sock)
+    time.sleep(0.5)  # the bridge has read their heads and asked the router
+    one_more = requests.get(f"{bridge.url}/health", timeout=10)
+    answers = []
+    for sock in held:
+        sock.settimeout(10)  # the router would answer after 30 s: the bridge closes first, at its 2 s deadline
+        try:
+            answers.append(sock.recv(65536))
+        except ConnectionResetError:
+            answers.append(b"")
+        sock.close()
+    flag.unlink()
+    assert one_more.status_code == 503
+    assert answers == [b""] * router_bridge.MAX_HEALTH
+    assert requests.get(f"{bridge.url}/health", timeout=10).status_code == 200
