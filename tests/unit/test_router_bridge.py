@@ -123,11 +123,27 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/health" and len(sys.argv) > 4 and os.path.exists(sys.argv[4]):
             time.sleep(30)  # a router whose health check hangs while the file sys.argv[4] exists
         body = bytes(range(256)) * 400  # 100 kB, each byte checked at the client
+        if self.path.startswith("/v1/to-worker?port="):  # as the router forwards: to a worker, with the token
+            body = self._to_worker(int(self.path.partition("port=")[2]))
         self.send_response(200)
         self.send_header("x-port", str(self.server.server_address[1]))  # which of the router's ports answered
         self.send_header("content-length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+    def _to_worker(self, port):
+        # what a worker at 127.0.0.1:port answered a request carrying this request's Authorization header
+        import socket
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nauthorization: "
+                             + self.headers["authorization"].encode() + b"\r\ncontent-length: 0\r\n\r\n")
+                answer = b""
+                while chunk := sock.recv(65536):
+                    answer += chunk
+                return answer or b"closed"
+        except OSError as err:
+            return repr(err).encode()
 
     do_GET = do_POST = _answer
 
@@ -153,7 +169,8 @@ class _Bridge:
     (``pod``: the router on this host's 127.2.0.1, as on a pod's loopback; else in a private network namespace)."""
 
     def __init__(self, *, pod: bool, head_timeout_s: float = 2.0, max_pending: int = 100, nofile: int | None = None,
-                 connect_timeout_s: float = router_bridge.CONNECT_TIMEOUT_S, slow_health: str = ""):
+                 connect_timeout_s: float = router_bridge.CONNECT_TIMEOUT_S, slow_health: str = "",
+                 worker_port: int | None = None):
         inside_port = _free_port(router_bridge.ROUTER_HOST) if pod else 8000
         inside_metrics = _free_port(router_bridge.ROUTER_HOST) if pod else 9000
         self.port, self.metrics_port = _free_port(), _free_port()
@@ -161,7 +178,7 @@ class _Bridge:
                str(self.port), "--metrics-port", str(self.metrics_port), "--head-timeout-s", str(head_timeout_s),
                "--max-pending", str(max_pending), "--inside-port", str(inside_port),
                "--inside-metrics-port", str(inside_metrics), "--connect-timeout-s", str(connect_timeout_s)]
-        cmd += ["--pod"] if pod else ["--worker", f"http://127.0.0.1:{_free_port()}"]
+        cmd += ["--pod"] if pod else ["--worker", f"http://127.0.0.1:{worker_port or _free_port()}"]
         cmd += ["--", sys.executable, "-c", STAND_IN_ROUTER, router_bridge.ROUTER_HOST, str(inside_port),
                 str(inside_metrics), slow_health]
 
@@ -363,3 +380,33 @@ def test_token_less_health_checks_are_bounded_in_number_and_time(bridges, tmp_pa
     assert one_more.status_code == 503
     assert answers == [b""] * router_bridge.MAX_HEALTH
     assert requests.get(f"{bridge.url}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not os.path.exists(SYSTEM_PYTHON),
+                    reason="plays the other user with setuid (needs root and a system Python)")
+def test_a_workers_port_held_by_another_user_gets_nothing_from_the_router(bridges):
+    """The router forwards the run's token to its workers; a worker's port on loopback held by another user (the
+    replica gone) gets not a byte: the bridge checks the listener's owner before relaying the router's connection."""
+    port = _free_port()
+    squatter = subprocess.Popen([SYSTEM_PYTHON, "-c", "import socket, sys\n"
+                                 "s = socket.create_server(('127.0.0.1', int(sys.argv[1])))\n"
+                                 "print('up', flush=True)\n"
+                                 "while True:\n"
+                                 "    c = s.accept()[0]\n"
+                                 "    c.settimeout(5)\n"
+                                 "    try:\n"
+                                 "        data = c.recv(65536)\n"
+                                 "        print(data, flush=True) if data else None\n"
+                                 "    except OSError:\n"
+                                 "        pass\n", str(port)],
+                                stdout=subprocess.PIPE, text=True, env={"PATH": "/usr/bin:/bin"}, cwd="/",
+                                preexec_fn=lambda: (os.setgid(65534), os.setuid(65534)))
+    try:
+        assert squatter.stdout.readline() == "up\n"
+        bridge = bridges(pod=False, worker_port=port)
+        answer = bridge.request(f"/v1/to-worker?port={port}")
+    finally:
+        squatter.terminate()
+        received = squatter.communicate(timeout=30)[0]
+    assert answer.status_code == 200 and answer.content == b"closed"  # the bridge closed the router's connection
+    assert received == ""  # not a byte reached the other user's listener
