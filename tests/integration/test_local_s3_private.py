@@ -204,6 +204,7 @@ def test_make_s3_writes_its_env_file_once_ready_and_start_refuses_a_stale_one(tm
         squatter.wait(30)
 
 
+@pytest.mark.slow  # 13 s on the 2-core box: the server's start, 2000 connections, the stop
 def test_the_relay_survives_2000_idle_connections_and_serves_s3_meanwhile(tmp_path):
     """2000 connections that send nothing, against the relay of ``make s3`` limited to 1024 descriptors (a common
     default): the relay closes the oldest idle ones past its cap, and a real S3 client (boto3) is served while all
