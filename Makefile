@@ -102,8 +102,10 @@ cluster-check: install
 	$(BIN)/python -m grpo_steps.cluster_check --config $(CLUSTER_CONFIG)
 
 # A local S3-compatible server (SeaweedFS) on 127.0.0.1:8333, private to this user: fresh keys in .s3/env (0600;
-# `source .s3/env` in the flow's shell), SeaweedFS's own APIs in a network namespace of their own.
+# removed at start, written once the server answers: wait for it, then `source .s3/env` in the flow's shell),
+# SeaweedFS's own APIs in a network namespace of their own. Needs user namespaces (or root), unshare and ip (iproute2).
 s3: install
+	rm -f .s3/env  # before the interpreter starts: a shell waiting for the file never reads the last one
 	$(BIN)/python -m grpo_steps.dev.local_s3 serve --dir .s3 --port 8333
 
 lint: install

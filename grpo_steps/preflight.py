@@ -26,7 +26,9 @@ def check(cfg: PipelineConfig) -> str:
             is missing: config, tokenizer files, weights).
         ConfigError: ``train.grpo`` keys the installed TRL does not have; ``train.peft.target_modules`` naming no
             linear layer of the model; ``generation.server.replicas`` local servers and the trainer do not fit this
-            machine; ``resources.vllm.s3_secret_name`` naming the flow's own Secret (:func:`check_server_secret`).
+            machine; ``resources.vllm.s3_secret_name`` naming the flow's own Secret (:func:`check_server_secret`);
+            a sourced ``.s3/env`` whose ``make s3`` no longer serves its endpoint
+            (:func:`grpo_steps.dev.local_s3.check_env`).
         CheckpointNotFound: ``train.resume_from`` names no usable checkpoint.
         SandboxUnavailable: ``code_execution`` is configured where only the weak sandbox mode works, without
             its ``allow_weak_isolation`` option.
@@ -34,11 +36,13 @@ def check(cfg: PipelineConfig) -> str:
             environment configured; an environment without ``reset`` or with a tool that has no schema.
     """
     from grpo_steps import tracking
+    from grpo_steps.dev import local_s3
     from grpo_steps.models import resolve_model
     from grpo_steps.servers import gpus
     from grpo_steps.training.job import check_grpo_keys
 
     tracking.check_reachable(cfg.tracking.tracking_uri)
+    local_s3.check_env(os.environ)  # a sourced .s3/env whose `make s3` is gone: refused before a key is sent on
     model_path = resolve_model(cfg.model.name_or_path)
     check_grpo_keys(cfg)
     check_sandbox(cfg)

@@ -3,13 +3,16 @@
 Each configured reward is called as TRL's ``GRPOTrainer._calculate_rewards`` calls it (trl 1.16): keyword arguments
 ``prompts`` (the rows' conversational prompts), ``completions`` (conversational: a list of one assistant message per
 completion), ``completion_ids`` (the completions' token ids), every dataset column of the rows (``answer`` and those
-``data.columns`` keeps), ``trainer_state``, ``log_extra`` and ``log_metric``, with the reward's ``options`` bound.
+``data.columns`` keeps), ``trainer_state``, ``log_extra`` and ``log_metric``, with the reward's ``options`` bound, and
+through the guard training calls it through (:func:`rewards.guard.call_with_deadline`): its ``timeout_s``, an
+``async def`` reward awaited.
 Two completions per probed row: the row's reference answer written as the task's format asks (the first of
 :data:`REFERENCE_FORMATS` the format reward scores 1, else the one the correctness reward scores highest), and a
 wrong answer in the same format. A reward is refused (:class:`RewardContractError`, naming the function, the row and
 the fix) when it
 
 - raises, or returns something other than a list of one value per completion;
+- gives no answer within its ``timeout_s`` (the refusal names its file and line; the probe stops at the first);
 - returns anything but numbers or None;
 - is ``eval.correctness_reward`` and gives a reference answer less than ``eval.correct_at`` (held-out accuracy,
   pass@k and the registry's gate would never count a completion correct), or a wrong answer as much as the reference.
@@ -20,6 +23,8 @@ spirit; the calling convention is TRL's (docs: GRPOTrainer, "Using a custom rewa
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import time
 from collections.abc import Callable
@@ -27,6 +32,7 @@ from fractions import Fraction
 from typing import Any
 
 from grpo_steps.config import ConfigError, PipelineConfig
+from rewards.guard import Call, call_with_deadline
 
 PROBE_ROWS = 3
 """Prepared rows each reward is called on (two completions each)."""
@@ -71,29 +77,58 @@ def wrong_answer(answer: str) -> str:
     return str(value.numerator) if value.denominator == 1 else str(Fraction(value))
 
 
-def _call(fn: Callable, rows: list[dict], texts: list[str], tokenizer) -> list:
-    """``fn`` called as TRL calls a reward on ``rows`` with one completion ``texts[i]`` each."""
+class _Reward:
+    """A configured reward as the probe calls it: its name, its callable (options bound) and its ``timeout_s``."""
+
+    def __init__(self, name: str, fn: Callable, timeout_s: float) -> None:
+        self.name, self.fn, self.timeout_s = name, fn, timeout_s
+
+    def where(self) -> str:
+        """``file:line`` of the reward's definition ('' when Python cannot tell, e.g. a builtin)."""
+        fn = self.fn
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        fn = inspect.unwrap(fn)
+        code = getattr(fn, "__code__", None)
+        return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else ""
+
+
+def _call(reward: _Reward, rows: list[dict], texts: list[str], tokenizer, what: str) -> Call:
+    """The reward called as TRL calls it on ``rows`` with one completion ``texts[i]`` each, through the guard training
+    calls it through (:func:`rewards.guard.call_with_deadline`: its ``timeout_s``, an ``async def`` reward awaited).
+    Raises RewardContractError when it passes its ``timeout_s``: the probe waits for no second timeout."""
     completions = [[{"role": "assistant", "content": text}] for text in texts]
     columns = {key: [row.get(key) for row in rows] for key in dict.fromkeys(k for row in rows for k in row)
                if key != "prompt"}
     ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     logged: list = []
-    return fn(prompts=[row["prompt"] for row in rows], completions=completions, completion_ids=ids,
-              trainer_state=None, log_extra=lambda *a, **k: logged.append((a, k)),
-              log_metric=lambda *a, **k: logged.append((a, k)), **columns)
+    kwargs = {"prompts": [row["prompt"] for row in rows], "completion_ids": ids, "trainer_state": None,
+              "log_extra": lambda *a, **k: logged.append((a, k)), "log_metric": lambda *a, **k: logged.append((a, k)),
+              **columns}
+    call = call_with_deadline(reward.fn, reward.name, reward.timeout_s, completions, kwargs)
+    if call.timed_out and not call.partial:
+        where = f" ({reward.where()})" if reward.where() else ""
+        raise RewardContractError(
+            f"reward {reward.name!r}{where} gave no answer within its timeout_s ({reward.timeout_s:g} s) when probed "
+            f"on row 0 ({_question(rows[0])!r}) with the {what}: in training every such call scores None for all "
+            f"its completions. Make it return sooner (it is called once per batch of completions: no network wait or "
+            f"sleep without a limit of its own), or raise this reward's timeout_s in the config's rewards list")
+    return call
 
 
-def _checked(name: str, fn: Callable, rows: list[dict], texts: list[str], tokenizer, what: str) -> list:
-    """The scores of ``fn`` on one completion per row; raises RewardContractError for a broken contract."""
+def _checked(reward: _Reward, rows: list[dict], texts: list[str], tokenizer, what: str) -> list:
+    """The scores of the reward on one completion per row; raises RewardContractError for a broken contract."""
+    name = reward.name
     probe = f"reward {name!r} probed on row 0 ({_question(rows[0])!r}) with the {what}"
-    try:
-        scores = _call(fn, rows, texts, tokenizer)
-    except Exception as err:  # any error of user code: the refusal names it
+    call = _call(reward, rows, texts, tokenizer, what)
+    if "error" in call.box:
+        err = call.box["error"]
         raise RewardContractError(
             f"{probe} raised {type(err).__name__}: {err}. TRL passes completions as conversational message lists "
             f"([{{'role': 'assistant', 'content': ...}}]), not strings: read the text with "
             f"rewards.extract.completion_text(completion), and take the dataset columns (answer, ...) and the other "
             f"arguments as keyword arguments (docs/your-task.md)") from None
+    scores = call.box["result"]
     if not isinstance(scores, list | tuple) or len(scores) != len(texts):
         got = f"{len(scores)} values" if isinstance(scores, list | tuple) else type(scores).__name__
         raise RewardContractError(f"{probe} returned {got} for {len(texts)} completions: return a list with one "
@@ -113,7 +148,7 @@ def _question(row: dict) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def reference_format(cfg: PipelineConfig, rewards: dict[str, Callable], rows: list[dict], answers: list[str],
+def reference_format(cfg: PipelineConfig, rewards: dict[str, _Reward], rows: list[dict], answers: list[str],
                      tokenizer) -> str:
     """The format the task asks for: ``eval.reference_format`` when set, else see the module docstring."""
     if cfg.eval.reference_format:
@@ -125,11 +160,11 @@ def reference_format(cfg: PipelineConfig, rewards: dict[str, Callable], rows: li
     for template in REFERENCE_FORMATS:
         texts = [written(template, a) for a in answers]
         name = judge or cfg.eval.correctness_reward
-        try:
-            scores = _call(rewards[name], rows, texts, tokenizer)
-            total = sum(float(s) for s in scores if isinstance(s, int | float))
-        except Exception:  # noqa: BLE001 - judged by _checked below, with its message
+        box = _call(rewards[name], rows, texts, tokenizer, "reference answer").box  # a timeout: refused here
+        scores = box.get("result")
+        if not isinstance(scores, list | tuple):  # raised or returned no list: judged by _checked, with its message
             return REFERENCE_FORMATS[0]
+        total = sum(float(s) for s in scores if isinstance(s, int | float))
         if judge and all(s == 1.0 for s in scores):
             return template
         if total > best_score:
@@ -154,8 +189,8 @@ def probe_rewards(cfg: PipelineConfig, rows: list[dict], tokenizer) -> list[str]
     if not probed:
         return []
     answers = [gold_answer(row.get("answer")) or "" for row in probed]
-    rewards = {spec.name: bind_options(resolve_reward(spec.name), spec.options, spec.name) for spec in cfg.rewards
-               if spec.name not in NOT_PROBED}
+    rewards = {spec.name: _Reward(spec.name, bind_options(resolve_reward(spec.name), spec.options, spec.name),
+                                  spec.timeout_s) for spec in cfg.rewards if spec.name not in NOT_PROBED}
     template = reference_format(cfg, rewards, probed, answers, tokenizer) if rewards else REFERENCE_FORMATS[0]
     reference = [written(template, a) for a in answers]
     wrong = [written(template, wrong_answer(a)) for a in answers]
@@ -164,10 +199,10 @@ def probe_rewards(cfg: PipelineConfig, rows: list[dict], tokenizer) -> list[str]
         if spec.name in NOT_PROBED:
             lines.append(f"[rewards] {spec.name}: not probed ({NOT_PROBED[spec.name]})")
             continue
-        fn = rewards[spec.name]
+        reward = rewards[spec.name]
         try:  # every reward probed: one refusal names each broken one
-            good = _checked(spec.name, fn, probed, reference, tokenizer, "reference answer")
-            bad = _checked(spec.name, fn, probed, wrong, tokenizer, "wrong answer")
+            good = _checked(reward, probed, reference, tokenizer, "reference answer")
+            bad = _checked(reward, probed, wrong, tokenizer, "wrong answer")
             if spec.name == cfg.eval.correctness_reward and with_answer:
                 _check_correctness(cfg, spec.name, probed, good, bad, reference[0])
         except RewardContractError as err:

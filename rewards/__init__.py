@@ -51,7 +51,8 @@ def resolve_reward(name: str) -> Callable[..., list[float | None]]:
     """The reward function a config names.
 
     Raises:
-        UnknownRewardError: the name is not registered and does not import as a callable.
+        UnknownRewardError: the name is not registered and does not import as a callable, or its module does not
+            compile (the message names the file and line).
     """
     if name in REGISTRY:
         return REGISTRY[name]
@@ -64,6 +65,11 @@ def resolve_reward(name: str) -> Callable[..., list[float | None]]:
         fn = import_attr(name)  # the config's directory, the working directory, then the installed packages
     except (ImportError, AttributeError) as err:
         raise UnknownRewardError(f"unknown reward {name!r} ({err}); {hint}") from None
+    except SyntaxError as err:  # the user's module does not compile: say where, not a traceback through the CLI
+        line = f": {err.text.strip()!r}" if err.text else ""
+        raise UnknownRewardError(f"reward {name!r}: its module does not compile, {type(err).__name__} at "
+                                 f"{err.filename}:{err.lineno}{line} ({err.msg}). Fix that line (python -m "
+                                 f"py_compile {err.filename} checks the file)") from None
     if not callable(fn):
         raise UnknownRewardError(f"reward {name!r} is not callable; {hint}")
     return fn

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import functools
 import inspect
 import logging
@@ -160,6 +161,51 @@ def _warn_non_finite(name: str, values: list[float], n: int) -> None:
                 n, name)
 
 
+@dataclasses.dataclass
+class Call:
+    """How one call under the deadline ended (:func:`call_with_deadline`)."""
+
+    box: dict[str, Any]
+    """``result`` (what the reward returned, an awaitable awaited) or ``error`` (what it raised); neither when it
+    timed out without a partial answer."""
+    timed_out: bool
+    """It passed ``timeout_s``."""
+    partial: bool
+    """It passed ``timeout_s`` and answered within :data:`STOP_GRACE_S` after its stop event (kept in ``result``)."""
+
+
+def call_with_deadline(fn: Callable[..., Any], name: str, timeout_s: float, completions: list, kwargs: dict,
+                       call_counts: Counter[str] | None = None) -> Call:
+    """``fn(completions, **kwargs)`` in a daemon thread of its own, awaited when it returns an awaitable (an ``async
+    def`` reward, on an event loop of that thread), waited for ``timeout_s`` seconds (then its stop event is set and
+    a reward that took it has :data:`STOP_GRACE_S` more); what it raised is returned, never raised. The one call
+    path of :func:`guarded` (training, evaluation) and of the reward probe before training (``prepare_data``).
+    ``call_counts``: this call's tally of :func:`record` (``rewards/<name>/<kind> -> n``)."""
+    box: dict[str, Any] = {}
+    done, stop = threading.Event(), _Stop()
+    counts: Counter[str] = Counter() if call_counts is None else call_counts
+
+    def target() -> None:
+        _CURRENT.set((name, counts))
+        _STOP.set(stop)
+        try:
+            result = fn(completions, **kwargs)
+            # an ``async def`` reward (an LLM judge, say; TRL awaits them): run it to the end on this thread's own
+            # event loop, under the same wall-clock limit
+            box["result"] = asyncio.run(_awaited(result)) if inspect.isawaitable(result) else result
+        except BaseException as err:  # noqa: B036 - returned to the caller, which reports it
+            box["error"] = err
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=f"reward-{name}", daemon=True).start()
+    if done.wait(timeout_s):
+        return Call(box, timed_out=False, partial=False)
+    stop.set()  # a reward that hands the event on stops its work and answers with what it has scored
+    partial = bool(stop.taken and done.wait(STOP_GRACE_S) and "error" not in box)
+    return Call(box if partial else {}, timed_out=True, partial=partial)
+
+
 def guarded(fn: Callable[..., list], name: str, timeout_s: float = 60.0) -> Callable[..., list[float | None]]:
     """``fn`` wrapped with a per-call wall-clock limit; the wrapper's ``__name__`` is ``name``.
 
@@ -191,29 +237,9 @@ def guarded(fn: Callable[..., list], name: str, timeout_s: float = 60.0) -> Call
     def wrapper(completions: list, **kwargs: Any) -> list[float | None]:
         log_metric = kwargs.get("log_metric")
         call_counts: Counter[str] = Counter()
-        box: dict[str, Any] = {}
-        done, stop = threading.Event(), _Stop()
-
-        def target() -> None:
-            _CURRENT.set((name, call_counts))
-            _STOP.set(stop)
-            try:
-                result = fn(completions, **kwargs)
-                # an ``async def`` reward (an LLM judge, say; TRL awaits them): run it to the end on this thread's
-                # own event loop, under the same wall-clock limit
-                box["result"] = asyncio.run(_awaited(result)) if inspect.isawaitable(result) else result
-            except BaseException as err:  # noqa: B036 - reported below, never raised into the trainer
-                box["error"] = err
-            finally:
-                done.set()
-
-        thread = threading.Thread(target=target, name=f"reward-{name}", daemon=True)
-        thread.start()
-        result: list[float | None]
-        timed_out = not done.wait(timeout_s)
+        call = call_with_deadline(fn, name, timeout_s, completions, kwargs, call_counts)
+        timed_out, partial, box = call.timed_out, call.partial, call.box
         if timed_out:
-            stop.set()  # a reward that hands the event on stops its work and answers with what it has scored
-            partial = stop.taken and done.wait(STOP_GRACE_S) and "error" not in box
             log.warning("reward %s timed out after %.1f s; %s", name, timeout_s,
                         "keeping the scores it had, None for the rest" if partial
                         else f"scoring None for {len(completions)} completions")

@@ -106,9 +106,11 @@ class S3SyncConfig(_Section):
     endpoint_url: str | None = None
     """The S3 API's URL for an S3-compatible store (SeaweedFS, MinIO); null: ``METAFLOW_S3_ENDPOINT_URL`` when set,
     else boto3's default (AWS, or ``AWS_ENDPOINT_URL_S3``). The trainer and every server reach it at this URL."""
-    anchor_every: int = Field(10, ge=1)
+    anchor_every: int = Field(10, ge=1, le=1000)
     """A full anchor at least every this many versions, sparse deltas against the previous version in between (a
-    replica that joins late applies at most this many versions)."""
+    replica that joins late applies at most this many versions, so at most 1000: a longer lineage costs a late
+    replica more reads than a new anchor costs the trainer; the manifests' own bound,
+    ``grpo_steps.weights.manifest.MAX_ANCHOR_EVERY``, is ten times that)."""
 
     def location(self, environ: dict | None = None) -> tuple[str, str] | None:
         """``(bucket, prefix)`` of :attr:`url`, or of the Metaflow datastore's root + ``/weight-sync`` when null; None

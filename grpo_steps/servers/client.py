@@ -31,9 +31,11 @@ from typing import Any, TypeVar
 
 import requests
 import urllib3
+import urllib3.connection
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
+from grpo_steps.loopback import check_ours
 from grpo_steps.servers.auth import auth_headers
 from grpo_steps.weights.server_flags import (
     TOKEN_GENERATE_PATH,
@@ -57,9 +59,25 @@ class GenerationServerError(RuntimeError):
 _in_flight = threading.local()  # the connection the current thread's request runs on (see _TrackedPool)
 
 
+class _OwnedConnection(urllib3.connection.HTTPConnection):
+    """A connection that, once made and before a byte is sent, checks that a loopback listener is this user's
+    (:func:`grpo_steps.loopback.check_ours`): every request carries the run's token, and when a replica or the bridge
+    is gone another user may hold its port."""
+
+    def connect(self) -> None:
+        super().connect()
+        check_ours(self.sock, f"the generation server {self.host}:{self.port}")
+
+
+class _OwnedHTTPSConnection(urllib3.connection.HTTPSConnection):
+    connect = _OwnedConnection.connect
+
+
 class _TrackedPool(urllib3.HTTPConnectionPool):
     """A connection pool that tells the requesting thread which connection its request took, so that a request's
     total deadline (:meth:`VLLMClient._request`) can cut exactly that connection."""
+
+    ConnectionCls = _OwnedConnection
 
     def _get_conn(self, timeout=None):
         conn = super()._get_conn(timeout)
@@ -70,11 +88,13 @@ class _TrackedPool(urllib3.HTTPConnectionPool):
 
 
 class _TrackedHTTPSPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _OwnedHTTPSConnection
     _get_conn = _TrackedPool._get_conn
 
 
-def _session(pool: int = 10) -> requests.Session:
-    # Transient connection errors only (the server restarting a socket); bounded.
+def server_session(pool: int = 10) -> requests.Session:
+    """A session of the run's servers: connections checked (:class:`_OwnedConnection`), connection errors retried
+    (a bounded few, for a server still opening its socket) until :func:`_answered` (then none)."""
     retry = Retry(total=3, connect=3, read=0, backoff_factor=0.5, allowed_methods=None, status_forcelist=())
     session = requests.Session()
     for scheme in ("http://", "https://"):
@@ -82,6 +102,13 @@ def _session(pool: int = 10) -> requests.Session:
         adapter.poolmanager.pool_classes_by_scheme = {"http": _TrackedPool, "https": _TrackedHTTPSPool}
         session.mount(scheme, adapter)
     return session
+
+
+def _answered(session: requests.Session) -> None:
+    """The server answered: from now on no connection is retried. A server that answered once and then refuses
+    connections is gone, and a retry would send the run's token to whoever binds its port in the meantime."""
+    for adapter in session.adapters.values():
+        adapter.max_retries = Retry(total=0, read=0, allowed_methods=None, status_forcelist=())
 
 
 def _cut(holder: list, cut: threading.Event) -> None:
@@ -231,7 +258,8 @@ class VLLMClient:
 
     def __post_init__(self) -> None:
         self.base_model = self.model  # the base weights' name; ``model`` may become a LoRA adapter's name
-        self._http = _session(MAX_CONCURRENT_REQUESTS if self.replicas else 10)
+        self._http = server_session(MAX_CONCURRENT_REQUESTS if self.replicas else 10)
+        self._answered = False  # the server answered a request: connections are no longer retried (_answered)
         headers = auth_headers(self.endpoint)
         if headers and plain_http_to_another_host(self.endpoint):
             raise GenerationServerError(
@@ -318,6 +346,9 @@ class VLLMClient:
         finally:
             deadline.cancel()
             _in_flight.holder = None
+        if not self._answered:
+            self._answered = True
+            _answered(self._http)
         if response.status_code >= 400:
             raise GenerationServerError(f"vLLM server {path} -> HTTP {response.status_code}: {response.text[:500]}")
         return response

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import requests
 
 from grpo_steps.servers.auth import auth_headers
+from grpo_steps.servers.client import server_session
 from grpo_steps.servers.router import requests_per_replica
 
 GAUGES = {"vllm:num_requests_running": "requests_running", "vllm:num_requests_waiting": "requests_waiting",
@@ -158,6 +159,7 @@ class EngineMetrics:
         self._previous: dict[int, EngineSample] = {}  # replica index -> its last sample that answered
         self._router_previous: dict[str, float] | None = None  # the router's totals at the previous scrape
         self._warned: set[str] = set()  # endpoints already warned about
+        self._http = server_session()
 
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:
@@ -168,7 +170,8 @@ class EngineMetrics:
     def _sample(self, index: int) -> EngineSample | None:
         endpoint = self.endpoints[index]
         try:
-            response = requests.get(f"{endpoint}/metrics", headers=auth_headers(endpoint), timeout=self.timeout_s)
+            # the replicas' session: a loopback listener is checked to be this user's before the token goes to it
+            response = self._http.get(f"{endpoint}/metrics", headers=auth_headers(endpoint), timeout=self.timeout_s)
             response.raise_for_status()
             return EngineSample(parse_engine_metrics(response.text), self.clock())
         except (requests.RequestException, ValueError) as err:  # ValueError: text the Prometheus parser rejects

@@ -12,7 +12,8 @@ bytes across, reading nothing but the first request head of a client's connectio
 - client -> router: a connection to ``H:P`` is relayed when its first request carries the run's token
   (``Authorization: Bearer <GRPO_SERVER_TOKEN>``; any request when the run has no token) and asks for a path under
   ``/v1/`` or one of :data:`TOKEN_PATHS`; an unauthenticated ``GET /health`` is answered by a ``GET /health`` of its
-  own to the router (nothing else on that connection is relayed); anything else gets 401 or 403 and is closed.
+  own to the router (nothing else on that connection is relayed; its answer within the head's deadline, at most
+  :data:`MAX_HEALTH` at once); anything else gets 401 or 403 and is closed.
   Later requests on an admitted connection are not read: only the token's holder opened it. A client has
   :data:`HEAD_TIMEOUT_S` in all to send that head, at most :data:`MAX_PENDING` connections wait for theirs (past it
   the oldest is closed), and an admitted connection has no timeout (a slow answer reaches the client whole).
@@ -44,19 +45,20 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 import urllib.parse
 
+from grpo_steps.loopback import ForeignListenerError, Pending, check_ours, relay, serve
 from grpo_steps.servers.router_netns import (  # the namespace and its keeper; the constants are this module's too
     NO_NAMESPACE_EXIT,
     ROUTER_HOST,
     ROUTER_METRICS_PORT,  # noqa: F401  (re-exported: grpo_steps.servers.router, k8s_manifests)
     ROUTER_PORT,
     TOKEN_ENV,
+    channel,
     inside_addresses,
     inside_urls,  # noqa: F401  (re-exported: grpo_steps.servers.router)
     keeper,
+    request,
 )
 
 HEAD_LIMIT_BYTES = 64 * 1024
@@ -70,6 +72,10 @@ is closed (``--max-pending``). Admitted connections are not counted: only the to
 MAX_METRICS = 8
 """Metrics connections relayed at once at most (no token: the metrics port answers ``GET /metrics`` to anyone); past
 it a new one is refused with 503."""
+MAX_HEALTH = 8
+"""Token-less health checks answered at once at most (each makes a connection to the router); past it 503."""
+HEALTH_ANSWER_LIMIT = 1 << 20
+"""Bytes of the router's health answer passed on at most (vllm-router's is a few bytes)."""
 CONNECT_TIMEOUT_S = 10.0
 """Seconds to connect to the router or a worker; a connection, once made, has no timeout (``--connect-timeout-s``)."""
 OPEN_PATHS = ("/health", "/liveness", "/readiness")
@@ -77,29 +83,6 @@ TOKEN_PATHS = ("/inference/v1/generate",)
 """Paths outside ``/v1/`` relayed with the token: vLLM's token-in/token-out sampling route (per-token weight versions,
 :data:`grpo_steps.weights.server_flags.TOKEN_GENERATE_PATH`); not its ``/inference/v1/abort_requests``."""
 """Paths answered without the token (``GET`` only; the answer comes from a request of the bridge's own)."""
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Copy bytes until ``reader`` ends, then end ``writer``'s writing side. No timeout: an admitted connection may
-    wait as long as the router takes to answer (a group of long completions behind others takes minutes)."""
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
-    except (OSError, RuntimeError):
-        pass  # either side closed (RuntimeError: write_eof on a closing transport): the other direction ends it
-
-
-async def _relay(a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-                 b: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
-    """Relay both ways between ``a`` and ``b`` until both directions end, then close both."""
-    try:
-        await asyncio.gather(_pump(a[0], b[1]), _pump(b[0], a[1]))
-    finally:
-        a[1].close()
-        b[1].close()
-
-
 async def _read_head(reader: asyncio.StreamReader, timeout_s: float) -> bytes:
     """The first request head, up to and with the blank line (what arrived after it stays in ``reader``). Raises
     ValueError past :data:`HEAD_LIMIT_BYTES` or when the client closes first, TimeoutError when the whole head has
@@ -159,12 +142,14 @@ class _Bridge:
                  max_pending: int = MAX_PENDING, inside_port: int = ROUTER_PORT,
                  inside_metrics_port: int = ROUTER_METRICS_PORT, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.ctl, self.lock = ctl, asyncio.Lock()
-        self.connect_timeout_s = connect_timeout_s
+        self.requests = 0  # requests sent to the keeper so far: the next one's id
+        self.connect_timeout_s = connect_timeout_s  # also the wait for the keeper's answer (it has half of it)
         self.token_digest = hashlib.sha256(token.encode()).digest() if token else None
-        self.head_timeout_s, self.max_pending = head_timeout_s, max_pending
+        self.head_timeout_s = head_timeout_s
         self.inside_port, self.inside_metrics_port = inside_port, inside_metrics_port
-        self.pending: dict[int, asyncio.StreamWriter] = {}  # connections without a complete head, oldest first
+        self.pending = Pending(max_pending)  # connections without a complete head
         self.metrics_open = 0  # metrics connections relayed now
+        self.health_open = 0  # token-less health checks being answered now
 
     async def inside(self, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A connection to ``port`` inside the router's namespace (``--pod``: this pod's own loopback). Raises OSError
@@ -178,37 +163,59 @@ class _Bridge:
                 raise OSError(f"the router did not accept a connection in {self.connect_timeout_s:g} s") from err
         loop = asyncio.get_running_loop()
         async with self.lock:  # one request at a time on the keeper's channel
-            await loop.sock_sendall(self.ctl, f"{port:05d}".encode())
-            readable = loop.create_future()
-            loop.add_reader(self.ctl, lambda: readable.done() or readable.set_result(None))
+            self.requests += 1
+            sent = request(port, self.requests)
+            await loop.sock_sendall(self.ctl, sent)
             try:
-                await asyncio.wait_for(readable, self.connect_timeout_s)
+                async with asyncio.timeout(self.connect_timeout_s):
+                    while True:
+                        message, conn = await self._answer(loop)
+                        if message[2:] == sent[5:]:
+                            break
+                        # an answer to a request already given up on (the keeper was late): dropped, never relayed
+                        if conn is not None:
+                            conn.close()
             except TimeoutError as err:
                 raise OSError("the namespace's keeper did not answer") from err
-            finally:
-                loop.remove_reader(self.ctl)
-            message, fds, _, _ = socket.recv_fds(self.ctl, 16, 1)
-        if message != b"ok" or not fds:
+        if message[:2] != b"ok" or conn is None:
+            if conn is not None:
+                conn.close()
             raise OSError(f"no connection to port {port} in the router's namespace")
-        return await asyncio.open_connection(sock=socket.socket(fileno=fds[0]))
+        try:
+            peer = conn.getpeername()
+        except OSError:
+            peer = None
+        if peer != (ROUTER_HOST, port):  # the socket relayed must be the one asked for, whatever the channel said
+            conn.close()
+            raise OSError(f"the keeper relayed a connection to {peer}, not to {ROUTER_HOST}:{port}")
+        return await asyncio.open_connection(sock=conn)
 
-    def _admit_pending(self, writer: asyncio.StreamWriter) -> None:
-        """Count a connection that has not yet shown its head; past :attr:`max_pending` the oldest such connection is
-        closed (the run's own clients send their head at once: the longest waiter is the likeliest to stall)."""
-        while len(self.pending) >= self.max_pending:
-            oldest = next(iter(self.pending))
-            self.pending.pop(oldest).transport.abort()
-        self.pending[id(writer)] = writer
+    async def _answer(self, loop: asyncio.AbstractEventLoop) -> tuple[bytes, socket.socket | None]:
+        """The keeper's next answer and the socket it carries (None: none; every descriptor received beyond the first
+        is closed at once)."""
+        readable = loop.create_future()
+        loop.add_reader(self.ctl, lambda: readable.done() or readable.set_result(None))
+        try:
+            await readable
+        finally:
+            loop.remove_reader(self.ctl)
+        message, fds, _, _ = socket.recv_fds(self.ctl, 64, 2)
+        socks = [socket.socket(fileno=fd) for fd in fds]
+        for extra in socks[1:]:
+            extra.close()
+        if not message:  # the keeper is gone (the channel's end)
+            raise OSError("the namespace's keeper is gone")
+        return message, (socks[0] if socks else None)
 
     async def client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._admit_pending(writer)
+        self.pending.add(writer)
         try:
             head = await _read_head(reader, self.head_timeout_s)
         except (OSError, ValueError):  # TimeoutError is an OSError
             writer.transport.abort()
             return
         finally:
-            self.pending.pop(id(writer), None)
+            self.pending.remove(writer)
         verdict = admit(head, self.token_digest)
         if verdict in ("401", "403"):
             reason = b"the run's token is required" if verdict == "401" else b"only /v1/ and health paths"
@@ -218,40 +225,75 @@ class _Bridge:
                          + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
             await _close(writer)
             return
+        if verdict == "health":
+            await self.health(writer)
+            return
         try:
             upstream = await self.inside(self.inside_port)
         except OSError:
             writer.transport.abort()
             return
-        if verdict == "health":  # a request of our own: nothing the client sent reaches the router
-            upstream[1].write(b"GET /health HTTP/1.1\r\nhost: router\r\nconnection: close\r\n\r\n")
-            await _pump(upstream[0], writer)
-            upstream[1].close()
-            writer.close()
-            return
         upstream[1].write(head)  # then whatever the client sent after its head, untouched
-        await _relay((reader, writer), upstream)
+        await relay((reader, writer), upstream)
+
+    async def health(self, writer: asyncio.StreamWriter) -> None:
+        """A token-less health check, answered by a ``GET /health`` of the bridge's own (nothing the client sent
+        reaches the router): the router's answer, at most :data:`HEALTH_ANSWER_LIMIT` bytes, within
+        ``head_timeout_s`` (else the client's connection is closed without one); at most :data:`MAX_HEALTH` at once,
+        past it 503 (a health check had no bound once its head was read: token-less clients could hold router
+        connections without end)."""
+        if self.health_open >= MAX_HEALTH:
+            writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            await _close(writer)
+            return
+        self.health_open += 1
+        upstream = None
+        try:
+            async with asyncio.timeout(self.head_timeout_s):
+                upstream = await self.inside(self.inside_port)
+                upstream[1].write(b"GET /health HTTP/1.1\r\nhost: router\r\nconnection: close\r\n\r\n")
+                answer = b""
+                while len(answer) < HEALTH_ANSWER_LIMIT and (data := await upstream[0].read(65536)):
+                    answer += data
+            writer.write(answer[:HEALTH_ANSWER_LIMIT])
+            await _close(writer)
+        except OSError:  # TimeoutError too: no answer in time
+            writer.transport.abort()
+        finally:
+            self.health_open -= 1
+            if upstream is not None:
+                upstream[1].transport.abort()
 
     async def worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      target: tuple[str, int]) -> None:
+        """The router's connection to a worker, relayed to the worker's real address; a worker on this host's
+        loopback must be this user's (the router passes the run's token on): another user's listener on a replica's
+        port (the replica gone) gets nothing."""
         try:
             upstream = await asyncio.wait_for(asyncio.open_connection(*target), self.connect_timeout_s)
         except (OSError, TimeoutError):
             writer.transport.abort()
             return
-        await _relay((reader, writer), upstream)
+        try:
+            check_ours(upstream[1].get_extra_info("socket"), f"worker {target[0]}:{target[1]}")
+        except ForeignListenerError as err:
+            print(f"[router-bridge] {err}", file=sys.stderr, flush=True)
+            upstream[1].transport.abort()
+            writer.transport.abort()
+            return
+        await relay((reader, writer), upstream)
 
     async def metrics(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """``GET /metrics`` relayed to the router's Prometheus port; its head has the clients' deadline and counts in
         their cap, and at most :data:`MAX_METRICS` are relayed at once (a scraper needs one)."""
-        self._admit_pending(writer)
+        self.pending.add(writer)
         try:
             head = await _read_head(reader, self.head_timeout_s)
         except (OSError, ValueError):
             writer.transport.abort()
             return
         finally:
-            self.pending.pop(id(writer), None)
+            self.pending.remove(writer)
         request = head.split(b"\r\n", 1)[0].split(b" ")
         if request[:2] != [b"GET", b"/metrics"] or self.metrics_open >= MAX_METRICS:
             writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
@@ -263,7 +305,7 @@ class _Bridge:
         try:
             upstream = await self.inside(self.inside_metrics_port)
             upstream[1].write(head)
-            await _relay((reader, writer), upstream)
+            await relay((reader, writer), upstream)
         except OSError:
             writer.transport.abort()
         finally:
@@ -276,37 +318,6 @@ async def _close(writer: asyncio.StreamWriter) -> None:
     except OSError:
         pass  # the client is gone already
     writer.close()
-
-
-def _serve(listeners: list[tuple[socket.socket, object]]) -> threading.Thread:
-    """Serve each ``(listening socket, handler)`` on one asyncio event loop in a daemon thread (the main thread waits
-    for the router or the keeper). A handler is ``async (reader, writer)``."""
-    ready = threading.Event()
-
-    async def run() -> None:
-        asyncio.get_running_loop().set_exception_handler(_log_once_in_a_while)
-        for sock, handle in listeners:
-            await asyncio.start_server(handle, sock=sock, limit=HEAD_LIMIT_BYTES)
-        ready.set()
-        await asyncio.Event().wait()  # forever: the process ends when the router does
-
-    thread = threading.Thread(target=asyncio.run, args=(run(),), daemon=True, name="router-bridge")
-    thread.start()
-    ready.wait(30)
-    return thread
-
-
-_last_logged: dict[str, float] = {}
-
-
-def _log_once_in_a_while(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-    """The event loop's errors, one line per kind every 10 s at most: out of descriptors, asyncio retries ``accept()``
-    up to 100 times a second and would write a traceback each time (a full stderr pipe would then stall the loop)."""
-    message = context.get("message", "event loop error")
-    now = time.monotonic()
-    if now - _last_logged.get(message, -10.0) >= 10.0:
-        _last_logged[message] = now
-        print(f"[router-bridge] {message}: {context.get('exception')!r} (going on)", file=sys.stderr, flush=True)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -323,7 +334,7 @@ def _serve_pod(public: socket.socket, metrics: socket.socket, bridge: _Bridge, r
     env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, "VLLM_API_KEY")}
     router = subprocess.Popen(router_cmd, env=env)
     signal.signal(signal.SIGTERM, lambda *_: router.terminate())
-    _serve([(metrics, bridge.metrics), (public, bridge.client)])
+    serve([(metrics, bridge.metrics), (public, bridge.client)], "router-bridge", limit=HEAD_LIMIT_BYTES)
     print("[router-bridge] vllm-router on this pod's loopback, reached with the run's token", flush=True)
     return router.wait()
 
@@ -359,14 +370,15 @@ def main(argv: list[str] | None = None) -> None:
               "inside_metrics_port": args.inside_metrics_port, "connect_timeout_s": args.connect_timeout_s}
     if args.pod:
         sys.exit(_serve_pod(public, metrics, _Bridge(None, token, **limits), router_cmd))
-    ours, theirs = socket.socketpair()
+    ours, theirs = channel()
     inside = inside_addresses(args.worker)
     pid = os.fork()  # before any thread: unshare(CLONE_NEWUSER) refuses a multithreaded process
     if pid == 0:
         ours.close()
         public.close()
         metrics.close()
-        os._exit(keeper(theirs, inside, router_cmd))
+        # the keeper gives up on a connection in half the bridge's wait for its answer
+        os._exit(keeper(theirs, inside, router_cmd, args.connect_timeout_s / 2))
     theirs.close()
     message, fds, _, _ = socket.recv_fds(ours, 4096, len(inside))
     if message != b"ok":
@@ -381,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
         target = (parts.hostname, parts.port or 80)
         listeners.append((socket.socket(fileno=fd),
                           lambda reader, writer, target=target: bridge.worker(reader, writer, target)))
-    _serve(listeners)
+    serve(listeners, "router-bridge", limit=HEAD_LIMIT_BYTES)
     # a stop reaches the keeper, which stops the router and waits for it; this process exits when the keeper has
     signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGTERM))
     print(f"[router-bridge] vllm-router in a private network namespace, reached at {args.host}:{args.port} with the "

@@ -5,6 +5,12 @@ worker where the router will reach it (:func:`inside_addresses`), hands those to
 (``SCM_RIGHTS``), starts the router (``--host`` :data:`ROUTER_HOST` ``--port`` :data:`ROUTER_PORT`) and then makes
 connections inside the namespace on the bridge's request, until the router exits or the bridge is gone. Only the
 standard library: the bridge's process imports nothing heavy.
+
+The channel is a ``SOCK_SEQPACKET`` pair (one message per request or answer, never two run together). A request is
+:func:`request` (the port and the request's id); its answer :func:`answer` echoes the id, so an answer that arrives
+after the bridge gave up on its request (a keeper descheduled past the bridge's connect timeout) is recognised and
+dropped, never taken for the next request's (it once was: from then on every connection got the previous request's
+socket, and a token-less ``GET /metrics`` reached the router's main port).
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ ROUTER_METRICS_PORT = 9000
 """The router's Prometheus port inside its namespace."""
 NO_NAMESPACE_EXIT = 3
 """Exit code when no private network namespace can be made here."""
+
+REQUEST_BYTES = 15
+"""A request on the channel: the port (5 ASCII digits) and the request's id (10 ASCII digits)."""
 
 _CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
@@ -63,6 +72,29 @@ def inside_urls(worker_urls: list[str]) -> list[str]:
     return [f"http://{host}:{port}" for host, port in inside_addresses(worker_urls)]
 
 
+def channel() -> tuple[socket.socket, socket.socket]:
+    """The bridge's and the keeper's ends of their channel: a unix ``SOCK_SEQPACKET`` pair (message boundaries kept)."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+def request(port: int, request_id: int) -> bytes:
+    """The bridge's request for a connection to ``port`` in the namespace.
+
+    >>> request(8000, 7)
+    b'080000000000007'
+    """
+    return f"{port:05d}{request_id % 10**10:010d}".encode()
+
+
+def answer(ok: bool, message: bytes) -> bytes:
+    """The keeper's answer to the request ``message``: ``ok`` or ``no``, then the request's id.
+
+    >>> answer(True, request(9000, 12)), answer(False, request(9000, 12))
+    (b'ok0000000012', b'no0000000012')
+    """
+    return (b"ok" if ok else b"no") + message[5:REQUEST_BYTES]
+
+
 def _unshare_network() -> None:
     """Move this (single-threaded) process into a new network namespace (and, without root, a new user namespace
     mapping this user to itself), with its loopback up. Raises OSError when the kernel refuses."""
@@ -82,10 +114,13 @@ def _unshare_network() -> None:
         fcntl.ioctl(sock, _SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags_now | _IFF_UP))
 
 
-def keeper(ctl: socket.socket, workers: list[tuple[str, int]], router_cmd: list[str]) -> int:
+def keeper(ctl: socket.socket, workers: list[tuple[str, int]], router_cmd: list[str],
+           connect_timeout_s: float = 5.0) -> int:
     """The namespace's keeper (a forked child): make the namespace, hand the relay a listener per worker, start the
-    router, then make connections inside the namespace on request (a port, 5 ASCII digits; answer ``ok`` with the
-    socket, or ``no``) until the router exits or the relay is gone. Returns the exit code."""
+    router, then make connections inside the namespace on request (:func:`request`; :func:`answer` ``ok`` with the
+    socket, or ``no``) until the router exits or the relay is gone. ``connect_timeout_s``: seconds one connection may
+    take, below the bridge's own wait for the answer (so the answer normally comes in time; when it does not, its id
+    tells the bridge to drop it). Returns the exit code."""
     try:
         _unshare_network()
     except OSError as err:
@@ -108,15 +143,20 @@ def keeper(ctl: socket.socket, workers: list[tuple[str, int]], router_cmd: list[
     while router.poll() is None and not stopping:
         if not select.select([ctl], [], [], 1.0)[0]:
             continue
-        request = ctl.recv(5)
-        if not request:  # the relay is gone: nobody can reach the router any more
+        message = ctl.recv(64)
+        if not message:  # the relay is gone: nobody can reach the router any more
             break
         conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        conn.settimeout(connect_timeout_s)
         try:
-            conn.connect((ROUTER_HOST, int(request)))
-            socket.send_fds(ctl, [b"ok"], [conn.fileno()])
+            if len(message) != REQUEST_BYTES or not message.isdigit():
+                raise OSError(f"not a request: {message[:20]!r}")
+            conn.connect((ROUTER_HOST, int(message[:5])))
         except OSError:
-            ctl.sendall(b"no")
+            ctl.sendall(answer(False, message))
+        else:
+            conn.setblocking(True)  # the socket's file is shared with the bridge, which sets its own mode
+            socket.send_fds(ctl, [answer(True, message)], [conn.fileno()])
         finally:
             conn.close()
     if router.poll() is None:

@@ -108,6 +108,28 @@ def test_a_reward_whose_signature_cannot_take_the_call_is_rejected_before_any_st
     assert not (tmp_path / "mlflow.db").exists()  # rejected with the config: nothing ran
 
 
+def test_prepare_data_probes_an_async_reward_and_refuses_a_blocking_one_within_its_timeout(tmp_path):
+    """The probe calls rewards through the training guard: the documented ``async def`` reward is awaited (it was
+    refused as "returned coroutine"), and a reward that blocks is refused once its timeout_s (2 s) has passed, naming
+    its file and line (it held prepare_data for ever)."""
+    (tmp_path / "my_rewards.py").write_text(
+        "import asyncio, threading\n"
+        "from rewards.extract import completion_text, extract_answer\n"
+        "async def judged(completions, answer, **kwargs):\n"
+        "    await asyncio.sleep(0)\n"
+        "    return [float(extract_answer(completion_text(c)) == a) for c, a in zip(completions, answer)]\n"
+        "def stuck(completions, **kwargs):\n"
+        "    threading.Event().wait(3600)\n"
+        "    return [0.0] * len(completions)\n")
+    env = flow_env(PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    config = flow_config(eval={"format_reward": None, "correctness_reward": "my_rewards:judged"})
+    config["rewards"] = [{"name": "my_rewards:judged"}, {"name": "my_rewards:stuck", "timeout_s": 2}]
+    out = _fails_before_the_server(tmp_path, config, f"reward 'my_rewards:stuck' ({tmp_path / 'my_rewards.py'}:6) "
+                                   "gave no answer within its timeout_s (2 s)", env)
+    assert "1 of the rewards cannot be trained with" in out and "my_rewards:judged" not in out.split(
+        "cannot be trained with")[1]  # the async one passed the probe
+
+
 @pytest.mark.parametrize(("reference", "message"), [
     ("GRPOFlow/999999", "train.resume_from 'GRPOFlow/999999': no such run"),
     ("GRPOFlow/no-such-key/3", "train.resume_from 'GRPOFlow/no-such-key/3' is not a directory, a 'FlowName/run_id' "

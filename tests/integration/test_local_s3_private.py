@@ -6,6 +6,7 @@ enter), nor read or write a bucket through S3 with the repository's development 
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -122,7 +123,8 @@ def test_make_s3_is_private_to_its_user(tmp_path):
             ("env", "s3.json", "data", "filer.sock", "netns"), "denied"), seen
         assert not [k for k, v in seen.items() if v == "allowed"], seen  # no S3 read, write or list
         assert owner.get_object(Bucket="grpo", Key="metaflow/secret.txt")["Body"].read() == b"the flow's artifact"
-        assert [o["Key"] for o in owner.list_objects_v2(Bucket="grpo")["Contents"]] == ["metaflow/secret.txt"]
+        assert [o["Key"] for o in owner.list_objects_v2(Bucket="grpo", Prefix="metaflow/")["Contents"]] == [
+            "metaflow/secret.txt"]  # (beside the nonce of serve, .grpo-local-s3/nonce)
     finally:
         _stop(proc)
     # a second start: fresh keys; the first ones open nothing
@@ -136,5 +138,110 @@ def test_make_s3_is_private_to_its_user(tmp_path):
 
         with pytest.raises(ClientError):
             stale.list_objects_v2(Bucket="grpo")
+    finally:
+        _stop(proc)
+
+
+def _squat(port: int) -> subprocess.Popen:
+    """A process of ours that answers every HTTP request on ``127.0.0.1:port`` with 200 and ``x`` (whoever holds the
+    port after ``make s3`` is gone)."""
+    code = ("import http.server, sys\n"
+            "class H(http.server.BaseHTTPRequestHandler):\n"
+            "    def do_GET(self):\n"
+            "        self.send_response(200); self.send_header('content-length', '1'); self.end_headers()\n"
+            "        self.wfile.write(b'x')\n"
+            "    def log_message(self, *a): pass\n"
+            "s = http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H)\n"
+            "print('up', flush=True)\n"
+            "s.serve_forever()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(port)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "up\n"
+    return proc
+
+
+def test_make_s3_writes_its_env_file_once_ready_and_start_refuses_a_stale_one(tmp_path):
+    """The env file of an earlier start is removed before the server starts (a shell waiting for it, as the docs'
+    wait line does, never reads old keys), written whole with mode 0600 once S3 answers, and holds a nonce the server
+    wrote: ``start``'s check (:func:`grpo_steps.dev.local_s3.check_env`) passes against it, and refuses the same file
+    once another process holds the port."""
+    from grpo_steps.config import ConfigError
+    from grpo_steps.dev.local_s3 import check_env
+
+    directory, port = tmp_path / ".s3", pick_port("127.0.0.1", 0)
+    directory.mkdir(mode=0o700)
+    (directory / "env").write_text("export METAFLOW_S3_ENDPOINT_URL=http://127.0.0.1:1\n")  # an earlier start's
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_steps.dev.local_s3", "serve", "--dir", str(directory),
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        stale, deadline = (directory / "env").read_text(), time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if (directory / "env").read_text() != stale:
+                    break
+            except FileNotFoundError:
+                break
+            time.sleep(0.02)
+        # removed at start, while the server starts (the old serve rewrote it in place once ready: never absent)
+        assert not (directory / "env").exists()
+        wait = next(line.split("#")[0].strip() for line in (Path(__file__).parents[2] / "docs" / "weight-sync.md")
+                    .read_text().splitlines() if line.startswith("until "))
+        shell = subprocess.run(["bash", "-c", f"{wait}; source .s3/env; echo $METAFLOW_S3_ENDPOINT_URL"],
+                               cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert shell.stdout.strip() == f"http://127.0.0.1:{port}"  # this start's endpoint, not the earlier one
+        assert (directory / "env").stat().st_mode & 0o777 == 0o600
+        env = _env(directory)
+        check_env(env)  # the server holds the file's nonce
+    finally:
+        _stop(proc)
+    squatter = _squat(port)
+    try:
+        with pytest.raises(ConfigError, match=f"the S3 server at http://127.0.0.1:{port} is not the `make s3` that "
+                                              "wrote this shell's environment"):
+            check_env(env)
+    finally:
+        squatter.terminate()
+        squatter.wait(30)
+
+
+@pytest.mark.slow  # 13 s on the 2-core box: the server's start, 2000 connections, the stop
+def test_the_relay_survives_2000_idle_connections_and_serves_s3_meanwhile(tmp_path):
+    """2000 connections that send nothing, against the relay of ``make s3`` limited to 1024 descriptors (a common
+    default): the relay closes the oldest idle ones past its cap, and a real S3 client (boto3) is served while all
+    2000 are open and after. The old relay (a thread and a gateway connection per connection) stopped accepting for
+    good after about 500."""
+    import resource
+
+    import boto3
+    import psutil
+    from botocore.config import Config
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2500:  # the client side of 2000 connections
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
+    directory = tmp_path / "s3"
+    proc, _ = _serve(directory, pick_port("127.0.0.1", 0))
+    idle: list = []
+    try:
+        psutil.Process(proc.pid).rlimit(psutil.RLIMIT_NOFILE, (1024, 1024))  # the relay's process; weed keeps its own
+        env = _env(directory)
+        host, port = env["METAFLOW_S3_ENDPOINT_URL"].removeprefix("http://").split(":")
+        s3 = boto3.client("s3", endpoint_url=env["METAFLOW_S3_ENDPOINT_URL"], region_name="us-east-1",
+                          aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+                          config=Config(connect_timeout=10, read_timeout=30, retries={"max_attempts": 2}))
+        for _ in range(2000):
+            idle.append(socket.create_connection((host, int(port)), timeout=10))
+        for k in range(3):  # while the 2000 are open
+            s3.put_object(Bucket="grpo", Key=f"metaflow/k{k}", Body=b"v%d" % k)
+            assert s3.get_object(Bucket="grpo", Key=f"metaflow/k{k}")["Body"].read() == b"v%d" % k
+    finally:
+        for sock in idle:
+            sock.close()
+    try:
+        assert len(idle) == 2000
+        assert sorted(o["Key"] for o in s3.list_objects_v2(Bucket="grpo", Prefix="metaflow/")["Contents"]) == [
+            "metaflow/k0", "metaflow/k1", "metaflow/k2"]
+        assert proc.poll() is None
     finally:
         _stop(proc)

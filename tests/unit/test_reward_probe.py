@@ -103,6 +103,16 @@ def test_an_unknown_module_names_where_it_was_looked_for(tmp_path):
     assert "a module beside the config file, in the working directory or installed" in str(refused.value)
 
 
+def test_a_reward_module_that_does_not_compile_is_refused_naming_its_file_and_line(tmp_path):
+    """A syntax error in the user's reward module: a one-line refusal of the config (it once ended in a raw
+    traceback through Metaflow's command line)."""
+    with pytest.raises(Exception) as refused:
+        _config(tmp_path, "def score(completions, **kw):\n    return [1.0 for c in completions\n")
+    module = next(tmp_path.glob("mine_*.py"))
+    assert f"its module does not compile, SyntaxError at {module}:2" in str(refused.value)
+    assert f"Fix that line (python -m py_compile {module} checks the file)" in str(refused.value)
+
+
 def test_the_config_file_is_taken_from_metaflows_option_before_the_command():
     assert config_file_of_command(["flow.py", "--config", "config", "/x/my.yaml", "run"]).as_posix() == "/x/my.yaml"
     assert config_file_of_command(["flow.py", "run"]).name == "local.yaml"  # the flow's default
@@ -228,3 +238,32 @@ def test_a_task_format_none_of_the_known_ones_is_given_by_eval_reference_format(
         probe_rewards(_config(tmp_path / "a", module), ROWS, Chars())
     cfg = _config(tmp_path / "b", module, reference_format='{"answer": "{answer}"}')
     assert "1/0, 1/0, 1/0" in probe_rewards(cfg, ROWS, Chars())[0]
+
+
+def test_an_async_reward_is_awaited_and_a_blocking_one_refused_within_its_timeout(tmp_path):
+    """Both through the guard training uses: an ``async def`` reward (documented in docs/your-task.md) is awaited and
+    probed like any other; a reward that blocks is refused once its ``timeout_s`` (1 s here) has passed, naming it,
+    its file and line, and the fix (it once held ``prepare_data`` for ever)."""
+    cfg = _config(tmp_path / "a", """
+        import asyncio
+        from rewards.extract import completion_text, extract_answer
+
+        async def score(completions, answer, **kwargs):
+            await asyncio.sleep(0)
+            return [float(extract_answer(completion_text(c)) == a) for c, a in zip(completions, answer)]
+        """)
+    assert probe_rewards(cfg, ROWS, Chars())[0].endswith(":score: reference/wrong answer per probed row 1/0, 1/0, 1/0")
+    cfg = _config(tmp_path / "b", """
+        import threading
+
+        def score(completions, **kwargs):
+            threading.Event().wait(600)  # a network call without a limit of its own
+            return [1.0] * len(completions)
+        """)
+    cfg = cfg.model_copy(update={"rewards": [spec.model_copy(update={"timeout_s": 1.0}) for spec in cfg.rewards]})
+    with pytest.raises(RewardContractError) as refused:
+        probe_rewards(cfg, ROWS, Chars())
+    module = tmp_path / "b" / f"{cfg.rewards[0].name.split(':')[0]}.py"
+    message = str(refused.value)
+    assert f"reward {cfg.rewards[0].name!r} ({module}:4) gave no answer within its timeout_s (1 s)" in message
+    assert "raise this reward's timeout_s" in message

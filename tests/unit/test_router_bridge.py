@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -110,7 +111,7 @@ print(data.count(b"HTTP/1.1 "))
 # --- the bridge alone, in front of a stand-in router (no vllm-router needed) ------------------------------------------
 
 STAND_IN_ROUTER = r"""
-import sys, threading, time
+import os, sys, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class Handler(BaseHTTPRequestHandler):
@@ -119,11 +120,30 @@ class Handler(BaseHTTPRequestHandler):
     def _answer(self):
         self.rfile.read(int(self.headers.get("content-length") or 0))
         time.sleep(float(self.path.partition("delay=")[2] or 0))  # a slow answer: ?delay=SECONDS
+        if self.path == "/health" and len(sys.argv) > 4 and os.path.exists(sys.argv[4]):
+            time.sleep(30)  # a router whose health check hangs while the file sys.argv[4] exists
         body = bytes(range(256)) * 400  # 100 kB, each byte checked at the client
+        if self.path.startswith("/v1/to-worker?port="):  # as the router forwards: to a worker, with the token
+            body = self._to_worker(int(self.path.partition("port=")[2]))
         self.send_response(200)
+        self.send_header("x-port", str(self.server.server_address[1]))  # which of the router's ports answered
         self.send_header("content-length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+    def _to_worker(self, port):
+        # what a worker at 127.0.0.1:port answered a request carrying this request's Authorization header
+        import socket
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nauthorization: "
+                             + self.headers["authorization"].encode() + b"\r\ncontent-length: 0\r\n\r\n")
+                answer = b""
+                while chunk := sock.recv(65536):
+                    answer += chunk
+                return answer or b"closed"
+        except OSError as err:
+            return repr(err).encode()
 
     do_GET = do_POST = _answer
 
@@ -149,7 +169,8 @@ class _Bridge:
     (``pod``: the router on this host's 127.2.0.1, as on a pod's loopback; else in a private network namespace)."""
 
     def __init__(self, *, pod: bool, head_timeout_s: float = 2.0, max_pending: int = 100, nofile: int | None = None,
-                 connect_timeout_s: float = router_bridge.CONNECT_TIMEOUT_S):
+                 connect_timeout_s: float = router_bridge.CONNECT_TIMEOUT_S, slow_health: str = "",
+                 worker_port: int | None = None):
         inside_port = _free_port(router_bridge.ROUTER_HOST) if pod else 8000
         inside_metrics = _free_port(router_bridge.ROUTER_HOST) if pod else 9000
         self.port, self.metrics_port = _free_port(), _free_port()
@@ -157,9 +178,9 @@ class _Bridge:
                str(self.port), "--metrics-port", str(self.metrics_port), "--head-timeout-s", str(head_timeout_s),
                "--max-pending", str(max_pending), "--inside-port", str(inside_port),
                "--inside-metrics-port", str(inside_metrics), "--connect-timeout-s", str(connect_timeout_s)]
-        cmd += ["--pod"] if pod else ["--worker", f"http://127.0.0.1:{_free_port()}"]
+        cmd += ["--pod"] if pod else ["--worker", f"http://127.0.0.1:{worker_port or _free_port()}"]
         cmd += ["--", sys.executable, "-c", STAND_IN_ROUTER, router_bridge.ROUTER_HOST, str(inside_port),
-                str(inside_metrics)]
+                str(inside_metrics), slow_health]
 
         def limit() -> None:
             if nofile:
@@ -299,3 +320,93 @@ def test_the_metrics_port_relays_get_metrics_only_a_few_at_a_time(bridges):
             break
         time.sleep(0.1)
     assert answer.status_code == 200
+
+
+def _established_to(pid: int, port: int) -> int:
+    """Established TCP connections to ``port`` in the network namespace of process ``pid`` (its /proc/PID/net/tcp)."""
+    rows = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+    return sum(row.split()[1].endswith(f":{port:04X}") and row.split()[3] == "01" for row in rows)
+
+
+def test_a_late_answer_of_the_keeper_never_sends_a_metrics_client_to_the_routers_main_port(bridges):
+    """The keeper (the process that connects inside the router's namespace) stopped past the bridge's connect timeout
+    (1 s): the run's request is given up, then the keeper answers it late, with a connection to the router's main
+    port. A token-less ``GET /metrics`` after that must reach the metrics port, and the run's next request the main
+    port: the late answer is dropped by its id. (The bridge once took each answer for the next request: the metrics
+    client got the router's main port, where ``/add_worker`` answers anyone, and the channel stayed one behind.)"""
+    bridge = bridges(pod=False, connect_timeout_s=1.0)
+    keeper_process = psutil.Process(bridge.proc.pid).children()[0]
+    router_process = next(p for p in keeper_process.children(recursive=True) if "-c" in p.cmdline())
+    keeper_process.suspend()  # SIGSTOP: the keeper reads nothing and answers nothing
+    try:
+        with pytest.raises(requests.ConnectionError):  # given up after the connect timeout: the client is cut
+            bridge.request()
+    finally:
+        keeper_process.resume()
+    for _ in range(300):  # the keeper answers the request it was sent: a connection to the router's main port
+        if _established_to(router_process.pid, 8000):
+            break
+        time.sleep(0.05)
+    assert _established_to(router_process.pid, 8000)
+    scrape = requests.get(f"http://127.0.0.1:{bridge.metrics_port}/metrics", timeout=30)
+    assert (scrape.status_code, scrape.headers["x-port"]) == (200, "9000")
+    answer = bridge.request()
+    assert (answer.status_code, answer.headers["x-port"], answer.content == BODY) == (200, "8000", True)
+
+
+def test_token_less_health_checks_are_bounded_in_number_and_time(bridges, tmp_path):
+    """A router whose health check hangs (30 s): a token-less ``GET /health`` is closed at the head deadline (2 s)
+    without an answer, and past :data:`MAX_HEALTH` at once a new one gets 503 at once (they once held a router
+    connection each for as long as the router took); once the router answers again, so does the bridge."""
+    flag = tmp_path / "slow-health"
+    bridge = bridges(pod=True, head_timeout_s=2.0, slow_health=str(flag))
+    flag.touch()
+    held = []
+    for _ in range(router_bridge.MAX_HEALTH):
+        sock = socket.create_connection(("127.0.0.1", bridge.port))
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        held.append(sock)
+    time.sleep(0.5)  # the bridge has read their heads and asked the router
+    one_more = requests.get(f"{bridge.url}/health", timeout=10)
+    answers = []
+    for sock in held:
+        sock.settimeout(10)  # the router would answer after 30 s: the bridge closes first, at its 2 s deadline
+        try:
+            answers.append(sock.recv(65536))
+        except ConnectionResetError:
+            answers.append(b"")
+        sock.close()
+    flag.unlink()
+    assert one_more.status_code == 503
+    assert answers == [b""] * router_bridge.MAX_HEALTH
+    assert requests.get(f"{bridge.url}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not os.path.exists(SYSTEM_PYTHON),
+                    reason="plays the other user with setuid (needs root and a system Python)")
+def test_a_workers_port_held_by_another_user_gets_nothing_from_the_router(bridges):
+    """The router forwards the run's token to its workers; a worker's port on loopback held by another user (the
+    replica gone) gets not a byte: the bridge checks the listener's owner before relaying the router's connection."""
+    port = _free_port()
+    squatter = subprocess.Popen([SYSTEM_PYTHON, "-c", "import socket, sys\n"
+                                 "s = socket.create_server(('127.0.0.1', int(sys.argv[1])))\n"
+                                 "print('up', flush=True)\n"
+                                 "while True:\n"
+                                 "    c = s.accept()[0]\n"
+                                 "    c.settimeout(5)\n"
+                                 "    try:\n"
+                                 "        data = c.recv(65536)\n"
+                                 "        print(data, flush=True) if data else None\n"
+                                 "    except OSError:\n"
+                                 "        pass\n", str(port)],
+                                stdout=subprocess.PIPE, text=True, env={"PATH": "/usr/bin:/bin"}, cwd="/",
+                                preexec_fn=lambda: (os.setgid(65534), os.setuid(65534)))
+    try:
+        assert squatter.stdout.readline() == "up\n"
+        bridge = bridges(pod=False, worker_port=port)
+        answer = bridge.request(f"/v1/to-worker?port={port}")
+    finally:
+        squatter.terminate()
+        received = squatter.communicate(timeout=30)[0]
+    assert answer.status_code == 200 and answer.content == b"closed"  # the bridge closed the router's connection
+    assert received == ""  # not a byte reached the other user's listener

@@ -25,6 +25,7 @@ def test_s3_sync_is_a_server_push_with_async_and_intervals():
     ({"generation": {"weight_sync": "s3"}, "train": {"peft": {"r": 8, "alpha": 16}}}, "train.peft.push: merged"),
     ({"generation": {"weight_sync": "s3", "s3_sync": {"url": "/local/dir"}}}, "is not an s3://bucket/prefix URL"),
     ({"generation": {"weight_sync": "s3", "s3_sync": {"anchor_every": 0}}}, "greater than or equal to 1"),
+    ({"generation": {"weight_sync": "s3", "s3_sync": {"anchor_every": 1001}}}, "less than or equal to 1000"),
 ])
 def test_what_s3_sync_refuses_names_the_fix(config, says):
     with pytest.raises((ValueError, ConfigError), match=says):
