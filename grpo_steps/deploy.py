@@ -111,14 +111,14 @@ def user_modules(config) -> list[str]:
     """The top-level modules of the config's dotted reward, tool and environment paths, leaving out the pipeline's own
     packages (always in the code package). An environment's adapter prefix is no module: ``gym:module:Class`` names
     ``module``, ``textarena:<id>`` the installed ``textarena`` (which the launching process need not import)."""
-    from grpo_steps.environments import GYM, TEXTARENA
+    from grpo_steps.tools.games import module_of
     from rewards import REGISTRY
 
     paths = [spec["name"] for spec in config["rewards"] if spec["name"] not in REGISTRY]
     paths += list(config["tools"] or [])
     environment = config["environment"]
     specs = [environment] if isinstance(environment, str) else list((environment or {}).values())  # or {name: spec}
-    paths += ["textarena" if spec.startswith(TEXTARENA) else spec.removeprefix(GYM) for spec in specs]
+    paths += [module_of(spec) for spec in specs]
     names = {path.replace(":", ".").split(".")[0] for path in paths}
     return sorted(names - {"grpo_steps", "rewards"})
 

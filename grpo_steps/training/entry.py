@@ -95,7 +95,8 @@ def build_trainer(job: TrainJob, args, model, tokenizer, started: float):
     start of the process, for the progress lines)."""
     from datasets import Dataset
 
-    from grpo_steps.tools import environment_factories, tool_functions, trl_environment_factory
+    from grpo_steps.tools.environments import environment_factories, trl_environment_factory
+    from grpo_steps.tools.functions import tool_functions
     from grpo_steps.training.gang import GangManifestCallback, RepairUniversalLoad
     from grpo_steps.training.zero_signal import mode_for
 

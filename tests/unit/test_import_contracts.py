@@ -37,6 +37,10 @@ def test_the_contracts_hold():
     ("grpo_steps/servers/client.py", "import grpo_steps.steps", "Layers from the step bodies"),
     # inside the training process: the job (imported by the flow) pulling in the trainer and TRL
     ("grpo_steps/training/job.py", "import grpo_steps.training.trainer", "Layers inside the training process"),
+    # inside the tools wing: the tool's worker process importing the tools' resolution (and transformers with it)
+    ("grpo_steps/tools/worker.py", "import grpo_steps.tools.functions", "Layers inside the tools wing"),
+    # the config's validators starting environments' worker processes
+    ("grpo_steps/config/pipeline.py", "import grpo_steps.tools.environments", "The config checks tools and games"),
 ])
 def test_a_forbidden_import_breaks_a_contract(tmp_path, module, line, broken):
     for package in ("grpo_steps", "rewards"):
