@@ -98,9 +98,10 @@ def run_token_secrets(provider: str, argv: list[str] | None = None) -> list[str]
     """``@kubernetes(secrets=...)`` of :data:`TOKEN_STEPS`: the run's token Secret
     (:data:`grpo_steps.servers.k8s_manifests.ARGO_TOKEN_SECRET`, named per run by Argo's substitution of
     ``{{workflow.name}}``), when ``argo-workflows`` deploys a flow whose provider is ``kubernetes``; else none.
-    The kubelet puts the Secret's key in the pod's environment (``GRPO_SERVER_TOKEN``), so the flow's account needs
-    no right to read Secrets, and no run's pod names another run's Secret (the WorkflowTemplate is the deployer's).
-    Metaflow's ``envFrom`` is not optional: a pod of a step before ``provision_vllm`` would wait for the Secret."""
+    The kubelet puts the Secret's key in the pod's process variables (``GRPO_SERVER_TOKEN``), so the flow's account
+    needs no right to read Secrets, and no run's pod names another run's Secret (the WorkflowTemplate is the
+    deployer's). Metaflow's ``envFrom`` is not optional: a pod of a step before ``provision_vllm`` would wait for
+    the Secret."""
     from grpo_steps.servers.k8s_manifests import ARGO_TOKEN_SECRET
 
     argv = sys.argv if argv is None else argv
