@@ -154,3 +154,20 @@ def test_a_module_a_tool_wrote_into_the_working_directory_never_shadows_the_stan
     finally:
         fn.worker.close()
     assert not marker.exists()  # on main the worker (python -m, the cwd first) imported the planted json.py
+
+
+def test_the_worker_finds_the_pipeline_in_its_code_root(tmp_path):
+    """A worker puts :data:`CODE_ROOT` on its path to import ``grpo_steps`` where no package is installed (a Metaflow
+    task's unpacked code package): it is the directory holding the package, and a bare interpreter started from
+    elsewhere, with nothing but that directory added, imports the worker's module from it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from grpo_steps.tools.worker import CODE_ROOT
+
+    assert (Path(CODE_ROOT) / "grpo_steps" / "tools" / "worker.py").is_file()
+    boot = f"import sys; sys.path.append({CODE_ROOT!r}); import grpo_steps.tools.worker as w; print(w.__file__)"
+    out = subprocess.run([sys.executable, "-P", "-S", "-c", boot], cwd=tmp_path, env={"PATH": os.environ["PATH"]},
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert Path(out.strip()) == Path(CODE_ROOT) / "grpo_steps" / "tools" / "worker.py"
