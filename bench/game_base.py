@@ -59,7 +59,7 @@ def main() -> None:
     from grpo_steps.evaluation.stats import gain_metrics
     from grpo_steps.models import load_tokenizer, resolve_model
     from grpo_steps.servers.lifecycle import run_owner
-    from grpo_steps.tools import prompt_tools
+    from grpo_steps.tools.environments import prompt_tools
 
     cfg = load_config(args.config)
     if args.samples is not None:

@@ -103,11 +103,11 @@ def log_episode_trace(workdir: Path, run_id: str | None = None) -> dict[str, str
 
     from grpo_steps.config import validate_config
     from grpo_steps.dev.tiny_model import TINY
-    from grpo_steps.environments import TEXTARENA
     from grpo_steps.evaluation.episodes import Episode
     from grpo_steps.evaluation.traces import episode_traces, log_traces
     from grpo_steps.models import prepare_embedded
-    from grpo_steps.tools import environment_factories
+    from grpo_steps.tools.environments import environment_factories
+    from grpo_steps.tools.games import TEXTARENA
 
     uri = f"sqlite:///{workdir}/mlflow.db"
     cfg = validate_config({"tracking": {"tracking_uri": uri}, "eval": {"num_traces": 1}})

@@ -1,6 +1,6 @@
-"""Cost of a tool call in its worker process (:mod:`grpo_steps.tool_worker`) against the in-process thread that
-environments use (:func:`grpo_steps.tools.with_timeout`): the shipped ``calculator``, ``--calls`` calls each; prints
-the worker's start and the mean seconds per call of each.
+"""Cost of a tool call in its worker process (:mod:`grpo_steps.tools.worker`) against an in-process thread with a
+time limit (the tools' former way, a ``concurrent.futures`` thread here): the shipped ``calculator``, ``--calls`` calls
+each; prints the worker's start and the mean seconds per call of each.
 
     .venv/bin/python bench/tool_call.py [--calls 200]
 """
@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import date
 
-from grpo_steps.tools import calculator, tool_functions, with_timeout
+from grpo_steps.tools.functions import calculator, tool_functions
 
 
 def per_call(fn, calls: int) -> float:
@@ -31,7 +32,9 @@ def main() -> None:
     start = time.perf_counter()
     worker("1 + 1")  # starts the worker
     started = time.perf_counter() - start
-    process, thread = per_call(worker, args.calls), per_call(with_timeout(calculator, 10), args.calls)
+    with ThreadPoolExecutor(1) as pool:
+        process = per_call(worker, args.calls)
+        thread = per_call(lambda expression: pool.submit(calculator, expression).result(timeout=10), args.calls)
     worker.worker.close()
     print(f"{date.today()}, {os.cpu_count()} CPUs: worker start {started:.2f} s; per call: worker process "
           f"{process * 1e3:.2f} ms, thread {thread * 1e3:.2f} ms ({args.calls} calls each)")

@@ -98,9 +98,10 @@ def run_token_secrets(provider: str, argv: list[str] | None = None) -> list[str]
     """``@kubernetes(secrets=...)`` of :data:`TOKEN_STEPS`: the run's token Secret
     (:data:`grpo_steps.servers.k8s_manifests.ARGO_TOKEN_SECRET`, named per run by Argo's substitution of
     ``{{workflow.name}}``), when ``argo-workflows`` deploys a flow whose provider is ``kubernetes``; else none.
-    The kubelet puts the Secret's key in the pod's environment (``GRPO_SERVER_TOKEN``), so the flow's account needs
-    no right to read Secrets, and no run's pod names another run's Secret (the WorkflowTemplate is the deployer's).
-    Metaflow's ``envFrom`` is not optional: a pod of a step before ``provision_vllm`` would wait for the Secret."""
+    The kubelet puts the Secret's key in the pod's process variables (``GRPO_SERVER_TOKEN``), so the flow's account
+    needs no right to read Secrets, and no run's pod names another run's Secret (the WorkflowTemplate is the
+    deployer's). Metaflow's ``envFrom`` is not optional: a pod of a step before ``provision_vllm`` would wait for
+    the Secret."""
     from grpo_steps.servers.k8s_manifests import ARGO_TOKEN_SECRET
 
     argv = sys.argv if argv is None else argv
@@ -111,14 +112,14 @@ def user_modules(config) -> list[str]:
     """The top-level modules of the config's dotted reward, tool and environment paths, leaving out the pipeline's own
     packages (always in the code package). An environment's adapter prefix is no module: ``gym:module:Class`` names
     ``module``, ``textarena:<id>`` the installed ``textarena`` (which the launching process need not import)."""
-    from grpo_steps.environments import GYM, TEXTARENA
+    from grpo_steps.tools.games import module_of
     from rewards import REGISTRY
 
     paths = [spec["name"] for spec in config["rewards"] if spec["name"] not in REGISTRY]
     paths += list(config["tools"] or [])
     environment = config["environment"]
     specs = [environment] if isinstance(environment, str) else list((environment or {}).values())  # or {name: spec}
-    paths += ["textarena" if spec.startswith(TEXTARENA) else spec.removeprefix(GYM) for spec in specs]
+    paths += [module_of(spec) for spec in specs]
     names = {path.replace(":", ".").split(".")[0] for path in paths}
     return sorted(names - {"grpo_steps", "rewards"})
 

@@ -94,7 +94,7 @@ def load_tokenizer(model_path: str, chat_template: str | None = None):
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if chat_template:
-        from grpo_steps.tools import chat_template_text
+        from grpo_steps.tools.functions import chat_template_text
 
         tokenizer.chat_template = chat_template_text(chat_template)
     return tokenizer

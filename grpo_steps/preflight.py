@@ -72,7 +72,7 @@ def refusal_types() -> tuple[type[BaseException], ...]:
     from grpo_steps.checkpoints import CheckpointNotFound
     from grpo_steps.config import ConfigError
     from grpo_steps.sources import DataError
-    from grpo_steps.tools import ToolError
+    from grpo_steps.tools.functions import ToolError
     from grpo_steps.tracking import TrackingUnreachable
     from grpo_steps.weights.chain import ChainStoreError
     from rewards.sandbox import SandboxUnavailable
@@ -280,9 +280,10 @@ def check_tools(cfg: PipelineConfig, model_path: str) -> None:
     describable tools and the chat template renders a tool-calling exchange with the tools' schemas.
 
     Raises:
-        ToolError: as :func:`grpo_steps.tools.check_tool_calling`."""
+        ToolError: as :func:`grpo_steps.tools.functions.check_tool_calling`."""
     from grpo_steps.models import load_tokenizer
-    from grpo_steps.tools import check_tool_calling, prompt_tools
+    from grpo_steps.tools.environments import prompt_tools
+    from grpo_steps.tools.functions import check_tool_calling
 
     tokenizer = load_tokenizer(model_path, cfg.model.chat_template)
     if cfg.tools or cfg.environment:

@@ -1,7 +1,7 @@
 """One redaction for everything that leaves the process: MLflow params, tags and tables, Metaflow artifacts, job
 files, log lines, error messages, the card and the registered version's description.
 
-Credentials belong in the environment (``MLFLOW_TRACKING_USERNAME``/``MLFLOW_TRACKING_PASSWORD``, ``VLLM_API_KEY``,
+Credentials belong in process variables (``MLFLOW_TRACKING_USERNAME``/``MLFLOW_TRACKING_PASSWORD``, ``VLLM_API_KEY``,
 ``GRPO_SERVER_TOKEN``, ``AWS_*``, ``HF_TOKEN``); the config refuses them anywhere in its tree
 (:func:`credential_in`, :func:`secret_name`, used by ``grpo_steps.config``), and :func:`redact` replaces any that
 still reach a string with ``***``. It parses rather than guesses where it can:

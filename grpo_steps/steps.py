@@ -61,7 +61,7 @@ def prepare_data(cfg: PipelineConfig, run_id: str, model_path: str) -> tuple[str
     from grpo_steps.data import check_environments, mlflow_datasets, prepare
     from grpo_steps.models import load_tokenizer, resolve_model
     from grpo_steps.reward_probe import probe_rewards
-    from grpo_steps.tools import prompt_tools
+    from grpo_steps.tools.environments import prompt_tools
 
     if not Path(model_path).exists():  # a step in another pod (Kubernetes) resolves the embedded model there again
         model_path = resolve_model(cfg.model.name_or_path)

@@ -1,5 +1,5 @@
 """Rewards of a game episode (``environment:``), read from each episode's environment: ``outcome``, which the
-game adapters of :mod:`grpo_steps.environments` keep (``solved``, ``invalid_moves``, ``moves``, ``timed_out``).
+game adapters of :mod:`grpo_steps.tools.games` keep (``solved``, ``invalid_moves``, ``moves``, ``timed_out``).
 
 TRL passes every reward function the rollouts' environment instances as ``environments`` (one per completion,
 ``GRPOTrainer._calculate_rewards``); the evaluation does the same (:mod:`grpo_steps.evaluation.scoring`). An

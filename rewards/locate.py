@@ -7,7 +7,7 @@ library stays first, so a ``json.py`` beside a config cannot shadow it.
 
 :func:`add_module_dirs` puts those directories on ``sys.path`` of this process, just before the installed packages;
 every process that validates the config does so (the flow's steps, the training job, the evaluation), and a tool's
-worker process is started with the same directories (:func:`grpo_steps.tool_worker.worker_command`).
+worker process is started with the same directories (:func:`grpo_steps.tools.worker.worker_command`).
 """
 
 from __future__ import annotations

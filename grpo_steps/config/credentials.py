@@ -17,7 +17,7 @@ from typing import Any
 
 from grpo_steps.redaction import bare_key, credential_in, holds_a_value, secret_name
 
-ENV_HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
+VARIABLE_HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("hub_token", "hf_token"), "HF_TOKEN"),
     (("tracking",), "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) for an MLflow "
                     "server, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY for S3"),
@@ -28,13 +28,13 @@ ENV_HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
 """Where a credential was found -> the environment variable(s) to use instead (first match of a path part)."""
 
 
-def env_hint(path: str) -> str:
+def variable_hint(path: str) -> str:
     """The environment variable(s) that replace a credential found at ``path`` (``rewards[0].options.api_key``).
 
-    >>> env_hint("train.grpo.hub_token"), env_hint("rewards[1].options.key")
+    >>> variable_hint("train.grpo.hub_token"), variable_hint("rewards[1].options.key")
     ('HF_TOKEN', 'an environment variable the function reads itself (os.environ)')
     """
-    for parts, hint in ENV_HINTS:
+    for parts, hint in VARIABLE_HINTS:
         if any(part in path for part in parts):
             return hint
     return "an environment variable read by the code that needs it"
@@ -66,5 +66,5 @@ def find_credentials(tree: Any, path: str = "") -> list[tuple[str, str]]:
 def credentials_error(found: list[tuple[str, str]]) -> str:
     """The refusal for :func:`find_credentials`' findings: each path, what it holds, the variable to use."""
     return "; ".join(f"{where} holds a credential ({what}): remove it from the config and set it in the environment "
-                     f"instead: {env_hint(where)}" for where, what in found) + (
+                     f"instead: {variable_hint(where)}" for where, what in found) + (
         " (the config is stored by Metaflow, written into job files and logged to MLflow as given)")

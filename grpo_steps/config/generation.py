@@ -162,7 +162,7 @@ class GenerationConfig(_Section):
     one assistant turn and samples the next turn); TRL's ``max_tool_calling_iterations``."""
     tool_timeout_s: float = Field(10.0, gt=0)
     """Seconds one tool call may take; past it the call is an error the model sees as the tool's answer (a
-    ``tools:`` function's worker process is killed; :mod:`grpo_steps.tool_worker`)."""
+    ``tools:`` function's worker process is killed; :mod:`grpo_steps.tools.worker`)."""
     episode_timeout_s: float | None = Field(None, gt=0)
     """With an ``environment``: seconds of wall clock an episode may take from its ``reset`` (model turns included);
     a move past it ends the episode, scored failed (``get_reward`` 0, not solved) and counted

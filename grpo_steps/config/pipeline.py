@@ -61,7 +61,7 @@ class PipelineConfig(_Section):
     (an extra reward, weight 1); ``gym:module:Class``, a gymnasium-style class (``reset(seed=) -> (obs, info)``,
     ``step(action) -> (obs, reward, terminated, truncated, info)``), or ``textarena:<id>``, a single-player TextArena
     game (e.g. ``textarena:GuessTheNumber-v0``), both adapted with one ``move(action)`` tool and seeded by the row's
-    ``seed`` column (``grpo_steps.environments``); or ``{name: factory}``, each row naming its environment in an
+    ``seed`` column (``grpo_steps.tools.games``); or ``{name: factory}``, each row naming its environment in an
     ``environment`` column (kept with ``data.columns``). Each instance runs in a worker process of its own. Null:
     none."""
     generation: GenerationConfig = GenerationConfig()
@@ -336,12 +336,12 @@ class PipelineConfig(_Section):
     def _tools_describable(self) -> PipelineConfig:
         """Each tool imports and has a schema (the environment's factory is probed in ``start``)."""
         if self.tools:
-            from grpo_steps.tools import tool_functions
+            from grpo_steps.tools.functions import tool_functions
 
             tool_functions(self.tools, self.generation.tool_timeout_s)  # raises ConfigError naming the tool
         if self.environment is not None:
-            from grpo_steps.environments import adapter_factory
-            from grpo_steps.tools import resolve_callable
+            from grpo_steps.tools.functions import resolve_callable
+            from grpo_steps.tools.games import adapter_factory
 
             named = {"": self.environment} if isinstance(self.environment, str) else self.environment
             for name, path in named.items():

@@ -68,7 +68,8 @@ class EpisodeSampler:
     """
 
     def __init__(self, cfg: PipelineConfig, client, tokenizer) -> None:
-        from grpo_steps.tools import environment_factories, tool_functions
+        from grpo_steps.tools.environments import environment_factories
+        from grpo_steps.tools.functions import tool_functions
 
         self.cfg, self.client, self.tokenizer, self.gen = cfg, client, tokenizer, cfg.generation
         self.tools = tool_functions(cfg.tools, self.gen.tool_timeout_s, self.gen.max_tool_response_length)
@@ -84,7 +85,7 @@ class EpisodeSampler:
                 add_response_schema(tokenizer)  # as TRL does, to parse tool calls
 
     def _episode_tools(self, environment) -> list:
-        from grpo_steps.tools import environment_methods
+        from grpo_steps.tools.environments import environment_methods
 
         if environment is None:
             return list(self.tools)
@@ -298,7 +299,7 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
 
 def game_metrics(episodes: list[Episode]) -> dict[str, float]:
     """Over the episodes whose environment keeps an ``outcome`` (the game adapters of
-    :mod:`grpo_steps.environments`; none: ``{}``): ``game/solve_rate`` (0..1), ``game/moves_per_solved`` (moves of a
+    :mod:`grpo_steps.tools.games`; none: ``{}``): ``game/solve_rate`` (0..1), ``game/moves_per_solved`` (moves of a
     solved episode, mean; NaN when none is solved), ``game/invalid_moves`` (refused moves per episode) and
     ``game/timed_out`` (episodes ended by ``generation.episode_timeout_s``, a count).
 

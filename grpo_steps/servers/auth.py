@@ -4,14 +4,14 @@
 vLLM's own ``--api-key`` guards only ``/v1``-style paths, not the dev-mode routes the pipeline needs; so the
 servers this pipeline starts load :class:`RunTokenMiddleware` (``--middleware``, an ASGI class), which refuses
 every request without ``Authorization: Bearer <token>`` except ``GET /health`` (liveness probes). The token
-travels in the environment (:data:`TOKEN_ENV`), never on a command line, in a log or an artifact:
+travels in the process variables (:data:`TOKEN_ENV`), never on a command line, in a log or an artifact:
 
 - ``local`` provider: a fresh token per server (or ``GRPO_SERVER_TOKEN`` / ``VLLM_API_KEY`` when the flow's
-  environment sets one: what its clients present), in the server's environment and in a file only this user can
-  read (``~/.cache/grpo-pipeline/server-tokens/<host>-<port>``, mode 0600), where the run's clients find it by
-  endpoint (:func:`token_for`); removed when the server stops.
+  process variables set one: what its clients present), in the server's process variables and in a file only this
+  user can read (``~/.cache/grpo-pipeline/server-tokens/<host>-<port>``, mode 0600), where the run's clients find it
+  by endpoint (:func:`token_for`); removed when the server stops.
 - ``external``: start the server with ``--middleware grpo_steps.servers.auth.RunTokenMiddleware`` and
-  ``GRPO_SERVER_TOKEN`` in its environment, and run the flow with the same ``GRPO_SERVER_TOKEN``
+  ``GRPO_SERVER_TOKEN`` in its process variables, and run the flow with the same ``GRPO_SERVER_TOKEN``
   (``VLLM_API_KEY`` is sent when ``GRPO_SERVER_TOKEN`` is not set, for a server behind vLLM's own key).
 - ``kubernetes``: a NetworkPolicy admits only the run's pods (``infra/k8s/vllm-server.yaml``).
 """

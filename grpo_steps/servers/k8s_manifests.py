@@ -190,7 +190,7 @@ def render_manifests(cfg: PipelineConfig, run_id: str, model: str, template: Pat
     that replica (:func:`replica_name`; its pods carry :data:`REPLICA_LABEL`, which its Service selects); the
     NetworkPolicy is the run's one, over every server pod of the run, admitting the router when
     ``generation.server.replicas`` > 1. With ``generation.weight_sync: s3`` and ``resources.vllm.s3_secret_name``,
-    the server container takes that Secret's keys as its environment (``envFrom``: the S3 credentials reach no
+    the server container takes that Secret's keys as its process variables (``envFrom``: the S3 credentials reach no
     manifest, argument or log; the container's own ``env`` entries win over a key of the same name).
     """
     res = cfg.resources.vllm

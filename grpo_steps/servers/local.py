@@ -34,7 +34,7 @@ from grpo_steps.servers import auth
 from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy, start_all
 from grpo_steps.servers.client import served_model_names
 from grpo_steps.servers.gpus import cpu_build
-from grpo_steps.servers.server_env import allowed_environment
+from grpo_steps.servers.process_variables import allowed_variables
 from grpo_steps.weights.server_flags import LOGPROBS_MODE, TOKEN_GENERATE_ARGS, weight_transfer_args
 
 if TYPE_CHECKING:
@@ -105,13 +105,13 @@ evaluation prompts (4 sampled + 1 greedy) 11.6 -> 5.5 s (docs/benchmarks.md). A 
 ``generation.server.extra_args`` wins (it comes later on the command line)."""
 
 
-def server_environment(server_cfg: ServerConfig, *, token: str, ipc_dir: str, lora: bool = False,
-                       base: dict[str, str] | None = None, s3: bool = False, hub: bool = False) -> dict[str, str]:
-    """The environment of a local server's process: the allow-listed part of ``base`` (default this process's;
-    :func:`grpo_steps.servers.server_env.allowed_environment`: no MLflow credentials, and the S3 keys only with ``s3``,
-    the server reading ``weight_sync: s3`` versions, the Hub token only with ``hub``, a model it downloads) plus the
-    run's token, the KV-cache size (``VLLM_CPU_KVCACHE_SPACE``, GiB), runtime LoRA updates with ``lora``, and where its
-    cores are set.
+def server_variables(server_cfg: ServerConfig, *, token: str, ipc_dir: str, lora: bool = False,
+                     base: dict[str, str] | None = None, s3: bool = False, hub: bool = False) -> dict[str, str]:
+    """The process variables of a local server: the allow-listed part of ``base`` (default this process's;
+    :func:`grpo_steps.servers.process_variables.allowed_variables`: no MLflow credentials, and the S3 keys only with
+    ``s3``, the server reading ``weight_sync: s3`` versions, the Hub token only with ``hub``, a model it downloads)
+    plus the run's token, the KV-cache size (``VLLM_CPU_KVCACHE_SPACE``, GiB), runtime LoRA updates with ``lora``,
+    and where its cores are set.
     Its temporary files (``TMPDIR``; vLLM's ``vllm_dist_*`` file store, left in the shared temporary directory
     otherwise) go to ``ipc_dir``, the server's private directory, removed when it stops.
 
@@ -128,7 +128,7 @@ def server_environment(server_cfg: ServerConfig, *, token: str, ipc_dir: str, lo
     allow to use torch.set_num_threads after the thread binding"): a binding the user set keeps that layout, three
     processes.
     """
-    env = dict(allowed_environment(base, s3=s3, hub=hub), VLLM_SERVER_DEV_MODE="1",
+    env = dict(allowed_variables(base, s3=s3, hub=hub), VLLM_SERVER_DEV_MODE="1",
                VLLM_CPU_KVCACHE_SPACE=str(server_cfg.kv_cache_gib), VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1",
                VLLM_RPC_BASE_PATH=ipc_dir,
                TMPDIR=ipc_dir)  # vLLM's torch.distributed file store (vllm_dist_*) goes there, removed at stop
@@ -259,8 +259,8 @@ class LocalServer(GenerationServer):
 def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int, dtype: str, owner: ProcessRef,
                 log_dir: str | Path | None = None, max_lora_rank: int | None = None,
                 token: str | None = None, replica: int | None = None, s3: bool = False) -> LocalServer:
-    """Start a vLLM server on ``server_cfg.host`` and wait until it is healthy, from an allow-listed environment
-    (:func:`server_environment`).
+    """Start a vLLM server on ``server_cfg.host`` and wait until it is healthy, from allow-listed process variables
+    (:func:`server_variables`).
 
     Args:
         model_path: directory of the weights to serve.
@@ -288,12 +288,12 @@ def start_local(model_path: str, server_cfg: ServerConfig, *, max_model_len: int
     log_path = Path(log_dir or private_dir(LOG_DIR_NAME)) / f"vllm-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open_private(log_path, "ab")  # first: a link planted at the log's name would make us append to its target
-    # the run's token, in the environment only: the one the flow's clients would present (grpo_steps.servers.auth
+    # the run's token, in the process variables only: the one the flow's clients would present (grpo_steps.servers.auth
     # token_for), else a new one; with VLLM_API_KEY set, vLLM's own check of /v1 paths takes the same value
     token = token or os.environ.get(auth.TOKEN_ENV) or os.environ.get("VLLM_API_KEY") or auth.new_token()
     remove_orphan_dirs(Path(tempfile.gettempdir()), IPC_PREFIX)  # of servers whose supervisor was killed
     ipc_dir = tempfile.mkdtemp(prefix=IPC_PREFIX)
-    env = server_environment(server_cfg, token=token, ipc_dir=ipc_dir, lora=max_lora_rank is not None, s3=s3,
+    env = server_variables(server_cfg, token=token, ipc_dir=ipc_dir, lora=max_lora_rank is not None, s3=s3,
                              hub=not Path(model_path).is_dir())
     cmd = vllm_command(model_path, server_cfg.host, port, max_model_len=max_model_len, dtype=dtype,
                        enforce_eager=server_cfg.enforce_eager, extra_args=server_cfg.extra_args,

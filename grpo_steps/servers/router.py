@@ -28,7 +28,7 @@ from grpo_steps.processes import PortInUseError, ProcessRef, log_tail, open_priv
 from grpo_steps.servers import auth, router_bridge
 from grpo_steps.servers.base import GenerationServer, ServerStartError, is_healthy
 from grpo_steps.servers.local import LOG_DIR_NAME, LocalServer
-from grpo_steps.servers.server_env import allowed_environment
+from grpo_steps.servers.process_variables import allowed_variables
 
 if TYPE_CHECKING:
     from grpo_steps.config import PipelineConfig
@@ -48,8 +48,8 @@ def router_command(worker_urls: list[str], host: str, port: int, *, policy: str,
 def bridged_router_command(worker_urls: list[str], host: str, port: int, *, policy: str, health_check_interval_s: int,
                            metrics_port: int) -> list[str]:
     """The command of a router in a private network namespace behind :mod:`grpo_steps.servers.router_bridge`:
-    clients reach it at ``host:port`` with the run's token (``GRPO_SERVER_TOKEN`` in the bridge's environment), its
-    metrics at ``127.0.0.1:metrics_port``."""
+    clients reach it at ``host:port`` with the run's token (``GRPO_SERVER_TOKEN`` in the bridge's process variables),
+    its metrics at ``127.0.0.1:metrics_port``."""
     inner = router_command(router_bridge.inside_urls(worker_urls), router_bridge.ROUTER_HOST, router_bridge.ROUTER_PORT,
                            policy=policy, health_check_interval_s=health_check_interval_s,
                            metrics_port=router_bridge.ROUTER_METRICS_PORT, metrics_host=router_bridge.ROUTER_HOST)
@@ -113,7 +113,7 @@ def start_router(cfg: PipelineConfig, worker_urls: list[str], *, owner: ProcessR
     supervisor = [sys.executable, "-m", "grpo_steps.servers.supervisor", "--owner-pid", str(owner.pid),
                   "--owner-started", repr(owner.started), "--grace-s", str(server_cfg.orphan_grace_s),
                   "--log", str(log_path), "--", *cmd]
-    env = allowed_environment()  # the router reads no S3 and no Hub, and never sees the MLflow credentials
+    env = allowed_variables()  # the router reads no S3 and no Hub, and never sees the MLflow credentials
     if token:
         env[auth.TOKEN_ENV] = token  # the bridge admits the clients that present it (the router never sees it)
     with open_private(log_path, "ab") as log:  # never through a planted link

@@ -95,7 +95,8 @@ def build_trainer(job: TrainJob, args, model, tokenizer, started: float):
     start of the process, for the progress lines)."""
     from datasets import Dataset
 
-    from grpo_steps.tools import environment_factories, tool_functions, trl_environment_factory
+    from grpo_steps.tools.environments import environment_factories, trl_environment_factory
+    from grpo_steps.tools.functions import tool_functions
     from grpo_steps.training.gang import GangManifestCallback, RepairUniversalLoad
     from grpo_steps.training.zero_signal import mode_for
 
@@ -162,7 +163,7 @@ def backend(job: TrainJob, tokenizer, rows: list[dict]) -> tuple[type, dict]:
             from grpo_steps.config import COLOCATE_NEEDS_GPU, ConfigError
 
             raise ConfigError(f"{COLOCATE_NEEDS_GPU} (this machine has no CUDA device)")
-        colocate_environment(cfg)
+        colocate_variables(cfg)
     elif gen.pushes_to_server:
         import dataclasses
 
@@ -263,10 +264,11 @@ def pin_cpu_cores(cores: list[int] | None) -> None:
     torch.set_num_threads(len(cores))
 
 
-def colocate_environment(cfg: PipelineConfig) -> None:
-    """What TRL's colocate mode needs in the environment: vLLM's ``external_launcher`` reads the torch.distributed
-    variables (set by ``accelerate launch``; a single process run directly gets rank 0 of 1), and the CPU
-    backend its KV-cache size (GiB) and cores, as the local server gets them (``grpo_steps.servers.local``)."""
+def colocate_variables(cfg: PipelineConfig) -> None:
+    """What TRL's colocate mode needs in the process variables (``os.environ``): vLLM's ``external_launcher`` reads
+    the torch.distributed variables (set by ``accelerate launch``; a single process run directly gets rank 0 of 1),
+    and the CPU backend its KV-cache size (GiB) and cores, as the local server gets them
+    (``grpo_steps.servers.local``)."""
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(29500 + os.getpid() % 1000),
                        "VLLM_CPU_KVCACHE_SPACE": str(cfg.generation.server.kv_cache_gib),

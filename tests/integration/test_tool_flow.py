@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from grpo_steps.config import REPO_ROOT, load_config
-from grpo_steps.tools import calculator, chat_template_text
+from grpo_steps.tools.functions import calculator, chat_template_text
 from tests.integration.flowrun import STEPS, completed_run, config_file, on_server
 
 pytestmark = pytest.mark.slow

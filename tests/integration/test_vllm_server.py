@@ -187,7 +187,7 @@ def test_the_default_cpu_server_runs_its_model_in_the_engine_core_process(tiny_s
     environ = api_server.environ()
     assert environ["OMP_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))
     assert tiny_server.client().has_weight_engine()
-    # started from an allow-list of the flow's environment (grpo_steps/servers/server_env.py): the S3 keys it reads
+    # started from an allow-list of the flow's variables (grpo_steps/servers/process_variables.py): the S3 keys it reads
     # the weight chain with (tests/conftest.py starts it for s3 pushes), not the MLflow password the fixture set
     assert "MLFLOW_TRACKING_PASSWORD" not in environ and not any(name.startswith("MLFLOW_") for name in environ)
     assert "AWS_SECRET_ACCESS_KEY" in environ and environ["PATH"] == os.environ["PATH"]

@@ -1,6 +1,7 @@
-"""Environments in worker processes (grpo_steps/environments.py): a TextArena game plays through the adapter with
-its feedback, invalid moves and a solved outcome; an episode over its wall clock ends, is scored failed and counted,
-and leaves no process or thread behind; sampled episodes are traced in MLflow with a span per turn."""
+"""Environments in worker processes (grpo_steps/tools/environments.py; the games of grpo_steps/tools/games.py): a
+TextArena game plays through the adapter with its feedback, invalid moves and a solved outcome; an episode over its
+wall clock ends, is scored failed and counted, and leaves no process or thread behind; a tool's exit is the call's
+error and its answer is cut; sampled episodes are traced in MLflow with a span per turn."""
 
 import threading
 import time
@@ -9,9 +10,10 @@ import psutil
 import pytest
 
 from grpo_steps.config import validate_config
-from grpo_steps.environments import TEXTARENA
 from grpo_steps.evaluation.episodes import Episode, game_metrics
-from grpo_steps.tools import environment_factories
+from grpo_steps.tools.environments import environment_factories
+from grpo_steps.tools.games import TEXTARENA
+from grpo_steps.tools.worker import TRUNCATED
 from rewards.game import game_invalid_moves, game_solved
 
 
@@ -65,6 +67,21 @@ def test_an_episode_over_its_wall_clock_ends_scored_failed_counted_and_leaves_no
     assert game.reset(seed=1) == "\nSay anything." and game.move("win") == "won"  # a fresh worker, a new episode
     assert game.outcome["solved"] and game.get_reward() == 1.0
     game._close()
+
+
+def test_an_environment_tool_is_cut_and_its_exit_is_an_error():
+    """A tool of an environment that raises ``SystemExit`` answers with the error (the worker process goes on); an
+    answer over ``generation.max_tool_response_length`` characters is cut before it leaves the environment."""
+    (factory,) = environment_factories("tests.unit.toy_games:Loud", 30, 10).values()
+    game = factory()
+    try:
+        game.reset()
+        with pytest.raises(RuntimeError, match="raised SystemExit: 4"):
+            game.leave(4)
+        assert game.huge(50) == "y" * 10 + TRUNCATED
+        assert game.huge(5) == "y" * 5
+    finally:
+        game._close()
 
 
 def test_sampled_episodes_are_traced_in_mlflow_with_a_span_per_turn(mlflow_db):
@@ -143,7 +160,6 @@ def test_routed_environments_reset_ahead_go_to_their_own_pools_and_close():
     column): each row's own environment is reset ahead (the column not passed to ``reset``), its observation joined
     to the row's prompt; the trainer's pools get each instance under the environment it was made for; a batch the
     trainer moved past has its worker processes killed."""
-    from grpo_steps.tools import environment_factories
     from grpo_steps.training.generation.episodes_ahead import EpisodesAhead
 
     factories = environment_factories({"board": "tests.unit.toy_games:Board",

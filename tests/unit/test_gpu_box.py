@@ -11,7 +11,7 @@ import pytest
 
 from grpo_steps.config import REPO_ROOT, ConfigError, load_config, validate_config
 from grpo_steps.servers import gpus
-from grpo_steps.servers.local import server_environment, vllm_command
+from grpo_steps.servers.local import server_variables, vllm_command
 
 H100_MIB = 81559
 QWEN_05B_PARAMS = 494_032_768
@@ -99,12 +99,12 @@ def test_the_gpu_keys_are_refused_where_they_cannot_work(tmp_path, monkeypatch, 
 
 def test_the_server_gets_its_gpus_and_memory_fraction():
     server = load_config(REPO_ROOT / "configs" / "gpu-box-1gpu.yaml").generation.server
-    env = server_environment(server, token="t", ipc_dir="/tmp/x", base={})
+    env = server_variables(server, token="t", ipc_dir="/tmp/x", base={})
     assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # nvidia-smi's numbers
     cmd = vllm_command("/m", "127.0.0.1", 8000, max_model_len=64, dtype="bfloat16", enforce_eager=True,
                        extra_args=[], gpu_memory_utilization=server.gpu_memory_utilization)
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.3"
-    assert "CUDA_VISIBLE_DEVICES" not in server_environment(load_config(REPO_ROOT / "configs" / "local.yaml")
+    assert "CUDA_VISIBLE_DEVICES" not in server_variables(load_config(REPO_ROOT / "configs" / "local.yaml")
                                                             .generation.server, token="t", ipc_dir="/x", base={})
 
 

@@ -39,6 +39,10 @@ def test_the_contracts_hold():
     ("grpo_steps/training/job.py", "import grpo_steps.training.trainer", "Layers inside the training process"),
     # inside the servers: the HTTP client reaching up into a provider
     ("grpo_steps/servers/client.py", "import grpo_steps.servers.local", "Layers inside the generation servers"),
+    # inside the tools wing: the tool's worker process importing the tools' resolution (and transformers with it)
+    ("grpo_steps/tools/worker.py", "import grpo_steps.tools.functions", "Layers inside the tools wing"),
+    # the config's validators starting environments' worker processes
+    ("grpo_steps/config/pipeline.py", "import grpo_steps.tools.environments", "The config checks tools and games"),
 ])
 def test_a_forbidden_import_breaks_a_contract(tmp_path, module, line, broken):
     for package in ("grpo_steps", "rewards"):

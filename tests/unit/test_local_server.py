@@ -153,21 +153,21 @@ def test_a_cpu_server_has_no_worker_process_and_a_thread_per_core_it_may_use(mon
 
     monkeypatch.setattr(local, "cpu_build", lambda: True)
     cores = str(len(os.sched_getaffinity(0)))
-    shared = local.server_environment(ServerConfig(), token="t", ipc_dir="/ipc", base={})
+    shared = local.server_variables(ServerConfig(), token="t", ipc_dir="/ipc", base={})
     assert shared["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and shared["OMP_NUM_THREADS"] == cores
     assert "VLLM_CPU_OMP_THREADS_BIND" not in shared
     assert (shared["VLLM_CPU_KVCACHE_SPACE"], shared["VLLM_RPC_BASE_PATH"], shared["TMPDIR"]) == ("2", "/ipc", "/ipc")
-    pinned = local.server_environment(ServerConfig(cpu_cores=[0]), token="t", ipc_dir="/ipc",
+    pinned = local.server_variables(ServerConfig(cpu_cores=[0]), token="t", ipc_dir="/ipc",
                                       base={"OMP_NUM_THREADS": "8"})
     assert pinned["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and pinned["OMP_NUM_THREADS"] == "1"  # its one core
     assert "VLLM_CPU_OMP_THREADS_BIND" not in pinned
-    users = local.server_environment(ServerConfig(), token="t", ipc_dir="/ipc",
+    users = local.server_variables(ServerConfig(), token="t", ipc_dir="/ipc",
                                      base={"VLLM_CPU_OMP_THREADS_BIND": "1"})
     assert users["VLLM_CPU_OMP_THREADS_BIND"] == "1" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in users
-    one_thread = local.server_environment(ServerConfig(), token="t", ipc_dir="/ipc", base={"OMP_NUM_THREADS": "1"})
+    one_thread = local.server_variables(ServerConfig(), token="t", ipc_dir="/ipc", base={"OMP_NUM_THREADS": "1"})
     assert one_thread["OMP_NUM_THREADS"] == "1"
     monkeypatch.setattr(local, "cpu_build", lambda: False)  # a GPU build: vLLM's own layout
-    gpu = local.server_environment(ServerConfig(), token="t", ipc_dir="/ipc", base={})
+    gpu = local.server_variables(ServerConfig(), token="t", ipc_dir="/ipc", base={})
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in gpu and "OMP_NUM_THREADS" not in gpu
 
 
@@ -182,7 +182,7 @@ def test_the_supervisor_confines_the_server_to_its_cores(tmp_path):
     assert out.read_text() == repr([core])
 
 
-def test_a_server_gets_an_allow_listed_environment_and_only_the_credentials_it_uses():
+def test_a_server_gets_allow_listed_process_variables_and_only_the_credentials_it_uses():
     """The flow's environment holds its MLflow, Hub and S3 credentials: a server keeps what vLLM needs, the S3 keys
     only when it reads the weight chain (weight_sync s3), the Hub token only when it downloads its model."""
     from grpo_steps.config import ServerConfig
@@ -197,7 +197,7 @@ def test_a_server_gets_an_allow_listed_environment_and_only_the_credentials_it_u
             "HTTPS_PROXY": "http://user:pw@proxy:3128", "OMP_NUM_THREADS": "2", "PYTHONPATH": "/rewards"}
 
     def env(**kw) -> dict[str, str]:
-        return local.server_environment(ServerConfig(), token="run-token", ipc_dir="/ipc", base=flow, **kw)
+        return local.server_variables(ServerConfig(), token="run-token", ipc_dir="/ipc", base=flow, **kw)
 
     disk = env()
     assert {"PATH", "HOME", "HF_HOME", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTHONPATH",

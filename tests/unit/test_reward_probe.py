@@ -137,7 +137,7 @@ def test_eval_correct_at_is_the_score_accuracy_pass_at_k_and_the_gate_count_as_c
 
 def test_a_tool_beside_the_config_runs_in_its_own_worker_process(tmp_path):
     """The tool worker (a fresh interpreter, ``python -P``) searches the config's module directories too."""
-    from grpo_steps.tools import tool_functions
+    from grpo_steps.tools.functions import tool_functions
 
     name = "tool_" + re.sub(r"\W", "_", tmp_path.name)
     (tmp_path / f"{name}.py").write_text(textwrap.dedent('''

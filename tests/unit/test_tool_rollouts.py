@@ -5,8 +5,12 @@ drives it: the tool runs in the training process, its answer's tokens join the c
 loss and of the mismatch metrics, a raising or hanging tool becomes an error message and the step goes on, and the
 iteration bound holds."""
 
+import functools
 import inspect
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -28,7 +32,7 @@ def calculator(expression: str) -> str:
     Args:
         expression: The expression, e.g. "2 * 3".
     """
-    from grpo_steps.tools import calculator as shipped
+    from grpo_steps.tools.functions import calculator as shipped
 
     return shipped(expression)
 
@@ -56,6 +60,50 @@ def answer_reward(completions, **_):
     return [1.0 if "Answer: 6" in c[-1]["content"] else 0.0 for c in completions]
 
 
+def with_timeout(fn: Callable, seconds: float) -> Callable:
+    """``fn`` limited to ``seconds`` of wall clock per call, in this process (a tool that needs no worker process's
+    start: TRL's tool loop is what these tests check); same name, signature and docstring, so it is described to
+    the model as ``fn`` is. The call runs in a daemon thread (a tool that hangs keeps it). Raises ``TimeoutError``
+    past the limit, ``RuntimeError`` for a ``SystemExit`` or ``KeyboardInterrupt`` of the tool, whatever ``fn``
+    raises otherwise.
+
+    >>> def slow(x: int) -> int:
+    ...     time.sleep(x)
+    ...     return x
+    >>> with_timeout(slow, 0.05)(0)
+    0
+    >>> with_timeout(slow, 0.05)(1)
+    Traceback (most recent call last):
+    ...
+    TimeoutError: tool 'slow' took longer than 0.05 s (generation.tool_timeout_s)
+    """
+    message = f"tool {fn.__name__!r} took longer than {seconds:g} s (generation.tool_timeout_s)"
+
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["value"] = fn(*args, **kwargs)
+            except BaseException as err:  # noqa: BLE001 - re-raised in the caller below
+                box["error"] = err
+
+        thread = threading.Thread(target=target, name=f"tool-{fn.__name__}", daemon=True)
+        thread.start()
+        thread.join(seconds)
+        if thread.is_alive():
+            raise TimeoutError(message)
+        error = box.get("error")
+        if isinstance(error, SystemExit | KeyboardInterrupt):  # the tool's, not a reason to stop the trainer
+            raise RuntimeError(f"tool {fn.__name__!r} raised {type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        return box["value"]
+
+    return timed
+
+
 def _trainer(tiny_model_path, tmp_path, turns: list[str], tool: str | None = "calculator", iterations: int = 3,
              environment=None, worker: bool = False):
     """A ServerGRPOTrainer with tool ``tool`` (and/or an ``environment`` factory) whose generation returns ``turns``
@@ -65,7 +113,8 @@ def _trainer(tiny_model_path, tmp_path, turns: list[str], tool: str | None = "ca
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.models import load_tokenizer
-    from grpo_steps.tools import environment_factories, tool_functions, trl_environment_factory, with_timeout
+    from grpo_steps.tools.environments import environment_factories, trl_environment_factory
+    from grpo_steps.tools.functions import tool_functions
 
     tokenizer = load_tokenizer(tiny_model_path, "qwen2_5")
     # the tiny tokenizer spells the tool markup nearly byte by byte: room for a call, an answer and a reply
@@ -134,7 +183,7 @@ def test_a_tool_call_runs_and_its_answer_is_masked(tiny_model_path, tmp_path):
     assert trainer._metrics["train"]["tools/turns_per_episode"][-1] == 2.0
 
 
-@pytest.mark.parametrize("worker", [False, True], ids=["thread", "worker-process"])  # environments / tools
+@pytest.mark.parametrize("worker", [False, True], ids=["thread", "worker-process"])  # with_timeout / tools
 @pytest.mark.parametrize("tool, error", [("broken", "the tool broke"), ("hangs", "took longer than 1 s")])
 def test_a_failing_tool_answers_with_its_error_and_the_step_goes_on(tiny_model_path, tmp_path, monkeypatch, tool,
                                                                     error, worker):

@@ -14,8 +14,8 @@ import time
 import psutil
 import pytest
 
-from grpo_steps.tool_worker import TRUNCATED
-from grpo_steps.tools import tool_functions, with_timeout
+from grpo_steps.tools.functions import tool_functions
+from grpo_steps.tools.worker import TRUNCATED
 
 TIMEOUT_S = 1.0
 SLACK_S = 10.0  # start-up of the worker process on a loaded machine; the tools below would run for an hour
@@ -127,29 +127,6 @@ def test_a_huge_answer_is_cut_before_it_leaves_the_worker(tools):
     assert answer == "x" * 1000 + TRUNCATED
 
 
-def test_an_environment_tool_in_process_is_cut_and_its_exit_is_an_error():
-    def leave(code: int) -> int:
-        """Exit.
-
-        Args:
-            code: exit code.
-        """
-        raise SystemExit(code)
-
-    def huge(n: int) -> str:
-        """Long answer.
-
-        Args:
-            n: characters.
-        """
-        return "y" * n
-
-    with pytest.raises(RuntimeError, match="raised SystemExit: 4"):
-        with_timeout(leave, TIMEOUT_S)(4)
-    assert with_timeout(huge, TIMEOUT_S, 10)(50) == "y" * 10 + TRUNCATED
-    assert with_timeout(huge, TIMEOUT_S, 10)(5) == "y" * 5
-
-
 def test_completion_tables_are_redacted(tmp_path, mlflow_db):
     import mlflow
 
@@ -177,3 +154,20 @@ def test_a_module_a_tool_wrote_into_the_working_directory_never_shadows_the_stan
     finally:
         fn.worker.close()
     assert not marker.exists()  # on main the worker (python -m, the cwd first) imported the planted json.py
+
+
+def test_the_worker_finds_the_pipeline_in_its_code_root(tmp_path):
+    """A worker puts :data:`CODE_ROOT` on its path to import ``grpo_steps`` where no package is installed (a Metaflow
+    task's unpacked code package): it is the directory holding the package, and a bare interpreter started from
+    elsewhere, with nothing but that directory added, imports the worker's module from it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from grpo_steps.tools.worker import CODE_ROOT
+
+    assert (Path(CODE_ROOT) / "grpo_steps" / "tools" / "worker.py").is_file()
+    boot = f"import sys; sys.path.append({CODE_ROOT!r}); import grpo_steps.tools.worker as w; print(w.__file__)"
+    out = subprocess.run([sys.executable, "-P", "-S", "-c", boot], cwd=tmp_path, env={"PATH": os.environ["PATH"]},
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert Path(out.strip()) == Path(CODE_ROOT) / "grpo_steps" / "tools" / "worker.py"

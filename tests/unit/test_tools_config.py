@@ -9,7 +9,7 @@ import pytest
 
 from grpo_steps.config import ConfigError, validate_config
 from grpo_steps.preflight import check_tools
-from grpo_steps.tools import ToolError
+from grpo_steps.tools.functions import ToolError
 
 
 def undocumented(x):
@@ -92,7 +92,7 @@ def test_an_unknown_chat_template_lists_the_shipped_ones(tiny_model_path):
 def test_a_chat_template_file_is_used(tiny_model_path, tmp_path):
     from trl.chat_template_utils import supports_tool_calling  # noqa: F401 - the check start runs
 
-    from grpo_steps.tools import chat_template_text
+    from grpo_steps.tools.functions import chat_template_text
 
     path = tmp_path / "template.jinja"
     path.write_text(chat_template_text("qwen2_5"))
@@ -113,7 +113,7 @@ def test_an_environment_is_probed_in_start(tiny_model_path, factory, named):
 def test_a_chat_template_file_trl_cannot_parse_is_refused(tiny_model_path, tmp_path):
     """A template that renders tool calls but is none TRL knows: TRL would fail to parse the model's calls when the
     trainer starts; start refuses it first."""
-    from grpo_steps.tools import chat_template_text
+    from grpo_steps.tools.functions import chat_template_text
 
     path = tmp_path / "template.jinja"
     path.write_text("{# my own #}" + chat_template_text("qwen2_5"))

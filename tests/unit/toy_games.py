@@ -1,5 +1,5 @@
 """Environments of the tests, in a module of their own: an environment's module is imported in the worker processes'
-fork server (grpo_steps/environments.py), and a test module would bring torch and TRL there."""
+fork server (grpo_steps/tools/environments.py), and a test module would bring torch and TRL there."""
 
 import time
 
@@ -84,3 +84,26 @@ class Board:
     def outcome(self) -> dict:
         """Solved: a move made in an episode reset once (what rewards.game reads)."""
         return {"solved": bool(getattr(self, "moved", False)) and self.resets == 1, "invalid_moves": 0}
+
+
+class Loud:
+    """An environment in TRL's contract whose tools exit or answer at length."""
+
+    def reset(self, **row) -> None:
+        return None
+
+    def leave(self, code: int) -> int:
+        """Exit.
+
+        Args:
+            code: exit code.
+        """
+        raise SystemExit(code)
+
+    def huge(self, n: int) -> str:
+        """Long answer.
+
+        Args:
+            n: characters.
+        """
+        return "y" * n

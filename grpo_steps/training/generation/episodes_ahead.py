@@ -3,9 +3,9 @@ first turn before the trainer reaches it, and an episode's first prompt holds it
 (TRL's ``environment_factory`` contract: ``reset(**row)`` returns text appended to the last message of the row's
 prompt). So each episode of a batch ahead is reset when the batch is read from the prompt stream
 (:class:`~grpo_steps.training.generation.prefetch.PromptStream`, in the training thread), each in the worker process
-its instance runs in (:class:`grpo_steps.environments.ProcessEnvironment`); the observation joins the prompt as TRL
-joins it, so the prompt the producer samples is the one TRL builds for that batch (trl #6067 was an async trainer
-that dropped it: the policy never saw the board).
+its instance runs in (:class:`~grpo_steps.tools.environments.ProcessEnvironment`); the observation joins the prompt
+as TRL joins it, so the prompt the producer samples is the one TRL builds for that batch (trl #6067 was an async
+trainer that dropped it: the policy never saw the board).
 
 The instances are kept by the batch's key (its micro-step, as the prefetched batches are keyed) and handed to the
 trainer's round for that key (:meth:`EpisodesAhead.take`), whose ``reset`` with the same row plays the episode already
@@ -46,7 +46,7 @@ class EpisodesAhead:
     Args:
         factories: ``{name: factory}`` as TRL holds ``environment_factory`` (``None`` the one name of a single
             environment); each instance must have ``_reset_ahead(**row)`` and ``_close()``
-            (:class:`grpo_steps.environments.ProcessEnvironment`).
+            (:class:`grpo_steps.tools.environments.ProcessEnvironment`).
         routed: several environments, each row naming its own in its ``environment`` column (TRL's dict factory).
     """
 

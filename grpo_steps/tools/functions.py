@@ -1,36 +1,23 @@
-"""Tools and environments the policy calls during a rollout (``tools:``, ``environment:``), in TRL's contract.
+"""The tools of ``tools:`` in TRL's contract, the chat template that renders them, and the shipped ``calculator``.
 
 A tool is a Python function with type hints and a Google-style docstring (``Args:``), from which
-``transformers.utils.get_json_schema`` builds the schema the chat template renders into the prompt. An environment
-is a factory (a class, usually) whose instances have ``reset(**row) -> str | None`` (the string is appended to the
-last user message), public methods that are its tools, and optionally ``get_reward() -> float``; TRL's
-``GRPOTrainer`` keeps one instance per rollout (``environment_factory``). Every tool call runs under
-``generation.tool_timeout_s``: a call that raises (``SystemExit`` included) or times out goes back to the model as
-an ``{"error": ...}`` tool message (TRL's tool loop and :mod:`grpo_steps.evaluation.episodes` alike), the step goes
-on; an
-answer longer than ``generation.max_tool_response_length`` characters is cut before it is tokenized.
-
-A ``tools:`` function runs in a worker process of its own (:mod:`grpo_steps.tool_worker`), killed at the time
-limit. An environment instance, whose methods share its state, lives in a worker process of its own too
-(:mod:`grpo_steps.environments`), killed with its state at a call's limit or its episode's wall clock, which ends
-the episode.
+``transformers.utils.get_json_schema`` builds the schema the chat template renders into the prompt. Each
+``tools:`` function runs in a worker process of its own (:mod:`grpo_steps.tools.worker`), killed at
+``generation.tool_timeout_s``; an answer longer than ``generation.max_tool_response_length`` characters is cut
+before it is tokenized.
 
 The model's chat template must render a tool-calling exchange: ``model.chat_template`` names one (a template TRL
-ships, e.g. ``qwen2_5``: ChatML with ``<tool_call>``, the turn tokens SmolLM2 uses too) or a Jinja file.
+ships, e.g. ``qwen2_5``: ChatML with ``<tool_call>``, the turn tokens SmolLM2 uses too) or a Jinja file
+(:func:`check_tool_calling`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import importlib.util
-import inspect
-import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from grpo_steps.tool_worker import cut_response, process_tool
+from grpo_steps.tools.worker import process_tool
 
 DEFAULT_MAX_TOOL_RESPONSE = 4096
 """Characters of a tool's answer kept by default (``generation.max_tool_response_length``)."""
@@ -78,75 +65,9 @@ def check_tool(fn: Callable, key: str) -> dict:
                           "with an Args: entry per argument") from None
 
 
-def with_timeout(fn: Callable, seconds: float, max_chars: int = DEFAULT_MAX_TOOL_RESPONSE) -> Callable:
-    """``fn`` limited to ``seconds`` of wall clock per call, its answer cut to ``max_chars`` characters
-    (:func:`grpo_steps.tool_worker.cut_response`); same name, signature, docstring and (a)sync kind, so it is
-    described to the model as ``fn`` is. In-process, for a caller that wraps a function itself (the pipeline's
-    tools of ``tools:`` run in a worker process, :func:`tool_functions`; environments in one each,
-    :mod:`grpo_steps.environments`).
-
-    A sync call runs in a daemon thread (it cannot be killed: a tool that hangs forever keeps one thread); an async
-    one under ``asyncio.wait_for``. Raises ``TimeoutError`` past the limit, ``RuntimeError`` for a ``SystemExit`` or
-    ``KeyboardInterrupt`` of the tool (an error of the call, not of the trainer), whatever ``fn`` raises otherwise.
-
-    >>> import time
-    >>> def slow(x: int) -> int:
-    ...     '''Sleep.
-    ...
-    ...     Args:
-    ...         x: seconds.
-    ...     '''
-    ...     time.sleep(x)
-    ...     return x
-    >>> with_timeout(slow, 0.05)(0)
-    0
-    >>> with_timeout(slow, 0.05)(1)
-    Traceback (most recent call last):
-    ...
-    TimeoutError: tool 'slow' took longer than 0.05 s (generation.tool_timeout_s)
-    """
-    message = f"tool {getattr(fn, '__name__', 'tool')!r} took longer than {seconds:g} s (generation.tool_timeout_s)"
-    if inspect.iscoroutinefunction(fn):
-
-        @functools.wraps(fn)
-        async def timed_async(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return cut_response(await asyncio.wait_for(fn(*args, **kwargs), timeout=seconds), max_chars)
-            except TimeoutError:
-                raise TimeoutError(message) from None
-            except (SystemExit, KeyboardInterrupt) as err:
-                raise RuntimeError(f"tool {fn.__name__!r} raised {type(err).__name__}: {err}") from None
-
-        return timed_async
-
-    @functools.wraps(fn)
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        box: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                box["value"] = fn(*args, **kwargs)
-            except BaseException as err:  # noqa: BLE001 - re-raised in the caller below
-                box["error"] = err
-
-        thread = threading.Thread(target=target, name=f"tool-{getattr(fn, '__name__', 'tool')}", daemon=True)
-        thread.start()
-        thread.join(seconds)
-        if thread.is_alive():
-            raise TimeoutError(message)
-        error = box.get("error")
-        if isinstance(error, SystemExit | KeyboardInterrupt):  # the tool's, not a reason to stop the trainer
-            raise RuntimeError(f"tool {getattr(fn, '__name__', 'tool')!r} raised {type(error).__name__}: {error}")
-        if error is not None:
-            raise error
-        return cut_response(box["value"], max_chars)
-
-    return timed
-
-
 def tool_functions(paths: list[str], timeout_s: float, max_chars: int = DEFAULT_MAX_TOOL_RESPONSE) -> list[Callable]:
     """The configured tools (``tools:``), resolved; each call runs in the tool's worker process, killed past
-    ``timeout_s`` seconds (:func:`grpo_steps.tool_worker.process_tool`; started at the first call), its answer cut
+    ``timeout_s`` seconds (:func:`grpo_steps.tools.worker.process_tool`; started at the first call), its answer cut
     to ``max_chars`` characters. An ``async`` tool's call waits for its worker in a thread that ends with the call.
 
     Raises:
@@ -158,55 +79,6 @@ def tool_functions(paths: list[str], timeout_s: float, max_chars: int = DEFAULT_
         check_tool(fn, f"tools[{i}] {path!r}")
         tools.append(process_tool(fn, path, timeout_s, max_chars))
     return tools
-
-
-def environment_methods(instance: Any) -> list[str]:
-    """The names of an environment's tools: its class's public functions but ``reset`` and ``get_reward``
-    (TRL's rule, ``GRPOTrainer.__init__``)."""
-    return [name for name, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)
-            if name not in ("reset", "get_reward") and not name.startswith("_")]
-
-
-def environment_factories(spec: str | dict[str, str] | None, timeout_s: float,
-                          max_chars: int = DEFAULT_MAX_TOOL_RESPONSE,
-                          episode_s: float | None = None) -> dict[str | None, Callable] | None:
-    """The configured environment (``environment:``) as ``{name: factory}`` (``None`` the one name of a single
-    factory); None without one. Each entry is a factory in TRL's contract, a gymnasium-style class
-    (``gym:module:Class``) or a TextArena game (``textarena:<id>``), adapted by :mod:`grpo_steps.environments`; its
-    instances run in worker processes (:func:`grpo_steps.environments.process_factory`): each call limited to
-    ``timeout_s`` seconds and ``max_chars`` characters of answer, each episode to ``episode_s`` seconds of wall
-    clock from its reset (None: no limit).
-
-    Raises:
-        ToolError: a factory that does not import, or whose instance has no ``reset`` or a tool without a
-            schema.
-    """
-    from grpo_steps.environments import adapter_factory, process_factory
-
-    if spec is None:
-        return None
-    named = {None: spec} if isinstance(spec, str) else dict(spec)
-    factories = {}
-    for name, path in named.items():
-        key = "environment" if name is None else f"environment.{name}"
-        factory = adapter_factory(path, resolve_callable, key)
-        probe = factory()  # in this process, once: its class's tools and their schemas
-        if not callable(getattr(probe, "reset", None)):
-            raise ToolError(f"{key} {path!r}: its instances need a reset(**row) method (TRL's environment "
-                              "contract), returning a string appended to the question or None; or name a "
-                              "gymnasium-style class as 'gym:module:Class', a TextArena game as 'textarena:<id>'")
-        methods = environment_methods(probe)
-        for method in methods:
-            check_tool(getattr(probe, method), f"{key} {path!r}, tool {method!r}")
-        factories[name] = process_factory(path, probe, methods, timeout_s, episode_s, max_chars)
-    return factories
-
-
-def trl_environment_factory(factories: dict[str | None, Callable] | None):
-    """What ``GRPOTrainer(environment_factory=...)`` takes: the one factory, or the ``{name: factory}`` mapping."""
-    if factories is None:
-        return None
-    return factories[None] if None in factories else factories
 
 
 def trl_templates() -> Path:
@@ -269,17 +141,6 @@ def check_tool_calling(tokenizer, tools: list[Callable], spec: str | None) -> No
     if missing:
         raise ToolError(f"{where} does not render the tools {missing} into the prompt: set model.chat_template to "
                           "one that renders tools (e.g. qwen2_5)")
-
-
-def prompt_tools(paths: list[str], environment: str | dict[str, str] | None, timeout_s: float) -> list[Callable]:
-    """Every tool a prompt may render: the configured tools and the methods of the environment(s), probed (with
-    several environments, all of their tools: an upper bound of a prompt's length). For the token budget of data
-    preparation and for evaluation's prompts."""
-    tools = tool_functions(paths, timeout_s)
-    for factory in (environment_factories(environment, timeout_s) or {}).values():
-        instance = factory()
-        tools += [getattr(instance, name) for name in environment_methods(instance)]
-    return tools
 
 
 _OPERATORS = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mult": lambda a, b: a * b,

@@ -1,19 +1,10 @@
-"""Environments for ``environment:`` beyond TRL's own contract, and the process every environment runs in.
+"""The environments of ``environment:`` (TRL's ``environment_factory``), each instance in a worker process.
 
-**Adapters.** ``environment:`` names a factory in TRL's ``environment_factory`` contract (``reset(**row)``, public
-methods that are the tools, optionally ``get_reward()``), or one of two other interfaces, adapted here so the user
-writes no wrapper:
-
-- ``gym:module:Class``: a gymnasium-style class, ``reset(seed=...) -> (observation, info)`` and
-  ``step(action) -> (observation, reward, terminated, truncated, info)`` (Gymnasium's ``Env`` API;
-  https://gymnasium.farama.org/api/env/). Adapted by :class:`GymGame`: the episode's return is its reward.
-- ``textarena:<env id>``: a single-player TextArena game (``textarena.make(id)``, e.g. ``GuessTheNumber-v0``;
-  https://github.com/LeonGuertler/TextArena). Adapted by :class:`TextArenaGame`.
-
-Both give the policy one tool, ``move(action)``, whose answer is what the game says back (the board or the feedback
-of that move); ``reset(**row)`` starts the game seeded by the row's ``seed`` column and returns its first
-observation, which TRL appends to the question. ``outcome`` (a property: TRL exposes methods only) tells the rewards
-of :mod:`rewards.game` whether the episode was solved and how many moves were invalid.
+An environment is a factory (a class, usually) whose instances have ``reset(**row) -> str | None`` (the string is
+appended to the last user message), public methods that are its tools, and optionally ``get_reward() -> float``;
+TRL's ``GRPOTrainer`` keeps one instance per rollout. :func:`environment_factories` resolves the configured ones
+(a game behind an adapter prefix through :mod:`grpo_steps.tools.games`), probes each once in this process for its
+tools' schemas, and returns factories whose instances run elsewhere.
 
 **The process.** Every environment instance lives in a worker process of its own (:class:`EnvironmentProcess`),
 forked from a server that imported the environment's module once (``multiprocessing``'s ``forkserver``: TextArena's
@@ -31,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import multiprocessing
 import os
 import signal
@@ -40,156 +32,15 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from grpo_steps.tool_worker import cut_response
-
-GYM = "gym:"
-TEXTARENA = "textarena:"
-INVALID_MOVE = "invalid move"
-
-
-def adapter_factory(spec: str, resolve: Callable[[str, str], Callable], key: str) -> Callable:
-    """The factory ``spec`` names: ``gym:module:Class`` and ``textarena:<id>`` adapted (:class:`GymGame`,
-    :class:`TextArenaGame`), else ``resolve(spec, key)`` (a factory in TRL's contract)."""
-    if spec.startswith(TEXTARENA):
-        import importlib.util
-
-        if importlib.util.find_spec("textarena") is None:
-            raise ValueError(f"{key} {spec!r} names a TextArena game, and textarena is not installed "
-                              "(pip install textarena)")
-        return functools.partial(TextArenaGame, spec[len(TEXTARENA):])
-    if spec.startswith(GYM):
-        return functools.partial(GymGame, resolve(spec[len(GYM):], key))
-    return resolve(spec, key)
-
-
-class _Game:
-    """What both adapters share: the move log, ``outcome`` and the end of the episode."""
-
-    def _start(self) -> None:
-        self._done, self._solved, self._invalid, self._return = False, False, 0, 0.0
-        self._steps: list[dict] = []
-
-    def _record(self, action: str, observation: str, reward: float, invalid: bool) -> str:
-        self._invalid += invalid
-        self._return += reward
-        self._steps.append({"action": action, "observation": observation, "reward": reward, "invalid": invalid})
-        return observation
-
-    def _refuse_after_end(self) -> None:
-        if self._done:
-            raise ValueError("the game is over: make no more moves")
-
-    @property
-    def outcome(self) -> dict:
-        """``solved`` (bool), ``moves`` (moves made), ``invalid_moves``, ``return`` (sum of the game's rewards) and
-        ``steps`` (per move: ``action``, ``observation``, ``reward``, ``invalid``)."""
-        return {"solved": self._solved, "moves": len(self._steps), "invalid_moves": self._invalid,
-                "return": self._return, "steps": list(self._steps)}
-
-
-class TextArenaGame(_Game):
-    """A single-player TextArena game in TRL's contract. ``move``'s answer is the text the game added to the player's
-    observation since the last move (the feedback; with ``LLMObservationWrapper``, TextArena's default, the
-    observation is the whole history). Solved: the game ended with reward 1 (TextArena's win). Invalid: the moves
-    TextArena refused (its ``error_allowance``; past it the game ends lost)."""
-
-    def __init__(self, env_id: str) -> None:
-        self._name = env_id
-        self._env = self._make()
-        self._seen = 0
-        self._start()
-
-    def _make(self) -> Any:
-        import textarena
-
-        return textarena.make(self._name)
-
-    def _new_text(self) -> str:
-        _, observation = self._env.get_observation()
-        text, self._seen = observation[self._seen:], len(observation)
-        return text.strip()
-
-    def reset(self, seed: int | None = None, **row: Any) -> str:
-        # a new env per episode: TextArena 0.7.4's LLMObservationWrapper keeps every earlier game's messages across
-        # reset, so a reused instance's observation began with the last episode's history (the prompts of one group
-        # then differed, and the policy read another game's moves). textarena.make takes ~0.01 ms.
-        self._env = self._make()
-        self._env.reset(num_players=1, seed=seed)
-        self._seen = 0
-        self._start()
-        return "\n" + self._new_text()
-
-    def move(self, action: str) -> str:
-        """Make one move in the game and read what the game answers.
-
-        Args:
-            action: The move, written as the game's rules say.
-        """
-        self._refuse_after_end()
-        done, _ = self._env.step(str(action))
-        state = _unwrapped(self._env).state
-        # TextArena counts a refused move in error_count until the next valid move (SinglePlayerState.step)
-        invalid = bool(getattr(state, "error_count", 0)) and not done
-        reward = 0.0
-        if done:
-            rewards, info = self._env.close()
-            reward = float((rewards or {}).get(0, 0.0))
-            invalid = invalid or bool((info or {}).get(0, {}).get("invalid_move"))
-            self._done, self._solved = True, reward == 1.0
-        text = self._new_text() if not done else _reason(self._env) or ("solved" if self._solved else "game over")
-        return self._record(str(action), text, reward, invalid)
-
-
-def _unwrapped(env: Any) -> Any:
-    while hasattr(env, "env"):
-        env = env.env
-    return env
-
-
-def _reason(env: Any) -> str:
-    info = getattr(_unwrapped(env).state, "game_info", {}) or {}
-    return str(info.get(0, {}).get("reason") or "")
-
-
-class GymGame(_Game):
-    """A gymnasium-style class (``reset(seed=) -> (obs, info)``, ``step(action) -> (obs, reward, terminated,
-    truncated, info)``) in TRL's contract; ``get_reward`` is the episode's return. Observations go to the policy as
-    text (``str``). With a discrete ``action_space`` (one with ``n``), the action is read as an integer. Solved:
-    ``info["solved"]`` when the game says, else terminated with a positive last reward. Invalid: a move
-    ``info["invalid_move"]`` marks, or one the game (or the integer reading) raised ``ValueError`` for."""
-
-    def __init__(self, cls: Callable) -> None:
-        self._env = cls()
-        self._name = getattr(cls, "__name__", "GymGame")
-        self._start()
-
-    def reset(self, seed: int | None = None, **row: Any) -> str:
-        observation, _ = self._env.reset(seed=seed)
-        self._start()
-        return "\n" + str(observation)
-
-    def move(self, action: str) -> str:
-        """Make one move in the game and read what the game answers.
-
-        Args:
-            action: The move, written as the game's rules say.
-        """
-        self._refuse_after_end()
-        try:
-            chosen: Any = int(action) if hasattr(getattr(self._env, "action_space", None), "n") else action
-            observation, reward, terminated, truncated, info = self._env.step(chosen)
-        except ValueError as err:
-            return self._record(str(action), f"{INVALID_MOVE}: {err}", 0.0, True)
-        info = info or {}
-        self._done = bool(terminated or truncated)
-        self._solved = bool(info.get("solved", terminated and reward > 0))
-        return self._record(str(action), str(observation), float(reward), bool(info.get("invalid_move")))
-
-    def get_reward(self) -> float:
-        return self._return
-
-
-# ---------------------------------------------------------------------------------------------- the worker process
+from grpo_steps.tools.functions import (
+    DEFAULT_MAX_TOOL_RESPONSE,
+    ToolError,
+    check_tool,
+    resolve_callable,
+    tool_functions,
+)
+from grpo_steps.tools.games import adapter_factory, module_of
+from grpo_steps.tools.worker import cut_response
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 _PRELOAD = ["rewards.locate", __name__]
@@ -369,9 +220,9 @@ class ProcessEnvironment:
 
     @property
     def outcome(self) -> dict:
-        """The game's own ``outcome`` (:class:`_Game`; ``{}`` for an environment without one), with ``timed_out``
-        (the episode passed its wall clock) and ``ended`` (why the episode was ended early, or None); an episode
-        ended early is not ``solved``."""
+        """The game's own ``outcome`` (:mod:`grpo_steps.tools.games`; ``{}`` for an environment without one), with
+        ``timed_out`` (the episode passed its wall clock) and ``ended`` (why the episode was ended early, or None); an
+        episode ended early is not ``solved``."""
         game: dict = {}
         if self._ended is None:
             try:
@@ -425,8 +276,7 @@ def process_factory(spec: str, probe: Any, methods: list[str], timeout_s: float,
     # the environment's module imported once in the fork server, so that each worker is forked with it imported (a
     # server already running keeps its preloads: the module is then imported in each worker); a preload that fails
     # to import is skipped by multiprocessing, and the worker imports it, failing visibly
-    module = ("textarena" if spec.startswith(TEXTARENA) else
-              spec[len(GYM):].replace(":", ".").rpartition(".")[0] if spec.startswith(GYM) else cls.__module__)
+    module = module_of(spec)
     if module not in _PRELOAD:
         _PRELOAD.append(module)
     _CONTEXT.set_forkserver_preload(list(_PRELOAD))
@@ -434,3 +284,61 @@ def process_factory(spec: str, probe: Any, methods: list[str], timeout_s: float,
     if main_file and getattr(sys.modules["__main__"].__spec__, "name", None) is None:
         os.environ.setdefault(_MAIN_PATH, os.path.normpath(main_file))  # read by _adopt_main in the fork server
     return type(getattr(probe, "_name", cls.__name__), (ProcessEnvironment,), members)
+
+
+def environment_methods(instance: Any) -> list[str]:
+    """The names of an environment's tools: its class's public functions but ``reset`` and ``get_reward``
+    (TRL's rule, ``GRPOTrainer.__init__``)."""
+    return [name for name, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)
+            if name not in ("reset", "get_reward") and not name.startswith("_")]
+
+
+def environment_factories(spec: str | dict[str, str] | None, timeout_s: float,
+                          max_chars: int = DEFAULT_MAX_TOOL_RESPONSE,
+                          episode_s: float | None = None) -> dict[str | None, Callable] | None:
+    """The configured environment (``environment:``) as ``{name: factory}`` (``None`` the one name of a single
+    factory); None without one. Each entry is a factory in TRL's contract, a gymnasium-style class
+    (``gym:module:Class``) or a TextArena game (``textarena:<id>``), adapted by :mod:`grpo_steps.tools.games`; its
+    instances run in worker processes (:func:`process_factory`): each call limited to
+    ``timeout_s`` seconds and ``max_chars`` characters of answer, each episode to ``episode_s`` seconds of wall
+    clock from its reset (None: no limit).
+
+    Raises:
+        ToolError: a factory that does not import, or whose instance has no ``reset`` or a tool without a
+            schema.
+    """
+    if spec is None:
+        return None
+    named = {None: spec} if isinstance(spec, str) else dict(spec)
+    factories = {}
+    for name, path in named.items():
+        key = "environment" if name is None else f"environment.{name}"
+        factory = adapter_factory(path, resolve_callable, key)
+        probe = factory()  # in this process, once: its class's tools and their schemas
+        if not callable(getattr(probe, "reset", None)):
+            raise ToolError(f"{key} {path!r}: its instances need a reset(**row) method (TRL's environment "
+                              "contract), returning a string appended to the question or None; or name a "
+                              "gymnasium-style class as 'gym:module:Class', a TextArena game as 'textarena:<id>'")
+        methods = environment_methods(probe)
+        for method in methods:
+            check_tool(getattr(probe, method), f"{key} {path!r}, tool {method!r}")
+        factories[name] = process_factory(path, probe, methods, timeout_s, episode_s, max_chars)
+    return factories
+
+
+def trl_environment_factory(factories: dict[str | None, Callable] | None):
+    """What ``GRPOTrainer(environment_factory=...)`` takes: the one factory, or the ``{name: factory}`` mapping."""
+    if factories is None:
+        return None
+    return factories[None] if None in factories else factories
+
+
+def prompt_tools(paths: list[str], environment: str | dict[str, str] | None, timeout_s: float) -> list[Callable]:
+    """Every tool a prompt may render: the configured tools and the methods of the environment(s), probed (with
+    several environments, all of their tools: an upper bound of a prompt's length). For the token budget of data
+    preparation and for evaluation's prompts."""
+    tools = tool_functions(paths, timeout_s)
+    for factory in (environment_factories(environment, timeout_s) or {}).values():
+        instance = factory()
+        tools += [getattr(instance, name) for name in environment_methods(instance)]
+    return tools

