@@ -31,6 +31,7 @@ from transformers import TrainerCallback
 from grpo_steps import trl_hooks
 from grpo_steps.config import PipelineConfig
 from grpo_steps.tracking import with_glance
+from grpo_steps.weights.labels import label_version
 
 PREFIX = "eval_during"
 """MLflow name prefix of the during-training metrics: ``eval_during/<metric>`` (``pass@k`` is logged as
@@ -118,8 +119,8 @@ class EvalDuringTraining(TrainerCallback):
         else:
             result = evaluate_policy(self.cfg, self.client, self.tokenizer, self.rows, label=f"{PREFIX} step {step}")
         metrics = {f"{PREFIX}/{name}": value for name, value in result["metrics"].items()}
-        metrics[f"{PREFIX}/weight_version"] = float(version.removeprefix("step-")) if version.startswith("step-") \
-            else float("nan")
+        step_served = label_version(version)
+        metrics[f"{PREFIX}/weight_version"] = float("nan") if step_served is None else float(step_served)
         metrics[f"{PREFIX}/probe_logprob"] = sum(result["probe_logprobs"])
         metrics[f"{PREFIX}/seconds"] = time.perf_counter() - started
         if self.log is not None:

@@ -127,7 +127,7 @@ def test_requests_spread_over_both_and_an_episode_stays_on_one(replica_set):
 
 def test_lora_adapter_pushes_reach_both_replicas(tmp_path, tiny_model_path, tiny_tokenizer, replica_set, capfd):
     """Before any full-weights push: an adapter applies to the base weights the replicas started with."""
-    from grpo_steps.lora import adapter_name
+    from grpo_steps.weights.labels import adapter_name
 
     run(_with_replicas(_job(tmp_path, tiny_model_path, tiny_tokenizer, replica_set.endpoint,
                             train={"max_steps": 2, "peft": {"r": 8, "alpha": 16}}), replica_set))

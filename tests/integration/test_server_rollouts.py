@@ -335,7 +335,7 @@ def test_a_request_without_the_run_token_is_refused(tiny_server, method, path, b
     assert requests.get(f"{tiny_server.endpoint}/health", timeout=5).status_code == 200  # probes need no token
     client = VLLMClient(tiny_server.endpoint)  # presents the run's token: the same routes answer it
     assert client._http.get(f"{tiny_server.endpoint}/v1/models", timeout=10).status_code == 200
-    assert client.has_weight_engine()
+    assert client.has_transfer_engine()
     from grpo_steps.servers.auth import token_for
 
     cmdline = psutil.Process(tiny_server.supervisor_pid).cmdline()

@@ -95,8 +95,12 @@ class _Server:
     def __init__(self) -> None:
         self.loaded: list[str] = []
 
-    def reload_weights(self, directory, direct=True) -> float:
+    def reload_weights(self, directory, direct=True, tensors_sha256=None) -> float:
+        from grpo_steps.weights.files import read_safetensors
+        from grpo_steps.weights.manifest import tensors_digest
+
         assert (directory / "model.safetensors").is_file(), "asked to load a push that is not fully written"
+        assert tensors_sha256 == tensors_digest(read_safetensors(directory)), "the request names other tensors"
         self.loaded.append(directory.name)
         return 0.0
 

@@ -253,7 +253,7 @@ def updates_in_flight(settings: ServerSettings) -> bool:
     client = settings.client
     why = None if client.serves_token_generate() else \
         f"the server does not answer {TOKEN_GENERATE_PATH} (start it with {' '.join(TOKEN_GENERATE_ARGS)})"
-    if why is None and not client.has_weight_engine():
+    if why is None and not client.has_transfer_engine():
         why = "the server does not load through the pipeline's weight-transfer engine (" + \
               " ".join(weight_transfer_args()) + ")"
     if why is None:

@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpo_steps.lora import adapter_name
 from grpo_steps.processes import OWNER_FILE, ProcessRef, claim_dir, remove_orphan_dirs  # noqa: F401 (re-exported)
 from grpo_steps.servers.client import GenerationServerError, VLLMClient
 from grpo_steps.weights.files import (
+    checkpoint_state_dict,
     is_no_space,
     no_space,
     overwrite_safetensors,
@@ -30,7 +30,8 @@ from grpo_steps.weights.files import (
     safetensors_bytes,
     write_safetensors,
 )
-from grpo_steps.weights.labels import version_label
+from grpo_steps.weights.labels import adapter_name, version_label
+from grpo_steps.weights.manifest import tensors_digest
 
 
 @dataclass
@@ -138,6 +139,10 @@ class DiskWeightPush(WeightPush):
     """Load through the direct CPU path where it applies (:meth:`VLLMClient.reload_weights`)."""
     spare: Path | None = field(default=None, init=False)
     """The push before ``current``, kept to be rewritten in place by the next push."""
+    digest: str | None = field(default=None, init=False)
+    """The last written push's :func:`~grpo_steps.weights.manifest.tensors_digest`, taken from the tensors in memory
+    (not read back from the file, which a writer of a shared ``generation.sync_dir`` could have swapped): the update
+    request names it and the server refuses other files."""
 
     def _forget(self, directory: Path) -> None:
         super()._forget(directory)
@@ -150,11 +155,13 @@ class DiskWeightPush(WeightPush):
 
     def _write(self, state_dict: dict, directory: Path, model) -> None:
         spare, self.spare = self.spare, None
-        if spare is None or overwrite_safetensors(state_dict, spare, directory, model=model) is None:
-            write_safetensors(state_dict, directory, model=model)
+        tensors = checkpoint_state_dict(state_dict, model)  # as the file holds them: tied weights once, contiguous
+        self.digest = tensors_digest(tensors)
+        if spare is None or overwrite_safetensors(tensors, spare, directory) is None:
+            write_safetensors(tensors, directory)
 
     def _load(self, directory: Path, version: int) -> None:
-        self.client.reload_weights(directory, direct=self.direct)
+        self.client.reload_weights(directory, direct=self.direct, tensors_sha256=self.digest)
         self.client.set_weight_version(version_label(version))
 
     def _retire(self, previous: Path) -> None:

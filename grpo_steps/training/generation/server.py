@@ -94,7 +94,7 @@ class ServerGeneration:
             self.verified_push(self.policy, version)
             self.pushed_version = version
             if self.settings.lora == "adapter":
-                from grpo_steps.lora import adapter_name
+                from grpo_steps.weights.labels import adapter_name
 
                 self.client.model = adapter_name(self.client.base_model, version)
             self.rollouts.pushed(version)
