@@ -4,7 +4,7 @@ registration.
 With ``train.peft`` TRL's ``GRPOTrainer`` wraps the policy in a ``peft.PeftModel`` (``peft_config=``); the
 optimizer, the checkpoints (``adapter_model.safetensors`` + optimizer state) and the weight sync then hold the adapter
 only. ``disk`` sync pushes the adapter through vLLM's runtime LoRA loading
-(:class:`grpo_steps.training.generation.disk.AdapterPush`): the server loads it under a new model name per push
+(:class:`grpo_steps.training.generation.disk.AdapterTransport`): the server loads it under a new model name per push
 (:func:`grpo_steps.weights.labels.adapter_name`), rollouts request that name, and the previous adapter is unloaded. The
 server's base weights never change, so the baseline of the evaluation is the served base model and the trained policy is
 base + the final adapter.

@@ -245,7 +245,7 @@ class VLLMClient:
         self._has_transfer_engine: bool | None = known.transfer_engine if known else None
         self._token_generate: bool | None = known.token_route if known else None  # answers TOKEN_GENERATE_PATH
         self._told_no_transfer_engine = False  # stderr said once that vLLM's own reload runs (no transfer engine)
-        self.update_report: dict = {}  # the engine's report of the last update_weights
+        self.update_report: dict = {}  # the transfer engine's report of the last update_weights
         self._replica_clients = [VLLMClient(e, self.model, self.timeout_s, vocab_size=self.vocab_size,
                                             capabilities=self.capabilities) for e in self.replicas]
         self._replica_by_name: dict[str, int] | None = None  # see replica_index; asked at the first routed sample
@@ -387,7 +387,7 @@ class VLLMClient:
         ``/finish_weight_update`` with ``label`` as the weight version (from then on vLLM tags each new token with it:
         ``weight_versions`` of :data:`TOKEN_GENERATE_PATH`), ``/reset_prefix_cache`` (``keep``: with
         ``reset_running_requests``, so the frozen requests' KV is recomputed by the new weights), ``/resume``. Then
-        :attr:`update_report` holds the engine's report (load path, fetch and load seconds, bytes read) and
+        :attr:`update_report` holds the transfer engine's report (load path, fetch and load seconds, bytes read) and
         :attr:`load_path` its load path. Returns seconds taken.
 
         Raises:
@@ -418,7 +418,7 @@ class VLLMClient:
             except GenerationServerError as resume_err:
                 raise GenerationServerError(f"{err}; and the server did not resume generation: {resume_err}") from err
             why = self._update_error()
-            if why is not None:  # the engine's own message: vLLM's answer masks the S3 key and the path in it
+            if why is not None:  # the transfer engine's own message: vLLM's answer masks the S3 key and the path in it
                 raise GenerationServerError(f"{self.endpoint} did not load the weights of {update.source()}: {why}; "
                                             "it serves the weights and label it served before") from err
             raise
@@ -426,8 +426,9 @@ class VLLMClient:
         return time.perf_counter() - start
 
     def _update_error(self) -> str | None:
-        """The error of the engine's last update (:meth:`grpo_steps.vllm_worker.WorkerExtension.weight_update_report`),
-        or None when it reports none or cannot be asked."""
+        """The error of the transfer engine's last update
+        (:meth:`grpo_steps.vllm_worker.WorkerExtension.weight_update_report`), or None when it reports none or cannot be
+        asked."""
         try:
             reports = self._post("/collective_rpc", json={"method": "weight_update_report"}).json().get("results", [])
         except GenerationServerError:
@@ -444,8 +445,8 @@ class VLLMClient:
     @on_every_replica(lambda values, _: all(values))
     def has_transfer_engine(self) -> bool:
         """Whether the server loads weights through :data:`WEIGHT_TRANSFER_BACKEND` (its config, dev route
-        ``/server_info``: the worker extension that registers the engine and the weight-transfer backend). Asked
-        instead of trying: vLLM 0.32's engine dies on a ``collective_rpc`` of a method its workers do not have
+        ``/server_info``: the worker extension that registers the transfer engine and the weight-transfer backend).
+        Asked instead of trying: vLLM 0.32's engine dies on a ``collective_rpc`` of a method its workers do not have
         (measured: the server closed the connection and stopped). Asked once per client, not at all when the handle
         recorded it (:attr:`capabilities`)."""
         if self._has_transfer_engine is None:

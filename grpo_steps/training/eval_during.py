@@ -7,7 +7,7 @@ of the eval split (its first ``eval.during_training_prompts`` prompts) with
 the generation server, and logs each metric as ``eval_during/<metric>`` at the optimizer step.
 
 The server holds the step's weights without an extra reload: after optimizer step N, TRL pushes the
-policy to the server before the first generation of step N+1 (``ServerGRPOTrainer``: ``ServerGeneration``
+policy to the server before the first generation of step N+1 (``ServerGRPOTrainer``: ``RolloutBackend``
 writes, reloads and verifies version ``step-N``). :class:`EvalDuringTraining` makes that same push at the
 beginning of step N+1 (``on_step_begin``, before its generation) and marks it done for TRL
 (:func:`grpo_steps.trl_hooks.mark_pushed`), then evaluates; step N+1's rollouts then sample from the same

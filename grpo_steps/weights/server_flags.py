@@ -14,7 +14,7 @@ WORKER_EXTENSION = "grpo_steps.vllm_worker.WorkerExtension"
 """The ``--worker-extension-cls`` of the servers this pipeline starts (:mod:`grpo_steps.vllm_worker`: weight loading
 on CPU, the idle-spin limit, the weight-transfer engine's registration)."""
 WEIGHT_TRANSFER_BACKEND = "grpo_steps"
-"""The ``--weight-transfer-config`` backend of those servers: :class:`grpo_steps.vllm_worker.WeightUpdateEngine`
+"""The ``--weight-transfer-config`` backend of those servers: :class:`grpo_steps.vllm_worker.PipelineTransferEngine`
 (registered under this name when the worker imports :data:`WORKER_EXTENSION`'s module)."""
 
 

@@ -242,7 +242,7 @@ def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.data import encode_prompt, to_prompt
-    from grpo_steps.training.generation.s3 import ChainWeightPush
+    from grpo_steps.training.generation.s3 import ChainTransport
     from grpo_steps.training.sampling import policy_logprobs
     from grpo_steps.weights.chain import tensor_checksum
     from grpo_steps.weights.files import checkpoint_state_dict
@@ -254,7 +254,7 @@ def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny
     ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
     first, second = (VLLMClient(m.endpoint) for m in replica_set.members)
     client = VLLMClient(first.endpoint, replicas=(first.endpoint, second.endpoint))
-    push = ChainWeightPush(client, _store(s3, "receivers"), dtype=torch.float32, anchor_every=10)
+    push = ChainTransport(client, _store(s3, "receivers"), dtype=torch.float32, anchor_every=10)
 
     def step() -> dict:
         with torch.no_grad():
@@ -319,14 +319,14 @@ def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny
                                          "a delta's base must be .*older than this one"),
         }
         # a version missing one tensor (its digest genuine): refused against the served model's checkpoint
-        partial = ChainWeightPush(client, _store(s3, "receivers-partial"), dtype=torch.float32)
+        partial = ChainTransport(client, _store(s3, "receivers-partial"), dtype=torch.float32)
         state = checkpoint_state_dict(model.state_dict(), model)
         missing = sorted(state)[0]
         stats = partial.chain.publish({k: v for k, v in state.items() if k != missing}, 0)
         refusals["a missing tensor"] = ({"s3": partial.store, "version": 0, "sha256": stats.sha256},
                                         rf"missing \['{re.escape(missing)}'\]")
         # a version in another dtype than the served one (its digest genuine): refused, where the load would cast
-        half = ChainWeightPush(client, _store(s3, "receivers-half"), dtype=torch.float16)
+        half = ChainTransport(client, _store(s3, "receivers-half"), dtype=torch.float16)
         stats = half.chain.publish(state, 0)
         refusals["another dtype"] = ({"s3": half.store, "version": 0, "sha256": stats.sha256},
                                      r"tensor .* is float16 .*, the served model has float32")

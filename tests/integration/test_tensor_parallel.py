@@ -51,7 +51,7 @@ def test_s3_pushes_to_a_tensor_parallel_server_are_fetched_once_and_checked_on_b
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.data import encode_prompt, to_prompt
-    from grpo_steps.training.generation.s3 import ChainWeightPush
+    from grpo_steps.training.generation.s3 import ChainTransport
     from grpo_steps.training.sampling import policy_logprobs
     from grpo_steps.weights.files import checkpoint_state_dict
     from grpo_steps.weights.labels import version_label
@@ -62,7 +62,7 @@ def test_s3_pushes_to_a_tensor_parallel_server_are_fetched_once_and_checked_on_b
     ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
     client = VLLMClient(tp_server.endpoint)
     store = {"bucket": s3.bucket, "prefix": "weight-sync/tensor-parallel", "endpoint_url": s3.endpoint}
-    push = ChainWeightPush(client, store, dtype=torch.float32, anchor_every=10)
+    push = ChainTransport(client, store, dtype=torch.float32, anchor_every=10)
 
     def step() -> dict:
         with torch.no_grad():

@@ -125,8 +125,9 @@ def test_an_external_server_returning_raw_logprobs_is_refused(foreign_server, ti
 
 
 def test_pushes_in_flight_need_the_servers_flags(foreign_server, capsys):
-    """``generation.async.in_flight``: a server without vLLM's token route and the pipeline's engine is refused when
-    it is provisioned with ``in_flight: true`` (naming the flags), and by default (null) its pushes drain, said once."""
+    """``generation.async.in_flight``: a server without vLLM's token route and the pipeline's transfer engine is refused
+    when it is provisioned with ``in_flight: true`` (naming the flags), and by default (null) its pushes drain, said
+    once."""
     from grpo_steps.config import GenerationConfig, validate_config
     from grpo_steps.servers.client import GenerationServerError
     from grpo_steps.training.generation.async_rollouts import updates_in_flight

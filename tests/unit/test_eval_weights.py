@@ -144,7 +144,7 @@ def test_a_lora_adapter_under_s3_sync_is_evaluated_as_merged_full_weights(tmp_pa
 
 def test_load_weights_takes_a_directory_or_a_chain_version_on_every_replica(monkeypatch):
     """A directory goes through ``reload_weights`` (which falls back to vLLM's own reload on a server without the
-    pipeline's engine), a chain version through the weight-update protocol; on each replica, in parallel."""
+    pipeline's transfer engine), a chain version through the weight-update protocol; on each replica, in parallel."""
     calls = []
 
     def reload_weights(self, weights_dir, direct=True, label=None, tensors_sha256=None):

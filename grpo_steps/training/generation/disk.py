@@ -5,8 +5,8 @@ Rank 0 writes the policy's weights as one safetensors file into a new directory 
 root (:func:`sync_root`; :func:`grpo_steps.weights.files.write_safetensors`, or
 :func:`grpo_steps.weights.files.overwrite_safetensors` of an older push's file moved there), then has the server
 load it (:meth:`grpo_steps.servers.client.VLLMClient.reload_weights`) and labels it ``step-N``
-(:class:`DiskWeightPush`); with LoRA the adapter alone is written and loaded as a new served model
-(:class:`AdapterPush`), or base + adapter merged (:func:`merged_state_dict`) is pushed as full weights.
+(:class:`DiskTransport`); with LoRA the adapter alone is written and loaded as a new served model
+(:class:`AdapterTransport`), or base + adapter merged (:func:`merged_state_dict`) is pushed as full weights.
 Verification is :mod:`grpo_steps.training.generation.push`'s.
 """
 
@@ -35,10 +35,10 @@ from grpo_steps.weights.manifest import tensors_digest
 
 
 @dataclass
-class WeightPush:
+class DirectoryTransport:
     """Rank 0's half of ``disk`` sync, one push per weight version: write the weights into a fresh directory
     ``root/v{version}`` (vLLM issue #32718: never reload from a reused directory), have the server load them, then
-    retire the previous push's directory. :class:`DiskWeightPush` (full weights) and :class:`AdapterPush` (a LoRA
+    retire the previous push's directory. :class:`DiskTransport` (full weights) and :class:`AdapterTransport` (a LoRA
     adapter) say what is written and how the server loads it; ``root`` must be readable by the server.
     """
 
@@ -125,7 +125,7 @@ class WeightPush:
 
 
 @dataclass
-class DiskWeightPush(WeightPush):
+class DiskTransport(DirectoryTransport):
     """Full weights: each push writes ``model.safetensors`` to ``root/v{version}``, reloads the server from it
     (:meth:`VLLMClient.reload_weights`) and labels the server's weights ``step-{version}``.
 
@@ -181,7 +181,7 @@ class DiskWeightPush(WeightPush):
 
 
 @dataclass
-class AdapterPush(WeightPush):
+class AdapterTransport(DirectoryTransport):
     """A LoRA adapter: each push writes the adapter (``adapter_model.safetensors`` + ``adapter_config.json``) to
     ``root/v{version}``, loads it into the server as :func:`grpo_steps.lora.adapter_name` of the version (vLLM's
     runtime LoRA loading) and points ``client`` (the rollout client) at it, then unloads the previous push's adapter

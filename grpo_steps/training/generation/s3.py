@@ -12,7 +12,7 @@ XOR+zstd deltas against the last committed version in between; the manifest last
 from the anchor when it holds none of them, and checks every tensor's checksum before loading anything).
 :class:`grpo_steps.training.generation.push.VerifiedPush` then checks every replica's label and probe; only then is the
 version committed (the base of the next delta) and the versions before its anchor deleted. The run's prefix is removed
-when training ends (:meth:`ChainWeightPush.close`) and by the flow's ``end``
+when training ends (:meth:`ChainTransport.close`) and by the flow's ``end``
 (:func:`grpo_steps.weights.publisher.remove_run_versions`).
 """
 
@@ -44,7 +44,7 @@ def lineage_of(manifest: dict) -> dict[str, str]:
 
 
 @dataclass
-class ChainWeightPush:
+class ChainTransport:
     """Rank 0's half of ``s3`` sync: :meth:`push` publishes and has every replica load, :meth:`committed` advances
     the baseline once the push is verified, :meth:`close` removes the run's versions.
 
