@@ -188,7 +188,7 @@ def test_a_version_missing_a_tensor_is_refused_against_the_served_layout(client,
 
 
 def test_a_version_in_another_dtype_than_the_served_model_is_refused(client, s3, prefix, tiny_model_path):
-    """Names, shapes and dtypes: the served model's layout (grpo_steps.vllm_worker.served_layout, read from the tiny
+    """Names, shapes and dtypes: the served model's layout (grpo_steps.weights.layout.served_layout, read from the tiny
     model's files, served in bfloat16) refuses a version published in float16 on the chain path, and a directory in
     float16 on the directory path (disk pushes, the direct CPU load); the serving dtype passes both, and a directory
     may hold the checkpoint's own float32 (the evaluate step's baseline). The load would otherwise cast silently."""
@@ -197,8 +197,8 @@ def test_a_version_in_another_dtype_than_the_served_model_is_refused(client, s3,
     import torch
     from safetensors.torch import load_file
 
-    from grpo_steps.vllm_worker import _check_layout, served_layout
     from grpo_steps.weights.chain import ChainRefusedError, LocalCopy
+    from grpo_steps.weights.layout import check_layout, served_layout
 
     config = SimpleNamespace(model_config=SimpleNamespace(model=tiny_model_path, revision=None, dtype=torch.bfloat16))
     layout, file_dtypes = served_layout(config)
@@ -218,8 +218,8 @@ def test_a_version_in_another_dtype_than_the_served_model_is_refused(client, s3,
     assert {t.dtype for t in served.values()} == {torch.bfloat16}
 
     with pytest.raises(ValueError, match=rf"other dtype \['{name} float16 \(served bfloat16\)'"):
-        _check_layout(half, layout, "/push/v1", file_dtypes)
-    _check_layout({n: t.to(torch.bfloat16) for n, t in files.items()}, layout, "/push/v1", file_dtypes)
-    _check_layout(files, layout, "/base", file_dtypes)  # the files the server started from
+        check_layout(half, layout, "/push/v1", file_dtypes)
+    check_layout({n: t.to(torch.bfloat16) for n, t in files.items()}, layout, "/push/v1", file_dtypes)
+    check_layout(files, layout, "/base", file_dtypes)  # the files the server started from
     with pytest.raises(ValueError, match=rf"missing \['{name}'\]"):
-        _check_layout({n: t for n, t in files.items() if n != name}, layout, "/push/v2", file_dtypes)
+        check_layout({n: t for n, t in files.items() if n != name}, layout, "/push/v2", file_dtypes)
