@@ -31,8 +31,7 @@ import time
 from dataclasses import dataclass
 
 from grpo_steps.weights.cpu_load import load_tensors
-from grpo_steps.weights.files import read_safetensors
-from grpo_steps.weights.layout import check_digest, check_layout, served_layout
+from grpo_steps.weights.layout import read_directory, served_layout
 from grpo_steps.weights.server_flags import WEIGHT_TRANSFER_BACKEND
 from grpo_steps.weights.update import WeightUpdate
 
@@ -88,6 +87,23 @@ class WorkerExtension:
             return False
         engine.prefetch(WeightUpdate.parse(update_info))
         return True
+
+    def load_directory(self, update_info: dict) -> dict:
+        """Load the directory of ``update_info`` (a :class:`~grpo_steps.weights.update.WeightUpdate` with ``path``),
+        checked as the transfer engine checks one (the served model's tensors, the request's digest), on a server whose
+        weight-transfer backend is another (``nccl`` sync's TRL server: evaluation stages its policies on the shared
+        volume). Returns ``{"load": <load path>}`` (:func:`~grpo_steps.weights.cpu_load.load_tensors`), or
+        ``{"error": <why>}`` when the update is refused or fails (the served weights are then unchanged): returned, not
+        raised, since an exception out of a ``collective_rpc`` may end vLLM's engine."""
+        try:
+            info = WeightUpdate.parse(update_info)
+            if info.path is None:
+                raise ValueError(f"load_directory loads a directory, not {info.source()}")
+            layout, file_dtypes = served_layout(self.vllm_config)
+            tensors = read_directory(info.path, info.tensors_sha256, layout, file_dtypes)
+            return {"load": load_tensors(self.model_runner.get_model(), self.vllm_config, tensors, direct=info.direct)}
+        except Exception as err:  # noqa: BLE001  (returned to the client, which raises it)
+            return {"error": f"{type(err).__name__}: {err}"}
 
     def weight_update_report(self) -> dict:
         """What the engine's last ``update_weights`` did (:attr:`PipelineTransferEngine.report`): ``load``
@@ -267,12 +283,8 @@ class PipelineTransferEngine(_engine_base()):
     def _receive(self, info: WeightUpdate) -> None:
         start = time.perf_counter()
         if info.path is not None:
-            # a private copy: the files are memory-mapped, and a writer of a shared volume could change them between
-            # the check and the load
-            tensors = {name: t.clone() for name, t in read_safetensors(info.path).items()}
+            tensors = read_directory(info.path, info.tensors_sha256, self.layout, self.file_dtypes)
             bytes_read, prefetched = None, False
-            check_layout(tensors, self.layout, info.path, self.file_dtypes)
-            check_digest(tensors, info.tensors_sha256, info.path)
         else:
             sharing, digest = self._sharing(), info.sha256
             prefetched = self._join_prefetch() == self._fetch_key(info)

@@ -244,6 +244,7 @@ class VLLMClient:
         # loads through grpo_steps.vllm_worker's weight-transfer engine
         self._has_transfer_engine: bool | None = known.transfer_engine if known else None
         self._token_generate: bool | None = known.token_route if known else None  # answers TOKEN_GENERATE_PATH
+        self._has_worker_extension: bool | None = True if known and known.transfer_engine else None
         self._told_no_transfer_engine = False  # stderr said once that vLLM's own reload runs (no transfer engine)
         self.update_report: dict = {}  # the transfer engine's report of the last update_weights
         self._replica_clients = [VLLMClient(e, self.model, self.timeout_s, vocab_size=self.vocab_size,
@@ -338,25 +339,43 @@ class VLLMClient:
         caller wrote them, else computed here from the files) when the server runs the pipeline's transfer engine (the
         local and Kubernetes providers start it so): the server refuses files that are not those tensors; on CPU each
         layer's GEMM handle is made straight from the file (unless ``direct`` is false: vLLM's in-place reload), and a
-        tied LM head is not left stale; ``load_path`` then says which path ran. A server without it (started
+        tied LM head is not left stale; ``load_path`` then says which path ran. A server with the pipeline's worker
+        extension but another transfer backend (``nccl`` sync's TRL server) loads it through the extension, checked
+        the same way (:meth:`grpo_steps.vllm_worker.WorkerExtension.load_directory`). A server without either (started
         elsewhere) gets vLLM's ``reload_weights`` through ``/collective_rpc`` and is told once on stderr; the
         weight-sync checks stay the guard. With replicas: every replica, in parallel; the seconds of the slowest.
+
+        Raises:
+            GenerationServerError: a request failed, or the server refused the files (not the tensors the digest
+                names, or not the served model's): it keeps the weights and label it had.
         """
-        if not self.has_transfer_engine() and not self._told_no_transfer_engine:
+        if self.has_transfer_engine():
+            return self.update_weights(WeightUpdate.of_directory(weights_dir, direct=direct,
+                                                                 tensors_sha256=tensors_sha256), label)
+        extension = self.has_worker_extension()
+        if not extension and not self._told_no_transfer_engine:
             # told at the first reload, however the answer was learnt (asked before, or recorded in the handle)
             self._told_no_transfer_engine = True
             print(f"[weight-sync] {self.endpoint} was started without {' '.join(weight_transfer_args())}: "
                   "vLLM's own reload runs, and on CPU a tied LM head keeps its old weights (the first-batch check "
                   "will report it)", file=sys.stderr)
-        if self._has_transfer_engine:
-            return self.update_weights(WeightUpdate.of_directory(weights_dir, direct=direct,
-                                                                 tensors_sha256=tensors_sha256), label)
+        update = WeightUpdate.of_directory(weights_dir, direct=direct, tensors_sha256=tensors_sha256) \
+            if extension else None
         start = time.perf_counter()
         self._post("/pause", params={"mode": "wait"})
         try:
-            self._post("/collective_rpc", json={"method": "reload_weights",
-                                                "kwargs": {"weights_path": str(weights_dir)}})
-            self.load_path = "vllm: the server has no grpo_steps transfer engine"
+            if update is not None:
+                rpc = {"method": "load_directory", "kwargs": {"update_info": update.request()}}
+                results = self._post("/collective_rpc", json=rpc).json().get("results", [])
+                errors = [r["error"] for r in results if "error" in r] or ([] if results else ["no worker answered"])
+                if errors:  # every worker checks before it loads: a refusal leaves the served weights as they were
+                    raise GenerationServerError(f"{self.endpoint} did not load the weights of {update.source()}: "
+                                                f"{errors[0]}; it serves the weights and label it served before")
+                self.load_path = str(results[0]["load"])
+            else:
+                self._post("/collective_rpc", json={"method": "reload_weights",
+                                                    "kwargs": {"weights_path": str(weights_dir)}})
+                self.load_path = "vllm: the server has no grpo_steps transfer engine"
             self._post("/reset_prefix_cache")
             if label is not None:
                 self._post("/update_weight_version", json={"new_version": label})
@@ -455,6 +474,15 @@ class VLLMClient:
                 (config.get("parallel_config") or {}).get("worker_extension_cls") == WORKER_EXTENSION
                 and (config.get("weight_transfer_config") or {}).get("backend") == WEIGHT_TRANSFER_BACKEND)
         return self._has_transfer_engine
+
+    @on_every_replica(lambda values, _: all(values))
+    def has_worker_extension(self) -> bool:
+        """Whether the server runs the pipeline's worker extension (:data:`WORKER_EXTENSION`, in its config: dev route
+        ``/server_info``), whatever its weight-transfer backend; asked once per client."""
+        if self._has_worker_extension is None:
+            extension = (self.server_config().get("parallel_config") or {}).get("worker_extension_cls")
+            self._has_worker_extension = extension == WORKER_EXTENSION
+        return self._has_worker_extension
 
     @on_every_replica(lambda values, _: all(values))
     def serves_token_generate(self) -> bool:

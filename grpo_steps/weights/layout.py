@@ -11,6 +11,26 @@ import sys
 from grpo_steps.weights.manifest import ChainRefusedError, tensors_digest
 
 
+def read_directory(path: str, tensors_sha256: str, layout: dict | None, file_dtypes: dict | None) -> dict:
+    """The tensors of the safetensors directory ``path`` (name -> CPU tensor) in private memory, checked: exactly the
+    served model's (:func:`check_layout`) and exactly the ones the update request names (:func:`check_digest`).
+
+    The files are read into private memory first: they are memory-mapped, and a writer of a shared volume could change
+    them between the check and the load.
+
+    Raises:
+        FileNotFoundError: ``path`` holds no safetensors.
+        ValueError: other tensors than the served model's.
+        ChainRefusedError: other tensors than the request's.
+    """
+    from grpo_steps.weights.files import read_safetensors
+
+    tensors = {name: t.clone() for name, t in read_safetensors(path).items()}
+    check_layout(tensors, layout, path, file_dtypes)
+    check_digest(tensors, tensors_sha256, path)
+    return tensors
+
+
 def check_digest(tensors: dict, tensors_sha256: str, source: str) -> None:
     """Refuse ``tensors`` (name -> tensor, read from ``source``) unless their digest
     (:func:`~grpo_steps.weights.manifest.tensors_digest`, per-tensor BLAKE3) is ``tensors_sha256``, the one the

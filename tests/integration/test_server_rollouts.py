@@ -165,21 +165,25 @@ def test_successive_pushes_serve_each_version_from_two_rewritten_directories(tmp
         client.reload_weights(tiny_model_path)
 
 
+@pytest.mark.parametrize("receiver", ["transfer-engine", "worker-extension"])
 def test_a_staged_file_swapped_after_staging_is_refused_and_the_previous_weights_keep_serving(
-        tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
+        tmp_path, tiny_model_path, tiny_tokenizer, tiny_server, receiver):
     """Issue 70, finding 4: a directory update names the digest of its tensors (per-tensor BLAKE3, as the chain's), so
     a file swapped on a shared volume after the ``evaluate`` step staged it is refused on load; the server keeps
     serving its previous weights and label. Staging the swapped file anew (its own digest) loads it: the check refuses
-    the swap, not every directory."""
+    the swap, not every directory. Both receivers: the pipeline's transfer engine, and the worker extension alone (as
+    a server with another transfer backend, ``nccl`` sync's, loads a directory)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.data import encode_prompt, to_prompt
+    from grpo_steps.servers.capabilities import ServerCapabilities
     from grpo_steps.weights.files import write_safetensors
     from grpo_steps.weights.staging import stage_update
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    client = VLLMClient(tiny_server.endpoint)
+    engine = receiver == "transfer-engine"  # else the client takes the server for one with another backend
+    client = VLLMClient(tiny_server.endpoint, capabilities=ServerCapabilities(transfer_engine=engine, token_route=True))
     ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
     try:
         client.reload_weights(tiny_model_path, label="default")  # the shared server may hold another test's weights
@@ -197,7 +201,7 @@ def test_a_staged_file_swapped_after_staging_is_refused_and_the_previous_weights
         kept = client.prompt_logprobs(ids)  # generation still samples from the previous weights
         assert max(abs(a - b) for a, b in zip(kept, before, strict=True)) < 1e-5
         client.load_weights(stage_update(tmp_path / "trained", "trained", tiny_server.stage_weights), "eval-trained")
-        assert client.weight_version() == "eval-trained"
+        assert client.weight_version() == "eval-trained" and client.load_path == "direct"
         assert max(abs(a - b) for a, b in zip(client.prompt_logprobs(ids), before, strict=True)) > 1e-3
     finally:
         client.reload_weights(tiny_model_path, label="default")
