@@ -100,7 +100,9 @@ class WorkerExtension:
             if info.path is None:
                 raise ValueError(f"load_directory loads a directory, not {info.source()}")
             layout, file_dtypes = served_layout(self.vllm_config)
-            tensors = read_directory(info.path, info.tensors_sha256, layout, file_dtypes)
+            if not hasattr(self, "grpo_files"):
+                self.grpo_files = {}  # kept between calls, as the transfer engine's (read_directory)
+            tensors = read_directory(info.path, info.tensors_sha256, layout, file_dtypes, self.grpo_files)
             return {"load": load_tensors(self.model_runner.get_model(), self.vllm_config, tensors, direct=info.direct)}
         except Exception as err:  # noqa: BLE001  (returned to the client, which raises it)
             return {"error": f"{type(err).__name__}: {err}"}
@@ -156,6 +158,7 @@ class PipelineTransferEngine(_engine_base()):
         from grpo_steps.weights.chain import LocalCopy
 
         self.copy = LocalCopy()
+        self.files: dict = {}  # the last directory's tensors: the memory the next one is copied into (read_directory)
         self.chains: dict[tuple, object] = {}  # (endpoint, bucket, prefix) -> WeightChain
         self.report: dict = {}
         # {name: (serving dtype, shape)} and {name: the checkpoint file's dtype}, or None when no file says them
@@ -175,7 +178,7 @@ class PipelineTransferEngine(_engine_base()):
         pass
 
     def shutdown(self) -> None:
-        self.copy.tensors, self.copy.version = {}, None
+        self.copy.tensors, self.copy.version, self.files = {}, None, {}
         if self._shared:
             self._shared[1].close()
 
@@ -283,7 +286,7 @@ class PipelineTransferEngine(_engine_base()):
     def _receive(self, info: WeightUpdate) -> None:
         start = time.perf_counter()
         if info.path is not None:
-            tensors = read_directory(info.path, info.tensors_sha256, self.layout, self.file_dtypes)
+            tensors = read_directory(info.path, info.tensors_sha256, self.layout, self.file_dtypes, self.files)
             bytes_read, prefetched = None, False
         else:
             sharing, digest = self._sharing(), info.sha256

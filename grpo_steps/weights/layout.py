@@ -11,12 +11,17 @@ import sys
 from grpo_steps.weights.manifest import ChainRefusedError, tensors_digest
 
 
-def read_directory(path: str, tensors_sha256: str, layout: dict | None, file_dtypes: dict | None) -> dict:
-    """The tensors of the safetensors directory ``path`` (name -> CPU tensor) in private memory, checked: exactly the
-    served model's (:func:`check_layout`) and exactly the ones the update request names (:func:`check_digest`).
+def read_directory(path: str, tensors_sha256: str, layout: dict | None, file_dtypes: dict | None,
+                   into: dict) -> dict:
+    """The tensors of the safetensors directory ``path`` (name -> CPU tensor) copied into ``into`` (name -> tensor,
+    changed in place and returned: a tensor of the same dtype and shape is written over, any other made anew), checked:
+    exactly the served model's (:func:`check_layout`) and exactly the ones the update request names
+    (:func:`check_digest`).
 
-    The files are read into private memory first: they are memory-mapped, and a writer of a shared volume could change
-    them between the check and the load.
+    Copied, not used where they lie: the files are memory-mapped, and a writer of a shared volume could change them
+    between the check and the load. Into kept tensors: fresh memory page-faults in slower than the copy itself on the
+    2-core box (the chain's reader keeps its copy for the same reason), so a server keeps one copy of the weights
+    between directory updates.
 
     Raises:
         FileNotFoundError: ``path`` holds no safetensors.
@@ -25,10 +30,19 @@ def read_directory(path: str, tensors_sha256: str, layout: dict | None, file_dty
     """
     from grpo_steps.weights.files import read_safetensors
 
-    tensors = {name: t.clone() for name, t in read_safetensors(path).items()}
-    check_layout(tensors, layout, path, file_dtypes)
-    check_digest(tensors, tensors_sha256, path)
-    return tensors
+    files = read_safetensors(path)
+    for name in set(into) - set(files):
+        del into[name]
+    for name, t in files.items():
+        kept = into.get(name)
+        if kept is None or kept.dtype != t.dtype or kept.shape != t.shape:
+            into[name] = t.clone()
+        else:
+            kept.copy_(t)
+    del files
+    check_layout(into, layout, path, file_dtypes)
+    check_digest(into, tensors_sha256, path)
+    return into
 
 
 def check_digest(tensors: dict, tensors_sha256: str, source: str) -> None:
