@@ -29,7 +29,7 @@ def weight_transfer_args() -> list[str]:
 
 TOKEN_GENERATE_PATH = "/inference/v1/generate"
 """vLLM's token-in/token-out sampling route (``vllm/entrypoints/scale_out/token_in_token_out``): each choice carries
-its token ids, their logprobs and ``weight_versions``, the spans of output tokens each weight version sampled (what an
-in-flight weight update needs); served when ``vllm serve`` runs with :data:`TOKEN_GENERATE_ARGS`."""
+its token ids, their logprobs and ``weight_versions``, the spans of output tokens each weight version sampled (what a
+weight update in flight needs); served when ``vllm serve`` runs with :data:`TOKEN_GENERATE_ARGS`."""
 TOKEN_GENERATE_ARGS = ["--enable-scale-out"]
 """The ``vllm serve`` arguments that serve :data:`TOKEN_GENERATE_PATH` (behind the run's token like every route)."""

@@ -67,9 +67,11 @@ def test_a_server_that_keeps_stale_weights_stops_the_run(tmp_path, tiny_model_pa
     reload = VLLMClient.reload_weights
     pushed = []
 
-    def reload_stale(self, weights_dir, direct=True):
+    def reload_stale(self, weights_dir, direct=True, tensors_sha256=None):
         pushed.append(weights_dir)
-        return reload(self, weights_dir if len(pushed) == 1 else tiny_model_path, direct)
+        if len(pushed) == 1:
+            return reload(self, weights_dir, direct, tensors_sha256=tensors_sha256)
+        return reload(self, tiny_model_path, direct)  # the base weights, named by their own digest
 
     monkeypatch.setattr(VLLMClient, "reload_weights", reload_stale)
     # a step that visibly moves the tiny policy: a high learning rate and a reward that varies within every group
