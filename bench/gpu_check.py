@@ -14,7 +14,7 @@ The checks (the limits add up to the 600 s budget; a check that runs past its li
   checkpoint);
 - ``lora``: a LoRA adapter (r=16, all linear layers) trained by the same process (``bench/gpu_zero3.py --lora``);
 - ``s3``: a weight version published from CUDA tensors to S3 (a local SeaweedFS) as an anchor and a checked XOR
-  delta, read back and compared bit for bit (:class:`grpo_steps.weights.chain.WeightChain`, the ``s3`` push);
+  delta, read back and compared bit for bit (:class:`grpo_steps.weights.publisher.ChainPublisher`, the ``s3`` push);
 - ``server``: where vLLM's CUDA wheel is installed, a local vLLM server on the GPU taking verified ``disk`` and
   ``s3`` pushes (``bench/s3_push.py``); skipped with the reason otherwise.
 
@@ -77,14 +77,15 @@ def s3_publish(device: str) -> str:
     from grpo_steps.dev import local_s3
     from grpo_steps.dev.tiny_model import TINY
     from grpo_steps.models import prepare_embedded
-    from grpo_steps.weights.chain import WeightChain, make_client
+    from grpo_steps.weights.chain import make_client
+    from grpo_steps.weights.publisher import ChainPublisher
 
     model = AutoModelForCausalLM.from_pretrained(prepare_embedded(TINY), dtype=torch.bfloat16).to(device)
     with tempfile.TemporaryDirectory(prefix="grpo-gpu-check-s3-") as scratch:
         s3 = local_s3.start(Path(scratch) / "s3")
         try:
             client = make_client(s3.endpoint, access_key=s3.access_key, secret_key=s3.secret_key)
-            chain = WeightChain(client, s3.bucket, "weight-sync/gpu-check", anchor_every=4, dtype=torch.bfloat16)
+            chain = ChainPublisher(client, s3.bucket, "weight-sync/gpu-check", anchor_every=4, dtype=torch.bfloat16)
             sent, sizes, digests = [], [], []
             for version in range(2):
                 with torch.no_grad():
@@ -99,7 +100,7 @@ def s3_publish(device: str) -> str:
                 sizes.append(f"v{version} {'anchor' if stats.anchor else 'delta'} {stats.bytes / 2**20:.2f} MiB "
                              f"in {stats.seconds:.2f} s")
             for version, expected in enumerate(sent):
-                got = chain.fetch(version, sha256=digests[version])
+                got = chain.reader.fetch(version, sha256=digests[version])
                 bad = [k for k, v in expected.items() if not torch.equal(got[k].to("cpu").view(torch.int16),
                                                                          v.view(torch.int16))]
                 assert not bad, f"version {version}: {len(bad)} tensors differ, e.g. {bad[:3]}"

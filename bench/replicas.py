@@ -47,11 +47,11 @@ def push_seconds(client, model, probe: list[int], pushes: int = 5) -> float:
     """Median seconds of a verified ``disk`` push (write + reload on every replica + label and probe on each)."""
     import torch
 
-    from grpo_steps.training.generation.disk import DiskWeightPush
+    from grpo_steps.training.generation.disk import DiskTransport
     from grpo_steps.weights.labels import version_label
 
     root = Path(tempfile.mkdtemp(prefix="grpo-bench-replicas-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    push, times = DiskWeightPush(client, root), []
+    push, times = DiskTransport(client, root), []
     for version in range(pushes):
         with torch.no_grad():
             for param in model.parameters():

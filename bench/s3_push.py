@@ -1,11 +1,11 @@
 """Benchmark: seconds per verified weight push, ``disk`` against ``s3`` (issue 47), on 1 or 2 local vLLM replicas.
 
-Both arms load through vLLM's weight-update protocol (:class:`grpo_steps.vllm_worker.WeightUpdateEngine`) and are
+Both arms load through vLLM's weight-update protocol (:class:`grpo_steps.vllm_worker.PipelineTransferEngine`) and are
 verified as the trainer verifies (every replica's label and probe, :func:`check_served_version`), alternating push by
 push so both see the same load:
 
-- ``disk``: :class:`grpo_steps.training.generation.disk.DiskWeightPush` (safetensors in ``/dev/shm``);
-- ``s3``: :class:`grpo_steps.training.generation.s3.ChainWeightPush` on a local SeaweedFS (an anchor every
+- ``disk``: :class:`grpo_steps.training.generation.disk.DiskTransport` (safetensors in ``/dev/shm``);
+- ``s3``: :class:`grpo_steps.training.generation.s3.ChainTransport` on a local SeaweedFS (an anchor every
   ``--anchor-every`` versions, XOR+zstd deltas in between), split into anchor and delta pushes.
 
     .venv/bin/python bench/s3_push.py [--replicas 1] [--pushes 8] [--anchor-every 4] [--dtype float32] [--changed F]
@@ -34,8 +34,8 @@ from pathlib import Path
 
 def digests(model_path: str, threads: int, repeats: int = 3) -> None:
     """Print the seconds one push spends on per-tensor checksums (the publisher's pass plus one replica's, each over
-    every tensor on ``threads`` threads, as :meth:`grpo_steps.weights.chain.WeightChain.publish` and ``fetch`` run
-    them), per algorithm, for the model in bfloat16 and float32 (median of ``repeats``)."""
+    every tensor on ``threads`` threads, as :meth:`grpo_steps.weights.publisher.ChainPublisher.publish` and ``fetch``
+    run them), per algorithm, for the model in bfloat16 and float32 (median of ``repeats``)."""
     import hashlib
     from concurrent.futures import ThreadPoolExecutor
 
@@ -114,7 +114,9 @@ def fetch_rss(model_path: str, dtype_name: str, chain_file: str | None) -> None:
         for name, value in s3.env().items():
             if name.startswith("AWS_"):
                 os.environ[name] = value
-        writer = weight_chain.WeightChain(weight_chain.make_client(s3.endpoint), s3.bucket, "rss")
+        from grpo_steps.weights.publisher import ChainPublisher
+
+        writer = ChainPublisher(weight_chain.make_client(s3.endpoint), s3.bucket, "rss")
         stats = writer.publish(checkpoint_state_dict(model.state_dict(), model), 1)
         file = chain_file or weight_chain.__file__
         out = subprocess.run([sys.executable, "-c", _FETCH, file, s3.endpoint, s3.bucket, "rss", "1", stats.sha256],
@@ -144,9 +146,9 @@ def main() -> None:
     from grpo_steps.processes import ProcessRef
     from grpo_steps.servers.client import VLLMClient
     from grpo_steps.servers.local import start_local
-    from grpo_steps.training.generation.disk import DiskWeightPush
+    from grpo_steps.training.generation.disk import DiskTransport
     from grpo_steps.training.generation.push import ProbeRecord, check_served_version
-    from grpo_steps.training.generation.s3 import ChainWeightPush
+    from grpo_steps.training.generation.s3 import ChainTransport
     from grpo_steps.weights.files import weights_fingerprint
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -189,8 +191,8 @@ def main() -> None:
         endpoints = tuple(h.endpoint for h in handles)
         client = VLLMClient(endpoints[0], replicas=endpoints if len(endpoints) > 1 else ())
         store = {"bucket": s3.bucket, "prefix": "weight-sync/bench", "endpoint_url": s3.endpoint}
-        arms = {"disk": DiskWeightPush(client, scratch / "disk"),
-                "s3": ChainWeightPush(client, store, dtype=dtype, anchor_every=args.anchor_every)}
+        arms = {"disk": DiskTransport(client, scratch / "disk"),
+                "s3": ChainTransport(client, store, dtype=dtype, anchor_every=args.anchor_every)}
         rows: dict[str, dict[str, list[float]]] = {}
         history: dict[str, list[ProbeRecord]] = {}
         version = 0

@@ -80,8 +80,9 @@ def main() -> None:
 
     from grpo_steps.dev import local_s3
     from grpo_steps.models import resolve_model
-    from grpo_steps.weights.chain import WeightChain, make_client
+    from grpo_steps.weights.chain import make_client
     from grpo_steps.weights.files import checkpoint_state_dict
+    from grpo_steps.weights.publisher import ChainPublisher
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded:SmolLM2-135M-Instruct")
@@ -97,7 +98,7 @@ def main() -> None:
         for name, value in s3.env().items():
             if name.startswith("AWS_"):
                 os.environ[name] = value
-        writer = WeightChain(make_client(s3.endpoint), s3.bucket, "tp")
+        writer = ChainPublisher(make_client(s3.endpoint), s3.bucket, "tp")
         stats = writer.publish(state, 1)
         del model, state
         store = {"endpoint_url": s3.endpoint, "bucket": s3.bucket, "prefix": "tp", "version": 1,

@@ -112,10 +112,11 @@ def measure(files: list[Path], dtype, s3) -> dict:
     from safetensors.torch import load_file
 
     from grpo_steps.weights.chain import LocalCopy, WeightChain, make_client
+    from grpo_steps.weights.publisher import ChainPublisher
 
     client = make_client(s3.endpoint, access_key=s3.access_key, secret_key=s3.secret_key)
     prefix = f"bench/{str(dtype).removeprefix('torch.')}-{time.time_ns()}"
-    writer = WeightChain(client, s3.bucket, prefix, anchor_every=10, dtype=dtype)
+    writer = ChainPublisher(client, s3.bucket, prefix, anchor_every=10, dtype=dtype)
     reader, follower = WeightChain(client, s3.bucket, prefix), LocalCopy()
     pushes = []
     for version, path in enumerate(files, start=1):

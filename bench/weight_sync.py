@@ -36,7 +36,7 @@ def main() -> None:
     from grpo_steps.processes import ProcessRef
     from grpo_steps.servers.client import VLLMClient
     from grpo_steps.servers.local import start_local
-    from grpo_steps.training.generation.disk import DiskWeightPush
+    from grpo_steps.training.generation.disk import DiskTransport
     from grpo_steps.training.generation.push import (
         ProbeRecord,
         check_served_version,
@@ -57,8 +57,8 @@ def main() -> None:
                          dtype="float32", owner=ProcessRef.of(os.getpid()))
     client = VLLMClient(handle.endpoint)
     scratch = Path(tempfile.mkdtemp(prefix="grpo-bench-sync-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    arms = {"vllm reload": DiskWeightPush(client, scratch / "vllm", direct=False),
-            "direct": DiskWeightPush(client, scratch / "direct")}
+    arms = {"vllm reload": DiskTransport(client, scratch / "vllm", direct=False),
+            "direct": DiskTransport(client, scratch / "direct")}
     rows: dict[str, dict[str, list[float]]] = {name: {} for name in ["save_pretrained", *arms]}
     policy_probe: list[float] = []
     probe_diff: list[float] = []

@@ -2,12 +2,12 @@
 registration.
 
 With ``train.peft`` TRL's ``GRPOTrainer`` wraps the policy in a ``peft.PeftModel`` (``peft_config=``); the
-optimizer, the checkpoints (``adapter_model.safetensors`` + optimizer state) and the weight sync then hold the
-adapter only. ``disk`` sync pushes the adapter through vLLM's runtime LoRA loading
-(:class:`grpo_steps.training.generation.disk.AdapterPush`): the server loads it under a new model name per push
-(:func:`adapter_name`), rollouts request that name, and the previous adapter is unloaded. The server's base
-weights never change, so the baseline of the evaluation is the served base model and the trained policy is base +
-the final adapter.
+optimizer, the checkpoints (``adapter_model.safetensors`` + optimizer state) and the weight sync then hold the adapter
+only. ``disk`` sync pushes the adapter through vLLM's runtime LoRA loading
+(:class:`grpo_steps.training.generation.disk.AdapterTransport`): the server loads it under a new model name per push
+(:func:`grpo_steps.weights.labels.adapter_name`), rollouts request that name, and the previous adapter is unloaded. The
+server's base weights never change, so the baseline of the evaluation is the served base model and the trained policy is
+base + the final adapter.
 """
 
 from __future__ import annotations
@@ -15,19 +15,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from grpo_steps.config import ConfigError, PeftConfig
-from grpo_steps.weights.labels import version_label
-
-
-def adapter_name(served_model: str, version: int | str) -> str:
-    """Model name the server serves the adapter of weight version ``version`` under.
-
-    >>> adapter_name("policy", 3)
-    'policy-lora-step-3'
-    >>> adapter_name("policy", "final")
-    'policy-lora-final'
-    """
-    label = version_label(version) if isinstance(version, int) else version
-    return f"{served_model}-lora-{label}"
 
 
 def linear_module_names(model_path: str) -> list[str]:

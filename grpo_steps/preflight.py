@@ -107,14 +107,15 @@ def check_weight_store(cfg: PipelineConfig) -> None:
     if not cfg.generation.pushes_through_s3:
         return
     from grpo_steps.config import ConfigError
-    from grpo_steps.weights.chain import chain_of, run_store
+    from grpo_steps.weights.chain import run_store
+    from grpo_steps.weights.publisher import publisher_of
 
     store = run_store(cfg.generation.s3_sync, "preflight")
     if store is None:
         raise ConfigError("generation.weight_sync 's3' needs a place for the weight versions: set "
                           "generation.s3_sync.url (s3://bucket/prefix), or run with the Metaflow S3 datastore "
                           "(METAFLOW_DATASTORE_SYSROOT_S3; e.g. the environment `make s3` prints)")
-    chain_of(store).check_access()
+    publisher_of(store).check_access()
 
 
 def flow_secrets() -> set[str]:

@@ -215,7 +215,7 @@ def finish(cfg: PipelineConfig, run_id: str, server: dict | None, *, report: dic
     reviewer reads first on its MLflow page, :func:`grpo_steps.evaluation.report.run_description`) and close the
     MLflow run."""
     from grpo_steps.evaluation.report import run_description
-    from grpo_steps.weights.chain import remove_run_versions
+    from grpo_steps.weights.publisher import remove_run_versions
 
     lifecycle.stop(server)
     remove_run_versions(weight_store(cfg, run_id))  # what a failed and retried train attempt may have left

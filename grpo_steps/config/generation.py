@@ -82,8 +82,8 @@ class AsyncConfig(_Section):
     weights pushed to a server that serves vLLM's ``/inference/v1/generate``, started with ``--enable-scale-out`` as
     the pipeline's servers are), else a drain, said once in the log. ``true``: refused where it cannot be: with
     ``train.peft.push: adapter`` (a request keeps the adapter it named, so nothing changes under it), on Kubernetes
-    without ``weight_sync: s3`` (only then do the server pods run the pipeline's engine), and an ``external`` server
-    without those flags when it is provisioned."""
+    without ``weight_sync: s3`` (only then do the server pods run the pipeline's transfer engine), and an ``external``
+    server without those flags when it is provisioned."""
     admission: Literal["admit", "drop"] = "admit"
     """How ``max_staleness`` is kept. ``admit``: the producer starts a generation batch only while the weights the
     server holds are at most ``max_staleness`` optimizer steps older than the step that will train on it, so no batch

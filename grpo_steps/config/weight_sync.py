@@ -96,7 +96,7 @@ class SyncCheckConfig(_Section):
 class S3SyncConfig(_Section):
     """Where and how ``weight_sync: s3`` publishes the weight versions: a chain of full anchors and checked sparse
     deltas in S3 (:mod:`grpo_steps.weights.chain`), which every replica fetches and loads through vLLM's weight-update
-    protocol (:class:`grpo_steps.vllm_worker.WeightUpdateEngine`). Credentials come from the environment (``AWS_*``,
+    protocol (:class:`grpo_steps.vllm_worker.PipelineTransferEngine`). Credentials come from the environment (``AWS_*``,
     as boto3 reads it; on Kubernetes a Secret, ``resources.vllm.s3_secret_name``), never from this file."""
 
     url: str | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 class StandInServer:
-    """What :class:`grpo_steps.training.generation.server.ServerGeneration` offers TRL's ``GRPOTrainer``
+    """What :class:`grpo_steps.training.generation.server.RolloutBackend` offers TRL's ``GRPOTrainer``
     (``settings``, ``sampled_version``, ``sync_weights``, ``replica_rows``, ``generate``), with the completion
     and the sampler logprobs of each prompt from :meth:`sample`, returned at once; pushes and checks do nothing.
     Put in place of a ``ServerGRPOTrainer``'s ``vllm_generation`` after its constructor.
@@ -25,7 +25,7 @@ class StandInServer:
         return None
 
     def replica_rows(self, prompt_ids, prompt_mask):
-        """``ServerGeneration.replica_rows``'s answer from :meth:`replica_of`: (B,) int64, -1 where not known."""
+        """``RolloutBackend.replica_rows``'s answer from :meth:`replica_of`: (B,) int64, -1 where not known."""
         import torch
 
         rows = [self.replica_of(ids[mask.bool()].tolist()) for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
@@ -37,7 +37,7 @@ class StandInServer:
         raise NotImplementedError
 
     def generate(self, prompts: list[list[int]], images=None, num_generations: int = 1, profiler=None):
-        """``ServerGeneration.generate``'s answer: (prompt ids, completion ids, logprobs and their token ids, each as
+        """``RolloutBackend.generate``'s answer: (prompt ids, completion ids, logprobs and their token ids, each as
         a top-1 list per token)."""
         samples = [self.sample(prompt, i) for i, prompt in enumerate(prompts)]
         return (prompts, [ids for ids, _ in samples], [[[lp] for lp in lps] for _, lps in samples],

@@ -13,6 +13,8 @@ from pathlib import Path
 from grpo_steps.config import PipelineConfig
 from grpo_steps.evaluation.policy import evaluate_policy
 from grpo_steps.evaluation.stats import gain_metrics, prompt_key
+from grpo_steps.weights.labels import adapter_name, eval_label
+from grpo_steps.weights.staging import stage_update
 
 
 def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
@@ -43,9 +45,9 @@ def evaluate_baseline_and_trained(cfg: PipelineConfig, *, run_id: str, server: d
     report = {}
     for label, weights in (("baseline", base_model), ("trained", trained_model)):
         with served_policy(cfg, generation_server, client, weights, label, weight_store):
-            client.check_weight_version(served_label(label))  # a replica restarted since the reload fails here
+            client.check_weight_version(eval_label(label))  # a replica restarted since the reload fails here
             report[label] = _measure(cfg, client, tokenizer, eval_rows, (measured or {}).get(label), label)
-            client.check_weight_version(served_label(label))  # ... or while it answered: its answers are not kept
+            client.check_weight_version(eval_label(label))  # ... or while it answered: its answers are not kept
         # once: after `resume` of a flow killed mid-evaluation the baseline's metrics are in the run already
         tracking.log_metrics_once(cfg, run_id, {f"eval/{label}/{k}": v for k, v in report[label]["metrics"].items()})
     report["gain"] = gain_metrics(report["baseline"]["per_prompt"], report["trained"]["per_prompt"])
@@ -124,41 +126,36 @@ def same_weights_as(cfg: PipelineConfig, client, tokenizer, rows: list[dict], ea
     return same
 
 
-def served_label(label: str) -> str:
-    """The weight label the server carries while it serves the ``evaluate`` step's ``label`` policy (``baseline``,
-    ``trained``), set after each reload (:func:`served_policy`) and checked around each evaluation."""
-    return f"eval-{label}"
-
-
 @contextmanager
 def served_policy(cfg: PipelineConfig, generation_server, client, weights: str, label: str,
                   store: dict | None = None):
     """Make ``client`` sample from ``weights`` while the block runs: full weights are loaded into every replica from
-    where :meth:`~grpo_steps.servers.base.GenerationServer.stage_update` staged them (a directory the server reads; with
-    ``store``, the run's S3 location under ``weight_sync: s3``, a version in S3), labelled :func:`served_label`. A LoRA
-    adapter (``train.peft``) is loaded beside the base weights as ``{served}-lora-final`` and requested by that name,
-    then unloaded; a server without runtime LoRA (``runtime_lora``: ``kubernetes``), or a run that pushes merged
-    weights (``train.peft.push: merged``, which ``s3`` sync requires), gets base + adapter merged, as full weights."""
-    from grpo_steps.lora import adapter_name, is_adapter_dir, merge_adapter
+    where :func:`~grpo_steps.weights.staging.stage_update` staged them (a directory the server reads; with ``store``,
+    the run's S3 location under ``weight_sync: s3``, a version in S3), labelled
+    :func:`~grpo_steps.weights.labels.eval_label`. A LoRA adapter (``train.peft``) is loaded beside the base weights as
+    ``{served}-lora-final`` and requested by that name, then unloaded; a server without runtime LoRA (``runtime_lora``:
+    ``kubernetes``), or a run that pushes merged weights (``train.peft.push: merged``, which ``s3`` sync requires), gets
+    base + adapter merged, as full weights."""
+    from grpo_steps.lora import is_adapter_dir, merge_adapter
     from grpo_steps.models import weights_dir
     from grpo_steps.processes import scratch_dir
 
     client.model = client.base_model
     if not is_adapter_dir(weights):
-        client.load_weights(generation_server.stage_update(weights_dir(weights), label, store, cfg.model.dtype),
-                            served_label(label))
+        update = stage_update(weights_dir(weights), label, generation_server.stage_weights, store, cfg.model.dtype)
+        client.load_weights(update, eval_label(label))
         yield
         return
     base = json.loads((Path(weights) / "adapter_config.json").read_text())["base_model_name_or_path"]
     if not generation_server.runtime_lora or not cfg.serves_adapter or store is not None:
         with scratch_dir() as merged:
-            update = generation_server.stage_update(merge_adapter(base, weights, merged, cfg.model.dtype), label, store,
-                                                    cfg.model.dtype)
-            client.load_weights(update, served_label(label))  # while the merged directory exists
+            update = stage_update(merge_adapter(base, weights, merged, cfg.model.dtype), label,
+                                  generation_server.stage_weights, store, cfg.model.dtype)
+            client.load_weights(update, eval_label(label))  # while the merged directory exists
         yield
         return
     # the adapter's base under it, from a directory (adapter pushes are disk sync's: no store)
-    client.load_weights(generation_server.stage_update(weights_dir(base), "baseline"), served_label(label))
+    client.load_weights(stage_update(weights_dir(base), "baseline", generation_server.stage_weights), eval_label(label))
     name = adapter_name(client.base_model, "final")
     if name in client.served_adapters():  # left by an earlier attempt of this step
         client.unload_lora_adapter(name)

@@ -2,7 +2,7 @@
 episode (the model's turn, its tool calls run, their answers appended, the next turn, ...).
 
 Training runs TRL's own tool loop (``GRPOTrainer._tool_call_loop`` over
-:class:`grpo_steps.training.generation.ServerGeneration`); evaluation runs outside the trainer, so this module runs
+:class:`grpo_steps.training.generation.RolloutBackend`); evaluation runs outside the trainer, so this module runs
 the same loop with TRL's parts: prompts rendered as TRL renders them (:func:`rendering_template`), turns parsed by
 TRL's ``parse_response``, tool calls run as TRL runs them (an unknown tool or an exception is an ``{"error": ...}``
 answer), tool answers appended with the token ids of TRL's ``_get_tool_suffix_ids``, at most

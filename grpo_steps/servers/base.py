@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import requests
 
+from grpo_steps.servers.capabilities import ServerCapabilities
 from grpo_steps.servers.client import SERVED_MODEL_NAME, VLLMClient
 
 if TYPE_CHECKING:
@@ -43,12 +44,15 @@ class GenerationServer:
     """Base URL, e.g. ``http://127.0.0.1:8000`` (no trailing slash)."""
     served_model: str = SERVED_MODEL_NAME
     """The model name requests carry (``--served-model-name``)."""
-    capabilities: dict = dataclasses.field(default_factory=dict)
+    capabilities: ServerCapabilities | None = None
     """What the server can do, asked once when it is provisioned (:func:`grpo_steps.servers.lifecycle.provision`,
-    :meth:`~grpo_steps.servers.client.VLLMClient.probe_capabilities`) and read by every client of the handle:
-    ``weight_engine`` (loads through the pipeline's weight-transfer engine), ``token_route`` (answers the token-in /
-    token-out route), ``in_flight_updates`` (both: a push may update it under requests in flight). Empty on a handle
-    recorded before it existed: a client then asks when it needs to."""
+    :meth:`~grpo_steps.servers.client.VLLMClient.probe_capabilities`) and read by every client of the handle. None on
+    a handle recorded before it existed: a client then asks when it needs to. :meth:`to_dict` writes it as a dict,
+    read back here."""
+
+    def __post_init__(self) -> None:
+        # a handle read back from its dict (from_dict) holds the record as a dict
+        object.__setattr__(self, "capabilities", ServerCapabilities.from_record(self.capabilities))
 
     provider: ClassVar[str] = ""
     """``generation.provider`` value of this class."""
@@ -110,44 +114,9 @@ class GenerationServer:
 
     def stage_weights(self, weights_dir: str | Path, label: str) -> str:
         """A path of ``weights_dir`` the server can read for ``reload_weights`` (``label``: e.g.
-        ``baseline``, ``trained``). Servers on this machine read it where it is."""
+        ``baseline``, ``trained``; :func:`grpo_steps.weights.staging.stage_update` chooses how evaluation stages a
+        policy). Servers on this machine read it where it is."""
         return str(weights_dir)
-
-    def stage_update(self, weights_dir: str | Path, label: str, store: dict | None = None,
-                     dtype: str | None = None) -> dict:
-        """The ``update_info`` from which every replica of this server loads the full weights in ``weights_dir``
-        (:meth:`~grpo_steps.servers.client.VLLMClient.load_weights`; ``label``: ``baseline``, ``trained``), one
-        mechanism for every provider:
-
-        - ``store`` None: ``{"path": ...}``, where the server reads the directory (:meth:`stage_weights`: this
-          machine's files, or a copy on the shared volume);
-        - ``store`` (``weight_sync: s3``: the run's location, :func:`grpo_steps.weights.chain.run_store`): the
-          directory's tensors published as version 0 (an anchor) of a chain of their own under
-          ``<prefix>/eval/<label>`` (:func:`eval_store`; what an earlier attempt left there is deleted first),
-          ``{"s3": <that location>, "version": 0, "sha256": <its manifest's digest>}``: the server needs no file system
-          shared with this machine, and the
-          run's prefix, deleted by the flow's ``end``, holds it. ``dtype``: the serving dtype (``model.dtype``) the
-          tensors are published in, as a training push is (a server refuses a version in another dtype); None: as the
-          files hold them.
-
-        Raises:
-            grpo_steps.weights.chain.ChainStoreError: S3 failed after its retries (names the key).
-            FileNotFoundError: ``store`` given and ``weights_dir`` holds no safetensors.
-        """
-        if store is None:
-            return {"path": self.stage_weights(weights_dir, label)}
-        import torch
-
-        from grpo_steps.weights.chain import chain_of
-        from grpo_steps.weights.files import read_safetensors
-
-        where = eval_store(store, label)
-        chain = chain_of(where, dtype=getattr(torch, dtype) if dtype else None)
-        chain.delete_prefix()
-        published = chain.publish(read_safetensors(weights_dir), 0)
-        # as a training push: the manifest's digest in the authenticated request, so no writer of the bucket can
-        # make the trained side score other weights
-        return {"s3": where, "version": 0, "sha256": published.sha256}
 
     @property
     def metrics_endpoint(self) -> str | None:
@@ -158,7 +127,7 @@ class GenerationServer:
     def client(self, timeout_s: float = 600.0) -> VLLMClient:
         """A client for completions and weight reloads (``timeout_s`` per request, seconds)."""
         return VLLMClient(self.endpoint, model=self.served_model, timeout_s=timeout_s,
-                          capabilities=self.capabilities or None)
+                          capabilities=self.capabilities)
 
     def to_dict(self) -> dict[str, Any]:
         """The handle as a plain dict (a Metaflow artifact), ``provider`` included."""
@@ -170,17 +139,6 @@ class GenerationServer:
 
     def __str__(self) -> str:
         return f"{self.provider} generation server {self.endpoint}"
-
-
-def eval_store(store: dict, label: str) -> dict:
-    """Where the ``evaluate`` step publishes its ``label`` weights under a run's weight store (:func:`grpo_steps.
-    weights.chain.run_store`): ``<prefix>/eval/<label>``, beside the training chain's ``manifests/`` and ``data/``, so
-    that deleting the run's prefix deletes it too.
-
-    >>> eval_store({"bucket": "b", "prefix": "weight-sync/run-1", "endpoint_url": None}, "trained")["prefix"]
-    'weight-sync/run-1/eval/trained'
-    """
-    return {**store, "prefix": f"{store['prefix'].rstrip('/')}/eval/{label}"}
 
 
 def start_all(start_one: Callable[[int], GenerationServer], n: int) -> list[GenerationServer]:

@@ -4,7 +4,7 @@ through :class:`VLLMClient` (as TRL keeps ``trl/generation/vllm_client.py`` apar
 Rollouts and evaluation use the OpenAI-compatible ``/v1/completions`` with token-id prompts, ``n`` samples,
 the sampled tokens' logprobs and their ids. A weight update goes through vLLM's own weight-update protocol
 (:meth:`VLLMClient.update_weights`): ``/pause?mode=wait`` -> ``/start_weight_update`` -> ``/update_weights`` (a
-directory of safetensors, or a version of the S3 chain; :class:`grpo_steps.vllm_worker.WeightUpdateEngine`) ->
+directory of safetensors, or a version of the S3 chain; :class:`grpo_steps.vllm_worker.PipelineTransferEngine`) ->
 ``/finish_weight_update`` with the version label -> ``/reset_prefix_cache`` -> ``/resume`` (routes of a server started
 with ``VLLM_SERVER_DEV_MODE=1``); LoRA adapters are loaded at run time (``/v1/load_lora_adapter``).
 
@@ -37,12 +37,14 @@ from urllib3.util.retry import Retry
 
 from grpo_steps.loopback import check_ours
 from grpo_steps.servers.auth import auth_headers
+from grpo_steps.servers.capabilities import ServerCapabilities
 from grpo_steps.weights.server_flags import (
     TOKEN_GENERATE_PATH,
     WEIGHT_TRANSFER_BACKEND,
     WORKER_EXTENSION,
     weight_transfer_args,
 )
+from grpo_steps.weights.update import WeightUpdate
 
 SERVED_MODEL_NAME = "policy"
 """``--served-model-name`` of the servers the pipeline starts (``local``, ``kubernetes``): the name requests carry."""
@@ -56,7 +58,7 @@ class GenerationServerError(RuntimeError):
     """The generation server answered with an error, not at all, or with other weights than pushed."""
 
 
-_in_flight = threading.local()  # the connection the current thread's request runs on (see _TrackedPool)
+_request_connection = threading.local()  # the connection the current thread's request runs on (see _TrackedPool)
 
 
 class _OwnedConnection(urllib3.connection.HTTPConnection):
@@ -81,7 +83,7 @@ class _TrackedPool(urllib3.HTTPConnectionPool):
 
     def _get_conn(self, timeout=None):
         conn = super()._get_conn(timeout)
-        holder = getattr(_in_flight, "holder", None)
+        holder = getattr(_request_connection, "holder", None)
         if holder is not None:
             holder.append(conn)
         return conn
@@ -251,9 +253,9 @@ class VLLMClient:
     """How a weight update pauses generation (vLLM's ``/pause?mode=``): ``wait``, the requests in flight finish on the
     old weights first; ``keep``, they are frozen, go on with the new weights after ``/resume`` (their KV recomputed),
     and the update does not wait for them (``generation.async.in_flight``)."""
-    capabilities: dict | None = None
+    capabilities: ServerCapabilities | None = None
     """What the server can do as recorded in its handle at provisioning
-    (:attr:`grpo_steps.servers.base.GenerationServer.capabilities`): :meth:`has_weight_engine` and
+    (:attr:`grpo_steps.servers.base.GenerationServer.capabilities`): :meth:`has_transfer_engine` and
     :meth:`serves_token_generate` answer from it without a request; None: they ask the server (once per client)."""
 
     def __post_init__(self) -> None:
@@ -266,12 +268,13 @@ class VLLMClient:
                 f"refusing to send the run's token to {self.endpoint} in plain HTTP (anyone on the network path reads "
                 "it): serve it over https, or reach it through a tunnel on this machine's loopback (ssh -L)")
         self._http.headers.update(headers)  # the server's per-run token (grpo_steps.servers.auth)
-        known = self.capabilities or {}
+        known = self.capabilities
         # loads through grpo_steps.vllm_worker's weight-transfer engine
-        self._has_weight_engine: bool | None = known.get("weight_engine")
-        self._token_generate: bool | None = known.get("token_route")  # the server answers TOKEN_GENERATE_PATH
-        self._told_no_weight_engine = False  # stderr said once that vLLM's own reload runs (no weight engine)
-        self.update_report: dict = {}  # the engine's report of the last update_weights
+        self._has_transfer_engine: bool | None = known.transfer_engine if known else None
+        self._token_generate: bool | None = known.token_route if known else None  # answers TOKEN_GENERATE_PATH
+        self._has_worker_extension: bool | None = True if known and known.transfer_engine else None
+        self._told_no_transfer_engine = False  # stderr said once that vLLM's own reload runs (no transfer engine)
+        self.update_report: dict = {}  # the transfer engine's report of the last update_weights
         self._replica_clients = [VLLMClient(e, self.model, self.timeout_s, vocab_size=self.vocab_size,
                                             capabilities=self.capabilities) for e in self.replicas]
         self._replica_by_name: dict[str, int] | None = None  # see replica_index; asked at the first routed sample
@@ -332,7 +335,7 @@ class VLLMClient:
         (each read within the socket timeout) has its connection cut at the deadline."""
         holder: list = []
         cut = threading.Event()
-        _in_flight.holder = holder
+        _request_connection.holder = holder
         deadline = threading.Timer(self.timeout_s, _cut, args=(holder, cut))
         deadline.daemon = True
         deadline.start()
@@ -345,7 +348,7 @@ class VLLMClient:
             raise GenerationServerError(f"vLLM server {self.endpoint} unreachable on {path}: {err}") from err
         finally:
             deadline.cancel()
-            _in_flight.holder = None
+            _request_connection.holder = None
         if not self._answered:
             self._answered = True
             _answered(self._http)
@@ -357,31 +360,53 @@ class VLLMClient:
         return self._request("POST", path, **kwargs)
 
     @on_every_replica(_slowest)
-    def reload_weights(self, weights_dir: str | Path, direct: bool = True, label: str | None = None) -> float:
+    def reload_weights(self, weights_dir: str | Path, direct: bool = True, label: str | None = None,
+                       tensors_sha256: str | None = None) -> float:
         """Make the server load the safetensors in ``weights_dir`` (same architecture) and, with ``label``, label
         them so. Returns seconds taken.
 
-        Through :meth:`update_weights` (``{"path": weights_dir, "direct": direct}``) when the server runs the
-        pipeline's engine (the local and Kubernetes providers start it so): on CPU each layer's GEMM handle is made
-        straight from the file (unless ``direct`` is false: vLLM's in-place reload), and a tied LM head is not left
-        stale; ``load_path`` then says which path ran. A server without it (started elsewhere) gets vLLM's
-        ``reload_weights`` through ``/collective_rpc`` and is told once on stderr; the weight-sync checks stay the
-        guard. With replicas: every replica, in parallel; the seconds of the slowest.
+        Through :meth:`update_weights` (:meth:`WeightUpdate.of_directory
+        <grpo_steps.weights.update.WeightUpdate.of_directory>`: ``tensors_sha256``, the digest of the tensors as the
+        caller wrote them, else computed here from the files) when the server runs the pipeline's transfer engine (the
+        local and Kubernetes providers start it so): the server refuses files that are not those tensors; on CPU each
+        layer's GEMM handle is made straight from the file (unless ``direct`` is false: vLLM's in-place reload), and a
+        tied LM head is not left stale; ``load_path`` then says which path ran. A server with the pipeline's worker
+        extension but another transfer backend (``nccl`` sync's TRL server) loads it through the extension, checked
+        the same way (:meth:`grpo_steps.vllm_worker.WorkerExtension.load_directory`). A server without either (started
+        elsewhere) gets vLLM's ``reload_weights`` through ``/collective_rpc`` and is told once on stderr; the
+        weight-sync checks stay the guard. With replicas: every replica, in parallel; the seconds of the slowest.
+
+        Raises:
+            GenerationServerError: a request failed, or the server refused the files (not the tensors the digest
+                names, or not the served model's): it keeps the weights and label it had.
         """
-        if not self.has_weight_engine() and not self._told_no_weight_engine:
+        if self.has_transfer_engine():
+            return self.update_weights(WeightUpdate.of_directory(weights_dir, direct=direct,
+                                                                 tensors_sha256=tensors_sha256), label)
+        extension = self.has_worker_extension()
+        if not extension and not self._told_no_transfer_engine:
             # told at the first reload, however the answer was learnt (asked before, or recorded in the handle)
-            self._told_no_weight_engine = True
+            self._told_no_transfer_engine = True
             print(f"[weight-sync] {self.endpoint} was started without {' '.join(weight_transfer_args())}: "
                   "vLLM's own reload runs, and on CPU a tied LM head keeps its old weights (the first-batch check "
                   "will report it)", file=sys.stderr)
-        if self._has_weight_engine:
-            return self.update_weights({"path": str(weights_dir), "direct": direct}, label)
+        update = WeightUpdate.of_directory(weights_dir, direct=direct, tensors_sha256=tensors_sha256) \
+            if extension else None
         start = time.perf_counter()
         self._post("/pause", params={"mode": "wait"})
         try:
-            self._post("/collective_rpc", json={"method": "reload_weights",
-                                                "kwargs": {"weights_path": str(weights_dir)}})
-            self.load_path = "vllm: the server has no grpo_steps weight-transfer engine"
+            if update is not None:
+                rpc = {"method": "load_directory", "kwargs": {"update_info": update.request()}}
+                results = self._post("/collective_rpc", json=rpc).json().get("results", [])
+                errors = [r["error"] for r in results if "error" in r] or ([] if results else ["no worker answered"])
+                if errors:  # every worker checks before it loads: a refusal leaves the served weights as they were
+                    raise GenerationServerError(f"{self.endpoint} did not load the weights of {update.source()}: "
+                                                f"{errors[0]}; it serves the weights and label it served before")
+                self.load_path = str(results[0]["load"])
+            else:
+                self._post("/collective_rpc", json={"method": "reload_weights",
+                                                    "kwargs": {"weights_path": str(weights_dir)}})
+                self.load_path = "vllm: the server has no grpo_steps transfer engine"
             self._post("/reset_prefix_cache")
             if label is not None:
                 self._post("/update_weight_version", json={"new_version": label})
@@ -390,40 +415,41 @@ class VLLMClient:
         return time.perf_counter() - start
 
     @on_every_replica(_slowest)
-    def load_weights(self, update_info: dict, label: str | None = None) -> float:
-        """Load the full weights of ``update_info`` (:meth:`grpo_steps.servers.base.GenerationServer.stage_update`'s)
-        on every replica, in parallel, labelled ``label``: a directory (``{"path"}``) through :meth:`reload_weights`
-        (vLLM's own reload on a server without the pipeline's engine), a version of the S3 chain (``{"s3",
-        "version"}``) through :meth:`update_weights`. Returns the slowest replica's seconds.
+    def load_weights(self, update: WeightUpdate, label: str | None = None) -> float:
+        """Load the full weights of ``update`` (:func:`grpo_steps.weights.staging.stage_update`'s) on every replica,
+        in parallel, labelled ``label``: a directory through :meth:`reload_weights` (vLLM's own reload on a server
+        without the pipeline's transfer engine), a version of the S3 chain through :meth:`update_weights`. Returns the
+        slowest replica's seconds.
 
         Raises:
             GenerationServerError: a replica failed the load (named; it keeps the weights and label it had).
         """
-        if "path" in update_info:
-            return self.reload_weights(update_info["path"], label=label)
-        return self.update_weights(update_info, label)
+        if update.path is not None:
+            return self.reload_weights(update.path, direct=update.direct, label=label,
+                                       tensors_sha256=update.tensors_sha256)
+        return self.update_weights(update, label)
 
-    def update_weights(self, update_info: dict, label: str | None = None) -> float:
+    def update_weights(self, update: WeightUpdate, label: str | None = None) -> float:
         """One weight update through vLLM's weight-update protocol, on this server (not each replica: call it through
-        :meth:`each`): ``/pause?mode=`` :attr:`pause_mode` (``wait``: in-flight requests finish first; ``keep``: they
-        are frozen), ``/start_weight_update``, ``/update_weights {"update_info": update_info}``
-        (:class:`grpo_steps.vllm_worker.WeightUpdate`: a directory, or a version of the S3 chain),
+        :meth:`each`): ``/pause?mode=`` :attr:`pause_mode` (``wait``: the requests in flight finish first; ``keep``:
+        they are frozen), ``/start_weight_update``, ``/update_weights {"update_info": update.request()}``
+        (:class:`~grpo_steps.weights.update.WeightUpdate`: a directory, or a version of the S3 chain),
         ``/finish_weight_update`` with ``label`` as the weight version (from then on vLLM tags each new token with it:
         ``weight_versions`` of :data:`TOKEN_GENERATE_PATH`), ``/reset_prefix_cache`` (``keep``: with
         ``reset_running_requests``, so the frozen requests' KV is recomputed by the new weights), ``/resume``. Then
-        :attr:`update_report` holds the engine's report (load path, fetch and load seconds, bytes read) and
+        :attr:`update_report` holds the transfer engine's report (load path, fetch and load seconds, bytes read) and
         :attr:`load_path` its load path. Returns seconds taken.
 
         Raises:
-            GenerationServerError: a request failed (e.g. the chain version failed its checksums: the server keeps
-                the weights it served, and its label).
+            GenerationServerError: a request failed (e.g. the chain version failed its checksums, or the directory
+                is not the tensors the request names: the server keeps the weights it served, and its label).
         """
         start = time.perf_counter()
         self._post("/pause", params={"mode": self.pause_mode})
         try:
             self._post("/start_weight_update")
             # a failed update_weights closes the worker's session itself (a finish would then be refused)
-            self._post("/update_weights", json={"update_info": update_info})
+            self._post("/update_weights", json={"update_info": update.request()})
             self._post("/finish_weight_update", json={"weight_version": label} if label is not None else {})
             reports = self._post("/collective_rpc", json={"method": "weight_update_report"}).json().get("results", [])
             self.update_report = reports[0] if reports else {}
@@ -442,42 +468,52 @@ class VLLMClient:
             except GenerationServerError as resume_err:
                 raise GenerationServerError(f"{err}; and the server did not resume generation: {resume_err}") from err
             why = self._update_error()
-            if why is not None:  # the engine's own message: vLLM's answer masks the S3 key and the path in it
-                raise GenerationServerError(f"{self.endpoint} did not load the weights ({update_info.get('version')}"
-                                            f" of the chain, or {update_info.get('path')}): {why}; it serves the "
-                                            "weights and label it served before") from err
+            if why is not None:  # the transfer engine's own message: vLLM's answer masks the S3 key and the path in it
+                raise GenerationServerError(f"{self.endpoint} did not load the weights of {update.source()}: {why}; "
+                                            "it serves the weights and label it served before") from err
             raise
         self._post("/resume")
         return time.perf_counter() - start
 
     def _update_error(self) -> str | None:
-        """The error of the engine's last update (:meth:`grpo_steps.vllm_worker.WorkerExtension.weight_update_report`),
-        or None when it reports none or cannot be asked."""
+        """The error of the transfer engine's last update
+        (:meth:`grpo_steps.vllm_worker.WorkerExtension.weight_update_report`), or None when it reports none or cannot be
+        asked."""
         try:
             reports = self._post("/collective_rpc", json={"method": "weight_update_report"}).json().get("results", [])
         except GenerationServerError:
             return None
         return (reports[0] if reports else {}).get("error")
 
-    def prefetch_weights(self, update_info: dict) -> None:
-        """Have this server start fetching an S3 chain version (``update_info`` as :meth:`update_weights` takes it) in
-        the background while it keeps generating (:meth:`grpo_steps.vllm_worker.WorkerExtension.prefetch_weights`);
-        the :meth:`update_weights` of that version then waits for it."""
-        self._post("/collective_rpc", json={"method": "prefetch_weights", "kwargs": {"update_info": update_info}})
+    def prefetch_weights(self, update: WeightUpdate) -> None:
+        """Have this server start fetching an S3 chain version (as :meth:`update_weights` takes it) in the background
+        while it keeps generating (:meth:`grpo_steps.vllm_worker.WorkerExtension.prefetch_weights`); the
+        :meth:`update_weights` of that version then waits for it."""
+        self._post("/collective_rpc", json={"method": "prefetch_weights",
+                                            "kwargs": {"update_info": update.request()}})
 
     @on_every_replica(lambda values, _: all(values))
-    def has_weight_engine(self) -> bool:
+    def has_transfer_engine(self) -> bool:
         """Whether the server loads weights through :data:`WEIGHT_TRANSFER_BACKEND` (its config, dev route
-        ``/server_info``: the worker extension that registers the engine and the weight-transfer backend). Asked
-        instead of trying: vLLM 0.32's engine dies on a ``collective_rpc`` of a method its workers do not have
+        ``/server_info``: the worker extension that registers the transfer engine and the weight-transfer backend).
+        Asked instead of trying: vLLM 0.32's engine dies on a ``collective_rpc`` of a method its workers do not have
         (measured: the server closed the connection and stopped). Asked once per client, not at all when the handle
         recorded it (:attr:`capabilities`)."""
-        if self._has_weight_engine is None:
+        if self._has_transfer_engine is None:
             config = self.server_config()
-            self._has_weight_engine = (
+            self._has_transfer_engine = (
                 (config.get("parallel_config") or {}).get("worker_extension_cls") == WORKER_EXTENSION
                 and (config.get("weight_transfer_config") or {}).get("backend") == WEIGHT_TRANSFER_BACKEND)
-        return self._has_weight_engine
+        return self._has_transfer_engine
+
+    @on_every_replica(lambda values, _: all(values))
+    def has_worker_extension(self) -> bool:
+        """Whether the server runs the pipeline's worker extension (:data:`WORKER_EXTENSION`, in its config: dev route
+        ``/server_info``), whatever its weight-transfer backend; asked once per client."""
+        if self._has_worker_extension is None:
+            extension = (self.server_config().get("parallel_config") or {}).get("worker_extension_cls")
+            self._has_worker_extension = extension == WORKER_EXTENSION
+        return self._has_worker_extension
 
     @on_every_replica(lambda values, _: all(values))
     def serves_token_generate(self) -> bool:
@@ -495,13 +531,11 @@ class VLLMClient:
                 self._token_generate = False
         return self._token_generate
 
-    def probe_capabilities(self) -> dict:
-        """Ask the server (every replica) what it can do, once, for its handle
-        (:attr:`grpo_steps.servers.base.GenerationServer.capabilities`): ``{"weight_engine", "token_route",
-        "in_flight_updates"}`` (bools). Two requests per replica: its config and one one-token sample."""
-        weight_engine, token_route = self.has_weight_engine(), self.serves_token_generate()
-        return {"weight_engine": weight_engine, "token_route": token_route,
-                "in_flight_updates": weight_engine and token_route}
+    def probe_capabilities(self) -> ServerCapabilities:
+        """What the server (every replica) can do, asked once per client (not at all when :attr:`capabilities` was
+        recorded), for its handle (:attr:`grpo_steps.servers.base.GenerationServer.capabilities`). At most two
+        requests per replica: its config and one one-token sample."""
+        return ServerCapabilities(self.has_transfer_engine(), self.serves_token_generate())
 
     @on_every_replica(lambda values, _: values[0])  # the replicas run one command line
     def server_config(self) -> dict:

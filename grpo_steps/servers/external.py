@@ -128,7 +128,8 @@ class ExternalServer(GenerationServer):
                 raise ServerStartError(
                     f"generation.async.in_flight is true, and the external generation server {endpoint} cannot update "
                     f"weights under requests in flight (it needs {TOKEN_GENERATE_PATH}, per-token weight versions, and "
-                    f"the pipeline's engine): restart it with {' '.join(TOKEN_GENERATE_ARGS + weight_transfer_args())}"
+                    "the pipeline's transfer engine): restart it with "
+                    f"{' '.join(TOKEN_GENERATE_ARGS + weight_transfer_args())}"
                     ", or set generation.async.in_flight: null (pushes then wait for the request in flight)")
         model_config = config.get("model_config") or {}
         mode = model_config.get("logprobs_mode", "raw_logprobs")

@@ -98,7 +98,7 @@ def warm_up(server: dict):
     """Ask the generation server, in a background thread while the training process starts (imports and model load,
     ~30 s on 2 cores), what the first weight push asks first, and return the thread: its config (vLLM builds the
     answer's system part once, ``collect_env``: 5.5 s in make run on 2 cores, then cached by the server;
-    :meth:`grpo_steps.servers.client.VLLMClient.has_weight_engine`), one prompt-logprobs request (the push's
+    :meth:`grpo_steps.servers.client.VLLMClient.has_transfer_engine`), one prompt-logprobs request (the push's
     probe) and one short completion, the server's first requests of each kind being its slowest. A failure is printed,
     not raised: the training process asks again and fails there with the server's error."""
     import threading

@@ -116,7 +116,7 @@ class ReplicaSet(GenerationServer):
         return VLLMClient(self.endpoint, model=self.served_model, timeout_s=timeout_s,
                           replicas=tuple(member.endpoint for member in members),
                           replica_logs=tuple(getattr(member, "log_path", None) for member in members),
-                          capabilities=self.capabilities or None)
+                          capabilities=self.capabilities)
 
     def to_dict(self) -> dict[str, Any]:
         return {"provider": self.provider, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}

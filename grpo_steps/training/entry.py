@@ -2,7 +2,7 @@
 
 Runs TRL's ``GRPOTrainer`` on the prepared train split of a :class:`grpo_steps.training.job.TrainJob`. With the
 ``vllm`` backend, rollouts come from the provisioned server through TRL's own generation path onto
-:class:`grpo_steps.training.generation.ServerGeneration`, with the pipeline's weight pushes (``disk`` or ``s3``),
+:class:`grpo_steps.training.generation.RolloutBackend`, with the pipeline's weight pushes (``disk`` or ``s3``),
 verified, and TRL's mismatch correction (:mod:`grpo_steps.training.trainer`); with ``hf``, TRL generates with
 transformers in-process; with ``recorded``, fixed completions come from a file
 (:class:`grpo_steps.training.rollouts.RecordedRollout`). Metrics go to the MLflow run named by
@@ -50,7 +50,7 @@ def run(job: TrainJob) -> str:
 
     from grpo_steps.models import load_tokenizer
     from grpo_steps.training.distributed import check_ranks_agree
-    from grpo_steps.training.generation.server import ServerGeneration
+    from grpo_steps.training.generation.server import RolloutBackend
 
     started = time.monotonic()
     cfg = job.config
@@ -75,7 +75,7 @@ def run(job: TrainJob) -> str:
         trainer.train(resume_from_checkpoint=job.resume_from)
     finally:  # stop the async producer, remove the push directory, on success and on failure alike
         try:
-            if isinstance(getattr(trainer, "vllm_generation", None), ServerGeneration):  # TRL's vLLM paths only
+            if isinstance(getattr(trainer, "vllm_generation", None), RolloutBackend):  # TRL's vLLM paths only
                 trainer.vllm_generation.close()
         finally:
             trainer.close_environments()  # the environments' worker processes

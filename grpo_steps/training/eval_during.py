@@ -7,7 +7,7 @@ of the eval split (its first ``eval.during_training_prompts`` prompts) with
 the generation server, and logs each metric as ``eval_during/<metric>`` at the optimizer step.
 
 The server holds the step's weights without an extra reload: after optimizer step N, TRL pushes the
-policy to the server before the first generation of step N+1 (``ServerGRPOTrainer``: ``ServerGeneration``
+policy to the server before the first generation of step N+1 (``ServerGRPOTrainer``: ``RolloutBackend``
 writes, reloads and verifies version ``step-N``). :class:`EvalDuringTraining` makes that same push at the
 beginning of step N+1 (``on_step_begin``, before its generation) and marks it done for TRL
 (:func:`grpo_steps.trl_hooks.mark_pushed`), then evaluates; step N+1's rollouts then sample from the same
@@ -31,6 +31,7 @@ from transformers import TrainerCallback
 from grpo_steps import trl_hooks
 from grpo_steps.config import PipelineConfig
 from grpo_steps.tracking import with_glance
+from grpo_steps.weights.labels import label_version
 
 PREFIX = "eval_during"
 """MLflow name prefix of the during-training metrics: ``eval_during/<metric>`` (``pass@k`` is logged as
@@ -118,8 +119,8 @@ class EvalDuringTraining(TrainerCallback):
         else:
             result = evaluate_policy(self.cfg, self.client, self.tokenizer, self.rows, label=f"{PREFIX} step {step}")
         metrics = {f"{PREFIX}/{name}": value for name, value in result["metrics"].items()}
-        metrics[f"{PREFIX}/weight_version"] = float(version.removeprefix("step-")) if version.startswith("step-") \
-            else float("nan")
+        step_served = label_version(version)
+        metrics[f"{PREFIX}/weight_version"] = float("nan") if step_served is None else float(step_served)
         metrics[f"{PREFIX}/probe_logprob"] = sum(result["probe_logprobs"])
         metrics[f"{PREFIX}/seconds"] = time.perf_counter() - started
         if self.log is not None:

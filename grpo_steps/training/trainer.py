@@ -14,7 +14,7 @@ methods and attributes (pinned by ``tests/unit/test_trl_contract.py``).
   ``_compute_loss``); ``_generate_single_turn`` calls ``vllm_generation.sync_weights()`` whenever the optimizer step
   changed, then ``vllm_generation.generate()`` for the first turn of every group and for each follow-up turn of its
   tool loop. So the trainer turns ``use_vllm`` on after TRL's constructor ran with it off (TRL builds no vLLM client of
-  its own) and sets ``vllm_generation`` to :class:`grpo_steps.training.generation.server.ServerGeneration`; the prompts,
+  its own) and sets ``vllm_generation`` to :class:`grpo_steps.training.generation.server.RolloutBackend`; the prompts,
   the tool loop, the correction, its metrics and the loss stay TRL's code. Where the loss's own forward scores the
   batch with the weights TRL's separate scoring pass would use (:func:`grpo_steps.training.correction.applies`), the
   trainer skips that pass for training rounds and weighs the correction from the loss's logprobs
@@ -37,7 +37,7 @@ from grpo_steps.training import correction, shared_prefix, turn_credit
 from grpo_steps.training.cursor import CursorSampler, PromptCursor, record_prompts, resume_skip_positions
 from grpo_steps.training.generation.episodes_ahead import EpisodesAhead, close_all
 from grpo_steps.training.generation.prefetch import prompt_stream
-from grpo_steps.training.generation.server import PolicyView, ServerGeneration, ServerSettings
+from grpo_steps.training.generation.server import PolicyView, RolloutBackend, ServerSettings
 from grpo_steps.training.grammar import GrammarMask
 from grpo_steps.training.zero_signal import ZeroSignalMode
 
@@ -138,7 +138,7 @@ class PipelineGRPOTrainer(GRPOTrainer):
 
 class ServerGRPOTrainer(PipelineGRPOTrainer):
     """``GRPOTrainer`` for rollouts from our vLLM server with the pipeline's weight pushes, ``disk`` or ``s3``
-    (:class:`ServerGeneration`, built here from ``server`` and what it reads of this trainer).
+    (:class:`RolloutBackend`, built here from ``server`` and what it reads of this trainer).
 
     Args (besides :class:`PipelineGRPOTrainer`'s):
         args: a ``GRPOConfig`` with ``use_vllm=False`` and the correction in its
@@ -160,7 +160,7 @@ class ServerGRPOTrainer(PipelineGRPOTrainer):
         # so that it built no vLLM client; vllm_importance_sampling_* were set by it from GRPOConfig.
         self.use_vllm = True
         self.vllm_mode = "server"
-        self.vllm_generation = ServerGeneration(server, PolicyView(
+        self.vllm_generation = RolloutBackend(server, PolicyView(
             accelerator=self.accelerator,
             model=lambda: self.model,
             # as Trainer.save_model: under DeepSpeed the engine gathers (ZeRO-3: a collective, the dict on rank 0)

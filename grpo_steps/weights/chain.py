@@ -53,8 +53,10 @@ Sources of the idea: SkyRL's delta weight sync through object storage (``weight_
 s3://``), slime's per-tensor checksums and refusal of an out-of-order base (``--update-weight-mode delta``), NeMo-RL's
 sparse S3 refit whose baseline advances only after a global commit (``refit_transport: vllm_s3_sparse``).
 
-Pure: numpy, torch, zstandard, blake3 and boto3 (all but numpy imported lazily), nothing of the project, so a vLLM
-worker extension can import it.
+This module is the reader (:class:`WeightChain`: list, authenticate, fetch; it cannot publish) and the store both
+halves use (:class:`ChainStore`); the trainer's writer, :class:`grpo_steps.weights.publisher.ChainPublisher`, holds a
+reader. Pure: numpy, torch, zstandard, blake3 and boto3 (all but numpy imported lazily) and
+:mod:`grpo_steps.weights.manifest`, so a vLLM worker extension can import it.
 S3 calls go through one boto3 client with botocore's own bounded retries (``standard`` mode); there is no retry loop
 here except one re-read of an object whose tensor failed its checksum.
 """
@@ -85,11 +87,10 @@ from grpo_steps.weights.manifest import (
     tensor_bytes,
     tensor_checksum,
 )
-from grpo_steps.weights.publisher import ChainPublisher, PublishStats, _Baseline, _ints, _ordered
 
-__all__ = ["ChainCorruptError", "ChainError", "ChainRefusedError", "ChainStoreError", "LocalCopy", "PublishStats",
-           "VersionNotFoundError", "WeightChain", "chain_of", "make_client", "remove_run_versions", "run_store",
-           "tensor_checksum"]  # the errors live in grpo_steps.weights.manifest; readers catch them from here
+__all__ = ["ChainCorruptError", "ChainError", "ChainRefusedError", "ChainStoreError", "ChainStore", "LocalCopy",
+           "Scratch", "VersionNotFoundError", "WeightChain", "chain_of", "in_order", "int_array", "make_client",
+           "run_store", "tensor_checksum"]  # the errors live in grpo_steps.weights.manifest; readers catch them here
 
 _MANIFEST = re.compile(r"manifests/(\d{10})\.json$")
 
@@ -139,38 +140,82 @@ def _zstd_into(frame, out: memoryview) -> None:
     if done != len(out) or extra:
         raise _Undecodable(f"{'more than ' if extra else ''}{done} bytes decoded for a tensor of {len(out)} bytes")
 
+def int_view(t):
+    """``t`` (contiguous, flat) viewed as the signed integer type of its element width: the domain of the XOR.
 
-class WeightChain(ChainPublisher):
-    """The chain of weight versions under ``s3://bucket/prefix/``: publisher and reader in one object.
+    An element that moved by one unit in the last place differs from its base in the low bits only:
 
-    ``client``: a boto3 S3 client (:func:`make_client`). ``anchor_every``: K, a full anchor at least every K versions
-    (the first publish of this object is always an anchor). ``dtype``: the serving dtype (a ``torch.dtype``) that
-    tensors are cast to before encoding; None keeps them as given. ``level``: zstd level. ``object_bytes``: the most
-    encoded bytes packed into one data object. ``threads``: threads that encode (publish) or read and decode (fetch)
-    tensors at once; None: the machine's cores, at most 8.
+    >>> import torch
+    >>> base = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    >>> moved = torch.tensor([1.0, 2.015625], dtype=torch.bfloat16)  # 2.0 plus one bf16 ulp (2 ** -6)
+    >>> torch.bitwise_xor(int_view(base), int_view(moved)).tolist()
+    [0, 1]
     """
+    import torch
 
-    def __init__(self, client, bucket: str, prefix: str, *, anchor_every: int = 10, dtype=None, level: int = 1,
-                 object_bytes: int = 16 << 20, threads: int | None = None):
-        if anchor_every < 1:
-            raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
-        if threads is not None and threads < 1:
-            raise ValueError(f"threads must be >= 1 (or None for the machine's cores), got {threads}")
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.view(width)
+
+
+def int_array(t):
+    """The contiguous CPU tensor ``t`` as a flat numpy array of its element width's integer type (no copy, writable:
+    numpy's XOR and count run single-threaded and without the GIL, in the caller's thread; bfloat16 has no numpy
+    type)."""
+    return int_view(t.reshape(-1)).numpy()
+
+
+def in_order(pool, fn, items: list, window: int):
+    """``(item, fn(item))`` for each of ``items``, computed on ``pool``, in order, at most ``window`` submitted ahead
+    (bounds the memory of results waiting for an earlier, slower one)."""
+    futures = [pool.submit(fn, item) for item in items[:window]]
+    for i in range(len(items)):
+        if i + window < len(items):
+            futures.append(pool.submit(fn, items[i + window]))
+        yield items[i], futures[i].result()
+        futures[i] = None  # drop the result once consumed
+
+
+class Scratch:
+    """Scratch numpy buffers for XORs, kept between calls: a fresh buffer per tensor would page-fault its way in,
+    which cost more than the XOR itself on this VM. Used from several threads at once (one buffer each)."""
+
+    def __init__(self) -> None:
+        self._buffers: list = []
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def like(self, like):
+        """A scratch numpy array of ``like``'s dtype and size, from the kept buffers (the smallest that fits)."""
+        with self._lock:
+            fits = [i for i, b in enumerate(self._buffers) if b.nbytes >= like.nbytes]
+            buffer = (self._buffers.pop(min(fits, key=lambda i: self._buffers[i].nbytes)) if fits
+                      else np.empty(like.nbytes, np.uint8))
+        try:
+            yield buffer[:like.nbytes].view(like.dtype)
+        finally:
+            with self._lock:
+                self._buffers.append(buffer)
+
+    def trim(self) -> None:
+        """Keep one buffer, the largest (a reader's next fetch reuses it for the largest tensor): the others, one per
+        thread that XORed at once, are freed."""
+        with self._lock:
+            self._buffers = sorted(self._buffers, key=lambda b: b.nbytes)[-1:]
+
+
+class ChainStore:
+    """The S3 objects under one chain's prefix ``s3://bucket/prefix/``, every call named by its key when it fails:
+    what a :class:`WeightChain` reads and a :class:`~grpo_steps.weights.publisher.ChainPublisher` also writes.
+    ``client``: a boto3 S3 client (:func:`make_client`)."""
+
+    def __init__(self, client, bucket: str, prefix: str) -> None:
         self.client, self.bucket, self.prefix = client, bucket, prefix.strip("/") + "/"
-        self.anchor_every, self.dtype, self.level, self.object_bytes = anchor_every, dtype, level, object_bytes
-        self.threads = threads or min(8, os.cpu_count() or 1)
-        self._committed: _Baseline | None = None
-        self._pending: _Baseline | None = None
-        self._spare: dict[str, Any] = {}  # a retired baseline's tensors: memory for the next private copy
-        self._buffers: list = []  # scratch numpy buffers for XORs, kept between calls (see _scratch)
         self._lock = threading.Lock()
         self.bytes_read = 0
-        """Bytes of data objects read from S3 by the last :meth:`fetch` that applied a version (manifests not
-        counted)."""
+        """Bytes of data objects read by :meth:`get` since the last reset (the reader's fetch resets it)."""
 
-    # --- S3 calls: every one named by its key when it fails ---
 
-    def _call(self, op: str, key: str, *, missing: Exception | None = None, size: tuple[int, int] | None = None,
+    def call(self, op: str, key: str, *, missing: Exception | None = None, size: tuple[int, int] | None = None,
               **kwargs):
         """``client.<op>`` on ``key`` (``get_object``: returns the body's bytes, at most ``size[1]``, and refuses an
         object whose ``ContentLength`` is not ``size[0]`` (-1: any up to ``size[1]``) before reading it). A failure
@@ -206,26 +251,29 @@ class WeightChain(ChainPublisher):
             raise ChainStoreError(f"S3 {op} of s3://{self.bucket}/{key} failed after botocore's retries: "
                                   f"{type(err).__name__}: {err}") from err
 
-    def _get(self, key: str, size: int) -> bytes:
-        blob = self._call("get_object", key, size=(size, size))
+    def get(self, key: str, size: int) -> bytes:
+        """The data object ``key``, refused unless it has exactly ``size`` bytes (counted in :attr:`bytes_read`)."""
+        blob = self.call("get_object", key, size=(size, size))
         with self._lock:  # reads run on several threads
             self.bytes_read += len(blob)
         return blob
 
-    def _keys(self, under: str) -> list[str]:
+    def keys(self, under: str) -> list[str]:
+        """Every key under ``prefix + under``."""
         keys, token = [], None
         while True:
-            page = self._call("list_objects_v2", self.prefix + under, Prefix=self.prefix + under,
+            page = self.call("list_objects_v2", self.prefix + under, Prefix=self.prefix + under,
                               **({"ContinuationToken": token} if token else {}))
             keys += [o["Key"] for o in page.get("Contents", [])]
             if not page.get("IsTruncated"):
                 return keys
             token = page["NextContinuationToken"]
 
-    def _delete(self, keys: list[str]) -> None:
+    def delete(self, keys: list[str]) -> None:
+        """Delete ``keys`` (a store that lists a key it could not delete raises :class:`ChainStoreError`)."""
         for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
             batch = keys[i:i + 1000]
-            answer = self._call("delete_objects", batch[0], Delete={"Objects": [{"Key": k} for k in batch],
+            answer = self.call("delete_objects", batch[0], Delete={"Objects": [{"Key": k} for k in batch],
                                                                      "Quiet": True})
             if answer.get("Errors"):  # DeleteObjects answers 200 and lists the keys it could not delete
                 error = answer["Errors"][0]
@@ -240,30 +288,45 @@ class WeightChain(ChainPublisher):
             ChainStoreError: S3 refused or did not answer (names the key).
         """
         key = f"{self.prefix}access-check"
-        self._call("put_object", key, Body=b"")
-        self._delete([key])
+        self.put(key, b"")
+        self.delete([key])
 
-    def _manifest_key(self, version: int) -> str:
+    def put(self, key: str, body: bytes) -> None:
+        """Write ``body`` as the object ``key``."""
+        self.call("put_object", key, Body=body)
+
+    def manifest_key(self, version: int) -> str:
+        """The key of ``version``'s manifest (its existence is the version's)."""
         return f"{self.prefix}manifests/{version:010d}.json"
 
-    @contextlib.contextmanager
-    def _scratch(self, like):
-        """A scratch numpy array of ``like``'s dtype and size, from buffers kept between calls (no page faults)."""
-        with self._lock:
-            fits = [i for i, b in enumerate(self._buffers) if b.nbytes >= like.nbytes]
-            buffer = (self._buffers.pop(min(fits, key=lambda i: self._buffers[i].nbytes)) if fits
-                      else np.empty(like.nbytes, np.uint8))
-        try:
-            yield buffer[:like.nbytes].view(like.dtype)
-        finally:
-            with self._lock:
-                self._buffers.append(buffer)
+class WeightChain:
+    """The reader of the chain of weight versions under ``s3://bucket/prefix/``: it lists, authenticates and fetches
+    versions, and cannot publish one (the trainer's :class:`~grpo_steps.weights.publisher.ChainPublisher` holds a
+    reader and writes through its :attr:`store`).
 
-    # --- reader ---
+    ``client``: a boto3 S3 client (:func:`make_client`). ``threads``: threads that read and decode tensors at once;
+    None: the machine's cores, at most 8.
+    """
+
+    def __init__(self, client, bucket: str, prefix: str, *, threads: int | None = None):
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1 (or None for the machine's cores), got {threads}")
+        self.store = ChainStore(client, bucket, prefix)
+        self.client, self.bucket, self.prefix = client, bucket, self.store.prefix
+        self.threads = threads or min(8, os.cpu_count() or 1)
+        self.scratch = Scratch()
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes of data objects read from S3 by the last :meth:`fetch` that applied a version (manifests not
+        counted)."""
+        return self.store.bytes_read
+
+
 
     def versions(self) -> list[int]:
         """The visible versions (those with a manifest), ascending."""
-        return sorted(int(m.group(1)) for k in self._keys("manifests/") if (m := _MANIFEST.search(k)))
+        return sorted(int(m.group(1)) for k in self.store.keys("manifests/") if (m := _MANIFEST.search(k)))
 
     def latest_version(self) -> int | None:
         """The newest visible version, or None when there is none."""
@@ -283,9 +346,9 @@ class WeightChain(ChainPublisher):
 
     def _manifest(self, version: int, sha256: str | None) -> tuple[dict, str, bytes]:
         """(the checked manifest of ``version``, the SHA-256 of its bytes, its bytes)."""
-        key = self._manifest_key(version)
+        key = self.store.manifest_key(version)
         missing = VersionNotFoundError(f"weight version {version} does not exist (no s3://{self.bucket}/{key})")
-        body = self._call("get_object", key, missing=missing)  # at most MAX_MANIFEST_BYTES
+        body = self.store.call("get_object", key, missing=missing)  # at most MAX_MANIFEST_BYTES
         digest = hashlib.sha256(body).hexdigest()
         if sha256 is not None and digest != sha256:
             raise refuse(version, f"its manifest s3://{self.bucket}/{key} is not the one the trainer published "
@@ -365,7 +428,7 @@ class WeightChain(ChainPublisher):
         copy = into if into is not None else LocalCopy()
         if copy.version == version and copy.sha256 == sha256:
             return copy.tensors
-        self.bytes_read = 0
+        self.store.bytes_read = 0
         chain, body = self._lineage(version, copy, sha256)
         if layout is not None:
             for manifest in chain:
@@ -378,15 +441,9 @@ class WeightChain(ChainPublisher):
             for manifest in chain:
                 self._apply(manifest, copy.tensors)
         finally:
-            self._trim_scratch()
+            self.scratch.trim()
         copy.version, copy.id, copy.sha256, copy.manifest = version, chain[-1]["id"], sha256, body
         return copy.tensors
-
-    def _trim_scratch(self) -> None:
-        """Keep one scratch buffer, the largest (a reader's next fetch reuses it for the largest tensor): the
-        others, one per thread that XORed at once, are freed after each fetch."""
-        with self._lock:
-            self._buffers = sorted(self._buffers, key=lambda b: b.nbytes)[-1:]
 
     def _apply(self, manifest: dict, tensors: dict) -> None:
         """Apply one version's ``manifest`` to ``tensors`` (name -> tensor, changed in place): its objects read in
@@ -402,7 +459,7 @@ class WeightChain(ChainPublisher):
         reads, decodes = ThreadPoolExecutor(self.threads), ThreadPoolExecutor(self.threads)
         try:
             checks = [decodes.submit(self._apply_tensor, manifest, n, e, b"", tensors, algorithm) for n, e in same]
-            for key, blob in _ordered(reads, lambda k: self._get(k, manifest["objects"][k]), list(by_key),
+            for key, blob in in_order(reads, lambda k: self.store.get(k, manifest["objects"][k]), list(by_key),
                                       self.threads):
                 for job in [decodes.submit(self._apply_tensor, manifest, n, e, blob, tensors, algorithm)
                             for n, e in by_key[key]]:
@@ -435,7 +492,7 @@ class WeightChain(ChainPublisher):
                 raise ChainCorruptError(f"weight version {manifest['version']}: tensor {name} refused twice, "
                                         f"object s3://{self.bucket}/{key} read again in between: {problem}")
             # once more: a transient corruption on the way gets a second chance
-            blob = self._get(key, manifest["objects"][key])
+            blob = self.store.get(key, manifest["objects"][key])
 
     @contextlib.contextmanager
     def _decode(self, manifest: dict, name: str, entry: dict, blob: bytes, tensors: dict):
@@ -458,8 +515,8 @@ class WeightChain(ChainPublisher):
             raise _Undecodable(f"unknown encoding {entry['encoding']!r} (this reader knows zstd, xor-zstd, same)")
         if old is None or old.dtype != dtype or tuple(old.shape) != shape:
             raise _Undecodable("the local copy has no tensor of this dtype and shape to apply the delta to")
-        target = _ints(old)
-        with self._scratch(target) as xor:
+        target = int_array(old)
+        with self.scratch.like(target) as xor:
             _zstd_into(frame, memoryview(xor.view(np.uint8)))
             np.bitwise_xor(target, xor, out=target)
             yield lambda: np.bitwise_xor(target, xor, out=target)
@@ -488,12 +545,3 @@ def chain_of(store: dict, **kwargs) -> WeightChain:
     """The :class:`WeightChain` of ``store`` (:func:`run_store`), through a client with botocore's bounded retries
     (credentials from the environment)."""
     return WeightChain(make_client(store.get("endpoint_url")), store["bucket"], store["prefix"], **kwargs)
-
-
-def remove_run_versions(store: dict | None) -> int:
-    """Delete every object under a run's prefix (``store``: :func:`run_store`'s; None: nothing). Returns how many.
-
-    Raises:
-        grpo_steps.weights.chain.ChainStoreError: S3 failed after its retries (names the key).
-    """
-    return 0 if store is None else chain_of(store).delete_prefix()

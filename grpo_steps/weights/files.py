@@ -1,6 +1,7 @@
 """Weight files: a state dict or a model written as safetensors, as the generation server and
 ``from_pretrained`` read them. Used by the model cache (:mod:`grpo_steps.models`), the tiny test model
-(:mod:`grpo_steps.dev.tiny_model`) and the ``disk`` weight pushes (:mod:`grpo_steps.training.generation.disk`).
+(:mod:`grpo_steps.dev.tiny_model`), the ``disk`` weight pushes (:mod:`grpo_steps.training.generation.disk`) and the
+vLLM worker (:mod:`grpo_steps.vllm_worker`).
 
 A push writes a new directory each time (vLLM issue #32718: reloading from the same directory can serve
 stale weights), or rewrites an older push's file in place under a new directory name
@@ -119,9 +120,9 @@ def safetensors_params(model_dir: str | Path) -> int | None:
 
 
 def read_safetensors(model_dir: str | Path) -> dict:
-    """Every tensor of the ``*.safetensors`` files in ``model_dir`` (name -> CPU tensor, memory-mapped), as the
-    generation server reads a weight directory (the vLLM worker has its own copy of this reader,
-    :func:`grpo_steps.vllm_worker.read_safetensors`: it imports nothing of the flow side).
+    """Every tensor of the ``*.safetensors`` files in ``model_dir`` (name -> CPU tensor, memory-mapped: a view of the
+    file, which changes with it), as the generation server reads a weight directory (the vLLM worker reads through
+    this function: the module imports nothing of the project).
 
     Raises:
         FileNotFoundError: ``model_dir`` holds no ``*.safetensors`` file.

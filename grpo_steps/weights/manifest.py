@@ -83,6 +83,30 @@ def tensor_checksum(t, algorithm: str = CHECKSUM) -> str:
                             f"{', '.join(CHECKSUMS)}): update grpo_steps on the reader to the publisher's version")
 
 
+def checksums_digest(checksums: dict[str, str]) -> str:
+    """Hex SHA-256 of per-tensor checksums (``{name: hex}``), in name order: one digest of a whole set of weights,
+    the same for the same tensors whichever way they travel (a manifest's entries, a directory's files).
+
+    >>> checksums_digest({"b": "02", "a": "01"}) == hashlib.sha256(b"a:01;b:02;").hexdigest()
+    True
+    """
+    return hashlib.sha256("".join(f"{name}:{checksums[name]};" for name in sorted(checksums)).encode()).hexdigest()
+
+
+def tensors_digest(tensors: dict, threads: int | None = None) -> str:
+    """:func:`checksums_digest` of the :data:`CHECKSUM` (BLAKE3) checksum of each of ``tensors`` (name -> contiguous
+    CPU tensor, in its own dtype): what a directory update request names (:class:`grpo_steps.weights.update.
+    WeightUpdate`) and the server checks before loading. Hashed on ``threads`` threads (BLAKE3 releases the GIL; None:
+    the machine's cores, at most 8): ~2.1 GB/s per core on the 2-core box."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = sorted(tensors)
+    with ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
+        sums = pool.map(lambda name: tensor_checksum(tensors[name].contiguous()), names)
+        return checksums_digest(dict(zip(names, sums, strict=True)))
+
+
 def zstd_bound(size: int) -> int:
     """The most bytes zstd's frame of ``size`` input bytes can take (``ZSTD_COMPRESSBOUND``, zstd.h), plus a frame
     header's 18 bytes.

@@ -1,7 +1,8 @@
-"""The publisher's half of the weight chain (:class:`grpo_steps.weights.chain.WeightChain` inherits it): publish
-a version (an anchor or a XOR+zstd delta against the committed baseline, the manifest last, its SHA-256 returned for
-the update request), commit it once every replica serves it, and retention. Also the helpers both halves share. The
-layout, the encoding and the measured reasons are in :mod:`grpo_steps.weights.chain`'s docstring.
+"""The trainer's writer of the weight chain (:class:`ChainPublisher`): publish a version (an anchor or a XOR+zstd
+delta against the committed baseline, the manifest last, its SHA-256 returned for the update request), commit it once
+every replica serves it, and retention. It holds a reader (:class:`grpo_steps.weights.chain.WeightChain`, which cannot
+publish) for the lineages retention walks, and writes through that reader's store. The layout, the encoding and the
+measured reasons are in :mod:`grpo_steps.weights.chain`'s docstring.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from grpo_steps.weights.chain import Scratch, WeightChain, chain_of, in_order, int_array
 from grpo_steps.weights.manifest import CHECKSUM, FORMAT, tensor_bytes, tensor_checksum
 
 UPLOADS_QUEUED = 4
@@ -23,7 +25,7 @@ UPLOADS_QUEUED = 4
 
 @dataclass(frozen=True)
 class PublishStats:
-    """What one :meth:`WeightChain.publish` wrote."""
+    """What one :meth:`ChainPublisher.publish` wrote."""
 
     version: int
     sha256: str  # hex SHA-256 of the manifest's bytes: what an update request names (only the trainer knows it)
@@ -45,46 +47,38 @@ class _Baseline:
     sha256: str = ""  # its manifest's digest
 
 
-def _int_view(t):
-    """``t`` (contiguous, flat) viewed as the signed integer type of its element width: the domain of the XOR.
-
-    An element that moved by one unit in the last place differs from its base in the low bits only:
-
-    >>> import torch
-    >>> base = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
-    >>> moved = torch.tensor([1.0, 2.015625], dtype=torch.bfloat16)  # 2.0 plus one bf16 ulp (2 ** -6)
-    >>> torch.bitwise_xor(_int_view(base), _int_view(moved)).tolist()
-    [0, 1]
-    """
-    import torch
-
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.view(width)
-
-
-def _ints(t):
-    """The contiguous CPU tensor ``t`` as a flat numpy array of its element width's integer type (no copy, writable:
-    numpy's XOR and count run single-threaded and without the GIL, in the caller's thread; bfloat16 has no numpy
-    type)."""
-    return _int_view(t.reshape(-1)).numpy()
-
-
-def _ordered(pool, fn, items: list, window: int):
-    """``(item, fn(item))`` for each of ``items``, computed on ``pool``, in order, at most ``window`` submitted ahead
-    (bounds the memory of results waiting for an earlier, slower one)."""
-    futures = [pool.submit(fn, item) for item in items[:window]]
-    for i in range(len(items)):
-        if i + window < len(items):
-            futures.append(pool.submit(fn, items[i + window]))
-        yield items[i], futures[i].result()
-        futures[i] = None  # drop the result once consumed
-
 
 class ChainPublisher:
-    """Publishing, committing and retention of :class:`~grpo_steps.weights.chain.WeightChain` (a mixin: the S3
-    calls, ``_scratch`` and the reader's :meth:`~grpo_steps.weights.chain.WeightChain.lineage` are the chain's)."""
+    """The publisher of the chain of weight versions under ``s3://bucket/prefix/``: :meth:`publish`, :meth:`commit`,
+    :meth:`retain`, :meth:`delete_prefix`; :attr:`reader` is its :class:`~grpo_steps.weights.chain.WeightChain`.
 
-    # --- publisher ---
+    ``client``: a boto3 S3 client (:func:`~grpo_steps.weights.chain.make_client`). ``anchor_every``: K, a full anchor
+    at least every K versions (the first publish of this object is always an anchor). ``dtype``: the serving dtype (a
+    ``torch.dtype``) that tensors are cast to before encoding; None keeps them as given. ``level``: zstd level.
+    ``object_bytes``: the most encoded bytes packed into one data object. ``threads``: threads that encode tensors at
+    once; None: the machine's cores, at most 8.
+    """
+
+    def __init__(self, client, bucket: str, prefix: str, *, anchor_every: int = 10, dtype=None, level: int = 1,
+                 object_bytes: int = 16 << 20, threads: int | None = None):
+        if anchor_every < 1:
+            raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
+        self.reader = WeightChain(client, bucket, prefix, threads=threads)
+        self.store, self.prefix, self.threads = self.reader.store, self.reader.prefix, self.reader.threads
+        self.anchor_every, self.dtype, self.level, self.object_bytes = anchor_every, dtype, level, object_bytes
+        self._committed: _Baseline | None = None
+        self._pending: _Baseline | None = None
+        self._spare: dict[str, Any] = {}  # a retired baseline's tensors: memory for the next private copy
+        self._scratch = Scratch()  # XOR buffers kept between calls
+
+    def check_access(self) -> None:
+        """Write and delete one small object under the prefix, as a publisher must be able to (a ``HeadBucket`` alone
+        was answered for wrong credentials by SeaweedFS).
+
+        Raises:
+            ChainStoreError: S3 refused or did not answer (names the key).
+        """
+        self.store.check_access()
 
     def publish(self, state_dict: dict, version: int) -> PublishStats:
         """Write version ``version`` of the weights ``state_dict`` (name -> tensor, any device): an anchor when there
@@ -141,12 +135,12 @@ class ChainPublisher:
             waiting = [p for p in puts if not p.done()]
             if len(waiting) >= UPLOADS_QUEUED:
                 waiting[0].result()
-            puts.append(uploads.submit(self._call, "put_object", key, Body=body))
+            puts.append(uploads.submit(self.store.put, key, body))
             parts.clear()
 
         try:
             size = 0
-            for name, (entry, payload, moved) in _ordered(pool, encode, list(tensors), 4 * self.threads):
+            for name, (entry, payload, moved) in in_order(pool, encode, list(tensors), 4 * self.threads):
                 numel, changed = numel + tensors[name].numel(), changed + moved
                 raw += len(tensor_bytes(tensors[name]))
                 if payload:
@@ -173,7 +167,7 @@ class ChainPublisher:
                     "tensors": entries}
         body = json.dumps(manifest).encode()
         digest = hashlib.sha256(body).hexdigest()
-        self._call("put_object", self._manifest_key(version), Body=body)  # last: from here on the version exists
+        self.store.put(self.store.manifest_key(version), body)  # last: from here on the version exists
         self._pending = _Baseline(version, publish_id, manifest["anchor"], manifest["depth"], tensors, digest)
         return PublishStats(version, digest, anchor, None if anchor else base.version,
                             sum(objects.values()) + len(body), raw, changed / max(numel, 1),
@@ -194,9 +188,9 @@ class ChainPublisher:
         if old is None:
             entry["encoding"] = "zstd"
             return entry, compressor.compress(tensor_bytes(own)), own.numel()
-        new = _ints(own)
-        with self._scratch(new) as xor:
-            np.bitwise_xor(new, _ints(old), out=xor)
+        new = int_array(own)
+        with self._scratch.like(new) as xor:
+            np.bitwise_xor(new, int_array(old), out=xor)
             moved = int(np.count_nonzero(xor))
             entry["encoding"] = "xor-zstd" if moved else "same"
             return entry, compressor.compress(memoryview(xor.view(np.uint8))) if moved else b"", moved
@@ -222,7 +216,8 @@ class ChainPublisher:
         the anchor) nor the publisher's committed and pending versions; also every object under the prefix that no
         kept manifest names (orphans of a killed publish). Manifests go first, so a version disappears before its
         data. Call from the publisher between publishes. Returns the versions deleted. The lineages walked are
-        bounded (:meth:`lineage`), and authenticated for the publisher's own versions.
+        bounded
+        (:meth:`grpo_steps.weights.chain.WeightChain.lineage`), and authenticated for the publisher's own versions.
 
         Raises:
             ChainStoreError: an S3 call failed.
@@ -230,16 +225,16 @@ class ChainPublisher:
         """
         own = {b.version: b.sha256 for b in (self._committed, self._pending) if b}
         keep = {int(v) for v in keep_versions} | set(own)
-        visible = self.versions()
+        visible = self.reader.versions()
         needed, manifests = set(), {}
         for version in sorted(keep & set(visible)):
-            for manifest in self.lineage(version, sha256=own.get(version)):  # bounded; authenticated when own
+            for manifest in self.reader.lineage(version, sha256=own.get(version)):  # bounded; authenticated when own
                 needed.add(manifest["version"])
                 manifests[manifest["version"]] = manifest
         gone = [v for v in visible if v not in needed]
-        self._delete([self._manifest_key(v) for v in gone])
+        self.store.delete([self.store.manifest_key(v) for v in gone])
         named = {key for m in manifests.values() for key in m["objects"]}
-        self._delete([k for k in self._keys("data/") if k not in named])
+        self.store.delete([k for k in self.store.keys("data/") if k not in named])
         return gone
 
     def delete_prefix(self) -> int:
@@ -249,10 +244,27 @@ class ChainPublisher:
         Raises:
             ChainStoreError: an S3 call failed.
         """
-        keys = self._keys("manifests/")
-        self._delete(keys)  # manifests first: no version stays visible without its data
-        rest = self._keys("")
-        self._delete(rest)
+        keys = self.store.keys("manifests/")
+        self.store.delete(keys)  # manifests first: no version stays visible without its data
+        rest = self.store.keys("")
+        self.store.delete(rest)
         self._committed = self._pending = None
         self._spare = {}
         return len(keys) + len(rest)
+
+
+def publisher_of(store: dict, **kwargs) -> ChainPublisher:
+    """The :class:`ChainPublisher` of ``store`` (:func:`grpo_steps.weights.chain.run_store`), through a client with
+    botocore's bounded retries (credentials from the environment); ``kwargs`` as :class:`ChainPublisher` takes them."""
+    reader = chain_of(store)
+    return ChainPublisher(reader.client, reader.bucket, reader.prefix, **kwargs)
+
+
+def remove_run_versions(store: dict | None) -> int:
+    """Delete every object under a run's prefix (``store``: :func:`grpo_steps.weights.chain.run_store`'s; None:
+    nothing). Returns how many.
+
+    Raises:
+        grpo_steps.weights.chain.ChainStoreError: S3 failed after its retries (names the key).
+    """
+    return 0 if store is None else publisher_of(store).delete_prefix()

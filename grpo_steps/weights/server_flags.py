@@ -14,7 +14,7 @@ WORKER_EXTENSION = "grpo_steps.vllm_worker.WorkerExtension"
 """The ``--worker-extension-cls`` of the servers this pipeline starts (:mod:`grpo_steps.vllm_worker`: weight loading
 on CPU, the idle-spin limit, the weight-transfer engine's registration)."""
 WEIGHT_TRANSFER_BACKEND = "grpo_steps"
-"""The ``--weight-transfer-config`` backend of those servers: :class:`grpo_steps.vllm_worker.WeightUpdateEngine`
+"""The ``--weight-transfer-config`` backend of those servers: :class:`grpo_steps.vllm_worker.PipelineTransferEngine`
 (registered under this name when the worker imports :data:`WORKER_EXTENSION`'s module)."""
 
 
@@ -29,7 +29,7 @@ def weight_transfer_args() -> list[str]:
 
 TOKEN_GENERATE_PATH = "/inference/v1/generate"
 """vLLM's token-in/token-out sampling route (``vllm/entrypoints/scale_out/token_in_token_out``): each choice carries
-its token ids, their logprobs and ``weight_versions``, the spans of output tokens each weight version sampled (what an
-in-flight weight update needs); served when ``vllm serve`` runs with :data:`TOKEN_GENERATE_ARGS`."""
+its token ids, their logprobs and ``weight_versions``, the spans of output tokens each weight version sampled (what a
+weight update in flight needs); served when ``vllm serve`` runs with :data:`TOKEN_GENERATE_ARGS`."""
 TOKEN_GENERATE_ARGS = ["--enable-scale-out"]
 """The ``vllm serve`` arguments that serve :data:`TOKEN_GENERATE_PATH` (behind the run's token like every route)."""

@@ -287,7 +287,7 @@ def test_the_external_server_is_still_up_after_the_run_and_serves_the_trained_po
 
     workdir, run = flow_run
     # what the server can do, asked once when it was provisioned and carried in its handle (issue 56)
-    capabilities = {"weight_engine": True, "token_route": True, "in_flight_updates": True}
+    capabilities = {"transfer_engine": True, "token_route": True}  # in flight: derived from both
     assert run["provision_vllm"].task.data.server == {"provider": "external", "endpoint": tiny_server.endpoint,
                                                       "served_model": "policy", "served_names": ("policy",),
                                                       "capabilities": capabilities}

@@ -13,7 +13,7 @@ from grpo_steps.config import GenerationConfig
 from grpo_steps.data import encode_prompt, to_prompt
 from grpo_steps.servers.client import GenerationServerError
 from grpo_steps.training.entry import run
-from grpo_steps.training.generation.server import ServerGeneration, ServerSettings
+from grpo_steps.training.generation.server import RolloutBackend, ServerSettings
 from tests.integration.trainjob import history, job
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ def _rollout(server, tokenizer, group: int = 4, **generation) -> dict:
     """One first turn of ``group`` completions for each of QUESTIONS, sampled with ``generation`` by the training
     process's generation stand-in, as TRL's generation path calls it."""
     gen = GenerationConfig(max_completion_tokens=12, **generation)
-    sampler = ServerGeneration(ServerSettings(client=server.client(), gen=gen, max_model_len=256, transport=None,
+    sampler = RolloutBackend(ServerSettings(client=server.client(), gen=gen, max_model_len=256, transport=None,
                                               probe_ids=[], probe_tolerance=1.0))
     prompts = [encode_prompt(tokenizer, to_prompt(q, "Solve the problem."), gen.chat_template_kwargs)
                for q in QUESTIONS for _ in range(group)]

@@ -17,6 +17,7 @@ from grpo_steps.training.sampling import processed_logprobs
 from grpo_steps.training.zero_signal.plan import importance_weights
 from grpo_steps.weights.files import save_weights
 from grpo_steps.weights.labels import version_label
+from grpo_steps.weights.update import WeightUpdate
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +40,7 @@ def test_a_push_in_flight_splits_a_completion_between_two_versions(tiny_server, 
     with torch.no_grad():
         for p in new.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    client.update_weights({"path": str(save_weights(old, tmp_path / "old")), "direct": True}, version_label(0))
+    client.update_weights(WeightUpdate.of_directory(save_weights(old, tmp_path / "old")), version_label(0))
     new_dir = str(save_weights(new, tmp_path / "new"))
     assert client.serves_token_generate()
     ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 2 + 3.", None))
@@ -64,7 +65,7 @@ def test_a_push_in_flight_splits_a_completion_between_two_versions(tiny_server, 
         pytest.fail("the long request never started sampling within 300 s")
     client.pause_mode = "keep"
     try:
-        client.update_weights({"path": new_dir, "direct": True}, version_label(1))
+        client.update_weights(WeightUpdate.of_directory(new_dir), version_label(1))
     finally:
         client.pause_mode = "wait"
     producer.join(120)

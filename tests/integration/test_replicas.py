@@ -9,6 +9,7 @@ attempts), on a real SeaweedFS. The
 whole flow on two replicas started by the flow, with a replica killed mid-training and ``@retry`` replacing the set,
 is the local run of tests/integration/test_resume.py."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -28,6 +29,7 @@ from grpo_steps.servers import local
 from grpo_steps.servers.client import GenerationServerError, VLLMClient, session_id
 from grpo_steps.servers.router import requests_per_replica
 from grpo_steps.training.entry import run
+from grpo_steps.weights.update import WeightUpdate
 from tests.conftest import dev_s3_credentials
 from tests.integration.flowrun import (
     SAVED,
@@ -74,6 +76,14 @@ def replica_set(tiny_model_path):
                                         run_id="replicas-test")
     yield replica_set
     replica_set.stop()
+
+
+class _Unchecked(WeightUpdate):
+    """A request whose sender skipped the type's own checks (anyone holding the token can send one): the server's
+    parse of the same type must refuse it."""
+
+    def __post_init__(self) -> None:
+        pass
 
 
 def _with_replicas(job, replica_set):
@@ -127,7 +137,7 @@ def test_requests_spread_over_both_and_an_episode_stays_on_one(replica_set):
 
 def test_lora_adapter_pushes_reach_both_replicas(tmp_path, tiny_model_path, tiny_tokenizer, replica_set, capfd):
     """Before any full-weights push: an adapter applies to the base weights the replicas started with."""
-    from grpo_steps.lora import adapter_name
+    from grpo_steps.weights.labels import adapter_name
 
     run(_with_replicas(_job(tmp_path, tiny_model_path, tiny_tokenizer, replica_set.endpoint,
                             train={"max_steps": 2, "peft": {"r": 8, "alpha": 16}}), replica_set))
@@ -242,7 +252,7 @@ def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.data import encode_prompt, to_prompt
-    from grpo_steps.training.generation.s3 import ChainWeightPush
+    from grpo_steps.training.generation.s3 import ChainTransport
     from grpo_steps.training.sampling import policy_logprobs
     from grpo_steps.weights.chain import tensor_checksum
     from grpo_steps.weights.files import checkpoint_state_dict
@@ -254,7 +264,7 @@ def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny
     ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
     first, second = (VLLMClient(m.endpoint) for m in replica_set.members)
     client = VLLMClient(first.endpoint, replicas=(first.endpoint, second.endpoint))
-    push = ChainWeightPush(client, _store(s3, "receivers"), dtype=torch.float32, anchor_every=10)
+    push = ChainTransport(client, _store(s3, "receivers"), dtype=torch.float32, anchor_every=10)
 
     def step() -> dict:
         with torch.no_grad():
@@ -283,7 +293,7 @@ def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny
         assert late["bytes_read"] > caught_up["bytes_read"] > 0  # the anchor and three deltas vs one delta
         assert parts["anchor"] == 0.0 and 0 < parts["density"] <= 1
         # the chain's checksums are the trainer's tensors': what the replicas loaded is what was published
-        manifest = push.chain.manifest(3, push.last.sha256)
+        manifest = push.chain.reader.manifest(3, push.last.sha256)
 
         published = checkpoint_state_dict(model.state_dict(), model)
         assert manifest["checksum"] == "blake3"
@@ -298,10 +308,10 @@ def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny
         served_before = first.prompt_logprobs(ids)
         stats = push.chain.publish(checkpoint_state_dict(step(), model), 4)
         assert not stats.anchor
-        for key in push.chain.manifest(4)["objects"]:
+        for key in push.chain.reader.manifest(4)["objects"]:
             body = raw.get_object(Bucket=s3.bucket, Key=key)["Body"].read()
             raw.put_object(Bucket=s3.bucket, Key=key, Body=bytes(b ^ 0xFF for b in body))
-        update = {"s3": push.store, "version": 4, "sha256": stats.sha256}
+        update = WeightUpdate.of_chain(push.store, 4, stats.sha256)
         with pytest.raises(GenerationServerError, match=r"tensor .* refused twice"):
             first.update_weights(update, version_label(4))
         assert first.weight_version() == version_label(3)
@@ -313,22 +323,22 @@ def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny
         forged = json.dumps({**manifest, "base": {**manifest["base"], "version": 4}}).encode()  # a self-reference
         raw.put_object(Bucket=s3.bucket, Key=manifest_key, Body=forged)
         refusals = {  # the update request -> what the refusal says
-            "no digest": ({"s3": push.store, "version": 4}, "no manifest sha256"),
+            "no digest": (_Unchecked(s3=push.store, version=4), "has no sha256"),
             "the trainer's digest": (update, "is not the one the trainer published"),
-            "the forgery's own digest": ({**update, "sha256": hashlib.sha256(forged).hexdigest()},
+            "the forgery's own digest": (dataclasses.replace(update, sha256=hashlib.sha256(forged).hexdigest()),
                                          "a delta's base must be .*older than this one"),
         }
         # a version missing one tensor (its digest genuine): refused against the served model's checkpoint
-        partial = ChainWeightPush(client, _store(s3, "receivers-partial"), dtype=torch.float32)
+        partial = ChainTransport(client, _store(s3, "receivers-partial"), dtype=torch.float32)
         state = checkpoint_state_dict(model.state_dict(), model)
         missing = sorted(state)[0]
         stats = partial.chain.publish({k: v for k, v in state.items() if k != missing}, 0)
-        refusals["a missing tensor"] = ({"s3": partial.store, "version": 0, "sha256": stats.sha256},
+        refusals["a missing tensor"] = (WeightUpdate.of_chain(partial.store, 0, stats.sha256),
                                         rf"missing \['{re.escape(missing)}'\]")
         # a version in another dtype than the served one (its digest genuine): refused, where the load would cast
-        half = ChainWeightPush(client, _store(s3, "receivers-half"), dtype=torch.float16)
+        half = ChainTransport(client, _store(s3, "receivers-half"), dtype=torch.float16)
         stats = half.chain.publish(state, 0)
-        refusals["another dtype"] = ({"s3": half.store, "version": 0, "sha256": stats.sha256},
+        refusals["another dtype"] = (WeightUpdate.of_chain(half.store, 0, stats.sha256),
                                      r"tensor .* is float16 .*, the served model has float32")
         for case, (request, error) in refusals.items():
             with pytest.raises(GenerationServerError, match=error):
@@ -341,7 +351,7 @@ def test_s3_chain_on_two_replicas_late_join_corruption_and_outage(tmp_path, tiny
         # a store that does not answer: the update fails naming the key, the replica keeps serving version 3
         dead = dict(push.store, endpoint_url="http://127.0.0.1:9")  # the discard port: nothing listens
         with pytest.raises(GenerationServerError, match=r"s3://.*manifests/0000000004\.json"):
-            second.update_weights({"s3": dead, "version": 4, "sha256": stats.sha256}, version_label(4))
+            second.update_weights(WeightUpdate.of_chain(dead, 4, stats.sha256), version_label(4))
         assert second.weight_version() == version_label(3)
     finally:
         push.close()

@@ -67,9 +67,11 @@ def test_a_server_that_keeps_stale_weights_stops_the_run(tmp_path, tiny_model_pa
     reload = VLLMClient.reload_weights
     pushed = []
 
-    def reload_stale(self, weights_dir, direct=True):
+    def reload_stale(self, weights_dir, direct=True, tensors_sha256=None):
         pushed.append(weights_dir)
-        return reload(self, weights_dir if len(pushed) == 1 else tiny_model_path, direct)
+        if len(pushed) == 1:
+            return reload(self, weights_dir, direct, tensors_sha256=tensors_sha256)
+        return reload(self, tiny_model_path, direct)  # the base weights, named by their own digest
 
     monkeypatch.setattr(VLLMClient, "reload_weights", reload_stale)
     # a step that visibly moves the tiny policy: a high learning rate and a reward that varies within every group
@@ -131,19 +133,19 @@ def test_a_reload_serves_the_written_weights_tied_head_included(tmp_path, tiny_m
 
 def test_successive_pushes_serve_each_version_from_two_rewritten_directories(tmp_path, tiny_model_path,
                                                                              tiny_tokenizer, tiny_server):
-    """From the third push on, ``DiskWeightPush`` moves the push before the previous one to the new version's name and
+    """From the third push on, ``DiskTransport`` moves the push before the previous one to the new version's name and
     rewrites its file in place: the server serves every version's weights (tied head included), under a new path each
     time, and only the last two pushes' directories are kept."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.data import encode_prompt, to_prompt
-    from grpo_steps.training.generation.disk import DiskWeightPush
+    from grpo_steps.training.generation.disk import DiskTransport
     from grpo_steps.training.sampling import policy_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     client = VLLMClient(tiny_server.endpoint)
-    push = DiskWeightPush(client, tmp_path / "sync")
+    push = DiskTransport(client, tmp_path / "sync")
     ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
     served_before = client.prompt_logprobs(ids)
     try:
@@ -163,6 +165,48 @@ def test_successive_pushes_serve_each_version_from_two_rewritten_directories(tmp
         assert not (tmp_path / "sync").exists()  # the pushes' directories and the run's own sync root (sync_root)
     finally:
         client.reload_weights(tiny_model_path)
+
+
+@pytest.mark.parametrize("receiver", ["transfer-engine", "worker-extension"])
+def test_a_staged_file_swapped_after_staging_is_refused_and_the_previous_weights_keep_serving(
+        tmp_path, tiny_model_path, tiny_tokenizer, tiny_server, receiver):
+    """Issue 70, finding 4: a directory update names the digest of its tensors (per-tensor BLAKE3, as the chain's), so
+    a file swapped on a shared volume after the ``evaluate`` step staged it is refused on load; the server keeps
+    serving its previous weights and label. Staging the swapped file anew (its own digest) loads it: the check refuses
+    the swap, not every directory. Both receivers: the pipeline's transfer engine, and the worker extension alone (as
+    a server with another transfer backend, ``nccl`` sync's, loads a directory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_steps.data import encode_prompt, to_prompt
+    from grpo_steps.servers.capabilities import ServerCapabilities
+    from grpo_steps.weights.files import write_safetensors
+    from grpo_steps.weights.staging import stage_update
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    engine = receiver == "transfer-engine"  # else the client takes the server for one with another backend
+    client = VLLMClient(tiny_server.endpoint, capabilities=ServerCapabilities(transfer_engine=engine, token_route=True))
+    ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
+    try:
+        client.reload_weights(tiny_model_path, label="default")  # the shared server may hold another test's weights
+        before = client.prompt_logprobs(ids)
+        staged = stage_update(write_safetensors(model.state_dict(), tmp_path / "trained", model=model), "trained",
+                              tiny_server.stage_weights)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        swap = write_safetensors(model.state_dict(), tmp_path / "swap", model=model)
+        (swap / "model.safetensors").replace(tmp_path / "trained" / "model.safetensors")  # same names and shapes
+        with pytest.raises(GenerationServerError, match="not the ones the update request names"):
+            client.load_weights(staged, "eval-trained")
+        assert client.weight_version() == "default"
+        kept = client.prompt_logprobs(ids)  # generation still samples from the previous weights
+        assert max(abs(a - b) for a, b in zip(kept, before, strict=True)) < 1e-5
+        client.load_weights(stage_update(tmp_path / "trained", "trained", tiny_server.stage_weights), "eval-trained")
+        assert client.weight_version() == "eval-trained" and client.load_path == "direct"
+        assert max(abs(a - b) for a, b in zip(client.prompt_logprobs(ids), before, strict=True)) > 1e-3
+    finally:
+        client.reload_weights(tiny_model_path, label="default")
 
 
 def _launch_within(job, seconds: float) -> None:
@@ -335,7 +379,7 @@ def test_a_request_without_the_run_token_is_refused(tiny_server, method, path, b
     assert requests.get(f"{tiny_server.endpoint}/health", timeout=5).status_code == 200  # probes need no token
     client = VLLMClient(tiny_server.endpoint)  # presents the run's token: the same routes answer it
     assert client._http.get(f"{tiny_server.endpoint}/v1/models", timeout=10).status_code == 200
-    assert client.has_weight_engine()
+    assert client.has_transfer_engine()
     from grpo_steps.servers.auth import token_for
 
     cmdline = psutil.Process(tiny_server.supervisor_pid).cmdline()

@@ -12,6 +12,7 @@ import requests
 from grpo_steps.processes import ProcessRef
 from grpo_steps.servers import auth
 from grpo_steps.servers.client import GenerationServerError, VLLMClient
+from grpo_steps.weights.update import WeightUpdate
 from tests.conftest import dev_s3_credentials
 
 pytestmark = [pytest.mark.slow, pytest.mark.s3]
@@ -51,7 +52,7 @@ def test_s3_pushes_to_a_tensor_parallel_server_are_fetched_once_and_checked_on_b
     from transformers import AutoModelForCausalLM
 
     from grpo_steps.data import encode_prompt, to_prompt
-    from grpo_steps.training.generation.s3 import ChainWeightPush
+    from grpo_steps.training.generation.s3 import ChainTransport
     from grpo_steps.training.sampling import policy_logprobs
     from grpo_steps.weights.files import checkpoint_state_dict
     from grpo_steps.weights.labels import version_label
@@ -62,7 +63,7 @@ def test_s3_pushes_to_a_tensor_parallel_server_are_fetched_once_and_checked_on_b
     ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
     client = VLLMClient(tp_server.endpoint)
     store = {"bucket": s3.bucket, "prefix": "weight-sync/tensor-parallel", "endpoint_url": s3.endpoint}
-    push = ChainWeightPush(client, store, dtype=torch.float32, anchor_every=10)
+    push = ChainTransport(client, store, dtype=torch.float32, anchor_every=10)
 
     def step() -> dict:
         with torch.no_grad():
@@ -92,7 +93,7 @@ def test_s3_pushes_to_a_tensor_parallel_server_are_fetched_once_and_checked_on_b
         # a version the trainer did not publish (the request names another digest): refused on both ranks
         served = client.prompt_logprobs(ids)
         stats = push.chain.publish(checkpoint_state_dict(step(), model), 2)
-        forged = {"s3": push.store, "version": 2, "sha256": push.last.sha256}  # version 1's digest
+        forged = WeightUpdate.of_chain(push.store, 2, push.last.sha256)  # version 1's digest
         with pytest.raises(GenerationServerError, match="is not the one the trainer published"):
             client.update_weights(forged, version_label(2))
         first, second = _reports(tp_server.endpoint)
@@ -102,7 +103,7 @@ def test_s3_pushes_to_a_tensor_parallel_server_are_fetched_once_and_checked_on_b
         assert client.prompt_logprobs(ids) == pytest.approx(served, abs=1e-6)
 
         # the genuine version 2 then loads on both ranks (rank 0 replays from the anchor after the refusal)
-        client.update_weights({"s3": push.store, "version": 2, "sha256": stats.sha256}, version_label(2))
+        client.update_weights(WeightUpdate.of_chain(push.store, 2, stats.sha256), version_label(2))
         assert logprob_gap() < 1e-4
         assert [r["bytes_read"] > 0 for r in _reports(tp_server.endpoint)] == [True, False]
     finally:

@@ -125,8 +125,9 @@ def test_an_external_server_returning_raw_logprobs_is_refused(foreign_server, ti
 
 
 def test_pushes_in_flight_need_the_servers_flags(foreign_server, capsys):
-    """``generation.async.in_flight``: a server without vLLM's token route and the pipeline's engine is refused when
-    it is provisioned with ``in_flight: true`` (naming the flags), and by default (null) its pushes drain, said once."""
+    """``generation.async.in_flight``: a server without vLLM's token route and the pipeline's transfer engine is refused
+    when it is provisioned with ``in_flight: true`` (naming the flags), and by default (null) its pushes drain, said
+    once."""
     from grpo_steps.config import GenerationConfig, validate_config
     from grpo_steps.servers.client import GenerationServerError
     from grpo_steps.training.generation.async_rollouts import updates_in_flight
@@ -156,7 +157,7 @@ def test_a_server_without_the_worker_extension_gets_vllms_reload(foreign_server,
     from transformers import AutoModelForCausalLM
 
     client = foreign_server.client()
-    assert not client.has_weight_engine()
+    assert not client.has_transfer_engine()
     ids = encode_prompt(tiny_tokenizer, to_prompt("Calculate 4 + 4.", None))
     before = client.prompt_logprobs(ids)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
@@ -171,7 +172,7 @@ def test_a_server_without_the_worker_extension_gets_vllms_reload(foreign_server,
 
 
 def test_the_pipelines_server_loads_through_its_weight_transfer_engine(tiny_server):
-    assert tiny_server.client().has_weight_engine()
+    assert tiny_server.client().has_transfer_engine()
 
 
 def test_the_default_cpu_server_runs_its_model_in_the_engine_core_process(tiny_server):
@@ -186,7 +187,7 @@ def test_the_default_cpu_server_runs_its_model_in_the_engine_core_process(tiny_s
     # what the engine core inherited (its own /proc environ is overwritten when it renames itself)
     environ = api_server.environ()
     assert environ["OMP_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))
-    assert tiny_server.client().has_weight_engine()
+    assert tiny_server.client().has_transfer_engine()
     # started from an allow-list of the flow's variables (grpo_steps/servers/process_variables.py): the S3 keys it reads
     # the weight chain with (tests/conftest.py starts it for s3 pushes), not the MLflow password the fixture set
     assert "MLFLOW_TRACKING_PASSWORD" not in environ and not any(name.startswith("MLFLOW_") for name in environ)

@@ -1,7 +1,7 @@
 """How the ``evaluate`` step hands the baseline and the trained policy to the generation server: one mechanism for every
-provider (:meth:`grpo_steps.servers.base.GenerationServer.stage_update` -> ``update_info`` ->
-:meth:`grpo_steps.servers.client.VLLMClient.load_weights`): a directory the server reads, or, with
-``weight_sync: s3``, a version published under the run's S3 prefix (no shared volume). No server runs here: the S3
+provider (:func:`grpo_steps.weights.staging.stage_update` -> :class:`grpo_steps.weights.update.WeightUpdate` ->
+:meth:`grpo_steps.servers.client.VLLMClient.load_weights`): a directory the server reads (with its tensors' digest), or,
+with ``weight_sync: s3``, a version published under the run's S3 prefix (no shared volume). No server runs here: the S3
 cases use the project's real S3 server (marked ``s3``)."""
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import pytest
 from grpo_steps.config import validate_config
 from grpo_steps.servers import GenerationServer, KubernetesServer, LocalServer, ReplicaSet
 from grpo_steps.servers.client import VLLMClient
+from grpo_steps.weights.staging import stage_update
+from grpo_steps.weights.update import WeightUpdate
 
 RUN_ID = "argo-grpoflow-x7k2p"
 
@@ -33,15 +35,22 @@ def _weights(tmp_path, name="final", value=1.0):
 def test_without_a_store_the_server_reads_the_directory_where_it_stages_it(tmp_path, monkeypatch):
     """``disk`` and ``nccl`` sync: a local server (and replicas of it) reads the directory where it is; a Kubernetes
     server, from its copy on the shared volume."""
+    from grpo_steps.weights.files import read_safetensors
+    from grpo_steps.weights.manifest import tensors_digest
+
     weights = _weights(tmp_path)
-    assert GenerationServer("http://x").stage_update(weights, "trained") == {"path": str(weights)}
+    digest = tensors_digest(read_safetensors(weights))  # the tensors as this machine holds them
+    assert stage_update(weights, "trained", GenerationServer("http://x").stage_weights) == \
+        WeightUpdate(path=str(weights), tensors_sha256=digest)
     local = LocalServer("http://127.0.0.1:1").to_dict()
     replicas = ReplicaSet("http://127.0.0.1:2", replicas=(local, local))
-    assert replicas.stage_update(weights, "baseline") == {"path": str(weights)}
+    assert stage_update(weights, "baseline", replicas.stage_weights) == \
+        WeightUpdate(path=str(weights), tensors_sha256=digest)
     shared = tmp_path / "shared"
     monkeypatch.setattr(KubernetesServer.stage_weights, "__defaults__", (str(shared),))  # /shared in a pod
-    update = KubernetesServer("http://x", run_id=RUN_ID).stage_update(weights, "trained")
-    assert update == {"path": str(shared / "grpo" / RUN_ID / "trained")}
+    update = stage_update(weights, "trained", KubernetesServer("http://x", run_id=RUN_ID).stage_weights)
+    # the copy on the shared volume, named with the digest of the tensors here: a copy swapped there is refused
+    assert update == WeightUpdate(path=str(shared / "grpo" / RUN_ID / "trained"), tensors_sha256=digest)
     assert (shared / "grpo" / RUN_ID / "trained" / "model.safetensors").exists()
 
 
@@ -68,22 +77,30 @@ class RecordingClient:
     model: str = "policy"
     loads: list = field(default_factory=list)
 
-    def load_weights(self, update_info: dict, label: str | None = None) -> float:
-        self.loads.append((update_info, label))
+    def load_weights(self, update, label: str | None = None) -> float:
+        self.loads.append((update, label))
         return 0.0
 
 
 @dataclass(frozen=True)
 class RecordingServer(GenerationServer):
-    """A server handle whose staging records what it was asked (the update it returns names the directory)."""
+    """A server handle without runtime LoRA."""
 
     runtime_lora = False
 
-    def stage_update(self, weights_dir, label, store=None, dtype=None) -> dict:
-        from pathlib import Path
 
+@pytest.fixture(autouse=True)
+def recorded_staging(monkeypatch):
+    """Evaluation's staging records what it was asked (the update it returns names the directory's files)."""
+    from pathlib import Path
+
+    from grpo_steps.evaluation import comparison
+
+    def record(weights_dir, label, readable, store=None, dtype=None) -> dict:
         files = sorted(p.name for p in Path(weights_dir).iterdir())
         return {"staged": files, "label": label, "store": store, "dtype": dtype}
+
+    monkeypatch.setattr(comparison, "stage_update", record)
 
 
 def test_served_policy_loads_full_weights_from_what_the_server_staged(tmp_path):
@@ -127,25 +144,26 @@ def test_a_lora_adapter_under_s3_sync_is_evaluated_as_merged_full_weights(tmp_pa
 
 def test_load_weights_takes_a_directory_or_a_chain_version_on_every_replica(monkeypatch):
     """A directory goes through ``reload_weights`` (which falls back to vLLM's own reload on a server without the
-    pipeline's engine), a chain version through the weight-update protocol; on each replica, in parallel."""
+    pipeline's transfer engine), a chain version through the weight-update protocol; on each replica, in parallel."""
     calls = []
 
-    def reload_weights(self, weights_dir, direct=True, label=None):
-        calls.append(("path", self.endpoint, weights_dir, label))
+    def reload_weights(self, weights_dir, direct=True, label=None, tensors_sha256=None):
+        calls.append(("path", self.endpoint, weights_dir, label, tensors_sha256))
         return 1.0
 
-    def update_weights(self, update_info, label=None):
-        calls.append(("s3", self.endpoint, update_info["version"], label))
+    def update_weights(self, update, label=None):
+        calls.append(("s3", self.endpoint, update.version, label, update.sha256))
         return 2.0
 
     monkeypatch.setattr(VLLMClient, "reload_weights", reload_weights)
     monkeypatch.setattr(VLLMClient, "update_weights", update_weights)
     routed = VLLMClient("http://router", replicas=("http://r0", "http://r1"))
-    assert routed.load_weights({"path": "/shared/x"}, "eval-baseline") == 1.0
-    assert routed.load_weights({"s3": {"bucket": "b", "prefix": "p"}, "version": 0}, "eval-trained") == 2.0
-    assert sorted(calls) == [("path", "http://r0", "/shared/x", "eval-baseline"),
-                             ("path", "http://r1", "/shared/x", "eval-baseline"),
-                             ("s3", "http://r0", 0, "eval-trained"), ("s3", "http://r1", 0, "eval-trained")]
+    a, b = "a" * 64, "b" * 64
+    assert routed.load_weights(WeightUpdate(path="/shared/x", tensors_sha256=a), "eval-baseline") == 1.0
+    assert routed.load_weights(WeightUpdate.of_chain({"bucket": "b", "prefix": "p"}, 0, b), "eval-trained") == 2.0
+    assert sorted(calls) == [("path", "http://r0", "/shared/x", "eval-baseline", a),
+                             ("path", "http://r1", "/shared/x", "eval-baseline", a),
+                             ("s3", "http://r0", 0, "eval-trained", b), ("s3", "http://r1", 0, "eval-trained", b)]
 
 
 @pytest.fixture
@@ -176,27 +194,28 @@ def test_with_a_store_the_weights_are_a_version_under_the_runs_eval_prefix(store
     import torch
     from safetensors.torch import load_file
 
-    from grpo_steps.weights.chain import ChainRefusedError, chain_of, remove_run_versions
+    from grpo_steps.weights.chain import ChainRefusedError, chain_of
+    from grpo_steps.weights.publisher import remove_run_versions
 
-    update = server.stage_update(_weights(tmp_path, value=1.0), "trained", store)
+    update = stage_update(_weights(tmp_path, value=1.0), "trained", server.stage_weights, store)
     where = {**store, "prefix": f"{store['prefix']}/eval/trained"}
-    assert update == {"s3": where, "version": 0, "sha256": update["sha256"]} and len(update["sha256"]) == 64
-    json.dumps(update)  # a request body: no credentials, nothing but JSON
-    again = server.stage_update(_weights(tmp_path, "retry", value=3.0), "trained", store)  # a retried evaluate
-    assert again.keys() == update.keys() and again["sha256"] != update["sha256"]  # other weights, another digest
+    assert update == WeightUpdate.of_chain(where, 0, update.sha256)
+    json.dumps(update.request())  # a request body: no credentials, nothing but JSON
+    again = stage_update(_weights(tmp_path, "retry", value=3.0), "trained", server.stage_weights, store)  # a retry
+    assert again.s3 == update.s3 and again.sha256 != update.sha256  # other weights, another digest
     assert chain_of(where).versions() == [0]
     with pytest.raises(ChainRefusedError, match="not the one the trainer published"):  # the first staging's digest
-        chain_of(where).fetch(0, sha256=update["sha256"])
-    fetched = chain_of(where).fetch(0, sha256=again["sha256"])
+        chain_of(where).fetch(0, sha256=update.sha256)
+    fetched = chain_of(where).fetch(0, sha256=again.sha256)
     expected = load_file(tmp_path / "retry" / "model.safetensors")
     assert fetched.keys() == expected.keys()
     for name, tensor in expected.items():  # the dtypes the files hold (bf16 stays bf16), bits as written
         assert fetched[name].dtype == tensor.dtype and torch.equal(fetched[name], tensor)
     # in the serving dtype (the evaluate step passes model.dtype): a server refuses another dtype (vllm_worker)
-    served = server.stage_update(_weights(tmp_path, "cast", value=3.0), "trained", store, "float32")
-    cast = chain_of(where).fetch(0, sha256=served["sha256"])
+    served = stage_update(_weights(tmp_path, "cast", value=3.0), "trained", server.stage_weights, store, "float32")
+    cast = chain_of(where).fetch(0, sha256=served.sha256)
     assert {t.dtype for t in cast.values()} == {torch.float32}
     assert torch.equal(cast["model.norm.weight"], expected["model.norm.weight"].float())
-    server.stage_update(_weights(tmp_path, "base"), "baseline", store)
+    stage_update(_weights(tmp_path, "base"), "baseline", server.stage_weights, store)
     assert {key.split("/eval/")[1].split("/")[0] for key in _keys(store)} == {"baseline", "trained"}
     assert remove_run_versions(store) > 0 and _keys(store) == []

@@ -192,9 +192,9 @@ def s3_cluster_config(**vllm):
 
 
 def test_s3_sync_servers_run_the_engine_and_take_the_named_secrets_keys():
-    """The server pods load each version through the pipeline's engine (its flags, as every server the pipeline starts
-    on a machine) and read S3 with the keys of the Secret the config names, as environment variables: envFrom, so no
-    key is written into the manifest, the arguments or a log. No shared volume is mounted."""
+    """The server pods load each version through the pipeline's transfer engine (its flags, as every server the pipeline
+    starts on a machine) and read S3 with the keys of the Secret the config names, as environment variables: envFrom, so
+    no key is written into the manifest, the arguments or a log. No shared volume is mounted."""
     from grpo_steps.weights.server_flags import weight_transfer_args
 
     deployment = k8s_manifests.render_manifests(s3_cluster_config(s3_secret_name="grpo-s3-readonly"), RUN_ID,

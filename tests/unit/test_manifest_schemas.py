@@ -91,7 +91,7 @@ def test_every_object_of_a_run_with_three_replicas_validates():
 
 @pytest.mark.parametrize("secret", ["grpo-s3-readonly", None], ids=["secret", "pod-identity"])
 def test_every_object_of_an_s3_sync_run_validates(secret):
-    """``weight_sync: s3`` without a shared volume: the servers run the pipeline's engine and, with
+    """``weight_sync: s3`` without a shared volume: the servers run the pipeline's transfer engine and, with
     ``resources.vllm.s3_secret_name``, take that Secret's keys through ``envFrom``; with two replicas and the router."""
     config = _cluster_config(weight_sync="s3", s3_sync={"url": "s3://grpo-weights/sync"})
     config["generation"]["server"]["replicas"] = 2

@@ -9,7 +9,7 @@ from grpo_steps.config import validate_config
 from grpo_steps.servers.client import session_id
 from grpo_steps.servers.local import replicas_fit
 from grpo_steps.servers.router import router_command
-from grpo_steps.training.generation.server import ServerGeneration
+from grpo_steps.training.generation.server import RolloutBackend
 
 
 def config(**server):
@@ -91,7 +91,7 @@ def test_a_replica_set_round_trips_through_its_handle():
 
 
 def test_every_turn_of_an_episode_is_routed_by_its_first_turn():
-    generation = ServerGeneration.__new__(ServerGeneration)
+    generation = RolloutBackend.__new__(RolloutBackend)
     generation._episodes = [[1, 2, 3], [1, 2], [7, 8]]  # first turns of a round (one a prefix of another)
     assert generation._session([1, 2, 3, 50, 51]) == session_id([1, 2, 3])  # the longest first turn it extends
     assert generation._session([1, 2, 9]) == session_id([1, 2])

@@ -6,6 +6,7 @@ cannot be had from a live server on demand); the prefetcher thread and the clien
 from types import SimpleNamespace
 
 from grpo_steps.config import GenerationConfig
+from grpo_steps.servers.capabilities import ServerCapabilities
 from grpo_steps.servers.client import VLLMClient
 from grpo_steps.training.generation.async_rollouts import AsyncRollouts, SyncRollouts, rollout_mode
 from grpo_steps.training.generation.settings import PolicyView, ServerSettings
@@ -25,8 +26,8 @@ def _policy(logged: list, step: dict) -> PolicyView:
 
 def _settings(**async_settings) -> ServerSettings:
     # the capabilities the server's handle recorded at provisioning: no request asks them again
-    client = VLLMClient("http://127.0.0.1:9", "base", capabilities={"weight_engine": True, "token_route": True,
-                                                                     "in_flight_updates": True})
+    client = VLLMClient("http://127.0.0.1:9", "base", capabilities=ServerCapabilities(transfer_engine=True,
+                                                                                       token_route=True))
     return ServerSettings(client=client, gen=GenerationConfig(), max_model_len=256, transport=None, probe_ids=[1],
                           probe_tolerance=1e-3, **async_settings)
 

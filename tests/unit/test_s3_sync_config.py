@@ -103,18 +103,19 @@ def test_start_checks_the_bucket_answers(s3, monkeypatch):
         monkeypatch.setenv(name, value)
     check_weight_store(_cfg())  # the Metaflow datastore's bucket
     # boto3's default session keeps the credentials it first resolved: a client with the wrong secret, explicitly
-    from grpo_steps.weights.chain import WeightChain, make_client
+    from grpo_steps.weights.chain import make_client
+    from grpo_steps.weights.publisher import ChainPublisher
 
-    wrong = WeightChain(make_client(s3.endpoint, access_key=s3.access_key, secret_key="wrong", max_attempts=1),
-                        s3.bucket, "weight-sync/x")
+    wrong = ChainPublisher(make_client(s3.endpoint, access_key=s3.access_key, secret_key="wrong", max_attempts=1),
+                           s3.bucket, "weight-sync/x")
     with pytest.raises(ChainStoreError, match=f"s3://{s3.bucket}/weight-sync/x/access-check"):
         wrong.check_access()
 
 
 def test_pushes_in_flight_are_refused_where_the_servers_cannot_take_them():
-    """``generation.async.in_flight: true`` needs full-weight pushes through the pipeline's engine: refused in
-    ``start`` with adapter pushes and on Kubernetes without ``s3`` (the pods run the engine only then); by default
-    (null) both drain instead, and Kubernetes with ``s3`` takes it."""
+    """``generation.async.in_flight: true`` needs full-weight pushes through the pipeline's transfer engine: refused in
+    ``start`` with adapter pushes and on Kubernetes without ``s3`` (the pods run the transfer engine only then); by
+    default (null) both drain instead, and Kubernetes with ``s3`` takes it."""
     kube_disk = _on_kubernetes("disk")
     kube_disk["resources"]["shared_volume_claim"] = "grpo-shared"
     kube_disk["generation"]["sync_dir"] = "/shared/grpo-sync"

@@ -4,6 +4,7 @@ process's, evaluation's) answers from it without a request. A loopback stand-in 
 questions (``/server_info``, the token route)."""
 
 from grpo_steps.servers import ExternalServer, ReplicaSet, from_dict
+from grpo_steps.servers.capabilities import ServerCapabilities
 from grpo_steps.servers.lifecycle import record_capabilities
 from grpo_steps.weights.server_flags import TOKEN_GENERATE_PATH, WEIGHT_TRANSFER_BACKEND, WORKER_EXTENSION
 from tests.json_server import JSONServer
@@ -21,10 +22,12 @@ def test_capabilities_are_asked_at_provisioning_and_read_from_the_handle_after()
     stand_in = JSONServer(lambda path: SERVER_INFO if path == "/server_info" else {"choices": []})
     try:
         handle = record_capabilities(ExternalServer(stand_in.url))
-        assert handle.capabilities == {"weight_engine": True, "token_route": True, "in_flight_updates": True}
+        assert handle.capabilities == ServerCapabilities(transfer_engine=True, token_route=True)
+        assert handle.capabilities.in_flight  # derived from both, not recorded a second time
+        assert handle.to_dict()["capabilities"] == {"transfer_engine": True, "token_route": True}
         assert _questions(stand_in) == ["/server_info", TOKEN_GENERATE_PATH]  # once each
         client = from_dict(handle.to_dict()).client()  # as the training process builds it from the job's handle
-        assert client.has_weight_engine() and client.serves_token_generate()
+        assert client.has_transfer_engine() and client.serves_token_generate()
         assert len(_questions(stand_in)) == 2  # not asked again
     finally:
         stand_in.shutdown()
@@ -36,10 +39,11 @@ def test_a_replica_set_records_for_every_replica_and_a_server_without_the_engine
     try:
         members = tuple(ExternalServer(r.url).to_dict() for r in replicas)
         handle = record_capabilities(ReplicaSet(replicas[0].url, replicas=members))
-        assert handle.capabilities == {"weight_engine": False, "token_route": True, "in_flight_updates": False}
+        assert handle.capabilities == ServerCapabilities(transfer_engine=False, token_route=True)
+        assert not handle.capabilities.in_flight
         assert [len(_questions(r)) for r in replicas] == [2, 2]
         client = from_dict(handle.to_dict()).client()
-        assert not client.has_weight_engine() and client.serves_token_generate()
+        assert not client.has_transfer_engine() and client.serves_token_generate()
         assert [len(_questions(r)) for r in replicas] == [2, 2]
     finally:
         for r in replicas:

@@ -66,11 +66,11 @@ def _rank(rank: int, out: str, store: dict | None, prefix: str, layout: dict, re
 def test_rank_0_fetches_once_and_every_rank_checks_and_refuses_together(client, s3, tmp_path):
     import torch.multiprocessing as mp
 
-    from grpo_steps.weights.chain import WeightChain
     from grpo_steps.weights.manifest import tensor_checksum
+    from grpo_steps.weights.publisher import ChainPublisher
 
     prefix, states = "weights/tp", _states()
-    writer = WeightChain(client, s3.bucket, prefix, anchor_every=10)
+    writer = ChainPublisher(client, s3.bucket, prefix, anchor_every=10)
     digests = {}
     for version, state in enumerate(states, start=1):
         digests[version] = writer.publish(state, version).sha256

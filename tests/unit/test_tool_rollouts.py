@@ -1,5 +1,5 @@
 """Multi-turn rollouts on the server path, without a server: TRL's own tool loop runs over
-:class:`ServerGeneration` whose ``generate`` returns a constructed episode (a tool call, then an answer after the
+:class:`RolloutBackend` whose ``generate`` returns a constructed episode (a tool call, then an answer after the
 tool's result), on the tiny policy with TRL's Qwen2.5 chat template. What is checked is TRL's code as this pipeline
 drives it: the tool runs in the training process, its answer's tokens join the completion and are masked out of the
 loss and of the mismatch metrics, a raising or hanging tool becomes an error message and the step goes on, and the

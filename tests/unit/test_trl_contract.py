@@ -84,7 +84,7 @@ def test_a_config_becomes_the_grpo_config_it_names(tmp_path):
 
 def test_trls_tool_loop_samples_every_turn_through_the_generation_stand_in():
     """Tools on the server path rely on TRL's tool loop calling ``self.vllm_generation.generate`` for the first turn
-    and each follow-up (our ServerGeneration answers it), masking tool tokens with ``tool_mask`` in the loss; and
+    and each follow-up (our RolloutBackend answers it), masking tool tokens with ``tool_mask`` in the loss; and
     evaluation's episodes call ``_get_tool_suffix_ids`` unbound with ``(self, tool_messages)``."""
     single = inspect.getsource(trl.GRPOTrainer._generate_single_turn)
     assert "self.vllm_generation.generate(" in single and "num_generations=num_generations" in single

@@ -27,6 +27,12 @@ def _chain(client, s3, prefix, **kw):
     return WeightChain(client, s3.bucket, prefix, **kw)
 
 
+def _writer(client, s3, prefix, **kw):
+    from grpo_steps.weights.publisher import ChainPublisher
+
+    return ChainPublisher(client, s3.bucket, prefix, **kw)
+
+
 def _training_states(steps: int, seed: int = 0) -> list[dict]:
     """State dicts (fp32) after each of ``steps`` Adam steps of a small embedding + MLP model on random targets:
     consecutive optimizer steps, as the trainer's policy moves."""
@@ -77,7 +83,7 @@ def test_chain_round_trips_bit_exactly(client, s3, prefix, dtype):
 
     dtype = getattr(torch, dtype)
     states = _training_states(7)
-    writer = _chain(client, s3, prefix, anchor_every=3, dtype=dtype)
+    writer = _writer(client, s3, prefix, anchor_every=3, dtype=dtype)
     reader, kinds = LocalCopy(), []
     for version, state in enumerate(states, start=1):
         stats = writer.publish(state, version)
@@ -95,7 +101,7 @@ def test_late_joiner_replays_from_the_newest_anchor(client, s3, prefix):
     import torch
 
     states = _training_states(5)
-    writer = _chain(client, s3, prefix, anchor_every=3, dtype=torch.bfloat16)
+    writer = _writer(client, s3, prefix, anchor_every=3, dtype=torch.bfloat16)
     for version, state in enumerate(states, start=1):
         writer.publish(state, version)
         writer.commit(version)
@@ -111,7 +117,7 @@ def test_uncommitted_version_is_never_a_base(client, s3, prefix):
     from grpo_steps.weights.chain import LocalCopy
 
     states = _training_states(3)
-    writer = _chain(client, s3, prefix, anchor_every=10)
+    writer = _writer(client, s3, prefix, anchor_every=10)
     writer.publish(states[0], 1)
     writer.commit(1)
     writer.publish(states[1], 2)  # a push some replica never loaded: not committed
@@ -135,11 +141,11 @@ def test_uncommitted_version_is_never_a_base(client, s3, prefix):
 def _two_versions(client, s3, prefix):
     """(writer, key of version 2's only data object, its bytes): an anchor and a delta."""
     states = _training_states(2)
-    writer = _chain(client, s3, prefix)
+    writer = _writer(client, s3, prefix)
     for version in (1, 2):
         writer.publish(states[version - 1], version)
         writer.commit(version)
-    manifest = writer.manifest(2)
+    manifest = writer.reader.manifest(2)
     (key,) = manifest["objects"]
     return writer, states, key, client.get_object(Bucket=s3.bucket, Key=key)["Body"].read()
 
@@ -154,7 +160,7 @@ def test_corrupted_delta_is_refused_after_one_more_read(client, s3, prefix):
     from grpo_steps.weights.chain import ChainCorruptError, LocalCopy, make_client
 
     writer, states, key, blob = _two_versions(client, s3, prefix)
-    manifest = writer.manifest(2)
+    manifest = writer.reader.manifest(2)
     name, entry = next((n, e) for n, e in manifest["tensors"].items() if e["encoding"] == "xor-zstd")
     tampered = bytearray(blob)
     tampered[entry["offset"] + entry["length"] // 2] ^= 0x40  # one flipped bit inside one tensor's zstd frame
@@ -199,7 +205,7 @@ def test_transient_corruption_is_healed_by_the_second_read(client, s3, prefix):
     from grpo_steps.weights.chain import LocalCopy
 
     writer, states, key, blob = _two_versions(client, s3, prefix)
-    manifest = writer.manifest(2)
+    manifest = writer.reader.manifest(2)
     name, entry = next((n, e) for n, e in manifest["tensors"].items() if e["encoding"] == "xor-zstd")
     frame = blob[entry["offset"]:entry["offset"] + entry["length"]]
     good = zstandard.ZstdDecompressor().decompress(frame)
@@ -229,12 +235,12 @@ def test_manifest_names_its_checksum_algorithm(client, s3, prefix, monkeypatch):
     from grpo_steps.weights.chain import ChainError
 
     writer, states, _, _ = _two_versions(client, s3, prefix)
-    assert {writer.manifest(v)["checksum"] for v in (1, 2)} == {"blake3"}
+    assert {writer.reader.manifest(v)["checksum"] for v in (1, 2)} == {"blake3"}
     monkeypatch.setattr(weight_chain, "CHECKSUM", "sha256")  # a publisher with another algorithm: readers follow it
     stats = writer.publish(states[0], 3)
-    assert writer.manifest(3)["checksum"] == "sha256"
+    assert writer.reader.manifest(3)["checksum"] == "sha256"
     assert _same_bits(_chain(client, s3, prefix).fetch(3, sha256=stats.sha256), states[0])
-    key, manifest = f"{prefix}/manifests/{3:010d}.json", writer.manifest(3, stats.sha256)
+    key, manifest = f"{prefix}/manifests/{3:010d}.json", writer.reader.manifest(3, stats.sha256)
     for algorithm in ("md7", "xxh3_128"):  # unknown, or not cryptographic: refused even with the trainer's digest
         client.put_object(Bucket=s3.bucket, Key=key, Body=json.dumps({**manifest, "checksum": algorithm}).encode())
         with pytest.raises(ChainError, match=f"unknown checksum algorithm '{algorithm}'"):
@@ -264,9 +270,10 @@ def test_version_without_manifest_does_not_exist(client, s3, prefix):
 
 _PUBLISHER = textwrap.dedent("""
     import sys, torch
-    from grpo_steps.weights.chain import WeightChain, make_client
+    from grpo_steps.weights.chain import make_client
+    from grpo_steps.weights.publisher import ChainPublisher
     endpoint, bucket, prefix = sys.argv[1:4]
-    chain = WeightChain(make_client(endpoint), bucket, prefix)
+    chain = ChainPublisher(make_client(endpoint), bucket, prefix)
     state = {f"layer{i}.weight": torch.randn(64) for i in range(300)}
     chain.publish(state, 1)
     chain.commit(1)
@@ -299,20 +306,20 @@ def test_kill_9_mid_publish_leaves_no_visible_version(client, s3, prefix, tmp_pa
     orphans = [k for k in _keys(client, s3, prefix) if f"data/{2:010d}-" in k]
     assert 0 < len(orphans) < 300  # the publish was cut mid-version
     assert reader.fetch(1, sha256=_digest(client, s3, prefix, 1))["layer0.weight"].shape == (64,)
-    reader.retain([1])  # the orphaned data of the killed publish is removed
+    _writer(client, s3, prefix).retain([1])  # the orphaned data of the killed publish is removed
     assert not [k for k in _keys(client, s3, prefix) if f"data/{2:010d}-" in k]
     assert reader.fetch(1, sha256=_digest(client, s3, prefix, 1))["layer0.weight"].shape == (64,)
 
 
 def test_retain_keeps_what_rebuilds_the_kept_versions(client, s3, prefix):
     states = _training_states(6)
-    writer = _chain(client, s3, prefix, anchor_every=3)
+    writer = _writer(client, s3, prefix, anchor_every=3)
     for version, state in enumerate(states, start=1):
         writer.publish(state, version)
         writer.commit(version)
     assert writer.retain([5]) == [1, 2, 3]  # 5 needs its anchor 4; the publisher keeps its baseline 6 too
     assert _chain(client, s3, prefix).versions() == [4, 5, 6]
-    assert _chain(client, s3, prefix).retain([5]) == [6]  # another object has no baseline: only what is asked for
+    assert _writer(client, s3, prefix).retain([5]) == [6]  # another object has no baseline: only what is asked for
     assert _chain(client, s3, prefix).versions() == [4, 5]
     assert _same_bits(_chain(client, s3, prefix).fetch(5, sha256=_digest(client, s3, prefix, 5)), states[4])
 
@@ -320,7 +327,7 @@ def test_retain_keeps_what_rebuilds_the_kept_versions(client, s3, prefix):
 def test_delete_prefix_leaves_nothing_under_the_prefix(client, s3, prefix):
     _two_versions(client, s3, prefix)
     client.put_object(Bucket=s3.bucket, Key=f"{prefix}-other/keep", Body=b"x")  # a sibling sharing the name's start
-    writer = _chain(client, s3, prefix)
+    writer = _writer(client, s3, prefix)
     assert writer.delete_prefix() > 0
     assert _keys(client, s3, prefix) == []
     assert client.get_object(Bucket=s3.bucket, Key=f"{prefix}-other/keep")["Body"].read() == b"x"
@@ -332,12 +339,12 @@ def test_unreachable_endpoint_fails_within_the_bound_naming_the_key(s3, prefix):
 
     dead = make_client(f"http://127.0.0.1:{pick_port('127.0.0.1', 0)}", access_key=s3.access_key,
                        secret_key=s3.secret_key, max_attempts=3, connect_timeout_s=1)
-    chain = _chain(dead, s3, prefix)
+    chain = _writer(dead, s3, prefix)
     start = time.monotonic()
     with pytest.raises(ChainStoreError) as err:
         chain.publish(_training_states(1)[0], 1)
     assert time.monotonic() - start < 10  # 3 attempts, refused at once, ~50-100 ms of backoff
     assert f"s3://{s3.bucket}/{prefix}/data/{1:010d}-" in str(err.value)
     with pytest.raises(ChainStoreError, match=f"{prefix}/manifests/{1:010d}.json"):
-        chain.fetch(1, sha256="0" * 64)
+        chain.reader.fetch(1, sha256="0" * 64)
     assert s3.secret_key not in str(err.value)

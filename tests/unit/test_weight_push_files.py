@@ -95,8 +95,12 @@ class _Server:
     def __init__(self) -> None:
         self.loaded: list[str] = []
 
-    def reload_weights(self, directory, direct=True) -> float:
+    def reload_weights(self, directory, direct=True, tensors_sha256=None) -> float:
+        from grpo_steps.weights.files import read_safetensors
+        from grpo_steps.weights.manifest import tensors_digest
+
         assert (directory / "model.safetensors").is_file(), "asked to load a push that is not fully written"
+        assert tensors_sha256 == tensors_digest(read_safetensors(directory)), "the request names other tensors"
         self.loaded.append(directory.name)
         return 0.0
 
@@ -111,12 +115,12 @@ def _weights(kib: int) -> dict:
 def test_a_directory_without_room_is_a_clear_error_naming_it_the_bytes_and_the_key(small_tmpfs):
     import errno
 
-    from grpo_steps.training.generation.disk import DiskWeightPush
+    from grpo_steps.training.generation.disk import DiskTransport
     from grpo_steps.weights.files import NoSpaceError
 
     root, server = small_tmpfs(256 * 1024), _Server()
     with pytest.raises(NoSpaceError) as err:
-        DiskWeightPush(server, root).push(_weights(512), version=3)
+        DiskTransport(server, root).push(_weights(512), version=3)
     assert err.value.errno == errno.ENOSPC
     message = str(err.value)
     assert f"weight push v3 needs 524552 bytes (1 MiB) in {root}, which has 262144 bytes (0 MiB) free" in message
@@ -133,16 +137,16 @@ def test_a_disk_that_fills_while_writing_removes_the_partial_push_and_loads_noth
     monkeypatch.setattr(weight_sync, "require_space", lambda *args, **kwargs: None)  # the check saw room
     root, server = small_tmpfs(256 * 1024), _Server()
     with pytest.raises(NoSpaceError, match=rf"weight push v1 needs .* in {root}, which has"):
-        weight_sync.DiskWeightPush(server, root).push(_weights(512), version=1)
+        weight_sync.DiskTransport(server, root).push(_weights(512), version=1)
     assert server.loaded == [] and list(root.iterdir()) == []
 
 
 def test_a_push_rewriting_an_older_file_in_place_is_not_refused(small_tmpfs):
     """Two pushes fill the directory; the third rewrites the first's file in place, so it needs no new room."""
-    from grpo_steps.training.generation.disk import DiskWeightPush
+    from grpo_steps.training.generation.disk import DiskTransport
 
     root, server = small_tmpfs(700 * 1024), _Server()
-    push = DiskWeightPush(server, root)
+    push = DiskTransport(server, root)
     for version in range(4):
         push.push(_weights(300), version)
     assert server.loaded == ["v0", "v1", "v2", "v3"]

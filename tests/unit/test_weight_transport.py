@@ -6,8 +6,8 @@ import pytest
 
 from grpo_steps.config import validate_config
 from grpo_steps.servers.client import VLLMClient
-from grpo_steps.training.generation.disk import AdapterPush, DiskWeightPush
-from grpo_steps.training.generation.s3 import ChainWeightPush
+from grpo_steps.training.generation.disk import AdapterTransport, DiskTransport
+from grpo_steps.training.generation.s3 import ChainTransport
 from grpo_steps.training.generation.transport import WeightTransport, make_transport
 
 PROTOCOL = ("push", "served_label", "committed", "close")
@@ -20,11 +20,11 @@ def _cfg(**generation):
 def test_disk_and_adapter_transports_are_chosen_by_the_config_and_close_their_sync_dir(tmp_path):
     client = VLLMClient("http://127.0.0.1:1")
     disk = make_transport(_cfg(weight_sync="disk", sync_dir=str(tmp_path)), client, str(tmp_path / "out"))
-    assert type(disk) is DiskWeightPush and disk.root.is_dir()
+    assert type(disk) is DiskTransport and disk.root.is_dir()
     lora = validate_config({"train": {"peft": {"r": 8, "alpha": 16, "push": "adapter"}},
                             "generation": {"sync_dir": str(tmp_path)}})
     adapter = make_transport(lora, client, str(tmp_path / "out"))
-    assert type(adapter) is AdapterPush and adapter.base_model == client.base_model
+    assert type(adapter) is AdapterTransport and adapter.base_model == client.base_model
     for transport in (disk, adapter):
         assert all(callable(getattr(transport, name)) for name in PROTOCOL)
         transport.committed(3)  # a directory has no baseline to advance: a call, not a hasattr
@@ -42,7 +42,7 @@ def test_s3_needs_the_runs_store_and_nccl_is_no_transport_of_this_protocol(tmp_p
         make_transport(cfg, client, str(tmp_path))
     store = {"bucket": s3.bucket, "prefix": "transport-test", "endpoint_url": s3.endpoint}
     chain: WeightTransport = make_transport(cfg, client, str(tmp_path), store)
-    assert type(chain) is ChainWeightPush and chain.chain.anchor_every == cfg.generation.s3_sync.anchor_every
+    assert type(chain) is ChainTransport and chain.chain.anchor_every == cfg.generation.s3_sync.anchor_every
     assert all(callable(getattr(chain, name)) for name in PROTOCOL)
     chain.close()
     nccl = cfg.model_copy(update={"generation": cfg.generation.model_copy(update={"weight_sync": "nccl"})})

@@ -2,7 +2,7 @@
 :func:`rollout_mode`: now, by the weights last pushed (:class:`SyncRollouts`), or ahead, by a producer thread while the
 trainer trains (``generation.async``: :class:`AsyncRollouts`, around
 :class:`~grpo_steps.training.generation.prefetch.RolloutPrefetcher`). The generation class
-(:class:`grpo_steps.training.generation.server.ServerGeneration`) hands in how to sample (a :data:`Sample` callable)
+(:class:`grpo_steps.training.generation.server.RolloutBackend`) hands in how to sample (a :data:`Sample` callable)
 and calls either through the same small interface (:class:`RolloutMode`): ``push_window`` around every push,
 ``pushed`` after it, ``first_turn`` for a first turn, ``follow_up_turn`` for a tool loop's follow-up turn, ``close``.
 
@@ -253,7 +253,7 @@ def updates_in_flight(settings: ServerSettings) -> bool:
     client = settings.client
     why = None if client.serves_token_generate() else \
         f"the server does not answer {TOKEN_GENERATE_PATH} (start it with {' '.join(TOKEN_GENERATE_ARGS)})"
-    if why is None and not client.has_weight_engine():
+    if why is None and not client.has_transfer_engine():
         why = "the server does not load through the pipeline's weight-transfer engine (" + \
               " ".join(weight_transfer_args()) + ")"
     if why is None:

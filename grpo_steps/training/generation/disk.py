@@ -5,8 +5,8 @@ Rank 0 writes the policy's weights as one safetensors file into a new directory 
 root (:func:`sync_root`; :func:`grpo_steps.weights.files.write_safetensors`, or
 :func:`grpo_steps.weights.files.overwrite_safetensors` of an older push's file moved there), then has the server
 load it (:meth:`grpo_steps.servers.client.VLLMClient.reload_weights`) and labels it ``step-N``
-(:class:`DiskWeightPush`); with LoRA the adapter alone is written and loaded as a new served model
-(:class:`AdapterPush`), or base + adapter merged (:func:`merged_state_dict`) is pushed as full weights.
+(:class:`DiskTransport`); with LoRA the adapter alone is written and loaded as a new served model
+(:class:`AdapterTransport`), or base + adapter merged (:func:`merged_state_dict`) is pushed as full weights.
 Verification is :mod:`grpo_steps.training.generation.push`'s.
 """
 
@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpo_steps.lora import adapter_name
 from grpo_steps.processes import OWNER_FILE, ProcessRef, claim_dir, remove_orphan_dirs  # noqa: F401 (re-exported)
 from grpo_steps.servers.client import GenerationServerError, VLLMClient
 from grpo_steps.weights.files import (
+    checkpoint_state_dict,
     is_no_space,
     no_space,
     overwrite_safetensors,
@@ -30,14 +30,15 @@ from grpo_steps.weights.files import (
     safetensors_bytes,
     write_safetensors,
 )
-from grpo_steps.weights.labels import version_label
+from grpo_steps.weights.labels import adapter_name, version_label
+from grpo_steps.weights.manifest import tensors_digest
 
 
 @dataclass
-class WeightPush:
+class DirectoryTransport:
     """Rank 0's half of ``disk`` sync, one push per weight version: write the weights into a fresh directory
     ``root/v{version}`` (vLLM issue #32718: never reload from a reused directory), have the server load them, then
-    retire the previous push's directory. :class:`DiskWeightPush` (full weights) and :class:`AdapterPush` (a LoRA
+    retire the previous push's directory. :class:`DiskTransport` (full weights) and :class:`AdapterTransport` (a LoRA
     adapter) say what is written and how the server loads it; ``root`` must be readable by the server.
     """
 
@@ -124,7 +125,7 @@ class WeightPush:
 
 
 @dataclass
-class DiskWeightPush(WeightPush):
+class DiskTransport(DirectoryTransport):
     """Full weights: each push writes ``model.safetensors`` to ``root/v{version}``, reloads the server from it
     (:meth:`VLLMClient.reload_weights`) and labels the server's weights ``step-{version}``.
 
@@ -138,6 +139,10 @@ class DiskWeightPush(WeightPush):
     """Load through the direct CPU path where it applies (:meth:`VLLMClient.reload_weights`)."""
     spare: Path | None = field(default=None, init=False)
     """The push before ``current``, kept to be rewritten in place by the next push."""
+    digest: str | None = field(default=None, init=False)
+    """The last written push's :func:`~grpo_steps.weights.manifest.tensors_digest`, taken from the tensors in memory
+    (not read back from the file, which a writer of a shared ``generation.sync_dir`` could have swapped): the update
+    request names it and the server refuses other files."""
 
     def _forget(self, directory: Path) -> None:
         super()._forget(directory)
@@ -150,11 +155,13 @@ class DiskWeightPush(WeightPush):
 
     def _write(self, state_dict: dict, directory: Path, model) -> None:
         spare, self.spare = self.spare, None
-        if spare is None or overwrite_safetensors(state_dict, spare, directory, model=model) is None:
-            write_safetensors(state_dict, directory, model=model)
+        tensors = checkpoint_state_dict(state_dict, model)  # as the file holds them: tied weights once, contiguous
+        self.digest = tensors_digest(tensors)
+        if spare is None or overwrite_safetensors(tensors, spare, directory) is None:
+            write_safetensors(tensors, directory)
 
     def _load(self, directory: Path, version: int) -> None:
-        self.client.reload_weights(directory, direct=self.direct)
+        self.client.reload_weights(directory, direct=self.direct, tensors_sha256=self.digest)
         self.client.set_weight_version(version_label(version))
 
     def _retire(self, previous: Path) -> None:
@@ -174,7 +181,7 @@ class DiskWeightPush(WeightPush):
 
 
 @dataclass
-class AdapterPush(WeightPush):
+class AdapterTransport(DirectoryTransport):
     """A LoRA adapter: each push writes the adapter (``adapter_model.safetensors`` + ``adapter_config.json``) to
     ``root/v{version}``, loads it into the server as :func:`grpo_steps.lora.adapter_name` of the version (vLLM's
     runtime LoRA loading) and points ``client`` (the rollout client) at it, then unloads the previous push's adapter

@@ -45,7 +45,7 @@ class ProducerDiedError(RuntimeError):
 
 @dataclass
 class PrefetchedBatch:
-    """One generation batch of the producer: ``prompts`` (B token-id lists, as ``ServerGeneration.generate`` gets
+    """One generation batch of the producer: ``prompts`` (B token-id lists, as ``RolloutBackend.generate`` gets
     them), the sampler's ``result`` once done (or the exception it raised), and ``version`` (the weight version the
     server held while sampling it; -1 until it started)."""
 

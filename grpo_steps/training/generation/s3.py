@@ -2,21 +2,22 @@
 replica through vLLM's weight-update protocol.
 
 Rank 0 publishes the policy's weights, in the serving dtype and under the names a checkpoint file holds
-(:func:`grpo_steps.weights.files.checkpoint_state_dict`), as version N of the run's :class:`grpo_steps.weights.chain.
-WeightChain` (a full anchor every ``generation.s3_sync.anchor_every`` versions, XOR+zstd deltas against the last
-committed version in between; the manifest last). Every replica is told to prefetch it (a background fetch while it
-still generates), then loads it: ``/start_weight_update`` -> ``/update_weights {"s3": ..., "version": N}`` ->
-``/finish_weight_update {"weight_version": "step-N"}`` (:meth:`grpo_steps.servers.client.VLLMClient.update_weights`;
-the replica's :class:`grpo_steps.vllm_worker.WeightUpdateEngine` fetches only the deltas after the version it holds,
-or replays from the anchor when it holds none of them, and checks every tensor's checksum before loading anything).
+(:func:`grpo_steps.weights.files.checkpoint_state_dict`), as version N of the run's
+:class:`grpo_steps.weights.publisher.ChainPublisher` (a full anchor every ``generation.s3_sync.anchor_every`` versions,
+XOR+zstd deltas against the last committed version in between; the manifest last). Every replica is told to prefetch it
+(a background fetch while it still generates), then loads it: ``/start_weight_update`` -> ``/update_weights {"s3": ...,
+"version": N, "sha256": ...}`` (:class:`grpo_steps.weights.update.WeightUpdate`) -> ``/finish_weight_update
+{"weight_version": "step-N"}`` (:meth:`grpo_steps.servers.client.VLLMClient.update_weights`; the replica's
+:class:`grpo_steps.vllm_worker.PipelineTransferEngine` fetches only the deltas after the version it holds, or replays
+from the anchor when it holds none of them, and checks every tensor's checksum before loading anything).
 :class:`grpo_steps.training.generation.push.VerifiedPush` then checks every replica's label and probe; only then is the
-version committed (the base of the next delta) and the versions before its anchor deleted. The run's prefix is
-removed when training ends (:meth:`ChainWeightPush.close`) and by the flow's ``end`` (:func:`remove_run_versions`).
+version committed (the base of the next delta) and the versions before its anchor deleted. The run's prefix is removed
+when training ends (:meth:`ChainTransport.close`) and by the flow's ``end``
+(:func:`grpo_steps.weights.publisher.remove_run_versions`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import time
@@ -24,8 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo_steps.servers.client import VLLMClient
-from grpo_steps.weights.chain import ChainError, PublishStats, WeightChain, chain_of
+from grpo_steps.weights.chain import ChainError
 from grpo_steps.weights.labels import version_label
+from grpo_steps.weights.manifest import checksums_digest
+from grpo_steps.weights.publisher import ChainPublisher, PublishStats, publisher_of
+from grpo_steps.weights.update import WeightUpdate
 
 
 def lineage_of(manifest: dict) -> dict[str, str]:
@@ -34,15 +38,13 @@ def lineage_of(manifest: dict) -> dict[str, str]:
     ``blake3``) and ``sha256``, a SHA-256 digest of its per-tensor checksums (in name order; the same weights give
     the same digest whatever the chain). Every field comes from a manifest the trainer checked
     (:func:`grpo_steps.weights.chain.check_manifest`: ints and known names only)."""
-    algorithm = manifest["checksum"]
-    digest = hashlib.sha256("".join(f"{name}:{entry['checksum']};" for name, entry in
-                                    sorted(manifest["tensors"].items())).encode()).hexdigest()
+    digest = checksums_digest({name: entry["checksum"] for name, entry in manifest["tensors"].items()})
     return {"version": str(manifest["version"]), "anchor": str(manifest["anchor"]), "deltas": str(manifest["depth"]),
-            "checksum": algorithm, "sha256": digest}
+            "checksum": manifest["checksum"], "sha256": digest}
 
 
 @dataclass
-class ChainWeightPush:
+class ChainTransport:
     """Rank 0's half of ``s3`` sync: :meth:`push` publishes and has every replica load, :meth:`committed` advances
     the baseline once the push is verified, :meth:`close` removes the run's versions.
 
@@ -57,11 +59,11 @@ class ChainWeightPush:
     anchor_every: int = 10
     lineage_path: Path | None = None
     """Where the committed version's lineage is written (JSON, :func:`lineage_of`), for the registered model's tags."""
-    chain: WeightChain = field(init=False)
+    chain: ChainPublisher = field(init=False)
     last: PublishStats | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self.chain = chain_of(self.store, anchor_every=self.anchor_every, dtype=self.dtype)
+        self.chain = publisher_of(self.store, anchor_every=self.anchor_every, dtype=self.dtype)
         removed = self.chain.delete_prefix()
         if removed:
             print(f"[weight-sync] removed {removed} objects under s3://{self.store['bucket']}/{self.store['prefix']}/ "
@@ -88,7 +90,7 @@ class ChainWeightPush:
         published = time.perf_counter()
         # the manifest's digest rides in the request the run's token authenticates: a writer of the bucket cannot
         # swap the version the replicas load
-        update = {"s3": self.store, "version": version, "sha256": self.last.sha256}
+        update = WeightUpdate.of_chain(self.store, version, self.last.sha256)
         replicas = self.client.replica_clients()
         for replica in replicas:  # each starts fetching while it may still be generating
             replica.prefetch_weights(update)
@@ -106,7 +108,7 @@ class ChainWeightPush:
         build on are deleted (S3 failures here are reported on stderr, not raised: the next retain deletes them)."""
         self.chain.commit(version)
         if self.lineage_path is not None:
-            self.lineage_path.write_text(json.dumps(lineage_of(self.chain.manifest(version, self.last.sha256))))
+            self.lineage_path.write_text(json.dumps(lineage_of(self.chain.reader.manifest(version, self.last.sha256))))
         try:
             self.chain.retain({version})
         except ChainError as err:

@@ -1,5 +1,5 @@
 """Rollouts from our vLLM server with the pipeline's weight pushes (``disk`` or ``s3``), as TRL's ``GRPOTrainer`` asks
-for them: the stand-in for TRL's ``VLLMGeneration`` (:class:`ServerGeneration`), with its contract:
+for them: the stand-in for TRL's ``VLLMGeneration`` (:class:`RolloutBackend`), with its contract:
 ``sync_weights`` pushes and verifies the policy (:class:`grpo_steps.training.generation.push.VerifiedPush`),
 ``generate`` samples every turn (the follow-up turns of TRL's tool loop included; with ``generation.async`` the first
 turns come from the producer, :mod:`grpo_steps.training.generation.async_rollouts`) and checks the first batch after a
@@ -7,7 +7,7 @@ push (:mod:`grpo_steps.training.generation.first_batch`), ``close`` stops it. Li
 whole from values (:class:`~grpo_steps.training.generation.settings.ServerSettings`, made by :func:`server_settings`)
 and from what it reads of the training process (:class:`~grpo_steps.training.generation.settings.PolicyView`: the
 model, the accelerator, the step counters, a metric sink), never from the trainer itself; the trainer calls it once
-more per round, for the replica of each row with several replicas (:meth:`ServerGeneration.replica_rows`). How first
+more per round, for the replica of each row with several replicas (:meth:`RolloutBackend.replica_rows`). How first
 turns are sampled (now, or ahead by the ``generation.async`` producer) is a mode chosen once
 (:func:`grpo_steps.training.generation.async_rollouts.rollout_mode`), not a branch in each method.
 """
@@ -25,14 +25,14 @@ from grpo_steps.training.generation.replica_rows import ReplicaLedger
 from grpo_steps.training.generation.settings import PolicyView, ServerSettings
 from grpo_steps.training.generation.transport import make_transport
 
-__all__ = ["PROBE_TOKENS", "PolicyView", "ServerGeneration", "ServerSettings", "server_settings"]
+__all__ = ["PROBE_TOKENS", "PolicyView", "RolloutBackend", "ServerSettings", "server_settings"]
 
 PROBE_TOKENS = 16
 """Longest probe sequence, tokens: the policy scores it with one extra forward per push (0.1-0.5 s for
 SmolLM2-135M on the 2 shared CPU cores), enough tokens to see any weight change in its logprobs."""
 
 
-class ServerGeneration:
+class RolloutBackend:
     """Stands in for TRL's ``VLLMGeneration`` when rollouts come from our server with the pipeline's pushes: TRL's
     ``GRPOTrainer`` calls ``sync_weights()`` whenever the optimizer step changed and ``generate()`` for every turn it
     samples (``_generate_single_turn``: the first turn of each group, and the follow-up turns of its tool loop).
@@ -94,7 +94,7 @@ class ServerGeneration:
             self.verified_push(self.policy, version)
             self.pushed_version = version
             if self.settings.lora == "adapter":
-                from grpo_steps.lora import adapter_name
+                from grpo_steps.weights.labels import adapter_name
 
                 self.client.model = adapter_name(self.client.base_model, version)
             self.rollouts.pushed(version)
@@ -224,11 +224,11 @@ def server_settings(cfg, client: VLLMClient, tokenizer, probe_prompt, output_dir
     """The :class:`ServerSettings` of a training process for ``cfg`` (a :class:`grpo_steps.config.PipelineConfig`):
     it samples through ``client`` (this rank's client of the server; ``client.base_model`` the served base model
     name) with ``cfg.generation`` within ``cfg.model.max_model_len`` tokens. Rank 0 pushes: with ``weight_sync: s3``
-    through the chain at ``weight_store`` (:class:`grpo_steps.training.generation.s3.ChainWeightPush`; the job's
+    through the chain at ``weight_store`` (:class:`grpo_steps.training.generation.s3.ChainTransport`; the job's
     :attr:`~grpo_steps.training.job.TrainJob.weight_store`); else into a fresh
     :func:`grpo_steps.training.generation.disk.sync_root` (``generation.sync_dir``, else under ``output_dir``): the
-    adapter alone with ``train.peft.push: adapter`` (:class:`grpo_steps.training.generation.disk.AdapterPush`), else
-    full weights. The probe is ``probe_prompt`` (a dataset prompt, chat template applied) cut to ``PROBE_TOKENS``
+    adapter alone with ``train.peft.push: adapter`` (:class:`grpo_steps.training.generation.disk.AdapterTransport`),
+    else full weights. The probe is ``probe_prompt`` (a dataset prompt, chat template applied) cut to ``PROBE_TOKENS``
     tokens; tolerances from ``generation.sync_check``.
 
     Raises:

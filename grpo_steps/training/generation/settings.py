@@ -1,4 +1,4 @@
-"""What the server-mode generation class (:class:`grpo_steps.training.generation.server.ServerGeneration`) is built
+"""What the server-mode generation class (:class:`grpo_steps.training.generation.server.RolloutBackend`) is built
 from, as TRL's ``VLLMGeneration`` is built from values and the trainer's model and accelerator: the settings known
 before the trainer exists (:class:`ServerSettings`) and what it reads of the training process (:class:`PolicyView`).
 Both are read by the generation class, its push and the async half (:mod:`.async_rollouts`)."""
@@ -62,7 +62,7 @@ class ServerSettings:
 
 @dataclass(frozen=True)
 class PolicyView:
-    """What :class:`~grpo_steps.training.generation.server.ServerGeneration` reads of the training process, as TRL's
+    """What :class:`~grpo_steps.training.generation.server.RolloutBackend` reads of the training process, as TRL's
     ``VLLMGeneration`` is given the model and the accelerator: values and callables, each read when used."""
 
     accelerator: object

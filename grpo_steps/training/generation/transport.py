@@ -4,9 +4,9 @@
 every replica load it (``push``), read what a replica serves (``served_label``), advance the baseline once every
 replica is verified (``committed``), clean up (``close``). Nothing else in the training process branches on the mode.
 
-- ``disk``: :class:`~grpo_steps.training.generation.disk.DiskWeightPush` (full weights) or
-  :class:`~grpo_steps.training.generation.disk.AdapterPush` (``train.peft.push: adapter``);
-- ``s3``: :class:`~grpo_steps.training.generation.s3.ChainWeightPush`;
+- ``disk``: :class:`~grpo_steps.training.generation.disk.DiskTransport` (full weights) or
+  :class:`~grpo_steps.training.generation.disk.AdapterTransport` (``train.peft.push: adapter``);
+- ``s3``: :class:`~grpo_steps.training.generation.s3.ChainTransport`;
 - ``nccl`` is TRL's own server mode (generation and NCCL transfer inside TRL's trainer, chosen in
   :func:`grpo_steps.training.job.grpo_args` by :attr:`grpo_steps.config.GenerationConfig.trl_server_mode`), not a
   transport of this protocol: TRL's ``VLLMGeneration.sync_weights`` pushes, so an object here would do nothing.
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Protocol
 
 from grpo_steps.servers.client import VLLMClient
-from grpo_steps.training.generation.disk import AdapterPush, DiskWeightPush, sync_root
-from grpo_steps.training.generation.s3 import ChainWeightPush
+from grpo_steps.training.generation.disk import AdapterTransport, DiskTransport, sync_root
+from grpo_steps.training.generation.s3 import ChainTransport
 from grpo_steps.training.job import WEIGHT_LINEAGE
 
 
@@ -64,9 +64,9 @@ def make_transport(cfg, client: VLLMClient, output_dir: str, weight_store: dict 
 
         if weight_store is None:
             raise ValueError("generation.weight_sync 's3' needs the run's S3 location (TrainJob.weight_store)")
-        return ChainWeightPush(client, weight_store, dtype=getattr(torch, cfg.model.dtype),
+        return ChainTransport(client, weight_store, dtype=getattr(torch, cfg.model.dtype),
                                anchor_every=gen.s3_sync.anchor_every, lineage_path=Path(output_dir) / WEIGHT_LINEAGE)
     root = sync_root(gen.sync_dir, output_dir)
     if cfg.train.peft is not None and cfg.train.peft.push == "adapter":
-        return AdapterPush(client, root, base_model=client.base_model)
-    return DiskWeightPush(client, root)
+        return AdapterTransport(client, root, base_model=client.base_model)
+    return DiskTransport(client, root)
