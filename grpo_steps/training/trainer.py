@@ -55,8 +55,9 @@ class PipelineGRPOTrainer(GRPOTrainer):
     (``hf``, colocate) or syncs it first (``nccl``)."""
 
     def __init__(self, *args, zero_signal: ZeroSignalMode | None = None, prompt_cursor: PromptCursor | None = None,
-                 turn_credit: float | None = None, **kwargs):
+                 turn_credit: float | None = None, curriculum=None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.curriculum = curriculum  # train.curriculum: grpo_steps.training.curriculum.Curriculum, or None
         self.zero_signal = zero_signal or ZeroSignalMode()
         self.prompt_cursor = prompt_cursor
         self.turn_credit = turn_credit
@@ -67,9 +68,12 @@ class PipelineGRPOTrainer(GRPOTrainer):
 
     def _get_train_sampler(self, dataset=None):
         base = super()._get_train_sampler(dataset)
-        if self.prompt_cursor is None or (dataset is not None and dataset is not self.train_dataset):
+        if dataset is not None and dataset is not self.train_dataset:
             return base
-        return CursorSampler(base, self.prompt_cursor, partial(self._resume_skip_positions, len(base)))
+        skip = partial(self._resume_skip_positions, len(base))
+        if self.curriculum is not None:  # train.curriculum draws the order
+            return self.curriculum.sampler(self, base, skip)
+        return base if self.prompt_cursor is None else CursorSampler(base, self.prompt_cursor, skip)
 
     def _resume_skip_positions(self, positions_per_epoch: int) -> int:
         """Sampler indices transformers' ``Trainer`` skips on resume (``_init_training_state``: the optimizer steps of
@@ -109,6 +113,8 @@ class PipelineGRPOTrainer(GRPOTrainer):
         ``train.turn_credit``, a training round's advantages per token (:func:`.turn_credit.fold`)."""
         self._turn_rewards = None
         output = trl_hooks.generate_and_score(PipelineGRPOTrainer, self, inputs)
+        if self.curriculum is not None and self.model.training:
+            self.curriculum.observe(self, inputs)
         if self.turn_credit and self.model.training and self._turn_rewards is not None and "tool_mask" in output:
             output["advantages"] = turn_credit.fold(output["advantages"], output["tool_mask"],
                                                     output["completion_mask"], self._turn_rewards,
