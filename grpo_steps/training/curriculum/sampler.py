@@ -142,11 +142,12 @@ def build(cfg, args, rows: list[dict], resume_from: str | None) -> Curriculum | 
     priors = None
     if config.prior_column is not None:
         values = [row.get(config.prior_column) for row in rows]
-        bad = [v for v in values if v is not None and not isinstance(v, int | float)]
-        if bad or (config.prior == "pass_rate" and any(v is not None and not 0 <= v <= 1 for v in values)):
-            raise ValueError(f"train.curriculum.prior_column {config.prior_column!r}: values must be numbers"
-                             f"{' in 0..1 (prior: pass_rate)' if config.prior == 'pass_rate' else ''}, e.g. not "
-                             f"{(bad or values)[0]!r}; fix the column or set prior: level")
+        bad = [v for v in values if v is not None and (not isinstance(v, int | float) or (
+            config.prior == "pass_rate" and not 0 <= v <= 1))]
+        if bad:
+            within = " in 0..1 (prior: pass_rate)" if config.prior == "pass_rate" else ""
+            raise ValueError(f"train.curriculum.prior_column {config.prior_column!r}: values must be numbers{within}, "
+                             f"not {bad[0]!r} ({len(bad)} rows): fix the column, or set prior: level for levels")
         priors = level_priors(values) if config.prior == "level" else values
     rates = PassRates([prompt_id(row["prompt"]) for row in rows], config, args.seed, lag_for(depth), priors)
     return Curriculum(rates.load(resume_from), config)

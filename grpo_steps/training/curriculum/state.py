@@ -143,7 +143,7 @@ class PassRates:
             raise RuntimeError(f"curriculum: generation batch {batch} was read while batch {current} trains, more "
                                f"than the lag of {self.lag} batches ahead: its pass rates do not exist yet (a "
                                "dataloader reads further ahead than grpo_steps.training.curriculum.state.lag_for says)")
-        if through < self.applied_through:
+        if max(through, -1) < self.applied_through:
             raise RuntimeError(f"curriculum: generation batch {batch} is drawn after batch "
                                f"{self.applied_through + 1 + self.lag}, whose pass rates are newer")
         self._apply_through(through)
@@ -216,7 +216,8 @@ class PassRates:
         if path is None or not path.exists():
             return self
         saved = json.loads(path.read_text())
-        unknown = set(saved["rates"]) - set(self.ids)
+        named = set(saved["rates"]) | {prompt for groups in saved["pending"].values() for prompt, _, _ in groups}
+        unknown = named - set(self.ids)
         if unknown:
             raise ValueError(f"{path}: {len(unknown)} prompts of the curriculum are not in this run's training set: "
                              "the checkpoint trained other data (data.* must be the checkpoint's)")
