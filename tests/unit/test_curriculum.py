@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from grpo_steps.config import CurriculumConfig, ConfigError, REPO_ROOT, load_config, validate_config
+from grpo_steps.config import REPO_ROOT, ConfigError, CurriculumConfig, load_config, validate_config
 from grpo_steps.training.curriculum.state import STATE_FILE, PassRates, lag_for, pool_shares
 
 WEIGHTS = {"unseen": 1.0, "hard": 0.1, "learnable": 1.0, "easy": 0.1}
