@@ -22,15 +22,17 @@ def right_answers(index: int) -> int:
     return index % 5
 
 
-def _job(workdir, model_path, rows, recorded: str, max_steps: int, resume_from=None) -> TrainJob:
+def _job(workdir, model_path, rows, recorded: str, max_steps: int, resume_from=None, tracking_uri=None,
+         mlflow_run_id=None) -> TrainJob:
     base = load_config(REPO_ROOT / "configs" / "test.yaml").model_dump()
+    base["tracking"]["tracking_uri"] = tracking_uri or base["tracking"]["tracking_uri"]
     base["generation"].update(backend="recorded", recorded_file=recorded)
     base["train"].update(max_steps=max_steps, save_steps=KILL_AT, save_total_limit=5,
                          curriculum={"pass_reward": "answer_accuracy"})
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return TrainJob(config=validate_config(base), model_path=model_path, train_file=str(workdir / "train.jsonl"),
-                    output_dir=str(workdir / "out"), resume_from=resume_from)
+                    output_dir=str(workdir / "out"), resume_from=resume_from, mlflow_run_id=mlflow_run_id)
 
 
 def _prompts(workdir) -> dict[int, list[str]]:
@@ -47,8 +49,18 @@ def test_a_curriculum_resumed_from_a_checkpoint_trains_the_uninterrupted_runs_pr
         f"Answer: {r['answer']}" if k < right_answers(i) else "Answer: 1000" for k in range(4)]}) + "\n"
         for i, r in enumerate(rows)))
 
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(client.create_experiment("curriculum", str(tmp_path / "artifacts"))).info.run_id
     whole = tmp_path / "whole"
-    run(_job(whole, tiny_model_path, rows, str(recorded), STEPS))
+    run(_job(whole, tiny_model_path, rows, str(recorded), STEPS, tracking_uri=uri, mlflow_run_id=run_id))
+    # seen in MLflow: every step's curriculum metrics, and the picture as a run artifact
+    for name in ("pool/unseen", "pool/learnable", "drawn/unseen", "drawn_pass_rate", "zero_signal_share"):
+        assert sorted(m.step for m in client.get_metric_history(run_id, f"curriculum/{name}")) == list(
+            range(1, STEPS + 1)), name
+    assert [a.path for a in client.list_artifacts(run_id, "curriculum")] == ["curriculum/pass_rate.png"]
     checkpoint = whole / "out" / f"checkpoint-{KILL_AT}"
     state = json.loads((checkpoint / "curriculum.json").read_text())
     assert state["next_batch"] == KILL_AT  # one generation batch per optimizer step

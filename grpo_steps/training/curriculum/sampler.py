@@ -62,22 +62,25 @@ class Curriculum:
         """The train sampler of ``trainer`` in place of TRL's ``base``."""
         return CurriculumSampler(base, self.rates, lambda: self.current(trainer), skip_positions)
 
-    def passes(self, trainer, rows: int) -> list[bool]:
-        """Whether each of the latest training round's ``rows`` completions (every process's) passed."""
-        logged = trl_hooks.logged_batch(trainer)["rewards"]
-        names = list(trainer.reward_func_names)
-        if self.config.pass_reward is not None:
-            if self.config.pass_reward not in names:
-                raise ValueError(f"train.curriculum.pass_reward {self.config.pass_reward!r} is not among the "
-                                 f"trainer's rewards {names}")
-            values = list(logged[self.config.pass_reward])[-rows:]
-        else:
-            weights = trainer.reward_weights.tolist()
-            columns = [list(logged[name])[-rows:] for name in names]
-            values = [math.nan if all(math.isnan(c[i]) for c in columns) else
-                      sum(w * c[i] for w, c in zip(weights, columns, strict=True) if not math.isnan(c[i]))
-                      for i in range(rows)]
-        return [not math.isnan(v) and v > self.config.pass_threshold for v in values]
+    def round_rewards(self, trainer, rows: int) -> tuple[list[float], list[float]]:
+        """The latest training round's ``rows`` completions (every process's, TRL's log of the round): the weighted
+        sum of the rewards of each (GRPO's reward; NaN where no reward scored it) and the value the pass rule reads
+        (``pass_reward``'s, or that sum).
+
+        Raises:
+            ValueError: ``pass_reward`` is not among the trainer's reward functions."""
+        logged, names = trl_hooks.logged_batch(trainer)["rewards"], list(trainer.reward_func_names)
+        columns = [list(logged[name])[-rows:] for name in names]
+        weights = trainer.reward_weights.tolist()
+        totals = [math.nan if all(math.isnan(v) for v in row) else
+                  sum(w * v for w, v in zip(weights, row, strict=True) if not math.isnan(v))
+                  for row in zip(*columns, strict=True)]
+        if self.config.pass_reward is None:
+            return totals, totals
+        if self.config.pass_reward not in names:
+            raise ValueError(f"train.curriculum.pass_reward {self.config.pass_reward!r} is not among the trainer's "
+                             f"rewards {names}")
+        return totals, columns[names.index(self.config.pass_reward)]
 
     def observe(self, trainer, inputs: list[dict]) -> None:
         """Record a training round of ``inputs`` (this process's rows; collective: every process calls) and log the
@@ -86,15 +89,13 @@ class Curriculum:
 
         ids = gather_object([prompt_id(x["prompt"]) for x in inputs])  # the global batch, in TRL's row order
         g, batch = trainer.num_generations, self.current(trainer)
-        passed = self.passes(trainer, len(ids))
+        totals, values = self.round_rewards(trainer, len(ids))
+        passed = [not math.isnan(v) and v > self.config.pass_threshold for v in values]
         groups = [(ids[start], sum(passed[start:start + g]), g) for start in range(0, len(ids), g)]
         drawn = self.rates.plan_pools.get(batch, [])
         self.rates.observe(batch, trainer.state.global_step + 1, groups)
-        logged = trl_hooks.logged_batch(trainer)["rewards"]
-        weights = trainer.reward_weights.tolist()
-        totals = [sum(w * v for w, v in zip(weights, row, strict=True) if not math.isnan(v))
-                  for row in zip(*[list(logged[n])[-len(ids):] for n in trainer.reward_func_names], strict=True)]
-        flat = sum(max(totals[s:s + g]) - min(totals[s:s + g]) < 1e-6 for s in range(0, len(totals), g))
+        scored = [0.0 if math.isnan(v) else v for v in totals]  # TRL zeroes an unscorable completion's advantage
+        flat = sum(max(scored[s:s + g]) - min(scored[s:s + g]) < 1e-6 for s in range(0, len(scored), g))
         metrics = {f"curriculum/pool/{pool}": len(rows) for pool, rows in self.rates.pools().items()}
         metrics |= {f"curriculum/drawn/{pool}": drawn.count(pool) / len(drawn) for pool in POOLS if drawn}
         metrics["curriculum/drawn_pass_rate"] = sum(p for _, p, _ in groups) / (g * len(groups))
