@@ -207,3 +207,17 @@ def test_the_picture_is_a_png(tmp_path):
 
     path = pass_rate_heatmap({1: [3, 0, 0, 0, 0, 1, 0, 0, 0, 0], 3: [0] * 9 + [2]}, tmp_path / "p.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resamples_extra_prompts_come_from_the_pools_by_their_weights():
+    from grpo_steps.training.curriculum.sampler import Curriculum
+    from grpo_steps.training.zero_signal.resample import extra_rows
+
+    state = rates(8, priors=[0.0, 0.0, 0.5, 0.5, 0.5, 1.0, 1.0, 1.0], hard_weight=0.0, easy_weight=0.0)
+    trainer = SimpleNamespace(args=SimpleNamespace(seed=3), state=SimpleNamespace(global_step=5),
+                              accelerator=SimpleNamespace(process_index=0), num_generations=2,
+                              train_dataset=[{"row": i} for i in range(8)], curriculum=Curriculum(state, state.config))
+    rows = extra_rows(trainer, 4, 1)
+    assert len(rows) == 8 and rows[0] == rows[1]  # 4 groups of 2, each prompt twice in a row
+    assert {r["row"] for r in rows} == {2, 3, 4}  # only the learnable pool weighs: its 3 prompts, the 4th repeated
+    assert rows == extra_rows(trainer, 4, 1)  # seeded by the seed, the step, the round and the process

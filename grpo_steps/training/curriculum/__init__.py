@@ -8,9 +8,9 @@ chunk ``num_iterations x steps_per_generation`` times); the trainer's override r
 :class:`.sampler.CurriculumSampler` instead (the same shape, each chunk drawn by :meth:`.state.PassRates.draw` when
 the dataloader reaches it), where the prompt cursor's :class:`grpo_steps.training.cursor.CursorSampler` goes without
 a curriculum. After every training generation round (the first one, and ``resample``'s extra rounds, whose prompts
-stay DAPO's uniform draw) the trainer calls :meth:`.sampler.Curriculum.observe`: the round's prompt ids and rewards,
-gathered from every process, become per-group passes. ``replay`` and ``skip`` change what trains, not what was
-sampled: the sampled groups are observed.
+are drawn by the pools' weights too: :meth:`.sampler.Curriculum.extra_rows`) the trainer calls
+:meth:`.sampler.Curriculum.observe`: the round's prompt ids and rewards, gathered from every process, become per-group
+passes. ``replay`` and ``skip`` change what trains, not what was sampled: the sampled groups are observed.
 
 A pass: the ``pass_reward``'s value (else the weighted sum of the rewards, as GRPO's advantage reads them) above
 ``pass_threshold``; a completion no reward scored fails. With ``environment:`` the game's rewards are the rewards.

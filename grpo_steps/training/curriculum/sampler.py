@@ -4,6 +4,7 @@ checkpoint and picture callback, and :func:`build` (see :mod:`grpo_steps.trainin
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
 
 import torch
@@ -61,6 +62,14 @@ class Curriculum:
     def sampler(self, trainer, base, skip_positions: Callable[[], int]) -> CurriculumSampler:
         """The train sampler of ``trainer`` in place of TRL's ``base``."""
         return CurriculumSampler(base, self.rates, lambda: self.current(trainer), skip_positions)
+
+    def extra_rows(self, size: int, seed: int) -> list[int]:
+        """At most ``size`` distinct rows (fewer when the pools with a weight hold fewer; the caller repeats them) for
+        ``resample``'s extra rounds, by the pools' weights (:meth:`.state.PassRates.pick` with a
+        generator seeded by ``seed``): the pass rates as applied when the round runs, which are the same in a
+        resumed run (the dataloaders draw the same batches in the same order before it)."""
+        weighted = sum(len(rows) for pool, rows in self.rates.pools().items() if self.rates.weights[pool])
+        return self.rates.pick(min(size, weighted), random.Random(f"extra:{seed}"), "a resample round")[0]
 
     def round_rewards(self, trainer, rows: int) -> tuple[list[float], list[float]]:
         """The latest training round's ``rows`` completions (every process's, TRL's log of the round): the weighted

@@ -127,9 +127,9 @@ class PassRates:
         return members
 
     def draw(self, batch: int, size: int, current: int) -> list[int]:
-        """The rows (``size`` distinct ones) of generation batch ``batch``, drawn once and kept: each from a pool drawn
-        by :func:`pool_shares` (recomputed as pools empty), then uniformly within it. ``current``: the generation
-        batch being trained now (its observations may be incomplete).
+        """The rows (``size`` distinct ones) of generation batch ``batch``, drawn once (:meth:`pick`, seeded by the
+        seed and ``batch``) and kept. ``current``: the generation batch being trained now (its observations may be
+        incomplete).
 
         Raises:
             RuntimeError: ``batch`` is read more than ``lag`` batches ahead of ``current`` (its pass rates do not
@@ -147,15 +147,26 @@ class PassRates:
             raise RuntimeError(f"curriculum: generation batch {batch} is drawn after batch "
                                f"{self.applied_through + 1 + self.lag}, whose pass rates are newer")
         self._apply_through(through)
+        rows, pools = self.pick(size, random.Random(f"{self.seed}:{batch}"), f"generation batch {batch}")
+        self.plan[batch], self.plan_pools[batch] = rows, pools
+        return rows
+
+    def pick(self, size: int, rng: random.Random, what: str) -> tuple[list[int], list[str]]:
+        """``size`` distinct rows and the pool of each, from the pass rates applied so far: each place takes a pool by
+        :func:`pool_shares` (recomputed as pools empty), then a row of it uniformly (``rng``'s draws; ``what`` names
+        the batch in the error).
+
+        Raises:
+            ValueError: fewer rows in pools with a weight than ``size``.
+        """
         members = self.pools()
-        rng = random.Random(f"{self.seed}:{batch}")
         rows, pools = [], []
         for _ in range(size):
             shares = pool_shares({pool: len(m) for pool, m in members.items()}, self.weights)
             if not any(shares.values()):
-                raise ValueError(f"curriculum: generation batch {batch} needs {size} prompts, but only {len(rows)} "
-                                 "are in pools with a weight above 0: raise train.curriculum's easy_weight or "
-                                 "hard_weight, or use more training prompts")
+                raise ValueError(f"curriculum: {what} needs {size} prompts, but only {len(rows)} are in pools with a "
+                                 "weight above 0: raise train.curriculum's easy_weight or hard_weight, or use more "
+                                 "training prompts")
             live = [pool for pool in POOLS if shares[pool]]
             pick, cumulative, pool = rng.random(), 0.0, live[-1]  # the last live pool takes rounding leftovers
             for candidate in live:
@@ -165,8 +176,7 @@ class PassRates:
                     break
             rows.append(members[pool].pop(rng.randrange(len(members[pool]))))
             pools.append(pool)
-        self.plan[batch], self.plan_pools[batch] = rows, pools
-        return rows
+        return rows, pools
 
     def _apply_through(self, batch: int) -> None:
         for index in sorted(k for k in self.pending if k <= batch):
