@@ -90,10 +90,13 @@ def passes(prompt: str) -> int:
     return int(prompt[1:]) % 5
 
 
-def train(states: list[PassRates], base: Base, batches: range, skip: int = 0) -> dict[int, list[int]]:
+def train(states: list[PassRates], base: Base, batches: range, skip: int = 0,
+          depth: int = 0) -> dict[int, list[int]]:
     """Train ``batches`` as the trainer reads them, on one sampler per process (``states``: each process's
     curriculum): each batch's positions and one more (accelerate reads one batch ahead), then the batch's groups,
-    gathered, observed on every process. Returns batch -> rows, asserting that every process drew the same."""
+    gathered, observed on every process. With ``depth``, a second sampler on each process's curriculum reads ``depth``
+    batches further ahead (and one position more) before each batch is generated, as ``generation.async``'s prompt
+    stream does. Returns batch -> rows, asserting that every process drew the same."""
     from grpo_steps.training.curriculum.sampler import CurriculumSampler
 
     current = {"batch": batches.start}
@@ -104,13 +107,19 @@ def train(states: list[PassRates], base: Base, batches: range, skip: int = 0) ->
             yield from sampler
 
     streams = [positions(sampler) for sampler in samplers]
+    per_batch = base.batch_size * base.mini_repeat_count * base.repeat_count
+    prompt_streams = [positions(CurriculumSampler(base, s, lambda: current["batch"], lambda: skip))
+                      for s in states] if depth else []
+    read_ahead = [[next(stream) for _ in range(skip)] for stream in prompt_streams]
     for stream in streams:
         assert [next(stream) for _ in range(skip)] == [0] * skip  # placeholders the trainer skips
-    per_batch = base.batch_size * base.mini_repeat_count * base.repeat_count
     ahead = [[next(stream)] for stream in streams]
     trained = {}
     for batch in batches:
         current["batch"] = batch
+        wanted = skip + (batch + depth + 1 - batches.start) * per_batch + 1  # through batch + depth, one more
+        for buffer, stream in zip(read_ahead, prompt_streams, strict=True):
+            buffer.extend(next(stream) for _ in range(wanted - len(buffer)))
         for buffer, stream in zip(ahead, streams, strict=True):
             buffer.extend(next(stream) for _ in range(per_batch))  # the batch's positions, then the next one
         read = [buffer[:per_batch] for buffer in ahead]
@@ -221,3 +230,12 @@ def test_resamples_extra_prompts_come_from_the_pools_by_their_weights():
     assert len(rows) == 8 and rows[0] == rows[1]  # 4 groups of 2, each prompt twice in a row
     assert {r["row"] for r in rows} == {2, 3, 4}  # only the learnable pool weighs: its 3 prompts, the 4th repeated
     assert rows == extra_rows(trainer, 4, 1)  # seeded by the seed, the step, the round and the process
+
+
+def test_a_prompt_stream_reading_ahead_draws_the_same_batches_within_its_lag():
+    # generation.async's stream reads 2 batches ahead of the trainer: lag 3 (lag_for(2)) holds its reads, and the
+    # batches are those of a run drawing with the same lag and no stream; lag 1 refuses the stream's read
+    with_stream = train([rates(lag=lag_for(2))], Base(12, 3, 4, 1), range(10), depth=2)
+    assert with_stream == train([rates(lag=lag_for(2))], Base(12, 3, 4, 1), range(10))
+    with pytest.raises(RuntimeError, match="more than the lag of 1 batches ahead"):
+        train([rates(lag=1)], Base(12, 3, 4, 1), range(10), depth=2)
