@@ -57,7 +57,7 @@ class PipelineGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, zero_signal: ZeroSignalMode | None = None, prompt_cursor: PromptCursor | None = None,
                  turn_credit: float | None = None, curriculum=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.curriculum = curriculum  # train.curriculum: grpo_steps.training.curriculum.Curriculum, or None
+        self.curriculum = curriculum  # train.curriculum: grpo_steps.training.curriculum.sampler.Curriculum
         self.zero_signal = zero_signal or ZeroSignalMode()
         self.prompt_cursor = prompt_cursor
         self.turn_credit = turn_credit
