@@ -239,3 +239,16 @@ def test_a_prompt_stream_reading_ahead_draws_the_same_batches_within_its_lag():
     assert with_stream == train([rates(lag=lag_for(2))], Base(12, 3, 4, 1), range(10))
     with pytest.raises(RuntimeError, match="more than the lag of 1 batches ahead"):
         train([rates(lag=1)], Base(12, 3, 4, 1), range(10), depth=2)
+
+
+def test_the_runs_description_names_the_picture_with_a_curriculum():
+    from grpo_steps.evaluation.report import run_description
+
+    base = load_config(REPO_ROOT / "configs" / "test.yaml").model_dump()
+    report = {"baseline": {"metrics": {"pass@1": 0.1}}, "gain": {"pass@1": 0.1, "pass@1_ci95": 0.05},
+              "trained": {"metrics": {"pass@1": 0.2}, "per_prompt": {"pass@1": [0.2, 0.2]}}}
+    version = {"gate_passed": True, "gate_reason": "gain above 0", "name": "m", "version": 1, "aliases": []}
+    texts = [run_description(validate_config({**base, "train": {**base["train"], "curriculum": curriculum}}), report,
+                             version, run_pathspec="GRPOFlow/1", version_url="#/models/m/versions/1")
+             for curriculum in (None, {})]
+    assert "curriculum/pass_rate.png" not in texts[0] and "run artifact `curriculum/pass_rate.png`" in texts[1]
