@@ -20,6 +20,7 @@ def pass_rate_heatmap(history: dict[int, list[int]], path: str | os.PathLike) ->
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     import numpy as np
 
     steps = sorted(history)
@@ -27,12 +28,13 @@ def pass_rate_heatmap(history: dict[int, list[int]], path: str | os.PathLike) ->
     for step in steps:
         counts = np.asarray(history[step], dtype=float)
         grid[:, step - steps[0]] = counts / max(counts.sum(), 1.0)  # share of the step's groups per bin
-    figure, axes = plt.subplots(figsize=(max(4.0, 0.25 * grid.shape[1] + 2), 3.5))
+    figure, axes = plt.subplots(figsize=(max(6.0, 0.25 * grid.shape[1] + 2), 3.5))
     image = axes.imshow(grid, origin="lower", aspect="auto", cmap="viridis", vmin=0, vmax=1,
                         extent=(steps[0] - 0.5, steps[-1] + 0.5, 0, 1))
     axes.set_xlabel("optimizer step")
     axes.set_ylabel("group pass rate")
-    axes.set_title("Pass rates of the trained groups (train.curriculum)")
+    axes.set_title("Pass rates of the trained groups")
+    axes.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # steps are whole numbers
     figure.colorbar(image, ax=axes, label="share of the step's groups")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
