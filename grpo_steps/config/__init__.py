@@ -16,6 +16,7 @@ from grpo_steps.config.base import (  # noqa: F401
     REPO_ROOT,
     ConfigError,
 )
+from grpo_steps.config.curriculum import POOLS, CurriculumConfig  # noqa: F401
 from grpo_steps.config.data import (  # noqa: F401
     DEFAULT_SYSTEM_PROMPT,
     NATIVE_COLUMNS,

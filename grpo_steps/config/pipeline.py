@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from grpo_steps.config.base import COLOCATE_NEEDS_GPU, DEFAULT_CONFIG, ConfigError, _Section
 from grpo_steps.config.credentials import credentials_error, find_credentials
+from grpo_steps.config.curriculum import curriculum_refusal
 from grpo_steps.config.data import DataConfig, kept_columns
 from grpo_steps.config.generation import GenerationConfig, prefetch_depth
 from grpo_steps.config.sections import (
@@ -185,6 +186,13 @@ class PipelineConfig(_Section):
             fix = f"use weight_sync 'nccl', or {fix}"
         raise ValueError(f"generation.provider 'kubernetes' with backend 'vllm' and weight_sync 'disk': {where}, "
                          f"which the server pods cannot read: {fix}")
+
+    @model_validator(mode="after")
+    def _curriculum_can_run(self) -> PipelineConfig:
+        refusal = curriculum_refusal(self)
+        if refusal:
+            raise ValueError(refusal)
+        return self
 
     @model_validator(mode="after")
     def _kubernetes_needs_the_flow_on_the_cluster(self) -> PipelineConfig:

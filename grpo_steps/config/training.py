@@ -8,6 +8,7 @@ from typing import Any, Literal, get_args
 from pydantic import Field, field_validator, model_validator
 
 from grpo_steps.config.base import _Section, distinct_cores
+from grpo_steps.config.curriculum import CurriculumConfig
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 
@@ -297,6 +298,9 @@ class TrainConfig(_Section):
     weight anyway); null: no limit but ``replay_buffer_size``."""
     seed: int = 42
     """Seed of the trainer (initialisation, data order, sampling inside the trainer)."""
+    curriculum: CurriculumConfig | None = None
+    """Draw the training prompts by their running pass rates (:class:`grpo_steps.config.curriculum.CurriculumConfig`;
+    metrics ``curriculum/*``); null: TRL's order (each prompt once per epoch, shuffled by ``seed``)."""
     grpo: dict[str, Any] = Field(default_factory=dict)
     """Any other ``trl.GRPOConfig`` field, passed as is (checked against GRPOConfig at train time). The
     fields the config sets (:data:`GRPO_ARGS_SET_BY`) are rejected: set their config key instead."""

@@ -152,6 +152,9 @@ def run_description(cfg: PipelineConfig, report: dict, model_version: dict, *, r
         f"**Metaflow**: run `{run_pathspec}`; evaluation card: "
         f"`python flows/grpo_flow.py card get {run_pathspec.split('/')[-1]}/evaluate --id eval card.html`.",
     ]
+    if cfg.train.curriculum is not None:  # logged by the training process (grpo_steps.training.curriculum.picture)
+        lines += ["", "**Curriculum**: pass rates of the trained groups per step: run artifact "
+                      "`curriculum/pass_rate.png`."]
     return redact("\n".join(lines))
 
 

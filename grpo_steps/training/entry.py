@@ -97,6 +97,8 @@ def build_trainer(job: TrainJob, args, model, tokenizer, started: float):
 
     from grpo_steps.tools.environments import environment_factories, trl_environment_factory
     from grpo_steps.tools.functions import tool_functions
+    from grpo_steps.training.curriculum.sampler import CurriculumCallback
+    from grpo_steps.training.curriculum.sampler import build as build_curriculum
     from grpo_steps.training.gang import GangManifestCallback, RepairUniversalLoad
     from grpo_steps.training.zero_signal import mode_for
 
@@ -106,6 +108,9 @@ def build_trainer(job: TrainJob, args, model, tokenizer, started: float):
     first, of_trainer = callbacks(job, tokenizer, started)
     cursor = prompt_cursor(job, args, rows)
     first.insert(0, GangManifestCallback(cfg, cursor))  # writes into each checkpoint before the datastore upload
+    curriculum = build_curriculum(cfg, args, rows, job.resume_from)
+    if curriculum is not None:  # its state too, before the upload
+        first.insert(0, CurriculumCallback(curriculum.rates, job.mlflow_run_id, cfg.tracking.tracking_uri))
     if job.resume_universal:
         first.append(RepairUniversalLoad(job.resume_from))
     trainer = trainer_class(
@@ -125,6 +130,7 @@ def build_trainer(job: TrainJob, args, model, tokenizer, started: float):
         zero_signal=mode_for(cfg.train),
         turn_credit=cfg.train.turn_credit,
         prompt_cursor=cursor,
+        curriculum=curriculum,
         **backend_kwargs,
     )
     for make in of_trainer:  # callbacks that read the trainer itself

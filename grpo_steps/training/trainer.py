@@ -55,8 +55,9 @@ class PipelineGRPOTrainer(GRPOTrainer):
     (``hf``, colocate) or syncs it first (``nccl``)."""
 
     def __init__(self, *args, zero_signal: ZeroSignalMode | None = None, prompt_cursor: PromptCursor | None = None,
-                 turn_credit: float | None = None, **kwargs):
+                 turn_credit: float | None = None, curriculum=None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.curriculum = curriculum  # train.curriculum: grpo_steps.training.curriculum.sampler.Curriculum
         self.zero_signal = zero_signal or ZeroSignalMode()
         self.prompt_cursor = prompt_cursor
         self.turn_credit = turn_credit
@@ -67,10 +68,14 @@ class PipelineGRPOTrainer(GRPOTrainer):
 
     def _get_train_sampler(self, dataset=None):
         base = super()._get_train_sampler(dataset)
-        if self.prompt_cursor is None or (dataset is not None and dataset is not self.train_dataset):
+        if dataset is not None and dataset is not self.train_dataset:
             return base
-        return CursorSampler(base, self.prompt_cursor, lambda: resume_skip_positions(
-            len(base), self.args.generation_batch_size, self.args.gradient_accumulation_steps, self.state.global_step))
+        skip = partial(resume_skip_positions, len(base), self.args.generation_batch_size,  # read at each resume
+                       self.args.gradient_accumulation_steps)
+        if self.curriculum is not None:  # train.curriculum draws the order
+            return self.curriculum.sampler(self, base, lambda: skip(self.state.global_step))
+        return base if self.prompt_cursor is None else CursorSampler(base, self.prompt_cursor,
+                                                                     lambda: skip(self.state.global_step))
 
     def _generate_and_score_completions(self, inputs):
         if self.prompt_cursor is not None and self.model.training:  # collective: every process's prompts gathered
@@ -92,6 +97,8 @@ class PipelineGRPOTrainer(GRPOTrainer):
         ``train.turn_credit``, a training round's advantages per token (:func:`.turn_credit.fold`)."""
         self._turn_rewards = None
         output = trl_hooks.generate_and_score(PipelineGRPOTrainer, self, inputs)
+        if self.curriculum is not None and self.model.training:
+            self.curriculum.observe(self, inputs)
         if self.turn_credit and self.model.training and self._turn_rewards is not None and "tool_mask" in output:
             output["advantages"] = turn_credit.fold(output["advantages"], output["tool_mask"],
                                                     output["completion_mask"], self._turn_rewards,

@@ -51,10 +51,15 @@ class Resample(ZeroSignalMode):
 
 def extra_rows(trainer, groups: int, round_index: int) -> list[dict]:
     """``groups`` other prompts of the training set, each repeated ``num_generations`` times (TRL's order), drawn by
-    a generator seeded with the seed, the optimizer step, the round and the process: a resumed run draws the same."""
+    a generator seeded with the seed, the optimizer step, the round and the process: a resumed run draws the same.
+    Uniformly; with ``train.curriculum``, by its pools' weights (:meth:`grpo_steps.training.curriculum.sampler.
+    Curriculum.extra_rows`)."""
     seed = ((trainer.args.seed * 1_000_003 + trainer.state.global_step) * 101 + round_index) * 1009 \
         + trainer.accelerator.process_index
-    generator = torch.Generator().manual_seed(seed)
-    picks = torch.randperm(len(trainer.train_dataset), generator=generator)[:groups].tolist()
+    curriculum = getattr(trainer, "curriculum", None)  # train.curriculum: the extra prompts by the pools' weights too
+    picks = curriculum.extra_rows(groups, seed) if curriculum is not None else []
+    if not picks:
+        generator = torch.Generator().manual_seed(seed)
+        picks = torch.randperm(len(trainer.train_dataset), generator=generator)[:groups].tolist()
     picks += [picks[i % len(picks)] for i in range(groups - len(picks))]  # a training set smaller than a batch
     return [trainer.train_dataset[i] for i in picks for _ in range(trainer.num_generations)]
