@@ -408,5 +408,8 @@ def test_a_workers_port_held_by_another_user_gets_nothing_from_the_router(bridge
     finally:
         squatter.terminate()
         received = squatter.communicate(timeout=30)[0]
-    assert answer.status_code == 200 and answer.content == b"closed"  # the bridge closed the router's connection
+    # the bridge closed the router's connection: a FIN, or a reset when the router's request had reached the bridge's
+    # socket unread by then (which of the two depends on timing: make test-fast saw the reset under load)
+    assert answer.status_code == 200
+    assert answer.content == b"closed" or answer.content.startswith(b"ConnectionResetError"), answer.content
     assert received == ""  # not a byte reached the other user's listener
