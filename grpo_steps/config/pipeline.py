@@ -379,12 +379,6 @@ class PipelineConfig(_Section):
                              "name (a request keeps its adapter to the end): set train.peft.push: merged (full "
                              "weights, updated in flight), or in_flight: false / null (pushes wait for the request in "
                              "flight)")
-        if gen.async_ is not None and gen.async_.in_flight and gen.provider == "kubernetes" and gen.weight_sync != "s3":
-            # the server pods run the pipeline's weight-transfer engine (an image with grpo_steps) only with s3 sync
-            raise ValueError(f"generation.async.in_flight true needs the servers to load through the pipeline's "
-                             f"weight-transfer engine, which the Kubernetes server pods run only with weight_sync 's3' "
-                             f"(not {gen.weight_sync!r}): set weight_sync: s3, or in_flight: null (pushes then wait "
-                             "for the request in flight)")
         return self
 
     @model_validator(mode="after")
