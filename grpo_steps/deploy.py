@@ -70,7 +70,10 @@ class OnKubernetes(FlowMutator):
         """Metaflow's hook for the code package: each user module found in the config's ``module_dirs``, importable
         by its name wherever the package is unpacked: a single-file module as a module (``MODULE_CONTENT``), a
         package as its files under the code directory (``CODE_CONTENT``: Metaflow 2.19's ``add_module`` takes a
-        package's ``__file__`` for a single file and would ship its ``__init__.py`` alone, as ``name.py``)."""
+        package's ``__file__`` for a single file and would ship its ``__init__.py`` alone, as ``name.py``).
+
+        Raises:
+            ValueError: a link in a user package points outside it (names the link and its target)."""
         import importlib
 
         from metaflow.packaging_sys import ContentType
@@ -83,6 +86,12 @@ class OnKubernetes(FlowMutator):
             found = top_file(name)
             if found.is_dir():
                 for path in sorted(found.rglob("*")):
+                    if path.is_symlink() and not path.resolve().is_relative_to(found):
+                        # the package would carry the link's target (a key file, anything this user reads) into the
+                        # datastore and every pod: refused, not skipped, so the package never ships without it
+                        raise ValueError(f"{path} (in user package {name!r}) is a link to {path.resolve()}, outside "
+                                         f"the package {found}: Metaflow's code package would ship that file; "
+                                         "copy the file into the package or remove the link")
                     if path.is_file() and "__pycache__" not in path.parts:
                         yield str(path), str(path.relative_to(found.parent)), ContentType.CODE_CONTENT
             else:

@@ -3,9 +3,9 @@
 A config names its own code as ``module:function`` (or ``package.module.function``). The module is looked up in a
 documented order: the config file's directory, then the working directory the run was started from, then the
 installed packages (``grpo_steps.config``'s ``module_dirs``, filled in when the config file is read). The standard
-library stays first, so a ``json.py`` beside a config cannot shadow it.
+library and the installed packages stay first, so a ``json.py`` or ``datasets.py`` beside a config cannot shadow them.
 
-:func:`add_module_dirs` puts those directories on ``sys.path`` of this process, just before the installed packages;
+:func:`add_module_dirs` puts those directories on ``sys.path`` of this process, after the installed packages;
 every process that validates the config does so (the flow's steps, the training job, the evaluation), and a tool's
 worker process is started with the same directories (:func:`grpo_steps.tools.worker.worker_command`).
 """
@@ -13,7 +13,6 @@ worker process is started with the same directories (:func:`grpo_steps.tools.wor
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -23,29 +22,18 @@ _ADDED: list[str] = []
 """The directories :func:`add_module_dirs` put on ``sys.path`` here, in order."""
 
 
-def _installed_index() -> int:
-    """The index in ``sys.path`` of the first installed-packages directory (site-packages), or its length."""
-    installed = {os.path.realpath(sysconfig.get_path(key)) for key in ("purelib", "platlib")}
-    for i, entry in enumerate(sys.path):
-        if entry and (os.path.realpath(entry) in installed or entry.rstrip("/").endswith(("site-packages",
-                                                                                          "dist-packages"))):
-            return i
-    return len(sys.path)
-
-
 def add_module_dirs(dirs: list[str]) -> None:
-    """Put ``dirs`` (absolute paths) on ``sys.path``, in their order, before the installed packages and after the
-    standard library; a directory already added stays where it is. Directories that do not exist here (a config
-    read on another machine: a cluster step imports from Metaflow's code package instead) are harmless."""
+    """Put ``dirs`` (absolute paths) on ``sys.path``, in their order, after everything already there (the standard
+    library and the installed packages): a user module found by name resolves as before, but a file beside the config
+    or in the working directory named like an installed package (``datasets.py``, ``requests.py``) no longer replaces
+    that package in every main process. A directory already on ``sys.path`` stays where it is (the flow script's own,
+    put first by Python). Directories that do not exist here (a config read on another machine: a cluster step imports
+    from Metaflow's code package instead) are harmless."""
     for directory in dirs:
         if directory in _ADDED:
             continue
-        index = _installed_index()
-        if directory in sys.path:
-            sys.path.remove(directory)
-            index = _installed_index()
-        # after the directories added before: the config's directory first, then the working directory
-        sys.path.insert(index, directory)
+        if directory not in sys.path:
+            sys.path.append(directory)  # after the directories added before: the config's first, then the working one
         _ADDED.append(directory)
     importlib.invalidate_caches()
 
@@ -61,7 +49,7 @@ def import_attr(path: str) -> object:
     Raises:
         ValueError: ``path`` has no module part.
         ImportError, AttributeError: as ``importlib.import_module`` / ``getattr``; an ImportError names the
-            directories searched before the installed packages.
+            directories searched besides the installed packages.
     """
     module_name, sep, attr = path.replace(":", ".").rpartition(".")
     if not sep or not module_name:

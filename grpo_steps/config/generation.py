@@ -369,8 +369,8 @@ class GenerationConfig(_Section):
     def _replicas_take_disk_pushes(self) -> GenerationConfig:
         if self.server.replica_count > 1 and self.weight_sync == "nccl":
             raise ValueError(f"generation.server.replicas {self.server.replica_count} with weight_sync 'nccl': TRL's "
-                             "NCCL weight transfer reaches one server; use weight_sync 'disk' (every replica loads "
-                             "each push and is verified) or one replica")
+                             "NCCL weight transfer reaches one server; use weight_sync 's3' or, off Kubernetes, "
+                             "'disk' (every replica loads each push and is verified), or one replica")
         return self
 
     def router_policy(self, multi_turn: bool) -> str:

@@ -170,22 +170,21 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _kubernetes_pushes_reach_the_servers(self) -> PipelineConfig:
-        """On Kubernetes the trainer and the server pods share only the volume at ``/shared``: ``disk`` pushes (the
-        ones that reach several replicas) are written there, else they go over ``nccl`` (one replica)."""
+    def _kubernetes_loads_only_checked_weights(self) -> PipelineConfig:
+        """On Kubernetes every run's pods can write the shared volume, so no server loads an unchecked file from it.
+        ``disk`` would: its pushes (``generation.sync_dir``) and evaluation's staged copies under ``/shared`` were
+        read by the server pods through vLLM's own reload, with no digest. ``s3`` loads versions of the run's chain,
+        checked against the manifest digest in each token-authenticated request; ``nccl`` pushes over NCCL, and its
+        evaluation's weights (as backend ``hf``'s, which pushes nothing) are loaded through the pipeline's worker
+        extension (:func:`grpo_steps.servers.k8s_manifests.server_args`), which checks them against the tensors' digest
+        in the request."""
         gen = self.generation
-        if gen.provider != "kubernetes" or gen.backend != "vllm" or gen.weight_sync != "disk":
-            return self
-        if gen.sync_dir is not None and on_shared_volume(gen.sync_dir):
-            return self
-        where = (f"generation.sync_dir {gen.sync_dir!r} is not on the shared volume" if gen.sync_dir else
-                 "disk sync writes to the trainer's local scratch directory")
-        fix = (f"set generation.sync_dir to a directory under {SHARED_MOUNT} (e.g. {SHARED_MOUNT}/grpo-sync), where "
-               "resources.shared_volume_claim is mounted in the train and the server pods")
-        if gen.server.replica_count == 1:  # several replicas cannot take nccl (_replicas_take_disk_pushes)
-            fix = f"use weight_sync 'nccl', or {fix}"
-        raise ValueError(f"generation.provider 'kubernetes' with backend 'vllm' and weight_sync 'disk': {where}, "
-                         f"which the server pods cannot read: {fix}")
+        if gen.provider == "kubernetes" and gen.backend == "vllm" and gen.weight_sync == "disk":
+            raise ValueError("generation.provider 'kubernetes' with weight_sync 'disk': the server pods would load "
+                             "pushes and evaluation's weights from the shared volume, which every run's pods can "
+                             "write, by path and unchecked; use weight_sync: s3 (every version checked against its "
+                             "digest; docs/weight-sync.md, \"Weight versions through S3\")")
+        return self
 
     @model_validator(mode="after")
     def _curriculum_can_run(self) -> PipelineConfig:
@@ -388,12 +387,6 @@ class PipelineConfig(_Section):
                              "name (a request keeps its adapter to the end): set train.peft.push: merged (full "
                              "weights, updated in flight), or in_flight: false / null (pushes wait for the request in "
                              "flight)")
-        if gen.async_ is not None and gen.async_.in_flight and gen.provider == "kubernetes" and gen.weight_sync != "s3":
-            # the server pods run the pipeline's weight-transfer engine (an image with grpo_steps) only with s3 sync
-            raise ValueError(f"generation.async.in_flight true needs the servers to load through the pipeline's "
-                             f"weight-transfer engine, which the Kubernetes server pods run only with weight_sync 's3' "
-                             f"(not {gen.weight_sync!r}): set weight_sync: s3, or in_flight: null (pushes then wait "
-                             "for the request in flight)")
         return self
 
     @model_validator(mode="after")

@@ -222,9 +222,10 @@ class VLLMResources(_Section):
     memory_mib: int = Field(16384, ge=512)
     """Memory of the generation server pod, MiB."""
     image: str = "vllm/vllm-openai:v0.32.0"
-    """Image of the generation server pod (provider ``kubernetes``). With ``generation.weight_sync: s3`` it must have
-    ``grpo_steps`` installed beside vLLM (the server loads each version through the pipeline's weight-transfer engine,
-    ``grpo_steps.vllm_worker``, which needs ``zstandard`` and ``boto3`` too), built from the same commit as
+    """Image of the generation server pod (provider ``kubernetes``). It must have ``grpo_steps`` installed beside vLLM
+    (with ``generation.weight_sync: s3`` the server loads each version through the pipeline's weight-transfer engine,
+    ``grpo_steps.vllm_worker``, which needs ``zstandard`` and ``boto3`` too; with ``nccl`` its worker extension checks
+    evaluation's weights staged on the shared volume against their digest), built from the same commit as
     ``resources.train.image``: see docs/deploy.md, "Weight versions through S3"."""
     s3_secret_name: str | None = None
     """``generation.weight_sync: s3`` with provider ``kubernetes``: the name of an existing Secret in
@@ -266,10 +267,11 @@ class ResourcesConfig(_Section):
     service account needs the role in ``infra/k8s/rbac.yaml`` there)."""
     shared_volume_claim: str | None = None
     """A ReadWriteMany PersistentVolumeClaim mounted at ``/shared`` in every flow pod and in the
-    generation server pods: evaluation stages the baseline and trained weights there for the server's
-    ``reload_weights``, and ``disk`` weight pushes go there (``generation.sync_dir`` under ``/shared``). Needed by
-    provider ``kubernetes``, except with ``generation.weight_sync: s3`` (pushes and evaluation weights then go through
-    S3; the server pods start from ``model.name_or_path``, a Hugging Face id)."""
+    generation server pods: with ``generation.weight_sync: nccl`` evaluation stages the baseline and trained weights
+    there, each load checked against the tensors' digest in the update request (``disk`` sync is refused on
+    Kubernetes: every run's pods can write this volume). Needed by provider ``kubernetes``, except with
+    ``generation.weight_sync: s3`` (pushes and evaluation weights then go through S3; the server pods start from
+    ``model.name_or_path``, a Hugging Face id)."""
     train: TrainNodeResources = TrainNodeResources()
     """Per training node (the ``@parallel`` gang has ``train.num_nodes`` of them)."""
     vllm: VLLMResources = VLLMResources()

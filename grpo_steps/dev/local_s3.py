@@ -299,11 +299,14 @@ def main(argv: list[str] | None = None) -> None:
     env_file = directory / "env"
     env_file.unlink(missing_ok=True)  # a shell waiting for it (make s3 &) never reads the last start's keys
     # fresh credentials at every start: a key an earlier start wrote, or a reader of the repository, opens nothing
+    # and a reader's pair for the generation servers, which only read the weight chain (process_variables)
+    read_key, read_secret = f"grpo-read-{secrets.token_hex(8)}", secrets.token_urlsafe(32)
+    reader = {"GRPO_S3_READONLY_ACCESS_KEY_ID": read_key, "GRPO_S3_READONLY_SECRET_ACCESS_KEY": read_secret}
     server = start(directory, port=args.port, bucket=args.bucket, access_key=f"grpo-{secrets.token_hex(8)}",
-                   secret_key=secrets.token_urlsafe(32), private=True)
+                   secret_key=secrets.token_urlsafe(32), private=True, readers={read_key: read_secret})
     nonce = secrets.token_urlsafe(32)  # the server's proof to the flow (check_env): only it and .s3/env hold it
     server.client().put_object(Bucket=args.bucket, Key=NONCE_KEY, Body=nonce.encode())
-    env = {**server.env(), NONCE_ENV: nonce}
+    env = {**server.env(), **reader, NONCE_ENV: nonce}
     written = directory / f".env.{os.getpid()}"
     write_private(written, "".join(f"export {key}={value}\n" for key, value in env.items()))
     os.replace(written, env_file)  # whole or absent: a reader never sees half a file

@@ -24,7 +24,7 @@ import yaml
 from grpo_steps.config import INFRA_DIR, SHARED_MOUNT, PipelineConfig
 from grpo_steps.servers import auth
 from grpo_steps.servers.client import served_model_names
-from grpo_steps.weights.server_flags import LOGPROBS_MODE, TOKEN_GENERATE_ARGS, weight_transfer_args
+from grpo_steps.weights.server_flags import LOGPROBS_MODE, TOKEN_GENERATE_ARGS, WORKER_EXTENSION, weight_transfer_args
 
 TEMPLATE = INFRA_DIR / "k8s" / "vllm-server.yaml"
 ROUTER_TEMPLATE = INFRA_DIR / "k8s" / "vllm-router.yaml"
@@ -89,8 +89,9 @@ def server_args(cfg: PipelineConfig, model: str, replica: int | None = None) -> 
 
     Flags for ``nccl`` weight sync are the ones TRL's ``vllm-serve`` wrapper passes (trl/scripts/vllm_serve.py,
     TRL 1.16, for vLLM >= 0.30): ``--enable-scale-out --weight-transfer-config '{"backend":"nccl"}'
-    --logprobs-mode processed_logprobs --max-logprobs -1``, with ``VLLM_SERVER_DEV_MODE=1`` in the template. With
-    ``s3`` sync: the pipeline's weight-transfer engine
+    --logprobs-mode processed_logprobs --max-logprobs -1``, with ``VLLM_SERVER_DEV_MODE=1`` in the template. Without
+    ``s3`` sync: the pipeline's worker extension (``--worker-extension-cls``), which checks evaluation's weights
+    staged on the shared volume against their digest. With ``s3`` sync: the pipeline's weight-transfer engine
     (:func:`grpo_steps.weights.server_flags.weight_transfer_args`), which the image (``resources.vllm.image``) must
     have installed beside vLLM.
     """
@@ -104,6 +105,11 @@ def server_args(cfg: PipelineConfig, model: str, replica: int | None = None) -> 
         args += ["--weight-transfer-config", json.dumps({"backend": "nccl"}), "--max-logprobs", "-1"]
     if gen.pushes_through_s3:  # each push (and evaluation's weights) a version of the S3 chain
         args += weight_transfer_args()
+    else:
+        # evaluation's weights are staged on the shared volume, which every run's pods can write: the worker extension
+        # loads them (load_directory) only when they are the tensors the request's digest names. Not through S3 as
+        # with s3 sync: vLLM takes one weight-transfer backend, TRL's nccl here, so a chain version has no route in
+        args += ["--worker-extension-cls", WORKER_EXTENSION]
     if gen.server.enforce_eager:
         args.append("--enforce-eager")
     args += ["--middleware", auth.MIDDLEWARE]  # every route but GET /health needs the run's token

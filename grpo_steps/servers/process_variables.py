@@ -8,8 +8,9 @@ crash report or a plugin. So a child starts from the names below, each kept for 
 where it needs one:
 
 - S3 keys (``AWS_*``) only for a server of ``generation.weight_sync: s3``, which reads the weight chain with them
-  (``grpo_steps.vllm_worker``; the bucket, prefix and endpoint travel in each update request). They are the flow's
-  own keys on one machine; on Kubernetes the server pods get a read-only Secret of their own (docs/deploy.md).
+  (``grpo_steps.vllm_worker``; the bucket, prefix and endpoint travel in each update request). On one machine the
+  read-only pair of :data:`READ_ONLY_KEYS` where it is set (``make s3`` sets it), else the flow's own keys; on
+  Kubernetes the server pods get a read-only Secret of their own (docs/deploy.md).
 - The Hub token (``HF_TOKEN``, ``HUGGING_FACE_HUB_TOKEN``, the file ``HF_TOKEN_PATH``) only for a server that
   downloads its model (a hub id, not a local directory).
 - A proxy (``HTTP(S)_PROXY``, ``NO_PROXY``; its URL may carry a password) only with one of those two.
@@ -75,6 +76,11 @@ kept: vLLM reads nothing else under it, and some of its knobs look like secrets 
 S3_PREFIX = "AWS_"
 """boto3's settings and keys (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION, AWS_PROFILE,
 AWS_SHARED_CREDENTIALS_FILE, AWS_CA_BUNDLE, AWS_ENDPOINT_URL_S3): only for a server that reads the weight chain."""
+READ_ONLY_KEYS = {"GRPO_S3_READONLY_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
+                  "GRPO_S3_READONLY_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"}
+"""A key pair that may only read and list the weight chain (``make s3`` writes one to ``.s3/env``; any other S3's
+read-only user may be exported under these names): when both are set, a server of ``weight_sync: s3`` gets them as its
+``AWS_*`` keys instead of the flow's, which write the datastore and the chain."""
 HUB_TOKENS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH")
 """The Hub's token, or the file that holds it: only for a server that downloads its model."""
 PROXIES = ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy")
@@ -93,7 +99,8 @@ def allowed_variables(environ: Mapping[str, str] | None = None, *, s3: bool = Fa
     Returns:
         The :data:`KEPT_NAMES`, every ``VLLM_*`` name (:data:`VLLM_PREFIX`) and the names under :data:`KEPT_PREFIXES`
         that do not name a secret (:func:`grpo_steps.redaction.secret_name`), but :data:`HUB_TOKENS` only with
-        ``hub``, ``AWS_*`` only with ``s3`` and :data:`PROXIES` only with either.
+        ``hub``, ``AWS_*`` only with ``s3`` (the :data:`READ_ONLY_KEYS` as its keys where both are set) and
+        :data:`PROXIES` only with either.
 
     >>> env = {"PATH": "/bin", "MLFLOW_TRACKING_PASSWORD": "p", "HF_TOKEN": "h", "HF_HOME": "/hf",
     ...        "AWS_SECRET_ACCESS_KEY": "k", "VLLM_API_KEY": "v", "GRPO_SERVER_TOKEN": "t", "HTTPS_PROXY": "http://u:p@proxy:3128"}
@@ -101,6 +108,9 @@ def allowed_variables(environ: Mapping[str, str] | None = None, *, s3: bool = Fa
     ['HF_HOME', 'PATH', 'VLLM_API_KEY']
     >>> sorted(allowed_variables(env, s3=True))
     ['AWS_SECRET_ACCESS_KEY', 'HF_HOME', 'HTTPS_PROXY', 'PATH', 'VLLM_API_KEY']
+    >>> reader = {"GRPO_S3_READONLY_ACCESS_KEY_ID": "r", "GRPO_S3_READONLY_SECRET_ACCESS_KEY": "rs"}
+    >>> {k: v for k, v in allowed_variables({**env, **reader}, s3=True).items() if "SECRET" in k}
+    {'AWS_SECRET_ACCESS_KEY': 'rs'}
     >>> sorted(allowed_variables(env, hub=True))
     ['HF_HOME', 'HF_TOKEN', 'HTTPS_PROXY', 'PATH', 'VLLM_API_KEY']
     """
@@ -120,4 +130,7 @@ def allowed_variables(environ: Mapping[str, str] | None = None, *, s3: bool = Fa
                 name.startswith(tuple(KEPT_PREFIXES)) and not secret_name(name))
         if keep:
             out[name] = value
+    if s3 and all(environ.get(name) for name in READ_ONLY_KEYS):
+        out.pop("AWS_SESSION_TOKEN", None)  # the flow's session, not the reader's
+        out.update({aws: environ[name] for name, aws in READ_ONLY_KEYS.items()})
     return out

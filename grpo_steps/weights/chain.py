@@ -93,6 +93,7 @@ __all__ = ["ChainCorruptError", "ChainError", "ChainRefusedError", "ChainStoreEr
            "run_store", "tensor_checksum"]  # the errors live in grpo_steps.weights.manifest; readers catch them here
 
 _MANIFEST = re.compile(r"manifests/(\d{10})\.json$")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def make_client(endpoint_url: str | None = None, *, max_attempts: int = 4, connect_timeout_s: float = 5.0,
@@ -346,18 +347,26 @@ class WeightChain:
 
     def _manifest(self, version: int, sha256: str | None) -> tuple[dict, str, bytes]:
         """(the checked manifest of ``version``, the SHA-256 of its bytes, its bytes)."""
+        body, digest = self._manifest_bytes(version)
+        if sha256 is not None and digest != sha256:
+            raise refuse(version, f"its manifest s3://{self.bucket}/{self.store.manifest_key(version)} is not the one "
+                                   f"the trainer published (SHA-256 {digest[:16]}..., the trainer's {sha256[:16]}...)")
+        return self._parse(version, body), digest, body
+
+    def _manifest_bytes(self, version: int) -> tuple[bytes, str]:
+        """(the raw bytes of ``version``'s manifest, their SHA-256), nothing parsed yet."""
         key = self.store.manifest_key(version)
         missing = VersionNotFoundError(f"weight version {version} does not exist (no s3://{self.bucket}/{key})")
         body = self.store.call("get_object", key, missing=missing)  # at most MAX_MANIFEST_BYTES
-        digest = hashlib.sha256(body).hexdigest()
-        if sha256 is not None and digest != sha256:
-            raise refuse(version, f"its manifest s3://{self.bucket}/{key} is not the one the trainer published "
-                                   f"(SHA-256 {digest[:16]}..., the trainer's {sha256[:16]}...)")
+        return body, hashlib.sha256(body).hexdigest()
+
+    def _parse(self, version: int, body: bytes) -> dict:
+        """``body`` as a manifest of ``version``, checked against its bounds (:func:`check_manifest`)."""
         try:
             manifest = json.loads(body)
         except ValueError as err:
             raise refuse(version, f"its manifest is not JSON: {err}") from None
-        return check_manifest(manifest, version, self.prefix), digest, body
+        return check_manifest(manifest, version, self.prefix)
 
     def lineage(self, version: int, have: LocalCopy | None = None, sha256: str | None = None) -> list[dict]:
         """The manifests to apply, oldest first, to reach ``version``: from its anchor, or from the version after
@@ -385,15 +394,17 @@ class WeightChain:
                 same_layout(child, {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape))
                                      for n, t in have.tensors.items()}, "the local copy")
                 break
-            manifest, digest, _ = self._manifest(base["version"], None)
-            if manifest["id"] != base["id"]:  # published again after this delta was written: not its base
-                raise VersionNotFoundError(f"weight version {child['version']} builds on version "
-                                           f"{base['version']} id {base['id']}, which was replaced by id "
-                                           f"{manifest['id']}")
+            body_of_base, digest = self._manifest_bytes(base["version"])
+            # the raw bytes' digest first: a base that is not the one its child names is never parsed
             if digest != base["sha256"]:
                 raise refuse(child["version"], f"its base, version {base['version']}, is not the manifest it was "
                                                 f"built on (SHA-256 {digest[:16]}..., it names "
-                                                f"{base['sha256'][:16]}...): a rewritten lineage")
+                                                f"{base['sha256'][:16]}...): a rewritten lineage, or the base "
+                                                f"published again after this delta was written")
+            manifest = self._parse(base["version"], body_of_base)
+            if manifest["id"] != base["id"]:  # the bytes its child names, under another id: a writer's inconsistency
+                raise refuse(child["version"], f"its base, version {base['version']}, has id {manifest['id']}, "
+                                                f"it names id {base['id']}")
             if (manifest["depth"] + 1 != child["depth"] or manifest["anchor"] != child["anchor"]
                     or manifest["anchor_every"] != child["anchor_every"]):
                 raise refuse(child["version"], f"its base, version {base['version']}, has depth "
@@ -424,7 +435,12 @@ class WeightChain:
             ChainCorruptError: a tensor failed its checksum twice (names the tensor and the key), or an object's size
                 is not the manifest's.
             ChainStoreError: an S3 call failed after botocore's retries (names the key).
+            ValueError: ``sha256`` is missing or not a SHA-256 (a fetch is never unauthenticated).
         """
+        if not isinstance(sha256, str) or _HEX64.fullmatch(sha256) is None:
+            # the digest is what makes the chain the trainer's: without it any writer of the bucket chooses the weights
+            raise ValueError(f"fetch of weight version {version} needs sha256, the SHA-256 of its manifest as the "
+                             f"trainer published it (64 lowercase hex digits, the update request's), not {sha256!r}")
         copy = into if into is not None else LocalCopy()
         if copy.version == version and copy.sha256 == sha256:
             return copy.tensors

@@ -4,8 +4,9 @@ With ``--tensor-parallel-size N`` a vLLM server runs N worker processes on one h
 checkpoint tensors (vLLM's weight loaders slice a worker's own shard out of each full tensor). Fetching the chain on
 every worker held N full copies of the model in host memory (plus N times the objects in flight) and read every object
 N times from S3. Instead, rank 0 of the tensor-parallel group keeps the server's one local copy in a shared-memory
-file (:class:`SharedCopy`, in ``/dev/shm``, unlinked as soon as every worker has mapped it: a killed server leaves
-nothing behind) and fetches into it as before (:meth:`grpo_steps.weights.chain.WeightChain.fetch`, decoding each
+file (:class:`SharedCopy`, in ``/dev/shm``, unlinked as soon as every worker has mapped it: a server killed later
+leaves nothing behind, and the file of one killed during set-up is removed by the next, :func:`remove_stale`) and
+fetches into it as before (:meth:`grpo_steps.weights.chain.WeightChain.fetch`, decoding each
 object into the copy's tensors as it arrives). The other workers map the same pages: no copy, no S3 call.
 
 Every worker still checks what it loads (:func:`share_version`): rank 0 sends the manifest bytes it fetched over the
@@ -25,11 +26,13 @@ Pure: numpy-free, torch and the standard library (``torch.distributed`` only thr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import mmap
 import os
+import re
 import secrets
 import stat
 import tempfile
@@ -42,6 +45,14 @@ ALIGN = 64
 HEADER = 64
 """Bytes before the first tensor: a random nonce, by which a worker knows it mapped rank 0's very file."""
 NONCE = 16
+HEADROOM = 512 << 20
+"""Bytes of ``/dev/shm`` a shared copy leaves free: NCCL's shared-memory transport (tensor parallelism on one host)
+and every other user of the tmpfs allocate there after us; a copy that fills it to the last page made their next
+allocation fail (SIGBUS or an NCCL error) instead of ours falling back to a copy per worker."""
+PREFIX = "grpo-weights-"
+"""A shared file's name: ``grpo-weights-<pid of rank 0>-<random>``; the pid lets a later server remove a file that a
+server killed during set-up (after ``create``, before every rank mapped it and rank 0 unlinked it) left behind."""
+_STALE = re.compile(re.escape(PREFIX) + r"(\d+)-")
 
 
 def packing(layout: dict) -> tuple[dict[str, tuple[int, str, tuple[int, ...]]], int]:
@@ -82,15 +93,22 @@ class SharedCopy:
 
     @classmethod
     def create(cls, layout: dict, directory: str = "/dev/shm") -> SharedCopy:
-        """A new file in ``directory`` (mode 0600, a fresh name: ``O_EXCL``) of :func:`packing`'s size, its pages
-        reserved now (``posix_fallocate``: a tmpfs too small fails here with ENOSPC instead of killing the worker with
-        SIGBUS at a later write), with a fresh nonce in its header.
+        """A new file in ``directory`` (mode 0600, a fresh name: ``O_EXCL``, no link followed) of :func:`packing`'s
+        size, its pages reserved now (``posix_fallocate``: a tmpfs too small fails here with ENOSPC instead of killing
+        the worker with SIGBUS at a later write), with a fresh nonce in its header. First removes what a killed server
+        of this user left there (:func:`remove_stale`); refused when it would leave less than :data:`HEADROOM` free.
 
         Raises:
-            OSError: the file cannot be made or reserved (nothing is left behind).
+            OSError: the file cannot be made or reserved, or would leave too little room (nothing is left behind).
         """
         size = packing(layout)[1]
-        fd, path = tempfile.mkstemp(prefix="grpo-weights-", dir=directory)
+        remove_stale(directory)
+        room = os.statvfs(directory)
+        free = room.f_bavail * room.f_frsize
+        if size + HEADROOM > free:
+            raise OSError(f"{directory} has {free / 2**30:.2f} GiB free: a shared copy of {size / 2**30:.2f} GiB would "
+                          f"leave less than {HEADROOM >> 20} MiB for NCCL and the host")
+        fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=directory)
         try:
             os.posix_fallocate(fd, 0, size)
             os.pwrite(fd, secrets.token_bytes(NONCE), 0)
@@ -130,6 +148,31 @@ class SharedCopy:
             self._map.close()
         except BufferError:  # a tensor still referenced elsewhere: the mapping goes with it
             pass
+
+
+def remove_stale(directory: str) -> list[str]:
+    """Remove the shared files in ``directory`` that a server of this user left when it was killed during
+    :func:`share_setup`: regular files (a link is never followed nor removed) of this user named
+    :data:`PREFIX` ``<pid>-...`` whose process is gone. Returns the paths removed. A pid in use again by another
+    process keeps its file (it may be that process's own): nothing of a live server is ever removed."""
+    removed = []
+    for name in os.listdir(directory):
+        found = _STALE.match(name)
+        if found is None:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            info = os.lstat(path)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                continue
+            os.kill(int(found.group(1)), 0)
+        except ProcessLookupError:  # its server is gone: nobody maps it by name any more
+            with contextlib.suppress(FileNotFoundError):  # another server's sweep took it first
+                os.unlink(path)
+                removed.append(path)
+        except (FileNotFoundError, PermissionError):  # gone already; a live process of another user holds the pid
+            continue
+    return removed
 
 
 def _leader(group) -> int:

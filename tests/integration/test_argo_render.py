@@ -15,16 +15,17 @@ import tarfile
 import pytest
 import yaml
 
-from grpo_steps.config import REPO_ROOT, SHARED_MOUNT, load_config, on_shared_volume
+from grpo_steps.config import REPO_ROOT, SHARED_MOUNT, load_config
 
 pytestmark = pytest.mark.s3
 CONFIG = REPO_ROOT / "configs" / "multinode.yaml"
-REPLICAS = {"generation": {"weight_sync": "disk", "sync_dir": "/shared/grpo-sync", "server": {"replicas": 3}},
+REPLICAS = {"generation": {"weight_sync": "s3", "server": {"replicas": 3}},
             "train": {"grpo": {"steps_per_generation": 4}},
             "resources": {"shared_volume_claim": "grpo-shared", "vllm": {"s3_secret_name": None}}}
-"""What the rendered config changes in multinode.yaml: three generation replicas behind the router, disk pushes
-through the shared volume (infra/k8s/shared-volume.yaml's claim; multinode.yaml itself pushes through S3 and mounts
-none, nor a server Secret), and whole groups of 16 per training process (4 x 4) for the pipeline's rollouts."""
+"""What the rendered config changes in multinode.yaml: three generation replicas behind the router (s3 pushes, as
+multinode.yaml's own; disk is refused on Kubernetes), the shared volume mounted (infra/k8s/shared-volume.yaml's claim;
+multinode.yaml mounts none), no server Secret, and whole groups of 16 per training process (4 x 4) for the pipeline's
+rollouts."""
 
 
 def _merged(base: dict, changes: dict) -> dict:
@@ -84,9 +85,8 @@ def test_train_gang_is_a_jobset_with_the_configured_node_size(rendered, cfg):
         claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v]
         assert claims == [cfg.resources.shared_volume_claim]
         shared = next(v["name"] for v in pod["volumes"] if "persistentVolumeClaim" in v)
-        # the disk pushes of the replicas (generation.sync_dir) are written where the server pods read them
+        # mounted where the server pods mount it too (a model under /shared, nccl's evaluation copies)
         assert {"mountPath": SHARED_MOUNT, "name": shared} in container["volumeMounts"]
-        assert on_shared_volume(cfg.generation.sync_dir)
     assert train["retryStrategy"]["limit"] == cfg.train.retries
 
 

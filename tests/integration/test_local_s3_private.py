@@ -164,8 +164,11 @@ def test_make_s3_writes_its_env_file_once_ready_and_start_refuses_a_stale_one(tm
     wait line does, never reads old keys), written whole with mode 0600 once S3 answers, and holds a nonce the server
     wrote: ``start``'s check (:func:`grpo_steps.dev.local_s3.check_env`) passes against it, and refuses the same file
     once another process holds the port."""
+    import boto3
+    from botocore.exceptions import ClientError
+
     from grpo_steps.config import ConfigError
-    from grpo_steps.dev.local_s3 import check_env
+    from grpo_steps.dev.local_s3 import NONCE_KEY, check_env
 
     directory, port = tmp_path / ".s3", pick_port("127.0.0.1", 0)
     directory.mkdir(mode=0o700)
@@ -192,6 +195,13 @@ def test_make_s3_writes_its_env_file_once_ready_and_start_refuses_a_stale_one(tm
         assert (directory / "env").stat().st_mode & 0o777 == 0o600
         env = _env(directory)
         check_env(env)  # the server holds the file's nonce
+        # the generation servers' read-only pair: it reads the bucket, and writing is refused
+        reader = boto3.client("s3", endpoint_url=env["METAFLOW_S3_ENDPOINT_URL"], region_name="us-east-1",
+                              aws_access_key_id=env["GRPO_S3_READONLY_ACCESS_KEY_ID"],
+                              aws_secret_access_key=env["GRPO_S3_READONLY_SECRET_ACCESS_KEY"])
+        assert reader.get_object(Bucket="grpo", Key=NONCE_KEY)["Body"].read()
+        with pytest.raises(ClientError, match="AccessDenied"):
+            reader.put_object(Bucket="grpo", Key="weights/forged.json", Body=b"{}")
     finally:
         _stop(proc)
     squatter = _squat(port)

@@ -33,9 +33,10 @@ POD = f"{MINE}-provision-vllm-1234567890"
 """A pod of workflow MINE (Argo names a workflow's pods <workflow>-<template>-<id>)."""
 RECORDED_JOBSET = Path(__file__).parent / "data" / "train-jobset.yaml"
 CLUSTER_CONFIGS = ("multinode.yaml", "gpu-1node.yaml")
-REPLICAS = {"generation": {"weight_sync": "disk", "sync_dir": "/shared/grpo-sync", "server": {"replicas": 3}},
+REPLICAS = {"generation": {"weight_sync": "s3", "server": {"replicas": 3}},
             "resources": {"shared_volume_claim": "grpo-shared", "vllm": {"s3_secret_name": None}}}
-"""tests/integration/test_argo_render.py's change of multinode.yaml: three replicas behind the router, disk pushes."""
+"""tests/integration/test_argo_render.py's change of multinode.yaml: three replicas behind the router, s3 pushes, the
+shared volume mounted."""
 
 
 def decide(obj: dict, operation: str = "CREATE", pod: str = POD, old: dict | None = None) -> admission.Decision:

@@ -54,14 +54,8 @@ BAD_CONFIGS = [
     ({"eval": {"num_samples": 2, "k": [1, 4]}}, "eval.k [4]"),
     ({"generation": {"provider": "ray"}}, "generation.provider"),
     ({"generation": {"provider": "kubernetes"}}, "set resources.shared_volume_claim"),
-    ({"generation": {"provider": "kubernetes"}, "resources": {"shared_volume_claim": "s"}}, "use weight_sync 'nccl'"),
-    # disk pushes on Kubernetes: the server pods read only the shared volume (several replicas cannot take nccl)
-    ({"generation": {"provider": "kubernetes", "server": {"replicas": 3}}, "resources": {"shared_volume_claim": "s"}},
-     "scratch directory, which the server pods cannot read: set generation.sync_dir to a directory under /shared"),
-    ({"generation": {"provider": "kubernetes", "sync_dir": "/dev/shm/sync"}, "resources": {"shared_volume_claim": "s"}},
-     "generation.sync_dir '/dev/shm/sync' is not on the shared volume"),
-    ({"generation": {"provider": "kubernetes", "sync_dir": "/shared/../x"}, "resources": {"shared_volume_claim": "s"}},
-     "generation.sync_dir '/shared/../x' is not on the shared volume"),
+    # disk on Kubernetes: the server pods would reload files from a volume every run's pods can write, unchecked
+    ({"generation": {"provider": "kubernetes"}, "resources": {"shared_volume_claim": "s"}}, "use weight_sync: s3"),
     ({"generation": {"provider": "kubernetes", "backend": "hf"}, "resources": {"shared_volume_claim": "s"}},
      "set resources.train.image"),
     ({"generation": {"provider": "kubernetes", "server": {"tensor_parallel_size": 4}},
@@ -130,13 +124,20 @@ def test_defaults_that_depend_on_the_data_and_the_rewards_follow_them():
         validate_config({"rewards": [{"name": "answer_accuracy"}], "eval": {"format_reward": "answer_format"}})
 
 
-def test_kubernetes_replicas_take_disk_pushes_through_the_shared_volume():
-    cluster = {"generation": {"provider": "kubernetes", "sync_dir": "/shared/grpo-sync", "server": {"replicas": 3}},
-               "resources": {"train": {"image": "i"}, "shared_volume_claim": "s"}}
-    cfg = validate_config(cluster)
-    assert (cfg.generation.weight_sync, cfg.generation.server.replica_count) == ("disk", 3)
-    one = {**cluster, "generation": {"provider": "kubernetes", "sync_dir": "/shared/grpo-sync"}}
-    assert validate_config(one).generation.server.replica_count == 1  # one replica may push from disk as well
+def test_kubernetes_refuses_disk_sync_and_names_s3():
+    cluster = {"resources": {"train": {"image": "i"}, "shared_volume_claim": "s"}}
+    # every shape disk took on the cluster before: pushes to the shared volume, several replicas, one replica
+    for generation in ({"sync_dir": "/shared/grpo-sync", "server": {"replicas": 3}}, {"sync_dir": "/shared/grpo-sync"},
+                       {}):
+        with pytest.raises(ConfigError, match="weight_sync 'disk'.*every run's pods can write") as err:
+            validate_config({**cluster, "generation": {"provider": "kubernetes", **generation}})
+        assert "use weight_sync: s3" in str(err.value)
+    s3 = validate_config({"resources": {"train": {"image": "i"}}, "model": {"name_or_path": "Qwen/Qwen2.5-0.5B"},
+                          "generation": {"provider": "kubernetes", "weight_sync": "s3", "server": {"replicas": 3},
+                                         "s3_sync": {"url": "s3://grpo-bucket/weights"}}})
+    assert (s3.generation.weight_sync, s3.generation.server.replica_count) == ("s3", 3)
+    local = validate_config({"generation": {"sync_dir": "/tmp/grpo-sync"}})  # disk stays the local default
+    assert local.generation.weight_sync == "disk"
 
 
 def test_split_groups_are_fine_when_trl_generates():

@@ -219,3 +219,28 @@ def test_with_a_store_the_weights_are_a_version_under_the_runs_eval_prefix(store
     stage_update(_weights(tmp_path, "base"), "baseline", server.stage_weights, store)
     assert {key.split("/eval/")[1].split("/")[0] for key in _keys(store)} == {"baseline", "trained"}
     assert remove_run_versions(store) > 0 and _keys(store) == []
+
+
+def test_on_kubernetes_evaluation_stages_through_s3_or_the_checked_extension():
+    """The staging choice on Kubernetes, where every run's pods can write the shared volume: ``s3`` sync stages
+    through the run's chain (a store, the manifest's digest in the request); ``nccl`` has no chain route into the
+    server (its one weight-transfer backend is TRL's nccl), so it stages on the volume and its server loads through the
+    worker extension, which checks the tensors' digest; ``disk`` is refused at ``start``."""
+    from grpo_steps.config import ConfigError
+    from grpo_steps.servers import k8s_manifests
+    from grpo_steps.steps import weight_store
+
+    cluster = {"model": {"name_or_path": "Qwen/Qwen2.5-0.5B"},
+               "train": {"processes_per_node": 8, "per_device_train_batch_size": 8, "num_generations": 8},
+               "resources": {"train": {"gpu": 8, "image": "i"}, "vllm": {"gpu": 1}, "shared_volume_claim": "s"}}
+    s3 = validate_config({**cluster, "generation": {"provider": "kubernetes", "weight_sync": "s3",
+                                                    "s3_sync": {"url": "s3://grpo-bucket/weights"}}})
+    assert weight_store(s3, RUN_ID)["prefix"].startswith("weights/")  # stage_update publishes under <prefix>/eval/
+    assert "--worker-extension-cls" in k8s_manifests.server_args(s3, "m")  # with the s3 transfer engine
+    nccl = validate_config({**cluster, "generation": {"provider": "kubernetes", "weight_sync": "nccl"}})
+    assert weight_store(nccl, RUN_ID) is None  # a directory on the volume, with its tensors' digest
+    args = k8s_manifests.server_args(nccl, "m")
+    assert args[args.index("--worker-extension-cls") + 1] == "grpo_steps.vllm_worker.WorkerExtension"
+    with pytest.raises(ConfigError, match="use weight_sync: s3"):
+        validate_config({**cluster, "generation": {"provider": "kubernetes", "weight_sync": "disk",
+                                                   "sync_dir": "/shared/grpo-sync"}})

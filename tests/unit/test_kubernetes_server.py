@@ -213,9 +213,12 @@ def test_s3_sync_servers_run_the_engine_and_take_the_named_secrets_keys():
     container = k8s_manifests.render_manifests(s3_cluster_config(), RUN_ID, "m")[0]["spec"]["template"]["spec"][
         "containers"][0]
     assert "envFrom" not in container and "--worker-extension-cls" in container["args"]
-    # disk and nccl servers keep the stock vLLM image's command line
+    # nccl (and backend hf) servers load evaluation's weights from the shared volume: through the worker extension,
+    # which checks them against the request's digest (a copy swapped on the volume is refused), with no S3 engine
     for cfg in (cluster_config(), cluster_config(weight_sync="disk", backend="hf")):
-        assert "--worker-extension-cls" not in k8s_manifests.server_args(cfg, "m")
+        args = k8s_manifests.server_args(cfg, "m")
+        assert args[args.index("--worker-extension-cls") + 1] == "grpo_steps.vllm_worker.WorkerExtension"
+        assert '{"backend": "grpo_steps"}' not in args
 
 
 def test_an_s3_sync_server_starts_without_a_shared_volume(token_dir):

@@ -210,6 +210,13 @@ def test_a_server_gets_allow_listed_process_variables_and_only_the_credentials_i
     assert (s3["AWS_ACCESS_KEY_ID"], s3["AWS_SECRET_ACCESS_KEY"], s3["AWS_DEFAULT_REGION"]) == ("a", "s", "us-east-1")
     assert s3["HTTPS_PROXY"] == flow["HTTPS_PROXY"]  # S3 behind a proxy
     assert not {k for k in s3 if k.startswith(("MLFLOW_", "HF_TOKEN"))}
+    # a read-only pair where one is set (make s3's .s3/env has one): the server reads the chain, never writes it
+    flow.update(AWS_SESSION_TOKEN="flow-session", GRPO_S3_READONLY_ACCESS_KEY_ID="r",
+                GRPO_S3_READONLY_SECRET_ACCESS_KEY="rs")
+    reader = env(s3=True)
+    assert (reader["AWS_ACCESS_KEY_ID"], reader["AWS_SECRET_ACCESS_KEY"]) == ("r", "rs")
+    assert "AWS_SESSION_TOKEN" not in reader and not {k for k in reader if k.startswith("GRPO_S3")}
+    assert "AWS_ACCESS_KEY_ID" not in env()  # still nothing without s3
     hub = env(hub=True)
     assert (hub["HF_TOKEN"], hub["HF_TOKEN_PATH"]) == ("h", "/secrets/hf")
     assert not {k for k in hub if k.startswith("AWS_")}

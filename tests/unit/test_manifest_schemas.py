@@ -69,12 +69,12 @@ def test_a_broken_object_is_refused():
 
 
 def test_every_object_of_a_run_with_three_replicas_validates():
-    """``generation.server.replicas: 3`` (disk pushes through the shared volume): three server Deployments and
+    """``generation.server.replicas: 3`` (s3 pushes, the shared volume mounted): three server Deployments and
     Services, the run's NetworkPolicy, token Secret and middleware ConfigMap, and the router's Deployment, Service and
     NetworkPolicy, as the provider creates them (grpo_steps/servers/kubernetes.py)."""
-    config = _cluster_config(weight_sync="disk", sync_dir="/shared/grpo-sync")
+    config = _cluster_config(weight_sync="s3")
     config["generation"]["server"]["replicas"] = 3
-    config["train"]["gradient_accumulation_steps"] = 8  # disk-push rollouts sample whole groups of 8 per process
+    config["train"]["gradient_accumulation_steps"] = 8  # the pipeline's rollouts sample whole groups of 8 per process
     cfg, run_id = validate_config(config), "argo-grpoflow-abc12"
     servers = [k8s_manifests.render_manifests(cfg, run_id, "/shared/m", replica=i)[:2] for i in range(3)]
     rendered = [*k8s_manifests.render_auth(cfg, run_id, "t" * 43), k8s_manifests.render_manifests(cfg, run_id, "m")[2],

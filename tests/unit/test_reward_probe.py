@@ -93,7 +93,12 @@ def test_a_module_in_the_working_directory_is_found_after_the_config_directory(t
     assert validate_config(data).rewards[0].name == "cwd_only_rewards:score"
     index = sys.path.index(str(there))
     assert sys.path[index + 1] == str(here)  # config directory, then working directory
-    assert index < min(i for i, p in enumerate(sys.path) if p.endswith("site-packages"))  # before installed packages
+    assert index > max(i for i, p in enumerate(sys.path) if p.endswith("site-packages"))  # after installed packages
+    # a file named like an installed package beside the config shadows it no more (it did in every main process)
+    import importlib.util
+
+    (there / "idna.py").write_text("raise SystemExit('the shadow ran')\n")
+    assert not importlib.util.find_spec("idna").origin.startswith(str(there))
 
 
 def test_an_unknown_module_names_where_it_was_looked_for(tmp_path):
@@ -193,6 +198,13 @@ def test_user_modules_beside_the_config_are_what_the_flow_adds_to_metaflows_code
     assert (sys.modules[f"single_{tag}"], None, ContentType.MODULE_CONTENT) in shipped
     assert sorted(arc for _, arc, kind in shipped if kind == ContentType.CODE_CONTENT) == [
         f"pkg_{tag}/__init__.py", f"pkg_{tag}/sub/__init__.py", f"pkg_{tag}/sub/tools.py"]
+    # a link inside the package ships its file; a link out of it (a key file beside it) is refused, naming both
+    (tmp_path / f"pkg_{tag}" / "alias.py").symlink_to(tmp_path / f"pkg_{tag}" / "sub" / "tools.py")
+    assert f"pkg_{tag}/alias.py" in [arc for _, arc, _ in mutator.add_to_package()]
+    (tmp_path / "credentials").write_text("[default]\n")
+    (tmp_path / f"pkg_{tag}" / "sub" / "keys.txt").symlink_to(tmp_path / "credentials")
+    with pytest.raises(ValueError, match=r"keys.txt \(in user package 'pkg_.*'\) is a link to .*credentials, outside"):
+        list(mutator.add_to_package())
 
 
 def test_an_environments_adapter_prefix_is_no_module_the_code_package_looks_for(tmp_path):

@@ -37,6 +37,8 @@ def test_the_role_grants_argos_executor_and_never_reads_or_changes_secrets():
     # made and deleted by name (admission ties both to the asking pod's run); no get, list, watch, update or patch
     assert _verbs("secrets") == _verbs("configmaps") == {"create", "delete"}
     assert not any("*" in rule["verbs"] or "*" in rule["resources"] for rule in _role()["rules"])
+    # no logs: RBAC cannot scope pods/log to a run, so a run could read every other run's server and step logs
+    assert _verbs("pods/log") == set() and _verbs("pods") == {"get", "list"}
 
 
 def test_the_admission_policy_validates_and_binds_the_flows_account():

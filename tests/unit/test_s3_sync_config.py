@@ -114,20 +114,19 @@ def test_start_checks_the_bucket_answers(s3, monkeypatch):
 
 def test_pushes_in_flight_are_refused_where_the_servers_cannot_take_them():
     """``generation.async.in_flight: true`` needs full-weight pushes through the pipeline's transfer engine: refused in
-    ``start`` with adapter pushes and on Kubernetes without ``s3`` (the pods run the transfer engine only then); by
-    default (null) both drain instead, and Kubernetes with ``s3`` takes it."""
+    ``start`` with adapter pushes (by default, null, they drain instead); on Kubernetes only ``s3`` pushes at all, and
+    takes it."""
+    adapter = {"generation": {"async": {"in_flight": True}}, "train": {"peft": {"r": 8, "alpha": 16}}}
+    with pytest.raises((ValueError, ConfigError), match="train.peft.push 'adapter'"):
+        validate_config(adapter)
+    adapter["generation"]["async"] = True  # in_flight null: accepted, pushes drain where they cannot be in flight
+    assert validate_config(adapter).generation.async_.in_flight is None
+    # on Kubernetes only s3 takes pushes at all (disk is refused there, nccl takes no async): in flight or not
     kube_disk = _on_kubernetes("disk")
     kube_disk["resources"]["shared_volume_claim"] = "grpo-shared"
-    kube_disk["generation"]["sync_dir"] = "/shared/grpo-sync"
-    for config, says in (
-            ({"generation": {"async": {"in_flight": True}}, "train": {"peft": {"r": 8, "alpha": 16}}},
-             "train.peft.push 'adapter'"),
-            ({**kube_disk, "generation": {**kube_disk["generation"], "async": {"in_flight": True}}},
-             "only with weight_sync 's3'")):
-        with pytest.raises((ValueError, ConfigError), match=says):
-            validate_config(config)
-        config["generation"]["async"] = True  # in_flight null: accepted, pushes drain where they cannot be in flight
-        assert validate_config(config).generation.async_.in_flight is None
+    kube_disk["generation"].update({"sync_dir": "/shared/grpo-sync", "async": {"in_flight": True}})
+    with pytest.raises(ConfigError, match="use weight_sync: s3"):
+        validate_config(kube_disk)
     kube_s3 = _on_kubernetes()
     kube_s3["generation"]["async"] = {"in_flight": True}
     assert validate_config(kube_s3).generation.async_.in_flight is True

@@ -105,3 +105,46 @@ def test_rank_0_fetches_once_and_every_rank_checks_and_refuses_together(client, 
 
 def _run(rank: int, out: str, store: dict, layout: dict, requests: list) -> None:
     _rank(rank, out, store if rank == 0 else None, store["prefix"] + "/", layout, requests)
+
+
+def test_a_file_left_by_a_killed_server_is_removed_and_nothing_else(tmp_path):
+    """A server killed during set-up left its shared file in /dev/shm (model-sized, until reboot): the next server's
+    set-up removes it, but never a live server's file, a link (nor its target) or another name."""
+    import subprocess
+    import sys
+
+    from grpo_steps.weights.shared_copy import PREFIX, SharedCopy
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid is free now: the "killed server"
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    left = tmp_path / f"{PREFIX}{gone.pid}-abc"
+    live = tmp_path / f"{PREFIX}{os.getpid()}-def"
+    link = tmp_path / f"{PREFIX}{gone.pid}-lnk"
+    other = tmp_path / "grpo-weightsx-1-x"
+    for path in (left, live, other):
+        path.write_bytes(b"\0" * 64)
+    link.symlink_to(victim)
+    shared = SharedCopy.create({"w": ("float32", (4,))}, str(tmp_path))
+    try:
+        assert not left.exists()
+        assert live.exists() and link.is_symlink() and victim.read_text() == "keep" and other.exists()
+        assert os.path.basename(shared.path).startswith(f"{PREFIX}{os.getpid()}-")
+        assert os.stat(shared.path).st_mode & 0o777 == 0o600
+    finally:
+        os.unlink(shared.path)
+        shared.close()
+
+
+def test_a_shared_copy_that_would_fill_its_tmpfs_is_refused_before_it_takes_a_page(tmp_path):
+    """/dev/shm filled to the last page broke NCCL's next allocation: a copy that would leave less than HEADROOM
+    free is refused (share_setup then lets each worker fetch its own), before anything is reserved."""
+    from grpo_steps.weights.shared_copy import HEADER, HEADROOM, PREFIX, SharedCopy
+
+    room = os.statvfs(tmp_path)
+    free = room.f_bavail * room.f_frsize
+    too_big = {"w": ("int8", (free - HEADROOM // 2 - HEADER,))}  # fits the disk, not with the headroom
+    with pytest.raises(OSError, match=r"GiB free: a shared copy of .* would leave less than 512 MiB"):
+        SharedCopy.create(too_big, str(tmp_path))
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(PREFIX)]

@@ -85,7 +85,7 @@ def test_a_swapped_version_with_a_consistent_payload_is_refused_and_the_copy_kep
 def test_a_rewritten_lineage_is_refused_link_by_link(client, s3, prefix):
     import torch
 
-    from grpo_steps.weights.chain import ChainRefusedError, LocalCopy, VersionNotFoundError
+    from grpo_steps.weights.chain import ChainRefusedError, LocalCopy
 
     writer, states, digests = _trainer(client, s3, prefix)
     anchor = writer.reader.manifest(1, digests[1])
@@ -98,9 +98,25 @@ def test_a_rewritten_lineage_is_refused_link_by_link(client, s3, prefix):
     assert late.version is None and late.tensors == {}
     # rewritten by another publish (consistent data, a new id): not the base the delta names either
     _writer(client, s3, prefix).publish({k: torch.full_like(v, 7.0) for k, v in states[0].items()}, 1)
-    with pytest.raises(VersionNotFoundError, match="builds on version 1 id .*, which was replaced"):
+    with pytest.raises(ChainRefusedError, match="its base, version 1, is not the manifest .* published again"):
         _chain(client, s3, prefix).fetch(2, into=late, sha256=digests[2])
     assert late.version is None and late.tensors == {}
+    # bytes that are no manifest at all: refused by their digest, never parsed (no "not JSON", no bound named)
+    client.put_object(Bucket=s3.bucket, Key=f"{prefix}/manifests/{1:010d}.json", Body=b"\xff{not json")
+    with pytest.raises(ChainRefusedError, match="its base, version 1, is not the manifest it was built on") as err:
+        _chain(client, s3, prefix).fetch(2, into=late, sha256=digests[2])
+    assert "JSON" not in str(err.value)
+
+
+def test_a_fetch_without_the_trainers_digest_is_refused(client, s3, prefix):
+    from grpo_steps.weights.chain import LocalCopy
+
+    _trainer(client, s3, prefix)
+    copy = LocalCopy()
+    for missing in (None, "", "ab" * 31, "AB" * 32):  # none, empty, short, not lowercase hex
+        with pytest.raises(ValueError, match="needs sha256, the SHA-256 of its manifest as the trainer published it"):
+            _chain(client, s3, prefix).fetch(2, into=copy, sha256=missing)
+    assert copy.version is None and copy.tensors == {}
 
 
 def test_a_self_referencing_base_is_refused_at_once_on_every_walk(client, s3, prefix):
