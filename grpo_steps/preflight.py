@@ -18,12 +18,15 @@ from grpo_steps.config import PipelineConfig
 
 def check(cfg: PipelineConfig) -> str:
     """Check ``cfg`` against this machine and the services it names; returns the resolved ``model.name_or_path``
-    (:func:`grpo_steps.models.resolve_model`: a local directory, the embedded model converted once, or a hub id).
+    (:func:`grpo_steps.models.resolve_model`: a local directory, the embedded model converted once, a registered
+    version fetched once and checked by digest, or a hub id).
 
     Raises:
         TrackingUnreachable: an ``http(s)`` tracking URI that does not answer (within seconds).
         FileNotFoundError: ``model.name_or_path`` is a local path that does not exist or holds no model (names what
             is missing: config, tokenizer files, weights).
+        VersionError: a ``models:/`` start that names no version (names what exists), a revoked version, or files
+            that fail their digest.
         ConfigError: ``train.grpo`` keys the installed TRL does not have; ``train.peft.target_modules`` naming no
             linear layer of the model; ``generation.server.replicas`` local servers and the trainer do not fit this
             machine; ``resources.vllm.s3_secret_name`` naming the flow's own Secret (:func:`check_server_secret`).
@@ -39,7 +42,7 @@ def check(cfg: PipelineConfig) -> str:
     from grpo_steps.training.job import check_grpo_keys
 
     tracking.check_reachable(cfg.tracking.tracking_uri)
-    model_path = resolve_model(cfg.model.name_or_path)
+    model_path = resolve_model(cfg.model.name_or_path, cfg.tracking.tracking_uri)
     check_grpo_keys(cfg)
     check_sandbox(cfg)
     check_code_reward_deadline(cfg)
@@ -70,11 +73,12 @@ def refusal_types() -> tuple[type[BaseException], ...]:
     from grpo_steps.sources import DataError
     from grpo_steps.tools import ToolError
     from grpo_steps.tracking import TrackingUnreachable
+    from grpo_steps.versions import VersionError
     from grpo_steps.weights.chain import ChainStoreError
     from rewards.sandbox import SandboxUnavailable
 
     return ConfigError, DataError, ToolError, TrackingUnreachable, CheckpointNotFound, SandboxUnavailable, \
-        FileNotFoundError, ChainStoreError
+        FileNotFoundError, ChainStoreError, VersionError
 
 
 @contextmanager
