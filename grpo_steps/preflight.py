@@ -31,6 +31,8 @@ def check(cfg: PipelineConfig) -> str:
             linear layer of the model; ``generation.server.replicas`` local servers and the trainer do not fit this
             machine; ``resources.vllm.s3_secret_name`` naming the flow's own Secret (:func:`check_server_secret`).
         CheckpointNotFound: ``train.resume_from`` names no usable checkpoint.
+        ConfigError: a ``models:/`` start served by Kubernetes pods, fetched outside the shared volume
+            (:func:`check_registry_start`).
         SandboxUnavailable: ``code_execution`` is configured where only the weak sandbox mode works, without
             its ``allow_weak_isolation`` option.
         ToolError: ``model.chat_template`` names nothing, or cannot render a tool-calling exchange with tools or an
@@ -43,6 +45,7 @@ def check(cfg: PipelineConfig) -> str:
 
     tracking.check_reachable(cfg.tracking.tracking_uri)
     model_path = resolve_model(cfg.model.name_or_path, cfg.tracking.tracking_uri)
+    check_registry_start(cfg, model_path)
     check_grpo_keys(cfg)
     check_sandbox(cfg)
     check_code_reward_deadline(cfg)
@@ -63,6 +66,23 @@ def check(cfg: PipelineConfig) -> str:
         print(f"[checkpoint] train.resume_from: {check_reference(cfg.train.resume_from, cfg.train.num_nodes)}",
               flush=True)
     return model_path
+
+
+def check_registry_start(cfg: PipelineConfig, model_path: str) -> None:
+    """A ``models:/`` start served by ``generation.provider: kubernetes``: the server pods load ``model_path`` itself,
+    so the fetched version must lie on the shared volume (``GRPO_CACHE_DIR`` under ``/shared``); a server pod cannot
+    load a ``models:/`` URI.
+
+    Raises:
+        ConfigError: the fetched version lies elsewhere.
+    """
+    from grpo_steps.config import ConfigError, on_shared_volume
+
+    if cfg.model.name_or_path.startswith("models:/") and cfg.generation.provider == "kubernetes" and not (
+            on_shared_volume(model_path)):
+        raise ConfigError(f"model.name_or_path {cfg.model.name_or_path!r} with generation.provider kubernetes: the "
+                          f"server pods load the fetched version ({model_path}), which only the shared volume gives "
+                          "them: set GRPO_CACHE_DIR to a folder under /shared (resources.shared_volume_claim)")
 
 
 def refusal_types() -> tuple[type[BaseException], ...]:

@@ -4,7 +4,7 @@
 ``start`` resolves the URI once to one version (:func:`resolve_version`) and records it on the MLflow run
 (:func:`start_tags`: the version, its run, its digest, and the pinned ``models:/<name>/<version>`` URI); every later
 step resolves the pinned URI, so a ``champion`` that moves during the run does not change what the run trains from.
-The version's files are fetched once per machine into ``<cache>/registry/<name>/<version>`` with MLflow's own
+The version's files are fetched once per machine into ``<cache>/registry/<name>/<version>-<digest>`` with MLflow's own
 ``mlflow.artifacts.download_artifacts`` and checked against the digest taken at registration
 (:data:`DIGEST_TAG`, :func:`model_sha256`): a version whose files were changed in the artifact store is refused.
 
@@ -18,10 +18,11 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import re
 import shutil
 import tempfile
 from pathlib import Path
+
+from grpo_steps.config import parse_model_uri as parse_config_uri
 
 MODELS_PREFIX = "models:/"
 DIGEST_TAG = "model.sha256"
@@ -32,7 +33,6 @@ alone (:func:`grpo_steps.weights.files.weights_sha256`)."""
 REVOKED_TAG = "gate.revoked"
 START_TAGS = ("start.model_uri", "start.model_version", "start.model_run_id", "start.model_sha256")
 """The MLflow run's tags naming its start: the pinned URI, the version, the version's run, its digest."""
-_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))")
 
 
 class VersionError(ValueError):
@@ -44,21 +44,15 @@ def is_model_uri(name_or_path: str) -> bool:
 
 
 def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
-    """``(name, alias, version)`` of ``models:/<name>@<alias>`` or ``models:/<name>/<version>`` (one of the two None).
-
-    >>> parse_model_uri("models:/grpo@champion")
-    ('grpo', 'champion', None)
-    >>> parse_model_uri("models:/grpo/3")
-    ('grpo', None, '3')
+    """``(name, alias, version)`` of a ``models:/`` URI (:func:`grpo_steps.config.parse_model_uri`).
 
     Raises:
-        VersionError: any other shape (``models:/grpo``, ``models:/grpo/latest``).
+        VersionError: any other shape (the config refuses it first).
     """
-    match = _URI.fullmatch(uri)
-    if not match:
-        raise VersionError(f"model.name_or_path {uri!r}: a registered model is named models:/<name>@<alias> (e.g. "
-                           "models:/grpo@champion) or models:/<name>/<version> (e.g. models:/grpo/3)")
-    return match["name"], match["alias"], match["version"]
+    try:
+        return parse_config_uri(uri)
+    except ValueError as err:
+        raise VersionError(str(err)) from None
 
 
 def resolve_version(client, uri: str):
@@ -136,8 +130,8 @@ def _check_digest(version, directory: Path) -> None:
 
 def fetch_version(uri: str, tracking_uri: str, cache: Path) -> tuple[Path, object]:
     """The local directory of the version ``uri`` names (its transformers flavour's ``model/`` folder: config,
-    weights, tokenizer), fetched once into ``cache/registry/<name>/<version>`` and checked by digest before it is
-    moved there (concurrent processes: one fetches, under a file lock). Returns ``(directory, ModelVersion)``.
+    weights, tokenizer), fetched once into ``cache/registry/<name>/<version>-<digest>`` and checked by digest before
+    it is moved there (concurrent processes: one fetches, under a file lock). Returns ``(directory, ModelVersion)``.
 
     Raises:
         VersionError: as :func:`resolve_version`; a version registered as a LoRA adapter alone (no merged weights);
@@ -151,9 +145,11 @@ def fetch_version(uri: str, tracking_uri: str, cache: Path) -> tuple[Path, objec
     if version.tags.get("lora.register") == "adapter":
         raise VersionError(f"version {version.version} of {version.name!r} holds a LoRA adapter alone "
                            "(registry.register_as: adapter): a start needs whole weights; register it merged")
-    target = cache / "registry" / version.name / str(version.version)
+    digest = version.tags.get(DIGEST_TAG) or version.tags.get(WEIGHTS_DIGEST_TAG) or "unchecked"
+    # keyed by the digest too: another registry (another tracking URI) has its own version 1 of the same name
+    target = cache / "registry" / version.name / f"{version.version}-{digest[:16]}"
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.with_name(f"{version.version}.lock"), "w") as lock:
+    with open(target.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not target.is_dir():
             with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
@@ -162,7 +158,6 @@ def fetch_version(uri: str, tracking_uri: str, cache: Path) -> tuple[Path, objec
                     tracking_uri=tracking_uri)
                 _check_digest(version, Path(local) / "model")
                 shutil.move(str(Path(local) / "model"), target)  # checked, then in place: never a half copy
-            digest = version.tags.get(DIGEST_TAG) or version.tags[WEIGHTS_DIGEST_TAG]
             target.with_suffix(".json").write_text(json.dumps({
                 "name": version.name, "version": str(version.version), "run_id": version.run_id or "",
                 "digest": digest}))

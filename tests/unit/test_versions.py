@@ -70,7 +70,8 @@ def test_a_fetch_is_checked_by_digest_and_pinned_in_the_start_tags(registry, tmp
     version = register(1)
     client.set_registered_model_alias("policy", "champion", version)
     local, resolved = fetch_version("models:/policy@champion", uri, tmp_path / "cache")
-    assert local == tmp_path / "cache" / "registry" / "policy" / "1"
+    digest = client.get_model_version("policy", version).tags[DIGEST_TAG]
+    assert local == tmp_path / "cache" / "registry" / "policy" / f"1-{digest[:16]}"
     assert {p.name: p.read_text() for p in local.iterdir()} == {k: v.replace("{n}", "1") for k, v in FILES.items()}
     tags = start_tags("models:/policy@champion", local)
     assert tags == {"start.model_uri": "models:/policy/1", "start.model_version": "1",
@@ -87,7 +88,7 @@ def test_a_version_whose_files_changed_in_the_store_is_refused(registry, tmp_pat
     with pytest.raises(VersionError, match=r"do not match the digest taken at registration.*register the model "
                                            r"again"):
         fetch_version("models:/policy/1", uri, tmp_path / "cache")
-    assert not (tmp_path / "cache" / "registry" / "policy" / "1").exists()  # nothing unchecked left to load
+    assert [p.suffix for p in (tmp_path / "cache" / "registry" / "policy").iterdir()] == [".lock"]  # nothing to load
     register(2, digest=False)
     with pytest.raises(VersionError, match=r"version 2 of 'policy' has no digest tag \(model.sha256\)"):
         fetch_version("models:/policy/2", uri, tmp_path / "cache")
