@@ -24,10 +24,10 @@ the all-time best), and a champion moved meanwhile to a version this gate never 
 
 from __future__ import annotations
 
-import json
 import math
 
 from grpo_steps.evaluation.stats import paired_gain
+from grpo_steps.lineage import run_json
 
 GATE_METRIC = "pass@1"
 PER_PROMPT_ARTIFACT = "eval/per_prompt.json"
@@ -113,17 +113,7 @@ def save_per_prompt(client, run_id: str, keys: list[str], scores: list[float]) -
 
 def load_per_prompt(client, run_id: str) -> dict | None:
     """:data:`PER_PROMPT_ARTIFACT` of a run, or None when the run has none."""
-    import tempfile
-
-    from mlflow.exceptions import MlflowException
-
-    with tempfile.TemporaryDirectory(prefix="grpo-per-prompt-") as folder:
-        try:
-            path = client.download_artifacts(run_id, PER_PROMPT_ARTIFACT, folder)
-        except (MlflowException, OSError):
-            return None
-        with open(path) as file:
-            return json.load(file)
+    return run_json(client, run_id, PER_PROMPT_ARTIFACT)
 
 
 def best_contender(versions) -> str | None:

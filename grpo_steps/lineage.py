@@ -79,19 +79,24 @@ def save_seen(client, run_id: str, seen: SeenRows) -> None:
     client.log_dict(run_id, {"trained": sorted(seen.trained), "held_out": sorted(seen.held_out)}, SEEN_ARTIFACT)
 
 
-def load_seen(client, run_id: str) -> SeenRows | None:
-    """:data:`SEEN_ARTIFACT` of the MLflow run ``run_id``, or None when the run has none (a version registered
-    before lineage was kept)."""
+def run_json(client, run_id: str, artifact: str) -> Any:
+    """The JSON artifact ``artifact`` of the MLflow run ``run_id``, parsed, or None when the run has none."""
     from mlflow.exceptions import MlflowException
 
-    with tempfile.TemporaryDirectory(prefix="grpo-lineage-") as folder:
+    with tempfile.TemporaryDirectory(prefix="grpo-run-json-") as folder:
         try:
-            path = client.download_artifacts(run_id, SEEN_ARTIFACT, folder)
+            path = client.download_artifacts(run_id, artifact, folder)
         except (MlflowException, OSError):
             return None
         with open(path) as file:
-            record = json.load(file)
-    return SeenRows(frozenset(record["trained"]), frozenset(record["held_out"]))
+            return json.load(file)
+
+
+def load_seen(client, run_id: str) -> SeenRows | None:
+    """:data:`SEEN_ARTIFACT` of the MLflow run ``run_id``, or None when the run has none (a version registered
+    before lineage was kept)."""
+    record = run_json(client, run_id, SEEN_ARTIFACT)
+    return None if record is None else SeenRows(frozenset(record["trained"]), frozenset(record["held_out"]))
 
 
 def chain(client, name: str, version: str, limit: int = 50) -> list[tuple[str, str]]:
@@ -114,3 +119,27 @@ def chain_text(links: list[tuple[str, str]]) -> str:
     '**Lineage**: v1 (pass@1 0.25) <- v2 (pass@1 0.5)'
     """
     return "**Lineage**: " + " <- ".join(f"v{v} (pass@1 {score})" for v, score in links)
+
+
+def versions_table(versions, limit: int = 5000) -> str:
+    """A registered model's description: pass@1 per version with its parent, the rows it added and its aliases as of
+    the last registration (``versions``: its ``ModelVersion`` objects), newest first and at most ``limit``
+    characters, as a Markdown table MLflow's model page renders.
+
+    >>> from types import SimpleNamespace as V
+    >>> print(versions_table([V(version=1, tags={SCORE_TAG: "0.25", ROWS_ADDED_TAG: "60"}, aliases=[]),
+    ...                       V(version=2, tags={SCORE_TAG: "0.5", PARENT_TAG: "1"}, aliases=["champion"])]))
+    | version | pass@1 | parent | rows added | aliases |
+    |---|---|---|---|---|
+    | v2 | 0.5 | v1 |  | champion |
+    | v1 | 0.25 |  | 60 |  |
+    """
+    rows = ["| version | pass@1 | parent | rows added | aliases |", "|---|---|---|---|---|"]
+    for v in sorted(versions, key=lambda v: -int(v.version)):
+        parent = f"v{v.tags[PARENT_TAG]}" if PARENT_TAG in v.tags else ""
+        row = (f"| v{v.version} | {v.tags.get(SCORE_TAG, '')} | {parent} | {v.tags.get(ROWS_ADDED_TAG, '')} | "
+               f"{', '.join(sorted(v.aliases or []))} |")
+        if sum(len(r) + 1 for r in rows) + len(row) > limit:  # MLflow's SQL stores keep 5000 characters
+            break
+        rows.append(row)
+    return "\n".join(rows)

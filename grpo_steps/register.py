@@ -24,7 +24,7 @@ from grpo_steps.gate import (
     save_per_prompt,
     settle_champion,
 )
-from grpo_steps.lineage import chain, chain_text
+from grpo_steps.lineage import chain, chain_text, versions_table
 from grpo_steps.lora import is_adapter_dir
 from grpo_steps.versions import DIGEST_TAG, model_sha256
 
@@ -132,6 +132,8 @@ def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tag
     if len(description) > DESCRIPTION_LIMIT:  # a long mixture's table: keep the head, say where the rest is
         description = description[: DESCRIPTION_LIMIT - len(CUT_NOTE)] + CUT_NOTE
     client.update_model_version(name, version_id, description=description)
+    # the registered model's page: pass@1 per version, with the lineage (after the aliases moved)
+    client.update_registered_model(name, description=versions_table(client.search_model_versions(f"name = '{name}'")))
     aliases = sorted(client.get_model_version(name, version_id).aliases)
     return {"name": name, "version": version_id, "aliases": aliases, "gate_passed": passed, "gate_reason": reason}
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from grpo_steps.config import REPO_ROOT
 from grpo_steps.versions import (
     DIGEST_TAG,
     VersionError,
@@ -92,3 +93,16 @@ def test_a_version_whose_files_changed_in_the_store_is_refused(registry, tmp_pat
     register(2, digest=False)
     with pytest.raises(VersionError, match=r"version 2 of 'policy' has no digest tag \(model.sha256\)"):
         fetch_version("models:/policy/2", uri, tmp_path / "cache")
+
+
+def test_a_kubernetes_served_registry_start_must_be_fetched_onto_the_shared_volume():
+    from grpo_steps.config import ConfigError, load_config
+    from grpo_steps.config.pipeline import validate_config
+    from grpo_steps.preflight import check_registry_start
+
+    base = load_config(REPO_ROOT / "configs" / "multinode.yaml").model_dump(mode="json", by_alias=True)
+    cfg = validate_config({**base, "model": {**base["model"], "name_or_path": "models:/grpo-policy@champion"}})
+    with pytest.raises(ConfigError, match=r"set GRPO_CACHE_DIR to a folder under /shared"):
+        check_registry_start(cfg, "/root/.cache/grpo-pipeline/registry/grpo-policy/3-0123456789abcdef")
+    check_registry_start(cfg, "/shared/cache/registry/grpo-policy/3-0123456789abcdef")  # the server pods see it
+    check_registry_start(load_config(REPO_ROOT / "configs" / "multinode.yaml"), "/root/.cache/x")  # no registry
