@@ -121,14 +121,15 @@ def chain_text(links: list[tuple[str, str]]) -> str:
     return "**Lineage**: " + " <- ".join(f"v{v} (pass@1 {score})" for v, score in links)
 
 
-def versions_table(versions, limit: int = 5000) -> str:
+def versions_table(versions, aliases: dict[str, str], limit: int = 5000) -> str:
     """A registered model's description: pass@1 per version with its parent, the rows it added and its aliases as of
-    the last registration (``versions``: its ``ModelVersion`` objects), newest first and at most ``limit``
-    characters, as a Markdown table MLflow's model page renders.
+    the last registration (``versions``: its ``ModelVersion`` objects; ``aliases``: the registered model's, alias ->
+    version, as ``get_registered_model`` gives them: searched versions come without theirs), newest first and at most
+    ``limit`` characters, as a Markdown table MLflow's model page renders.
 
     >>> from types import SimpleNamespace as V
-    >>> print(versions_table([V(version=1, tags={SCORE_TAG: "0.25", ROWS_ADDED_TAG: "60"}, aliases=[]),
-    ...                       V(version=2, tags={SCORE_TAG: "0.5", PARENT_TAG: "1"}, aliases=["champion"])]))
+    >>> print(versions_table([V(version=1, tags={SCORE_TAG: "0.25", ROWS_ADDED_TAG: "60"}),
+    ...                       V(version=2, tags={SCORE_TAG: "0.5", PARENT_TAG: "1"})], {"champion": "2"}))
     | version | pass@1 | parent | rows added | aliases |
     |---|---|---|---|---|
     | v2 | 0.5 | v1 |  | champion |
@@ -137,8 +138,9 @@ def versions_table(versions, limit: int = 5000) -> str:
     rows = ["| version | pass@1 | parent | rows added | aliases |", "|---|---|---|---|---|"]
     for v in sorted(versions, key=lambda v: -int(v.version)):
         parent = f"v{v.tags[PARENT_TAG]}" if PARENT_TAG in v.tags else ""
-        row = (f"| v{v.version} | {v.tags.get(SCORE_TAG, '')} | {parent} | {v.tags.get(ROWS_ADDED_TAG, '')} | "
-               f"{', '.join(sorted(v.aliases or []))} |")
+        named = sorted(alias for alias, version in aliases.items() if str(version) == str(v.version))
+        row = f"| v{v.version} | {v.tags.get(SCORE_TAG, '')} | {parent} | {v.tags.get(ROWS_ADDED_TAG, '')} | " \
+              f"{', '.join(named)} |"
         if sum(len(r) + 1 for r in rows) + len(row) > limit:  # MLflow's SQL stores keep 5000 characters
             break
         rows.append(row)

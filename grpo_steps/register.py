@@ -133,7 +133,8 @@ def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tag
         description = description[: DESCRIPTION_LIMIT - len(CUT_NOTE)] + CUT_NOTE
     client.update_model_version(name, version_id, description=description)
     # the registered model's page: pass@1 per version, with the lineage (after the aliases moved)
-    client.update_registered_model(name, description=versions_table(client.search_model_versions(f"name = '{name}'")))
+    client.update_registered_model(name, description=versions_table(client.search_model_versions(f"name = '{name}'"),
+                                                                    client.get_registered_model(name).aliases))
     aliases = sorted(client.get_model_version(name, version_id).aliases)
     return {"name": name, "version": version_id, "aliases": aliases, "gate_passed": passed, "gate_reason": reason}
 
