@@ -63,12 +63,12 @@ class GRPOFlow(FlowSpec):
 
     @step
     def prepare_data(self):
-        """Load the source, build prompts, deduplicate, split train/eval."""
+        """Load the source, build prompts, deduplicate, split train/eval; no rows new to the chain: on to end."""
         cfg = steps.config_of(self.config)
-        self.model_path, data = steps.prepare_data(cfg, self.mlflow_run_id, self.model_path)
+        self.model_path, data, self.route = steps.prepare_data(cfg, self.mlflow_run_id, self.model_path)
         self.train_rows, self.eval_rows = data.train, data.eval
         self.data_stats, self.dataset_digest = data.stats, data.digest()
-        self.next(self.provision_vllm)
+        self.next({"train": self.provision_vllm, "no_new_rows": self.end}, condition="route")
 
     @step
     def provision_vllm(self):
@@ -132,9 +132,12 @@ class GRPOFlow(FlowSpec):
     @step
     def end(self):
         """Stop the server and close the MLflow run."""
-        steps.finish(steps.config_of(self.config), self.mlflow_run_id, self.server, report=self.eval_report,
-                     model_version=self.model_version, pathspec=current.pathspec)
-        print(f"registered {self.model_version}; trained {self.eval_report['trained']['metrics']}")
+        trained = self.route == "train"  # else ended after prepare_data: nothing served, trained or registered
+        steps.finish(steps.config_of(self.config), self.mlflow_run_id, self.server if trained else None,
+                     report=self.eval_report if trained else None,
+                     model_version=self.model_version if trained else None, pathspec=current.pathspec)
+        if trained:
+            print(f"registered {self.model_version}; trained {self.eval_report['trained']['metrics']}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_steps.config import DataConfig, SourceConfig, kept_columns, split_counts
+from grpo_steps.lineage import SeenRows
 from grpo_steps.sources import DataError, answer_of, check_columns, load_source, row_positions
 
 __all__ = ["DataError", "PreparedData", "RecordedCompletions", "encode_prompt", "load_rows", "prepare", "to_prompt"]
@@ -139,10 +140,10 @@ def _dropped_report(src: SourceConfig, cfg: DataConfig, unit: str, dropped: dict
 
 
 def _prepare_source(src: SourceConfig, cfg: DataConfig, num_train: int, num_eval: int, tokenizer,
-                    seen: set[str], chat_template_kwargs: dict | None,
-                    tools: list | None) -> tuple[list[dict], list[dict], dict[str, int], dict[str, str]]:
+                    seen: set[str], chat_template_kwargs: dict | None, tools: list | None,
+                    chain: SeenRows | None) -> tuple[list[dict], list[dict], dict[str, int], dict[str, str]]:
     """(train, eval, stats, dropped: reason -> where) of one source; ``seen`` holds the questions taken by earlier
-    sources."""
+    sources, ``chain`` (``data.skip_seen``) the rows the start version's chain has seen."""
     rows = load_rows(src, size=2 * (num_train + num_eval), seed=cfg.seed)  # head-room for duplicates, budget
     unit, positions = row_positions(src, len(rows))
     kept_map = kept_columns(src)
@@ -171,6 +172,9 @@ def _prepare_source(src: SourceConfig, cfg: DataConfig, num_train: int, num_eval
             dropped["too_long"].append(position)
         else:
             kept.append({"prompt": prompt, **row})
+    left_out = 0
+    if chain is not None:  # data.skip_seen: no row the chain trained on, and none of its held-out rows in training
+        kept, left_out = chain.unseen(kept, num_eval)
     kept = kept[: num_eval + num_train]
     report = _dropped_report(src, cfg, unit, dropped)
     unusable, distinct = sum(map(len, dropped.values())), len(rows) - duplicates
@@ -183,13 +187,13 @@ def _prepare_source(src: SourceConfig, cfg: DataConfig, num_train: int, num_eval
             + ". Fix those rows or the column names (data.prompt_column, data.answer_column), raise "
             "data.max_prompt_tokens, or raise data.max_unusable_share to train on the rest."
         )
-    if len(kept) <= num_eval:
+    if len(kept) < num_eval or (len(kept) == num_eval and chain is None):  # skip_seen: no new row ends the run
         raise DataError(
             f"only {len(kept)} usable prompts from {src.source} {src.path or src.task!r} ({len(rows)} rows, "
             f"{duplicates} duplicates, {too_long} over data.max_prompt_tokens={cfg.max_prompt_tokens}); need "
             f"more than data.num_eval={num_eval}. Lower num_eval, raise max_prompt_tokens or add data."
         )
-    if len(kept) < num_train + num_eval and not cfg.allow_smaller_split:
+    if len(kept) < num_train + num_eval and not cfg.allow_smaller_split and chain is None:
         raise DataError(
             f"data source {src.name!r}: {len(kept)} usable prompts ({len(rows)} rows, {duplicates} duplicates, "
             f"{too_long} over data.max_prompt_tokens={cfg.max_prompt_tokens}), fewer than num_train + num_eval = "
@@ -197,12 +201,13 @@ def _prepare_source(src: SourceConfig, cfg: DataConfig, num_train: int, num_eval
             f"data.allow_smaller_split: true to train on the {len(kept) - num_eval} there are."
         )
     stats = {"rows": len(rows), "duplicates": duplicates, "train": len(kept) - num_eval, "eval": num_eval,
+             **({"seen_by_chain": left_out} if chain is not None else {}),
              **{f"dropped/{reason}": len(positions) for reason, positions in dropped.items()}}
     return kept[num_eval:], kept[:num_eval], stats, report
 
 
 def prepare(cfg: DataConfig, tokenizer, chat_template_kwargs: dict | None = None,
-            tools: list | None = None) -> PreparedData:
+            tools: list | None = None, chain: SeenRows | None = None) -> PreparedData:
     """Prepared train and eval splits of the configured source or mixture.
 
     Per source: drops rows with an empty prompt or (with ``answer_column`` set) no answer, deduplicates on the
@@ -211,6 +216,9 @@ def prepare(cfg: DataConfig, tokenizer, chat_template_kwargs: dict | None = None
     ``tools``: the schemas rendered with it), then takes its eval rows and up to its train rows (a mixture splits
     ``num_train``/``num_eval`` by weight, see :func:`grpo_steps.config.split_counts`). No prompt is in both splits,
     nor in two sources. Each reason that dropped rows prints one ``[data]`` line with the first line numbers.
+    ``chain`` (``data.skip_seen``): the rows a start version's chain has seen, left out as
+    :meth:`grpo_steps.lineage.SeenRows.unseen` says; then a short train split (even an empty one) is no error: the
+    caller decides (``prepare_data`` ends the run early with too few new rows).
 
     Raises:
         DataError: as :func:`load_rows`; more than ``cfg.max_unusable_share`` of a source's distinct rows dropped
@@ -225,7 +233,7 @@ def prepare(cfg: DataConfig, tokenizer, chat_template_kwargs: dict | None = None
     for src, n_train, n_eval in zip(sources, split_counts(cfg.num_train, weights),
                                     split_counts(cfg.num_eval, weights), strict=True):
         src_train, src_eval, src_stats, src_dropped = _prepare_source(src, cfg, n_train, n_eval, tokenizer, seen,
-                                                                      chat_template_kwargs, tools)
+                                                                      chat_template_kwargs, tools, chain)
         prefix = f"{src.name}/" if cfg.mixture else ""
         dropped.update({f"{prefix}dropped/{reason}": text for reason, text in src_dropped.items()})
         if cfg.mixture:

@@ -24,10 +24,10 @@ the all-time best), and a champion moved meanwhile to a version this gate never 
 
 from __future__ import annotations
 
-import json
 import math
 
 from grpo_steps.evaluation.stats import paired_gain
+from grpo_steps.lineage import run_json
 
 GATE_METRIC = "pass@1"
 PER_PROMPT_ARTIFACT = "eval/per_prompt.json"
@@ -82,14 +82,18 @@ def gate(trained: list[float], baseline: list[float], champion: list[float] | No
 def champion_scores(client, name: str, keys: list[str]) -> tuple[str | None, list[float] | None, str]:
     """The current champion of ``name``: ``(version, per-prompt pass@1 in the order of keys, note)``.
 
-    ``(None, None, "")`` without a champion; the scores are None and the note says why when the champion has no
-    per-prompt scores (registered before they were kept) or was scored on other prompts.
+    ``(None, None, "")`` without a champion or when the champion is tagged ``gate.revoked=true`` (the gate then
+    compares with the baseline alone, and :func:`settle_champion` may replace it); the scores are None and the note
+    says why when the champion has no per-prompt scores (registered before they were kept) or was scored on other
+    prompts.
     """
     from mlflow.exceptions import MlflowException
 
     try:
         version = client.get_model_version_by_alias(name, "champion")
     except MlflowException:
+        return None, None, ""
+    if version.tags.get(REVOKED_TAG) == "true":  # revoked but the alias not moved back yet: never compared with
         return None, None, ""
     record = load_per_prompt(client, version.run_id)
     if record is None or not record.get("prompt_keys"):
@@ -109,17 +113,7 @@ def save_per_prompt(client, run_id: str, keys: list[str], scores: list[float]) -
 
 def load_per_prompt(client, run_id: str) -> dict | None:
     """:data:`PER_PROMPT_ARTIFACT` of a run, or None when the run has none."""
-    import tempfile
-
-    from mlflow.exceptions import MlflowException
-
-    with tempfile.TemporaryDirectory(prefix="grpo-per-prompt-") as folder:
-        try:
-            path = client.download_artifacts(run_id, PER_PROMPT_ARTIFACT, folder)
-        except (MlflowException, OSError):
-            return None
-        with open(path) as file:
-            return json.load(file)
+    return run_json(client, run_id, PER_PROMPT_ARTIFACT)
 
 
 def best_contender(versions) -> str | None:

@@ -100,12 +100,21 @@ def load_tokenizer(model_path: str, chat_template: str | None = None):
     return tokenizer
 
 
-def resolve_model(name_or_path: str) -> str:
-    """A path or hub id that ``from_pretrained`` and ``vllm serve`` accept, for ``model.name_or_path``.
+def resolve_model(name_or_path: str, tracking_uri: str | None = None) -> str:
+    """A path or hub id that ``from_pretrained`` and ``vllm serve`` accept, for ``model.name_or_path``; a registered
+    version (``models:/<name>@<alias>``, ``models:/<name>/<version>``) is fetched from ``tracking_uri``'s registry once
+    into the cache and checked by digest (:func:`grpo_steps.versions.fetch_version`).
 
     Raises:
         FileNotFoundError: a local-looking path that does not exist.
+        VersionError: a ``models:/`` URI that names no version, or whose files fail their digest.
     """
+    from grpo_steps.versions import fetch_version, is_model_uri
+
+    if is_model_uri(name_or_path):
+        if tracking_uri is None:
+            raise ValueError(f"{name_or_path!r} names a registered version: resolve it with the run's tracking URI")
+        return str(fetch_version(name_or_path, tracking_uri, cache_dir())[0])
     if name_or_path.startswith(EMBEDDED_PREFIX):
         return str(prepare_embedded(name_or_path[len(EMBEDDED_PREFIX) :]))
     path = Path(name_or_path).expanduser()

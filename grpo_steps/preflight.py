@@ -18,18 +18,23 @@ from grpo_steps.config import PipelineConfig
 
 def check(cfg: PipelineConfig) -> str:
     """Check ``cfg`` against this machine and the services it names; returns the resolved ``model.name_or_path``
-    (:func:`grpo_steps.models.resolve_model`: a local directory, the embedded model converted once, or a hub id).
+    (:func:`grpo_steps.models.resolve_model`: a local directory, the embedded model converted once, a registered
+    version fetched once and checked by digest, or a hub id).
 
     Raises:
         TrackingUnreachable: an ``http(s)`` tracking URI that does not answer (within seconds).
         FileNotFoundError: ``model.name_or_path`` is a local path that does not exist or holds no model (names what
             is missing: config, tokenizer files, weights).
+        VersionError: a ``models:/`` start that names no version (names what exists), a revoked version, or files
+            that fail their digest.
         ConfigError: ``train.grpo`` keys the installed TRL does not have; ``train.peft.target_modules`` naming no
             linear layer of the model; ``generation.server.replicas`` local servers and the trainer do not fit this
             machine; ``resources.vllm.s3_secret_name`` naming the flow's own Secret (:func:`check_server_secret`);
             a sourced ``.s3/env`` whose ``make s3`` no longer serves its endpoint
             (:func:`grpo_steps.dev.local_s3.check_env`).
         CheckpointNotFound: ``train.resume_from`` names no usable checkpoint.
+        ConfigError: a ``models:/`` start served by Kubernetes pods, fetched outside the shared volume
+            (:func:`check_registry_start`).
         SandboxUnavailable: ``code_execution`` is configured where only the weak sandbox mode works, without
             its ``allow_weak_isolation`` option.
         ToolError: ``model.chat_template`` names nothing, or cannot render a tool-calling exchange with tools or an
@@ -43,7 +48,8 @@ def check(cfg: PipelineConfig) -> str:
 
     tracking.check_reachable(cfg.tracking.tracking_uri)
     local_s3.check_env(os.environ)  # a sourced .s3/env whose `make s3` is gone: refused before a key is sent on
-    model_path = resolve_model(cfg.model.name_or_path)
+    model_path = resolve_model(cfg.model.name_or_path, cfg.tracking.tracking_uri)
+    check_registry_start(cfg, model_path)
     check_grpo_keys(cfg)
     check_sandbox(cfg)
     check_code_reward_deadline(cfg)
@@ -66,6 +72,23 @@ def check(cfg: PipelineConfig) -> str:
     return model_path
 
 
+def check_registry_start(cfg: PipelineConfig, model_path: str) -> None:
+    """A ``models:/`` start served by ``generation.provider: kubernetes``: the server pods load ``model_path`` itself,
+    so the fetched version must lie on the shared volume (``GRPO_CACHE_DIR`` under ``/shared``); a server pod cannot
+    load a ``models:/`` URI.
+
+    Raises:
+        ConfigError: the fetched version lies elsewhere.
+    """
+    from grpo_steps.config import ConfigError, on_shared_volume
+
+    if cfg.model.name_or_path.startswith("models:/") and cfg.generation.provider == "kubernetes" and not (
+            on_shared_volume(model_path)):
+        raise ConfigError(f"model.name_or_path {cfg.model.name_or_path!r} with generation.provider kubernetes: the "
+                          f"server pods load the fetched version ({model_path}), which only the shared volume gives "
+                          "them: set GRPO_CACHE_DIR to a folder under /shared (resources.shared_volume_claim)")
+
+
 def refusal_types() -> tuple[type[BaseException], ...]:
     """The errors that refuse a run for a reason its message says (bad config, data, model, or an unreachable
     service), as opposed to a bug: those :func:`refusals` prints without a traceback."""
@@ -74,11 +97,12 @@ def refusal_types() -> tuple[type[BaseException], ...]:
     from grpo_steps.sources import DataError
     from grpo_steps.tools.functions import ToolError
     from grpo_steps.tracking import TrackingUnreachable
+    from grpo_steps.versions import VersionError
     from grpo_steps.weights.chain import ChainStoreError
     from rewards.sandbox import SandboxUnavailable
 
     return ConfigError, DataError, ToolError, TrackingUnreachable, CheckpointNotFound, SandboxUnavailable, \
-        FileNotFoundError, ChainStoreError
+        FileNotFoundError, ChainStoreError, VersionError
 
 
 @contextmanager

@@ -24,7 +24,9 @@ from grpo_steps.gate import (
     save_per_prompt,
     settle_champion,
 )
+from grpo_steps.lineage import chain, chain_text, versions_table
 from grpo_steps.lora import is_adapter_dir
+from grpo_steps.versions import DIGEST_TAG, model_sha256
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 DESCRIPTION_LIMIT = 5000
@@ -71,20 +73,23 @@ def _log_lora_model(cfg: PipelineConfig, client, run_id: str, adapter_dir: str) 
         return _log_model(components, run_id, base_model_path=base_path), tags
     client.log_artifacts(run_id, adapter_dir, artifact_path="lora_adapter")
     with tempfile.TemporaryDirectory(prefix="grpo-merged-") as merged:
-        return _log_model(str(merge_adapter(base_path, adapter_dir, merged)), run_id), tags
+        merged_dir = str(merge_adapter(base_path, adapter_dir, merged))
+        return _log_model(merged_dir, run_id), {**tags, DIGEST_TAG: model_sha256(merged_dir)}
 
 
 def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tags: dict[str, str]) -> dict:
     """Log ``model_dir`` to the run (a LoRA adapter directory: see :func:`_log_lora_model`), register it as a
     version with alias ``candidate``, move
     ``champion`` when :func:`gate` passes, and describe the version
-    (:func:`grpo_steps.evaluation.report.version_description`).
+    (:func:`grpo_steps.evaluation.report.version_description`, headed by its lineage: the chain of versions it
+    descends from with their pass@1, :func:`grpo_steps.lineage.chain`).
 
     Args:
         report: the evaluate step's ``{"baseline": {"metrics", "per_prompt"}, "trained": {"metrics", "per_prompt",
             "prompt_keys"}}``.
         tags: version tags (``metaflow.pathspec`` of the register task, config hash, dataset digest, git commit;
-            ``weight_lineage.*`` with ``s3`` sync, also told in the description).
+            ``weight_lineage.*`` with ``s3`` sync, also told in the description; ``lineage.*``: the parent version
+            and the rows added). ``model.sha256`` (:func:`grpo_steps.versions.model_sha256`) is added here.
 
     Returns:
         ``{"name", "version", "aliases", "gate_passed", "gate_reason"}``.
@@ -102,8 +107,8 @@ def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tag
         mlflow.set_experiment(experiment_id=client.get_run(run_id).info.experiment_id)
         if is_adapter_dir(model_dir):
             info, lora_tags = _log_lora_model(cfg, client, run_id, model_dir)
-        else:
-            info, lora_tags = _log_model(model_dir, run_id), {}
+        else:  # MLflow copies the directory as it is: the digest of what a models:/ start fetches (grpo_steps.versions)
+            info, lora_tags = _log_model(model_dir, run_id), {DIGEST_TAG: model_sha256(model_dir)}
         trained = report["trained"]["metrics"]
         save_per_prompt(client, run_id, report["trained"].get("prompt_keys") or [],
                         report["trained"]["per_prompt"][GATE_METRIC])
@@ -123,9 +128,13 @@ def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tag
                                       run_pathspec=tags["metaflow.pathspec"].rsplit("/", 2)[0], gate_reason=reason,
                                       lineage={k.removeprefix("weight_lineage."): v for k, v in tags.items()
                                                if k.startswith("weight_lineage.")})
+    description = chain_text(chain(client, name, version_id)) + "\n\n" + description  # v1 <- v2 <- ... this one
     if len(description) > DESCRIPTION_LIMIT:  # a long mixture's table: keep the head, say where the rest is
         description = description[: DESCRIPTION_LIMIT - len(CUT_NOTE)] + CUT_NOTE
     client.update_model_version(name, version_id, description=description)
+    # the registered model's page: pass@1 per version, with the lineage (after the aliases moved)
+    client.update_registered_model(name, description=versions_table(client.search_model_versions(f"name = '{name}'"),
+                                                                    client.get_registered_model(name).aliases))
     aliases = sorted(client.get_model_version(name, version_id).aliases)
     return {"name": name, "version": version_id, "aliases": aliases, "gate_passed": passed, "gate_reason": reason}
 

@@ -17,6 +17,16 @@ from typing import Any
 from grpo_steps import tracking
 from grpo_steps.config import PipelineConfig, validate_config
 from grpo_steps.evaluation.report import card_components  # noqa: F401  (the evaluate step's card)
+from grpo_steps.lineage import (
+    PARENT_MODEL_TAG,
+    PARENT_TAG,
+    ROWS_ADDED_TAG,
+    ROWS_ARTIFACT_TAG,
+    SEEN_ARTIFACT,
+    SeenRows,
+    load_seen,
+    save_seen,
+)
 from grpo_steps.preflight import refusals
 from grpo_steps.processes import scratch_dir  # noqa: F401  (the train step's working directory)
 from grpo_steps.redaction import redact_report
@@ -26,6 +36,7 @@ from grpo_steps.servers.lifecycle import (  # noqa: F401  (the steps' server lif
     provision,
     teardown_failed_run,
 )
+from grpo_steps.versions import is_model_uri, parse_model_uri, start_tags
 
 POLICY_CHECKPOINT = "policy"
 """Name of the checkpoint that holds the final policy in the ``train`` task (node 0's), beside the training
@@ -46,29 +57,65 @@ def start(cfg: PipelineConfig, pathspec: str) -> tuple[str, str]:
         model_path = preflight.check(cfg)
     run_id = tracking.open_run(cfg, pathspec)
     tracking.restrict_local_stores(cfg)  # after open_run, which creates mlflow.db: this user's alone, as .metaflow
+    if is_model_uri(cfg.model.name_or_path):  # the version it resolved to, pinned for every later step
+        tags = start_tags(cfg.model.name_or_path, model_path)
+        tracking.set_tags(cfg, run_id, {**tags, PARENT_TAG: tags["start.model_version"],
+                                        PARENT_MODEL_TAG: parse_model_uri(tags["start.model_uri"])[0]})
+        print(f"[start] {cfg.model.name_or_path} is {tags['start.model_uri']} (sha256 "
+              f"{tags['start.model_sha256'][:16]}...)", flush=True)
     return run_id, model_path
 
 
-def prepare_data(cfg: PipelineConfig, run_id: str, model_path: str) -> tuple[str, Any]:
+def local_model(cfg: PipelineConfig, run_id: str, model_path: str) -> str:
+    """``model_path`` (what ``start`` resolved) when this machine has it, else resolved again here (a step in another
+    pod): the version ``start`` pinned for a ``models:/`` start (run tag ``start.model_uri``), the embedded model, a hub
+    id."""
+    from grpo_steps.models import resolve_model
+
+    if Path(model_path).exists():
+        return model_path
+    pinned = tracking.run_tags(cfg, run_id, "start.model_uri").get("start.model_uri")
+    return resolve_model(pinned or cfg.model.name_or_path, cfg.tracking.tracking_uri)
+
+
+def chain_seen(cfg: PipelineConfig, run_id: str) -> SeenRows | None:
+    """The rows the start version's chain has seen (:mod:`grpo_steps.lineage`): nothing for a start that is no
+    registered version; None for a version whose run kept no record (registered before lineage was kept)."""
+    run = tracking.run_tags(cfg, run_id, "start.model_run_id").get("start.model_run_id")
+    return load_seen(tracking.client(cfg), run) if run else SeenRows()
+
+
+def prepare_data(cfg: PipelineConfig, run_id: str, model_path: str) -> tuple[str, Any, str]:
     """Prepare the splits with the tokenizer of ``model_path`` (what ``start`` resolved); log the dataset and its stats
     to MLflow (rows dropped per reason as metrics ``data/dropped/<reason>``, where the first ones are as tags of the
     same names). Before any server starts, each reward is called on a few prepared rows and checked against TRL's
     contract and ``eval.correct_at`` (:func:`grpo_steps.reward_probe.probe_rewards`). A refusal (bad rows, a missing
     file, a reward that breaks its contract) is printed as its message alone (:func:`grpo_steps.preflight.refusals`).
 
-    Returns ``(model_path, PreparedData)``: the weights as this step's machine reads them.
+    The rows the start version's chain has seen, with this run's splits added, are kept as the run's
+    :data:`grpo_steps.lineage.SEEN_ARTIFACT`; with ``data.skip_seen`` only rows new to the chain are trained on, and
+    fewer of them than one optimizer step takes route the run to ``end`` (route ``no_new_rows``, one line printed).
+
+    Returns ``(model_path, PreparedData, route)``: the weights as this step's machine reads them; ``train`` or
+    ``no_new_rows``.
     """
     from grpo_steps.data import check_environments, mlflow_datasets, prepare
-    from grpo_steps.models import load_tokenizer, resolve_model
+    from grpo_steps.models import load_tokenizer
     from grpo_steps.reward_probe import probe_rewards
+    from grpo_steps.sources import DataError
     from grpo_steps.tools.environments import prompt_tools
 
-    if not Path(model_path).exists():  # a step in another pod (Kubernetes) resolves the embedded model there again
-        model_path = resolve_model(cfg.model.name_or_path)
+    model_path = local_model(cfg, run_id, model_path)  # a step in another pod (Kubernetes) resolves it there again
     tokenizer = load_tokenizer(model_path, cfg.model.chat_template)
     tools = prompt_tools(cfg.tools, cfg.environment, cfg.generation.tool_timeout_s)
+    chain = chain_seen(cfg, run_id)
     with refusals("Run refused by prepare_data (the data)"):
-        data = prepare(cfg.data, tokenizer, cfg.generation.chat_template_kwargs, tools)
+        if cfg.data.skip_seen and chain is None:
+            raise DataError(f"data.skip_seen: the start {cfg.model.name_or_path} kept no record of the rows it "
+                            f"trained on ({SEEN_ARTIFACT}: registered before lineage was kept); set data.skip_seen: "
+                            "false for this run, whose version will keep one")
+        data = prepare(cfg.data, tokenizer, cfg.generation.chat_template_kwargs, tools,
+                       chain=chain if cfg.data.skip_seen else None)
         check_environments(data.train + data.eval, cfg.environment)  # a row naming no factory: refused, not a crash
         if cfg.generation.backend == "recorded":  # every train prompt needs its completions: fail before training
             from grpo_steps.data import RecordedCompletions
@@ -76,6 +123,15 @@ def prepare_data(cfg: PipelineConfig, run_id: str, model_path: str) -> tuple[str
             recorded = RecordedCompletions(cfg.generation.recorded_file)
             for row in data.train:
                 recorded.completions_for(row["prompt"], cfg.train.num_generations)
+    chain = chain or SeenRows()
+    save_seen(tracking.client(cfg), run_id, chain.after(data.train, data.eval))
+    tracking.set_tags(cfg, run_id, {ROWS_ADDED_TAG: str(chain.new_rows(data.train)), ROWS_ARTIFACT_TAG: SEEN_ARTIFACT})
+    per_step = (cfg.train.per_device_train_batch_size * cfg.train.gradient_accumulation_steps
+                * cfg.train.world_size // cfg.train.num_generations)
+    if cfg.data.skip_seen and len(data.train) < per_step:
+        print(f"[data] {len(data.train)} rows new to the chain of {cfg.model.name_or_path}, fewer than the {per_step} "
+              "prompts one optimizer step takes: nothing to train; the run ends here (data.skip_seen)", flush=True)
+        return model_path, data, "no_new_rows"
     # the reward contract on a few prepared rows, before any server starts (the rows exist from here on)
     with refusals("Run refused: a reward breaks TRL's reward contract (checked on prepared rows)"):
         for line in probe_rewards(cfg, data.train, tokenizer):
@@ -83,7 +139,7 @@ def prepare_data(cfg: PipelineConfig, run_id: str, model_path: str) -> tuple[str
     tracking.log_datasets(cfg, run_id, mlflow_datasets(cfg.data, data))
     tracking.log_metrics(cfg, run_id, {f"data/{k}": v for k, v in data.stats.items()})
     tracking.set_tags(cfg, run_id, {f"data/{k}": where for k, where in data.dropped.items()})  # the first lines
-    return model_path, data
+    return model_path, data, "train"
 
 
 def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list[dict], server: dict,
@@ -102,6 +158,7 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
 
     tracking.wait_reachable(cfg, "train")  # a tracking outage: wait a bounded time, then fail saying `resume`
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
+    model_path = local_model(cfg, run_id, model_path)  # a node in another pod fetches the pinned start itself
     output_dir = Path(output_dir)
     train_file = output_dir / "train.jsonl"
     train_file.write_text("".join(json.dumps(row) + "\n" for row in train_rows))
@@ -165,6 +222,7 @@ def evaluate(cfg: PipelineConfig, *, run_id: str, server: dict, base_model: str,
 
     tracking.wait_reachable(cfg, "evaluate")  # a tracking outage: wait a bounded time, then fail saying `resume`
     tracking.reopen_run(cfg, run_id)  # RUNNING again on ``resume`` after a failure
+    base_model = local_model(cfg, run_id, base_model)  # the baseline is the start: a registered version's weights
     with system_metrics(run_id, cfg.tracking.tracking_uri):
         report = evaluate_baseline_and_trained(cfg, run_id=run_id, server=server, base_model=base_model,
                                                trained_model=trained_model, eval_rows=eval_rows, measured=measured,
@@ -195,7 +253,8 @@ def register(cfg: PipelineConfig, *, run_id: str, model_dir: str, report: dict, 
              dataset_digest: str) -> dict:
     """Register the trained policy (see :func:`grpo_steps.register.register`), its version tagged with the SHA-256 of
     its weight files (``weights.sha256``) and, with ``weight_sync: s3``, the lineage of the last version the servers
-    loaded (``weight_lineage.*``: version, anchor, deltas, digest of its tensors' checksums)."""
+    loaded (``weight_lineage.*``: version, anchor, deltas, digest of its tensors' checksums), and its lineage
+    (``lineage.*``: the parent version it started from, the rows it added, :mod:`grpo_steps.lineage`)."""
     from grpo_steps.register import register as register_version
 
     tracking.wait_reachable(cfg, "register")  # a tracking outage: wait a bounded time, then fail saying `resume`
@@ -204,24 +263,34 @@ def register(cfg: PipelineConfig, *, run_id: str, model_dir: str, report: dict, 
 
     tags = {"metaflow.pathspec": pathspec, "config.sha256": cfg.sha256(), "dataset.digest": dataset_digest,
             "git.commit": tracking.git_commit(), "weights.sha256": weights_sha256(model_dir),
-            **tracking.run_tags(cfg, run_id, prefix="weight_lineage.")}
+            **tracking.run_tags(cfg, run_id, prefix="weight_lineage."), **tracking.run_tags(cfg, run_id, "lineage.")}
     return register_version(cfg, run_id, model_dir, report, tags)
 
 
-def finish(cfg: PipelineConfig, run_id: str, server: dict | None, *, report: dict, model_version: dict,
-           pathspec: str) -> None:
+def finish(cfg: PipelineConfig, run_id: str, server: dict | None, *, report: dict | None,
+           model_version: dict | None, pathspec: str) -> None:
     """Stop the server this run started (an ``external`` one keeps running), delete the run's weight versions in S3
     (``weight_sync: s3``), write the run's description (what a
     reviewer reads first on its MLflow page, :func:`grpo_steps.evaluation.report.run_description`) and close the
-    MLflow run."""
+    MLflow run. A run that ended after ``prepare_data`` (``report`` None: no rows new to its chain) says so."""
     from grpo_steps.evaluation.report import run_description
     from grpo_steps.weights.publisher import remove_run_versions
 
-    lifecycle.stop(server)
+    if server is not None:
+        lifecycle.stop(server)
     remove_run_versions(weight_store(cfg, run_id))  # what a failed and retried train attempt may have left
     tracking.wait_reachable(cfg, "end")  # the run must not stay RUNNING: wait for the server, or fail for `resume`
-    route = f"#/models/{model_version['name']}/versions/{model_version['version']}"
-    description = run_description(cfg, report, model_version, run_pathspec=pathspec.rsplit("/", 2)[0],
-                                  version_url=tracking.ui_url(cfg, route))
+    start = tracking.run_tags(cfg, run_id, "start.")
+    if report is None or model_version is None:
+        description = (f"**Ended after prepare_data**: no rows new to the chain of `{cfg.model.name_or_path}` "
+                       f"(data.skip_seen); nothing trained or registered. Metaflow run `{pathspec.rsplit('/', 2)[0]}`.")
+    else:
+        route = f"#/models/{model_version['name']}/versions/{model_version['version']}"
+        description = run_description(cfg, report, model_version, run_pathspec=pathspec.rsplit("/", 2)[0],
+                                      version_url=tracking.ui_url(cfg, route))
+    if start:  # the baseline is the start version; the gate compared with it and with the champion
+        description += (f"\n\n**Start**: `{start['start.model_uri']}` (`{cfg.model.name_or_path}` when the run began), "
+                        "the baseline of this run's evaluation and of its gate; the gate's reason above says how the "
+                        "trained policy compared with it and with the champion of the time.")
     tracking.set_tags(cfg, run_id, {tracking.DESCRIPTION_TAG: description})
     tracking.close_run(cfg, run_id)

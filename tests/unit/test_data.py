@@ -7,6 +7,7 @@ import pytest
 
 from grpo_steps.config import REPO_ROOT, DataConfig, SourceConfig, load_config
 from grpo_steps.data import DataError, prepare, table
+from grpo_steps.lineage import SEEN_ARTIFACT, SeenRows, load_seen, row_digest
 from grpo_steps.sources import HUMANEVAL_INSTRUCTION, answer_of
 
 
@@ -143,8 +144,13 @@ def test_prepare_data_step_logs_dropped_counts_and_lines_to_mlflow(tmp_path, tin
     config["tracking"] = {"tracking_uri": mlflow_db}
     cfg = validate_config(config)
     run_id = tracking.open_run(cfg, "GRPOFlow/1/start/1")
-    _, data = steps.prepare_data(cfg, run_id, tiny_model_path)
+    _, data, route = steps.prepare_data(cfg, run_id, tiny_model_path)
+    assert route == "train"
     run = tracking.client(cfg).get_run(run_id)
+    # the run's lineage: a start that is no registered version has seen nothing, so every train row is new
+    assert (run.data.tags["lineage.rows_added"], run.data.tags["lineage.rows_artifact"]) == ("20", SEEN_ARTIFACT)
+    seen = load_seen(tracking.client(cfg), run_id)
+    assert seen == SeenRows(frozenset(map(row_digest, data.train)), frozenset(map(row_digest, data.eval)))
     assert {k: v for k, v in run.data.metrics.items() if k.startswith("data/dropped/")} == {
         "data/dropped/empty_prompt": 3, "data/dropped/missing_answer": 2, "data/dropped/too_long": 1}
     assert run.data.tags["data/dropped/missing_answer"] == "lines 45, 46"
@@ -519,3 +525,24 @@ def test_rows_that_name_no_configured_environment_are_refused_before_training(ro
     else:
         with pytest.raises(DataError, match=refused):
             check_environments(rows, environment)
+
+
+def test_skip_seen_leaves_out_the_chains_trained_rows_keeps_its_held_out_rows_out_of_training(tmp_path, tiny_tokenizer):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(14)))
+    cfg = _cfg(source="jsonl", path=str(path), num_train=4, num_eval=4, skip_seen=True)
+    first = prepare(cfg, tiny_tokenizer, chain=SeenRows())
+    assert (len(first.train), len(first.eval)) == (4, 4)
+    chain = SeenRows().after(first.train, first.eval)
+    second = prepare(cfg, tiny_tokenizer, chain=chain)
+    digests = [set(map(row_digest, rows)) for rows in (first.train, first.eval, second.train, second.eval)]
+    assert digests[1] == digests[3] and not digests[2] & (digests[0] | digests[1]) and len(digests[2]) == 4
+    assert second.stats["seen_by_chain"] == 4
+    chain = chain.after(second.train, second.eval)
+    third = prepare(cfg, tiny_tokenizer, chain=chain)  # 2 new rows: fewer than num_train is no error here
+    assert len(third.train) == 2 and not set(map(row_digest, third.train)) & (chain.trained | chain.held_out)
+    fourth = prepare(cfg, tiny_tokenizer, chain=chain.after(third.train, third.eval))
+    assert (fourth.train, set(map(row_digest, fourth.eval))) == ([], digests[1])  # nothing new: the caller ends
+    other = SeenRows(trained=frozenset(), held_out=frozenset(map(row_digest, first.train)))  # held out elsewhere
+    assert not set(map(row_digest, prepare(cfg, tiny_tokenizer, chain=other).train)) & other.held_out

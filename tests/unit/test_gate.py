@@ -267,3 +267,11 @@ def test_an_eval_split_below_registry_min_eval_prompts_is_refused_in_start():
 def test_registry_names_that_break_mlflow_filters_are_refused_in_start(name):
     with pytest.raises(ConfigError, match="registry.model_name"):
         validate_config({"registry": {"model_name": name}})
+
+
+def test_a_revoked_champion_is_never_compared_with(tmp_path, mlflow_db):
+    register, client = _registrar(tmp_path)
+    assert register([1.0] * 20) == ("1", True, "1")
+    client.set_model_version_tag("policy", "1", "gate.revoked", "true")  # revoked, the alias not moved back yet
+    assert register([0.5] * 20) == ("2", True, "2")  # judged against the baseline alone: v1's 1.0 would beat it
+    assert client.get_model_version("policy", "2").tags["gate.compared_champion"] == ""
