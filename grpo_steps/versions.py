@@ -153,8 +153,11 @@ def fetch_version(uri: str, tracking_uri: str, cache: Path) -> tuple[Path, objec
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not target.is_dir():
             with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
+                # the version's own location, asked of this client: MLflow 3.17 resolves a models:/ URI through
+                # the process's global registry URI whatever registry_uri says (ModelsArtifactRepository
+                # ._get_model_uri_infos), another store wherever mlflow.set_tracking_uri was called
                 local = mlflow.artifacts.download_artifacts(
-                    artifact_uri=f"{MODELS_PREFIX}{version.name}/{version.version}", dst_path=tmp,
+                    artifact_uri=client.get_model_version_download_uri(version.name, version.version), dst_path=tmp,
                     tracking_uri=tracking_uri)
                 _check_digest(version, Path(local) / "model")
                 shutil.move(str(Path(local) / "model"), target)  # checked, then in place: never a half copy
