@@ -19,6 +19,8 @@ from grpo_steps.dev import rehearsal
 from grpo_steps.dev.rehearsal import PodSpec
 from grpo_steps.processes import ProcessRef, log_tail
 
+IMAGE_WORKDIR = "/opt/grpo-pipeline"  # infra/Dockerfile's WORKDIR: where a container without workingDir starts
+
 
 class PodFailed(RuntimeError):
     """A pod's container exited non-zero (or ran past its time): the message names the pod, its exit, the head of its
@@ -53,23 +55,28 @@ def _volume_dir(source: dict, pod_dir: Path, shared: Path, mount_path: str) -> t
     return f"mount --bind {shlex.quote(str(folder))} {shlex.quote(mount_path)}", str(folder)
 
 
-def pod_argv(pod: PodSpec, pod_dir: Path, shared: Path, hosts: list[str]) -> tuple[list[str], dict[str, str]]:
+def pod_argv(pod: PodSpec, pod_dir: Path, shared: Path, hosts: list[str],
+             image_workdir: str = IMAGE_WORKDIR) -> tuple[list[str], dict[str, str]]:
     """The command that runs ``pod``'s container as its own process, and the host folders of its mounts (mount
-    path -> folder; a tmpfs has none). Creates ``pod_dir`` (its working directory, ``/tmp``, ``/etc/hosts``) and the
-    mount points (``/mnt/out`` ...) on this machine, empty."""
+    path -> folder; "" a tmpfs). Creates ``pod_dir`` (``work``: the empty working directory, bound at the image's
+    ``WORKDIR`` unless the container names one; ``tmp``: its ``/tmp``; ``hosts``: its ``/etc/hosts``) and the mount
+    points on this machine. ``/tmp`` is bound last, so a ``pod_dir`` under /tmp works too."""
     work, tmp = pod_dir / "work", pod_dir / "tmp"
     for folder in (work, tmp):
         folder.mkdir(parents=True, exist_ok=True)
     tmp.chmod(0o1777)
     (pod_dir / "hosts").write_text("127.0.0.1 localhost " + " ".join(hosts) + "\n")
-    mounts = [f"mount --bind {shlex.quote(str(tmp))} /tmp",
-              f"mount --bind {shlex.quote(str(pod_dir / 'hosts'))} /etc/hosts"]
+    workdir = pod.workdir or image_workdir
+    mounts = [f"mount --bind {shlex.quote(str(pod_dir / 'hosts'))} /etc/hosts",
+              f"mount --bind {shlex.quote(str(work))} {shlex.quote(workdir)}"]
     folders = {}
-    for path, source in pod.mounts.items():
+    for path in [workdir, *pod.mounts]:
         Path(path).mkdir(parents=True, exist_ok=True)  # the mount point; a pod's container has it from the kubelet
+    for path, source in pod.mounts.items():
         command, folders[path] = _volume_dir(source, pod_dir, shared, path)
         mounts.append(command)
-    script = " && ".join([*mounts, f"cd {shlex.quote(str(pod.workdir or work))}", 'exec "$@"'])
+    script = " && ".join([*mounts, f"cd {shlex.quote(workdir)}", f"mount --bind {shlex.quote(str(tmp))} /tmp",
+                          'exec "$@"'])
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, pod.name, *pod.argv], folders
 
 
