@@ -109,7 +109,10 @@ class GRPOFlow(FlowSpec):
     @step
     def evaluate(self, inputs):
         """Baseline vs trained policy on the held-out split, through the same server."""
-        self.merge_artifacts(inputs)
+        # with provider local in pods each gang node started a server of its own, gone with its pod (make rehearse):
+        # node 0's handle (the node that saved the policy), which ensure_server checks and replaces
+        self.merge_artifacts(inputs, exclude=["server"])
+        self.server = next(node.server for node in inputs if hasattr(node, "policy"))
         cfg = steps.config_of(self.config)
         self.server = steps.ensure_server(cfg, self.server, self.model_path)
         with steps.loaded_policy(self.policy) as trained_model:
