@@ -49,6 +49,19 @@ def start(cfg: PipelineConfig, pathspec: str) -> tuple[str, str]:
     return run_id, model_path
 
 
+def model_here(cfg: PipelineConfig, model_path: str) -> str:
+    """``model_path`` (what an earlier step resolved) as this step's machine reads it: a step in another pod
+    (Kubernetes) lacks the directory an earlier pod built (an embedded model in that pod's cache), so it resolves
+    ``model.name_or_path`` again (a hub id stays a hub id). Found by ``make rehearse`` (each pod its own ~/.cache).
+
+    Raises:
+        FileNotFoundError: as :func:`grpo_steps.models.resolve_model`.
+    """
+    from grpo_steps.models import resolve_model
+
+    return model_path if Path(model_path).exists() else resolve_model(cfg.model.name_or_path)
+
+
 def prepare_data(cfg: PipelineConfig, run_id: str, model_path: str) -> tuple[str, Any]:
     """Prepare the splits with the tokenizer of ``model_path`` (what ``start`` resolved); log the dataset and its stats
     to MLflow (rows dropped per reason as metrics ``data/dropped/<reason>``, where the first ones are as tags of the
@@ -59,12 +72,11 @@ def prepare_data(cfg: PipelineConfig, run_id: str, model_path: str) -> tuple[str
     Returns ``(model_path, PreparedData)``: the weights as this step's machine reads them.
     """
     from grpo_steps.data import check_environments, mlflow_datasets, prepare
-    from grpo_steps.models import load_tokenizer, resolve_model
+    from grpo_steps.models import load_tokenizer
     from grpo_steps.reward_probe import probe_rewards
     from grpo_steps.tools import prompt_tools
 
-    if not Path(model_path).exists():  # a step in another pod (Kubernetes) resolves the embedded model there again
-        model_path = resolve_model(cfg.model.name_or_path)
+    model_path = model_here(cfg, model_path)
     tokenizer = load_tokenizer(model_path, cfg.model.chat_template)
     tools = prompt_tools(cfg.tools, cfg.environment, cfg.generation.tool_timeout_s)
     with refusals("Run refused by prepare_data (the data)"):

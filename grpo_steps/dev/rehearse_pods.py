@@ -1,8 +1,9 @@
 """Running the pods of a rendered workflow as processes (:mod:`grpo_steps.dev.rehearse` drives it): each pod in a
-mount namespace of its own (``unshare --mount``) with its own ``/tmp``, its manifest's volumes bound where it mounts
-them (an emptyDir a fresh folder, ``medium: Memory`` a tmpfs, a claim a folder shared by every pod naming it), an
-``/etc/hosts`` resolving the run's pod names to this machine (the cluster's DNS), and its own empty working
-directory; the DAG walked as Argo walks it, each task's output parameters read from the files its container wrote.
+mount namespace of its own (``unshare --mount``) with its own ``/tmp`` and cache folder, its manifest's volumes bound
+where it mounts them (an emptyDir a fresh folder, ``medium: Memory`` a tmpfs, a claim a folder shared by every pod
+naming it), an ``/etc/hosts`` resolving the run's pod names to this machine (the cluster's DNS), and its own empty
+working directory; the DAG walked as Argo walks it, each task's output parameters read from the files
+its container wrote.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ def pod_argv(pod: PodSpec, pod_dir: Path, shared: Path, hosts: list[str],
     path -> folder; "" a tmpfs). Creates ``pod_dir`` (``work``: the empty working directory, bound at the image's
     ``WORKDIR`` unless the container names one; ``tmp``: its ``/tmp``; ``hosts``: its ``/etc/hosts``) and the mount
     points on this machine. ``/tmp`` is bound last, so a ``pod_dir`` under /tmp works too."""
-    work, tmp = pod_dir / "work", pod_dir / "tmp"
-    for folder in (work, tmp):
+    work, tmp, home = pod_dir / "work", pod_dir / "tmp", pod_dir / "home"
+    for folder in (work, tmp, home):
         folder.mkdir(parents=True, exist_ok=True)
     tmp.chmod(0o1777)
     (pod_dir / "hosts").write_text("127.0.0.1 localhost " + " ".join(hosts) + "\n")
@@ -75,8 +76,12 @@ def pod_argv(pod: PodSpec, pod_dir: Path, shared: Path, hosts: list[str],
     for path, source in pod.mounts.items():
         command, folders[path] = _volume_dir(source, pod_dir, shared, path)
         mounts.append(command)
-    script = " && ".join([*mounts, f"cd {shlex.quote(workdir)}", f"mount --bind {shlex.quote(str(tmp))} /tmp",
-                          'exec "$@"'])
+    # the user's cache folder empty too (models, vLLM's compilations: not the home, which may hold the interpreter the
+    # virtual environment links to), and /tmp: both after the other mounts, whose sources may lie under them
+    cache = Path.home() / ".cache"
+    cache.mkdir(exist_ok=True)
+    script = " && ".join([*mounts, f"mount --bind {shlex.quote(str(home))} {shlex.quote(str(cache))}",
+                          f"cd {shlex.quote(workdir)}", f"mount --bind {shlex.quote(str(tmp))} /tmp", 'exec "$@"'])
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, pod.name, *pod.argv], folders
 
 

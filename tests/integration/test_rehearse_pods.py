@@ -18,7 +18,7 @@ def _unshare_allowed() -> bool:
 pytestmark = pytest.mark.skipif(not _unshare_allowed(), reason="needs mount namespaces (root; CI runs as root)")
 SCRIPT = ("echo t-{n} > /mnt/out/task_id && echo mine > /tmp/own && ls /tmp > seen && "
           "getent hosts js-control-0-0.js.grpo.svc.cluster.local > resolved && df /dev/shm > shm && "
-          "echo $MARK > shared/{n} && pwd > cwd")
+          "echo $MARK > shared/{n} && pwd > cwd && ls -A ~/.cache > cache")
 
 
 def _pod(n: int) -> PodSpec:
@@ -38,6 +38,7 @@ def test_each_pod_has_its_own_tmp_outputs_and_working_directory(tmp_path):
         work = tmp_path / "pods" / pod.name / "work"
         assert outputs_of(pod, result.folders) == {"task-id": f"t-{n}"}
         assert (work / "seen").read_text().split() == ["own"]  # an empty /tmp of its own
+        assert (work / "cache").read_text() == ""  # and an empty ~/.cache: no model this machine's user cached
         assert (tmp_path / "pods" / pod.name / "tmp" / "own").read_text() == "mine\n"
         assert (work / "resolved").read_text().startswith("127.0.0.1")  # the control node, as DNS would answer
         assert "tmpfs" in (work / "shm").read_text()  # emptyDir medium Memory
