@@ -74,8 +74,9 @@ def ensure_server(cfg: PipelineConfig, server: dict, model_path: str) -> dict:
         current.stop()
         print(f"{current} belongs to an earlier run or is not answering: starting a new one", flush=True)
         replacement = provision(cfg, model_path)
+        text = json.dumps(replacement)  # before the record is opened: a handle JSON cannot hold leaves no empty record
         with open_private(record, "w") as out:
-            out.write(json.dumps(replacement))
+            out.write(text)
         return replacement
 
 

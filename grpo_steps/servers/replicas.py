@@ -119,7 +119,9 @@ class ReplicaSet(GenerationServer):
                           capabilities=self.capabilities)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"provider": self.provider, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+        # a JSON record as the base's: the capabilities as a dict (a gang's nodes share a replaced set's handle as JSON)
+        return {"provider": self.provider, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                "capabilities": dataclasses.asdict(self.capabilities) if self.capabilities else None}
 
     def summary(self) -> str:
         members = "; ".join(member.summary() for member in self.members)
