@@ -6,6 +6,7 @@ training process starts (:func:`warm_up`), stopped at ``end`` (:func:`stop`) or 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from contextlib import contextmanager
@@ -74,7 +75,9 @@ def ensure_server(cfg: PipelineConfig, server: dict, model_path: str) -> dict:
         current.stop()
         print(f"{current} belongs to an earlier run or is not answering: starting a new one", flush=True)
         replacement = provision(cfg, model_path)
-        text = json.dumps(replacement)  # before the record is opened: a handle JSON cannot hold leaves no empty record
+        # before the record is opened (a failed dump leaves no empty record); a replica set's handle keeps its
+        # capabilities as the frozen type, written as its fields (servers.from_dict reads them back)
+        text = json.dumps(replacement, default=dataclasses.asdict)
         with open_private(record, "w") as out:
             out.write(text)
         return replacement

@@ -119,9 +119,7 @@ class ReplicaSet(GenerationServer):
                           capabilities=self.capabilities)
 
     def to_dict(self) -> dict[str, Any]:
-        # a JSON record as the base's: the capabilities as a dict (a gang's nodes share a replaced set's handle as JSON)
-        return {"provider": self.provider, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
-                "capabilities": dataclasses.asdict(self.capabilities) if self.capabilities else None}
+        return {"provider": self.provider, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
 
     def summary(self) -> str:
         members = "; ".join(member.summary() for member in self.members)
