@@ -19,7 +19,9 @@ class CurriculumConfig(_Section):
     exponential moving average of its groups' pass rates; the pools are set by the thresholds; each prompt of the next
     generation batch comes from a pool drawn by the pools' weights (empty pools' weight redistributed over the others),
     then uniformly from that pool, without repeats within a batch. Saved in every checkpoint and continued by
-    ``resume``, ``train.resume_from`` and an elastic resume on another gang size."""
+    ``resume``, ``train.resume_from`` and an elastic resume on another gang size. It replaces TRL's epoch order, so
+    ``train.grpo.shuffle_dataset: false`` (the data's order) is refused with it; TRL's default (shuffled) is what it
+    does anyway."""
 
     easy_threshold: float = Field(0.9, gt=0, le=1)
     """A prompt whose pass rate is at or above this (0..1) is in the ``easy`` pool (its groups rarely carry a
@@ -84,6 +86,12 @@ def curriculum_refusal(cfg) -> str | None:
     if cur.pass_reward is not None and cur.pass_reward not in names:
         return (f"train.curriculum.pass_reward {cur.pass_reward!r} is not one of the configured rewards {names}: "
                 "name one of them, or null for the weighted sum")
+    if train.grpo.get("shuffle_dataset") is False:
+        # TRL's RepeatSampler reads shuffle_dataset; the curriculum's sampler replaces it and always draws at random
+        # (by the pools' weights, with train.seed), so the data's own order cannot be kept
+        return ("train.grpo.shuffle_dataset: false asks for the training prompts in the data's order, but "
+                "train.curriculum draws every generation batch at random by the prompts' pass rates: remove "
+                "shuffle_dataset, or set train.curriculum: null to train in the data's order")
     steps = train.grpo.get("steps_per_generation")
     if isinstance(steps, int) and steps < train.gradient_accumulation_steps:
         # several generation batches per optimizer step: transformers reads all of the step's micro-batches before the

@@ -1,6 +1,7 @@
 """train.curriculum through the real training entry (no server: recorded completions whose pass rates differ by
 prompt): the sampler steers TRL's dataloader, its metrics reach the trainer's log, its state is in every checkpoint,
-and a run resumed from a checkpoint in a new trainer trains the same prompts as the uninterrupted run."""
+and a run resumed from a checkpoint on another gang size (one process's checkpoint continued by two DDP processes
+through ``launch``, as the flow's train step starts them) trains the same prompts as the uninterrupted run."""
 
 import json
 
@@ -8,6 +9,7 @@ import pytest
 
 from grpo_steps.config import REPO_ROOT, load_config, validate_config
 from grpo_steps.data import prepare
+from grpo_steps.launch import launch
 from grpo_steps.training.cursor import PROMPTS_LOG, prompt_id
 from grpo_steps.training.entry import run
 from grpo_steps.training.job import TrainJob
@@ -23,12 +25,14 @@ def right_answers(index: int) -> int:
 
 
 def _job(workdir, model_path, rows, recorded: str, max_steps: int, resume_from=None, tracking_uri=None,
-         mlflow_run_id=None) -> TrainJob:
+         mlflow_run_id=None, processes: int = 1) -> TrainJob:
     base = load_config(REPO_ROOT / "configs" / "test.yaml").model_dump()
     base["tracking"]["tracking_uri"] = tracking_uri or base["tracking"]["tracking_uri"]
     base["generation"].update(backend="recorded", recorded_file=recorded)
     base["train"].update(max_steps=max_steps, save_steps=KILL_AT, save_total_limit=5,
-                         curriculum={"pass_reward": "answer_accuracy"})
+                         curriculum={"pass_reward": "answer_accuracy"}, processes_per_node=processes,
+                         # the same completions per optimizer step over all processes (2 prompts x 4)
+                         per_device_train_batch_size=base["train"]["per_device_train_batch_size"] // processes)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return TrainJob(config=validate_config(base), model_path=model_path, train_file=str(workdir / "train.jsonl"),
@@ -40,8 +44,8 @@ def _prompts(workdir) -> dict[int, list[str]]:
     return {entry["step"]: entry["ids"] for entry in map(json.loads, lines)}
 
 
-def test_a_curriculum_resumed_from_a_checkpoint_trains_the_uninterrupted_runs_prompts(tmp_path, tiny_model_path,
-                                                                                      tiny_tokenizer):
+def test_a_curriculum_resumed_on_another_gang_size_trains_the_uninterrupted_runs_prompts(
+        tmp_path, tiny_model_path, tiny_tokenizer, capsys):
     rows = prepare(validate_config(load_config(REPO_ROOT / "configs" / "test.yaml").model_dump()).data,
                    tiny_tokenizer).train
     recorded = tmp_path / "recorded.jsonl"
@@ -78,8 +82,15 @@ def test_a_curriculum_resumed_from_a_checkpoint_trains_the_uninterrupted_runs_pr
         assert h["curriculum/drawn_pass_rate"] == pytest.approx(expected)
     assert logs[0]["curriculum/drawn/unseen"] == 1.0 and logs[0]["curriculum/pool/unseen"] == len(rows)
 
-    resumed = tmp_path / "resumed"
-    run(_job(resumed, tiny_model_path, rows, str(recorded), STEPS, resume_from=str(checkpoint)))
-    after = _prompts(resumed)
+    # killed after step KILL_AT and resumed on another gang size: the one process's checkpoint continued by a gang of
+    # two (accelerate launch, DDP over gloo), each rank loading the curriculum and drawing the same batches, which are
+    # the uninterrupted run's (a resume on the same gang size: tests/unit/test_curriculum.py)
+    resized = tmp_path / "resized"
+    launch(_job(resized, tiny_model_path, rows, str(recorded), STEPS, resume_from=str(checkpoint), processes=2))
+    assert "saved by 1 node x 1 process on 1 node x 2 processes" in capsys.readouterr().out
+    after = _prompts(resized)
     assert sorted(after) == list(range(KILL_AT + 1, STEPS + 1))
     assert after == {step: uninterrupted[step] for step in after}
+    state = json.loads((resized / "out" / f"checkpoint-{STEPS}" / "curriculum.json").read_text())
+    assert state["next_batch"] == STEPS and state["rates"] == json.loads(
+        (whole / "out" / f"checkpoint-{STEPS}" / "curriculum.json").read_text())["rates"]

@@ -188,11 +188,14 @@ def test_start_refuses_what_cannot_work():
             ({}, {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 4,
                   "grpo": {"steps_per_generation": 1}}, "remove steps_per_generation"),
             ({"prior_column": "level"}, {}, "add it to data.columns"),
+            ({}, {"grpo": {"shuffle_dataset": False}}, "remove shuffle_dataset, or set train.curriculum: null"),
             ({"hard_threshold": 0.6, "easy_threshold": 0.5}, {}, "must be below easy_threshold"),
             ({"learnable_weight": 0}, {}, "must be above 0")):
         with pytest.raises(ConfigError, match=message):
             validate_config(with_curriculum(curriculum, **train))
     assert validate_config(with_curriculum({"pass_reward": "answer_accuracy"})).train.curriculum.ema == 0.5
+    # shuffled draws are what the curriculum does anyway (at random within the pools)
+    assert validate_config(with_curriculum({}, grpo={"shuffle_dataset": True})).train.curriculum is not None
 
 
 def test_a_level_column_is_the_prior_and_a_bad_one_is_refused():
