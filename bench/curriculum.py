@@ -2,8 +2,11 @@
 
     .venv/bin/python bench/curriculum.py [--config configs/arithmetic2.yaml] [--seeds 7 42 1234] [--steps 24]
         [--workdir bench-curriculum] [--curriculum '{"pass_reward": "answer_accuracy"}']
-        [--override '{"data": {"num_eval": 100}, "eval": {"every_steps": 0}}']
+        [--override '{"data": {"num_eval": 100}, "eval": {"every_steps": 0}}'] [--report-only]
     smoke (the tiny model, a few minutes): --config configs/test.yaml --seeds 1 --steps 2
+
+Each finished (seed, arm) is kept in ``WORKDIR/<arm>-seed<seed>/result.json``: the same command run again skips it,
+and ``--report-only`` prints the tables over the seeds whose two arms finished (a benchmark stopped at a deadline).
 
 Each (seed, arm) is the whole flow as a user runs it (``python flows/grpo_flow.py --config config RUN.yaml run`` in a
 scratch directory of its own: its own Metaflow datastore and ``mlflow.db``), the arms differing only in
@@ -14,7 +17,9 @@ gain curriculum - uniform over (seed, held-out prompt) pairs with its 95 % inter
 (:func:`grpo_steps.evaluation.stats.paired_gain`); and per optimizer step the share of groups without signal (TRL's
 ``frac_reward_zero_std``), mean over seeds per arm, with the paired difference over seeds and its interval. The
 issue's goal: the same held-out pass@1 in at most 70 % of the steps, or a higher one at equal steps with an
-interval above zero. Run it alone on the machine: each flow run starts a generation server.
+interval above zero. Run it alone on the machine: each flow run starts a generation server, and a 48-completion step
+of arithmetic2 peaks at ~9 GiB in the trainer (``--override '{"train": {"per_device_train_batch_size": 8,
+"gradient_accumulation_steps": 6}}'`` trains the same 48 per optimizer step in micro-batches of 8).
 """
 
 from __future__ import annotations
