@@ -27,15 +27,12 @@ from grpo_steps.lineage import (
     load_seen,
     save_seen,
 )
+from grpo_steps.models import resolve_teacher
 from grpo_steps.preflight import refusals
 from grpo_steps.processes import scratch_dir  # noqa: F401  (the train step's working directory)
 from grpo_steps.redaction import redact_report
 from grpo_steps.servers import lifecycle
-from grpo_steps.servers.lifecycle import (  # noqa: F401  (the steps' server lifecycle)
-    ensure_server,
-    provision,
-    teardown_failed_run,
-)
+from grpo_steps.servers.lifecycle import teardown_failed_run  # noqa: F401  (the failed run's exit hook)
 from grpo_steps.versions import is_model_uri, parse_model_uri, start_tags
 
 POLICY_CHECKPOINT = "policy"
@@ -64,6 +61,20 @@ def start(cfg: PipelineConfig, pathspec: str) -> tuple[str, str]:
         print(f"[start] {cfg.model.name_or_path} is {tags['start.model_uri']} (sha256 "
               f"{tags['start.model_sha256'][:16]}...)", flush=True)
     return run_id, model_path
+
+
+def provision(cfg: PipelineConfig, model_path: str) -> dict:
+    """The run's generation server (:func:`grpo_steps.servers.lifecycle.provision`) and, with ``teacher:``, the
+    teacher's server in its handle (:func:`grpo_steps.servers.lifecycle.ensure_teacher`)."""
+    handle = lifecycle.provision(cfg, model_path)
+    return lifecycle.ensure_teacher(cfg, handle, None, lambda: resolve_teacher(cfg, model_path))
+
+
+def ensure_server(cfg: PipelineConfig, server: dict, model_path: str) -> dict:
+    """``server`` while this run can go on using it, else a replacement
+    (:func:`grpo_steps.servers.lifecycle.ensure_server`); the teacher's server likewise."""
+    handle = lifecycle.ensure_server(cfg, server, model_path)
+    return lifecycle.ensure_teacher(cfg, handle, server, lambda: resolve_teacher(cfg, model_path))
 
 
 def local_model(cfg: PipelineConfig, run_id: str, model_path: str) -> str:
