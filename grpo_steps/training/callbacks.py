@@ -197,18 +197,20 @@ def engine_metrics(job) -> list[EngineMetricsCallback]:
 
     teacher = teacher_server.of(job.server)
     if teacher is not None:  # teacher: the distillation teacher's server, logged as teacher/engine/...
-        callbacks.append(EngineMetricsCallback(Prefixed(EngineMetrics([teacher.endpoint]), "teacher/")))
+        callbacks.append(TeacherEngineMetricsCallback(EngineMetrics([teacher.endpoint])))
     return callbacks
 
 
-class Prefixed:
-    """A scraper whose metric names get ``prefix`` (the teacher's ``engine/...`` as ``teacher/engine/...``)."""
+class TeacherEngineMetricsCallback(EngineMetricsCallback):
+    """:class:`EngineMetricsCallback` of the distillation teacher's server, its metrics named ``teacher/engine/...``
+    (a class of its own: transformers keeps one callback per class quietly)."""
 
-    def __init__(self, scraper, prefix: str) -> None:
-        self.scraper, self.prefix = scraper, prefix
+    def __init__(self, scraper) -> None:
+        super().__init__(self)
+        self.engine = scraper
 
     def scrape(self) -> dict[str, float]:
-        return {f"{self.prefix}{name}": value for name, value in self.scraper.scrape().items()}
+        return {f"teacher/{name}": value for name, value in self.engine.scrape().items()}
 
 
 COMPLETIONS_DIR = "completions"
