@@ -70,7 +70,11 @@ class TeacherConfig(_Section):
         endpoint."""
         if self.server is not None:
             return self.server
-        return policy.model_copy(update={"port": 0, "replicas": 1, "endpoint": None, "endpoints": None})
+        cores = policy.cpu_cores
+        if cores and isinstance(cores[0], list):  # one list per policy replica: the teacher is one server
+            cores = sorted({core for replica in cores for core in replica})
+        return policy.model_copy(update={"port": 0, "replicas": 1, "endpoint": None, "endpoints": None,
+                                         "cpu_cores": cores})
 
 
 def teacher_refusal(cfg) -> str | None:
@@ -83,7 +87,7 @@ def teacher_refusal(cfg) -> str | None:
     gpu_model_runner.py`` "prompt tokens skip sampling processors", while the sampler's logprobs are of the filtered,
     tempered distribution); a backend without the sampler's per-token logprobs (``hf``, ``recorded``, ``nccl``);
     a ``local`` teacher with several training nodes (each node would replace a stale teacher on its own after a
-    resume: serve it with ``external``).
+    resume: serve it with ``external``); a ``local`` teacher that would take the policy server's GPUs.
     """
     teacher, train, gen = cfg.teacher, cfg.train, cfg.generation
     if teacher is None:
@@ -104,6 +108,9 @@ def teacher_refusal(cfg) -> str | None:
         return (f"teacher needs the sampler's logprobs of the sampled completions from the pipeline's vLLM server "
                 f"(generation.backend vllm with weight_sync disk or s3), not backend {gen.backend!r} / weight_sync "
                 f"{gen.weight_sync!r}")
+    if teacher.provider == "local" and teacher.server is None and gen.server.gpus is not None:
+        return ("teacher.server is null, so the teacher's server would take generation.server.gpus, the policy "
+                "server's GPUs: set teacher.server (its gpus, or gpu_memory_utilization on a shared GPU)")
     if teacher.provider == "local" and train.num_nodes > 1:
         return (f"teacher.provider 'local' with train.num_nodes {train.num_nodes}: after a resume each node would "
                 "replace a stale teacher on its own; serve the teacher yourself and set teacher.provider: external")

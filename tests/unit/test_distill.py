@@ -109,10 +109,18 @@ def test_privileged_teacher_sees_the_reference_answer(tiny_tokenizer):
     ({"teacher": {"mode": "privileged", "model": "x"}}, "remove teacher.model"),
     ({"teacher": {"mode": "pure"}}, "needs teacher.model"),
     ({"teacher": {"model": "x", "provider": "external"}}, "needs teacher.server.endpoint"),
+    ({"teacher": {"model": "x"}, "generation": {"server": {"gpus": [0]}}}, "policy server's GPUs"),
 ])
 def test_config_refuses_what_distillation_cannot_run_with(settings, message):
     with pytest.raises(ConfigError, match=message):
         validate_config(settings)
+
+
+def test_the_teacher_server_reuses_the_policy_servers_settings():
+    cfg = validate_config({"teacher": {"model": "x"}, "generation": {"server": {
+        "replicas": 2, "cpu_cores": [[0], [1]], "port": 8000, "kv_cache_gib": 3}}})
+    settings = cfg.teacher.server_settings(cfg.generation.server)
+    assert (settings.replicas, settings.port, settings.cpu_cores, settings.kv_cache_gib) == (1, 0, [0, 1], 3)
 
 
 def test_start_refuses_a_teacher_whose_tokenizer_differs(tiny_model_path, tmp_path):
