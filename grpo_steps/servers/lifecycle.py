@@ -132,6 +132,7 @@ def ensure_teacher(cfg: PipelineConfig, handle: dict, previous: dict | None, tea
 
     Raises:
         ServerStartError: the teacher's server did not start, or an ``external`` one does not answer.
+        GenerationServerError: it does not answer a scoring request (prompt logprobs of :data:`WARM_UP_IDS`).
     """
     if cfg.teacher is None:
         return handle
@@ -142,6 +143,14 @@ def ensure_teacher(cfg: PipelineConfig, handle: dict, previous: dict | None, tea
         current.stop()
         print(f"[teacher] {current} belongs to an earlier run or is not answering: starting a new one", flush=True)
     teacher = teacher_server.start(cfg, teacher_path(), owner=owner)
+    # the request training sends, once: a teacher that does not score sequences fails here, not at the first step
+    # (and its first request, the slowest, is made before training waits on it)
+    try:
+        teacher.client(timeout_s=cfg.teacher.server_settings(cfg.generation.server).startup_timeout_s) \
+            .sequence_logprobs([WARM_UP_IDS])
+    except Exception:
+        teacher.stop()  # a local teacher that cannot score is not left running until its orphan grace
+        raise
     print(redact(f"[teacher] serving {teacher.summary()} (frozen: no weight pushes)"), flush=True)
     return teacher_server.attach(handle, teacher)
 

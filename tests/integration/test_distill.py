@@ -32,3 +32,19 @@ def test_teacher_scores_each_completion_token_as_its_forward_pass(tiny_server, t
         assert len(teacher) == len(completion)  # position i of the completion scores its token i
         assert teacher == pytest.approx(expected, abs=1e-4)
     assert pending.scoring_s > 0
+
+
+def test_the_teacher_rides_in_the_server_handle_and_is_kept_while_it_answers(tiny_server, tiny_model_path):
+    from grpo_steps.config import validate_config
+    from grpo_steps.servers import from_dict, lifecycle
+    from grpo_steps.servers import teacher as teacher_server
+
+    cfg = validate_config({"model": {"name_or_path": tiny_model_path}, "teacher": {
+        "model": tiny_model_path, "provider": "external", "server": {"endpoint": tiny_server.endpoint}}})
+    policy = tiny_server.to_dict()
+    handle = lifecycle.ensure_teacher(cfg, policy, None, lambda: tiny_model_path)  # reached, and asked to score once
+    assert teacher_server.of(handle).endpoint == tiny_server.endpoint
+    assert from_dict(handle) == from_dict(policy)  # the policy's handle reads as before
+    kept = lifecycle.ensure_teacher(cfg, policy, handle, lambda: pytest.fail("a teacher that answers is kept"))
+    assert kept == handle
+    assert lifecycle.ensure_teacher(validate_config({}), policy, handle, lambda: tiny_model_path) == policy
