@@ -13,7 +13,7 @@ CONFIG ?= configs/local.yaml
 # Metaflow's local @parallel starts the gang's other nodes with `python` from PATH: the venv's.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install sandbox model run game test test-fast ui s3 lint docs bench bench-gpu gpu-check lock screenshots clean \
+.PHONY: install sandbox model run game distill test test-fast ui s3 lint docs bench bench-gpu gpu-check lock screenshots clean \
         cluster-check
 
 $(BIN)/python:
@@ -71,6 +71,11 @@ model: install
 
 run: model
 	$(BIN)/python flows/grpo_flow.py --config config $(CONFIG) run
+
+# On-policy distillation (docs/distillation.md): the embedded model learns from the policy `make run` registered
+# (models:/grpo-smollm2-arithmetic@champion), its teacher's per-token log-ratio added to GRPO's advantage.
+distill: model
+	$(BIN)/python flows/grpo_flow.py --config config configs/distill.yaml run
 
 # A game the policy must learn across turns (configs/game.yaml: TextArena's GuessTheNumber-v0, feedback every turn).
 game: model

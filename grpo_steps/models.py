@@ -126,6 +126,15 @@ def resolve_model(name_or_path: str, tracking_uri: str | None = None) -> str:
     return name_or_path  # a hub id
 
 
+def resolve_teacher(cfg, model_path: str) -> str:
+    """The teacher's weights of ``cfg.teacher`` (a :class:`grpo_steps.config.PipelineConfig` with ``teacher:``):
+    ``teacher.model`` resolved as ``model.name_or_path`` is (:func:`resolve_model`); with ``teacher.mode:
+    privileged``, the policy's starting weights ``model_path``. Raises as :func:`resolve_model`."""
+    if cfg.teacher.model is None:
+        return model_path
+    return resolve_model(cfg.teacher.model, cfg.tracking.tracking_uri)
+
+
 def weights_dir(model_path: str) -> str:
     """A local directory holding the ``*.safetensors`` weights of ``model_path`` (:func:`resolve_model`'s): a directory
     is its own; a hub id, its snapshot in the Hugging Face cache (the safetensors downloaded when they are not there

@@ -37,6 +37,8 @@ def check(cfg: PipelineConfig) -> str:
             (:func:`check_registry_start`).
         SandboxUnavailable: ``code_execution`` is configured where only the weak sandbox mode works, without
             its ``allow_weak_isolation`` option.
+        ConfigError: a teacher (``teacher:``) whose tokenizer differs from the policy's (:func:`check_teacher`).
+        ServerStartError: an ``external`` teacher that does not answer.
         ToolError: ``model.chat_template`` names nothing, or cannot render a tool-calling exchange with tools or an
             environment configured; an environment without ``reset`` or with a tool that has no schema.
     """
@@ -58,6 +60,8 @@ def check(cfg: PipelineConfig) -> str:
     if cfg.train.peft is not None:
         check_lora_targets(cfg, model_path)
     check_replicas(cfg, model_path)
+    if cfg.teacher is not None:
+        check_teacher(cfg, model_path)
     gpus.check_this_machine(cfg, model_path)  # the server's and the trainer's GPUs (docs/gpu.md)
     check_weight_store(cfg)
     check_server_secret(cfg.resources.vllm.s3_secret_name)
@@ -70,6 +74,35 @@ def check(cfg: PipelineConfig) -> str:
         print(f"[checkpoint] train.resume_from: {check_reference(cfg.train.resume_from, cfg.train.num_nodes)}",
               flush=True)
     return model_path
+
+
+def check_teacher(cfg: PipelineConfig, model_path: str) -> str:
+    """The teacher of ``teacher:`` can score the policy's tokens: its tokenizer is the policy's (vocabulary, token to
+    id map, special tokens: :func:`grpo_steps.servers.teacher.tokenizer_mismatch`), and an ``external`` teacher
+    answers. Returns the teacher's resolved weights.
+
+    Raises:
+        ConfigError: the tokenizers differ (naming what differs).
+        ServerStartError: an ``external`` teacher that does not answer ``/health`` or lists no model.
+        FileNotFoundError, VersionError: ``teacher.model`` names nothing (as ``model.name_or_path``).
+    """
+    from transformers import AutoTokenizer
+
+    from grpo_steps.config import ConfigError
+    from grpo_steps.models import resolve_teacher
+    from grpo_steps.servers import teacher as teacher_server
+
+    teacher_path = resolve_teacher(cfg, model_path)
+    mismatch = teacher_server.tokenizer_mismatch(AutoTokenizer.from_pretrained(model_path),
+                                                 AutoTokenizer.from_pretrained(teacher_path))
+    if mismatch:
+        raise ConfigError(f"teacher.model {cfg.teacher.model!r} cannot score the policy's tokens: {mismatch}. The "
+                          "teacher reads the policy's token ids as they are: choose a teacher of the same tokenizer "
+                          f"as model.name_or_path {cfg.model.name_or_path!r} (the same model family)")
+    if cfg.teacher.provider == "external":
+        settings = cfg.teacher.server_settings(cfg.generation.server)
+        teacher_server.reach(settings.endpoint, settings.startup_timeout_s)
+    return teacher_path
 
 
 def check_registry_start(cfg: PipelineConfig, model_path: str) -> None:

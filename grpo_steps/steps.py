@@ -27,15 +27,12 @@ from grpo_steps.lineage import (
     load_seen,
     save_seen,
 )
+from grpo_steps.models import resolve_teacher
 from grpo_steps.preflight import refusals
 from grpo_steps.processes import scratch_dir  # noqa: F401  (the train step's working directory)
 from grpo_steps.redaction import redact_report
 from grpo_steps.servers import lifecycle
-from grpo_steps.servers.lifecycle import (  # noqa: F401  (the steps' server lifecycle)
-    ensure_server,
-    provision,
-    teardown_failed_run,
-)
+from grpo_steps.servers.lifecycle import teardown_failed_run  # noqa: F401  (the failed run's exit hook)
 from grpo_steps.versions import is_model_uri, parse_model_uri, start_tags
 
 POLICY_CHECKPOINT = "policy"
@@ -63,7 +60,50 @@ def start(cfg: PipelineConfig, pathspec: str) -> tuple[str, str]:
                                         PARENT_MODEL_TAG: parse_model_uri(tags["start.model_uri"])[0]})
         print(f"[start] {cfg.model.name_or_path} is {tags['start.model_uri']} (sha256 "
               f"{tags['start.model_sha256'][:16]}...)", flush=True)
+    if cfg.teacher is not None:
+        tracking.set_tags(cfg, run_id, teacher_tags(cfg, resolve_teacher(cfg, model_path)))
     return run_id, model_path
+
+
+def teacher_tags(cfg: PipelineConfig, teacher_path: str) -> dict[str, str]:
+    """The MLflow run tags naming the run's teacher (``teacher.*``): its mode, lambda, what the config names, and for
+    a registered version the version it resolved to (:func:`grpo_steps.versions.start_tags`)."""
+    tags = {"teacher.mode": cfg.teacher.mode, "teacher.kl_coef": f"{cfg.teacher.kl_coef:g}",
+            "teacher.model": cfg.teacher.model or f"{cfg.model.name_or_path} (the policy's starting weights)"}
+    if cfg.teacher.model and is_model_uri(cfg.teacher.model):
+        pinned = start_tags(cfg.teacher.model, teacher_path)
+        tags.update({"teacher.model_uri": pinned["start.model_uri"], "teacher.model_version": pinned[
+            "start.model_version"], "teacher.model_sha256": pinned["start.model_sha256"]})
+    return tags
+
+
+def teacher_line(tags: dict[str, str]) -> str:
+    """The run description's line naming the teacher from its :func:`teacher_tags` ('' without one).
+
+    >>> teacher_line({"teacher.mode": "mixed", "teacher.kl_coef": "1", "teacher.model": "models:/p@champion",
+    ...               "teacher.model_uri": "models:/p/3", "teacher.model_version": "3"}).split(": ", 1)[1]
+    '`models:/p@champion`, registered version 3 (`models:/p/3`).'
+    """
+    if not tags:
+        return ""
+    version = (f", registered version {tags['teacher.model_version']} (`{tags['teacher.model_uri']}`)"
+               if "teacher.model_version" in tags else "")
+    return (f"\n\n**Teacher** (on-policy distillation, mode {tags['teacher.mode']}, lambda {tags['teacher.kl_coef']}): "
+            f"`{tags['teacher.model']}`{version}.")
+
+
+def provision(cfg: PipelineConfig, model_path: str) -> dict:
+    """The run's generation server (:func:`grpo_steps.servers.lifecycle.provision`) and, with ``teacher:``, the
+    teacher's server in its handle (:func:`grpo_steps.servers.lifecycle.ensure_teacher`)."""
+    handle = lifecycle.provision(cfg, model_path)
+    return lifecycle.ensure_teacher(cfg, handle, None, lambda: resolve_teacher(cfg, model_path))
+
+
+def ensure_server(cfg: PipelineConfig, server: dict, model_path: str) -> dict:
+    """``server`` while this run can go on using it, else a replacement
+    (:func:`grpo_steps.servers.lifecycle.ensure_server`); the teacher's server likewise."""
+    handle = lifecycle.ensure_server(cfg, server, model_path)
+    return lifecycle.ensure_teacher(cfg, handle, server, lambda: resolve_teacher(cfg, model_path))
 
 
 def local_model(cfg: PipelineConfig, run_id: str, model_path: str) -> str:
@@ -292,5 +332,6 @@ def finish(cfg: PipelineConfig, run_id: str, server: dict | None, *, report: dic
         description += (f"\n\n**Start**: `{start['start.model_uri']}` (`{cfg.model.name_or_path}` when the run began), "
                         "the baseline of this run's evaluation and of its gate; the gate's reason above says how the "
                         "trained policy compared with it and with the champion of the time.")
+    description += teacher_line(tracking.run_tags(cfg, run_id, "teacher."))
     tracking.set_tags(cfg, run_id, {tracking.DESCRIPTION_TAG: description})
     tracking.close_run(cfg, run_id)

@@ -59,6 +59,7 @@ from grpo_steps.config.sections import (  # noqa: F401
     parse_model_uri,
 )
 from grpo_steps.config.serving import RouterConfig, ServerConfig  # noqa: F401
+from grpo_steps.config.teacher import TeacherConfig, teacher_refusal  # noqa: F401
 from grpo_steps.config.training import (  # noqa: F401
     GRPO_ARGS_SET_BY,
     GRPO_KEYS_REPLACED,

@@ -29,6 +29,7 @@ from grpo_steps.config.sections import (
     TrackingConfig,
     on_shared_volume,
 )
+from grpo_steps.config.teacher import TeacherConfig, teacher_refusal
 from grpo_steps.config.training import TRANSFORMERS_GENERATION_KEYS, TRL_VLLM_ONLY_KEYS, TrainConfig
 from grpo_steps.redaction import redact, redact_value
 
@@ -69,6 +70,9 @@ class PipelineConfig(_Section):
     """Rollouts: backend, server provider, weight sync, sampling."""
     train: TrainConfig = TrainConfig()
     """GRPO training: hyperparameters, nodes, checkpoints, LoRA, any other ``GRPOConfig`` field."""
+    teacher: TeacherConfig | None = None
+    """On-policy distillation: a teacher served by vLLM scores every sampled token, its log-ratio to the sampler added
+    to the advantage (:class:`grpo_steps.config.teacher.TeacherConfig`, docs/distillation.md); null: GRPO alone."""
     eval: EvalConfig = EvalConfig()
     """Held-out evaluation of baseline and trained policy (and during training)."""
     registry: RegistryConfig = RegistryConfig()
@@ -97,6 +101,13 @@ class PipelineConfig(_Section):
         found = find_credentials(self.model_dump(mode="json"))
         if found:
             raise ValueError(credentials_error(found))
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_fits(self) -> PipelineConfig:
+        refusal = teacher_refusal(self)
+        if refusal:
+            raise ValueError(refusal)
         return self
 
     @model_validator(mode="after")

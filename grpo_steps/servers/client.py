@@ -637,12 +637,36 @@ class VLLMClient:
         Returns T-1 floats (natural log) for T ids: the first token has no context. Raw model
         probabilities (temperature 1, no sampling filters). One request with ``max_tokens=1``.
         """
-        body = {"model": self.model, "prompt": [token_ids], "max_tokens": 1, "temperature": 1.0,
+        return self.sequence_logprobs([token_ids])[0]
+
+    def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """For each token-id sequence, the server's log-probability of each token given the tokens before it: the
+        request of TRL's ``AsyncDistillationTrainer`` for its teacher (``max_tokens=1``, ``prompt_logprobs``), the
+        sequences batched in one ``/v1/completions`` request (vLLM schedules them together).
+
+        Returns per sequence T-1 floats (natural log) for its T ids: entry ``i - 1`` scores token ``i``. vLLM computes
+        prompt logprobs from the model's logits at temperature 1 whatever ``--logprobs-mode`` says (prompt tokens
+        skip the sampling processors, ``vllm/v1/worker/gpu_model_runner.py``).
+
+        Raises:
+            GenerationServerError: the request failed, or the answer lacks a sequence's logprobs.
+        """
+        if not sequences:
+            return []
+        body = {"model": self.model, "prompt": sequences, "max_tokens": 1, "temperature": 1.0,
                 "prompt_logprobs": 0, "logprobs": 0}
-        (choice,) = self._post("/v1/completions", json=body).json()["choices"]
+        choices = sorted(self._post("/v1/completions", json=body).json()["choices"], key=lambda c: c["index"])
+        if len(choices) != len(sequences):
+            raise GenerationServerError(f"vLLM server {self.endpoint} answered {len(choices)} choices for "
+                                        f"{len(sequences)} scored sequences")
         out = []
-        for token, entry in zip(token_ids[1:], choice["prompt_logprobs"][1:], strict=True):
-            out.append(float(entry[str(token)]["logprob"]))
+        for token_ids, choice in zip(sequences, choices, strict=True):
+            entries = choice.get("prompt_logprobs") or []
+            if len(entries) != len(token_ids):
+                raise GenerationServerError(f"vLLM server {self.endpoint} returned {len(entries)} prompt logprobs for "
+                                            f"a sequence of {len(token_ids)} tokens")
+            out.append([float(entry[str(token)]["logprob"])
+                        for token, entry in zip(token_ids[1:], entries[1:], strict=True)])
         return out
 
     def complete(self, prompt_ids: list[list[int]], n: int, *, max_tokens: int, temperature: float,

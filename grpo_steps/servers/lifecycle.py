@@ -16,6 +16,7 @@ from grpo_steps import servers
 from grpo_steps.config import PipelineConfig
 from grpo_steps.processes import locked_record, open_private, private_dir, read_private
 from grpo_steps.redaction import redact
+from grpo_steps.servers import teacher as teacher_server
 
 REPLACEMENTS_DIR = "grpo-vllm-servers"
 """Name of this user's private directory (under the temporary directory) of the replacement records."""
@@ -123,18 +124,55 @@ def warm_up(server: dict):
     return thread
 
 
+def ensure_teacher(cfg: PipelineConfig, handle: dict, previous: dict | None, teacher_path) -> dict:
+    """``handle`` (the generation server's) with the teacher's server of ``teacher:`` in it
+    (:mod:`grpo_steps.servers.teacher`): the one recorded in ``previous`` (an earlier handle) while this run can go on
+    using it, else a new one for ``teacher_path()`` (a callable, resolved only when a server starts), the stale one
+    stopped. ``handle`` as it is without ``teacher:``.
+
+    Raises:
+        ServerStartError: the teacher's server did not start, or an ``external`` one does not answer.
+        GenerationServerError: it does not answer a scoring request (prompt logprobs of :data:`WARM_UP_IDS`).
+    """
+    if cfg.teacher is None:
+        return handle
+    current, owner = teacher_server.of(previous), run_owner()
+    if current is not None and current.serves(owner):
+        return teacher_server.attach(handle, current)
+    if current is not None:
+        current.stop()
+        print(f"[teacher] {current} belongs to an earlier run or is not answering: starting a new one", flush=True)
+    teacher = teacher_server.start(cfg, teacher_path(), owner=owner)
+    # the request training sends, once: a teacher that does not score sequences fails here, not at the first step
+    # (and its first request, the slowest, is made before training waits on it)
+    try:
+        teacher.client(timeout_s=cfg.teacher.server_settings(cfg.generation.server).startup_timeout_s) \
+            .sequence_logprobs([WARM_UP_IDS])
+    except Exception:
+        teacher.stop()  # a local teacher that cannot score is not left running until its orphan grace
+        raise
+    print(redact(f"[teacher] serving {teacher.summary()} (frozen: no weight pushes)"), flush=True)
+    return teacher_server.attach(handle, teacher)
+
+
 def stop(server: dict | None) -> None:
-    """Stop the server of handle ``server`` if this run started it (an ``external`` one keeps running)."""
+    """Stop the server of handle ``server`` and the teacher's in it if this run started them (an ``external`` one
+    keeps running)."""
     if server:
         servers.from_dict(server).stop()
+        teacher = teacher_server.of(server)
+        if teacher is not None:
+            teacher.stop()
 
 
 def teardown_failed_run(run: Any) -> None:
     """``@exit_hook(on_error=...)`` on Argo: stop the server of a failed run, if it had one."""
     if run is None or "provision_vllm" not in run:
         return
-    server = servers.from_dict(run["provision_vllm"].task.data.server)
-    print(f"stopped {server}: {server.stop()}")
+    handle = run["provision_vllm"].task.data.server
+    for server in (servers.from_dict(handle), teacher_server.of(handle)):
+        if server is not None:
+            print(f"stopped {server}: {server.stop()}")
 
 
 def metaflow_run_id() -> str:

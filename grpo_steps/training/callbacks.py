@@ -181,9 +181,9 @@ class EngineMetricsCallback(TrainerCallback):
 
 def engine_metrics(job) -> list[EngineMetricsCallback]:
     """``[EngineMetricsCallback]`` of the job's generation server (each replica, and the router where the pipeline
-    started one: its ``metrics_endpoint``) with ``tracking.engine_metrics``, a tracked run (``job.mlflow_run_id``) and
-    rollouts from a server (backend ``vllm``, mode ``server``); ``[]`` otherwise. To be placed before
-    :class:`MLflowMetricsCallback` (the callbacks' order)."""
+    started one: its ``metrics_endpoint``; and the distillation teacher's server, ``teacher/engine/...``) with
+    ``tracking.engine_metrics``, a tracked run (``job.mlflow_run_id``) and rollouts from a server (backend ``vllm``,
+    mode ``server``); ``[]`` otherwise. To be placed before :class:`MLflowMetricsCallback` (the callbacks' order)."""
     cfg, server = job.config, job.generation_server()
     if not (cfg.tracking.engine_metrics and job.mlflow_run_id and cfg.generation.backend == "vllm"
             and cfg.generation.mode == "server" and server is not None):
@@ -191,7 +191,26 @@ def engine_metrics(job) -> list[EngineMetricsCallback]:
     from grpo_steps.servers.engine_metrics import EngineMetrics
 
     client = server.client()
-    return [EngineMetricsCallback(EngineMetrics(list(client.replicas) or [server.endpoint], server.metrics_endpoint))]
+    callbacks = [EngineMetricsCallback(EngineMetrics(list(client.replicas) or [server.endpoint],
+                                                     server.metrics_endpoint))]
+    from grpo_steps.servers import teacher as teacher_server
+
+    teacher = teacher_server.of(job.server)
+    if teacher is not None:  # teacher: the distillation teacher's server, logged as teacher/engine/...
+        callbacks.append(TeacherEngineMetricsCallback(EngineMetrics([teacher.endpoint])))
+    return callbacks
+
+
+class TeacherEngineMetricsCallback(EngineMetricsCallback):
+    """:class:`EngineMetricsCallback` of the distillation teacher's server, its metrics named ``teacher/engine/...``
+    (a class of its own: transformers keeps one callback per class quietly)."""
+
+    def __init__(self, scraper) -> None:
+        super().__init__(self)
+        self.engine = scraper
+
+    def scrape(self) -> dict[str, float]:
+        return {f"teacher/{name}": value for name, value in self.engine.scrape().items()}
 
 
 COMPLETIONS_DIR = "completions"

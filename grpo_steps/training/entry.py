@@ -99,6 +99,7 @@ def build_trainer(job: TrainJob, args, model, tokenizer, started: float):
     from grpo_steps.tools.functions import tool_functions
     from grpo_steps.training.curriculum.sampler import CurriculumCallback
     from grpo_steps.training.curriculum.sampler import build as build_curriculum
+    from grpo_steps.training.distill import from_job as distill_from_job
     from grpo_steps.training.gang import GangManifestCallback, RepairUniversalLoad
     from grpo_steps.training.zero_signal import mode_for
 
@@ -129,6 +130,7 @@ def build_trainer(job: TrainJob, args, model, tokenizer, started: float):
             cfg.generation.episode_timeout_s)),
         zero_signal=mode_for(cfg.train),
         turn_credit=cfg.train.turn_credit,
+        distill=distill_from_job(cfg, job.server),  # teacher: on-policy distillation
         prompt_cursor=cursor,
         curriculum=curriculum,
         **backend_kwargs,

@@ -6,7 +6,9 @@ methods and attributes (pinned by ``tests/unit/test_trl_contract.py``).
   the completions tables), the tool-turn metric, the zero-signal mode (:mod:`grpo_steps.training.zero_signal`):
   its generation round while training, its micro-batch preparation, its training step; and every scoring of the
   policy or reference model with each distinct prompt forwarded once (:mod:`grpo_steps.training.shared_prefix`);
-  with ``train.turn_credit``, per-token advantages from each turn's move rewards (:mod:`.turn_credit`).
+  with ``train.turn_credit``, per-token advantages from each turn's move rewards (:mod:`.turn_credit`); with
+  ``teacher:``, the teacher's scoring of each round, sent when its rollouts are sampled (``_generate``) and folded
+  into per-token advantages after TRL's rewards and scoring pass (:mod:`.distill`).
 - Rollouts from our vLLM server, the pipeline's weight pushes (:class:`ServerGRPOTrainer`): TRL 1.16 samples through
   ``self.vllm_generation`` and applies its trainer–inference mismatch correction (importance sampling against the
   sampler's logprobs, the ``sampling/*`` metrics, ``importance_sampling_ratio`` in the loss) only when
@@ -35,6 +37,7 @@ from trl import GRPOTrainer
 from grpo_steps import trl_hooks
 from grpo_steps.training import correction, shared_prefix, turn_credit
 from grpo_steps.training.cursor import CursorSampler, PromptCursor, record_prompts, resume_skip_positions
+from grpo_steps.training.distill import Distillation
 from grpo_steps.training.generation.episodes_ahead import EpisodesAhead, close_all
 from grpo_steps.training.generation.prefetch import prompt_stream
 from grpo_steps.training.generation.server import PolicyView, RolloutBackend, ServerSettings
@@ -55,13 +58,16 @@ class PipelineGRPOTrainer(GRPOTrainer):
     (``hf``, colocate) or syncs it first (``nccl``)."""
 
     def __init__(self, *args, zero_signal: ZeroSignalMode | None = None, prompt_cursor: PromptCursor | None = None,
-                 turn_credit: float | None = None, curriculum=None, **kwargs):
+                 turn_credit: float | None = None, curriculum=None, distill: Distillation | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.curriculum = curriculum  # train.curriculum: grpo_steps.training.curriculum.sampler.Curriculum
         self.zero_signal = zero_signal or ZeroSignalMode()
         self.prompt_cursor = prompt_cursor
         self.turn_credit = turn_credit
         self._turn_rewards: list | None = None  # per rollout of the round being generated (turn_credit)
+        self.distill = distill  # teacher: on-policy distillation (grpo_steps.training.distill)
+        self._round_rows: list[dict] | None = None  # the rows of the round being generated (the privileged teacher)
+        self._teacher_pending = None  # the round's teacher scoring in flight (distill.scoring.Pending)
 
     def _sampled_version(self) -> int:
         return self.state.global_step
@@ -94,8 +100,9 @@ class PipelineGRPOTrainer(GRPOTrainer):
 
     def generate_round(self, inputs: list[dict]) -> dict:
         """TRL's generation round for ``inputs`` (sample, score, advantages), plus the tool-turn metric; with
-        ``train.turn_credit``, a training round's advantages per token (:func:`.turn_credit.fold`)."""
-        self._turn_rewards = None
+        ``train.turn_credit``, a training round's advantages per token (:func:`.turn_credit.fold`); with ``teacher:``,
+        the teacher's term added per token (:meth:`grpo_steps.training.distill.Distillation.fold`)."""
+        self._turn_rewards, self._round_rows, self._teacher_pending = None, inputs, None
         output = trl_hooks.generate_and_score(PipelineGRPOTrainer, self, inputs)
         if self.curriculum is not None and self.model.training:
             self.curriculum.observe(self, inputs)
@@ -103,6 +110,11 @@ class PipelineGRPOTrainer(GRPOTrainer):
             output["advantages"] = turn_credit.fold(output["advantages"], output["tool_mask"],
                                                     output["completion_mask"], self._turn_rewards,
                                                     self.num_generations, self.turn_credit)
+        if self._teacher_pending is not None:  # sent in _generate; TRL's rewards and scoring pass ran meanwhile
+            output["advantages"], metrics = self.distill.fold(output, self._teacher_pending)
+            self._teacher_pending = None
+            for name, value in metrics.items():
+                trl_hooks.log_metric(self, name, value)
         turns = turn_credit.turns_per_episode(trl_hooks.logged_batch(self)["completion"]) if self.tools else None
         if turns is not None:  # TRL logs calls and failures per episode; the assistant turns too (as evaluation does)
             trl_hooks.log_metric(self, "tools/turns_per_episode", turns)
@@ -110,6 +122,9 @@ class PipelineGRPOTrainer(GRPOTrainer):
 
     def _generate(self, prompts):
         result = super()._generate(prompts)  # TRL's round: the first turns and the tool loop's
+        if self.distill is not None and self.model.training:  # [0], [1]: prompt and completion ids of each rollout
+            self._teacher_pending = self.distill.start(result[0], result[1], self._round_rows,
+                                                       partial(trl_hooks.tokenize_prompts, self))
         if self.turn_credit and self.model.training and self.environments:
             # the game's reward of each turn, read while the round's environments hold their episodes
             from rewards.game import turn_rewards
