@@ -126,16 +126,18 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", str(target)], check=True)
 
 
-# The longest test files first, by the durations of the last `make test` (docs/benchmarks.md): kill/resume and faults
-# (~20 min of one worker in the 37-minute CI run), the ZeRO-3 gang, test_flow's faulted run (GSM8K), the replicas
-# (with the LoRA flow on HumanEval), the tool flow, the server-rollout runs; every other file after them in collection
+# The longest test files first, longest to shortest by their seconds in the last `make test` of main (a loaded CI run,
+# 2026-12-07: test_resume 675, test_multinode_local 493, test_replicas 415, test_continual 371, test_flow 361,
+# test_elastic_resume 340, test_bad_inputs 317, test_tool_flow 298, test_server_rollouts 209, test_your_task 160,
+# test_mlflow_auth 131, test_vllm_server 126, test_tensor_parallel 111 s); every other file after them in collection
 # order. `make test`'s two pytest-xdist workers take whole files (`--dist loadfile`) in this order only with
 # `--no-loadscope-reorder` (the Makefile passes it; xdist's default sends the files with the most tests first), so
-# neither ends the run on a flow file the other could have started earlier. Names are checked by
-# tests/unit/test_suite_order.py.
-LONGEST_FIRST = ("test_resume.py", "test_multinode_local.py", "test_flow.py", "test_replicas.py", "test_tool_flow.py",
-                 "test_tensor_parallel.py", "test_your_task.py", "test_server_rollouts.py", "test_elastic_resume.py",
-                 "test_bad_inputs.py", "test_async_training.py", "test_generation_contract.py")
+# neither ends the run on a flow file the other could have started earlier (longest first: the last of them to start
+# is the shortest). Names are checked by tests/unit/test_suite_order.py.
+LONGEST_FIRST = ("test_resume.py", "test_multinode_local.py", "test_replicas.py", "test_continual.py", "test_flow.py",
+                 "test_elastic_resume.py", "test_bad_inputs.py", "test_tool_flow.py", "test_server_rollouts.py",
+                 "test_your_task.py", "test_mlflow_auth.py", "test_vllm_server.py", "test_tensor_parallel.py",
+                 "test_async_training.py", "test_generation_contract.py")
 
 
 def pytest_collection_modifyitems(config, items):
