@@ -1,7 +1,11 @@
+import atexit
+import functools
 import os
 import shutil
 import sys
+import tempfile
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -74,24 +78,27 @@ def s3(tmp_path_factory):
     local_s3.stop(server)
 
 
-@pytest.fixture(scope="session")
-def _mlflow_store_template(tmp_path_factory):
-    """An empty MLflow sqlite store with MLflow's schema, made once per pytest process: creating one runs MLflow's
-    migrations (1.2-2.5 CPU s and dozens of fsyncs, 5-8 s of wall time on a busy 2-core box, 2026-11-28); a copy
-    takes 0.1 s."""
+@functools.cache
+def empty_mlflow_store() -> Path:
+    """An empty MLflow sqlite store with MLflow's schema (and its Default experiment), made once per pytest process
+    and removed at its exit: creating one runs MLflow's migrations (4.3 CPU s and dozens of fsyncs, 25 s of wall time
+    on the loaded 2-core box, 2026-12-07; 1.5 CPU s to open it once made); a copy takes 0.1 s. Copied where a test or a
+    flow run would otherwise create its store (:func:`mlflow_db`, :func:`tests.integration.flowrun.run_flow`)."""
     from mlflow import MlflowClient
 
-    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    directory = Path(tempfile.mkdtemp(prefix="mlflow-empty-store-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    path = directory / "mlflow.db"
     MlflowClient(f"sqlite:///{path}").search_experiments()  # creates the tables and the Default experiment
     return path
 
 
 @pytest.fixture
-def mlflow_db(tmp_path, _mlflow_store_template) -> str:
+def mlflow_db(tmp_path) -> str:
     """``sqlite:///<tmp_path>/mlflow.db``: this test's own MLflow store, empty but for MLflow's Default experiment
-    (a copy of :func:`_mlflow_store_template`; the same store MLflow creates on first use)."""
+    (a copy of :func:`empty_mlflow_store`; the same store MLflow creates on first use)."""
     target = tmp_path / "mlflow.db"
-    shutil.copyfile(_mlflow_store_template, target)
+    shutil.copyfile(empty_mlflow_store(), target)
     return f"sqlite:///{target}"
 
 
@@ -119,16 +126,18 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", str(target)], check=True)
 
 
-# The longest test files first, by the durations of the last `make test` (docs/benchmarks.md): kill/resume and faults
-# (~20 min of one worker in the 37-minute CI run), the ZeRO-3 gang, test_flow's faulted run (GSM8K), the replicas
-# (with the LoRA flow on HumanEval), the tool flow, the server-rollout runs; every other file after them in collection
+# The longest test files first, longest to shortest by their seconds in the last `make test` of main (a loaded CI run,
+# 2026-12-07: test_resume 675, test_multinode_local 493, test_replicas 415, test_continual 371, test_flow 361,
+# test_elastic_resume 340, test_bad_inputs 317, test_tool_flow 298, test_server_rollouts 209, test_your_task 160,
+# test_mlflow_auth 131, test_vllm_server 126, test_tensor_parallel 111 s); every other file after them in collection
 # order. `make test`'s two pytest-xdist workers take whole files (`--dist loadfile`) in this order only with
 # `--no-loadscope-reorder` (the Makefile passes it; xdist's default sends the files with the most tests first), so
-# neither ends the run on a flow file the other could have started earlier. Names are checked by
-# tests/unit/test_suite_order.py.
-LONGEST_FIRST = ("test_resume.py", "test_multinode_local.py", "test_flow.py", "test_replicas.py", "test_tool_flow.py",
-                 "test_tensor_parallel.py", "test_your_task.py", "test_server_rollouts.py", "test_elastic_resume.py",
-                 "test_bad_inputs.py", "test_async_training.py", "test_generation_contract.py")
+# neither ends the run on a flow file the other could have started earlier (longest first: the last of them to start
+# is the shortest). Names are checked by tests/unit/test_suite_order.py.
+LONGEST_FIRST = ("test_resume.py", "test_multinode_local.py", "test_replicas.py", "test_continual.py", "test_flow.py",
+                 "test_elastic_resume.py", "test_bad_inputs.py", "test_tool_flow.py", "test_server_rollouts.py",
+                 "test_your_task.py", "test_mlflow_auth.py", "test_vllm_server.py", "test_tensor_parallel.py",
+                 "test_async_training.py", "test_generation_contract.py")
 
 
 def pytest_collection_modifyitems(config, items):

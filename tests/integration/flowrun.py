@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -55,9 +56,17 @@ def flow_env(**extra: str) -> dict[str, str]:
 
 
 def run_flow(workdir, env: dict, args: list[str], on_line: Callable[[str], None] | None = None,
-             timeout_s: float = 1500, started: Callable[[subprocess.Popen], None] | None = None) -> tuple[int, str]:
+             timeout_s: float = 1500, started: Callable[[subprocess.Popen], None] | None = None,
+             mlflow_store: bool = True) -> tuple[int, str]:
     """Run ``grpo_flow.py ARGS`` in ``workdir``; ``on_line`` sees each output line as it comes, ``started`` the
-    runtime's process once it started. Returns (exit code, whole output)."""
+    runtime's process once it started. ``mlflow_store``: a ``run`` in a ``workdir`` without ``mlflow.db`` finds a
+    copy of an empty MLflow store there (:func:`tests.conftest.empty_mlflow_store`: what ``start`` would create with
+    MLflow's migrations, seconds of every flow run; off for a test that checks a refused run writes no store).
+    Returns (exit code, whole output)."""
+    if mlflow_store and args[-1] == "run" and not (Path(workdir) / "mlflow.db").exists():
+        from tests.conftest import empty_mlflow_store
+
+        shutil.copyfile(empty_mlflow_store(), Path(workdir) / "mlflow.db")
     proc = subprocess.Popen([sys.executable, str(FLOW), *args], cwd=workdir, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     if started:
@@ -80,9 +89,10 @@ def run_flow(workdir, env: dict, args: list[str], on_line: Callable[[str], None]
     return proc.returncode, "".join(log)
 
 
-def run_config(workdir, env: dict, config: dict, on_line=None) -> tuple[int, str]:
-    """``run`` the flow on ``config`` (written to ``workdir/run.yaml``)."""
-    return run_flow(workdir, env, ["--config", "config", str(config_file(workdir, config)), "run"], on_line)
+def run_config(workdir, env: dict, config: dict, on_line=None, mlflow_store: bool = True) -> tuple[int, str]:
+    """``run`` the flow on ``config`` (written to ``workdir/run.yaml``); ``mlflow_store`` as :func:`run_flow`'s."""
+    return run_flow(workdir, env, ["--config", "config", str(config_file(workdir, config)), "run"], on_line,
+                    mlflow_store=mlflow_store)
 
 
 def vllm_child(supervisor_pid: int) -> int:

@@ -25,9 +25,12 @@ def _closed_port() -> int:
         return sock.getsockname()[1]
 
 
-def _fails_before_the_server(workdir, config: dict, message: str, env: dict | None = None) -> str:
-    """Run the flow on ``config``; assert it fails with ``message`` before provision_vllm. Returns the output."""
-    code, out = run_config(workdir, env or flow_env(), config)
+def _fails_before_the_server(workdir, config: dict, message: str, env: dict | None = None,
+                             mlflow_store: bool = True) -> str:
+    """Run the flow on ``config``; assert it fails with ``message`` before provision_vllm. Returns the output.
+    ``mlflow_store`` off: no MLflow store is put in ``workdir`` beforehand (:func:`run_flow`), for a check that the
+    refused run wrote none."""
+    code, out = run_config(workdir, env or flow_env(), config, mlflow_store=mlflow_store)
     assert code != 0, out[-3000:]
     assert message in out, out[-6000:]
     assert "provision_vllm" not in out and "[vllm] serving" not in out  # no server was started
@@ -102,7 +105,8 @@ def test_a_reward_whose_signature_cannot_take_the_call_is_rejected_before_any_st
     config = flow_config(eval={"format_reward": None, "correctness_reward": "my_rewards:score"})
     config["rewards"] = [{"name": "my_rewards:score"}]
     out = _fails_before_the_server(tmp_path, config, "reward 'my_rewards:score' has the signature (completions, "
-                                   "answer); a reward must take (completions, ", env)
+                                   "answer); a reward must take (completions, ", env,
+                                   mlflow_store=False)
     assert "add a var-keyword parameter such as" in out  # Metaflow's log drops the asterisks of **kwargs
     assert "Traceback" not in out  # a config error is one block
     assert not (tmp_path / "mlflow.db").exists()  # rejected with the config: nothing ran
@@ -137,7 +141,7 @@ def test_prepare_data_probes_an_async_reward_and_refuses_a_blocking_one_within_i
 ])
 def test_a_resume_from_that_names_nothing_fails_start(tmp_path, reference, message):
     out = _fails_before_the_server(tmp_path, flow_config(train={"resume_from": reference}),
-                                   f"CheckpointNotFound: {message}")
+                                   f"CheckpointNotFound: {message}", mlflow_store=False)
     assert "prepare_data" not in out  # checked in start, before the MLflow run is opened
     assert not (tmp_path / "mlflow.db").exists()
 
@@ -221,7 +225,7 @@ def test_an_interrupted_run_ends_killed_in_mlflow(tmp_path):
 def test_lora_target_modules_the_model_lacks_fail_start(tmp_path):
     config = flow_config(train={"peft": {"r": 8, "target_modules": ["q_proj", "query_key_value"]}})
     out = _fails_before_the_server(tmp_path, config, "ConfigError: train.peft.target_modules ['query_key_value'] "
-                                                     "are not linear layers of the model")
+                                   "are not linear layers of the model", mlflow_store=False)
     assert "prepare_data" not in out  # checked in start, before the MLflow run is opened
     assert not (tmp_path / "mlflow.db").exists()
 

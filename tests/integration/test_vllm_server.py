@@ -12,9 +12,9 @@ import torch
 
 from grpo_steps.config import ServerConfig
 from grpo_steps.data import encode_prompt, to_prompt
-from grpo_steps.processes import ProcessRef
+from grpo_steps.processes import ProcessRef, private_dir
 from grpo_steps.servers import ExternalServer, ServerStartError
-from grpo_steps.servers.local import start_local
+from grpo_steps.servers.local import INDUCTOR_CACHE_NAME, start_local
 from grpo_steps.weights.files import save_weights
 
 pytestmark = pytest.mark.slow
@@ -77,6 +77,10 @@ def test_a_local_server_is_kept_by_its_owner_only(tiny_server):
     # vLLM's torch.distributed file store lives in the server's private directory (removed at stop), not in the shared
     # temporary directory, where every start used to leave a world-readable vllm_dist_<hex>
     assert list(Path(tiny_server.ipc_dir).glob("vllm_dist_*"))
+    # ... and torch's inductor cache is this user's private one, kept across starts (a link; the server compiled into
+    # it at its first request, which other tests of the session made)
+    (inductor,) = Path(tiny_server.ipc_dir).glob("torchinductor_*")
+    assert inductor.is_symlink() and inductor.resolve() == private_dir(INDUCTOR_CACHE_NAME)
 
 
 def test_a_server_that_fails_to_start_reports_its_log(tiny_model_path, tmp_path):
