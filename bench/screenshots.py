@@ -1,13 +1,20 @@
-"""Screenshots of the MLflow UI after a tiny flow run, for the README (``make screenshots``).
+"""Screenshots of the MLflow UI after two tiny flow runs in a row, for the README and docs/continual.md
+(``make screenshots``).
 
-Runs the flow on ``configs/test.yaml`` in a scratch directory (or uses ``--workdir`` holding a finished
-run's ``mlflow.db``), serves ``mlflow ui`` on 127.0.0.1 and a free port, and saves with headless Chromium
-(Debian's ``chromium`` package, driven over the DevTools protocol on loopback) into ``docs/images/``:
+Runs the flow on ``configs/test.yaml`` in a scratch directory, then again from the registry's champion
+(``models:/<registry.model_name>@champion``, ``data.skip_seen``: docs/continual.md's loop), so the second version
+names the first as its parent; or uses ``--workdir`` holding finished runs' ``mlflow.db``. Serves ``mlflow ui`` on
+127.0.0.1 and a free port, and saves with headless Chromium (Debian's ``chromium`` package, driven over the DevTools
+protocol on loopback) into ``docs/images/``, for the newest run that registered a version:
 
 - ``mlflow-experiment.png``: the experiment's training-runs page (run, status, metrics);
-- ``mlflow-run-overview.png``: the run's Overview, its description first (task, model, held-out gain, gate, links);
+- ``mlflow-run-overview.png``: the run's Overview, its description first (start, task, model, held-out gain, gate,
+  links);
 - ``mlflow-run-metrics.png``: the run's model-metrics page, charts filtered to the rewards;
-- ``mlflow-model-version.png``: the registered version's page (description, aliases, tags);
+- ``mlflow-model-version.png``: the registered version's page (its chain ``v1 <- v2`` first, description, aliases,
+  tags);
+- ``mlflow-registered-model.png``: the registered model's page (the table of pass@1 per version with its parent,
+  the rows it added and its aliases; then the versions);
 - ``mlflow-episode-trace.png``: one game episode's trace (:mod:`grpo_steps.evaluation.traces`: a span per turn with
   the observation, the action, the reward and the tokens), in the run's experiment. The episode is a real TextArena
   GuessTheNumber-v0 game (seed 7) played by a scripted binary search on the game's feedback, standing in for the
@@ -48,9 +55,31 @@ def free_port() -> int:
 def run_tiny_flow(workdir: Path, config: Path) -> None:
     from tests.integration.flowrun import flow_env, run_flow
 
-    code, out = run_flow(workdir, flow_env(), ["--config", "config", str(config.resolve()), "run"])
+    code, out = run_flow(workdir, flow_env(GRPO_CACHE_DIR=str(workdir / "cache")),
+                         ["--config", "config", str(config.resolve()), "run"])
     if code != 0:
         raise SystemExit(f"the tiny flow failed:\n{out[-4000:]}")
+
+
+def run_from_champion(workdir: Path, config: Path) -> None:
+    """A second tiny run from ``models:/<registry.model_name>@champion`` on rows new to its chain. The gate cannot
+    pass on a random tiny policy, so ``champion`` is first moved to the newest version as a reviewer would
+    (docs/continual.md, step 1)."""
+    import yaml
+    from mlflow import MlflowClient
+
+    settings = yaml.safe_load(config.read_text())
+    name = settings.get("registry", {}).get("model_name", "grpo-policy")
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
+    if "champion" not in client.get_registered_model(name).aliases:
+        newest = max(int(v.version) for v in client.search_model_versions(f"name = '{name}'"))
+        client.set_registered_model_alias(name, "champion", str(newest))
+        print(f"champion moved to version {newest} by hand (the gate held)", flush=True)
+    settings["model"] = {**settings.get("model", {}), "name_or_path": f"models:/{name}@champion"}
+    settings["data"] = {**settings.get("data", {}), "skip_seen": True}
+    second = workdir / "from-champion.yaml"
+    second.write_text(yaml.safe_dump(settings))
+    run_tiny_flow(workdir, second)
 
 
 TRACE_PNG = "mlflow-episode-trace.png"
@@ -69,13 +98,19 @@ def newest_run(workdir: Path) -> str:
 
 
 def pages(workdir: Path) -> dict[str, str]:
-    """UI route of each screenshot, for the newest run and version in ``workdir``'s store."""
+    """UI route of each screenshot, for the newest run that registered a version in ``workdir``'s store (a later
+    run of a chain may have ended with no new rows, registering nothing)."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
     experiment = client.get_experiment_by_name("grpo")
-    run = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"], max_results=1)[0]
-    version = max(client.search_model_versions(f"run_id = '{run.info.run_id}'"), key=lambda v: int(v.version))
+    for run in client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"]):
+        versions = client.search_model_versions(f"run_id = '{run.info.run_id}'")
+        if versions:
+            break
+    else:
+        raise SystemExit(f"no run in {workdir}/mlflow.db registered a version")
+    version = max(versions, key=lambda v: int(v.version))
     return {
         # MLflow 3.17's UI opens experiments in its GenAI or Model-training mode by a switch kept per browser
         # (default GenAI); the URL parameter picks Model training
@@ -86,6 +121,7 @@ def pages(workdir: Path) -> dict[str, str]:
         "mlflow-run-metrics.png": f"#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}/model-metrics"
                                   "?workflowType=machine_learning",
         "mlflow-model-version.png": f"#/models/{version.name}/versions/{version.version}",
+        "mlflow-registered-model.png": f"#/models/{version.name}",
     }
 
 
@@ -282,8 +318,8 @@ def take(browser: Browser, base: str, routes: dict[str, str], out: Path, settle_
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, help="directory of a finished run (mlflow.db); default: run the "
-                        "tiny flow in a scratch directory")
+    parser.add_argument("--workdir", type=Path, help="directory of finished runs (mlflow.db); default: run the "
+                        "tiny flow twice in a row (the second from the first's champion) in a scratch directory")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--settle-s", type=float, default=20.0, help="seconds each page gets to render")
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "test.yaml",
@@ -302,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             if args.workdir is None:
                 run_tiny_flow(workdir, args.config)
+                run_from_champion(workdir, args.config)
             routes = pages(workdir.resolve())
             routes[TRACE_PNG] = log_episode_trace(workdir.resolve(), run_id=newest_run(workdir.resolve()))
         port = free_port()
