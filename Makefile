@@ -13,7 +13,7 @@ CONFIG ?= configs/local.yaml
 # Metaflow's local @parallel starts the gang's other nodes with `python` from PATH: the venv's.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install sandbox model run game test test-fast ui s3 lint docs bench bench-gpu gpu-check lock screenshots clean \
+.PHONY: install sandbox model run game test test-fast ui s3 lint docs bench bench-gpu gpu-check lock screenshots clean rehearse \
         cluster-check
 
 $(BIN)/python:
@@ -137,3 +137,8 @@ screenshots: install
 
 clean:
 	rm -rf .metaflow mlflow.db mlartifacts .pytest_cache .s3
+
+# A cluster run rehearsed on this machine: the rendered workflow's pods as processes, the S3 keys scoped as
+# infra/s3/'s policies, a real MLflow server (grpo_steps/dev/rehearse.py; docs/deploy.md "Rehearsal")
+rehearse: install
+	$(BIN)/python -m grpo_steps.dev.rehearse --dir .rehearsal

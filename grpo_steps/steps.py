@@ -67,9 +67,14 @@ def start(cfg: PipelineConfig, pathspec: str) -> tuple[str, str]:
 
 
 def local_model(cfg: PipelineConfig, run_id: str, model_path: str) -> str:
-    """``model_path`` (what ``start`` resolved) when this machine has it, else resolved again here (a step in another
-    pod): the version ``start`` pinned for a ``models:/`` start (run tag ``start.model_uri``), the embedded model, a hub
-    id."""
+    """``model_path`` (what ``start`` resolved) when this machine has it, else resolved again here: a step in another
+    pod (Kubernetes) lacks the directory an earlier pod built (an embedded model in that pod's cache, a fetched
+    version; found by ``make rehearse``, each pod its own ~/.cache), so it resolves the version ``start`` pinned for a
+    ``models:/`` start (run tag ``start.model_uri``), else ``model.name_or_path`` (the embedded model, a hub id).
+
+    Raises:
+        FileNotFoundError: as :func:`grpo_steps.models.resolve_model`.
+    """
     from grpo_steps.models import resolve_model
 
     if Path(model_path).exists():
