@@ -238,7 +238,8 @@ class TrainConfig(_Section):
     resume_from: str | None = None
     """Start training from a saved checkpoint instead of the base weights, continuing at its global
     step: a run pathspec ``GRPOFlow/<run_id>`` (the newest checkpoint of that run's ``train`` step
-    for each node), a checkpoint key (``Checkpoint().list(...)[i]["key"]``), or a local directory
+    for each node), the run's S3 location ``<METAFLOW_DATASTORE_SYSROOT_S3>/GRPOFlow/<run_id>`` (the same, read from
+    the datastore where no metadata service can be reached: docs/deploy.md), a checkpoint key (``Checkpoint().list(...)[i]["key"]``), or a local directory
     holding a trainer checkpoint (``trainer_state.json``). Ignored on ``@retry`` and ``resume``,
     which continue from the failed attempt's own newest checkpoint."""
     trust_checkpoint: bool = False
