@@ -88,9 +88,10 @@ def _children(client, url: str) -> list[str]:
     return sorted(names)
 
 
-def _records(client, url: str) -> list[dict]:
-    """Every checkpoint record (``*.metadata``, JSON) under the S3 "folder" ``url``."""
-    bucket, prefix = _split(url)
+def checkpoint_records(client, root: str, flow: str, run_id: str) -> list[dict]:
+    """Every checkpoint record (JSON) the ``train`` tasks of run ``flow/run_id`` saved under the datastore ``root``
+    (``s3://bucket/prefix``), through the boto3 S3 ``client``."""
+    bucket, prefix = _split(f"{root}/{METADATA_PREFIX}/{flow}/{run_id}/train/")
     keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
             for o in page.get("Contents", []) if o["Key"].endswith(".metadata")]
     return [json.loads(client.get_object(Bucket=bucket, Key=key)["Body"].read()) for key in keys]
@@ -127,7 +128,7 @@ def saved_gang(location: RunLocation) -> SavedGang:
             raise LocationError(f"{where}: no train step under {location.url}/ (" + (
                 f"the run has the steps {', '.join(found)}: it never reached train)" if found else
                 f"no run there: runs of {location.flow} are under {location.root}/{location.flow}/)"))
-        records = _records(client, f"{location.root}/{METADATA_PREFIX}/{location.flow}/{location.run_id}/train/")
+        records = checkpoint_records(client, location.root, location.flow, location.run_id)
     except client_error as err:
         raise LocationError(f"{where}: S3 refused a read under {location.root}: {err}") from err
     checkpoints: dict[str, list[dict]] = {}

@@ -1,5 +1,8 @@
 """A rehearsal of a cluster run on one machine (``make rehearse``): the workflow docs/deploy.md deploys, rendered by
-``argo-workflows create --only-json``, run pod by pod as processes, in the order of Argo's DAG.
+``argo-workflows create --only-json``, run pod by pod as processes, in the order of Argo's DAG; twice: a run killed in
+its train step once every gang node saved a checkpoint (a lost node), then a run rendered and run in a second, empty
+folder that continues it from its S3 location (``train.resume_from``, :mod:`grpo_steps.run_location`) to a registered
+model.
 
     python -m grpo_steps.dev.rehearse --dir .rehearsal
 
@@ -88,12 +91,16 @@ def image_env(dockerfile: str | Path = DOCKERFILE,
     return {k: v.replace("/opt/venv", venv).replace("/opt/grpo-pipeline", str(REPO_ROOT)) for k, v in env.items()}
 
 
-def rehearsal_config(model: str = "embedded:tiny-random-qwen2", *, nodes: int = 2, tracking_uri: str) -> dict:
+def rehearsal_config(model: str = "embedded:tiny-random-qwen2", *, nodes: int = 2, tracking_uri: str,
+                     port: int = 0, resume_from: str | None = None) -> dict:
     """configs/multinode.yaml as shipped (project, resources, schedule, rewards, registry, retries, DeepSpeed) with
-    configs/test.yaml's tiny model, data and sizes, ``nodes`` gang nodes of one CPU process each, MLflow at
-    ``tracking_uri``, and the generation backend ``hf`` in the training process: provider ``kubernetes`` needs an API
-    server (the rendered provision step creates the server's Deployment through it), so the server pods and their
-    read-only keys are not rehearsed here (docs/deploy.md "Rehearsal")."""
+    configs/test.yaml's tiny model, data and sizes, ``nodes`` gang nodes of one CPU process each (a checkpoint after
+    each of 2 steps), MLflow at ``tracking_uri``, and the generation backend ``hf`` in the training process: provider
+    ``kubernetes`` needs an API server (the rendered provision step creates the server's Deployment through it), so
+    the server pods and their read-only keys are not rehearsed here (docs/deploy.md "Rehearsal"). ``port``: the
+    gang's rendezvous (``train.main_process_port``, the JobSet's ``MF_MASTER_PORT``; 0: the cluster's 29500): the
+    rehearsal's pods share this machine's network. ``resume_from``: ``train.resume_from``, a checkpoint this
+    pipeline saved itself (``train.trust_checkpoint``)."""
     import yaml
 
     base = yaml.safe_load((REPO_ROOT / "configs" / "multinode.yaml").read_text())
@@ -103,14 +110,16 @@ def rehearsal_config(model: str = "embedded:tiny-random-qwen2", *, nodes: int = 
             "generation": {**base["generation"], **test["generation"], "backend": "hf", "weight_sync": "disk",
                            "provider": "local", "server": test["generation"]["server"]},
             "train": {**base["train"], **test["train"], "num_nodes": nodes, "processes_per_node": 1,
-                      "per_device_train_batch_size": 4, "max_steps": 2, "save_steps": 2, "grpo": {}},
+                      "per_device_train_batch_size": 4, "max_steps": 2, "save_steps": 1, "grpo": {},
+                      "main_process_port": port, "resume_from": resume_from,
+                      "trust_checkpoint": resume_from is not None},
             # one training process per GPU of the node size: the node size of one CPU process
             "resources": {**resources, "train": {**resources["train"], "gpu": 1},
                           "vllm": {**resources["vllm"], "s3_secret_name": None}},
             "tracking": {**base["tracking"], "tracking_uri": tracking_uri}}
 
 
-def start_mlflow(root: Path, timeout_s: float = 120) -> tuple[ProcessRef, str]:
+def start_mlflow(root: Path, timeout_s: float = 300) -> tuple[ProcessRef, str]:
     """A real ``mlflow server`` on 127.0.0.1 (sqlite store under ``root``, artifacts proxied by the server into
     ``root/mlflow-artifacts``): (its process, its URI).
 
@@ -124,8 +133,11 @@ def start_mlflow(root: Path, timeout_s: float = 120) -> tuple[ProcessRef, str]:
     cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
            "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
            "--artifacts-destination", str(root / "mlflow-artifacts")]
+    # no job runner: its seven huey consumers serve MLflow's server-side jobs, which no step asks for (and took a
+    # start past 120 s on the loaded 2-core box)
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     ref, uri = ProcessRef.of(proc.pid), f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
@@ -142,12 +154,76 @@ def start_mlflow(root: Path, timeout_s: float = 120) -> tuple[ProcessRef, str]:
     return ref, uri
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``make rehearse``: render, then run every pod; one line per pod (its exit and wall time); 0 when every pod
-    exited 0. The first failing pod's command and log tail end the report otherwise."""
-    import argparse
+def checkpoints_of_every_node(client, run_id: str, nodes: int, step: int):
+    """A condition: every node of run ``run_id``'s gang saved its checkpoint of ``step`` to the datastore (its record
+    is written last, after the files: :mod:`grpo_steps.run_location`)."""
+    from grpo_steps.run_location import checkpoint_records
 
+    def saved() -> bool:
+        records = checkpoint_records(client, f"s3://{BUCKET}/metaflow", "GRPOFlow", run_id)
+        return {r["metadata"]["node_index"] for r in records if r["metadata"]["global_step"] >= step} == set(
+            range(nodes))
+
+    return saved
+
+
+def rehearse_run(root: Path, config: dict, s3, flow_keys: dict[str, str], stand_ins: dict[str, dict[str, str]],
+                 timeout_s: float, kill=None) -> tuple[str, bool]:
+    """One run in ``root`` (empty): the workflow rendered there from ``config``, then every pod in Argo's order, one
+    line per pod. Returns the run's Argo workflow name (its Metaflow run id is ``argo-<name>``) and whether it was
+    killed. ``kill``: (task, condition of the run id), the task's pods killed once the condition holds
+    (:func:`grpo_steps.dev.rehearse_pods.run_dag`).
+
+    Raises:
+        PodFailed, RenderError: as :func:`grpo_steps.dev.rehearse_pods.run_dag`.
+        RuntimeError: the render failed.
+    """
     import yaml
+
+    from grpo_steps.dev import rehearsal, rehearse_pods
+
+    began = time.monotonic()
+    (root / "deploy").mkdir(parents=True)
+    (root / "rehearsal.yaml").write_text(yaml.safe_dump(config))
+    # the metadata service (netflixoss/metaflow_metadata_service) is not on PyPI: local metadata, per pod
+    workflow = render(root / "rehearsal.yaml", profile_env(s3.endpoint, flow_keys, METAFLOW_DEFAULT_METADATA="local"),
+                      root / "deploy")
+    (root / "workflow.json").write_text(json.dumps(workflow, indent=1))
+    name = f"{workflow['metadata']['name']}-{secrets.token_hex(3)[:5]}"  # Argo's generateName
+    print(f"rendered {workflow['metadata']['name']} in {time.monotonic() - began:.0f} s: run argo-{name}", flush=True)
+    values = {"workflow.name": name, "retries": "0",
+              "workflow.creationTimestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    base = image_env()
+
+    def report(result) -> None:
+        exit_ = "killed" if result.killed else f"exit {result.returncode}"
+        print(f"{result.task:<36} {result.name:<56} {exit_:<8} {result.seconds:6.0f} s", flush=True)
+
+    try:
+        rehearse_pods.run_dag(workflow, None, values, lambda pod: rehearsal.resolve_env(pod, stand_ins, base), root,
+                              timeout_s, report, (kill[0], kill[1](f"argo-{name}")) if kill else None)
+    except rehearse_pods.PodsKilled:
+        return name, True
+    return name, False
+
+
+def registered(tracking_uri: str, model_name: str) -> str:
+    """The registered versions of ``model_name`` in the MLflow server, one line."""
+    from mlflow import MlflowClient
+
+    versions = MlflowClient(tracking_uri=tracking_uri).search_model_versions(f"name='{model_name}'")
+    return f"registered {model_name}: " + ", ".join(f"version {v.version} (run {v.run_id}, aliases "
+                                                      f"{sorted(v.aliases)})" for v in versions) if versions else (
+        f"no version of {model_name} registered")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``make rehearse``: a run killed in its train step once every gang node saved its first checkpoint, then a
+    second run, rendered and run in a second, empty folder, resumed from the first run's S3 location
+    (``train.resume_from``: no metadata service here) to a registered model. One line per pod (its exit and wall
+    time); 0 when the second run's every pod exited 0. The first failing pod's command and log tail end the report
+    otherwise."""
+    import argparse
 
     from grpo_steps.dev import local_s3, rehearsal, rehearse_pods
 
@@ -169,29 +245,28 @@ def main(argv: list[str] | None = None) -> int:
                         secret_key=secrets.token_hex(16), identities=[
                             identity("grpo-flow", *flow_keys.values(), POLICIES / "flow-policy.json"),
                             identity("vllm-server", *server_keys.values(), POLICIES / "weights-read-policy.json")])
-    mlflow, tracking_uri = None, ""
+    stand_ins = {"grpo-s3-credentials": flow_keys, "grpo-s3-readonly": server_keys,
+                 "grpo-mlflow-credentials": {"MLFLOW_TRACKING_USERNAME": "grpo-flow",
+                                             "MLFLOW_TRACKING_PASSWORD": secrets.token_hex(8)}}
+    mlflow = None
     try:
         mlflow, tracking_uri = start_mlflow(root)
-        config = root / "rehearsal.yaml"
-        config.write_text(yaml.safe_dump(rehearsal_config(nodes=args.nodes, tracking_uri=tracking_uri)))
-        (root / "deploy").mkdir()
-        # the metadata service (netflixoss/metaflow_metadata_service) is not on PyPI: local metadata, per pod
-        workflow = render(config, profile_env(s3.endpoint, flow_keys, METAFLOW_DEFAULT_METADATA="local"),
-                          root / "deploy")
-        (root / "workflow.json").write_text(json.dumps(workflow, indent=1))
-        print(f"rendered {workflow['metadata']['name']} in {time.monotonic() - began:.0f} s", flush=True)
-        stand_ins = {"grpo-s3-credentials": flow_keys, "grpo-s3-readonly": server_keys,
-                     "grpo-mlflow-credentials": {"MLFLOW_TRACKING_USERNAME": "grpo-flow",
-                                                 "MLFLOW_TRACKING_PASSWORD": secrets.token_hex(8)}}
-        base = image_env()
-        values = {"workflow.name": f"{workflow['metadata']['name']}-{secrets.token_hex(3)[:5]}",
-                  "workflow.creationTimestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "retries": "0"}
-
-        def report(result) -> None:
-            print(f"{result.task:<36} {result.name:<56} exit {result.returncode} {result.seconds:6.0f} s", flush=True)
-
-        rehearse_pods.run_dag(workflow, None, values, lambda pod: rehearsal.resolve_env(pod, stand_ins, base), root,
-                              args.timeout_s, report)
+        port = pick_port("127.0.0.1", 0)  # the gangs' rendezvous: every pod shares this machine's network
+        config = rehearsal_config(nodes=args.nodes, tracking_uri=tracking_uri, port=port)
+        print("run 1: killed in its train step once every node saved step 1", flush=True)
+        name, killed = rehearse_run(root / "killed", config, s3, flow_keys, stand_ins, args.timeout_s, (
+            "train", lambda run_id: checkpoints_of_every_node(s3.client(), run_id, args.nodes, 1)))
+        if not killed:
+            raise RuntimeError("run 1 ended before every node saved step 1: nothing was killed")
+        location = f"s3://{BUCKET}/metaflow/GRPOFlow/argo-{name}"
+        print(f"run 2: in a second folder, train.resume_from {location}", flush=True)
+        rehearse_run(root / "resumed", rehearsal_config(nodes=args.nodes, tracking_uri=tracking_uri, port=port,
+                                                        resume_from=location), s3, flow_keys, stand_ins, args.timeout_s)
+        for log in sorted((root / "resumed" / "pods").glob("*/log.txt")):
+            for line in log.read_text(errors="replace").splitlines():
+                if "[checkpoint]" in line:
+                    print(f"{log.parent.name}: {line.strip()}", flush=True)
+        print(registered(tracking_uri, config["registry"]["model_name"]), flush=True)
     except (rehearse_pods.PodFailed, rehearsal.RenderError, RuntimeError) as error:
         print(f"REHEARSAL STOPPED after {time.monotonic() - began:.0f} s: {error}", flush=True)
         return 1

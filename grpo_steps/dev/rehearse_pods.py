@@ -13,8 +13,11 @@ import re
 import shlex
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from grpo_steps.dev import rehearsal
 from grpo_steps.dev.rehearsal import PodSpec
@@ -28,10 +31,20 @@ class PodFailed(RuntimeError):
     command and its log's tail."""
 
 
+class PodsKilled(RuntimeError):
+    """The rehearsal killed a task's pods on purpose (``run_dag``'s ``kill``), as a node lost by the cluster kills
+    them: ``task`` the task, ``outputs`` the outputs of the tasks that ran before it."""
+
+    def __init__(self, task: str, outputs: dict[str, str]):
+        super().__init__(f"the pods of task {task} were killed")
+        self.task, self.outputs = task, outputs
+
+
 @dataclass(frozen=True)
 class PodResult:
     """One pod's run: ``returncode`` of its container (None: stopped after ``timeout_s``), ``seconds`` of wall time,
-    ``log`` its stdout and stderr, ``folders`` the host folders of its mounts (mount path -> folder; "" a tmpfs)."""
+    ``log`` its stdout and stderr, ``folders`` the host folders of its mounts (mount path -> folder; "" a tmpfs),
+    ``killed`` whether the rehearsal killed it (:func:`run_pods`' ``kill_when``)."""
 
     name: str
     task: str
@@ -39,6 +52,7 @@ class PodResult:
     seconds: float
     log: Path
     folders: dict[str, str]
+    killed: bool = False
 
 
 def _volume_dir(source: dict, pod_dir: Path, shared: Path, mount_path: str) -> tuple[str, str]:
@@ -85,12 +99,32 @@ def pod_argv(pod: PodSpec, pod_dir: Path, shared: Path, hosts: list[str],
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, pod.name, *pod.argv], folders
 
 
-def run_pods(pods: list[PodSpec], task: str, env_of, root: Path, timeout_s: float) -> list[PodResult]:
+def _kill_pod(proc: subprocess.Popen) -> None:
+    """SIGKILL to a pod's process and every process under it, at once: what the kubelet's kill of a lost node's pod
+    leaves of it (a server supervisor of its own session included). Returns when all are gone."""
+    try:
+        under = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        under = []
+    proc.kill()
+    for child in under:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(under, timeout=10)  # gone, not only signalled: the next pods may reuse their ports
+
+
+def run_pods(pods: list[PodSpec], task: str, env_of, root: Path, timeout_s: float,
+             kill_when: Callable[[], bool] | None = None) -> list[PodResult]:
     """Run ``pods`` side by side (a JobSet's gang, or one step's pod) and wait for all; ``env_of(pod)`` gives each its
-    environment. A pod that fails stops the others (by the process groups this function started).
+    environment. A pod that fails stops the others (by the process groups this function started). ``kill_when``:
+    asked every second while the pods run; when it answers True every pod is killed (:func:`_kill_pod`), and the
+    results say ``killed``.
 
     Raises:
-        PodFailed: a pod exited non-zero or ran past ``timeout_s``.
+        PodFailed: a pod exited non-zero or ran past ``timeout_s`` (not when killed).
     """
     hosts = [h for pod in pods for h in pod.hosts]
     started = []
@@ -102,20 +136,27 @@ def run_pods(pods: list[PodSpec], task: str, env_of, root: Path, timeout_s: floa
             proc = subprocess.Popen(argv, env=env_of(pod), stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         started.append((pod, proc, ProcessRef.of(proc.pid), log, folders, time.monotonic()))
+    deadline, killed = time.monotonic() + timeout_s, False
+    # until every pod exits, one fails (failFast: the others are stopped below), the deadline or the kill
+    while any(proc.poll() is None for _, proc, *_ in started) and time.monotonic() < deadline:
+        if any(proc.poll() not in (None, 0) for _, proc, *_ in started):
+            break
+        if kill_when is not None and kill_when():
+            for _, proc, *_ in started:
+                _kill_pod(proc)
+            killed = True
+            break
+        time.sleep(1)
     results, failed = [], None
-    deadline = time.monotonic() + timeout_s
     for pod, proc, ref, log, folders, began in started:
-        try:
-            code = proc.wait(timeout=max(deadline - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
+        code = proc.wait() if killed else proc.poll()
+        if code is None:  # past the deadline, or a partner failed
             ref.stop_group(10)
-            code = None
-        results.append(PodResult(pod.name, task, code, time.monotonic() - began, log, folders))
-        if code != 0 and failed is None:
+            proc.wait()
+            code = proc.returncode if time.monotonic() < deadline else None
+        results.append(PodResult(pod.name, task, code, time.monotonic() - began, log, folders, killed))
+        if code != 0 and failed is None and not killed:
             failed = (pod, code, log)
-            for _, other, other_ref, *_ in started:
-                if other.poll() is None:
-                    other_ref.stop_group(10)
     if failed:
         pod, code, log = failed
         raise PodFailed(f"pod {pod.name} (task {task}) exited {code}; command: {shlex.join(pod.argv)[:300]}...; "
@@ -145,12 +186,14 @@ def _json_path(manifest: dict, path: str) -> str:
 
 
 def run_dag(workflow: dict, template: str | None, values: dict[str, str], env_of, root: Path, timeout_s: float,
-            report) -> dict[str, str]:
+            report, kill: tuple[str, Callable[[], bool]] | None = None) -> dict[str, str]:
     """Run the DAG ``template`` (None: the entrypoint) as Argo would, pod by pod; ``report(PodResult)`` after each
-    pod. Returns the tasks' outputs (``tasks.<task>.outputs.parameters.<name>`` -> value).
+    pod. Returns the tasks' outputs (``tasks.<task>.outputs.parameters.<name>`` -> value). ``kill``: (task, condition):
+    that task's pods are killed once the condition holds (:func:`run_pods`), and the run ends there.
 
     Raises:
         PodFailed: the first pod that failed (the DAG's failFast: nothing after it runs).
+        PodsKilled: ``kill``'s task was killed.
         RenderError: a template or tag the rehearsal does not emulate.
     """
     outputs: dict[str, str] = {}
@@ -161,13 +204,17 @@ def run_dag(workflow: dict, template: str | None, values: dict[str, str], env_of
         for item in items:
             inputs = rehearsal.task_inputs(task, known if item is None else {**known, "item": str(item)})
             if "dag" in spec:
-                inner = run_dag(workflow, task.template, inputs, env_of, root, timeout_s, report)
+                inner = run_dag(workflow, task.template, inputs, env_of, root, timeout_s, report, kill)
                 produced = {p["name"]: rehearsal.fill(p["valueFrom"]["parameter"], {**inputs, **inner})
                             for p in (spec.get("outputs") or {}).get("parameters", [])}
             elif "resource" in spec:
                 pods = rehearsal.jobset_pods(workflow, task.template, inputs)
-                for result in run_pods(pods, task.name, env_of, root, timeout_s):
+                kill_when = kill[1] if kill and kill[0] == task.name else None
+                results = run_pods(pods, task.name, env_of, root, timeout_s, kill_when)
+                for result in results:
                     report(result)
+                if any(r.killed for r in results):
+                    raise PodsKilled(task.name, outputs)
                 manifest = rehearsal.jobset(workflow, task.template, inputs)
                 produced = {p["name"]: _json_path(manifest, p["valueFrom"]["jsonPath"])
                             for p in (spec.get("outputs") or {}).get("parameters", [])}

@@ -5,6 +5,7 @@ machine, and its output parameters read back from the files it wrote, as Argo re
 import os
 import subprocess
 
+import psutil
 import pytest
 
 from grpo_steps.dev.rehearsal import PodSpec
@@ -51,3 +52,17 @@ def test_a_failing_pod_names_itself_its_exit_and_its_log(tmp_path):
     pod = PodSpec("broken", "step", ["bash", "-c", "echo no such model >&2; exit 3"], {}, [])
     with pytest.raises(PodFailed, match=r"(?s)pod broken \(task step\) exited 3.*no such model"):
         run_pods([pod], "step", lambda pod: {"PATH": os.environ["PATH"]}, tmp_path, 60)
+
+
+def test_a_killed_gang_dies_whole_with_the_processes_under_it(tmp_path):
+    """A node lost by the cluster: every pod of the task and each process it started (here a child in a session of
+    its own, as a server's supervisor is) killed at once, once the condition holds."""
+    pods = [PodSpec(f"node-{n}", "train", ["bash", "-c", "setsid sleep 300 & echo $! > child; touch up; sleep 300"],
+                    {}, []) for n in range(2)]
+    work = [tmp_path / "pods" / pod.name / "work" for pod in pods]  # each pod's working directory, seen from here
+    results = run_pods(pods, "train", lambda pod: {"PATH": os.environ["PATH"]}, tmp_path, 60,
+                       kill_when=lambda: all((w / "up").exists() for w in work))
+    assert [(r.killed, r.returncode) for r in results] == [(True, -9), (True, -9)]
+    for w in work:
+        child = int((w / "child").read_text())
+        assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE

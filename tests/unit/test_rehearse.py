@@ -34,3 +34,14 @@ def test_the_rehearsed_config_is_the_shipped_cluster_config_at_the_tiny_models_s
     assert cfg.schedule.cron == shipped["schedule"]["cron"] and cfg.train.deepspeed and cfg.train.retries == 2
     assert cfg.train.num_nodes == 2 and cfg.train.processes_per_node == cfg.resources.train.gpu == 1
     assert cfg.model.name_or_path == "embedded:tiny-random-qwen2" and cfg.generation.backend == "hf"
+    assert cfg.train.save_steps == 1 < cfg.train.max_steps  # a checkpoint before the end, to kill the run after
+    assert cfg.train.resume_from is None and not cfg.train.trust_checkpoint
+
+
+def test_the_resumed_run_continues_the_killed_runs_location_on_the_rehearsals_rendezvous_port():
+    location = "s3://grpo-metaflow/metaflow/GRPOFlow/argo-grpo.user.rehearsal.grpoflow-x7k2q"
+    cfg = validate_config(rehearsal_config(nodes=2, tracking_uri="http://127.0.0.1:5000", port=31234,
+                                           resume_from=location))
+    # DeepSpeed unpickles its optimizer state: the rehearsal resumes a checkpoint it saved itself
+    assert (cfg.train.resume_from, cfg.train.trust_checkpoint, cfg.train.deepspeed) == (location, True, True)
+    assert cfg.train.main_process_port == 31234
