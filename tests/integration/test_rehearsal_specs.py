@@ -131,6 +131,7 @@ def _unshare_allowed() -> bool:
     return subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode == 0
 
 
+@pytest.mark.slow  # a real step: 751 s on the 2-core box under load 15-30 (the tiny model trained in the empty cache)
 @pytest.mark.skipif(not _unshare_allowed(), reason="needs mount namespaces (root; CI runs as root)")
 def test_the_first_pod_runs_as_rendered_with_the_flows_scoped_keys(rehearsed):
     """start, in a pod of its own (an empty working directory, ~/.cache and /tmp), from the rendered command: the code
