@@ -14,7 +14,7 @@ CONFIG ?= configs/local.yaml
 export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: install sandbox model run game distill test test-fast ui s3 lint docs bench bench-gpu gpu-check lock screenshots clean \
-        cluster-check
+        rehearse cluster-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -142,3 +142,8 @@ screenshots: install
 
 clean:
 	rm -rf .metaflow mlflow.db mlartifacts .pytest_cache .s3
+
+# A cluster run rehearsed on this machine: the rendered workflow's pods as processes, the S3 keys scoped as
+# infra/s3/'s policies, a real MLflow server (grpo_steps/dev/rehearse.py; docs/deploy.md "Rehearsal")
+rehearse: install
+	$(BIN)/python -m grpo_steps.dev.rehearse --dir .rehearsal

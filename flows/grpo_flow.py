@@ -73,7 +73,8 @@ class GRPOFlow(FlowSpec):
     @step
     def provision_vllm(self):
         """Start the generation server (rollouts with backend vllm, evaluation always)."""
-        self.server = steps.provision(steps.config_of(self.config), self.model_path)
+        cfg = steps.config_of(self.config)
+        self.server = steps.provision(cfg, steps.local_model(cfg, self.mlflow_run_id, self.model_path))
         self.next(self.train, num_parallel=self.config.train.num_nodes)
 
     @resources(gpu=config_expr("config.resources.train.gpu"), cpu=config_expr("config.resources.train.cpu"),
@@ -91,9 +92,11 @@ class GRPOFlow(FlowSpec):
     def train(self):
         """GRPO on every node of the gang; node 0 saves the final policy to the datastore."""
         cfg = steps.config_of(self.config)
-        self.server = steps.ensure_server(cfg, self.server, self.model_path)
+        # a local name, not an artifact: the nodes' would differ
+        model = steps.local_model(cfg, self.mlflow_run_id, self.model_path)
+        self.server = steps.ensure_server(cfg, self.server, model)
         with steps.scratch_dir() as workdir:
-            final_dir = steps.train(cfg, run_id=self.mlflow_run_id, model_path=self.model_path,
+            final_dir = steps.train(cfg, run_id=self.mlflow_run_id, model_path=model,
                                     train_rows=self.train_rows, server=self.server,
                                     node_index=current.parallel.node_index, main_ip=current.parallel.main_ip,
                                     output_dir=workdir, eval_rows=self.eval_rows)
@@ -109,12 +112,16 @@ class GRPOFlow(FlowSpec):
     @step
     def evaluate(self, inputs):
         """Baseline vs trained policy on the held-out split, through the same server."""
-        self.merge_artifacts(inputs)
+        # with provider local in pods each gang node started a server of its own, gone with its pod (make rehearse):
+        # node 0's handle (the node that saved the policy), which ensure_server checks and replaces
+        self.merge_artifacts(inputs, exclude=["server"])
+        self.server = next(node.server for node in inputs if hasattr(node, "policy"))
         cfg = steps.config_of(self.config)
-        self.server = steps.ensure_server(cfg, self.server, self.model_path)
+        model = steps.local_model(cfg, self.mlflow_run_id, self.model_path)
+        self.server = steps.ensure_server(cfg, self.server, model)
         with steps.loaded_policy(self.policy) as trained_model:
             self.eval_report = steps.evaluate(cfg, run_id=self.mlflow_run_id, server=self.server,
-                                              base_model=self.model_path, trained_model=trained_model,
+                                              base_model=model, trained_model=trained_model,
                                               eval_rows=self.eval_rows,
                                               measured=self.training_evaluations)
         current.card["eval"].extend(steps.card_components(cfg, self.mlflow_run_id, self.eval_report))

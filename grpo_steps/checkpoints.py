@@ -16,7 +16,7 @@ start fast. The training process's callbacks are in :mod:`grpo_steps.training.ca
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -134,18 +134,23 @@ def gang_size_of_run(run) -> int:
     return len(list(run["train"]))
 
 
-def _newest_of_run(run, node_index: int, num_nodes: int | None = None) -> dict | None:
-    """Node ``node_index``'s checkpoint at the newest step that every node of the ``train`` gang of ``run`` saved
-    (``num_nodes``: that gang's size; None: counted from the run)."""
+def _run_lister(run):
+    """``list_node(name)`` of the ``train`` gang of the Metaflow ``run`` (every task's checkpoints of that name)."""
     from metaflow import Checkpoint
 
-    num_nodes = gang_size_of_run(run) if num_nodes is None else num_nodes
     tasks = list(run["train"])
 
     def list_node(name: str) -> list[dict]:
         return list({c["key"]: c for task in tasks for c in Checkpoint().list(task=task, name=name)}.values())
 
-    return _newest_common_checkpoint(_saved_by_node(list_node, num_nodes), node_index, num_nodes)
+    return list_node
+
+
+def _newest_of_run(run, node_index: int, num_nodes: int | None = None) -> dict | None:
+    """Node ``node_index``'s checkpoint at the newest step that every node of the ``train`` gang of ``run`` saved
+    (``num_nodes``: that gang's size; None: counted from the run)."""
+    num_nodes = gang_size_of_run(run) if num_nodes is None else num_nodes
+    return _newest_common_checkpoint(_saved_by_node(_run_lister(run), num_nodes), node_index, num_nodes)
 
 
 def _load(reference, what: str) -> str:
@@ -169,13 +174,34 @@ def _load(reference, what: str) -> str:
 class Reference:
     """A ``train.resume_from`` value, classified once (:func:`parse_reference`) for both the check in ``start`` and
     the load in ``train``: ``directory`` (a local trainer checkpoint, ``path`` the one found in it), ``run`` (a
-    ``FlowName/run_id`` pathspec: ``flow``, ``run_id``) or ``key`` (a metaflow-checkpoint key)."""
+    ``FlowName/run_id`` pathspec: ``flow``, ``run_id``), ``location`` (the run's S3 location, read without the
+    metadata service: :mod:`grpo_steps.run_location`) or ``key`` (a metaflow-checkpoint key)."""
 
     text: str
-    kind: Literal["directory", "run", "key"]
+    kind: Literal["directory", "run", "location", "key"]
     path: str | None = None
     flow: str | None = None
     run_id: str | None = None
+
+    def gang(self) -> Gang:
+        """The ``train`` gang of the run a ``run`` or ``location`` reference names.
+
+        Raises:
+            CheckpointNotFound: no such run, the run never reached its ``train`` step, or (a location) it lies outside
+                this run's S3 datastore or cannot be read.
+        """
+        if self.kind == "run":
+            run = self.run()
+            return Gang(gang_size_of_run(run), _run_lister(run))
+        from metaflow.metaflow_config import DATASTORE_SYSROOT_S3
+
+        from grpo_steps.run_location import LocationError, parse_location, saved_gang
+
+        try:
+            saved = saved_gang(parse_location(self.text, DATASTORE_SYSROOT_S3))
+        except LocationError as err:
+            raise CheckpointNotFound(str(err)) from None
+        return Gang(saved.nodes, saved.list_node)
 
     def run(self):
         """The Metaflow ``Run`` a ``run`` reference names (this datastore and namespace).
@@ -195,22 +221,32 @@ class Reference:
             raise CheckpointNotFound(f"train.resume_from {self.text!r}: that run never reached its train step")
         return run
 
-    def newest_of_node(self, run, node_index: int) -> dict:
-        """The newest checkpoint node ``node_index`` saved in ``run`` (a ``run`` reference's :meth:`run`).
+    def newest_of_node(self, gang: Gang, node_index: int) -> dict:
+        """Node ``node_index``'s checkpoint at the newest step that every node of ``gang`` (:meth:`gang`) saved.
 
         Raises:
-            CheckpointNotFound: that node saved none.
+            CheckpointNotFound: there is no such step.
         """
-        newest = _newest_of_run(run, node_index)
+        newest = _newest_common_checkpoint(_saved_by_node(gang.list_node, gang.nodes), node_index, gang.nodes)
         if newest is None:
             raise CheckpointNotFound(f"train.resume_from {self.text!r}: that run saved no checkpoint for node "
                                      f"{node_index}")
         return newest
 
 
+@dataclass(frozen=True)
+class Gang:
+    """A saved run's ``train`` gang: ``nodes`` (its size) and ``list_node(name)`` (every checkpoint of that name its
+    tasks saved, as ``Checkpoint().list`` gives them)."""
+
+    nodes: int
+    list_node: Callable[[str], list[dict]]
+
+
 def parse_reference(reference: str) -> Reference:
-    """Classify a ``train.resume_from`` value: an existing local directory, else a ``FlowName/run_id`` pathspec
-    (two parts, not a path: no leading ``/``, ``.`` or ``~``), else a checkpoint key.
+    """Classify a ``train.resume_from`` value: an existing local directory, else a run's S3 location (``s3://...``),
+    else a ``FlowName/run_id`` pathspec (two parts, not a path: no leading ``/``, ``.`` or ``~``), else a checkpoint
+    key.
 
     Raises:
         CheckpointNotFound: a directory without a trainer checkpoint (``trainer_state.json``) in it or in its
@@ -226,14 +262,16 @@ def parse_reference(reference: str) -> Reference:
             raise CheckpointNotFound(f"train.resume_from {reference!r}: no trainer checkpoint (trainer_state.json) "
                                      "in that directory or its checkpoint-* subdirectories")
         return Reference(reference, "directory", path=found)
+    if reference.startswith("s3://"):
+        return Reference(reference, "location")
     parts = reference.strip("/").split("/")
     if len(parts) == 2 and not reference.startswith(("/", ".", "~")):
         return Reference(reference, "run", flow=parts[0], run_id=parts[1])
     return Reference(reference, "key")
 
 
-def _load_gang(ref: Reference, run, saved_nodes: int) -> str:
-    """The checkpoints every node of ``run``'s gang (``saved_nodes`` nodes) saved of their newest common step, loaded
+def _load_gang(ref: Reference, gang: Gang) -> str:
+    """The checkpoints every node of ``gang`` (another number of nodes) saved of their newest common step, loaded
     into ``node<i>/`` of this task's checkpoint directory and merged into ``merged/``
     (:func:`grpo_steps.elastic.merge_node_checkpoints`), for a gang of another number of nodes.
 
@@ -246,10 +284,10 @@ def _load_gang(ref: Reference, run, saved_nodes: int) -> str:
 
     root = Path(current.checkpoint.directory)
     loaded = []
-    for node in range(saved_nodes):
-        newest = ref.newest_of_node(run, node)
+    for node in range(gang.nodes):
+        newest = ref.newest_of_node(gang, node)
         print(f"[checkpoint] loading node {node}'s step {newest['metadata']['global_step']} of run {ref.text} "
-              f"(saved by {saved_nodes} nodes)", flush=True)
+              f"(saved by {gang.nodes} nodes)", flush=True)
         current.checkpoint.load(newest, path=str(root / f"node{node}"))
         loaded.append(trainer_checkpoint_in(root / f"node{node}"))
     if not all(loaded):
@@ -274,12 +312,11 @@ def resolve_reference(reference: str, node_index: int) -> str:
     if ref.kind == "directory":
         print(f"[checkpoint] resuming from local directory {ref.path}", flush=True)
         return ref.path
-    if ref.kind == "run":
-        run = ref.run()
-        saved_nodes = gang_size_of_run(run)
-        if saved_nodes != this_gang_size():  # a resize: every saved node's partitions, in one checkpoint
-            return _load_gang(ref, run, saved_nodes)
-        newest = ref.newest_of_node(run, node_index)
+    if ref.kind in ("run", "location"):
+        gang = ref.gang()
+        if gang.nodes != this_gang_size():  # a resize: every saved node's partitions, in one checkpoint
+            return _load_gang(ref, gang)
+        newest = ref.newest_of_node(gang, node_index)
         return _load(newest, f"step {newest['metadata']['global_step']} of run {reference}")
     try:
         return _load(reference, f"checkpoint key {reference}")
@@ -295,7 +332,8 @@ def check_reference(reference: str, num_nodes: int = 1) -> str:
 
     A directory must hold a trainer checkpoint; a ``FlowName/run_id`` pathspec must name a run of this
     datastore and namespace whose ``train`` step saved a checkpoint of a common step for each of its gang's nodes
-    (``num_nodes``: this run's, which may differ: :mod:`grpo_steps.elastic`);
+    (``num_nodes``: this run's, which may differ: :mod:`grpo_steps.elastic`); so must a run's S3 location, read
+    without the metadata service (:mod:`grpo_steps.run_location`), which must lie under this run's S3 datastore;
     anything else must be a checkpoint key whose metadata is in the datastore.
 
     Raises:
@@ -304,10 +342,10 @@ def check_reference(reference: str, num_nodes: int = 1) -> str:
     ref = parse_reference(reference)
     if ref.kind == "directory":
         return f"local directory {ref.path}"
-    if ref.kind == "run":
-        run = ref.run()
-        saved_nodes = gang_size_of_run(run)  # the saving gang's nodes; this run's may differ (an elastic resume)
-        steps = [ref.newest_of_node(run, node)["metadata"]["global_step"] for node in range(saved_nodes)]
+    if ref.kind in ("run", "location"):
+        gang = ref.gang()  # the saving gang's nodes; this run's may differ (an elastic resume)
+        saved_nodes = gang.nodes
+        steps = [ref.newest_of_node(gang, node)["metadata"]["global_step"] for node in range(saved_nodes)]
         return f"run {reference}, step {steps[0]}" + (f" (nodes: {steps})" if saved_nodes > 1 else "") + \
             (f", saved by {saved_nodes} nodes, continued on {num_nodes}" if saved_nodes != num_nodes else "")
     from metaflow_extensions.obcheckpoint.plugins.machine_learning_utilities.datastructures import (

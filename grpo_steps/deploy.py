@@ -37,6 +37,7 @@ class OnKubernetes(FlowMutator):
         from metaflow import exit_hook
 
         from grpo_steps.config import SHARED_MOUNT
+        from grpo_steps.launch import cluster_port
 
         config = dict(mutable_flow.configs).get("config")
         self._user_modules = user_modules(config) if config is not None else []  # for add_to_package
@@ -50,7 +51,10 @@ class OnKubernetes(FlowMutator):
         token = run_token_secrets(config.generation.provider)
         for name, mutable_step in mutable_flow.steps:
             secrets = {"secrets": token} if token and name in TOKEN_STEPS else {}
-            mutable_step.add_decorator("kubernetes", deco_kwargs={**kwargs, **secrets})
+            # the gang's rendezvous: Metaflow renders it into the JobSet as MF_MASTER_PORT ("None" without it), which
+            # the train step hands to accelerate (steps.train)
+            port = {"port": cluster_port(config.train.main_process_port)} if name == "train" else {}
+            mutable_step.add_decorator("kubernetes", deco_kwargs={**kwargs, **secrets, **port})
 
     def mutate(self, mutable_flow) -> None:
         """After the command line (``--with kubernetes`` included): a run whose steps leave this machine refuses a

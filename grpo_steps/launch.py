@@ -47,6 +47,20 @@ def accelerate_command(job_file: str | Path, *, num_nodes: int, processes_per_no
     return cmd + ["--module", TRAINING_MODULE, str(job_file)]
 
 
+CLUSTER_PORT = 29500
+"""Node 0's rendezvous port on a cluster (accelerate's default), where each node is a pod with a network of its own."""
+
+
+def cluster_port(configured: int) -> int:
+    """The rendezvous port a JobSet declares for its control pod (``MF_MASTER_PORT``, :class:`grpo_steps.deploy.
+    OnKubernetes`): ``train.main_process_port``, else :data:`CLUSTER_PORT`.
+
+    >>> cluster_port(0), cluster_port(31000)
+    (29500, 31000)
+    """
+    return configured or CLUSTER_PORT
+
+
 def rendezvous_port(configured: int, run_key: str | None) -> int:
     """Port of node 0's rendezvous: ``train.main_process_port`` when set, else one derived from the run
     (every node of a gang computes the same, in 29500..49499), so simulated nodes of concurrent local

@@ -9,6 +9,7 @@ flow file imports fast and ``--help`` is instant.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -107,9 +108,14 @@ def ensure_server(cfg: PipelineConfig, server: dict, model_path: str) -> dict:
 
 
 def local_model(cfg: PipelineConfig, run_id: str, model_path: str) -> str:
-    """``model_path`` (what ``start`` resolved) when this machine has it, else resolved again here (a step in another
-    pod): the version ``start`` pinned for a ``models:/`` start (run tag ``start.model_uri``), the embedded model, a hub
-    id."""
+    """``model_path`` (what ``start`` resolved) when this machine has it, else resolved again here: a step in another
+    pod (Kubernetes) lacks the directory an earlier pod built (an embedded model in that pod's cache, a fetched
+    version; found by ``make rehearse``, each pod its own ~/.cache), so it resolves the version ``start`` pinned for a
+    ``models:/`` start (run tag ``start.model_uri``), else ``model.name_or_path`` (the embedded model, a hub id).
+
+    Raises:
+        FileNotFoundError: as :func:`grpo_steps.models.resolve_model`.
+    """
     from grpo_steps.models import resolve_model
 
     if Path(model_path).exists():
@@ -215,7 +221,8 @@ def train(cfg: PipelineConfig, *, run_id: str, model_path: str, train_rows: list
                    eval_split_file=str(split_file) if split_file else None, weight_store=weight_store(cfg, run_id))
     warm_up = lifecycle.warm_up(server) if node_index == 0 else None
     with system_metrics(run_id, cfg.tracking.tracking_uri, node_id=f"node{node_index}" if node_index else None):
-        launch(job, node_index=node_index, main_ip=main_ip)
+        # a JobSet's pod: the port its manifest declares for the control node (grpo_steps.deploy); else per run
+        launch(job, node_index=node_index, main_ip=main_ip, main_port=int(os.environ.get("MF_MASTER_PORT") or 0))
     lineage = output_dir / WEIGHT_LINEAGE
     if node_index == 0 and lineage.is_file():  # s3 sync: what the servers last loaded, for the registered version
         tracking.set_tags(cfg, run_id, {f"weight_lineage.{k}": v for k, v in json.loads(lineage.read_text()).items()})

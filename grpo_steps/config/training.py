@@ -238,9 +238,11 @@ class TrainConfig(_Section):
     resume_from: str | None = None
     """Start training from a saved checkpoint instead of the base weights, continuing at its global
     step: a run pathspec ``GRPOFlow/<run_id>`` (the newest checkpoint of that run's ``train`` step
-    for each node), a checkpoint key (``Checkpoint().list(...)[i]["key"]``), or a local directory
-    holding a trainer checkpoint (``trainer_state.json``). Ignored on ``@retry`` and ``resume``,
-    which continue from the failed attempt's own newest checkpoint."""
+    for each node), the run's S3 location ``<METAFLOW_DATASTORE_SYSROOT_S3>/GRPOFlow/<run_id>`` (the same, read from
+    the datastore where no metadata service can be reached: docs/deploy.md), a checkpoint key
+    (``Checkpoint().list(...)[i]["key"]``), or a local directory holding a trainer checkpoint
+    (``trainer_state.json``). Ignored on ``@retry`` and ``resume``, which continue from the failed attempt's own
+    newest checkpoint."""
     trust_checkpoint: bool = False
     """Accept a ``train.resume_from`` checkpoint that would be unpickled: DeepSpeed (``train.deepspeed``) loads its
     optimizer state with ``torch.load(weights_only=False)``, which runs whatever code the file holds. Without
@@ -307,8 +309,8 @@ class TrainConfig(_Section):
     peft: PeftConfig | None = None
     """LoRA training (:class:`PeftConfig`); null: full fine-tuning."""
     main_process_port: int = Field(0, ge=0, le=65535)
-    """Rendezvous port of ``accelerate launch`` on node 0; 0: a free port picked by node 0 (local
-    runtime, where simulated nodes share one machine) or 29500 on a cluster."""
+    """Rendezvous port of ``accelerate launch`` on node 0; 0: on the local runtime one derived from the run (simulated
+    nodes share one machine), on a cluster 29500. A cluster run's JobSet declares it as ``MF_MASTER_PORT``."""
     cpu_cores: list[int] | None = None
     """CPU training: the cores each training process runs on (its affinity) and as many torch threads, e.g.
     ``[1]`` beside ``generation.server.cpu_cores: [0]`` (the layout of ``generation.async`` on a 2-core machine);

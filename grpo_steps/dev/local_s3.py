@@ -178,12 +178,13 @@ def weed_binary() -> str:
 
 def start(data_dir: str | Path, *, port: int = 0, bucket: str = "grpo", access_key: str = DEV_ACCESS_KEY,
           secret_key: str = DEV_SECRET_KEY, readers: dict[str, str] | None = None, timeout_s: float = 60.0,
-          private: bool = False) -> LocalS3:
+          private: bool = False, identities: list[dict] | None = None) -> LocalS3:
     """Start ``weed mini`` on 127.0.0.1 with one identity (``access_key``/``secret_key``: every action) and ``bucket``;
     wait until S3 answers. ``readers``: more identities, access key -> secret key, that may only read and list (e.g.
-    a generation server that fetches weight versions with credentials of its own). ``private``: ``weed`` in a
-    network namespace of its own, its S3 gateway relayed from ``127.0.0.1:port`` by this process, ``data_dir``
-    mode 0700 (module docstring); the relay lives as long as this process.
+    a generation server that fetches weight versions with credentials of its own). ``identities``: more entries of
+    SeaweedFS's ``s3.config`` as they are (scoped rights: :func:`grpo_steps.dev.s3_policy.identity`). ``private``:
+    ``weed`` in a network namespace of its own, its S3 gateway relayed from ``127.0.0.1:port`` by this process,
+    ``data_dir`` mode 0700 (module docstring); the relay lives as long as this process.
 
     Raises:
         S3StartError: it exited or did not answer within ``timeout_s`` (stopped then; log tail in the message).
@@ -202,7 +203,7 @@ def start(data_dir: str | Path, *, port: int = 0, bucket: str = "grpo", access_k
                 "actions": ["Admin", "Read", "Write", "List", "Tagging"]}
     read_only = [{"name": f"reader-{i}", "credentials": [{"accessKey": key, "secretKey": secret}],
                   "actions": ["Read", "List"]} for i, (key, secret) in enumerate((readers or {}).items())]
-    config.write_text(json.dumps({"identities": [identity, *read_only]}))
+    config.write_text(json.dumps({"identities": [identity, *read_only, *(identities or [])]}))
     config.chmod(0o600)
     port = pick_port("127.0.0.1", port)
     # inside a namespace of its own every port is free; on the host's loopback, free ones

@@ -90,6 +90,9 @@ def test_train_gang_is_a_jobset_with_the_configured_node_size(rendered, cfg):
         shared = next(v["name"] for v in pod["volumes"] if "persistentVolumeClaim" in v)
         # mounted where the server pods mount it too (a model under /shared, nccl's evaluation copies)
         assert {"mountPath": SHARED_MOUNT, "name": shared} in container["volumeMounts"]
+        # the gang's rendezvous, declared (it rendered "None" without the train step's @kubernetes port)
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["MF_MASTER_PORT"] == "29500" and container["ports"] == [{"containerPort": 29500}]
     assert train["retryStrategy"]["limit"] == cfg.train.retries
 
 
