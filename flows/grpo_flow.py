@@ -74,7 +74,8 @@ class GRPOFlow(FlowSpec):
     def provision_vllm(self):
         """Start the generation server (rollouts with backend vllm, evaluation always)."""
         cfg = steps.config_of(self.config)
-        self.server = steps.provision(cfg, steps.local_model(cfg, self.mlflow_run_id, self.model_path))
+        model = steps.local_model(cfg, self.mlflow_run_id, self.model_path)
+        self.server = steps.provision(cfg, self.mlflow_run_id, model)
         self.next(self.train, num_parallel=self.config.train.num_nodes)
 
     @resources(gpu=config_expr("config.resources.train.gpu"), cpu=config_expr("config.resources.train.cpu"),
@@ -94,7 +95,7 @@ class GRPOFlow(FlowSpec):
         cfg = steps.config_of(self.config)
         # a local name, not an artifact: the nodes' would differ
         model = steps.local_model(cfg, self.mlflow_run_id, self.model_path)
-        self.server = steps.ensure_server(cfg, self.server, model)
+        self.server = steps.ensure_server(cfg, self.mlflow_run_id, self.server, model)
         with steps.scratch_dir() as workdir:
             final_dir = steps.train(cfg, run_id=self.mlflow_run_id, model_path=model,
                                     train_rows=self.train_rows, server=self.server,
@@ -118,7 +119,7 @@ class GRPOFlow(FlowSpec):
         self.server = next(node.server for node in inputs if hasattr(node, "policy"))
         cfg = steps.config_of(self.config)
         model = steps.local_model(cfg, self.mlflow_run_id, self.model_path)
-        self.server = steps.ensure_server(cfg, self.server, model)
+        self.server = steps.ensure_server(cfg, self.mlflow_run_id, self.server, model)
         with steps.loaded_policy(self.policy) as trained_model:
             self.eval_report = steps.evaluate(cfg, run_id=self.mlflow_run_id, server=self.server,
                                               base_model=model, trained_model=trained_model,

@@ -28,7 +28,7 @@ from grpo_steps.lineage import (
     load_seen,
     save_seen,
 )
-from grpo_steps.models import resolve_teacher
+from grpo_steps.models import resolve_model, resolve_teacher
 from grpo_steps.preflight import refusals
 from grpo_steps.processes import scratch_dir  # noqa: F401  (the train step's working directory)
 from grpo_steps.redaction import redact_report
@@ -93,18 +93,31 @@ def teacher_line(tags: dict[str, str]) -> str:
             f"`{tags['teacher.model']}`{version}.")
 
 
-def provision(cfg: PipelineConfig, model_path: str) -> dict:
+def provision(cfg: PipelineConfig, run_id: str, model_path: str) -> dict:
     """The run's generation server (:func:`grpo_steps.servers.lifecycle.provision`) and, with ``teacher:``, the
-    teacher's server in its handle (:func:`grpo_steps.servers.lifecycle.ensure_teacher`)."""
+    teacher's server in its handle (:func:`grpo_steps.servers.lifecycle.ensure_teacher`, weights of
+    :func:`pinned_teacher`)."""
     handle = lifecycle.provision(cfg, model_path)
-    return lifecycle.ensure_teacher(cfg, handle, None, lambda: resolve_teacher(cfg, model_path))
+    return lifecycle.ensure_teacher(cfg, handle, None, lambda: pinned_teacher(cfg, run_id, model_path))
 
 
-def ensure_server(cfg: PipelineConfig, server: dict, model_path: str) -> dict:
+def ensure_server(cfg: PipelineConfig, run_id: str, server: dict, model_path: str) -> dict:
     """``server`` while this run can go on using it, else a replacement
     (:func:`grpo_steps.servers.lifecycle.ensure_server`); the teacher's server likewise."""
     handle = lifecycle.ensure_server(cfg, server, model_path)
-    return lifecycle.ensure_teacher(cfg, handle, server, lambda: resolve_teacher(cfg, model_path))
+    return lifecycle.ensure_teacher(cfg, handle, server, lambda: pinned_teacher(cfg, run_id, model_path))
+
+
+def pinned_teacher(cfg: PipelineConfig, run_id: str, model_path: str) -> str:
+    """The teacher's weights for a server (re)started in any step: for a ``models:/`` teacher the version ``start``
+    resolved (run tag ``teacher.model_uri``, ``models:/<name>/<version>``), so a resume or a replaced server after
+    the alias moved still scores with the run's teacher; else :func:`grpo_steps.models.resolve_teacher`.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`grpo_steps.models.resolve_model`.
+    """
+    pinned = tracking.run_tags(cfg, run_id, "teacher.model_uri").get("teacher.model_uri")
+    return resolve_model(pinned, cfg.tracking.tracking_uri) if pinned else resolve_teacher(cfg, model_path)
 
 
 def local_model(cfg: PipelineConfig, run_id: str, model_path: str) -> str:
@@ -116,8 +129,6 @@ def local_model(cfg: PipelineConfig, run_id: str, model_path: str) -> str:
     Raises:
         FileNotFoundError: as :func:`grpo_steps.models.resolve_model`.
     """
-    from grpo_steps.models import resolve_model
-
     if Path(model_path).exists():
         return model_path
     pinned = tracking.run_tags(cfg, run_id, "start.model_uri").get("start.model_uri")

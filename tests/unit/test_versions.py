@@ -106,3 +106,23 @@ def test_a_kubernetes_served_registry_start_must_be_fetched_onto_the_shared_volu
         check_registry_start(cfg, "/root/.cache/grpo-pipeline/registry/grpo-policy/3-0123456789abcdef")
     check_registry_start(cfg, "/shared/cache/registry/grpo-policy/3-0123456789abcdef")  # the server pods see it
     check_registry_start(load_config(REPO_ROOT / "configs" / "multinode.yaml"), "/root/.cache/x")  # no registry
+
+
+def test_a_registered_teacher_stays_the_version_start_resolved_after_its_alias_moves(registry, tmp_path, monkeypatch):
+    from grpo_steps.config import validate_config
+    from grpo_steps.models import resolve_teacher
+    from grpo_steps.steps import pinned_teacher, teacher_tags
+
+    client, uri, register = registry
+    monkeypatch.setenv("GRPO_CACHE_DIR", str(tmp_path / "cache"))
+    register(1), register(2)
+    client.set_registered_model_alias("policy", "champion", "1")
+    cfg = validate_config({"teacher": {"model": "models:/policy@champion"}, "tracking": {"tracking_uri": uri}})
+    run_id = client.create_run("0").info.run_id
+    for name, value in teacher_tags(cfg, resolve_teacher(cfg, "unused")).items():  # what start tags
+        client.set_tag(run_id, name, value)
+    client.set_registered_model_alias("policy", "champion", "2")  # moved while the run goes on
+    assert Path(resolve_teacher(cfg, "unused")).name.startswith("2-")  # the alias, read again: the new version
+    resumed = Path(pinned_teacher(cfg, run_id, "unused"))  # a server (re)started in a later step or a resume
+    assert resumed.name.startswith("1-")
+    assert (resumed / "model.safetensors").read_text() == "weights-v1"
