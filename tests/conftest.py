@@ -10,6 +10,12 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("METAFLOW_USER", "grpo-tests")
+# One OpenMP thread per process (torch, vLLM's CPU engine, every process a test starts inherits it) unless the caller
+# sets another count: two xdist workers each run a flow of several processes (a server, a gang of trainers), and with
+# a thread per core in each, their OpenMP threads outnumber the 2 cores and spin waiting for each other. Set before
+# torch is imported here. test_elastic_resume.py back to back on the 2-core box (2026-12-07, with a benchmark beside
+# it): 199 s with the default threads, 169 s with one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # pytest caches each test module's rewritten assertions as bytecode unless bytecode is not written (this machine sets
 # PYTHONDONTWRITEBYTECODE): then every worker of every run rewrote all of them again, ~5 CPU s per worker
 sys.dont_write_bytecode = False
@@ -126,18 +132,20 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", str(target)], check=True)
 
 
-# The longest test files first, longest to shortest by their seconds in the last `make test` of main (a loaded CI run,
-# 2026-12-07: test_resume 675, test_multinode_local 493, test_replicas 415, test_continual 371, test_flow 361,
-# test_elastic_resume 340, test_bad_inputs 317, test_tool_flow 298, test_server_rollouts 209, test_your_task 160,
-# test_mlflow_auth 131, test_vllm_server 126, test_tensor_parallel 111 s); every other file after them in collection
+# The longest test files first, longest to shortest by their seconds in a quiet `make test` of main (2026-12-07, the
+# 2-core box: test_resume 543, test_multinode_local 312, test_replicas 249, test_continual 202, test_flow 192,
+# test_elastic_resume 147, test_tool_flow 135, test_bad_inputs 132, test_server_rollouts 121, test_your_task 105,
+# test_mlflow_auth 69, test_vllm_server 65, test_tensor_parallel 57, test_rehearsal_specs 55, test_async_training 31,
+# test_generation_contract 30, test_curriculum_training 24 s); every other file after them in collection
 # order. `make test`'s two pytest-xdist workers take whole files (`--dist loadfile`) in this order only with
 # `--no-loadscope-reorder` (the Makefile passes it; xdist's default sends the files with the most tests first), so
 # neither ends the run on a flow file the other could have started earlier (longest first: the last of them to start
 # is the shortest). Names are checked by tests/unit/test_suite_order.py.
 LONGEST_FIRST = ("test_resume.py", "test_multinode_local.py", "test_replicas.py", "test_continual.py", "test_flow.py",
-                 "test_elastic_resume.py", "test_bad_inputs.py", "test_tool_flow.py", "test_server_rollouts.py",
+                 "test_elastic_resume.py", "test_tool_flow.py", "test_bad_inputs.py", "test_server_rollouts.py",
                  "test_your_task.py", "test_mlflow_auth.py", "test_vllm_server.py", "test_tensor_parallel.py",
-                 "test_async_training.py", "test_generation_contract.py")
+                 "test_rehearsal_specs.py", "test_async_training.py", "test_generation_contract.py",
+                 "test_curriculum_training.py")
 
 
 def pytest_collection_modifyitems(config, items):

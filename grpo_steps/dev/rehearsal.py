@@ -7,8 +7,9 @@ runner (:mod:`grpo_steps.dev.rehearse`) does.
 Argo's substitution (https://argo-workflows.readthedocs.io/en/latest/variables/): ``{{name}}`` is a simple tag
 (``workflow.name``, ``inputs.parameters.X``, ``tasks.T.outputs.parameters.X``, ``item``, ``retries``), ``{{=expr}}``
 an expression (expr-lang with sprig); the expressions Metaflow 2.19 renders are arithmetic on parameters
-(``sprig.int(sprig.sub(sprig.int(inputs.parameters['num-parallel']),1))``, ``asInt(inputs.parameters.workerCount)``),
-which :func:`fill` evaluates; any other function is refused. A resource template's manifest is filled as text and
+(``sprig.int(sprig.sub(sprig.int(inputs.parameters['num-parallel']),1))``, ``asInt(inputs.parameters.workerCount)``)
+and expr-lang's ``toBase64`` (a conditional join's input paths, ``{{=toBase64(inputs.parameters['input-paths'])}}``,
+decoded by Metaflow's ``conditional_input_paths``), which :func:`fill` evaluates; any other function is refused. A resource template's manifest is filled as text and
 then parsed, as Argo does. The JobSet controller's part (``jobset.sigs.k8s.io`` annotations on each pod: job index,
 JobSet name, restart attempt) and the kubelet's (``fieldRef`` values) are filled from the pod each spec stands for.
 """
@@ -16,6 +17,7 @@ JobSet name, restart attempt) and the kubelet's (``fieldRef`` values) are filled
 from __future__ import annotations
 
 import ast
+import base64
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -82,6 +84,8 @@ def _evaluate(node: ast.AST, values: dict[str, str]) -> str | int:
             return int(args[0]) - int(args[1])
         if function == "sprig.add" and len(args) == 2:
             return int(args[0]) + int(args[1])
+        if function == "toBase64" and len(args) == 1:  # expr-lang's builtin: standard base64 of the UTF-8 string
+            return base64.b64encode(str(args[0]).encode()).decode()
         raise RenderError(f"the Argo expression function {function}({len(args)} args) is not emulated")
     raise RenderError(f"the Argo expression part {ast.unparse(node)!r} is not emulated")
 
@@ -108,6 +112,8 @@ def fill(text: str, values: dict[str, str]) -> str:
     'js-ab0'
     >>> fill("{{=sprig.int(sprig.sub(sprig.int(inputs.parameters['n']),1))}}", {"inputs.parameters.n": "2"})
     '1'
+    >>> fill("{{=toBase64(inputs.parameters['p'])}}", {"inputs.parameters.p": "argo-x/register/t-1"})
+    'YXJnby14L3JlZ2lzdGVyL3QtMQ=='
     """
     def replace(match: re.Match) -> str:
         expression, name = match.group(1), match.group(2)

@@ -21,8 +21,10 @@ from grpo_steps.weights.update import WeightUpdate
 
 pytestmark = pytest.mark.slow
 
-LONG = 300
-"""Tokens of the completion in flight: long enough (seconds on the tiny model) for the push to land inside it."""
+LONG = 900
+"""Tokens of the completion in flight: long enough (seconds on the tiny model) for the push to land inside it, within
+the session server's 1024-token context. 300 was too short on an idle 2-core box (2026-12-07): the request finished
+before the push landed, one version for the whole completion."""
 
 
 def _engine(client) -> dict[str, float]:

@@ -114,6 +114,27 @@ def test_the_train_jobset_is_one_process_per_gang_node_with_the_jobsets_environm
         assert "grpo-s3-credentials" in pod.env_from
 
 
+def test_the_end_pod_reads_its_conditional_input_paths_as_argo_encodes_them(workflow):
+    """end joins the switch (prepare_data's no-new-rows branch) and register: Argo hands it both input paths
+    base64-encoded (``toBase64``, expr-lang's), and Metaflow's own decoder picks the branch that ran."""
+    import base64
+    import re
+
+    from metaflow.plugins.argo.conditional_input_paths import generate_input_paths
+    from metaflow.util import decompress_list
+
+    end = rehearsal.dag_tasks(workflow)[-1]
+    values = {**WORKFLOW, **{f"tasks.{t}.outputs.parameters.task-id": f"t-{t}" for t in ("prepare-data", "register")}}
+    pod = rehearsal.container_pod(workflow, end.template, rehearsal.task_inputs(end, values), "end-pod")
+    (encoded,) = re.findall(r"export INPUT_PATHS=(\S+)", pod.argv[2])
+    run = "argo-grpo.user.rehearsal.grpoflow-x7k2q"
+    assert decompress_list(base64.b64decode(encoded).decode()) == [f"{run}/prepare_data/t-prepare-data",
+                                                                   f"{run}/register/t-register"]
+    # the pod's command hands them to Metaflow's decoder with the steps that may not have run, latest first
+    (skippable,) = re.findall(r"conditional_input_paths \$\(echo \$INPUT_PATHS\) (\S+)\)", pod.argv[2])
+    assert generate_input_paths(encoded, skippable.split(",")) == f"{run}/register/t-register", skippable
+
+
 def test_the_environment_is_built_as_kubernetes_builds_it(workflow):
     start = rehearsal.dag_tasks(workflow)[0]
     pod = rehearsal.container_pod(workflow, "start", rehearsal.task_inputs(start, WORKFLOW), "start-pod")
