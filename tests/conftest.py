@@ -11,7 +11,7 @@ import pytest
 
 os.environ.setdefault("METAFLOW_USER", "grpo-tests")
 # One OpenMP thread per process (torch, vLLM's CPU engine, every process a test starts inherits it) unless the caller
-# sets another count: two xdist workers each run a flow of several processes (a server, a gang of trainers), and with
+# sets another count: xdist workers each run a flow of several processes (a server, a gang of trainers), and with
 # a thread per core in each, their OpenMP threads outnumber the 2 cores and spin waiting for each other. Set before
 # torch is imported here. test_elastic_resume.py back to back on the 2-core box (2026-12-07, with a benchmark beside
 # it): 199 s with the default threads, 169 s with one.
@@ -137,7 +137,7 @@ def small_tmpfs(tmp_path):
 # test_elastic_resume 147, test_tool_flow 135, test_bad_inputs 132, test_server_rollouts 121, test_your_task 105,
 # test_mlflow_auth 69, test_vllm_server 65, test_tensor_parallel 57, test_rehearsal_specs 55, test_async_training 31,
 # test_generation_contract 30, test_curriculum_training 24 s); every other file after them in collection
-# order. `make test`'s two pytest-xdist workers take whole files (`--dist loadfile`) in this order only with
+# order. `make test`'s pytest-xdist workers take whole files (`--dist loadfile`) in this order only with
 # `--no-loadscope-reorder` (the Makefile passes it; xdist's default sends the files with the most tests first), so
 # neither ends the run on a flow file the other could have started earlier (longest first: the last of them to start
 # is the shortest). Names are checked by tests/unit/test_suite_order.py.

@@ -211,10 +211,15 @@ def registered(tracking_uri: str, model_name: str) -> str:
     """The registered versions of ``model_name`` in the MLflow server, one line."""
     from mlflow import MlflowClient
 
-    versions = MlflowClient(tracking_uri=tracking_uri).search_model_versions(f"name='{model_name}'")
-    return f"registered {model_name}: " + ", ".join(f"version {v.version} (run {v.run_id}, aliases "
-                                                      f"{sorted(v.aliases)})" for v in versions) if versions else (
-        f"no version of {model_name} registered")
+    client = MlflowClient(tracking_uri=tracking_uri)
+    versions = client.search_model_versions(f"name='{model_name}'")
+    if not versions:
+        return f"no version of {model_name} registered"
+    # a search's versions come without their aliases (MLflow 3.17): the registered model holds them
+    aliases = client.get_registered_model(model_name).aliases
+    return f"registered {model_name}: " + ", ".join(
+        f"version {v.version} (run {v.run_id}, aliases {sorted(a for a, n in aliases.items() if str(n) == str(v.version))})"
+        for v in versions)
 
 
 def main(argv: list[str] | None = None) -> int:

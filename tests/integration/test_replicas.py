@@ -586,7 +586,7 @@ def test_lora_flow_killed_and_resumed_pushes_the_adapter_every_step_and_register
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    max_steps, save_steps, kill_after = 6, 2, 4
+    max_steps, save_steps, kill_after = 4, 2, 2  # a checkpoint before the kill and one after the resume
     config = on_replicas(flow_config("test-humaneval.yaml", registry={"model_name": MODEL_NAME},
                                      train={"max_steps": max_steps, "save_steps": save_steps, "retries": 0,
                                             "peft": PEFT}, eval={"correctness_reward": "code_execution"}),
