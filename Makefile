@@ -83,10 +83,10 @@ game: model
 
 # --no-loadscope-reorder: files in the order of tests/conftest.py's LONGEST_FIRST (xdist's default sends the files
 # with the most tests first, which left the minutes-long flow files, one test each, to the end of the run).
-# Three workers on two cores: with one OpenMP thread per process (tests/conftest.py) two workers left the cores idle
-# part of the time (load average 2-3.7 over a quiet run; their flows wait on servers, fsyncs and subprocesses).
+# Two workers: three were no faster on the 2-core box (2026-12-07, fresh clones of 977a11d and a4eb9d7, one OpenMP
+# thread per process: pytest 1508 s on three workers, 1478 s on two; /proc/stat showed no idle CPU with three).
 test: install
-	$(BIN)/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=30
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 
 # The inner loop: unit tests and the config refusals of the command line, each sandbox test in the isolation mode a run
 # here takes (the other modes carry the `variant` marker: make test runs them). Three workers on two cores: much of it
