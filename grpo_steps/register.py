@@ -124,7 +124,10 @@ def register(cfg: PipelineConfig, run_id: str, model_dir: str, report: dict, tag
                    "chosen by hand meanwhile)")
     else:
         reason += f"; champion {'stays version ' + champion if champion else 'not set'}"
+    run = client.get_run(run_id).data  # what prepare_data kept and where start began: the version says the same
+    splits = (int(run.metrics["data/train"]), int(run.metrics["data/eval"])) if "data/train" in run.metrics else None
     description = version_description(cfg, report, run_url=tracking.run_url(cfg, run_id),
+                                      splits=splits, start_uri=run.tags.get("start.model_uri"),
                                       run_pathspec=tags["metaflow.pathspec"].rsplit("/", 2)[0], gate_reason=reason,
                                       lineage={k.removeprefix("weight_lineage."): v for k, v in tags.items()
                                                if k.startswith("weight_lineage.")})

@@ -67,18 +67,24 @@ def comparison_table(cfg: PipelineConfig, report: dict) -> str:
 
 
 def version_description(cfg: PipelineConfig, report: dict, *, run_url: str, run_pathspec: str,
-                        gate_reason: str, lineage: dict[str, str] | None = None) -> str:
+                        gate_reason: str, lineage: dict[str, str] | None = None,
+                        splits: tuple[int, int] | None = None, start_uri: str | None = None) -> str:
     """Markdown of a registered version: task, base model, the baseline-vs-trained table, the quality
     gate's verdict, per-task pass@1 for mixtures, the weight lineage of an ``s3`` run (``lineage``: the ``version``,
     ``anchor``, ``deltas`` and ``sha256`` of the last chain version the servers loaded in training,
     :func:`grpo_steps.training.generation.s3.lineage_of`; None: not said), and where to look (MLflow run, Metaflow run
-    and card: the printed ``card get <run id>/evaluate`` is the form Metaflow's CLI takes). Credentials are
-    redacted."""
+    and card: the printed ``card get <run id>/evaluate`` is the form Metaflow's CLI takes). ``splits``: the
+    (train, held-out) prompts ``prepare_data`` kept (its ``data/train``, ``data/eval`` metrics: fewer than the config's
+    counts with ``data.skip_seen`` or ``data.allow_smaller_split``; None: the config's); ``start_uri``: the pinned
+    version a ``models:/`` start resolved to (the run tag ``start.model_uri``). Credentials are redacted."""
     data = cfg.data
     trained = report["trained"]["metrics"]
+    num_train, num_eval = splits or (data.num_train, data.num_eval)
+    base = f"`{cfg.model.name_or_path}`" + (f" (`{start_uri}`)" if start_uri and start_uri != cfg.model.name_or_path
+                                           else "")
     lines = [
-        f"GRPO-trained policy. **Task**: {task_text(cfg)}; {data.num_train} train / {data.num_eval} held-out prompts. "
-        f"**Base model**: `{cfg.model.name_or_path}`; {cfg.train.max_steps} optimizer steps, "
+        f"GRPO-trained policy. **Task**: {task_text(cfg)}; {num_train} train / {num_eval} held-out prompts. "
+        f"**Base model**: {base}; {cfg.train.max_steps} optimizer steps, "
         f"{cfg.train.num_generations} completions per prompt, rewards "
         + ", ".join(f"`{r.name}` x{r.weight:g}" for r in cfg.rewards) + ".",
         "",

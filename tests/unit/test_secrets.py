@@ -107,6 +107,14 @@ def test_version_description_is_redacted_and_its_card_command_takes_the_run_id()
                                gate_reason="held")
     assert SECRET not in text
     assert "card get 1234/evaluate --id eval" in text
+    assert f"; {cfg.data.num_train} train / {cfg.data.num_eval} held-out prompts." in text  # the config's counts
+    # what prepare_data kept (data.skip_seen: the rows new to the chain) and the version a models:/ start pinned
+    cfg = PipelineConfig(model={"name_or_path": "models:/m@champion"}, eval={"k": [1], "num_samples": 1,
+                                                                              "format_reward": None})
+    text = version_description(cfg, {"baseline": {"metrics": metrics}, "trained": {"metrics": metrics}},
+                               run_url="http://mlflow/#/runs/1", run_pathspec="GRPOFlow/1234", gate_reason="held",
+                               splits=(27, 100), start_uri="models:/m/1")
+    assert "; 27 train / 100 held-out prompts. **Base model**: `models:/m@champion` (`models:/m/1`);" in text
 
 
 # The battery: credentials in every shape a user's config has been seen to hold them. Each is refused in `start`
