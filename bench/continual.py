@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     (workdir / "result.json").write_text(json.dumps(rows, indent=1))
-    print(f"\n{time.strftime('%Y-%m-%d')}, {platform.node()} ({os.cpu_count()} cores), {time.monotonic() - began:.0f} s "
-          f"for three runs:\n")
+    print(f"\n{time.strftime('%Y-%m-%d')}, {platform.node()} ({os.cpu_count()} cores), "
+          f"{time.monotonic() - began:.0f} s for three runs:\n")
     keys = ["run", "exit", "seconds", "start", "baseline pass@1", "trained pass@1", "version", "parent", "rows added",
             "gate passed", "champion moved by hand", "ended early"]
     print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))

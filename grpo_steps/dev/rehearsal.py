@@ -9,9 +9,10 @@ Argo's substitution (https://argo-workflows.readthedocs.io/en/latest/variables/)
 an expression (expr-lang with sprig); the expressions Metaflow 2.19 renders are arithmetic on parameters
 (``sprig.int(sprig.sub(sprig.int(inputs.parameters['num-parallel']),1))``, ``asInt(inputs.parameters.workerCount)``)
 and expr-lang's ``toBase64`` (a conditional join's input paths, ``{{=toBase64(inputs.parameters['input-paths'])}}``,
-decoded by Metaflow's ``conditional_input_paths``), which :func:`fill` evaluates; any other function is refused. A resource template's manifest is filled as text and
-then parsed, as Argo does. The JobSet controller's part (``jobset.sigs.k8s.io`` annotations on each pod: job index,
-JobSet name, restart attempt) and the kubelet's (``fieldRef`` values) are filled from the pod each spec stands for.
+decoded by Metaflow's ``conditional_input_paths``), which :func:`fill` evaluates; any other function is refused. A
+resource template's manifest is filled as text and then parsed, as Argo does. The JobSet controller's part
+(``jobset.sigs.k8s.io`` annotations on each pod: job index, JobSet name, restart attempt) and the kubelet's
+(``fieldRef`` values) are filled from the pod each spec stands for.
 """
 
 from __future__ import annotations

@@ -216,10 +216,11 @@ def registered(tracking_uri: str, model_name: str) -> str:
     if not versions:
         return f"no version of {model_name} registered"
     # a search's versions come without their aliases (MLflow 3.17): the registered model holds them
-    aliases = client.get_registered_model(model_name).aliases
+    named: dict[str, list[str]] = {}
+    for alias, version in sorted(client.get_registered_model(model_name).aliases.items()):
+        named.setdefault(str(version), []).append(alias)
     return f"registered {model_name}: " + ", ".join(
-        f"version {v.version} (run {v.run_id}, aliases {sorted(a for a, n in aliases.items() if str(n) == str(v.version))})"
-        for v in versions)
+        f"version {v.version} (run {v.run_id}, aliases {named.get(str(v.version), [])})" for v in versions)
 
 
 def main(argv: list[str] | None = None) -> int:
