@@ -95,6 +95,8 @@ test: install
 # another: xdist's default `load` 132.6 and 124.9 s, worksteal 117.1, 127.1 and 114.7 s). A fourth worker costs more
 # than it gains: each one imports torch, transformers and TRL at collection (~8 CPU s). Back to back on 2026-12-07:
 # -n 5 and -n 6 119.1 and 124.0 s against -n 3's 107.8 s; later -n 4 101.5 s against -n 3's 95.4 s.
+# The tests that wait seconds (timeouts, servers, sandboxes) or render the workflow carry `slow` and run in make test
+# only: on 2026-12-07 the inner loop had grown to 160 s (pytest 129.5 s, -n 4 125.8 s); 107.7 s once they were marked.
 test-fast: install
 	$(BIN)/python -m pytest -n 3 --dist worksteal -m "not slow and not variant"
 

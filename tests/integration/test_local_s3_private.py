@@ -95,6 +95,7 @@ print(json.dumps(seen))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
+@pytest.mark.slow  # waits out timeouts or starts processes: seconds of a worker
 def test_make_s3_is_private_to_its_user(tmp_path):
     import boto3
     import psutil
@@ -159,6 +160,7 @@ def _squat(port: int) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow  # waits out timeouts or starts processes: seconds of a worker
 def test_make_s3_writes_its_env_file_once_ready_and_start_refuses_a_stale_one(tmp_path):
     """The env file of an earlier start is removed before the server starts (a shell waiting for it, as the docs'
     wait line does, never reads old keys), written whole with mode 0600 once S3 answers, and holds a nonce the server

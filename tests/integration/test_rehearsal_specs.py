@@ -19,7 +19,7 @@ from grpo_steps.dev.rehearse_pods import outputs_of, run_pods
 from grpo_steps.dev.s3_policy import identity
 from grpo_steps.processes import pick_port
 
-pytestmark = pytest.mark.s3
+pytestmark = [pytest.mark.s3, pytest.mark.slow]  # the module's workflow: argo-workflows create, ~20 s
 WORKFLOW = {"workflow.name": "grpo.user.rehearsal.grpoflow-x7k2q", "workflow.creationTimestamp": "2026-12-07T09:00:00Z",
             "retries": "0"}
 """What Argo fills in for every template of one submitted workflow (its name from the template's generateName)."""
@@ -152,7 +152,7 @@ def _unshare_allowed() -> bool:
     return subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode == 0
 
 
-@pytest.mark.slow  # a real step: 751 s on the 2-core box under load 15-30 (the tiny model trained in the empty cache)
+# a real step: 751 s on the 2-core box under load 15-30 (the tiny model trained in the empty cache)
 @pytest.mark.skipif(not _unshare_allowed(), reason="needs mount namespaces (root; CI runs as root)")
 def test_the_first_pod_runs_as_rendered_with_the_flows_scoped_keys(rehearsed):
     """start, in a pod of its own (an empty working directory, ~/.cache and /tmp), from the rendered command: the code

@@ -54,6 +54,7 @@ def test_a_failing_pod_names_itself_its_exit_and_its_log(tmp_path):
         run_pods([pod], "step", lambda pod: {"PATH": os.environ["PATH"]}, tmp_path, 60)
 
 
+@pytest.mark.slow  # waits out timeouts or starts processes: seconds of a worker
 def test_a_killed_gang_dies_whole_with_the_processes_under_it(tmp_path):
     """A node lost by the cluster: every pod of the task and each process it started (here a child in a session of
     its own, as a server's supervisor is) killed at once, once the condition holds."""

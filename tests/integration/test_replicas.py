@@ -622,6 +622,8 @@ def test_lora_flow_killed_and_resumed_pushes_the_adapter_every_step_and_register
     assert versions == [float(v) for v in range(max_steps)]
     # ... and sampled from the policy: TRL's mismatch metric at float32 kernel noise
     assert max(m.value for m in client.get_metric_history(run_id, "sampling/sampling_logp_difference/mean")) < 1e-3
+    # each replica's engine metrics reached MLflow step by step (the router's counts: test_engine_metrics.py)
+    assert all(client.get_metric_history(run_id, f"engine/replica{i}/requests_running") for i in (0, 1))
 
     # the checkpoints hold the adapter and its optimizer state, not the full weights
     files = checkpoint_files(tmp_path, env, resumed_id, node=0)

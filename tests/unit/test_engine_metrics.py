@@ -155,6 +155,7 @@ def test_the_routers_counts_are_deltas_per_replica(served):
     assert (values["router/replica0/requests"], values["router/replica1/requests"]) == (2.0, 0.0)
 
 
+@pytest.mark.slow  # waits out timeouts or starts processes: seconds of a worker
 def test_servers_that_do_not_answer_never_raise_and_warn_once(capsys):
     dead = ["http://127.0.0.1:9", "http://127.0.0.1:7"]  # discard and echo ports: nothing listens on loopback
     metrics = EngineMetrics(dead, "http://127.0.0.1:9/metrics", timeout_s=1.0)
@@ -206,6 +207,7 @@ def test_rank_0_logs_the_engine_metrics_at_the_trainers_step_in_mlflow(served, t
     assert len(server.authorizations) == 3  # the base at train begin and one scrape per step
 
 
+@pytest.mark.slow  # waits out timeouts or starts processes: seconds of a worker
 def test_other_ranks_do_not_scrape_and_a_dead_server_adds_nothing(served):
     from transformers import TrainerControl, TrainerState
 

@@ -29,6 +29,7 @@ def _server_process(supervisor: subprocess.Popen) -> ProcessRef:
     return ProcessRef(child.pid, child.create_time())
 
 
+@pytest.mark.slow  # waits out timeouts or starts processes: seconds of a worker
 def test_server_stops_itself_when_the_owner_process_is_gone():
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     supervisor, server = _start_supervisor(ProcessRef.of(owner.pid), grace_s=1.0)
@@ -91,6 +92,7 @@ def test_port_zero_picks_a_free_port():
     assert pick_port("127.0.0.1", 0) > 0
 
 
+@pytest.mark.slow  # waits out timeouts or starts processes: seconds of a worker
 def test_the_server_runs_with_usage_stats_off_and_its_ipc_sockets_in_a_directory_removed_at_stop(tmp_path,
                                                                                                 monkeypatch):
     """A stand-in for vLLM records the environment it got; the start times out (it never answers), and the

@@ -81,6 +81,7 @@ def test_the_token_never_reaches_another_users_listener(monkeypatch):
     assert received == ""  # not a byte: no request head, no token
 
 
+@pytest.mark.slow  # waits out timeouts or starts processes: seconds of a worker
 def test_a_server_that_answered_once_is_not_reconnected_to_when_gone(monkeypatch):
     """The server answers, then is gone; a listener (ours, so the owner check passes) takes its port 0.3 s after the
     next request finds it refused. The client's connection retries (0, 1 and 2 s after a refusal) once reached it

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def test_a_pipeline_process_freezes_its_objects_at_exit_after_the_libraries_exit_handlers():
     # atexit runs last in, first out: a handler registered before grpo_steps is imported runs after its freeze; one
@@ -16,6 +18,7 @@ def test_a_pipeline_process_freezes_its_objects_at_exit_after_the_libraries_exit
     assert out.stdout.split() == ["library", "0", "last", "True"], out.stderr
 
 
+@pytest.mark.slow  # waits out timeouts or starts processes: seconds of a worker
 def test_a_pipeline_process_loads_a_tokenizer_without_importing_scikit_learn(tiny_model_path):
     """transformers' assisted-generation module imports ``sklearn.metrics`` (with scipy.stats and pandas) whenever
     scikit-learn is installed; in a process that imported grpo_steps first it is told scikit-learn is absent, and the

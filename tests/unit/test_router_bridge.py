@@ -58,6 +58,7 @@ def _as_nobody(code: str) -> str:
 
 @pytest.mark.skipif(os.getuid() != 0 or not os.path.exists(SYSTEM_PYTHON),
                     reason="plays the other user with setuid (needs root and a system Python)")
+@pytest.mark.slow  # waits out timeouts or starts processes: seconds of a worker
 def test_another_user_who_adds_a_worker_gets_neither_a_request_nor_the_token(tmp_path):
     workers, intruder = [_Recorder("policy@r0"), _Recorder("policy@r1")], _Recorder("policy@r0")
     cfg = validate_config({"generation": {"server": {"replicas": 2, "router": {"policy": "round_robin"},
@@ -230,6 +231,7 @@ def bridges():
             bridge.stop()
 
 
+@pytest.mark.slow  # waits out timeouts or starts processes: seconds of a worker
 def test_an_answer_slower_than_the_connect_timeout_reaches_the_client_whole(bridges):
     """An answer twice the connect timeout in coming (4 s, the timeout 2 s): the connect timeout once stayed on the
     relayed socket (``--pod``) and cut it."""
@@ -239,6 +241,7 @@ def test_an_answer_slower_than_the_connect_timeout_reaches_the_client_whole(brid
     assert [(a.status_code, a.content == BODY) for a in answers] == [(200, True), (200, True)]
 
 
+@pytest.mark.slow  # waits out timeouts or starts processes: seconds of a worker
 def test_trickling_and_idle_clients_neither_stall_the_run_nor_keep_a_thread(bridges):
     """200 clients that send nothing, then 200 that trickle a head a byte at a time, against a bridge with a 2 s head
     deadline and at most 300 connections without a head (the 100 oldest idle ones are closed at once): the run's own
@@ -354,6 +357,7 @@ def test_a_late_answer_of_the_keeper_never_sends_a_metrics_client_to_the_routers
     assert (answer.status_code, answer.headers["x-port"], answer.content == BODY) == (200, "8000", True)
 
 
+@pytest.mark.slow  # waits out timeouts or starts processes: seconds of a worker
 def test_token_less_health_checks_are_bounded_in_number_and_time(bridges, tmp_path):
     """A router whose health check hangs (30 s): a token-less ``GET /health`` is closed at the head deadline (2 s)
     without an answer, and past :data:`MAX_HEALTH` at once a new one gets 503 at once (they once held a router

@@ -126,6 +126,7 @@ def test_a_right_program_with_its_hook_off_still_passes(mode):
     assert run_tests(HOOK_OFF + "def add(a, b):\n    return a + b\n", TEST, ENTRY, SMALL, mode).status == "passed"
 
 
+@pytest.mark.slow  # waits out timeouts or starts processes: seconds of a worker
 def test_the_wall_clock_starts_when_the_sandboxes_are_up(monkeypatch):
     """A slow sandbox start-up (the candidate's interpreter 2 s late, as on a loaded host) does not count against the
     run's 1 s: a quick right program passes (it timed out when the clock started at the launch), and a sleeping one
@@ -151,6 +152,7 @@ def test_strong_modes_hide_the_judge_and_other_processes():
                           "assert not os.path.exists('/work')", SMALL, "bwrap+audit").status == "passed"
 
 
+@pytest.mark.slow  # waits out timeouts or starts processes: seconds of a worker
 def test_hostile_completions_score_zero_are_counted_and_the_next_completion_scores():
     test, entry = "def check(candidate):\n    assert candidate() == 1\n", "f"
     hostile = [f"def f():\n    return 1\n{program}\n" for program, status in HOSTILE_CASES if status != "passed"]
@@ -206,6 +208,7 @@ def test_the_code_reward_itself_refuses_untrusted_test_code_under_any_name(monke
                   trust_test_code=True, timeout_s=5) == [1.0]
 
 
+@pytest.mark.slow  # waits out timeouts or starts processes: seconds of a worker
 def test_a_guard_timeout_mid_batch_stops_the_sandboxes_and_keeps_the_scores_it_had():
     """A batch of 2 right programs, then 6 that loop (each allowed 30 s), 2 sandboxes at a time, under a guard of
     8 s: at the guard's deadline the looping runs are killed and none is launched after it; the right programs keep

@@ -63,6 +63,7 @@ def _rank(rank: int, out: str, store: dict | None, prefix: str, layout: dict, re
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # waits out timeouts or starts processes: seconds of a worker
 def test_rank_0_fetches_once_and_every_rank_checks_and_refuses_together(client, s3, tmp_path):
     import torch.multiprocessing as mp
 
