@@ -1,6 +1,6 @@
 """The flow with a 2-node ``@parallel`` train gang under DeepSpeed ZeRO-3 on the local runtime (nodes
-simulated as processes, one training process each, gloo): one gang, one generation server kept by both
-nodes, a checkpoint per node holding that node's own ZeRO-3 partition, and the same per-step loss and
+simulated as processes, one training process each, gloo) on the session's server: one gang, a checkpoint per
+node holding that node's own ZeRO-3 partition, and the same per-step loss and
 gradient norm as one plain process on the same completions (backend ``recorded``); after node 1's training
 process is killed, ``resume`` restores each node's own partition and the losses still match."""
 
@@ -23,6 +23,7 @@ from tests.integration.flowrun import (
     flow_run_id,
     metric_steps,
     mlflow_runs,
+    on_server,
     run_config,
     run_flow,
 )
@@ -51,10 +52,11 @@ def single_process_history(workdir, config: dict, model_path: str, rows) -> list
     return [h for h in json.loads((workdir / "log_history.json").read_text()) if "loss" in h]
 
 
-def gang_config(workdir, tokenizer, **train) -> tuple[dict, list[dict]]:
-    """configs/test.yaml as a ZeRO-3 gang of NODES nodes on recorded completions; and the train rows."""
-    config = flow_config(train={"num_nodes": NODES, "deepspeed": True, "per_device_train_batch_size": 8 // NODES,
-                                **train})
+def gang_config(workdir, tokenizer, server, **train) -> tuple[dict, list[dict]]:
+    """configs/test.yaml as a ZeRO-3 gang of NODES nodes on recorded completions, evaluated on ``server``; and the
+    train rows."""
+    config = on_server(flow_config(train={"num_nodes": NODES, "deepspeed": True,
+                                          "per_device_train_batch_size": 8 // NODES, **train}), server)
     rows = prepare(validate_config(config).data, tokenizer).train
     config["generation"].update(backend="recorded", recorded_file=recorded_file(workdir / "recorded.jsonl", rows))
     return config, rows
@@ -78,13 +80,14 @@ def assert_same_steps(gang: dict[str, list[float]], single: list[dict]) -> None:
 
 
 def test_zero3_gang_matches_one_process_and_a_killed_node_resumes_from_its_own_partition(
-        tmp_path, tiny_model_path, tiny_tokenizer):
-    """A 2-node ZeRO-3 gang with its own ``local`` server: both nodes keep node 0's server and checkpoint
-    every 2 steps. Node 1's training process is killed after the step-2 checkpoint; ``resume`` continues
-    both nodes at step 2, each from its own saved partition, on one replacement server for the gang.
-    Each node's newest checkpoint holds only its own partition, and the losses and gradient norms of
-    steps 1-4 (before and after the kill) match one plain process on the same completions."""
-    config, rows = gang_config(tmp_path, tiny_tokenizer, max_steps=4, save_steps=2, retries=0)
+        tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
+    """A 2-node ZeRO-3 gang checkpointing every 2 steps. Node 1's training process is killed after the step-2
+    checkpoint; ``resume`` continues both nodes at step 2, each from its own saved partition. Each node's newest
+    checkpoint holds only its own partition, and the losses and gradient norms of steps 1-4 (before and after the
+    kill) match one plain process on the same completions. On the session's server (evaluation): the ``local``
+    provider's replacement of a dead server on ``resume`` is test_resume.py's, for one node (a gang's own local
+    server here cost two vLLM starts, ~80 s of a worker)."""
+    config, rows = gang_config(tmp_path, tiny_tokenizer, tiny_server, max_steps=4, save_steps=2, retries=0)
     saved_node1 = re.compile(r"\[checkpoint\] saved step=2 node=1 pid=(\d+)")
     killed = []
 
@@ -98,14 +101,12 @@ def test_zero3_gang_matches_one_process_and_a_killed_node_resumes_from_its_own_p
     code, out = run_config(tmp_path, env, config, kill_node1_after_checkpoint)
     assert killed, out[-5000:]
     assert code != 0, "the gang should fail when a node's training process is killed"
-    assert "belongs to an earlier run" not in out  # node 1 kept node 0's server
     assert all(f"saved step=2 node={node}" in out for node in range(NODES))
     code, resumed = run_flow(tmp_path, env, ["resume"])
     assert code == 0, resumed[-8000:]
     origin, run_id = flow_run_id(out), flow_run_id(resumed)
     # each node found its own checkpoint of the killed run, and both trained on to the end
     assert len(re.findall(rf"resuming from step 2 of run {origin}\b", resumed)) == NODES, resumed[-5000:]
-    assert resumed.count("belongs to an earlier run or is not answering: starting a new one") == 1  # one for the gang
     assert all(f"saved step=4 node={node}" in resumed for node in range(NODES))
     for node in range(NODES):
         # ZeRO-3: each node's checkpoint holds its own partition of the parameters and optimizer state
