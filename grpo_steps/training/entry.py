@@ -236,16 +236,16 @@ def eval_during_callback(job: TrainJob, trainer, tokenizer, queue=None):
         raise ValueError("eval.every_steps needs the eval prompts in node 0's train job (TrainJob.eval_file)")
     rows = [json.loads(line) for line in Path(job.eval_file).read_text().splitlines() if line.strip()] \
         if evaluator else []
-    log, logged = None, set()
+    log, log_table, logged = None, None, set()
     if evaluator and queue is not None:
         logged = logged_steps(queue.client, job.mlflow_run_id)
-        log = queue.log  # the metrics' queue: a tracking outage delays the curve's points, never the step
+        log, log_table = queue.log, queue.log_table  # a tracking outage delays the curve's points, never the step
 
     # step 0 and the last step also measure the evaluate step's baseline and trained policy
     split_rows = [json.loads(line) for line in Path(job.eval_split_file).read_text().splitlines() if line.strip()] \
         if evaluator and job.eval_split_file else None
     return EvalDuringTraining(job.config, trainer, trainer.vllm_generation.client if evaluator else None,
-                              tokenizer, rows, log=log, logged_steps=logged, evaluator=evaluator,
+                              tokenizer, rows, log=log, log_table=log_table, logged_steps=logged, evaluator=evaluator,
                               split_rows=split_rows,
                               split_results={label: str(Path(job.output_dir) / name)
                                              for label, name in SPLIT_RESULTS.items()})

@@ -14,10 +14,12 @@ beginning of step N+1 (``on_step_begin``, before its generation) and marks it do
 weights. At step 0 this is the push of the base weights TRL makes before the first generation; only the last
 step, when it is a multiple of ``every_steps``, costs a push that training alone would not make (in ``on_train_end``).
 The server's weight label at evaluation is logged as ``eval_during/weight_version`` (the step number),
-so a curve point says which weights it measured. At step 0 the server holds the base weights that the ``evaluate``
-step's baseline measures, and at the last step the final policy that it measures as the trained one: given the whole
-eval split, these two evaluate it once for both (the curve's point is its first ``eval.during_training_prompts``
-prompts).
+so a curve point says which weights it measured. Each point's per-prompt results are logged too, as the MLflow table
+``eval_during/per_prompt/step_<N>.json`` (:data:`PER_PROMPT`), so two points, or two runs on the same eval split, pair
+by prompt (:func:`grpo_steps.evaluation.stats.paired_gain`).
+At step 0 the server holds the base weights that the ``evaluate`` step's baseline measures, and at the last step the
+final policy that it measures as the trained one: given the whole eval split, these two evaluate it once for both
+(the curve's point is its first ``eval.during_training_prompts`` prompts).
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ PREFIX = "eval_during"
 ``pass_at_k``, see :func:`grpo_steps.tracking.mlflow_name`)."""
 
 
+PER_PROMPT = PREFIX + "/per_prompt/step_{step:05d}.json"
+"""MLflow table of one evaluation's per-prompt results (columns ``prompt_key``, ``accuracy``, ``pass@1``; one row per
+prompt of the curve, in eval split order), formatted with the optimizer step."""
+
+
 class EvalDuringTraining(TrainerCallback):
     """Evaluates the policy the server holds at steps 0, N, 2N, ... (N = ``eval.every_steps``), the last
     step included when it is a multiple of N.
@@ -53,6 +60,8 @@ class EvalDuringTraining(TrainerCallback):
         tokenizer: the policy's tokenizer (chat template).
         rows: the eval rows evaluated each time (``prompt``, ``answer``, ...).
         log: ``log(metrics, step)`` into the run's MLflow run (evaluator only; None: not logged).
+        log_table: ``log_table(columns, artifact_file)`` into the run's MLflow run: each evaluation's per-prompt
+            results as :data:`PER_PROMPT` (evaluator only; None: not logged).
         logged_steps: steps whose ``eval_during`` metrics the run already holds.
         evaluator: whether this process evaluates (global rank 0).
         split_rows: the whole eval split, whose first ``len(rows)`` prompts are ``rows``: evaluated at step 0 and
@@ -69,11 +78,11 @@ class EvalDuringTraining(TrainerCallback):
     (``GenerationServerError``).
     """
 
-    def __init__(self, cfg: PipelineConfig, trainer, client, tokenizer, rows: list[dict], *, log=None,
+    def __init__(self, cfg: PipelineConfig, trainer, client, tokenizer, rows: list[dict], *, log=None, log_table=None,
                  logged_steps: set[int] = frozenset(), evaluator: bool, split_rows: list[dict] | None = None,
                  split_results: dict[str, str] | None = None) -> None:
         self.cfg, self.trainer, self.client, self.tokenizer, self.rows = cfg, trainer, client, tokenizer, rows
-        self.log, self.logged_steps, self.evaluator = log, set(logged_steps), evaluator
+        self.log, self.log_table, self.logged_steps, self.evaluator = log, log_table, set(logged_steps), evaluator
         self.every = cfg.eval.every_steps
         # step 0 and the last step evaluate the whole eval split once, for the curve (its first len(rows) prompts) and
         # as the evaluate step's baseline and trained policy (the same weights); only when the curve's prompts are its
@@ -125,6 +134,11 @@ class EvalDuringTraining(TrainerCallback):
         metrics[f"{PREFIX}/seconds"] = time.perf_counter() - started
         if self.log is not None:
             self.log(with_glance(metrics), step)  # the held-out curves lead the run's charts too
+        if self.log_table is not None:  # the curve's prompts (a split evaluation's head): every point the same ones
+            head = len(self.rows)
+            self.log_table({"prompt_key": result["prompt_keys"][:head],
+                            **{name: values[:head] for name, values in result["per_prompt"].items()}},
+                           PER_PROMPT.format(step=step))
         self.logged_steps.add(step)
         shown = ", ".join(f"{k}={result['metrics'][k]:.3f}" for k in ("accuracy", "pass@1", "format_rate")
                           if k in result["metrics"])

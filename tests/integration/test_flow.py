@@ -446,6 +446,18 @@ def test_eval_during_curves_are_logged_at_step_0_and_every_n_steps(flow_run):
         assert [step for step, _ in _history(client, run, f"eval_during/{metric}")] == expected, metric
     for metric in ("accuracy", "pass_at_1", "format_rate"):
         assert all(0 <= value <= 1 for _, value in _history(client, run, f"eval_during/{metric}")), metric
+    # each point's per-prompt results, as a table: the same prompts at every step (they pair), the point their mean
+    pass_at_1 = dict(_history(client, run, "eval_during/pass_at_1"))
+    keys = None
+    for step in expected:
+        path = client.download_artifacts(run.data.mlflow_run_id, f"eval_during/per_prompt/step_{step:05d}.json",
+                                         str(workdir / "tables"))
+        table = json.loads(Path(path).read_text())
+        rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+        assert len(rows) == cfg.eval.during_training_prompts
+        assert keys in (None, [row["prompt_key"] for row in rows])
+        keys = [row["prompt_key"] for row in rows]
+        assert sum(row["pass@1"] for row in rows) / len(rows) == pytest.approx(pass_at_1[step]), step
 
 
 def test_each_point_measured_the_weights_of_its_step(flow_run):

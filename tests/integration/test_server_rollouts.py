@@ -267,11 +267,18 @@ def test_zero3_two_processes_weigh_the_correction_in_the_loss(tmp_path, tiny_mod
     """The default zero-signal mode (``keep``) under DeepSpeed ZeRO-3 over 2 CPU processes: TRL's scoring pass is
     skipped and each process weighs its micro-batches from the loss's forward
     (``grpo_steps.training.correction``); the ``sampling/*`` metrics are gathered over both processes once per
-    generation batch (2 micro-batches here), and the run ends (a gather made by one process only would hang)."""
-    _launch_within(_job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint,
-                        train={"max_steps": 2, "deepspeed": True, "processes_per_node": 2,
-                               "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
-                               "num_generations": 2}), 300)
+    generation batch (2 micro-batches here), and the run ends (a gather made by one process only would hang).
+
+    With a distillation teacher (``teacher:``) whose server is the policy's own: each process sends its own rows'
+    completions to the teacher and folds the answer into its own advantages; the teacher then holds the weights that
+    sampled them, so its logprob of every sampled token is the sampler's and the reverse KL is kernel noise (a
+    completion scored against another's tokens, or shifted by one position, gives nats). A user's teacher is frozen;
+    this one follows the pushes only to make the expected value exact."""
+    job = _job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint,
+               train={"max_steps": 2, "deepspeed": True, "processes_per_node": 2,
+                      "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "num_generations": 2},
+               teacher={"model": tiny_model_path, "provider": "external", "server": {"endpoint": tiny_server.endpoint}})
+    _launch_within(job.model_copy(update={"server": {**job.server, "teacher": job.server}}), 300)
     history = _history(tmp_path)
     assert [h["step"] for h in history] == [1, 2]
     for h in history:
@@ -279,6 +286,7 @@ def test_zero3_two_processes_weigh_the_correction_in_the_loss(tmp_path, tiny_mod
             assert name in h, (h["step"], name)
         assert 0 <= h["sampling/sampling_logp_difference/mean"] <= h["sampling/sampling_logp_difference/max"] < 1e-3
         assert 0.99 < h["sampling/importance_sampling_ratio/min"] <= h["sampling/importance_sampling_ratio/max"] < 1.01
+        assert abs(h["distill/reverse_kl"]) < 1e-3 and h["distill/teacher_seconds"] > 0, h
 
 
 def test_ddp_two_processes_skip_together_and_stay_equal(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server):
