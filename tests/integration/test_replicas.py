@@ -1,8 +1,9 @@
 """Two generation replicas of the tiny model behind vLLM's router (``generation.server.replicas: 2``, the ``local``
 provider, one core each), as the flow's ``provision_vllm`` starts them: requests spread over both, an episode stays on
 one replica, training (asynchronous rollouts, and multi-turn tool rollouts) pushes every version to both and verifies
-each, evaluation spreads its prompts, the LoRA flow on the HumanEval task config (killed and resumed) runs on both,
-and a replica killed mid-run fails the next push naming it, with nothing left running once the set is stopped.
+each, evaluation spreads its prompts, the LoRA flow on the HumanEval task config with a local distillation teacher
+(killed and resumed) runs on both, and a replica killed mid-run fails the next push naming it, with nothing left
+running once the set is stopped.
 ``weight_sync: s3`` on both: pushes with asynchronous rollouts, the receivers (late join, a corrupted delta, a store
 that does not answer), and the trainer's faults (kill -9 mid-publish, S3 crashing mid-publish, then the resumed
 attempts), on a real SeaweedFS. The
@@ -12,6 +13,7 @@ is the local run of tests/integration/test_resume.py."""
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import signal
@@ -55,6 +57,7 @@ from tests.integration.trainjob import job as _job
 pytestmark = pytest.mark.slow
 PEFT = {"r": 8, "alpha": 16}
 MODEL_NAME = "grpo-lora-test"
+TEACHER_SERVING = re.compile(r"\[teacher\] serving (\S+) supervisor_pid=(\d+)")
 VERIFIED = re.compile(r"\[weight-sync\] version (\d+) verified on 2 replicas: (\S+) (\S+), (\S+) (\S+)")
 
 
@@ -578,8 +581,10 @@ def test_lora_flow_killed_and_resumed_pushes_the_adapter_every_step_and_register
     config (configs/test-humaneval.yaml: code run in the sandbox as the reward): one flow run killed (kill -9 of the
     training process after checkpoint ``kill_after``) and resumed, then the whole flow checked on it: the adapter
     pushed to both replicas every step and verified, rollouts and evaluation on base + adapter, checkpoints of adapter
-    + optimizer, the merged model registered, and the task's own checks (:func:`check_task_run`). One flow for the
-    three (each whole flow costs minutes in ``make test``). Before the last test: that one kills a replica."""
+    + optimizer, the merged model registered, and the task's own checks (:func:`check_task_run`). With a distillation
+    teacher (``teacher:``, provider ``local``, started by the flow): its term logged every step across the kill, the
+    killed run's teacher replaced on ``resume``, named in the MLflow run, none left running. One flow for the four
+    (each whole flow costs minutes in ``make test``). Before the last test: that one kills a replica."""
     import mlflow
     import torch
     from mlflow import MlflowClient
@@ -596,9 +601,18 @@ def test_lora_flow_killed_and_resumed_pushes_the_adapter_every_step_and_register
     # budget) varies within every group, so the adapter trains
     config["rewards"].append({"name": "soft_overlong_punishment", "options": {"max_completion_len": 24,
                                                                                "soft_punish_cache": 20}})
-    env, killed = flow_env(), []
+    # the teacher: the policy's starting weights on a vLLM server of its own that the flow starts and stops
+    # (generation.temperature stays 1, as teacher_refusal needs); what it teaches is not checked here, its plumbing is
+    config["teacher"] = {"model": tiny_model_path, "mode": "mixed", "kl_coef": 0.5, "provider": "local"}
+    env, killed, teachers = flow_env(), [], []
+
+    def watch_teachers(line: str) -> None:
+        serving = TEACHER_SERVING.search(line)
+        if serving:  # (endpoint, the teacher's supervisor): alive now, its create time recorded
+            teachers.append((serving.group(1), ProcessRef.of(int(serving.group(2)))))
 
     def kill_after_checkpoint(line: str) -> None:
+        watch_teachers(line)
         match = SAVED.search(line)
         if match and int(match.group(1)) == kill_after and not killed:
             os.kill(int(match.group(2)), signal.SIGKILL)  # the training process, by the PID it reported
@@ -606,14 +620,29 @@ def test_lora_flow_killed_and_resumed_pushes_the_adapter_every_step_and_register
 
     code, out = run_config(tmp_path, env, config, kill_after_checkpoint)
     assert killed and code != 0, out[-5000:]
-    code, resumed = run_flow(tmp_path, env, ["resume"])
+    assert len(teachers) == 1, out[-5000:]  # provision_vllm started it
+    code, resumed = run_flow(tmp_path, env, ["resume"], watch_teachers)
     assert code == 0, resumed[-6000:]
     assert f"resuming from step {kill_after} of run {flow_run_id(out)}" in resumed
+    # the killed run's teacher is owned by the killed runtime (lifecycle.ensure_teacher: a local server of another
+    # owner stops itself within orphan_grace_s, so it is never kept): the resumed train step stops it and starts one,
+    # which evaluate keeps (same owner) and end stops
+    assert resumed.count(f"[teacher] local generation server {teachers[0][0]} belongs to an earlier run or is not "
+                         "answering: starting a new one") == 1
+    assert len(teachers) == 2 and teachers[1][0] != teachers[0][0], teachers
+    # both stopped before the runtime exits (LocalServer.stop waits for the supervisor: SIGTERM, SIGKILL after 30 s);
+    # the bound only absorbs the reaping of the stopped supervisor
+    assert wait_until(lambda: not any(ref.is_running() for _, ref in teachers), timeout_s=10), \
+        "a teacher server outlived the run that started it"
     (run,) = mlflow_runs(tmp_path)  # one MLflow run, one continuous history
     assert run.info.status == "FINISHED"
     run_id, resumed_id = run.info.run_id, flow_run_id(resumed)
-    for metric in ("reward", "loss", "weight_sync/version"):
+    for metric in ("reward", "loss", "weight_sync/version", "distill/reverse_kl", "distill/teacher_share"):
         assert metric_steps(tmp_path, metric) == list(range(1, max_steps + 1)), metric
+    assert {k: run.data.tags[k] for k in ("teacher.mode", "teacher.kl_coef", "teacher.model")} == {
+        "teacher.mode": "mixed", "teacher.kl_coef": "0.5", "teacher.model": tiny_model_path}
+    assert f"**Teacher** (on-policy distillation, mode mixed, lambda 0.5): `{tiny_model_path}`" in run.data.tags[
+        "mlflow.note.content"]
     assert metric_steps(tmp_path, "train_runtime") == [max_steps]
     # every optimizer step sampled from a pushed, verified adapter (version 0 = the initial adapter, B = 0), the
     # resumed attempt's versions continuing at its checkpoint's
@@ -622,6 +651,8 @@ def test_lora_flow_killed_and_resumed_pushes_the_adapter_every_step_and_register
     assert versions == [float(v) for v in range(max_steps)]
     # ... and sampled from the policy: TRL's mismatch metric at float32 kernel noise
     assert max(m.value for m in client.get_metric_history(run_id, "sampling/sampling_logp_difference/mean")) < 1e-3
+    for metric in ("distill/reverse_kl", "distill/teacher_share"):
+        assert all(math.isfinite(m.value) for m in client.get_metric_history(run_id, metric)), metric
     # each replica's engine metrics reached MLflow step by step (the router's counts: test_engine_metrics.py)
     assert all(client.get_metric_history(run_id, f"engine/replica{i}/requests_running") for i in (0, 1))
 
