@@ -653,6 +653,10 @@ def test_lora_flow_killed_and_resumed_pushes_the_adapter_every_step_and_register
     assert max(m.value for m in client.get_metric_history(run_id, "sampling/sampling_logp_difference/mean")) < 1e-3
     for metric in ("distill/reverse_kl", "distill/teacher_share"):
         assert all(math.isfinite(m.value) for m in client.get_metric_history(run_id, metric)), metric
+    # step 1 sampled from adapter version 0 (B = 0: the base weights), which the teacher serves: each sampled token's
+    # teacher logprob is its sampler logprob, so the reverse KL is kernel noise (a misaligned position gives nats)
+    first = min(client.get_metric_history(run_id, "distill/reverse_kl"), key=lambda m: m.step)
+    assert first.step == 1 and abs(first.value) < 1e-3, first
     # each replica's engine metrics reached MLflow step by step (the router's counts: test_engine_metrics.py)
     assert all(client.get_metric_history(run_id, f"engine/replica{i}/requests_running") for i in (0, 1))
 
