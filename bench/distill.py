@@ -100,9 +100,13 @@ def run_result(run_id: str, workdir: Path) -> dict:
         table = json.loads(Path(path).read_text())
         column = table["columns"].index("pass@1")
         curve[int(Path(artifact.path).stem.removeprefix("step_"))] = [row[column] for row in table["data"]]
-    step_times = [m.value for m in client.get_metric_history(mlflow_run, "step_time")][1:]  # the first warms up
+    def mean(metric: str) -> float:  # over the steps after the first (it warms up)
+        values = [m.value for m in sorted(client.get_metric_history(mlflow_run, metric), key=lambda m: m.step)][1:]
+        return statistics.fmean(values) if values else float("nan")
+
     return {"base": report["baseline"]["per_prompt"]["pass@1"], "trained": report["trained"]["per_prompt"]["pass@1"],
-            "curve": curve, "step_time": statistics.fmean(step_times) if step_times else float("nan")}
+            "curve": curve, "step_time": mean("step_time"), "teacher_wait": mean("distill/teacher_wait_seconds"),
+            "teacher_seconds": mean("distill/teacher_seconds")}
 
 
 def interval(values: list[float]) -> tuple[float, float]:
@@ -160,6 +164,10 @@ def main(argv: list[str] | None = None) -> None:
               f"mean step time {result['step_time']:.1f} s"
               + (f" ({result['step_time'] / results['grpo']['step_time']:.2f}x grpo's)" if "grpo" in results else "")
               + f"; whole run {result['seconds'] / 60:.1f} min")
+        wait = result.get("teacher_wait", float("nan"))
+        if wait == wait:  # the teacher's part of the step, within the run (the two arms may see different loads)
+            print(f"  the step waited {wait:.2f} s for the teacher (its request {result['teacher_seconds']:.2f} s): "
+                  f"+{wait / (result['step_time'] - wait):.0%} over the step without it")
 
 
 if __name__ == "__main__":

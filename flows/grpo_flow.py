@@ -119,7 +119,7 @@ class GRPOFlow(FlowSpec):
         self.server = next(node.server for node in inputs if hasattr(node, "policy"))
         cfg = steps.config_of(self.config)
         model = steps.local_model(cfg, self.mlflow_run_id, self.model_path)
-        self.server = steps.ensure_server(cfg, self.mlflow_run_id, self.server, model)
+        self.server = steps.ensure_server(cfg, self.mlflow_run_id, self.server, model, teacher=False)
         with steps.loaded_policy(self.policy) as trained_model:
             self.eval_report = steps.evaluate(cfg, run_id=self.mlflow_run_id, server=self.server,
                                               base_model=model, trained_model=trained_model,

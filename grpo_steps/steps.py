@@ -33,6 +33,7 @@ from grpo_steps.preflight import refusals
 from grpo_steps.processes import scratch_dir  # noqa: F401  (the train step's working directory)
 from grpo_steps.redaction import redact_report
 from grpo_steps.servers import lifecycle
+from grpo_steps.servers import teacher as teacher_server
 from grpo_steps.servers.lifecycle import teardown_failed_run  # noqa: F401  (the failed run's exit hook)
 from grpo_steps.versions import is_model_uri, parse_model_uri, start_tags
 
@@ -101,10 +102,13 @@ def provision(cfg: PipelineConfig, run_id: str, model_path: str) -> dict:
     return lifecycle.ensure_teacher(cfg, handle, None, lambda: pinned_teacher(cfg, run_id, model_path))
 
 
-def ensure_server(cfg: PipelineConfig, run_id: str, server: dict, model_path: str) -> dict:
+def ensure_server(cfg: PipelineConfig, run_id: str, server: dict, model_path: str, *, teacher: bool = True) -> dict:
     """``server`` while this run can go on using it, else a replacement
-    (:func:`grpo_steps.servers.lifecycle.ensure_server`); the teacher's server likewise."""
+    (:func:`grpo_steps.servers.lifecycle.ensure_server`); the teacher's server likewise, unless ``teacher`` is False
+    (a step that scores nothing with it: its entry is kept as it is, for the ``end`` step to stop)."""
     handle = lifecycle.ensure_server(cfg, server, model_path)
+    if not teacher:  # a run resumed at evaluate would otherwise start a teacher only for end to stop it
+        return teacher_server.attach(handle, teacher_server.of(server))
     return lifecycle.ensure_teacher(cfg, handle, server, lambda: pinned_teacher(cfg, run_id, model_path))
 
 

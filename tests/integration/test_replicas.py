@@ -626,7 +626,7 @@ def test_lora_flow_killed_and_resumed_pushes_the_adapter_every_step_and_register
     assert f"resuming from step {kill_after} of run {flow_run_id(out)}" in resumed
     # the killed run's teacher is owned by the killed runtime (lifecycle.ensure_teacher: a local server of another
     # owner stops itself within orphan_grace_s, so it is never kept): the resumed train step stops it and starts one,
-    # which evaluate keeps (same owner) and end stops
+    # which evaluate leaves alone (it scores nothing with a teacher: steps.ensure_server(teacher=False)) and end stops
     assert resumed.count(f"[teacher] local generation server {teachers[0][0]} belongs to an earlier run or is not "
                          "answering: starting a new one") == 1
     assert len(teachers) == 2 and teachers[1][0] != teachers[0][0], teachers
