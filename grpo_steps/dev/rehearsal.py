@@ -1,49 +1,65 @@
 """A rendered Argo WorkflowTemplate (``argo-workflows create --only-json``) read as the processes its pods would run:
-the entry DAG's tasks in dependency order, and for each task the container (or, for the train step's JobSet, each gang
-node's container) as a :class:`PodSpec`: argv, environment, Secrets, volumes and output files, with Argo's
-``{{...}}`` parameters filled the way Argo fills them. Pure: nothing here starts a process or reads a file; the
-runner (:mod:`grpo_steps.dev.rehearse`) does.
+the entry DAG walked as Argo's controller walks it (:func:`walk`: which tasks run, in what order, with which inputs),
+and for each task the container (or, for the train step's JobSet, each gang node's container) as a :class:`PodSpec`:
+argv, environment, Secrets, volumes and output files, with Argo's ``{{...}}`` parameters filled the way Argo fills
+them. Pure: nothing here starts a process or reads a file; the runner (:mod:`grpo_steps.dev.rehearse_pods`) does.
 
 Argo's substitution (https://argo-workflows.readthedocs.io/en/latest/variables/): ``{{name}}`` is a simple tag
-(``workflow.name``, ``inputs.parameters.X``, ``tasks.T.outputs.parameters.X``, ``item``, ``retries``), ``{{=expr}}``
-an expression (expr-lang with sprig); the expressions Metaflow 2.19 renders are arithmetic on parameters
-(``sprig.int(sprig.sub(sprig.int(inputs.parameters['num-parallel']),1))``, ``asInt(inputs.parameters.workerCount)``)
-and expr-lang's ``toBase64`` (a conditional join's input paths, ``{{=toBase64(inputs.parameters['input-paths'])}}``,
-decoded by Metaflow's ``conditional_input_paths``), which :func:`fill` evaluates; any other function is refused. A
-resource template's manifest is filled as text and then parsed, as Argo does. The JobSet controller's part
+(``workflow.name``, ``inputs.parameters.X``, ``tasks.T.outputs.parameters.X``, ``tasks.T.status``, ``item``,
+``retries``), ``{{=expr}}`` an expression (expr-lang with sprig); the expressions Metaflow 2.19 renders are arithmetic
+on parameters (``sprig.int(sprig.sub(sprig.int(inputs.parameters['num-parallel']),1))``,
+``asInt(inputs.parameters.workerCount)``), expr-lang's ``toBase64`` (a conditional join's input paths,
+``{{=toBase64(inputs.parameters['input-paths'])}}``, decoded by Metaflow's ``conditional_input_paths``) and a switch's
+route (``tasks['prepare-data'].status == 'Succeeded' ? ... : nil) == 'end'``), which :func:`fill` evaluates
+(:mod:`grpo_steps.dev.argo_expressions`); anything else is refused. The flow's switch after ``prepare_data`` is
+rendered as Argo conditions: ``when`` on the first task of each route and on the join ``end``, whose ``depends`` is
+``prepare-data.Succeeded || register.Succeeded``; :func:`walk` skips and omits tasks as Argo does. A resource
+template's manifest is filled as text and then parsed, as Argo does. The JobSet controller's part
 (``jobset.sigs.k8s.io`` annotations on each pod: job index, JobSet name, restart attempt) and the kubelet's
 (``fieldRef`` values) are filled from the pod each spec stands for.
 """
 
 from __future__ import annotations
 
-import ast
-import base64
+import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import yaml
+
+from grpo_steps.dev.argo_expressions import RenderError, depends_holds, depends_tasks, expression_value, when_holds
 
 TAG = re.compile(r"\{\{\s*(=?)([^}]*?)\s*\}\}")
 HOST_IP = "127.0.0.1"  # every pod of the rehearsal runs on this machine
 
 
-class RenderError(ValueError):
-    """The workflow uses something the rehearsal does not emulate (a template kind, an Argo tag or expression), or a
-    parameter has no value yet; the message names it."""
-
-
 @dataclass(frozen=True)
 class Task:
-    """One task of the workflow's entry DAG: ``depends`` the tasks that must succeed first, ``arguments`` its
-    parameters before filling, ``with_param`` Argo's fan-out expression (a JSON list at run time) or None."""
+    """One task of a DAG: ``depends`` the tasks that must complete first, ``arguments`` its parameters before
+    filling, ``with_param`` Argo's fan-out expression (a JSON list at run time) or None, ``depends_logic`` its
+    ``depends`` expression (``dependencies: [a, b]`` as ``a && b``, Argo's reading) and ``when`` its condition, as
+    rendered (None: none)."""
 
     name: str
     template: str
     depends: tuple[str, ...]
     arguments: dict[str, str]
     with_param: str | None = None
+    depends_logic: str | None = None
+    when: str | None = None
+
+
+@dataclass(frozen=True)
+class NotRun:
+    """A task Argo does not run (:func:`walk`): ``status`` Omitted (its ``depends`` is false) or Skipped (its
+    ``when`` is false, or its ``withParam`` an empty list); ``reason`` says which, as Argo's node message does (the
+    ``when`` with its tags filled)."""
+
+    task: str
+    status: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -67,44 +83,11 @@ class PodSpec:
     hosts: tuple[str, ...] = ()
 
 
-def _evaluate(node: ast.AST, values: dict[str, str]) -> str | int:
-    """One node of an Argo expression (parsed as Python: the expressions Metaflow renders are valid Python too)."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, int | str):
-        return node.value
-    if isinstance(node, ast.Subscript | ast.Attribute):
-        name = _dotted(node)
-        if name not in values:
-            raise RenderError(f"no value for {name!r} in an Argo expression")
-        return values[name]
-    if isinstance(node, ast.Call) and not node.keywords:
-        function = _dotted(node.func)
-        args = [_evaluate(arg, values) for arg in node.args]
-        if function in ("sprig.int", "asInt", "int") and len(args) == 1:
-            return int(args[0])
-        if function == "sprig.sub" and len(args) == 2:
-            return int(args[0]) - int(args[1])
-        if function == "sprig.add" and len(args) == 2:
-            return int(args[0]) + int(args[1])
-        if function == "toBase64" and len(args) == 1:  # expr-lang's builtin: standard base64 of the UTF-8 string
-            return base64.b64encode(str(args[0]).encode()).decode()
-        raise RenderError(f"the Argo expression function {function}({len(args)} args) is not emulated")
-    raise RenderError(f"the Argo expression part {ast.unparse(node)!r} is not emulated")
-
-
-def _dotted(node: ast.AST) -> str:
-    """``inputs.parameters.x`` and ``inputs.parameters['x']`` both as ``inputs.parameters.x``."""
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        return f"{_dotted(node.value)}.{node.attr}"
-    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
-        return f"{_dotted(node.value)}.{node.slice.value}"
-    raise RenderError(f"the Argo expression part {ast.unparse(node)!r} is not emulated")
-
-
-def fill(text: str, values: dict[str, str]) -> str:
+def fill(text: str, values: dict[str, str], unresolved: tuple[str, ...] = ()) -> str:
     """``text`` with every Argo tag replaced: ``{{name}}`` by ``values[name]``, ``{{=expr}}`` by the expression's
-    value (:func:`_evaluate`).
+    value (:func:`grpo_steps.dev.argo_expressions.expression_value`). A ``{{tasks.<t>....}}`` tag of a task ``t`` in
+    ``unresolved`` (one that did not run) and without a value stays as written, as Argo v4.0.0 leaves it
+    (``template.Replace`` with allowUnresolved; Metaflow's ``conditional_input_paths`` drops such paths: :func:`walk`).
 
     Raises:
         RenderError: a tag without a value, or an expression that is not emulated.
@@ -115,11 +98,18 @@ def fill(text: str, values: dict[str, str]) -> str:
     '1'
     >>> fill("{{=toBase64(inputs.parameters['p'])}}", {"inputs.parameters.p": "argo-x/register/t-1"})
     'YXJnby14L3JlZ2lzdGVyL3QtMQ=='
+    >>> fill("p/{{tasks.p.outputs.parameters.id}},r/{{tasks.r.outputs.parameters.id}}",
+    ...      {"tasks.p.outputs.parameters.id": "t-1"}, unresolved=("r",))
+    'p/t-1,r/{{tasks.r.outputs.parameters.id}}'
     """
+    kept = tuple(f"tasks.{task}." for task in unresolved)
+
     def replace(match: re.Match) -> str:
         expression, name = match.group(1), match.group(2)
         if expression:
-            return str(_evaluate(ast.parse(name, mode="eval").body, values))
+            return expression_value(name, values)
+        if name not in values and kept and name.startswith(kept):
+            return match.group(0)
         if name not in values:
             raise RenderError(f"no value for the Argo tag {{{{{name}}}}} (known: {', '.join(sorted(values))})")
         return values[name]
@@ -145,7 +135,7 @@ def templates(workflow: dict) -> dict[str, dict]:
 
 def dag_tasks(workflow: dict, template: str | None = None) -> list[Task]:
     """The tasks of the DAG template ``template`` (default: the workflow's entrypoint) in an order that runs each after
-    the tasks it depends on (``depends: "a.Succeeded && b.Succeeded"`` or ``dependencies: [a, b]``).
+    the tasks its ``depends`` names (any expression: ``a.Succeeded || b``) or its ``dependencies: [a, b]``.
 
     Raises:
         RenderError: the template is not a DAG, or its dependencies form a cycle or name a missing task.
@@ -155,10 +145,10 @@ def dag_tasks(workflow: dict, template: str | None = None) -> list[Task]:
         raise RenderError(f"template {spec['name']} is not a DAG")
     tasks = {}
     for task in spec["dag"]["tasks"]:
-        depends = tuple(re.findall(r"([\w-]+)\.Succeeded", task.get("depends") or "")) or tuple(
-            task.get("dependencies") or ())
+        logic = task.get("depends") or " && ".join(task.get("dependencies") or ()) or None
         arguments = {p["name"]: p.get("value", "") for p in (task.get("arguments") or {}).get("parameters", [])}
-        tasks[task["name"]] = Task(task["name"], task["template"], depends, arguments, task.get("withParam"))
+        tasks[task["name"]] = Task(task["name"], task["template"], depends_tasks(logic or ""), arguments,
+                                   task.get("withParam"), logic, task.get("when") or None)
     ordered: list[Task] = []
     while len(ordered) < len(tasks):
         done = {t.name for t in ordered}
@@ -169,16 +159,69 @@ def dag_tasks(workflow: dict, template: str | None = None) -> list[Task]:
     return ordered
 
 
-def task_inputs(task: Task, values: dict[str, str]) -> dict[str, str]:
+def task_inputs(task: Task, values: dict[str, str], unresolved: tuple[str, ...] = ()) -> dict[str, str]:
     """The values the template of ``task`` sees: ``values`` (workflow, tasks' outputs, ``item``, ``retries``) less any
     outer template's inputs, plus ``inputs.parameters.<name>`` for each of the task's arguments, filled from
-    ``values``.
+    ``values`` (the tags of the tasks ``unresolved`` may stay as written: :func:`fill`).
 
     Raises:
         RenderError: an argument's tag without a value.
     """
     outer = {k: v for k, v in values.items() if not k.startswith("inputs.")}
-    return {**outer, **{f"inputs.parameters.{k}": fill(v, values) for k, v in task.arguments.items()}}
+    return {**outer, **{f"inputs.parameters.{k}": fill(v, values, unresolved) for k, v in task.arguments.items()}}
+
+
+def walk(workflow: dict, template: str | None, values: dict[str, str],
+         run: Callable[[Task, dict[str, str], object], dict[str, str]],
+         not_run: Callable[[NotRun], None]) -> dict[str, str]:
+    """The DAG ``template`` (None: the entrypoint) walked as Argo's controller walks it (``executeDAGTask``,
+    argoproj/argo-workflows v4.0 workflow/controller/dag.go), each task in :func:`dag_tasks`' order, once every task
+    it depends on is done: Omitted when its ``depends`` is false (:func:`depends_holds`); else Skipped when its
+    ``when``, filled with the values known (``values``, the outputs and ``tasks.<t>.status`` of the tasks before it),
+    is false (:func:`when_holds`), or its ``withParam`` is an empty list; else run once per item: a DAG template by
+    this walk, any other by ``run(task, inputs, item)`` (:func:`task_inputs`; item None without ``withParam``), which
+    returns its output parameters (name -> value), and then Succeeded. ``not_run`` hears of each task that is not.
+    A task's arguments keep the tags of the tasks that did not run as written (:func:`fill`), as Argo v3.6 to v4.0.1
+    do and Metaflow 2.19's conditional join expects; later patch releases (v3.7.11, v4.0.2 on) resolve ``tasks.*``
+    tags strictly, and would requeue or fail such a task (``template.ReplaceStrict``, ``ReplaceStrictAny``).
+
+    Returns:
+        The tasks' outputs and statuses: ``tasks.<task>.outputs.parameters.<name>`` and ``tasks.<task>.status``.
+
+    Raises:
+        RenderError: a template, tag or expression the rehearsal does not emulate; or what ``run`` raises.
+    """
+    outputs: dict[str, str] = {}
+    statuses: dict[str, str] = {}
+    fan_outs: dict[str, list[str]] = {}
+    for task in dag_tasks(workflow, template):
+        known, status, items = {**values, **outputs}, None, [None]
+        # the reasons in Argo's words (a node's message)
+        if task.depends_logic and not depends_holds(task.depends_logic, statuses, fan_outs):
+            status, reason = "Omitted", f"depends '{task.depends_logic}' not met"
+        elif task.when and not when_holds(when := fill(task.when, known)):
+            status, reason = "Skipped", f"when '{when}' evaluated false"
+        elif task.with_param and not (items := json.loads(fill(task.with_param, known))):
+            status, reason = "Skipped", "Skipped, empty params"
+        if status:
+            not_run(NotRun(task.name, status, reason))
+        else:
+            unran = tuple(t for t, s in statuses.items() if s in ("Omitted", "Skipped"))
+            spec = templates(workflow)[task.template]
+            for item in items:
+                inputs = task_inputs(task, known if item is None else {**known, "item": str(item)}, unran)
+                if "dag" in spec:
+                    inner = walk(workflow, task.template, inputs, run, not_run)
+                    produced = {p["name"]: fill(p["valueFrom"]["parameter"], {**inputs, **inner})
+                                for p in (spec.get("outputs") or {}).get("parameters", [])}
+                else:
+                    produced = run(task, inputs, item)
+                outputs.update({f"tasks.{task.name}.outputs.parameters.{k}": v for k, v in produced.items()})
+            status = "Succeeded"  # a failed pod ends the walk (run raises): the DAG's failFast
+            if task.with_param:
+                fan_outs[task.name] = [status] * len(items)
+        statuses[task.name] = outputs[f"tasks.{task.name}.status"] = status
+    return outputs
 
 
 def _env(container: dict, field_values: dict[str, str]) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:

@@ -170,9 +170,9 @@ def checkpoints_of_every_node(client, run_id: str, nodes: int, step: int):
 def rehearse_run(root: Path, config: dict, s3, flow_keys: dict[str, str], stand_ins: dict[str, dict[str, str]],
                  timeout_s: float, kill=None) -> tuple[str, bool]:
     """One run in ``root`` (empty): the workflow rendered there from ``config``, then every pod in Argo's order, one
-    line per pod. Returns the run's Argo workflow name (its Metaflow run id is ``argo-<name>``) and whether it was
-    killed. ``kill``: (task, condition of the run id), the task's pods killed once the condition holds
-    (:func:`grpo_steps.dev.rehearse_pods.run_dag`).
+    line per pod and one per task a condition leaves out (the flow's switch). Returns the run's Argo workflow name
+    (its Metaflow run id is ``argo-<name>``) and whether it was killed. ``kill``: (task, condition of the run id),
+    the task's pods killed once the condition holds (:func:`grpo_steps.dev.rehearse_pods.run_dag`).
 
     Raises:
         PodFailed, RenderError: as :func:`grpo_steps.dev.rehearse_pods.run_dag`.
@@ -196,6 +196,9 @@ def rehearse_run(root: Path, config: dict, s3, flow_keys: dict[str, str], stand_
     base = image_env()
 
     def report(result) -> None:
+        if isinstance(result, rehearsal.NotRun):  # a condition of the DAG is false (the flow's switch)
+            print(f"{result.task:<36} {result.status.lower()}: {result.reason}", flush=True)
+            return
         exit_ = "killed" if result.killed else f"exit {result.returncode}"
         print(f"{result.task:<36} {result.name:<56} {exit_:<8} {result.seconds:6.0f} s", flush=True)
 

@@ -2,13 +2,13 @@
 mount namespace of its own (``unshare --mount``) with its own ``/tmp`` and cache folder, its manifest's volumes bound
 where it mounts them (an emptyDir a fresh folder, ``medium: Memory`` a tmpfs, a claim a folder shared by every pod
 naming it), an ``/etc/hosts`` resolving the run's pod names to this machine (the cluster's DNS), and its own empty
-working directory; the DAG walked as Argo walks it, each task's output parameters read from the files
+working directory; the DAG walked as Argo walks it (:func:`grpo_steps.dev.rehearsal.walk`: a task whose ``depends``
+or ``when`` is false is Omitted or Skipped, and reported, not run), each task's output parameters read from the files
 its container wrote.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import subprocess
@@ -33,7 +33,7 @@ class PodFailed(RuntimeError):
 
 class PodsKilled(RuntimeError):
     """The rehearsal killed a task's pods on purpose (``run_dag``'s ``kill``), as a node lost by the cluster kills
-    them: ``task`` the task, ``outputs`` the outputs of the tasks that ran before it."""
+    them: ``task`` the task, ``outputs`` the outputs and statuses of the tasks before it (``tasks.*``)."""
 
     def __init__(self, task: str, outputs: dict[str, str]):
         super().__init__(f"the pods of task {task} were killed")
@@ -187,42 +187,34 @@ def _json_path(manifest: dict, path: str) -> str:
 
 def run_dag(workflow: dict, template: str | None, values: dict[str, str], env_of, root: Path, timeout_s: float,
             report, kill: tuple[str, Callable[[], bool]] | None = None) -> dict[str, str]:
-    """Run the DAG ``template`` (None: the entrypoint) as Argo would, pod by pod; ``report(PodResult)`` after each
-    pod. Returns the tasks' outputs (``tasks.<task>.outputs.parameters.<name>`` -> value). ``kill``: (task, condition):
-    that task's pods are killed once the condition holds (:func:`run_pods`), and the run ends there.
+    """Run the DAG ``template`` (None: the entrypoint) as Argo would, pod by pod (:func:`grpo_steps.dev.rehearsal.walk`:
+    a task whose ``depends`` or ``when`` is false does not run); ``report(PodResult)`` after each pod,
+    ``report(NotRun)`` for each task that does not run. Returns the tasks' outputs and statuses
+    (``tasks.<task>.outputs.parameters.<name>``, ``tasks.<task>.status``). ``kill``: (task, condition): that task's
+    pods are killed once the condition holds (:func:`run_pods`), and the run ends there.
 
     Raises:
         PodFailed: the first pod that failed (the DAG's failFast: nothing after it runs).
         PodsKilled: ``kill``'s task was killed.
-        RenderError: a template or tag the rehearsal does not emulate.
+        RenderError: a template, tag or expression the rehearsal does not emulate.
     """
-    outputs: dict[str, str] = {}
-    for task in rehearsal.dag_tasks(workflow, template):
-        known = {**values, **outputs}
+    def run(task: rehearsal.Task, inputs: dict[str, str], item) -> dict[str, str]:
         spec = rehearsal.templates(workflow)[task.template]
-        items = json.loads(rehearsal.fill(task.with_param, known)) if task.with_param else [None]
-        for item in items:
-            inputs = rehearsal.task_inputs(task, known if item is None else {**known, "item": str(item)})
-            if "dag" in spec:
-                inner = run_dag(workflow, task.template, inputs, env_of, root, timeout_s, report, kill)
-                produced = {p["name"]: rehearsal.fill(p["valueFrom"]["parameter"], {**inputs, **inner})
-                            for p in (spec.get("outputs") or {}).get("parameters", [])}
-            elif "resource" in spec:
-                pods = rehearsal.jobset_pods(workflow, task.template, inputs)
-                kill_when = kill[1] if kill and kill[0] == task.name else None
-                results = run_pods(pods, task.name, env_of, root, timeout_s, kill_when)
-                for result in results:
-                    report(result)
-                if any(r.killed for r in results):
-                    raise PodsKilled(task.name, outputs)
-                manifest = rehearsal.jobset(workflow, task.template, inputs)
-                produced = {p["name"]: _json_path(manifest, p["valueFrom"]["jsonPath"])
-                            for p in (spec.get("outputs") or {}).get("parameters", [])}
-            else:
-                name = f"{values['workflow.name']}-{task.name}" + ("" if item is None else f"-{item}")
-                pod = rehearsal.container_pod(workflow, task.template, inputs, name)
-                (result,) = run_pods([pod], task.name, env_of, root, timeout_s)
+        if "resource" in spec:
+            pods = rehearsal.jobset_pods(workflow, task.template, inputs)
+            kill_when = kill[1] if kill and kill[0] == task.name else None
+            results = run_pods(pods, task.name, env_of, root, timeout_s, kill_when)
+            for result in results:
                 report(result)
-                produced = outputs_of(pod, result.folders)
-            outputs.update({f"tasks.{task.name}.outputs.parameters.{k}": v for k, v in produced.items()})
-    return outputs
+            if any(r.killed for r in results):
+                raise PodsKilled(task.name, {k: v for k, v in inputs.items() if k.startswith("tasks.")})
+            manifest = rehearsal.jobset(workflow, task.template, inputs)
+            return {p["name"]: _json_path(manifest, p["valueFrom"]["jsonPath"])
+                    for p in (spec.get("outputs") or {}).get("parameters", [])}
+        name = f"{values['workflow.name']}-{task.name}" + ("" if item is None else f"-{item}")
+        pod = rehearsal.container_pod(workflow, task.template, inputs, name)
+        (result,) = run_pods([pod], task.name, env_of, root, timeout_s)
+        report(result)
+        return outputs_of(pod, result.folders)
+
+    return rehearsal.walk(workflow, template, values, run, report)

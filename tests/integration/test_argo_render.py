@@ -132,8 +132,12 @@ def test_schedule_and_project_come_from_the_config(rendered, cfg):
 def test_a_run_without_new_rows_goes_from_prepare_data_to_end_in_the_deployed_workflow(rendered):
     """The flow's switch after ``prepare_data`` (route ``train`` or ``no_new_rows``) as Argo runs it: the DAG starts
     provision_vllm and end each on a condition of prepare_data's output, so a scheduled run with nothing new ends
-    cleanly instead of failing."""
+    cleanly instead of failing. The DAG is the one recorded for the unit tests that walk both routes
+    (tests/unit/data/grpoflow-dag.yaml, tests/unit/test_rehearsal_dag.py)."""
+    from tests.unit.test_rehearsal_dag import RECORDED_DAG, trimmed
+
     template, _, _ = rendered
+    assert trimmed(template) == yaml.safe_load(RECORDED_DAG.read_text()), "rewrite the recorded DAG from trimmed()"
     tasks = [task for t in template["spec"]["templates"] if "dag" in t for task in t["dag"]["tasks"]]
     when = {task["name"]: task.get("when", "") for task in tasks}
     assert "switch-step" in when["provision-vllm"] and "== 'provision_vllm'" in when["provision-vllm"], when
