@@ -19,7 +19,8 @@ training (``eval.every_steps``, ``eval.during_training_prompts`` = the split), e
 as the MLflow table ``eval_during/per_prompt/step_<N>.json``: the same prompts at every step and in every arm (the
 data seed is the config's), so the arms pair by prompt at each step count, on one trajectory per arm rather than one
 run per count. The teacher's own pass@1 on the split is the baseline of a 1-step ``grpo`` run started from it
-(``--teacher`` as ``model.name_or_path``).
+(``--teacher`` as ``model.name_or_path``), or with ``--teacher-run`` the trained policy's evaluation of the ``make
+run`` that registered it (the same weights, split and evaluation settings).
 
 Printed (Markdown, for docs/benchmarks.md): per step count and arm the held-out pass@1 with its 95 % Student-t
 interval and the paired gain over ``grpo`` at that count (:func:`grpo_steps.evaluation.stats.paired_gain`); the
@@ -141,12 +142,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arms", default="grpo,distill,privileged")
     parser.add_argument("--teacher", default="models:/grpo-smollm2-arithmetic@champion")
     parser.add_argument("--workdir", default="bench-distill")
+    parser.add_argument("--teacher-run", help="the Metaflow run id (in --workdir) of the run that registered the "
+                        "teacher: its evaluate step's trained policy is the teacher on the same split, so no teacher "
+                        "run is made")
     args = parser.parse_args(argv)
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     arms = args.arms.split(",")
     results = {arm: arm_result(arm, args, workdir) for arm in arms}
-    teacher = arm_result("teacher-eval", args, workdir)["base"]
+    teacher = run_result(args.teacher_run, workdir)["trained"] if args.teacher_run else \
+        arm_result("teacher-eval", args, workdir)["base"]
     goal = 0.9 * statistics.fmean(teacher)
     steps = sorted(set.intersection(*(set(r["curve"]) for r in results.values())))
     print("| step | arm | held-out pass@1 (95 %) | gain over grpo (paired 95 %) |\n|---|---|---|---|")
