@@ -2,8 +2,8 @@
 steps (issue 72's learning result), and the wall time of an OPD step against a GRPO step.
 
     make run   # in WORKDIR: registers the teacher, models:/grpo-smollm2-arithmetic@champion, in WORKDIR/mlflow.db
-    .venv/bin/python bench/distill.py [--steps 30] [--every 5] [--arms grpo,distill,privileged]
-        [--teacher models:/grpo-smollm2-arithmetic@champion] [--workdir bench-distill]
+    .venv/bin/python bench/distill.py [--steps 30] [--every 5] [--arms grpo,distill,privileged] [--seeds 42 7 1234]
+        [--teacher models:/grpo-smollm2-arithmetic@champion] [--teacher-run RUN_ID] [--workdir bench-distill]
 
 Arms (one whole flow run each, in ``--workdir``, one after another: two vLLM servers and the trainer fill a 2-core
 box):
@@ -26,8 +26,10 @@ Printed (Markdown, for docs/benchmarks.md): per step count and arm the held-out 
 interval and the paired gain over ``grpo`` at that count (:func:`grpo_steps.evaluation.stats.paired_gain`); the
 teacher's pass@1; the first step count where each arm reaches 90 % of it (the issue's goal: ``distill`` in at most a
 third of ``grpo``'s steps); and the mean step time (TRL's ``step_time``: generation, the teacher's scoring and the
-optimizer step; evaluations excluded) of each arm against ``grpo`` (goal: at most +30 %). Each finished arm is kept
-in ``WORKDIR/<arm>.json``: the same command run again skips it.
+optimizer step; evaluations excluded) and the part of it that waited for the teacher (goal: at most +30 %). Each
+finished run is kept in ``WORKDIR/<arm>-seed<seed>.json``: the same command run again skips it. With several
+``--seeds`` (``train.seed``; the sampler draws differently in each run anyway, vLLM taking no per-request seed here)
+the arms pool and pair by seed and prompt.
 
 How long on a quiet 2-core box: ``make run`` ~7 min; each arm ~6-8 min at 30 steps (a teacher adds a second server
 start, ~45 s, and its scoring; the 7 evaluations of 100 prompts ~3 min); the teacher's evaluation ~3 min.
@@ -51,11 +53,11 @@ CONFIGS = {"grpo": "configs/local.yaml", "distill": "configs/distill.yaml",
            "privileged": "configs/distill-privileged.yaml"}
 
 
-def arm_config(arm: str, steps: int, every: int, teacher: str, workdir: Path) -> Path:
-    """The config file of one arm (written into ``workdir``); ``teacher-eval``: a 1-step ``grpo`` run started from the
-    teacher, whose ``evaluate`` baseline is the teacher on the held-out split."""
+def arm_config(arm: str, seed: int, steps: int, every: int, teacher: str, workdir: Path) -> Path:
+    """The config file of one arm at training seed ``seed`` (written into ``workdir``); ``teacher-eval``: a 1-step
+    ``grpo`` run started from the teacher, whose ``evaluate`` baseline is the teacher on the held-out split."""
     cfg = yaml.safe_load((REPO / CONFIGS["grpo" if arm == "teacher-eval" else arm]).read_text())
-    cfg["train"].update({"max_steps": steps, "save_steps": steps})
+    cfg["train"].update({"max_steps": steps, "save_steps": steps, "seed": seed})  # the data (and split) seed stays
     # the whole split at every point: the arms' curves pair by prompt (eval_during/per_prompt tables)
     cfg["eval"].update({"every_steps": every, "during_training_prompts": cfg["data"]["num_eval"]})
     cfg["registry"]["model_name"] = f"bench-distill-{arm}"
@@ -66,7 +68,7 @@ def arm_config(arm: str, steps: int, every: int, teacher: str, workdir: Path) ->
         cfg["model"]["name_or_path"] = teacher
         cfg["train"].update({"max_steps": 1, "save_steps": 1})
         cfg["eval"]["every_steps"] = 0  # the evaluate step measures the teacher as the baseline
-    path = workdir / f"{arm}.yaml"
+    path = workdir / f"{arm}-seed{seed}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
@@ -120,14 +122,15 @@ def interval(values: list[float]) -> tuple[float, float]:
     return mean, half
 
 
-def arm_result(arm: str, args, workdir: Path) -> dict:
-    """One arm's :func:`run_result`, run unless ``workdir/<arm>.json`` holds it already."""
-    saved = workdir / f"{arm}.json"
+def arm_result(arm: str, seed: int, args, workdir: Path) -> dict:
+    """One arm's :func:`run_result` at training seed ``seed``, run unless ``workdir/<arm>-seed<seed>.json`` holds it."""
+    saved = workdir / f"{arm}-seed{seed}.json"
     if not saved.exists():
         started = time.monotonic()
-        result = run_result(run_flow(arm_config(arm, args.steps, args.every, args.teacher, workdir), workdir), workdir)
+        config = arm_config(arm, seed, args.steps, args.every, args.teacher, workdir)
+        result = run_result(run_flow(config, workdir), workdir)
         saved.write_text(json.dumps({**result, "seconds": time.monotonic() - started}))
-        print(f"[bench] {arm}: {(time.monotonic() - started) / 60:.1f} min", flush=True)
+        print(f"[bench] {arm} seed {seed}: {(time.monotonic() - started) / 60:.1f} min", flush=True)
     result = json.loads(saved.read_text())
     result["curve"] = {int(step): values for step, values in result["curve"].items()}  # JSON keys are strings
     return result
@@ -140,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--arms", default="grpo,distill,privileged")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[42], help="train.seed of each run (the data seed, "
+                        "and with it the held-out split, stays the config's); the arms pair by seed and prompt")
     parser.add_argument("--teacher", default="models:/grpo-smollm2-arithmetic@champion")
     parser.add_argument("--workdir", default="bench-distill")
     parser.add_argument("--teacher-run", help="the Metaflow run id (in --workdir) of the run that registered the "
@@ -149,30 +154,37 @@ def main(argv: list[str] | None = None) -> None:
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     arms = args.arms.split(",")
-    results = {arm: arm_result(arm, args, workdir) for arm in arms}
+    results = {(arm, seed): arm_result(arm, seed, args, workdir) for seed in args.seeds for arm in arms}
     teacher = run_result(args.teacher_run, workdir)["trained"] if args.teacher_run else \
-        arm_result("teacher-eval", args, workdir)["base"]
+        arm_result("teacher-eval", args.seeds[0], args, workdir)["base"]
     goal = 0.9 * statistics.fmean(teacher)
     steps = sorted(set.intersection(*(set(r["curve"]) for r in results.values())))
-    print("| step | arm | held-out pass@1 (95 %) | gain over grpo (paired 95 %) |\n|---|---|---|---|")
+
+    def pooled(arm: str, step: int) -> list[float]:  # per-prompt pass@1 over the seeds, seed by seed
+        return [p for seed in args.seeds for p in results[arm, seed]["curve"][step]]
+
+    print(f"| step | arm | held-out pass@1 over {len(args.seeds)} seed(s) (95 %) | per seed | gain over grpo (paired "
+          "by seed and prompt, 95 %) |\n|---|---|---|---|---|")
     for step in steps:
-        for arm, result in results.items():
-            mean, half = interval(result["curve"][step])
-            gain = "" if arm == "grpo" or "grpo" not in results else "{:+.3f} ± {:.3f}".format(
-                *paired_gain(results["grpo"]["curve"][step], result["curve"][step]))
-            print(f"| {step} | {arm} | {mean:.3f} ± {half:.3f} | {gain} |")
+        for arm in arms:
+            mean, half = interval(pooled(arm, step))
+            seeds = " / ".join(f"{statistics.fmean(results[arm, seed]['curve'][step]):.3f}" for seed in args.seeds)
+            gain = "" if arm == "grpo" or "grpo" not in arms else "{:+.3f} ± {:.3f}".format(
+                *paired_gain(pooled("grpo", step), pooled(arm, step)))
+            print(f"| {step} | {arm} | {mean:.3f} ± {half:.3f} | {seeds} | {gain} |")
     mean, half = interval(teacher)
     print(f"\nteacher pass@1 {mean:.3f} ± {half:.3f}; 90 % of it: {goal:.3f} ({len(teacher)} held-out prompts)")
-    for arm, result in results.items():
-        reached = [s for s in steps if statistics.fmean(result["curve"][s]) >= goal]
-        print(f"{arm}: reaches 90 % of the teacher at step {reached[0] if reached else f'none of {steps}'}; "
-              f"mean step time {result['step_time']:.1f} s"
-              + (f" ({result['step_time'] / results['grpo']['step_time']:.2f}x grpo's)" if "grpo" in results else "")
-              + f"; whole run {result['seconds'] / 60:.1f} min")
-        wait = result.get("teacher_wait", float("nan"))
-        if wait == wait:  # the teacher's part of the step, within the run (the two arms may see different loads)
-            print(f"  the step waited {wait:.2f} s for the teacher (its request {result['teacher_seconds']:.2f} s): "
-                  f"+{wait / (result['step_time'] - wait):.0%} over the step without it")
+    for arm in arms:
+        for seed in args.seeds:
+            result = results[arm, seed]
+            reached = [s for s in steps if statistics.fmean(result["curve"][s]) >= goal]
+            print(f"{arm} seed {seed}: reaches 90 % of the teacher at step "
+                  f"{reached[0] if reached else f'none of {steps}'}; mean step time {result['step_time']:.1f} s; "
+                  f"whole run {result['seconds'] / 60:.1f} min")
+            wait = result.get("teacher_wait", float("nan"))
+            if wait == wait:  # the teacher's part of the step, within the run (the arms may see different loads)
+                print(f"  the step waited {wait:.2f} s for the teacher (its request {result['teacher_seconds']:.2f} "
+                      f"s): +{wait / (result['step_time'] - wait):.0%} over the step without it")
 
 
 if __name__ == "__main__":
