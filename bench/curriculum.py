@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/curriculum.py [--config configs/arithmetic2.yaml] [--seeds 7 42 1234] [--steps 24]
         [--workdir bench-curriculum] [--curriculum '{"pass_reward": "answer_accuracy"}']
-        [--override '{"data": {"num_eval": 100}, "eval": {"every_steps": 0}}'] [--report-only]
+        [--override '{"data": {"num_eval": 100}, "eval": {"every_steps": 2, "during_training_prompts": 100}}']
+        [--report-only]
     smoke (the tiny model, a few minutes): --config configs/test.yaml --seeds 1 --steps 2
 
 Each finished (seed, arm) is kept in ``WORKDIR/<arm>-seed<seed>/result.json``: the same command run again skips it,
@@ -14,7 +15,9 @@ scratch directory of its own: its own Metaflow datastore and ``mlflow.db``), the
 with ``--override``'s sections merged in, key by key, for both arms).
 Prints, as Markdown for docs/benchmarks.md: per seed and arm the held-out pass@1 of the trained policy; the paired
 gain curriculum - uniform over (seed, held-out prompt) pairs with its 95 % interval
-(:func:`grpo_steps.evaluation.stats.paired_gain`); and per optimizer step the share of groups without signal (TRL's
+(:func:`grpo_steps.evaluation.stats.paired_gain`); with ``eval.every_steps`` (the per-prompt tables of the evaluations
+during training) the same per evaluated step, and the first step where the curriculum reaches uniform's pass@1 at the
+last one; and per optimizer step the share of groups without signal (TRL's
 ``frac_reward_zero_std``), mean over seeds per arm, with the paired difference over seeds and its interval. The
 issue's goal: the same held-out pass@1 in at most 70 % of the steps, or a higher one at equal steps with an
 interval above zero. Run it alone on the machine: each flow run starts a generation server, and a 48-completion step
@@ -76,6 +79,12 @@ def run_arm(config: dict, workdir: Path) -> dict:
     client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
     history = client.get_metric_history(result["mlflow_run_id"], "frac_reward_zero_std")
     result["zero_signal"] = {m.step: m.value for m in history}
+    result["curve"] = {}  # with eval.every_steps: held-out pass@1 per prompt at each evaluated step
+    for artifact in client.list_artifacts(result["mlflow_run_id"], "eval_during/per_prompt"):
+        table = json.loads(Path(client.download_artifacts(result["mlflow_run_id"], artifact.path,
+                                                          str(workdir / "tables"))).read_text())
+        column = table["columns"].index("pass@1")
+        result["curve"][int(Path(artifact.path).stem.removeprefix("step_"))] = [row[column] for row in table["data"]]
     result["seconds"] = time.monotonic() - started
     saved.write_text(json.dumps(result))
     return json.loads(saved.read_text())  # optimizer steps as the JSON keys they are when read back
@@ -144,6 +153,7 @@ def report(results: dict[tuple[str, int], dict], seeds: list[int], args) -> None
     diff, width = paired_gain(means["uniform"], means["curriculum"])
     print(f"zero-signal share over all steps, curriculum - uniform (paired over {len(seeds)} seeds): "
           f"{diff:+.3f} ± {width:.3f} (95 %)\n")
+    curve_report(results, seeds)
     print("| step | zero-signal share, uniform | curriculum | curriculum - uniform (paired over seeds, 95 %) |")
     print("|---|---|---|---|")
     steps = sorted(set.intersection(*[set(results[arm, seed]["zero_signal"]) for arm in ARMS
@@ -153,6 +163,34 @@ def report(results: dict[tuple[str, int], dict], seeds: list[int], args) -> None
         diff, width = paired_gain(shares["uniform"], shares["curriculum"])
         print(f"| {step} | {statistics.fmean(shares['uniform']):.3f} | {statistics.fmean(shares['curriculum']):.3f} "
               f"| {diff:+.3f} ± {width:.3f} |")
+
+
+def curve_report(results: dict[tuple[str, int], dict], seeds: list[int]) -> None:
+    """With evaluations during training (``eval.every_steps``, the per-prompt tables ``eval_during/per_prompt``):
+    held-out pass@1 per evaluated step and arm over the seeds, the paired gain at each step, and the first step where
+    the curriculum reaches uniform's pass@1 at its last step (the issue's goal: at most 70 % of the steps)."""
+    from grpo_steps.evaluation.stats import paired_gain
+
+    curves = {key: {int(step): values for step, values in result.get("curve", {}).items()}
+              for key, result in results.items()}
+    steps = sorted(set.intersection(*[set(curves[arm, seed]) for arm in ARMS for seed in seeds]))
+    if not steps:
+        return
+
+    def pooled(arm: str, step: int) -> list[float]:
+        return [p for seed in seeds for p in curves[arm, seed][step]]
+
+    print("| step | held-out pass@1, uniform | curriculum | curriculum - uniform (paired over seed x prompt, 95 %) |")
+    print("|---|---|---|---|")
+    for step in steps:
+        diff, width = paired_gain(pooled("uniform", step), pooled("curriculum", step))
+        print(f"| {step} | {statistics.fmean(pooled('uniform', step)):.3f} "
+              f"| {statistics.fmean(pooled('curriculum', step)):.3f} | {diff:+.3f} ± {width:.3f} |")
+    target = statistics.fmean(pooled("uniform", steps[-1]))
+    reached = [step for step in steps if statistics.fmean(pooled("curriculum", step)) >= target]
+    print(f"\nthe curriculum reaches uniform's pass@1 at step {steps[-1]} ({target:.3f}) at step "
+          f"{reached[0] if reached else 'none'} ({reached[0] / steps[-1]:.0%} of the steps)\n" if reached else
+          f"\nthe curriculum does not reach uniform's pass@1 at step {steps[-1]} ({target:.3f})\n")
 
 
 if __name__ == "__main__":
