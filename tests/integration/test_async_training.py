@@ -76,10 +76,19 @@ def test_an_async_run_resumed_on_two_processes(uninterrupted, tmp_path, tiny_mod
     """The one process's step-2 checkpoint (what a run killed after it leaves) continued by two DDP processes, each
     with its own producer sampling its share: the same 2 prompts per optimizer step (4 rows per process). The
     producer's queue is not in the checkpoint: the first resumed batch is sampled after the push of the checkpoint's
-    weights (staleness 0 where the uninterrupted run trained one 2 steps old), the next one during step 3 by them."""
+    weights (staleness 0 where the uninterrupted run trained one 2 steps old), the next one during step 3 by them.
+
+    With a distillation teacher (``teacher:``) whose server is the policy's own: each process sends the completions of
+    the batch it takes to the teacher from its training thread; the server holds the checkpoint's weights through
+    steps 3 and 4 (no push at step 4), the weights that sampled both batches, so each token's teacher logprob is its
+    sampler logprob and the reverse KL is kernel noise (a completion scored against another's tokens, or the batch of
+    another process, gives nats). A user's teacher is frozen; this one is the policy only to make the value exact."""
     resumed = job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint, generation=ASYNC,
-                  train={"max_steps": 4, "save_steps": 2, "processes_per_node": 2, "per_device_train_batch_size": 4})
-    launch(resumed.model_copy(update={"resume_from": str(uninterrupted / "out" / "checkpoint-2")}))
+                  train={"max_steps": 4, "save_steps": 2, "processes_per_node": 2, "per_device_train_batch_size": 4},
+                  teacher={"model": tiny_model_path, "provider": "external",
+                           "server": {"endpoint": tiny_server.endpoint}})
+    launch(resumed.model_copy(update={"resume_from": str(uninterrupted / "out" / "checkpoint-2"),
+                                      "server": {**resumed.server, "teacher": resumed.server}}))
     out = capsys.readouterr().out
     assert "[checkpoint] resuming step 2 saved by 1 node x 1 process on 1 node x 2 processes\n" in out, out[-3000:]
     reference, steps = {h["step"]: h for h in history(uninterrupted)}, {h["step"]: h for h in history(tmp_path)}
@@ -88,6 +97,7 @@ def test_an_async_run_resumed_on_two_processes(uninterrupted, tmp_path, tiny_mod
         got = steps[step]
         assert math.isclose(got["learning_rate"], reference[step]["learning_rate"], rel_tol=1e-9), (step, got)
         assert got["async/dropped"] == 0 and got["async/missed"] == 0  # each producer sampled what TRL asked for
+        assert abs(got["distill/reverse_kl"]) < 1e-3 and got["distill/teacher_seconds"] > 0, (step, got)
     assert [steps[s]["async/staleness"] for s in (3, 4)] == [0, 1]
     assert [steps[s].get("weight_sync/version") for s in (3, 4)] == [2, None]
     # the checkpoint's weights, pushed at the resumed run's start: the server's answer is the resumed policy's, and the
