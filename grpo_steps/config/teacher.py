@@ -86,8 +86,9 @@ def teacher_refusal(cfg) -> str | None:
     skip the sampling processors: the teacher scores at temperature 1 with no filter, ``vllm/v1/worker/
     gpu_model_runner.py`` "prompt tokens skip sampling processors", while the sampler's logprobs are of the filtered,
     tempered distribution); a backend without the sampler's per-token logprobs (``hf``, ``recorded``, ``nccl``);
-    a ``local`` teacher with several training nodes (each node would replace a stale teacher on its own after a
-    resume: serve it with ``external``); a ``local`` teacher that would take the policy server's GPUs.
+    an ``external`` teacher at the policy's own endpoint (not frozen: it takes the student's weight pushes); a ``local``
+    teacher with several training nodes (each node would replace a stale teacher on its own after a resume: serve it
+    with ``external``); a ``local`` teacher that would take the policy server's GPUs.
     """
     teacher, train, gen = cfg.teacher, cfg.train, cfg.generation
     if teacher is None:
@@ -111,6 +112,12 @@ def teacher_refusal(cfg) -> str | None:
     if teacher.provider == "local" and teacher.server is None and gen.server.gpus is not None:
         return ("teacher.server is null, so the teacher's server would take generation.server.gpus, the policy "
                 "server's GPUs: set teacher.server (its gpus, or gpu_memory_utilization on a shared GPU)")
+    policy = {gen.server.endpoint, gen.server.router.endpoint, *(gen.server.endpoints or [])} - {None}
+    if teacher.provider == "external" and teacher.server.endpoint.rstrip("/") in {e.rstrip("/") for e in policy}:
+        # the policy's server takes every weight push: a teacher there would score with the student's own weights
+        return (f"teacher.server.endpoint {teacher.server.endpoint} is the policy's generation server, which receives "
+                "the student's weights at every push, so the teacher would not be frozen: serve the teacher's weights "
+                "on a server of their own")
     if teacher.provider == "local" and train.num_nodes > 1:
         return (f"teacher.provider 'local' with train.num_nodes {train.num_nodes}: after a resume each node would "
                 "replace a stale teacher on its own; serve the teacher yourself and set teacher.provider: external")

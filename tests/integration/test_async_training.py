@@ -82,7 +82,8 @@ def test_an_async_run_resumed_on_two_processes(uninterrupted, tmp_path, tiny_mod
     the batch it takes to the teacher from its training thread; the server holds the checkpoint's weights through
     steps 3 and 4 (no push at step 4), the weights that sampled both batches, so each token's teacher logprob is its
     sampler logprob and the reverse KL is kernel noise (a completion scored against another's tokens, or the batch of
-    another process, gives nats). A user's teacher is frozen; this one is the policy only to make the value exact."""
+    another process, gives nats). A user's teacher is frozen; this one is the policy only to make the value exact
+    (`start` refuses such a config: the server handle is built here)."""
     resumed = job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint, generation=ASYNC,
                   train={"max_steps": 4, "save_steps": 2, "processes_per_node": 2, "per_device_train_batch_size": 4},
                   teacher={"model": tiny_model_path, "provider": "external",

@@ -273,7 +273,8 @@ def test_zero3_two_processes_weigh_the_correction_in_the_loss(tmp_path, tiny_mod
     completions to the teacher and folds the answer into its own advantages; the teacher then holds the weights that
     sampled them, so its logprob of every sampled token is the sampler's and the reverse KL is kernel noise (a
     completion scored against another's tokens, or shifted by one position, gives nats). A user's teacher is frozen;
-    this one follows the pushes only to make the expected value exact."""
+    this one follows the pushes only to make the expected value exact (`start` refuses such a config:
+    the server handle is built here)."""
     job = _job(tmp_path, tiny_model_path, tiny_tokenizer, tiny_server.endpoint,
                train={"max_steps": 2, "deepspeed": True, "processes_per_node": 2,
                       "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "num_generations": 2},

@@ -110,6 +110,8 @@ def test_privileged_teacher_sees_the_reference_answer(tiny_tokenizer):
     ({"teacher": {"mode": "pure"}}, "needs teacher.model"),
     ({"teacher": {"model": "x", "provider": "external"}}, "needs teacher.server.endpoint"),
     ({"teacher": {"model": "x"}, "generation": {"server": {"gpus": [0]}}}, "policy server's GPUs"),
+    ({"teacher": {"model": "x", "provider": "external", "server": {"endpoint": "http://127.0.0.1:8000/"}},
+      "generation": {"provider": "external", "server": {"endpoint": "http://127.0.0.1:8000"}}}, "would not be frozen"),
 ])
 def test_config_refuses_what_distillation_cannot_run_with(settings, message):
     with pytest.raises(ConfigError, match=message):
