@@ -3,20 +3,18 @@ lifecycle in one flow run: the generation server killed (``@retry`` continues on
 training process SIGKILLed mid-save of a checkpoint (the next ``@retry`` continues from the newest checkpoint whose
 save completed), then kill -9 of the last attempt's training process after a checkpoint; a new run started from the
 killed run's checkpoint by ``train.resume_from`` continues at its step, older checkpoints pruned to
-``train.save_total_limit``, no server left behind. With the S3 datastore on a local S3 server across an S3 outage
-during a checkpoint upload, kill -9 and ``resume`` (marker ``s3``): one continuous MLflow history, one registered
-version. One flow run carries several faults because each whole flow costs minutes in ``make test``."""
+``train.save_total_limit``, no server left behind. One flow run carries several faults because each whole flow costs
+minutes in ``make test``. (The S3 datastore across an S3 outage, killed and resumed: tests/integration/
+test_multinode_local.py's gang; an asynchronous run resumed: tests/integration/test_async_training.py.)"""
 
 import os
 import re
 import signal
-import threading
 import time
 
 import pytest
 
-from grpo_steps.processes import PortInUseError, ProcessRef, wait_until
-from grpo_steps.steps import POLICY_CHECKPOINT
+from grpo_steps.processes import ProcessRef, wait_until
 from tests.integration.flowrun import (
     SAVED,
     SAVING,
@@ -30,74 +28,17 @@ from tests.integration.flowrun import (
     model_versions,
     on_server,
     run_config,
-    run_flow,
-    s3_keys,
     vllm_child,
 )
 
 MAX_STEPS, SAVE_STEPS, KILL_AFTER, KEEP = 8, 2, 6, 2
-TRAIN_STEP = re.compile(r"\[train\] step \d+/")
 MODEL_NAME = "grpo-resume-test"
 
 
-def _config(**tracking) -> dict:
+def _config() -> dict:
     return flow_config(train={"max_steps": MAX_STEPS, "save_steps": SAVE_STEPS, "save_total_limit": KEEP,
                               "retries": 0},
-                       registry={"model_name": MODEL_NAME}, tracking=tracking)
-
-
-def _kill_and_resume(workdir, env: dict, config: dict, on_line=None) -> tuple[str, str]:
-    """Run the flow, kill its training process after checkpoint KILL_AFTER, resume. ``on_line`` also sees
-    each line of both runs. Returns (the killed run's id, resume's output)."""
-    killed = []
-
-    def kill_after_checkpoint(line: str) -> None:
-        if on_line:
-            on_line(line)
-        match = SAVED.search(line)
-        if match and int(match.group(1)) == KILL_AFTER and not killed:
-            os.kill(int(match.group(2)), signal.SIGKILL)  # the training process, by the PID it reported
-            killed.append(int(match.group(2)))
-
-    code, out = run_config(workdir, env, config, kill_after_checkpoint)
-    assert killed, out[-5000:]
-    assert code != 0, "the run should fail when its training process is killed"
-    assert "was killed (signal 9), likely out of memory: peak resident memory" in out  # as an OOM kill shows
-    assert f"removed step={KILL_AFTER - KEEP * SAVE_STEPS}" in out  # retention: older checkpoints deleted
-    (run,) = mlflow_runs(workdir)
-    assert run.info.status == "FAILED"  # the exit hook ended it: train failed with its retries used up
-
-    statuses = []  # the MLflow run's status while the resumed run trains
-
-    def status_while_training(line: str) -> None:
-        if on_line:
-            on_line(line)
-        if TRAIN_STEP.search(line) and not statuses:
-            statuses.append(mlflow_runs(workdir)[0].info.status)
-
-    code, resumed = run_flow(workdir, env, ["resume"], status_while_training)
-    assert code == 0, resumed[-6000:]
-    assert statuses == ["RUNNING"]  # resume set it back to RUNNING
-    assert mlflow_runs(workdir)[0].info.status == "FINISHED"
-    return flow_run_id(out), resumed
-
-
-def _assert_resumed(workdir, env, origin_run: str, out: str) -> None:
-    assert f"resuming from step {KILL_AFTER} of run {origin_run}" in out
-    assert "belongs to an earlier run or is not answering: starting a new one" not in out  # an external server
-    (run,) = mlflow_runs(workdir)  # resume reopened the same run
-    for metric in ("reward", "loss"):
-        steps = metric_steps(workdir, metric)
-        assert steps == list(range(1, MAX_STEPS + 1)), (metric, steps)  # continuous: no gap, no duplicate
-    # training ended at max_steps; had it restarted at 0, steps 1..KILL_AFTER would appear twice above
-    assert metric_steps(workdir, "train_runtime") == [MAX_STEPS]
-    assert "eval/trained/pass_at_1" in run.data.metrics
-    assert len(model_versions(workdir, MODEL_NAME)) == 1
-    # the datastore keeps the newest KEEP checkpoints of each train task: the killed one's and the resumed one's
-    assert checkpoint_steps(workdir, env, origin_run) == list(range(KILL_AFTER - (KEEP - 1) * SAVE_STEPS,
-                                                                     KILL_AFTER + 1, SAVE_STEPS))
-    assert checkpoint_steps(workdir, env, flow_run_id(out)) == list(range(KILL_AFTER + SAVE_STEPS, MAX_STEPS + 1,
-                                                                           SAVE_STEPS))
+                       registry={"model_name": MODEL_NAME})
 
 
 class ServerAndTrainerFaults:
@@ -202,82 +143,3 @@ def test_faults_then_kill_then_a_new_run_from_its_checkpoint_on_the_local_datast
     grace_left = owner_gone + 60 + 30 - time.monotonic()
     assert wait_until(lambda: not any(s.is_running() for s in faults.supervisors), timeout_s=max(grace_left, 0)), \
         "a server outlived the killed run by more than generation.server.orphan_grace_s"
-
-
-class S3Outage:
-    """Stops the local S3 server once checkpoint 2 is saved and starts it again, on the same port and
-    data, 10 s after the upload of checkpoint 4 began (so that upload has to wait it out)."""
-
-    def __init__(self, data_dir):
-        from grpo_steps.dev import local_s3
-
-        self.data_dir, self.server, self.events = data_dir, local_s3.start(data_dir), {}
-
-    def __call__(self, line: str) -> None:
-        from grpo_steps.dev import local_s3
-
-        match = SAVED.search(line)
-        if match and int(match.group(1)) == 2 and "down" not in self.events:
-            local_s3.stop(self.server)
-            self.events["down"] = time.monotonic()
-        match = SAVING.search(line)
-        if match and int(match.group(1)) == 4 and "down" in self.events and "restart" not in self.events:
-            self.events["restart"] = threading.Timer(10.0, self._restart)
-            self.events["restart"].start()
-
-    def _restart(self) -> None:
-
-        port = int(self.server.endpoint.rsplit(":", 1)[1])
-        assert wait_until(lambda: self._try_start(port), timeout_s=60, interval_s=1.0), "S3 did not come back"
-        self.events["up"] = time.monotonic()
-
-    def _try_start(self, port: int) -> bool:
-        from grpo_steps.dev import local_s3
-
-        try:  # the port can stay busy for a moment after the stop
-            self.server = local_s3.start(self.data_dir, port=port)
-        except (local_s3.S3StartError, PortInUseError):
-            return False
-        return True
-
-
-def _metric_values(workdir, metric: str) -> list[tuple[int, float]]:
-    from mlflow import MlflowClient
-
-    (run,) = mlflow_runs(workdir)
-    history = MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db").get_metric_history(run.info.run_id, metric)
-    return sorted((m.step, m.value) for m in history)
-
-
-@pytest.mark.slow
-@pytest.mark.s3
-def test_kill_then_resume_on_the_s3_datastore_across_an_s3_outage(tmp_path, tiny_server):
-    from grpo_steps.dev import local_s3
-
-    outage = S3Outage(tmp_path / "s3")
-    env = flow_env(**outage.server.env())
-    config = on_server(_config(artifact_location=f"s3://{outage.server.bucket}/mlflow"), tiny_server)
-    config["generation"]["async"] = {"max_staleness": 1}  # the flow with asynchronous generation, killed and resumed
-    try:
-        origin, out = _kill_and_resume(tmp_path, env, config, on_line=outage)
-        outage.events["restart"].join()
-        assert outage.events["up"] - outage.events["down"] >= 10, outage.events
-        # the newest KEEP checkpoints of the killed run are in the bucket, among them step 4, whose upload
-        # waited out the outage (asserted by _assert_resumed); nothing was lost
-        _assert_resumed(tmp_path, env, origin, out)
-        # the prefetched batches died with the killed process; the resumed attempt's producer started at its
-        # checkpoint and sampled the very batches TRL asked for (none missed), one version behind after its first
-        staleness = _metric_values(tmp_path, "async/staleness")
-        assert [step for step, _ in staleness] == list(range(1, MAX_STEPS + 1))
-        assert [value for step, value in staleness if step in (1, KILL_AFTER + 1)] == [0, 0]
-        assert {value for step, value in staleness if step not in (1, KILL_AFTER + 1)} == {1}
-        assert {value for _, value in _metric_values(tmp_path, "async/missed")} == {0}
-        keys = s3_keys(outage.server)
-    finally:
-        local_s3.stop(outage.server)
-    assert any(k.startswith("metaflow/mf.checkpoints/") for k in keys), "checkpoints in the bucket"
-    assert any(k.startswith("metaflow/mf.checkpoints/") and f".{POLICY_CHECKPOINT}." in k for k in keys), \
-        "the final policy in the bucket"
-    assert any(k.startswith("metaflow/GRPOFlow/") for k in keys), "step artifacts in the bucket"
-    assert any(k.startswith("mlflow/") and k.endswith("model.safetensors") for k in keys), "registered model"
-    assert not (tmp_path / ".metaflow" / "mf.checkpoints").exists(), "nothing checkpointed locally"
