@@ -13,7 +13,8 @@ have been able to write is removed again). One line per check, each failure nami
 - the bucket listed with the flow's keys, and a write under the weight versions' prefix refused to the server pods'
   read-only keys (infra/s3/), which must still list that prefix;
 - Metaflow's metadata service, MLflow and Argo's workflow controller with a ready replica (their readiness probes ask
-  ``/ping`` and ``/health``), and the controller's default service account;
+  ``/ping`` and ``/health``), the controller's default service account, and its release (its image's tag): one that
+  runs the flow's routes (:func:`check_argo_release`);
 - the image's tag: the checkout's project version.
 
 Exit status 1 when a check fails.
@@ -268,6 +269,9 @@ def check_deployments(apps, core, cfg: PipelineConfig, profile: dict, argo_ns: s
         ready = status.ready_replicas or 0
         out.append(Check(f"deployment {namespace}/{name}", ready > 0, f"{ready} ready replica(s)",
                          f"kubectl -n {namespace} describe deploy/{name} and its pods' logs"))
+        if name == "workflow-controller":
+            image = apps.read_namespaced_deployment(name, namespace).spec.template.spec.containers[0].image
+            out.append(check_argo_release(image, cfg))
     account = profile.get("METAFLOW_KUBERNETES_SERVICE_ACCOUNT", "grpo-flow")
     try:
         data = core.read_namespaced_config_map("workflow-controller-configmap", argo_ns).data or {}
@@ -281,6 +285,37 @@ def check_deployments(apps, core, cfg: PipelineConfig, profile: dict, argo_ns: s
                      f"'{{\"data\": {{\"workflowDefaults\": \"spec:\\n  serviceAccountName: {account}\\n\"}}}}' "
                      f"({STEPS} 3)"))
     return out
+
+
+ARGO_STRICT_TAGS = ((3, 7, 11), (4, 0, 2))
+"""The Argo patch releases from which a ``tasks.*`` tag of a task that did not run stops the task that names it
+(``template.ReplaceStrict``): on 3.7 from 3.7.11, from 4.0.2 on (grpo_steps/dev/rehearsal.py ``walk``)."""
+
+
+def check_argo_release(image: str, cfg: PipelineConfig) -> Check:
+    """Argo's release, read from the controller's image tag (``...workflow-controller:v3.7.10``): 3.5 or newer
+    (Metaflow's Argo templates); with ``data.skip_seen``, one that runs the flow's ``no_new_rows`` route. There, ``end``
+    names ``register``, which did not run: Argo from 3.7.11 and 4.0.2 requeues ``end`` for ever and the run stays
+    Running (Netflix/metaflow#3043), which a CronWorkflow with ``concurrencyPolicy: Forbid`` then waits on."""
+    tag = image.rpartition(":")[2].split("@")[0].lstrip("v")
+    try:
+        version = tuple(int(part) for part in tag.split("-")[0].split(".")[:3])
+        if len(version) != 3:
+            raise ValueError(tag)
+    except ValueError:
+        version = None
+    route = "a run with no new rows (data.skip_seen: the no_new_rows route) would hang in end"
+    fix = ("run Argo v3.7.10 or v4.0.1 (Netflix/metaflow#3043), or deploy with `argo-workflows create "
+           "--workflow-timeout <seconds>` so such a run fails instead (docs/deploy.md \"Argo's release\")")
+    if version is None:
+        return Check("Argo release", not cfg.data.skip_seen, f"not read from the image {image}",
+                     f"check it is not from v3.7.11 or v4.0.2 on, where {route}: {fix}")
+    strict = ARGO_STRICT_TAGS[0] <= version < (4, 0, 0) or version >= ARGO_STRICT_TAGS[1]
+    if version < (3, 5, 0):
+        return Check("Argo release", False, f"v{'.'.join(map(str, version))}",
+                     "install Argo Workflows 3.5 or newer (Metaflow's Argo templates)")
+    detail = f"v{'.'.join(map(str, version))}" + (f" (here {route})" if strict else "")
+    return Check("Argo release", not (strict and cfg.data.skip_seen), detail, fix)
 
 
 def check_image(cfg: PipelineConfig, profile: dict) -> Check:

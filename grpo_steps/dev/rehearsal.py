@@ -171,9 +171,15 @@ def task_inputs(task: Task, values: dict[str, str], unresolved: tuple[str, ...] 
     return {**outer, **{f"inputs.parameters.{k}": fill(v, values, unresolved) for k, v in task.arguments.items()}}
 
 
+STRICT_TAGS_FROM = "v3.7.11 and v4.0.2"
+"""The Argo patch releases from which a ``tasks.*`` tag must resolve (``template.ReplaceStrict``): a task whose
+arguments name a task that did not run is requeued, never started (later: failed as an absent optional). Metaflow's
+conditional join names every branch (Netflix/metaflow#3043, fix proposed in Netflix/metaflow#3344)."""
+
+
 def walk(workflow: dict, template: str | None, values: dict[str, str],
          run: Callable[[Task, dict[str, str], object], dict[str, str]],
-         not_run: Callable[[NotRun], None]) -> dict[str, str]:
+         not_run: Callable[[NotRun], None], strict_tags: bool = False) -> dict[str, str]:
     """The DAG ``template`` (None: the entrypoint) walked as Argo's controller walks it (``executeDAGTask``,
     argoproj/argo-workflows v4.0 workflow/controller/dag.go), each task in :func:`dag_tasks`' order, once every task
     it depends on is done: Omitted when its ``depends`` is false (:func:`depends_holds`); else Skipped when its
@@ -182,14 +188,16 @@ def walk(workflow: dict, template: str | None, values: dict[str, str],
     this walk, any other by ``run(task, inputs, item)`` (:func:`task_inputs`; item None without ``withParam``), which
     returns its output parameters (name -> value), and then Succeeded. ``not_run`` hears of each task that is not.
     A task's arguments keep the tags of the tasks that did not run as written (:func:`fill`), as Argo v3.6 to v4.0.1
-    do and Metaflow 2.19's conditional join expects; later patch releases (v3.7.11, v4.0.2 on) resolve ``tasks.*``
-    tags strictly, and would requeue or fail such a task (``template.ReplaceStrict``, ``ReplaceStrictAny``).
+    do and Metaflow 2.19's conditional join expects. ``strict_tags``: as the later patch releases
+    (:data:`STRICT_TAGS_FROM`) resolve ``tasks.*`` tags, where such a task never starts.
 
     Returns:
         The tasks' outputs and statuses: ``tasks.<task>.outputs.parameters.<name>`` and ``tasks.<task>.status``.
 
     Raises:
-        RenderError: a template, tag or expression the rehearsal does not emulate; or what ``run`` raises.
+        RenderError: a template, tag or expression the rehearsal does not emulate; with ``strict_tags``, a task whose
+            arguments name a task that did not run (the task named, and the Argo releases that would hang on it); or
+            what ``run`` raises.
     """
     outputs: dict[str, str] = {}
     statuses: dict[str, str] = {}
@@ -207,11 +215,17 @@ def walk(workflow: dict, template: str | None, values: dict[str, str],
             not_run(NotRun(task.name, status, reason))
         else:
             unran = tuple(t for t, s in statuses.items() if s in ("Omitted", "Skipped"))
+            if strict_tags and (named := [t for t in unran if any(f"{{{{tasks.{t}." in v
+                                                                  for v in task.arguments.values())]):
+                raise RenderError(
+                    f"task {task.name}'s arguments name {', '.join(named)}, which did not run: Argo from "
+                    f"{STRICT_TAGS_FROM} would requeue {task.name} and never start it (the run stays Running; "
+                    "Netflix/metaflow#3043)")
             spec = templates(workflow)[task.template]
             for item in items:
                 inputs = task_inputs(task, known if item is None else {**known, "item": str(item)}, unran)
                 if "dag" in spec:
-                    inner = walk(workflow, task.template, inputs, run, not_run)
+                    inner = walk(workflow, task.template, inputs, run, not_run, strict_tags)
                     produced = {p["name"]: fill(p["valueFrom"]["parameter"], {**inputs, **inner})
                                 for p in (spec.get("outputs") or {}).get("parameters", [])}
                 else:

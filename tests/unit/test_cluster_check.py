@@ -63,8 +63,9 @@ def bucket(tmp_path_factory):
     local_s3.stop(server)
 
 
-def _doctor(recorded: dict, endpoint: str) -> tuple[int, list[str], RecordedApiServer]:
-    """The checks' lines for the shipped multinode config and profile (the S3 endpoint added) against ``recorded``."""
+def _doctor(recorded: dict, endpoint: str, **data) -> tuple[int, list[str], RecordedApiServer]:
+    """The checks' lines for the shipped multinode config (``data`` keys set) and profile (the S3 endpoint added)
+    against ``recorded``."""
     from kubernetes import client as k8s
 
     api_client = k8s.ApiClient(k8s.Configuration(host="https://cluster.example:6443"))
@@ -72,7 +73,9 @@ def _doctor(recorded: dict, endpoint: str) -> tuple[int, list[str], RecordedApiS
     api_client.rest_client.pool_manager = server
     profile = {**json.loads((REPO_ROOT / "infra/metaflow/config-k8s-argo.json").read_text()),
                "METAFLOW_S3_ENDPOINT_URL": endpoint}
-    checks = cluster_check.run_checks(api_client, load_config(REPO_ROOT / "configs/multinode.yaml"), profile)
+    cfg = load_config(REPO_ROOT / "configs/multinode.yaml")
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update=data)})
+    checks = cluster_check.run_checks(api_client, cfg, profile)
     lines = cluster_check.report(checks)
     print("\n".join(lines))  # as `make cluster-check` prints them (pytest -s shows them)
     assert lines[-1] == f"{len(checks) - sum(not c.ok for c in checks)} of {len(checks)} checks passed"
@@ -136,6 +139,34 @@ def test_read_only_keys_that_write_fail_and_the_object_is_removed(bucket):
     s3 = boto3.client("s3", endpoint_url=bucket.endpoint, aws_access_key_id=FLOW_KEYS[0],
                       aws_secret_access_key=FLOW_KEYS[1], region_name="us-east-1")
     assert s3.list_objects_v2(Bucket="grpo-metaflow").get("KeyCount", 0) == 0
+
+
+CONTROLLER = "/apis/apps/v1/namespaces/argo/deployments/workflow-controller"
+
+
+@pytest.mark.parametrize(("tag", "skip_seen", "failed", "detail"), [
+    ("v3.7.10", True, 0, "ok    Argo release: v3.7.10"),
+    ("v4.0.1", True, 0, "ok    Argo release: v4.0.1"),
+    ("v3.7.11", False, 0, "ok    Argo release: v3.7.11 (here a run with no new rows (data.skip_seen: the "
+                          "no_new_rows route) would hang in end)"),
+    ("v4.1.4", True, 1, "FAIL  Argo release: v4.1.4 (here a run with no new rows"),
+    ("v3.4.17", False, 1, "FAIL  Argo release: v3.4.17 -> install Argo Workflows 3.5 or newer"),
+    ("latest", True, 1, "FAIL  Argo release: not read from the image quay.io/argoproj/workflow-controller:latest"),
+])
+def test_argos_release_is_read_from_the_controllers_image(bucket, tag, skip_seen, failed, detail):
+    """From v3.7.11 and v4.0.2 Argo never starts ``end`` on the no_new_rows route (tests/unit/test_rehearsal_dag.py):
+    a config that can take it (``data.skip_seen``) fails there, naming the releases and the workflow timeout."""
+    recorded = copy.deepcopy(RECORDED)
+    recorded["answers"][CONTROLLER]["spec"]["template"]["spec"]["containers"][0]["image"] = \
+        f"quay.io/argoproj/workflow-controller:{tag}"
+    got, lines, _ = _doctor(recorded, bucket.endpoint, skip_seen=skip_seen)
+    assert got == failed, _failures(lines)
+    (line,) = [line for line in lines if "Argo release" in line]
+    assert line.startswith(detail), line
+    if failed and tag != "v3.4.17":
+        assert line.endswith(" run Argo v3.7.10 or v4.0.1 (Netflix/metaflow#3043), or deploy with `argo-workflows "
+                             "create --workflow-timeout <seconds>` so such a run fails instead (docs/deploy.md "
+                             "\"Argo's release\")"), line
 
 
 def test_without_a_kube_context_it_says_how_to_name_one(tmp_path, monkeypatch, capsys):

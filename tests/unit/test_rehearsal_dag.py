@@ -30,16 +30,16 @@ def trimmed(workflow: dict) -> dict:
         for t in workflow["spec"]["templates"] if "dag" in t or t["name"] in run]}}
 
 
-def _walk(workflow: dict, outputs: dict[str, dict[str, str]]):
+def _walk(workflow: dict, outputs: dict[str, dict[str, str]], strict_tags: bool = False):
     """(tasks run as (task, input-paths), tasks not run as (task, status), statuses): each task that runs produces
-    ``outputs[its name]`` (default: a task id)."""
+    ``outputs[its name]`` (default: a task id); ``strict_tags`` as :func:`grpo_steps.dev.rehearsal.walk`'s."""
     ran, not_run = [], []
 
     def run(task, inputs, item):
         ran.append((task.name, inputs.get("inputs.parameters.input-paths")))
         return outputs.get(task.name, {"task-id": f"t-{task.name}"})
 
-    result = rehearsal.walk(workflow, None, WORKFLOW, run, not_run.append)
+    result = rehearsal.walk(workflow, None, WORKFLOW, run, not_run.append, strict_tags)
     statuses = {k.split(".")[1]: v for k, v in result.items() if k.endswith(".status")}
     return ran, [(n.task, n.status) for n in not_run], statuses
 
@@ -72,6 +72,18 @@ def test_the_no_new_rows_route_skips_training_and_runs_end():
     register = "{{tasks.register.outputs.parameters.task-id}}"
     assert ran[-1][1] == f"{RUN}/:prepare_data/t-prepare-data,register/{register}"
     assert generate_input_paths(ran[-1][1], SKIPPABLE) == f"{RUN}/prepare_data/t-prepare-data"
+
+
+def test_on_argo_from_v3_7_11_the_train_route_runs_and_the_no_new_rows_route_hangs_in_end():
+    """Argo's later patch releases resolve ``tasks.*`` tags strictly: every argument of the train route resolves; on the
+    no_new_rows route, end's input paths name register, which did not run, so Argo would never start end (a scheduled
+    run with nothing new would stay Running: docs/deploy.md's Argo versions)."""
+    ran, not_run, statuses = _walk(yaml.safe_load(RECORDED_DAG.read_text()), _flow_outputs("provision_vllm"),
+                                   strict_tags=True)
+    assert ran[-1][0] == "end" and statuses["end"] == "Succeeded" and not not_run
+    with pytest.raises(RenderError, match=r"task end's arguments name register, which did not run: Argo from "
+                                          r"v3\.7\.11 and v4\.0\.2 would requeue end"):
+        _walk(yaml.safe_load(RECORDED_DAG.read_text()), _flow_outputs("end"), strict_tags=True)
 
 
 def _dag(*tasks: dict) -> dict:
