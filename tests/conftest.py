@@ -148,6 +148,21 @@ LONGEST_FIRST = ("test_replicas.py", "test_resume.py", "test_multinode_local.py"
                  "test_curriculum_training.py")
 
 
+@pytest.fixture(autouse=True)
+def _mlflow_tracking_uri_restored():
+    """MLflow's process-wide tracking URI as it was before each test: ``mlflow.set_tracking_uri`` (a test's, or
+    grpo_steps.tracking's in the worker) also sets ``MLFLOW_TRACKING_URI``, and MLflow 3.17 resolves a ``models:/`` URI
+    through that global whatever ``tracking_uri`` a call passes (grpo_steps/versions.py), so a later test of the same
+    xdist worker read another test's registry ("Registered Model ... not found", seen once test_replicas ran before
+    test_flow on one worker)."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if "mlflow" in sys.modules and os.environ.get("MLFLOW_TRACKING_URI") != before:
+        import mlflow
+
+        mlflow.set_tracking_uri(before)  # None unsets the variable too
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept otherwise
