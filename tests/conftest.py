@@ -133,18 +133,17 @@ def small_tmpfs(tmp_path):
 
 
 # The longest test files first, longest to shortest by their seconds of a worker in a quiet `make test` of main
-# (2026-12-07, the 2-core box, 4df4e63: test_replicas 337, test_flow 204, test_continual 184, test_elastic_resume
-# 156, test_bad_inputs 111, test_tool_flow 104, test_server_rollouts 95, test_your_task 91, test_rehearsal_specs 86,
-# test_vllm_server 63, test_mlflow_auth 62, test_tensor_parallel 58 s; test_resume 448 and test_multinode_local 187 s
-# before the S3 kill-and-resume moved from the first into the second's gang: ~257 and ~215 s); every other file after
-# them in collection order. `make test`'s pytest-xdist workers take whole files (`--dist loadfile`) in this order only
-# with `--no-loadscope-reorder` (the Makefile passes it; xdist's default sends the files with the most tests first),
-# so neither ends the run on a flow file the other could have started earlier (longest first: the last of them to
-# start is the shortest). Names are checked by tests/unit/test_suite_order.py.
+# (2026-12-08, the 2-core box, 84fa436: test_replicas 312, test_resume 296, test_multinode_local 263, test_flow 222,
+# test_continual 162, test_elastic_resume 128, test_bad_inputs 120, test_server_rollouts 101, test_rehearsal_specs 98,
+# test_tool_flow 97, test_your_task 92, test_tensor_parallel 54, test_vllm_server 50, test_mlflow_auth 43 s); every
+# other file after them in collection order. `make test`'s pytest-xdist workers take whole files (`--dist loadfile`)
+# in this order only with `--no-loadscope-reorder` (the Makefile passes it; xdist's default sends the files with the
+# most tests first), so neither ends the run on a flow file the other could have started earlier (longest first: the
+# last of them to start is the shortest). Names are checked by tests/unit/test_suite_order.py.
 LONGEST_FIRST = ("test_replicas.py", "test_resume.py", "test_multinode_local.py", "test_flow.py", "test_continual.py",
-                 "test_elastic_resume.py", "test_bad_inputs.py", "test_tool_flow.py", "test_server_rollouts.py",
-                 "test_your_task.py", "test_rehearsal_specs.py", "test_vllm_server.py", "test_mlflow_auth.py",
-                 "test_tensor_parallel.py", "test_async_training.py", "test_generation_contract.py",
+                 "test_elastic_resume.py", "test_bad_inputs.py", "test_server_rollouts.py", "test_rehearsal_specs.py",
+                 "test_tool_flow.py", "test_your_task.py", "test_tensor_parallel.py", "test_vllm_server.py",
+                 "test_mlflow_auth.py", "test_async_training.py", "test_generation_contract.py",
                  "test_curriculum_training.py")
 
 
