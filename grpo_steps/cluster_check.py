@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from grpo_steps.config import REPO_ROOT, PipelineConfig, load_config
+from grpo_steps.dev.rehearsal import STRICT_TAGS_TEXT, resolves_tags_strictly
 
 AWS_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 MLFLOW_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
@@ -262,16 +263,15 @@ def check_deployments(apps, core, cfg: PipelineConfig, profile: dict, argo_ns: s
     out = []
     for namespace, name, fix in wanted:
         try:
-            status = apps.read_namespaced_deployment(name, namespace).status
+            deployment = apps.read_namespaced_deployment(name, namespace)
         except ApiException as err:
             out.append(Check(f"deployment {namespace}/{name}", False, _api_error(err), fix))
             continue
-        ready = status.ready_replicas or 0
+        ready = deployment.status.ready_replicas or 0
         out.append(Check(f"deployment {namespace}/{name}", ready > 0, f"{ready} ready replica(s)",
                          f"kubectl -n {namespace} describe deploy/{name} and its pods' logs"))
         if name == "workflow-controller":
-            image = apps.read_namespaced_deployment(name, namespace).spec.template.spec.containers[0].image
-            out.append(check_argo_release(image, cfg))
+            out.append(check_argo_release(deployment.spec.template.spec.containers[0].image, cfg))
     account = profile.get("METAFLOW_KUBERNETES_SERVICE_ACCOUNT", "grpo-flow")
     try:
         data = core.read_namespaced_config_map("workflow-controller-configmap", argo_ns).data or {}
@@ -287,16 +287,12 @@ def check_deployments(apps, core, cfg: PipelineConfig, profile: dict, argo_ns: s
     return out
 
 
-ARGO_STRICT_TAGS = ((3, 7, 11), (4, 0, 2))
-"""The Argo patch releases from which a ``tasks.*`` tag of a task that did not run stops the task that names it
-(``template.ReplaceStrict``): on 3.7 from 3.7.11, from 4.0.2 on (grpo_steps/dev/rehearsal.py ``walk``)."""
-
-
 def check_argo_release(image: str, cfg: PipelineConfig) -> Check:
     """Argo's release, read from the controller's image tag (``...workflow-controller:v3.7.10``): 3.5 or newer
     (Metaflow's Argo templates); with ``data.skip_seen``, one that runs the flow's ``no_new_rows`` route. There, ``end``
     names ``register``, which did not run: Argo from 3.7.11 and 4.0.2 requeues ``end`` for ever and the run stays
-    Running (Netflix/metaflow#3043), which a CronWorkflow with ``concurrencyPolicy: Forbid`` then waits on."""
+    Running (Netflix/metaflow#3043), which a CronWorkflow with ``concurrencyPolicy: Forbid`` then waits on
+    (:func:`grpo_steps.dev.rehearsal.resolves_tags_strictly`)."""
     tag = image.rpartition(":")[2].split("@")[0].lstrip("v")
     try:
         version = tuple(int(part) for part in tag.split("-")[0].split(".")[:3])
@@ -309,8 +305,8 @@ def check_argo_release(image: str, cfg: PipelineConfig) -> Check:
            "--workflow-timeout <seconds>` so such a run fails instead (docs/deploy.md \"Argo's release\")")
     if version is None:
         return Check("Argo release", not cfg.data.skip_seen, f"not read from the image {image}",
-                     f"check it is not from v3.7.11 or v4.0.2 on, where {route}: {fix}")
-    strict = ARGO_STRICT_TAGS[0] <= version < (4, 0, 0) or version >= ARGO_STRICT_TAGS[1]
+                     f"check it is not from {STRICT_TAGS_TEXT} on, where {route}: {fix}")
+    strict = resolves_tags_strictly(version)
     if version < (3, 5, 0):
         return Check("Argo release", False, f"v{'.'.join(map(str, version))}",
                      "install Argo Workflows 3.5 or newer (Metaflow's Argo templates)")

@@ -171,10 +171,22 @@ def task_inputs(task: Task, values: dict[str, str], unresolved: tuple[str, ...] 
     return {**outer, **{f"inputs.parameters.{k}": fill(v, values, unresolved) for k, v in task.arguments.items()}}
 
 
-STRICT_TAGS_FROM = "v3.7.11 and v4.0.2"
-"""The Argo patch releases from which a ``tasks.*`` tag must resolve (``template.ReplaceStrict``): a task whose
-arguments name a task that did not run is requeued, never started (later: failed as an absent optional). Metaflow's
-conditional join names every branch (Netflix/metaflow#3043, fix proposed in Netflix/metaflow#3344)."""
+STRICT_TAGS_FROM = ((3, 7, 11), (4, 0, 2))
+"""The Argo patch releases from which a ``tasks.*`` tag must resolve (``template.ReplaceStrict``): on 3.7 from 3.7.11,
+and from 4.0.2 on. A task whose arguments name a task that did not run is requeued, never started (later: failed as an
+absent optional); Metaflow's conditional join names every branch (Netflix/metaflow#3043, fix proposed in
+Netflix/metaflow#3344)."""
+STRICT_TAGS_TEXT = " and ".join(f"v{'.'.join(map(str, v))}" for v in STRICT_TAGS_FROM)
+
+
+def resolves_tags_strictly(version: tuple[int, int, int]) -> bool:
+    """Whether Argo ``version`` (major, minor, patch) is one of :data:`STRICT_TAGS_FROM`'s releases.
+
+    >>> [resolves_tags_strictly(v) for v in ((3, 7, 10), (3, 7, 11), (4, 0, 1), (4, 0, 2), (4, 1, 0))]
+    [False, True, False, True, True]
+    """
+    on_37, from_40 = STRICT_TAGS_FROM
+    return on_37 <= version < (4, 0, 0) or version >= from_40
 
 
 def walk(workflow: dict, template: str | None, values: dict[str, str],
@@ -219,7 +231,7 @@ def walk(workflow: dict, template: str | None, values: dict[str, str],
                                                                   for v in task.arguments.values())]):
                 raise RenderError(
                     f"task {task.name}'s arguments name {', '.join(named)}, which did not run: Argo from "
-                    f"{STRICT_TAGS_FROM} would requeue {task.name} and never start it (the run stays Running; "
+                    f"{STRICT_TAGS_TEXT} would requeue {task.name} and never start it (the run stays Running; "
                     "Netflix/metaflow#3043)")
             spec = templates(workflow)[task.template]
             for item in items:

@@ -163,6 +163,7 @@ def test_zero3_gang_matches_one_process_and_a_killed_node_resumes_from_its_own_p
         assert mlflow_runs(tmp_path)[0].info.status == "FAILED"  # the exit hook ended it: train failed
         code, resumed = run_flow(tmp_path, env, ["resume"], outage_and_status)
         assert code == 0, resumed[-8000:]
+        assert "restart" in outage.events, outage.events  # the outage met the step-4 uploads
         outage.events["restart"].join()
         keys = s3_keys(outage.server)
         origin, run_id = flow_run_id(out), flow_run_id(resumed)
@@ -178,6 +179,8 @@ def test_zero3_gang_matches_one_process_and_a_killed_node_resumes_from_its_own_p
             others = [f"zero_pp_rank_{other}_" for other in range(NODES) if other != node]
             assert not any(o in f for o in others for f in files), files
     finally:
+        if "restart" in outage.events:  # its timer starts a server: never one after the stop below
+            outage.events["restart"].join()
         local_s3.stop(outage.server)
     assert statuses == ["RUNNING"]  # resume set the reopened MLflow run back to RUNNING
     (run,) = mlflow_runs(tmp_path)

@@ -149,6 +149,8 @@ CONTROLLER = "/apis/apps/v1/namespaces/argo/deployments/workflow-controller"
     ("v4.0.1", True, 0, "ok    Argo release: v4.0.1"),
     ("v3.7.11", False, 0, "ok    Argo release: v3.7.11 (here a run with no new rows (data.skip_seen: the "
                           "no_new_rows route) would hang in end)"),
+    ("v3.7.11", True, 1, "FAIL  Argo release: v3.7.11 (here a run with no new rows"),
+    ("v4.0.2", True, 1, "FAIL  Argo release: v4.0.2 (here a run with no new rows"),
     ("v4.1.4", True, 1, "FAIL  Argo release: v4.1.4 (here a run with no new rows"),
     ("v3.4.17", False, 1, "FAIL  Argo release: v3.4.17 -> install Argo Workflows 3.5 or newer"),
     ("latest", True, 1, "FAIL  Argo release: not read from the image quay.io/argoproj/workflow-controller:latest"),

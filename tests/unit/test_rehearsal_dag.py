@@ -77,7 +77,7 @@ def test_the_no_new_rows_route_skips_training_and_runs_end():
 def test_on_argo_from_v3_7_11_the_train_route_runs_and_the_no_new_rows_route_hangs_in_end():
     """Argo's later patch releases resolve ``tasks.*`` tags strictly: every argument of the train route resolves; on the
     no_new_rows route, end's input paths name register, which did not run, so Argo would never start end (a scheduled
-    run with nothing new would stay Running: docs/deploy.md's Argo versions)."""
+    run with nothing new would stay Running: docs/deploy.md "Argo's release")."""
     ran, not_run, statuses = _walk(yaml.safe_load(RECORDED_DAG.read_text()), _flow_outputs("provision_vllm"),
                                    strict_tags=True)
     assert ran[-1][0] == "end" and statuses["end"] == "Succeeded" and not not_run
